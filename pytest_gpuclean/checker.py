@@ -1,0 +1,361 @@
+"""The clean check: who owns which process, what is dirty, and reaping what is provably ours.
+
+No pytest here: the plugin and the ``gpuclean`` command line drive the same ``Checker``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pytest_gpuclean import pools, processes, procfs
+from pytest_gpuclean.devices import Backend
+from pytest_gpuclean.model import (
+    MIB,
+    UNKNOWN_OWNER,
+    CheckResult,
+    DeviceInfo,
+    DeviceSnapshot,
+    Offender,
+    Owner,
+    ProcessInfo,
+    Reaped,
+)
+
+COOKIE_VAR = "GPUCLEAN_TEST"
+"""Set in the pytest process while a test or higher-scoped fixture runs: every process spawned then
+inherits ``<session id>:<owner token>`` and so says who started it, wherever it ends up."""
+XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
+POLL_S = 0.02
+"""Polling interval while waiting for a device to come clean (the brief asks for <= 20 ms)."""
+RELEASE_POLL_S = 0.005
+MAX_REAP_ROUNDS = 3
+"""A pool that respawns killed workers would otherwise keep us killing forever."""
+
+
+@dataclass
+class Found:
+    """A process that is ours (a descendant, or carrying our session's cookie)."""
+
+    pid: int
+    start_ticks: int
+    depth: int
+    found_by: str
+    token: str | None
+    state: str
+
+
+@dataclass
+class _Window:
+    start: int
+    end: int | None
+    token: str
+
+
+@dataclass
+class Ownership:
+    """Who spawned what: cookie tokens, their owners, and the time windows they ran in."""
+
+    session_id: str
+    owners: dict[str, Owner] = field(default_factory=dict)
+    active_fixtures: set[str] = field(default_factory=set)
+    windows: list[_Window] = field(default_factory=list)
+    _counter: int = 0
+
+    def new_token(self, owner: Owner) -> str:
+        self._counter += 1
+        token = f"{owner.kind[0]}{self._counter}"
+        self.owners[token] = owner
+        return token
+
+    def cookie(self, token: str) -> str:
+        return f"{self.session_id}:{token}"
+
+    def token_of_cookie(self, value: str | None) -> str | None:
+        if value is None or not value.startswith(self.session_id + ":"):
+            return None
+        token = value[len(self.session_id) + 1 :]
+        return token if token in self.owners else None
+
+    def open_window(self, token: str) -> None:
+        self.windows.append(_Window(procfs.boot_ticks_now(), None, token))
+
+    def close_window(self, token: str) -> None:
+        now = procfs.boot_ticks_now()
+        for window in reversed(self.windows):
+            if window.token == token and window.end is None:
+                window.end = now
+                return
+
+    def token_at(self, start_ticks: int) -> str | None:
+        # Fall-back for processes without a cookie (started with a scrubbed environment): the most
+        # recently opened window that was open when the process started, i.e. the innermost.
+        for window in reversed(self.windows):
+            if window.start <= start_ticks and (window.end is None or start_ticks <= window.end):
+                return window.token
+        return None
+
+    def owner(self, token: str | None) -> Owner:
+        return self.owners.get(token or "", UNKNOWN_OWNER)
+
+    def is_protected(self, token: str | None) -> bool:
+        return token is not None and token in self.active_fixtures
+
+
+class Checker:
+    """Checks devices and processes; reaps leaks that are provably this session's."""
+
+    def __init__(self, backend: Backend | None, *, reap: bool = True, grace: float = 5.0,
+                 ignore: Sequence[str] = (), host_scope: bool = False,
+                 session_id: str | None = None) -> None:
+        self.backend = backend
+        self.reap_enabled = reap
+        self.grace = grace
+        self.ignore = tuple(ignore)
+        self.host_scope = host_scope
+        self.me = os.getpid()
+        self.uid = os.getuid()
+        self.my_sid = os.getsid(0)
+        self.never_touch = processes.ancestors(self.me)
+        self.session_start_ticks = procfs.boot_ticks_now()
+        self.ownership = Ownership(session_id or f"{self.me}-{uuid.uuid4().hex[:10]}")
+        self._token_cache: dict[tuple[int, int], str | None] = {}
+        self.xdist_run = os.environ.get(XDIST_RUN_VAR)
+
+    # ---- census -------------------------------------------------------------------------------
+
+    def _helper_pids(self) -> set[int]:
+        # multiprocessing's resource tracker and forkserver are long-lived helpers of the pytest
+        # process itself, started lazily by whichever test first needs them; killing them breaks
+        # later tests (forkserver's own waitpid would fail). They exit with pytest.
+        helpers: set[int] = set()
+        tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+        if getattr(tracker, "_pid", None):
+            helpers.add(tracker._pid)  # type: ignore[union-attr]
+        forkserver = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+        if getattr(forkserver, "_forkserver_pid", None):
+            helpers.add(forkserver._forkserver_pid)  # type: ignore[union-attr]
+        return helpers
+
+    def _token(self, pid: int, start_ticks: int) -> str | None:
+        key = (pid, start_ticks)
+        if key not in self._token_cache:
+            token = self.ownership.token_of_cookie(procfs.read_environ_var(pid, COOKIE_VAR))
+            if token is None:
+                token = self.ownership.token_at(start_ticks)
+            self._token_cache[key] = token
+        return self._token_cache[key]
+
+    def census(self, scan_cookies: bool = False) -> list[Found]:
+        """Our processes: the descendant tree (cheap), plus cookie carriers outside it (a /proc scan)."""
+        found: list[Found] = []
+        helpers = self._helper_pids()
+        seen: set[int] = set()
+        for pid, depth in procfs.descendants(self.me):
+            stat = procfs.read_stat(pid)
+            if stat is None or pid in helpers:
+                continue
+            seen.add(pid)
+            # A direct child in another session escaped with setsid and was re-parented to our subreaper.
+            found_by = "adopted" if depth == 1 and stat.sid != self.my_sid else "descendant"
+            found.append(Found(pid, stat.start_ticks, depth, found_by, self._token(pid, stat.start_ticks),
+                               stat.state))
+        if scan_cookies:
+            prefix = self.ownership.session_id + ":"
+            for pid, value in processes.cookie_holders(COOKIE_VAR, prefix, self.uid):
+                stat = procfs.read_stat(pid)
+                if (stat is None or pid in seen or pid in self.never_touch or pid in helpers
+                        or stat.start_ticks < self.session_start_ticks):
+                    continue
+                token = self.ownership.token_of_cookie(value)
+                found.append(Found(pid, stat.start_ticks, 0, "cookie", token, stat.state))
+        return found
+
+    def _peer_pids(self, pids: Iterable[int]) -> set[int]:
+        # Sibling pytest-xdist workers of the same run hold their own CUDA contexts, like we do.
+        if not self.xdist_run:
+            return set()
+        return {pid for pid in pids if procfs.read_environ_var(pid, XDIST_RUN_VAR) == self.xdist_run}
+
+    # ---- the check -----------------------------------------------------------------------------
+
+    def snapshot(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
+        if self.backend is None or not devices:
+            return ()
+        return tuple(self.backend.snapshot(d) for d in devices)
+
+    def check(self, phase: str, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
+              scan_cookies: bool = False, reap: bool | None = None) -> CheckResult:
+        """Check until clean or ``timeout``; reap what is ours first (if enabled)."""
+        reap = self.reap_enabled if reap is None else reap
+        started = time.monotonic()
+        tolerance = tolerance_mib * MIB
+        reaped: list[Reaped] = []
+        notes: list[str] = []
+        attempted: set[tuple[int, int]] = set()
+        rounds = 0
+        while True:
+            snaps = self.snapshot(devices)
+            found = self.census(scan_cookies=scan_cookies)
+            ours = [f for f in found if not self.ownership.is_protected(f.token)]
+            excused = {self.me} | self._helper_pids() | {f.pid for f in found if f not in ours}
+            unexplained = {p.pid for s in snaps for p in s.processes} - excused - {f.pid for f in ours}
+            if not scan_cookies and (unexplained or any(
+                    s.used_bytes - s.bytes_of(excused) > tolerance for s in snaps)):
+                # Something holds a GPU that our tree doesn't explain: maybe an escapee with our cookie.
+                scan_cookies = True
+                continue
+            excused |= self._peer_pids(unexplained)
+            fresh = [f for f in ours if (f.pid, f.start_ticks) not in attempted]
+            if reap and fresh and rounds < MAX_REAP_ROUNDS:
+                if rounds:
+                    notes.append(f"new processes appeared while reaping (round {rounds + 1}): "
+                                 f"{sorted(f.pid for f in fresh)}")
+                rounds += 1
+                attempted.update((f.pid, f.start_ticks) for f in fresh)
+                reaped.extend(self.reap(fresh, snaps, devices, notes))
+                continue
+            # Zombies hold no GPU memory; once we tried, what is left is a zombie whose (live) parent
+            # is not ours to reap, or one we just collected.
+            ours = [f for f in ours if not (f.state == "Z" and ((f.pid, f.start_ticks) in attempted
+                                                                 or processes.reap_if_child(f.pid)))]
+            offenders = self._offenders(snaps, ours, unexplained - excused, excused, tolerance)
+            waited = time.monotonic() - started
+            # Our own leftovers do not go away by waiting (reaping is off or they survived SIGKILL).
+            only_ours = all(o.reason == "leaked" for o in offenders)
+            if not offenders or only_ours or waited >= timeout:
+                if fresh and rounds >= MAX_REAP_ROUNDS:
+                    notes.append(f"gave up after {rounds} reaping rounds: killed processes keep being "
+                                 f"replaced (a process pool or supervisor outside our reach?)")
+                return CheckResult(
+                    phase=phase, clean=not offenders, devices=snaps, offenders=tuple(offenders),
+                    reaped=tuple(reaped), waited_s=waited,
+                    clean_after_s=waited if not offenders else None, notes=tuple(notes),
+                    tolerance_mib=tolerance_mib,
+                    self_mib=tuple((s.device.label, s.bytes_of({self.me}) / MIB) for s in snaps
+                                   if s.bytes_of({self.me})),
+                )
+            time.sleep(POLL_S)
+
+    def _offenders(self, snaps: Sequence[DeviceSnapshot], ours: Sequence[Found], foreign: set[int],
+                   excused: set[int], tolerance: int) -> list[Offender]:
+        offenders: list[Offender] = []
+        ignored: set[int] = set()
+        for pid in sorted(foreign):
+            info = processes.describe(pid)
+            if info is not None and self.ignore and processes.matches_any(info.cmdline, self.ignore):
+                ignored.add(pid)
+                continue
+            offenders.append(Offender("foreign", info or _vanished(pid), None, "gpu", _mib_of(pid, snaps),
+                                      detail="not started by this session: waited for, never killed"))
+        for f in ours:
+            info = processes.describe(f.pid, f.start_ticks)
+            if info is None:
+                continue
+            offenders.append(Offender("leaked", info, self.ownership.owner(f.token), f.found_by,
+                                      _mib_of(f.pid, snaps), detail="reaping is off" if not
+                                      self.reap_enabled else "could not be reaped"))
+        accounted = excused | ignored | foreign | {f.pid for f in ours}
+        for snap in snaps:
+            extra = snap.used_bytes - snap.bytes_of(excused | ignored)
+            if extra > tolerance and not (accounted - excused - ignored) & {p.pid for p in snap.processes}:
+                offenders.append(Offender(
+                    "memory", None, None, "gpu", ((snap.device.label, extra / MIB),),
+                    detail=f"{extra / MIB:.0f} MiB used on {snap.device.label} beyond the tolerance "
+                           f"of {tolerance / MIB:.0f} MiB, by no process we can see"))
+        if self.host_scope:
+            exclude = self.never_touch | accounted | {f.pid for f in ours} | self._helper_pids()
+            strays = processes.stray_python_processes(self.uid, exclude, self.ignore)
+            for pid in sorted(set(strays) - self._peer_pids(strays)):
+                info = processes.describe(pid)
+                if info is not None:
+                    offenders.append(Offender(
+                        "host", info, None, "host", (),
+                        detail="Python process of this user (host scope): never killed"))
+        return offenders
+
+    # ---- reaping -------------------------------------------------------------------------------
+
+    def reap(self, ours: Sequence[Found], snaps: Sequence[DeviceSnapshot], devices: Sequence[DeviceInfo],
+             notes: list[str]) -> list[Reaped]:
+        """Kill ``ours`` (TERM, grace, KILL), then wait until the driver no longer lists them."""
+        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in ours}
+        safe = [f for f in ours if self._may_kill(f, infos[f.pid])]
+        for f in ours:
+            if f not in safe and infos[f.pid] is not None:
+                notes.append(f"pid {f.pid} left alone: not provably ours")
+        if any(f.depth == 1 for f in safe):
+            notes.extend(pools.shutdown_pools({f.pid for f in safe}, wait=self.grace))
+        holders = {p.pid for s in snaps for p in s.processes} & {f.pid for f in safe}
+        watch = _ReleaseWatch(self, devices, holders)
+        killed_at = time.monotonic()
+        targets = [processes.KillTarget(f.pid, f.start_ticks, f.depth) for f in safe]
+        outcomes = {o.pid: o for o in processes.terminate(targets, self.grace, watch=watch.poll)}
+        watch.finish(deadline=time.monotonic() + max(self.grace, 10.0))
+        result: list[Reaped] = []
+        for f in safe:
+            outcome = outcomes[f.pid]
+            info = infos[f.pid] or _vanished(f.pid)
+            ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
+            release = None
+            if f.pid in watch.gone_at:
+                exited_at = killed_at + (outcome.exit_s or 0.0)
+                release = max(0.0, watch.gone_at[f.pid] - exited_at)
+            result.append(Reaped(info, self.ownership.owner(f.token), f.found_by, ended_by,
+                                 _mib_of(f.pid, snaps), outcome.exit_s, release))
+        return result
+
+    def _may_kill(self, f: Found, info: ProcessInfo | None) -> bool:
+        if info is None:
+            return True  # already gone: terminate() reports it without signalling
+        if f.pid in self.never_touch or info.uid != self.uid:
+            return False  # root too: another user's process is never ours to kill
+        if f.found_by == "cookie" and f.start_ticks < self.session_start_ticks:
+            return False
+        return not self.ownership.is_protected(f.token)
+
+    def final_sweep(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
+        """At session end: reap everything this session spawned that is still alive."""
+        self.ownership.active_fixtures.clear()
+        notes: list[str] = []
+        found = self.census(scan_cookies=True)
+        if not found or not self.reap_enabled:
+            return []
+        return self.reap(found, self.snapshot(devices), devices, notes)
+
+
+class _ReleaseWatch:
+    """Notes when each killed GPU holder disappears from the driver's process list."""
+
+    def __init__(self, checker: Checker, devices: Sequence[DeviceInfo], holders: set[int]) -> None:
+        self.checker = checker
+        self.devices = devices
+        self.holders = holders
+        self.gone_at: dict[int, float] = {}
+
+    def poll(self) -> None:
+        if len(self.gone_at) == len(self.holders):
+            return
+        listed = {p.pid for s in self.checker.snapshot(self.devices) for p in s.processes}
+        now = time.monotonic()
+        for pid in self.holders - listed - self.gone_at.keys():
+            self.gone_at[pid] = now
+
+    def finish(self, deadline: float) -> None:
+        self.poll()
+        while len(self.gone_at) < len(self.holders) and time.monotonic() < deadline:
+            time.sleep(RELEASE_POLL_S)
+            self.poll()
+
+
+def _mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:
+    return tuple((s.device.label, s.bytes_of({pid}) / MIB) for s in snaps
+                 if any(p.pid == pid for p in s.processes))
+
+
+def _vanished(pid: int) -> ProcessInfo:
+    return ProcessInfo(pid, 0, 0, -1, "?", "(exited)", "gone")

@@ -1,0 +1,363 @@
+"""The only module that reads GPUs: NVML (through pynvml) or simulated devices in a directory.
+
+Both backends produce the same ``DeviceSnapshot``s, so every other module runs the same code on a CPU
+CI box as on a GPU runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import uuid as uuid_mod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from pytest_gpuclean import procfs
+from pytest_gpuclean.model import DeviceInfo, DeviceSnapshot, GpuProcess
+
+DEFAULT_SIM_TOTAL = 80 * 1024**3
+SIM_NAME = "Simulated GPU"
+
+
+class DeviceError(Exception):
+    """The driver (or the simulated directory) could not be read."""
+
+
+class BackendUnavailable(DeviceError):
+    """No usable device backend: no NVML library, no driver, or no such simulate directory."""
+
+
+class DeviceSelectionError(ValueError):
+    """A device list named a device that does not exist (or an ambiguous UUID prefix)."""
+
+
+class Backend(Protocol):
+    """What the checker needs from a device source."""
+
+    kind: str
+    """``nvml`` or ``simulated``."""
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        """Every device on the machine (physical GPUs, or their MIG instances where MIG is on)."""
+        ...
+
+    def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
+        """Read memory and processes of one device."""
+        ...
+
+    def driver_version(self) -> str:
+        """Driver version string, for headers and reports."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend."""
+        ...
+
+
+class NvmlBackend:
+    """Real GPUs through NVML. ``nvmlInit`` costs ~14 ms, so it is done once per process."""
+
+    kind = "nvml"
+
+    def __init__(self) -> None:
+        try:
+            import pynvml
+        except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency
+            raise BackendUnavailable(f"pynvml is not importable: {exc}") from exc
+        self._nvml: Any = pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise BackendUnavailable(f"NVML init failed: {exc}") from exc
+        self._handles: dict[str, Any] = {}
+        self._devices = self._enumerate()
+        # v2 memory info appeared in driver 510; older drivers answer "function not found".
+        self._memory_v2 = True
+        # pynvml functions are not safe to interleave from several threads (shared ctypes state).
+        self._lock = threading.Lock()
+
+    def _enumerate(self) -> tuple[DeviceInfo, ...]:
+        nvml = self._nvml
+        found: list[DeviceInfo] = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            name = _text(nvml.nvmlDeviceGetName(handle))
+            migs = self._mig_instances(handle)
+            if not migs:
+                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+                self._handles[uuid] = handle
+                found.append(DeviceInfo(index=index, uuid=uuid, name=name))
+                continue
+            for mig_index, mig_handle in migs:
+                uuid = _text(nvml.nvmlDeviceGetUUID(mig_handle))
+                self._handles[uuid] = mig_handle
+                found.append(DeviceInfo(index=index, uuid=uuid, name=name, mig_index=mig_index))
+        return tuple(found)
+
+    def _mig_instances(self, handle: Any) -> list[tuple[int, Any]]:
+        nvml = self._nvml
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        except nvml.NVMLError:
+            return []  # not MIG capable
+        if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+            return []
+        instances: list[tuple[int, Any]] = []
+        for mig_index in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                instances.append((mig_index, nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)))
+            except nvml.NVMLError:
+                continue  # an unpopulated slot
+        return instances
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        return self._devices
+
+    def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
+        nvml = self._nvml
+        handle = self._handles[device.uuid]
+        with self._lock:
+            try:
+                memory = self._memory(handle)
+                processes: dict[int, int | None] = {}
+                for getter in (nvml.nvmlDeviceGetComputeRunningProcesses,
+                               nvml.nvmlDeviceGetGraphicsRunningProcesses):
+                    for proc in getter(handle):
+                        previous = processes.get(proc.pid)
+                        used = proc.usedGpuMemory
+                        # A process with a compute and a graphics context is listed twice.
+                        processes[proc.pid] = used if previous is None else previous + (used or 0)
+            except nvml.NVMLError as exc:
+                raise DeviceError(f"NVML query of {device.label} ({device.uuid}) failed: {exc}") from exc
+        return DeviceSnapshot(
+            device=device,
+            used_bytes=int(memory.used),
+            total_bytes=int(memory.total),
+            processes=tuple(GpuProcess(pid, used) for pid, used in sorted(processes.items())),
+        )
+
+    def _memory(self, handle: Any) -> Any:
+        nvml = self._nvml
+        if self._memory_v2:
+            try:
+                # v1 counts ~600 MiB of driver-reserved memory as used on an idle H200; v2 does not.
+                return nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+            except nvml.NVMLError_FunctionNotFound:
+                self._memory_v2 = False
+            except nvml.NVMLError_NotSupported:
+                self._memory_v2 = False
+        return nvml.nvmlDeviceGetMemoryInfo(handle)
+
+    def driver_version(self) -> str:
+        return _text(self._nvml.nvmlSystemGetDriverVersion())
+
+    def close(self) -> None:
+        with contextlib.suppress(self._nvml.NVMLError):
+            self._nvml.nvmlShutdown()
+
+
+class SimulatedBackend:
+    """Devices modelled as directories: ``DIR/<index>/<pid>`` holds the bytes ``pid`` has allocated.
+
+    Faithful to the driver where it matters: memory counts only while its process lives and is not a
+    zombie, and a file left by a dead process is not credited to a new process that reused its pid.
+    """
+
+    kind = "simulated"
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise BackendUnavailable(f"simulated device directory {str(self.root)!r} does not exist")
+        self._devices = self._enumerate()
+
+    def _enumerate(self) -> tuple[DeviceInfo, ...]:
+        found: list[DeviceInfo] = []
+        indices = sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+        for index in indices:
+            folder = self.root / str(index)
+            uuid = _read_text(folder / "uuid") or simulated_uuid(self.root, index)
+            name = _read_text(folder / "name") or SIM_NAME
+            found.append(DeviceInfo(index=index, uuid=uuid, name=name))
+        return tuple(found)
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        return self._devices
+
+    def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
+        folder = self.root / str(device.index)
+        try:
+            names = os.listdir(folder)
+        except OSError as exc:
+            raise DeviceError(f"simulated {device.label} ({folder}) unreadable: {exc}") from exc
+        processes: list[GpuProcess] = []
+        total = DEFAULT_SIM_TOTAL
+        for name in names:
+            if not name.isdigit():
+                if name == "total":
+                    total = int(_read_text(folder / name) or DEFAULT_SIM_TOTAL)
+                continue
+            pid = int(name)
+            used = _counted_allocation(folder / name, pid)
+            if used is not None:
+                processes.append(GpuProcess(pid, used))
+        processes.sort(key=lambda p: p.pid)
+        return DeviceSnapshot(
+            device=device,
+            used_bytes=sum(p.used_bytes or 0 for p in processes),
+            total_bytes=total,
+            processes=tuple(processes),
+        )
+
+    def driver_version(self) -> str:
+        return "simulated"
+
+    def close(self) -> None:
+        pass
+
+
+# A real holder writes its file after it starts; a pid reused by a newer process starts after the
+# file was written. The slack covers clock-tick rounding of the start time.
+_STALE_SLACK_S = 0.25
+
+
+def _counted_allocation(path: Path, pid: int) -> int | None:
+    stat = procfs.read_stat(pid)
+    if stat is None or stat.state in ("Z", "X"):
+        return None
+    try:
+        mtime = path.stat().st_mtime
+        content = path.read_text().strip()
+    except OSError:
+        return None  # the holder removed it while we looked
+    if procfs.ticks_to_wall(stat.start_ticks) > mtime + _STALE_SLACK_S:
+        return None
+    try:
+        return int(content)
+    except ValueError:
+        return None  # being written right now
+
+
+def simulated_uuid(root: str | os.PathLike[str], index: int) -> str:
+    """Stable UUID of simulated device ``index`` under ``root`` (used when no ``uuid`` file exists)."""
+    real = os.path.realpath(root)
+    return "GPU-" + str(uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"gpuclean-simulated:{real}:{index}"))
+
+
+def open_backend(simulate_dir: str | None) -> Backend:
+    """The simulated backend when a directory is given, else NVML. Raises ``BackendUnavailable``."""
+    if simulate_dir:
+        return SimulatedBackend(simulate_dir)
+    return NvmlBackend()
+
+
+def parse_device_list(spec: str) -> list[str]:
+    """Split a CUDA_VISIBLE_DEVICES-style list into tokens; CUDA stops at ``-1``."""
+    tokens: list[str] = []
+    for raw in spec.split(","):
+        token = raw.strip()
+        if not token:
+            continue
+        if token.startswith("-"):
+            break  # CUDA treats a negative index as the end of the list
+        tokens.append(token)
+    return tokens
+
+
+def select_devices(
+    available: Sequence[DeviceInfo],
+    spec: str,
+    *,
+    cuda_ordinals: bool,
+    ordinal_uuids: Sequence[str] | None = None,
+) -> tuple[DeviceInfo, ...]:
+    """Map a device list to devices, by UUID.
+
+    Tokens are indices, full UUIDs, or unique UUID prefixes (``GPU-...`` or ``MIG-...``). With
+    ``cuda_ordinals``, indices are CUDA ordinals (as in CUDA_VISIBLE_DEVICES) and ``ordinal_uuids`` gives
+    the UUID of each ordinal when CUDA's order differs from NVML's; otherwise they are NVML indices.
+    """
+    by_uuid = {d.uuid.lower(): d for d in available}
+    chosen: list[DeviceInfo] = []
+    for token in parse_device_list(spec):
+        device: DeviceInfo | None
+        if token.isdigit():
+            number = int(token)
+            if cuda_ordinals and ordinal_uuids is not None:
+                device = by_uuid.get(ordinal_uuids[number].lower()) if number < len(ordinal_uuids) else None
+            elif cuda_ordinals:
+                device = available[number] if number < len(available) else None
+            else:
+                device = next((d for d in available if d.index == number and d.mig_index is None), None)
+            if device is None:
+                raise DeviceSelectionError(
+                    f"device {token} does not exist ({len(available)} device(s) found)")
+        else:
+            matches = [d for u, d in by_uuid.items() if u.startswith(token.lower())]
+            if not matches:
+                raise DeviceSelectionError(f"no device has a UUID starting with {token!r}")
+            if len(matches) > 1:
+                raise DeviceSelectionError(f"UUID prefix {token!r} is ambiguous ({len(matches)} devices)")
+            device = matches[0]
+        if device not in chosen:
+            chosen.append(device)
+    return tuple(chosen)
+
+
+def cuda_order_matches_nvml(available: Sequence[DeviceInfo]) -> bool:
+    """True when CUDA ordinals are NVML indices: PCI order asked for, or all GPUs alike.
+
+    CUDA's default order is "fastest first" with PCI bus order breaking ties; NVML enumerates in PCI
+    order. On a machine of identical GPUs the two agree.
+    """
+    if os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
+        return True
+    return len({d.name for d in available}) <= 1 and all(d.mig_index is None for d in available)
+
+
+_CUDA_ORDINALS_SCRIPT = r"""
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+if cuda.cuInit(0) != 0:
+    sys.exit(1)
+count = ctypes.c_int()
+cuda.cuDeviceGetCount(ctypes.byref(count))
+for ordinal in range(count.value):
+    dev = ctypes.c_int()
+    cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
+    raw = (ctypes.c_ubyte * 16)()
+    cuda.cuDeviceGetUuid(raw, dev)
+    h = bytes(raw).hex()
+    print(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+"""
+
+
+def cuda_ordinal_uuids() -> list[str] | None:
+    """UUIDs of all GPUs in CUDA's own order, asked of the CUDA driver in a child process.
+
+    A child, because initialising CUDA in the pytest process would break every later ``fork`` that
+    uses CUDA (vLLM's workers die with "initialization error").
+    """
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    try:
+        out = subprocess.run([sys.executable, "-c", _CUDA_ORDINALS_SCRIPT], env=env, capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.split()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+

@@ -1,0 +1,159 @@
+"""Plain data that flows between the modules: snapshots in, verdicts and reports out.
+
+Only ``devices.py`` knows NVML and only ``processes.py`` knows psutil; everything else works on these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """A device under check: a whole GPU or a MIG instance."""
+
+    index: int
+    """NVML index of the physical GPU (what nvidia-smi shows)."""
+    uuid: str
+    name: str
+    mig_index: int | None = None
+
+    @property
+    def label(self) -> str:
+        """Human label, e.g. ``GPU 0`` or ``GPU 0/MIG 1``."""
+        return f"GPU {self.index}" if self.mig_index is None else f"GPU {self.index}/MIG {self.mig_index}"
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process the driver lists on a device, with its memory (None when the driver can't tell)."""
+
+    pid: int
+    used_bytes: int | None
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    """One reading of a device: memory (NVML v2 ``used``) and the processes on it."""
+
+    device: DeviceInfo
+    used_bytes: int
+    total_bytes: int
+    processes: tuple[GpuProcess, ...]
+
+    def bytes_of(self, pids: frozenset[int] | set[int]) -> int:
+        """Memory the driver attributes to ``pids`` on this device."""
+        return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who a process belongs to: the test or higher-scoped fixture that was running when it was spawned."""
+
+    kind: str
+    """``test``, ``fixture``, ``session`` (gpuclean's own session, outside any test) or ``unknown``."""
+    name: str
+
+    def __str__(self) -> str:
+        return self.name if self.kind == "test" else f"{self.kind} {self.name}"
+
+
+UNKNOWN_OWNER = Owner("unknown", "unknown (spawned outside any test)")
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A process as reported to the user; ``(pid, start_ticks)`` is its identity."""
+
+    pid: int
+    start_ticks: int
+    ppid: int
+    uid: int
+    user: str
+    cmdline: str
+    state: str
+    """psutil status, e.g. ``running``, ``sleeping``, ``zombie``, ``disk-sleep``."""
+
+
+@dataclass(frozen=True)
+class Offender:
+    """Something that makes a check fail: a process, or memory nobody accounts for."""
+
+    reason: str
+    """``leaked`` (ours: a descendant or carries our cookie), ``foreign`` (on our GPU, not ours),
+    ``host`` (stray Python process, host scope), ``memory`` (unattributed memory)."""
+    process: ProcessInfo | None
+    owner: Owner | None
+    found_by: str
+    """``descendant``, ``adopted`` (orphan re-parented to our subreaper), ``cookie``, ``gpu``, ``host``."""
+    mib_per_device: tuple[tuple[str, float], ...] = ()
+    """(device label, MiB) pairs for devices this process holds memory on."""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """What happened to one leaked process during reaping."""
+
+    process: ProcessInfo
+    owner: Owner | None
+    found_by: str
+    ended_by: str
+    """``SIGTERM``, ``SIGKILL``, ``already exited``, ``reaped zombie``, ``pool terminate``,
+    or ``survived`` (could not be killed), ``pid reused`` (identity changed: left alone)."""
+    mib_per_device: tuple[tuple[str, float], ...]
+    exit_s: float | None
+    """Seconds from the first signal to the process being gone."""
+    release_s: float | None = None
+    """Seconds from the process being gone to the driver no longer listing it (GPU holders only)."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict of one check of the devices and processes."""
+
+    phase: str
+    """``setup``, ``teardown``, ``fixture`` or ``session``."""
+    clean: bool
+    devices: tuple[DeviceSnapshot, ...]
+    offenders: tuple[Offender, ...]
+    reaped: tuple[Reaped, ...] = ()
+    waited_s: float = 0.0
+    clean_after_s: float | None = None
+    """Seconds from the start of this check to confirmed clean (None if it never got clean)."""
+    notes: tuple[str, ...] = ()
+    tolerance_mib: int = 0
+    self_mib: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass
+class TestRecord:
+    """Everything gpuclean saw for one checked test; feeds the summary, JSON and JUnit output."""
+
+    nodeid: str
+    location: tuple[str, int] = ("", 0)
+    before: CheckResult | None = None
+    after: CheckResult | None = None
+    found_later: list[Reaped] = field(default_factory=list)
+    """Processes this test leaked that a later check found (e.g. the test was not checked)."""
+    in_process_mib: list[tuple[str, float]] = field(default_factory=list)
+    """Growth of ``torch.cuda.memory_allocated`` during the test, per device."""
+    devices: tuple[str, ...] = ()
+    """UUIDs the test held the locks of."""
+    lock_wait_s: float = 0.0
+    before_s: float = 0.0
+    after_s: float = 0.0
+
+    @property
+    def leaked(self) -> bool:
+        """True if this test left processes behind (found now or later)."""
+        return bool(self.found_later) or (self.after is not None and any(
+            o.reason == "leaked" for o in self.after.offenders))
+
+    @property
+    def dirty(self) -> bool:
+        """True if any check around this test failed or found something."""
+        return self.leaked or any(
+            c is not None and (not c.clean or c.offenders) for c in (self.before, self.after))

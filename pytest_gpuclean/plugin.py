@@ -1,0 +1,465 @@
+"""pytest-gpuclean: a clean-GPU gate before and after each marked test; reaps what a test leaked.
+
+The only module with pytest hooks. Declarations live at module level; the stateful ``GpuCleanPlugin``
+is registered in ``pytest_configure`` and undone through ``config.add_cleanup``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import warnings
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pytest_gpuclean import devices as devices_mod
+from pytest_gpuclean import processes, report, settings
+from pytest_gpuclean.checker import COOKIE_VAR, Checker
+from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Reaped, TestRecord
+from pytest_gpuclean.serialize import reaped_from_dict, reaped_to_dict, record_from_dict, record_to_dict
+
+MARKER = "needs_clean_gpus"
+FIXTURE = "clean_gpus"
+PLUGIN_NAME = "gpuclean-checker"
+WORKER_OUTPUT_KEY = "gpuclean"
+
+
+class GpuCleanWarning(pytest.PytestWarning):
+    """Something gpuclean noticed that is not a test failure (``-W error`` makes it one)."""
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check)."""
+
+    index: int
+    uuid: str
+    name: str
+    used_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class CleanGpus:
+    """What the ``clean_gpus`` fixture yields: the devices this test checks (and holds locks of)."""
+
+    devices: tuple[DeviceState, ...]
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(d.uuid for d in self.devices)
+
+
+@dataclass
+class _ItemState:
+    token: str
+    previous_cookie: str | None
+    checked: bool = False
+    tolerance_mib: int = 0
+    timeout: float = 0.0
+    devices: tuple[DeviceInfo, ...] = ()
+    locks: HeldLocks | None = None
+    previous_visible: tuple[bool, str | None] | None = None
+    torch_before: dict[int, int] | None = None
+    record: TestRecord | None = None
+    fixture_tokens: list[str] = field(default_factory=list)
+
+
+_STATE = pytest.StashKey[_ItemState]()
+_SUBREAPER: dict[int, bool] = {}
+"""pid -> whether PR_SET_CHILD_SUBREAPER took; once per process (xdist workers are processes too)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    settings.add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(tolerance_mib=None, timeout=None, count=None): check that the GPUs are clean (no memory "
+        "in use, no stray processes) before and after this test, reap what it leaks; tolerance_mib: MiB "
+        "allowed per device; timeout: seconds to wait for clean GPUs; count: GPUs the test needs "
+        "(it gets exactly those through CUDA_VISIBLE_DEVICES).",
+    )
+    inifile = str(config.inipath) if config.inipath else None
+    resolved = settings.resolve(vars(config.option), os.environ, config.getini, inifile)
+    plugin = GpuCleanPlugin(config, resolved)
+    config.pluginmanager.register(plugin, PLUGIN_NAME)
+    config.add_cleanup(plugin.close)
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistHooks(plugin), PLUGIN_NAME + "-xdist")
+
+
+def _select_devices(backend: devices_mod.Backend, resolved: settings.Settings) -> tuple[DeviceInfo, ...]:
+    available = backend.devices()
+    if resolved.devices is not None:
+        try:
+            return devices_mod.select_devices(available, resolved.devices, cuda_ordinals=False)
+        except devices_mod.DeviceSelectionError as exc:
+            raise pytest.UsageError(f"--gpuclean-devices: {exc} ({resolved.sources['devices']})") from None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return available
+    ordinal_uuids = None
+    if (any(t.isdigit() for t in devices_mod.parse_device_list(visible))
+            and not devices_mod.cuda_order_matches_nvml(available) and backend.kind == "nvml"):
+        ordinal_uuids = devices_mod.cuda_ordinal_uuids()
+    try:
+        return devices_mod.select_devices(available, visible, cuda_ordinals=True, ordinal_uuids=ordinal_uuids)
+    except devices_mod.DeviceSelectionError as exc:
+        raise pytest.UsageError(
+            f"--gpuclean-devices: {exc} (from environment variable CUDA_VISIBLE_DEVICES={visible!r}; "
+            "pass --gpuclean-devices to choose devices explicitly)") from None
+
+
+def _torch_allocated() -> dict[int, int] | None:
+    # Only look if the test process already initialised CUDA through torch; never initialise it.
+    torch: Any = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return None
+    return {i: int(cuda.memory_allocated(i)) for i in range(cuda.device_count())}
+
+
+class GpuCleanPlugin:
+    """Per-session state: the device backend, the checker, the records; hooks that drive them."""
+
+    def __init__(self, config: pytest.Config, resolved: settings.Settings) -> None:
+        self.config = config
+        self.settings = resolved
+        me = os.getpid()
+        if me not in _SUBREAPER:
+            _SUBREAPER[me] = processes.set_child_subreaper()
+        self.unavailable: str | None = None
+        self.backend: devices_mod.Backend | None = None
+        try:
+            self.backend = devices_mod.open_backend(resolved.simulate)
+        except devices_mod.BackendUnavailable as exc:
+            self.unavailable = str(exc)
+        self.devices: tuple[DeviceInfo, ...] = ()
+        if self.backend is not None:
+            self.devices = _select_devices(self.backend, resolved)
+        self.locks: GpuLocks | None = None
+        if resolved.lock == "on" and self.backend is not None:
+            try:
+                self.locks = GpuLocks(resolved.lock_dir)
+            except OSError as exc:
+                source = resolved.sources.get("lock_dir", "the default")
+                raise pytest.UsageError(f"--gpuclean-lock-dir: {exc} ({source})") from None
+        self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
+                               ignore=resolved.ignore, host_scope=resolved.scope == "host")
+        self.records: list[TestRecord] = []
+        self.late_records: dict[str, TestRecord] = {}
+        self.session_reaped: list[Reaped] = []
+        self.notes: list[str] = []
+        self.warned_own_context = False
+        self.controller = False
+        self.worker_payloads: list[dict[str, Any]] = []
+        self._fixture_tokens: dict[int, str] = {}
+        self._session_token = self.checker.ownership.new_token(Owner("session", "pytest session"))
+        # Processes started outside any test (collection, other plugins, conftest imports) belong to
+        # the session, like a session-scoped fixture: protected until the final sweep.
+        self.checker.ownership.active_fixtures.add(self._session_token)
+        self._previous_cookie = os.environ.get(COOKIE_VAR)
+        os.environ[COOKIE_VAR] = self.checker.ownership.cookie(self._session_token)
+
+    def close(self) -> None:
+        if self._previous_cookie is None:
+            os.environ.pop(COOKIE_VAR, None)
+        else:
+            os.environ[COOKIE_VAR] = self._previous_cookie
+        if self.backend is not None:
+            self.backend.close()
+
+    # ---- session ---------------------------------------------------------------------------------
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        # The xdist controller runs no tests; its children are the workers, which check themselves.
+        self.controller = session.config.pluginmanager.hasplugin("dsession")
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        if self.unavailable is not None:
+            return [f"gpuclean: no GPUs checked: {self.unavailable}; tests marked {MARKER} will be "
+                    + ("errors (--gpuclean-require-gpu)" if self.settings.require_gpu else "skipped")]
+        assert self.backend is not None
+        lines = [f"gpuclean: {self.backend.kind} devices (driver {self.backend.driver_version()}), "
+                 f"checking {len(self.devices)}, scope {self.settings.scope}, reap {self.settings.reap}, "
+                 f"subreaper {'on' if _SUBREAPER.get(os.getpid()) else 'OFF'}"]
+        for snap in self.checker.snapshot(self.devices):
+            mine = snap.bytes_of({os.getpid()})
+            holders = f"this pytest process holds {mine / MIB:.0f} MiB (not counted)" if mine else ""
+            lines.append("gpuclean: " + report.device_line(snap, holders))
+        return lines
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.controller:
+            return
+        self.checker.ownership.active_fixtures.clear()
+        self.session_reaped = self.checker.final_sweep(self.devices)
+        for reaped in self.session_reaped:
+            if reaped.owner is not None and reaped.owner.kind == "test":
+                self._record_for(reaped.owner.name).found_later.append(reaped)
+        worker_output = getattr(session.config, "workeroutput", None)
+        if worker_output is not None:
+            worker_output[WORKER_OUTPUT_KEY] = {
+                "records": [record_to_dict(r) for r in self._all_records()],
+                "session_reaped": [reaped_to_dict(r) for r in self.session_reaped],
+                "notes": self.notes,
+            }
+
+    def _all_records(self) -> list[TestRecord]:
+        known = {id(r) for r in self.records}
+        return self.records + [r for r in self.late_records.values() if id(r) not in known]
+
+    def _record_for(self, nodeid: str) -> TestRecord:
+        for record in self.records:
+            if record.nodeid == nodeid:
+                return record
+        return self.late_records.setdefault(nodeid, TestRecord(nodeid))
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        records = self._all_records()
+        session_reaped = list(self.session_reaped)
+        notes = list(self.notes)
+        for payload in self.worker_payloads:
+            records.extend(record_from_dict(r) for r in payload["records"])
+            session_reaped.extend(reaped_from_dict(r) for r in payload["session_reaped"])
+            notes.extend(payload["notes"])
+        if not records and not session_reaped and not notes:
+            return
+        terminalreporter.write_sep("=", report.SUMMARY_TITLE)
+        for line in report.summary_lines(records, session_reaped, notes):
+            terminalreporter.write_line(line)
+
+    # ---- fixtures owned by a scope wider than a test ----------------------------------------------
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+                             ) -> Generator[None, Any, Any]:
+        if fixturedef.scope == "function" or self.controller:
+            return (yield)
+        ownership = self.checker.ownership
+        token = ownership.new_token(Owner("fixture", f"{fixturedef.argname} ({fixturedef.scope}-scoped)"))
+        self._fixture_tokens[id(fixturedef)] = token
+        ownership.active_fixtures.add(token)
+        previous = os.environ.get(COOKIE_VAR)
+        os.environ[COOKIE_VAR] = ownership.cookie(token)
+        ownership.open_window(token)
+        try:
+            return (yield)
+        finally:
+            ownership.close_window(token)
+            _restore_env(COOKIE_VAR, previous)
+
+    def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any],
+                                      request: pytest.FixtureRequest) -> None:
+        token = self._fixture_tokens.pop(id(fixturedef), None)
+        if token is not None:
+            # From now on its processes are checked like a test's, at the end of this teardown.
+            self.checker.ownership.active_fixtures.discard(token)
+            state = request.node.stash.get(_STATE, None)
+            if state is not None:
+                state.fixture_tokens.append(token)
+
+    # ---- around each test -------------------------------------------------------------------------
+
+    def _should_check(self, item: pytest.Item) -> bool:
+        if self.controller:
+            return False
+        return (self.settings.all or item.get_closest_marker(MARKER) is not None
+                or FIXTURE in getattr(item, "fixturenames", ()))
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        ownership = self.checker.ownership
+        token = ownership.new_token(Owner("test", item.nodeid))
+        state = _ItemState(token=token, previous_cookie=os.environ.get(COOKIE_VAR))
+        item.stash[_STATE] = state
+        os.environ[COOKIE_VAR] = ownership.cookie(token)
+        ownership.open_window(token)
+        if self._should_check(item):
+            state.checked = True
+            self._before(item, state)
+        return (yield)
+
+    def _before(self, item: pytest.Item, state: _ItemState) -> None:
+        marker = item.get_closest_marker(MARKER)
+        try:
+            applied = settings.for_marker(self.settings, marker.kwargs if marker else {}, item.nodeid)
+        except ValueError as exc:
+            pytest.fail(f"gpuclean: {exc} (from the {MARKER} marker)", pytrace=False)
+        wants_gpu = marker is not None or FIXTURE in getattr(item, "fixturenames", ())
+        if self.unavailable is not None and wants_gpu:
+            message = f"gpuclean: no GPU to check: {self.unavailable}"
+            if self.settings.require_gpu:
+                pytest.fail(message + " (--gpuclean-require-gpu)", pytrace=False)
+            pytest.skip(message)
+        if applied.count is not None and applied.count > len(self.devices):
+            pytest.skip(f"gpuclean: test needs {applied.count} GPU(s), found {len(self.devices)}")
+        state.tolerance_mib, state.timeout = applied.tolerance_mib, applied.timeout
+        record = TestRecord(item.nodeid, location=(item.location[0], (item.location[1] or 0) + 1))
+        state.record = record
+        self.records.append(record)
+        state.devices = self.devices
+        if self.locks is not None and self.devices:
+            wanted = applied.count or len(self.devices)
+            try:
+                state.locks = self.locks.acquire([d.uuid for d in self.devices], wanted,
+                                                 self.settings.lock_timeout, item.nodeid)
+            except LockTimeout as exc:
+                pytest.fail(f"gpuclean: could not lock the GPUs: {exc}", pytrace=False)
+            record.lock_wait_s = state.locks.waited_s
+            state.devices = tuple(d for d in self.devices if d.uuid in state.locks.uuids)
+        elif applied.count is not None:
+            state.devices = self.devices[: applied.count]
+        record.devices = tuple(d.uuid for d in state.devices)
+        if applied.count is not None:
+            state.previous_visible = ("CUDA_VISIBLE_DEVICES" in os.environ,
+                                      os.environ.get("CUDA_VISIBLE_DEVICES"))
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.uuid for d in state.devices)
+        result = self.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
+                                    timeout=state.timeout)
+        record.before = result
+        record.before_s = result.waited_s
+        self._note_own_context(result)
+        self._attribute_earlier(result.reaped, state)
+        state.torch_before = _torch_allocated()
+        if not result.clean:
+            pytest.fail(report.check_report(result, report.not_clean_heading("setup", result, state.timeout)),
+                        pytrace=False)
+        item.stash[_CLEAN_GPUS] = CleanGpus(tuple(
+            DeviceState(s.device.index, s.device.uuid, s.device.name, s.used_bytes, s.total_bytes)
+            for s in result.devices))
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None
+                                ) -> Generator[None, None, None]:
+        # tryfirst makes this wrapper the outermost, so the code after ``yield`` runs after every
+        # fixture (and every other plugin's teardown) has finished.
+        state = item.stash.get(_STATE, None)
+        try:
+            outcome: BaseException | None = None
+            try:
+                yield
+            except BaseException as exc:  # keep the fixture's own teardown error; ours is added to it
+                outcome = exc
+            failure = self._after(item, state) if state is not None and state.checked else None
+        finally:
+            if state is not None:
+                self._end_test(state)
+        if outcome is not None:
+            if failure:
+                item.add_report_section("teardown", "gpuclean", failure)
+            raise outcome
+        if failure:
+            pytest.fail(failure, pytrace=False)
+
+    def _after(self, item: pytest.Item, state: _ItemState) -> str | None:
+        record = state.record
+        if record is None:
+            return None  # skipped or failed before the setup check finished
+        result = self.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
+                                    timeout=state.timeout)
+        record.after = result
+        record.after_s = result.waited_s
+        own_tokens = {state.token, *state.fixture_tokens}
+        own = [r for r in result.reaped if r.owner is None or r.owner.kind not in ("test", "fixture")
+               or self._token_of(r.owner) in own_tokens]
+        self._attribute_earlier([r for r in result.reaped if r not in own], state)
+        torch_after = _torch_allocated()
+        if state.torch_before is not None and torch_after is not None:
+            grown = [(f"cuda:{i}", (torch_after.get(i, 0) - before) / MIB)
+                     for i, before in state.torch_before.items() if torch_after.get(i, 0) > before]
+            if grown:
+                record.in_process_mib = grown
+                growth = ", ".join(f"{d} +{m:.1f} MiB" for d, m in grown)
+                warnings.warn(GpuCleanWarning(
+                    f"{item.nodeid}: torch.cuda.memory_allocated grew during the test in the pytest process "
+                    f"({growth}): tensors kept alive after the test"), stacklevel=1)
+        leaked_offenders = [o for o in result.offenders if o.reason == "leaked"]
+        if own or leaked_offenders:
+            # The processes are reported even if reaping made everything clean: the test leaked them.
+            final = dataclasses.replace(result, reaped=tuple(own))
+            return report.check_report(final, report.leak_heading(own, leaked_offenders))
+        if not result.clean:
+            return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
+        return None
+
+    def _end_test(self, state: _ItemState) -> None:
+        ownership = self.checker.ownership
+        ownership.close_window(state.token)
+        _restore_env(COOKIE_VAR, state.previous_cookie)
+        if state.previous_visible is not None:
+            was_set, value = state.previous_visible
+            _restore_env("CUDA_VISIBLE_DEVICES", value if was_set else None)
+        if state.locks is not None:
+            state.locks.release()
+            state.locks = None
+
+    def _token_of(self, owner: Owner) -> str | None:
+        for token, candidate in self.checker.ownership.owners.items():
+            if candidate is owner:
+                return token
+        return None
+
+    def _attribute_earlier(self, reaped: list[Reaped] | tuple[Reaped, ...], state: _ItemState) -> None:
+        # A leak of an earlier (e.g. unmarked) test, found now: blame the test that spawned it, and let
+        # the finder go on if reaping made things clean.
+        for r in reaped:
+            if r.owner is not None and r.owner.kind == "test":
+                self._record_for(r.owner.name).found_later.append(r)
+            warnings.warn(GpuCleanWarning(
+                f"gpuclean: pid {r.process.pid} ({r.process.cmdline[:80]}) was leaked by {r.owner} and "
+                f"reaped ({r.ended_by}) before {state.record.nodeid if state.record else 'this test'}"),
+                stacklevel=1)
+
+    def _note_own_context(self, result: CheckResult) -> None:
+        if result.self_mib and not self.warned_own_context:
+            self.warned_own_context = True
+            held = ", ".join(f"{label} {value:.0f} MiB" for label, value in result.self_mib)
+            message = (f"gpuclean: this pytest process (pid {os.getpid()}) holds a CUDA context ({held}); "
+                       "it is not counted as a leak")
+            self.notes.append(message)
+            warnings.warn(GpuCleanWarning(message), stacklevel=1)
+
+
+_CLEAN_GPUS = pytest.StashKey[CleanGpus]()
+
+
+@pytest.fixture
+def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
+    """The devices under check for this test, as found clean by gpuclean's setup check.
+
+    Requesting this fixture checks the test like the ``needs_clean_gpus`` marker does.
+    """
+    found: CleanGpus | None = request.node.stash.get(_CLEAN_GPUS, None)
+    if found is None:
+        pytest.skip("gpuclean is not checking this session (xdist controller or disabled)")
+    return found
+
+
+class XdistHooks:
+    """Hooks that exist only with pytest-xdist: collect each worker's findings in the controller."""
+
+    def __init__(self, plugin: GpuCleanPlugin) -> None:
+        self.plugin = plugin
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        payload = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
+        if payload:
+            self.plugin.worker_payloads.append(payload)
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

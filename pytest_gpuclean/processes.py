@@ -1,0 +1,290 @@
+"""The only module that talks to psutil, and the only one that sends signals.
+
+Everything here identifies a process by ``(pid, start_ticks)`` and re-checks that identity before it
+acts, through a pidfd where the kernel has them, so a recycled pid is never signalled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import psutil
+
+from pytest_gpuclean import procfs
+from pytest_gpuclean.model import ProcessInfo
+
+PR_SET_CHILD_SUBREAPER = 36
+_POLL_S = 0.005
+
+
+def set_child_subreaper() -> bool:
+    """Make this process adopt orphans of its subtree (double forks, setsid daemons) instead of PID 1.
+
+    Without it an orphaned vLLM EngineCore re-parents to init and leaves our process tree, where only a
+    full process-table scan would find it.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def describe(pid: int, start_ticks: int | None = None) -> ProcessInfo | None:
+    """User-facing details of a process, or None if it is gone (or its pid now names another process)."""
+    stat = procfs.read_stat(pid)
+    if stat is None or (start_ticks is not None and stat.start_ticks != start_ticks):
+        return None
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            uid = proc.uids().real
+            try:
+                user = proc.username()
+            except (KeyError, psutil.Error):
+                user = str(uid)
+            try:
+                cmdline = " ".join(proc.cmdline()) or f"[{proc.name()}]"
+            except psutil.AccessDenied:
+                cmdline = f"[{proc.name()}]"
+            status = proc.status()
+    except psutil.NoSuchProcess:
+        return None
+    except psutil.Error:
+        return ProcessInfo(pid, stat.start_ticks, stat.ppid, -1, "?", "?", stat.state)
+    return ProcessInfo(pid=pid, start_ticks=stat.start_ticks, ppid=stat.ppid, uid=uid, user=user,
+                       cmdline=cmdline, state=str(status))
+
+
+def owner_uid(pid: int) -> int | None:
+    """Real uid of ``pid`` (None if gone)."""
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except psutil.Error:
+        return None
+
+
+def ancestors(pid: int) -> set[int]:
+    """``pid`` and all its ancestors: processes gpuclean must never touch."""
+    chain = {pid}
+    stat = procfs.read_stat(pid)
+    while stat is not None and stat.ppid > 0 and stat.ppid not in chain:
+        chain.add(stat.ppid)
+        stat = procfs.read_stat(stat.ppid)
+    return chain
+
+
+def cookie_holders(variable: str, prefix: str, uid: int) -> list[tuple[int, str]]:
+    """Processes of ``uid`` whose environment has ``variable`` starting with ``prefix``.
+
+    A full /proc scan (milliseconds): only run when cheaper evidence says something is off.
+    """
+    found: list[tuple[int, str]] = []
+    me = os.getpid()
+    for pid in procfs.pids_of_uid(uid):
+        if pid == me:
+            continue
+        value = procfs.read_environ_var(pid, variable)
+        if value is not None and value.startswith(prefix):
+            found.append((pid, value))
+    return found
+
+
+def stray_python_processes(uid: int, exclude: set[int], ignore: Sequence[str]) -> list[int]:
+    """Live Python processes of ``uid`` outside ``exclude`` whose command line matches no ``ignore`` glob.
+
+    The automated form of ``ps aux | grep python3``; by executable, because vLLM renames its processes
+    (``VLLM::EngineCore``) and a name grep misses them.
+    """
+    found: list[int] = []
+    for pid in procfs.pids_of_uid(uid):
+        if pid in exclude or not procfs.exe_name(pid).startswith("python"):
+            continue
+        if not procfs.is_live(pid):
+            continue
+        if ignore and matches_any(command_line(pid), ignore):
+            continue
+        found.append(pid)
+    return found
+
+
+def command_line(pid: int) -> str:
+    """The command line of ``pid`` joined by spaces ('' if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def matches_any(text: str, patterns: Iterable[str]) -> bool:
+    """True if ``text`` matches one of the glob ``patterns`` (case-sensitive, like file names)."""
+    return any(fnmatchcase(text, pattern) for pattern in patterns)
+
+
+@dataclass(frozen=True)
+class KillTarget:
+    """A process to end; ``depth`` orders children before their parents."""
+
+    pid: int
+    start_ticks: int
+    depth: int = 0
+
+
+@dataclass(frozen=True)
+class KillOutcome:
+    """How one target ended."""
+
+    pid: int
+    ended_by: str
+    exit_s: float | None
+    state: str = ""
+
+
+class _Tracked:
+    def __init__(self, target: KillTarget, pidfd: int | None) -> None:
+        self.target = target
+        self.pidfd = pidfd
+        self.gone_at: float | None = None
+        self.ended_by = ""
+
+
+def reap_if_child(pid: int) -> bool:
+    """Collect the exit status of ``pid`` if it is our exited child; never ``waitpid(-1)``.
+
+    A wildcard wait would steal statuses from ``subprocess.Popen`` objects that tests still hold.
+    """
+    try:
+        done, _status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return done == pid
+
+
+def _open_pidfd(target: KillTarget) -> tuple[bool, int | None]:
+    """(identity still valid, pidfd). The identity is checked after the pidfd is open, so the pidfd
+    provably refers to the process we recorded."""
+    pidfd: int | None = None
+    try:
+        pidfd = os.pidfd_open(target.pid)
+    except ProcessLookupError:
+        return False, None
+    except (OSError, AttributeError):
+        pidfd = None  # old kernel: fall back to the (pid, start time) check just before each signal
+    stat = procfs.read_stat(target.pid)
+    if stat is None or stat.start_ticks != target.start_ticks:
+        if pidfd is not None:
+            os.close(pidfd)
+        return False, None
+    return True, pidfd
+
+
+def _signal(tracked: _Tracked, sig: int) -> bool:
+    target = tracked.target
+    try:
+        if tracked.pidfd is not None:
+            signal.pidfd_send_signal(tracked.pidfd, sig)
+        else:
+            stat = procfs.read_stat(target.pid)
+            if stat is None or stat.start_ticks != target.start_ticks:
+                return False
+            os.kill(target.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _has_exited(tracked: _Tracked) -> bool:
+    target = tracked.target
+    if tracked.pidfd is not None:
+        # A pidfd polls readable once the process has exited (zombie or reaped).
+        poller = select.poll()
+        poller.register(tracked.pidfd, select.POLLIN)
+        exited = bool(poller.poll(0))
+    else:
+        stat = procfs.read_stat(target.pid)
+        exited = stat is None or stat.start_ticks != target.start_ticks or stat.state in ("Z", "X")
+    if exited:
+        reap_if_child(target.pid)
+    return exited
+
+
+def _wait(tracked: list[_Tracked], deadline: float, started: float, label: str,
+          watch: Callable[[], None] | None) -> None:
+    pending = [t for t in tracked if t.gone_at is None]
+    while pending:
+        if watch is not None:
+            watch()
+        now = time.monotonic()
+        for t in pending:
+            if _has_exited(t):
+                t.gone_at = now - started
+                t.ended_by = label
+        pending = [t for t in pending if t.gone_at is None]
+        if not pending or now >= deadline:
+            return
+        time.sleep(_POLL_S)
+
+
+def terminate(targets: Sequence[KillTarget], grace: float, kill_wait: float = 5.0,
+              watch: Callable[[], None] | None = None) -> list[KillOutcome]:
+    """SIGTERM every target (deepest first), wait up to ``grace``, SIGKILL survivors, wait for them.
+
+    Targets whose identity changed are reported as ``pid reused`` and never signalled. ``watch`` is
+    called on every poll while waiting (the checker times the driver's release with it).
+    """
+    started = time.monotonic()
+    outcomes: list[KillOutcome] = []
+    tracked: list[_Tracked] = []
+    for target in sorted(targets, key=lambda t: -t.depth):
+        valid, pidfd = _open_pidfd(target)
+        if not valid:
+            outcomes.append(KillOutcome(target.pid, "pid reused" if procfs.read_stat(target.pid)
+                                        else "already exited", None))
+            continue
+        t = _Tracked(target, pidfd)
+        stat = procfs.read_stat(target.pid)
+        if stat is not None and stat.state in ("Z", "X"):
+            reap_if_child(target.pid)
+            t.gone_at = 0.0
+            t.ended_by = "reaped zombie"
+        tracked.append(t)
+    try:
+        for t in tracked:
+            if t.gone_at is None and not _signal(t, signal.SIGTERM):
+                t.gone_at, t.ended_by = 0.0, "already exited"
+        _wait(tracked, started + grace, started, "SIGTERM", watch)
+        survivors = [t for t in tracked if t.gone_at is None]
+        for t in survivors:
+            if not _signal(t, signal.SIGKILL):
+                t.gone_at, t.ended_by = time.monotonic() - started, "SIGTERM"
+        if survivors:
+            _wait(tracked, time.monotonic() + kill_wait, started, "SIGKILL", watch)
+        for t in tracked:
+            state = ""
+            if t.gone_at is None:
+                stat = procfs.read_stat(t.target.pid)
+                state = _STATE_NAMES.get(stat.state, stat.state) if stat else "gone"
+            outcomes.append(KillOutcome(t.target.pid, t.ended_by or "survived", t.gone_at, state))
+    finally:
+        for t in tracked:
+            if t.pidfd is not None:
+                os.close(t.pidfd)
+    return outcomes
+
+
+_STATE_NAMES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible sleep (D)",
+    "T": "stopped",
+    "t": "traced",
+    "Z": "zombie",
+}

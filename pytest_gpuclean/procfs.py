@@ -1,0 +1,137 @@
+"""Raw, allocation-light reads of /proc: the fast path shared by the device and process modules.
+
+psutil is the richer interface (user names, command lines) and lives in ``processes.py``; the hot path
+of a clean check only needs a process's state, parent and start time, which one read of
+``/proc/<pid>/stat`` gives in a few microseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import NamedTuple
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class ProcStat(NamedTuple):
+    """The fields of ``/proc/<pid>/stat`` that gpuclean uses."""
+
+    pid: int
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+    start_ticks: int
+    """Start time in clock ticks since boot: with the pid, a process's identity (pid reuse guard)."""
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """Return the stat fields of ``pid``, or None if it no longer exists."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    close = data.rfind(b")")
+    fields = data[close + 2 :].split()
+    return ProcStat(
+        pid=pid,
+        state=fields[0].decode(),
+        ppid=int(fields[1]),
+        pgid=int(fields[2]),
+        sid=int(fields[3]),
+        start_ticks=int(fields[19]),
+    )
+
+
+def is_live(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie or dead (the driver frees memory at exit)."""
+    st = read_stat(pid)
+    return st is not None and st.state not in ("Z", "X")
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from ``/proc/<pid>/task/*/children`` (tens of microseconds)."""
+    result: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return result
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        if data:
+            result.extend(int(c) for c in data.split())
+    return result
+
+
+def descendants(root: int) -> list[tuple[int, int]]:
+    """All descendants of ``root`` as ``(pid, depth)`` pairs, depth 1 for direct children."""
+    found: list[tuple[int, int]] = []
+    frontier = [(root, 0)]
+    seen = {root}
+    while frontier:
+        pid, depth = frontier.pop()
+        for child in children(pid):
+            if child not in seen:
+                seen.add(child)
+                found.append((child, depth + 1))
+                frontier.append((child, depth + 1))
+    return found
+
+
+def boot_ticks_now() -> int:
+    """Now, in the clock that ``start_ticks`` uses (CLOCK_BOOTTIME in clock ticks)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLOCK_TICKS)
+
+
+def ticks_to_wall(ticks: int) -> float:
+    """Convert a start time in ticks since boot to a wall-clock timestamp."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / CLOCK_TICKS
+
+
+def read_environ_var(pid: int, name: str) -> str | None:
+    """Value of ``name`` in the environment ``pid`` started with; None if absent or unreadable.
+
+    Only the owner (or root) can read another process's environ, which is exactly the set of
+    processes gpuclean may ever act on.
+    """
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    key = name.encode() + b"="
+    for entry in data.split(b"\0"):
+        if entry.startswith(key):
+            return entry[len(key) :].decode(errors="replace")
+    return None
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    """All pids whose /proc entry belongs to ``uid`` (one stat per process, no psutil)."""
+    result: list[int] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid == uid:
+                result.append(int(name))
+        except OSError:
+            continue
+    return result
+
+
+def exe_name(pid: int) -> str:
+    """Basename of the executable of ``pid`` ('' if unreadable); survives setproctitle renames."""
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return ""

@@ -1,0 +1,129 @@
+"""Pure formatting of gpuclean's findings: the same dataclasses feed text, JSON and JUnit output."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pytest_gpuclean.model import MIB, CheckResult, DeviceSnapshot, Offender, Reaped, TestRecord
+
+LEAK_PREFIX = "gpuclean: test leaked"
+NOT_CLEAN_PREFIX = "gpuclean: GPUs not clean"
+SUMMARY_TITLE = "gpuclean"
+
+
+def mib(num_bytes: int | float) -> str:
+    return f"{num_bytes / MIB:.0f}"
+
+
+def device_line(snap: DeviceSnapshot, holders: str = "") -> str:
+    """``GPU 0 NVIDIA H200 (GPU-...): 0/143771 MiB used``, plus who holds it."""
+    line = (f"{snap.device.label} {snap.device.name} ({snap.device.uuid}): "
+            f"{mib(snap.used_bytes)}/{mib(snap.total_bytes)} MiB used")
+    if snap.processes:
+        procs = ", ".join(f"pid {p.pid}" + (f" {mib(p.used_bytes)} MiB" if p.used_bytes is not None else "")
+                          for p in snap.processes)
+        line += f", processes: {procs}"
+    return line + (f", {holders}" if holders else "")
+
+
+def _held(pairs: Sequence[tuple[str, float]]) -> str:
+    return ", ".join(f"{label} {value:.0f} MiB" for label, value in pairs) or "no GPU memory"
+
+
+def offender_lines(offender: Offender) -> list[str]:
+    proc = offender.process
+    if proc is None:
+        return [f"  {offender.reason}: {offender.detail}"]
+    owner = f", spawned by {offender.owner}" if offender.owner else ""
+    return [
+        f"  {offender.reason} pid {proc.pid} (user {proc.user}, {proc.state}, found as {offender.found_by}"
+        f"{owner}): {_held(offender.mib_per_device)}"
+        + (f"; {offender.detail}" if offender.detail else ""),
+        f"      cmd: {proc.cmdline}",
+    ]
+
+
+def reaped_lines(reaped: Reaped) -> list[str]:
+    proc = reaped.process
+    timing = f" after {reaped.exit_s:.2f}s" if reaped.exit_s is not None else ""
+    release = (f"; the driver released it {reaped.release_s:.2f}s after exit"
+               if reaped.release_s is not None else "")
+    owner = f", spawned by {reaped.owner}" if reaped.owner else ""
+    return [
+        f"  pid {proc.pid} ended by {reaped.ended_by}{timing} (found as {reaped.found_by}{owner}): "
+        f"held {_held(reaped.mib_per_device)}{release}",
+        f"      cmd: {proc.cmdline}",
+    ]
+
+
+def check_report(result: CheckResult, heading: str) -> str:
+    """The long text of a failed or leaking check, shown as the test's setup/teardown error."""
+    lines = [heading]
+    if result.reaped:
+        lines.append(f"reaped {len(result.reaped)} process(es):")
+        for reaped in result.reaped:
+            lines.extend(reaped_lines(reaped))
+    if result.offenders:
+        lines.append(f"still dirty after {result.waited_s:.2f}s:")
+        for offender in result.offenders:
+            lines.extend(offender_lines(offender))
+    elif result.clean_after_s is not None and result.reaped:
+        lines.append(f"GPUs and processes clean again {result.clean_after_s:.2f}s after the check started")
+    lines.extend(f"note: {n}" for n in result.notes)
+    if result.devices:
+        lines.append(f"devices (tolerance {result.tolerance_mib} MiB):")
+        lines.extend("  " + device_line(s) for s in result.devices)
+    return "\n".join(lines)
+
+
+def leak_heading(reaped: Sequence[Reaped], offenders: Sequence[Offender]) -> str:
+    leaked = len(reaped) + sum(1 for o in offenders if o.reason == "leaked" and
+                               o.process is not None and o.process.pid not in {r.process.pid for r in reaped})
+    state = "reaped" if reaped and not offenders else "NOT all reaped" if offenders else "reported"
+    return f"{LEAK_PREFIX} {leaked} process(es) ({state})"
+
+
+def not_clean_heading(phase: str, result: CheckResult, timeout: float) -> str:
+    when = "before the test" if phase == "setup" else "after the test"
+    return f"{NOT_CLEAN_PREFIX} {when} (waited {result.waited_s:.1f}s of a {timeout:g}s timeout)"
+
+
+def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
+                  notes: Sequence[str]) -> list[str]:
+    """The terminal summary: one block per test that leaked or met dirty GPUs, then totals."""
+    lines: list[str] = []
+    checked = sum(1 for r in records if r.before is not None)
+    dirty = [r for r in records if r.dirty]
+    for record in dirty:
+        parts: list[str] = []
+        for check in (record.before, record.after):
+            if check is None:
+                continue
+            if check.reaped:
+                releases = [r.release_s for r in check.reaped if r.release_s is not None]
+                parts.append(f"{check.phase}: reaped {len(check.reaped)} "
+                             f"({', '.join(f'pid {r.process.pid} {r.ended_by}' for r in check.reaped)})"
+                             + (f", driver release {max(releases):.2f}s" if releases else "")
+                             + (f", clean after {check.clean_after_s:.2f}s"
+                                if check.clean_after_s is not None else ""))
+            if check.offenders:
+                parts.append(f"{check.phase}: not clean ({', '.join(_short(o) for o in check.offenders)})")
+        if record.found_later:
+            parts.append(f"leaked {len(record.found_later)} process(es) found by a later check "
+                         f"({', '.join(f'pid {r.process.pid} {r.ended_by}' for r in record.found_later)})")
+        if record.in_process_mib:
+            parts.append("torch memory grew in-process: " + _held(record.in_process_mib))
+        lines.append(f"{record.nodeid}: " + "; ".join(parts))
+    if session_reaped:
+        lines.append(f"session end: reaped {len(session_reaped)} leftover process(es): "
+                     + ", ".join(f"pid {r.process.pid} ({r.owner}) {r.ended_by}" for r in session_reaped))
+    lines.extend(notes)
+    total_reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after) if c) + len(session_reaped)
+    lines.append(f"{checked} checked test(s), {len(dirty)} with findings, {total_reaped} process(es) reaped")
+    return lines
+
+
+def _short(offender: Offender) -> str:
+    if offender.process is None:
+        return offender.detail
+    return f"{offender.reason} pid {offender.process.pid}"

@@ -1,0 +1,262 @@
+"""gpuclean's options: declared once, resolved once (CLI > environment > ini > marker > default).
+
+Every value remembers where it came from, so a bad one is reported as e.g.
+``--gpuclean-timeout: 'abc' is not a number (from environment variable GPUCLEAN_TIMEOUT)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+SCOPES = ("session", "host")
+REAP_MODES = ("on", "off")
+LOCK_MODES = ("on", "off")
+MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise ValueError(f"{text!r} is negative; expected a whole number >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use true/false, 1/0, yes/no)")
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _existing_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise ValueError(f"{text!r} is not an existing directory")
+    return os.path.abspath(text)
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _patterns(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.replace("\n", ",").split(",") if p.strip())
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its CLI flag, ini key and environment variable all derive from ``name``."""
+
+    name: str
+    help: str
+    parse: Callable[[str], Any]
+    default: Any
+    metavar: str | None = None
+    flag: bool = False
+    """A CLI switch without a value (``--gpuclean-all``)."""
+    env: bool = True
+
+    @property
+    def cli(self) -> str:
+        return "--gpuclean-" + self.name.replace("_", "-")
+
+    @property
+    def ini(self) -> str:
+        return "gpuclean_" + self.name
+
+    @property
+    def env_var(self) -> str:
+        return "GPUCLEAN_" + self.name.upper()
+
+    @property
+    def dest(self) -> str:
+        return "gpuclean_" + self.name
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("all", "check every test, not only those marked needs_clean_gpus", _boolean, False, flag=True),
+    Option("tolerance_mib", "GPU memory (MiB, NVML v2 'used') allowed per device, not counting the pytest "
+           "process's own (default 0)", _non_negative_int, 0, "N"),
+    Option("timeout", "seconds a check waits for GPUs and processes to become clean (default 60)",
+           _seconds, 60.0, "S"),
+    Option("devices", "devices to check: indices (as nvidia-smi shows), GPU-/MIG- UUIDs or UUID prefixes, "
+           "comma-separated (default: those visible through CUDA_VISIBLE_DEVICES)", _text, None, "LIST"),
+    Option("scope", "session: our processes and the GPUs; host: also every Python process of this user "
+           "that is not pytest or an ancestor (default session)", _choice(SCOPES), "session", "SCOPE"),
+    Option("simulate", "use simulated devices in DIR instead of NVML (DIR/<index>/<pid> holds bytes)",
+           _existing_dir, None, "DIR"),
+    Option("require_gpu", "make marked tests error instead of skip when no GPU/NVML is available",
+           _boolean, False, flag=True),
+    Option("ignore", "glob patterns of command lines that are never stray (host scope, GPU processes); "
+           "comma-separated, repeatable", _patterns, (), "GLOBS"),
+    Option("grace", "seconds between SIGTERM and SIGKILL when reaping (default 5)", _seconds, 5.0, "S"),
+    Option("reap", "on: kill what a test leaked; off: only report (default on)", _choice(REAP_MODES), "on",
+           "MODE"),
+    Option("lock", "on: hold a cross-process lock per GPU while a checked test runs (default on)",
+           _choice(LOCK_MODES), "on", "MODE"),
+    Option("lock_dir", "directory of the per-GPU lock files shared by all sessions on this host "
+           "(default: <tmp>/gpuclean-locks)", _text, os.path.join(tempfile.gettempdir(), "gpuclean-locks"),
+           "DIR"),
+    Option("lock_timeout", "seconds to wait for another session's GPU lock (default 600)", _seconds, 600.0,
+           "S"),
+    Option("report", "write a JSON report of every checked test to PATH", _text, None, "PATH"),
+)
+OPTION_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Declare every option on the command line and in the ini file."""
+    group = parser.getgroup("gpuclean", "clean-GPU checks (pytest-gpuclean)")
+    for option in OPTIONS:
+        env_note = f" [env {option.env_var}]" if option.env else ""
+        if option.flag:
+            group.addoption(option.cli, action="store_const", const="true", default=None, dest=option.dest,
+                            help=option.help + env_note)
+        elif option.name == "ignore":
+            group.addoption(option.cli, action="append", default=None, dest=option.dest,
+                            metavar=option.metavar, help=option.help + env_note)
+        else:
+            group.addoption(option.cli, action="store", default=None, dest=option.dest,
+                            metavar=option.metavar, help=option.help + env_note)
+        if option.name == "ignore":
+            parser.addini(option.ini, option.help, type="linelist")
+        else:
+            parser.addini(option.ini, option.help, type="string")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved options; ``sources`` says where each explicitly set value came from."""
+
+    all: bool = False
+    tolerance_mib: int = 0
+    timeout: float = 60.0
+    devices: str | None = None
+    scope: str = "session"
+    simulate: str | None = None
+    require_gpu: bool = False
+    ignore: tuple[str, ...] = ()
+    grace: float = 5.0
+    reap: str = "on"
+    lock: str = "on"
+    lock_dir: str = os.path.join(tempfile.gettempdir(), "gpuclean-locks")
+    lock_timeout: float = 600.0
+    report: str | None = None
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def explicit(self, name: str) -> bool:
+        """True if ``name`` was set on the command line, in the environment or in the ini file."""
+        return name in self.sources
+
+
+def _describe_source(kind: str, option: Option, inifile: str | None) -> str:
+    if kind == "cli":
+        return "from the command line"
+    if kind == "env":
+        return f"from environment variable {option.env_var}"
+    where = f" in {inifile}" if inifile else ""
+    return f"from ini option {option.ini}{where}"
+
+
+def resolve(
+    cli: Mapping[str, Any],
+    env: Mapping[str, str],
+    ini: Callable[[str], Any],
+    inifile: str | None = None,
+) -> Settings:
+    """Build ``Settings`` from the three sources; raise ``pytest.UsageError`` naming the bad one."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for option in OPTIONS:
+        raw: Any = cli.get(option.dest)
+        kind = "cli"
+        if raw is None and option.env and env.get(option.env_var) not in (None, ""):
+            raw, kind = env[option.env_var], "env"
+        if raw is None:
+            ini_value = ini(option.ini)
+            if ini_value not in ("", [], None):
+                raw, kind = ini_value, "ini"
+        if raw is None:
+            continue
+        if isinstance(raw, list):
+            raw = ",".join(raw)
+        try:
+            values[option.name] = option.parse(str(raw))
+        except ValueError as exc:
+            raise pytest.UsageError(
+                f"{option.cli}: {exc} ({_describe_source(kind, option, inifile)})") from None
+        sources[option.name] = _describe_source(kind, option, inifile)
+    return Settings(**values, sources=sources)
+
+
+@dataclass(frozen=True)
+class TestSettings:
+    """What applies to one test once its marker is taken into account."""
+
+    tolerance_mib: int
+    timeout: float
+    count: int | None
+
+
+def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str) -> TestSettings:
+    """Apply a ``needs_clean_gpus(...)`` marker's arguments below CLI, environment and ini.
+
+    Raises ``ValueError`` with a message naming the marker argument and the test.
+    """
+    unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
+    if unknown:
+        raise ValueError(f"needs_clean_gpus got unknown argument(s) {', '.join(unknown)} on {where}; "
+                         f"known: {', '.join(MARKER_KWARGS)}")
+
+    def pick(name: str, check: Callable[[str], Any]) -> Any:
+        if name not in kwargs or kwargs[name] is None:
+            return None
+        value = kwargs[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"needs_clean_gpus({name}={value!r}) on {where}: not a number")
+        try:
+            return check(str(value))
+        except ValueError as exc:
+            raise ValueError(f"needs_clean_gpus({name}={value!r}) on {where}: {exc}") from None
+
+    tolerance = pick("tolerance_mib", _non_negative_int)
+    timeout = pick("timeout", _seconds)
+    count = pick("count", _non_negative_int)
+    if count == 0:
+        raise ValueError(f"needs_clean_gpus(count=0) on {where}: count must be >= 1")
+    return TestSettings(
+        tolerance_mib=settings.tolerance_mib if settings.explicit("tolerance_mib") or tolerance is None
+        else tolerance,
+        timeout=settings.timeout if settings.explicit("timeout") or timeout is None else timeout,
+        count=count,
+    )
