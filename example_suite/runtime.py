@@ -1,0 +1,92 @@
+"""Which vLLM is installed (CUDA or CPU), and the environment it needs before an engine starts.
+
+Everything here acts on ``os.environ`` of the process that creates the ``LLM``. That is enough, including for
+``LD_PRELOAD``: vLLM starts EngineCore and the TP workers with the ``spawn`` method, i.e. as freshly exec'd Python
+processes, and the dynamic loader of each new process reads ``LD_PRELOAD`` from the environment it inherits. The
+parent itself never needs libiomp5 because it runs no model code of vLLM's. (vLLM's CPU platform does the same
+with its own ``LD_PRELOAD`` additions.) No re-exec is needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+IOMP_LIBRARY = "libiomp5.so"
+
+
+@dataclass(frozen=True)
+class VllmRuntime:
+    """What the example suite runs on: ``device`` is ``"cuda"`` or ``"cpu"``; ``gpus`` counts visible GPUs."""
+
+    device: str
+    gpus: int
+    vllm_version: str
+
+
+def vllm_installed() -> bool:
+    """True when ``import vllm`` would find a package (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+@cache
+def detect_runtime() -> VllmRuntime:
+    """CUDA when vLLM's current platform is CUDA (a CUDA build of vLLM and a GPU), else CPU.
+
+    Uses ``vllm.platforms.current_platform``, which detects through NVML and does not create a CUDA context in
+    this process: the test process must not hold GPU memory itself.
+    """
+    import vllm
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return VllmRuntime("cuda", current_platform.device_count(), vllm.__version__)
+    if current_platform.is_cpu():
+        return VllmRuntime("cpu", 0, vllm.__version__)
+    raise RuntimeError(f"example_suite supports CUDA and CPU vLLM, not {current_platform.device_name!r}")
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` value giving each TP rank its own slice of the allowed cores.
+
+    vLLM's default ("auto") binds by NUMA node and fails on a small box ("Not enough allowed NUMA nodes"), so we
+    hand out the cores ourselves: 2 cores and TP=2 give ``"0|1"``, TP=1 gives ``"0-1"``.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(allowed) < tensor_parallel_size:
+        raise RuntimeError(f"TP={tensor_parallel_size} needs at least as many cores, have {len(allowed)}")
+    per_rank = len(allowed) // tensor_parallel_size
+    slices = [allowed[r * per_rank : (r + 1) * per_rank] for r in range(tensor_parallel_size)]
+    return "|".join(",".join(str(c) for c in s) for s in slices)
+
+
+def iomp_library() -> Path | None:
+    """Intel OpenMP from the active venv (vllm-cpu depends on intel-openmp, which installs it to <venv>/lib)."""
+    candidate = Path(sys.prefix) / "lib" / IOMP_LIBRARY
+    return candidate if candidate.exists() else None
+
+
+def configure_vllm_environment(tensor_parallel_size: int) -> dict[str, str]:
+    """Set what an engine about to start needs, in ``os.environ``; returns the variables it set.
+
+    On CPU: cores per TP rank (unless the user's ``VLLM_CPU_OMP_THREADS_BIND`` already has one entry per rank),
+    a KV-cache size (default 1 GiB), libiomp5 in ``LD_PRELOAD`` and the spawn start method. On CUDA: spawn only,
+    because a fork after anything touched CUDA in this process kills EngineCore with "initialization error".
+    """
+    wanted: dict[str, str] = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if detect_runtime().device == "cpu":
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+        if bind.count("|") + 1 != tensor_parallel_size or not bind:
+            wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size)
+        wanted["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+        preload = os.environ.get("LD_PRELOAD", "")
+        iomp = iomp_library()
+        if iomp is not None and "libiomp" not in preload:
+            wanted["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
+    changed = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
+    os.environ.update(changed)
+    return changed
