@@ -5,6 +5,7 @@ No pytest here: the plugin and the ``gpuclean`` command line drive the same ``Ch
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -197,6 +198,7 @@ class Checker:
         reaped: list[Reaped] = []
         notes: list[str] = []
         attempted: set[tuple[int, int]] = set()
+        first_seen: dict[tuple[int, int], Offender] = {}
         rounds = 0
         while True:
             snaps = self.snapshot(devices)
@@ -224,15 +226,26 @@ class Checker:
             ours = [f for f in ours if not (f.state == "Z" and ((f.pid, f.start_ticks) in attempted
                                                                  or processes.reap_if_child(f.pid)))]
             offenders = self._offenders(snaps, ours, unexplained - excused, excused, tolerance)
+            for o in offenders:
+                if o.reason == "leaked" and o.process is not None:
+                    first_seen.setdefault((o.process.pid, o.process.start_ticks), o)
             waited = time.monotonic() - started
-            # Our own leftovers do not go away by waiting (reaping is off or they survived SIGKILL).
-            only_ours = all(o.reason == "leaked" for o in offenders)
-            if not offenders or only_ours or waited >= timeout:
+            # Processes that survived our SIGKILL do not go away by waiting; anything else may.
+            hopeless = bool(offenders) and all(
+                o.reason == "leaked" and o.process is not None
+                and (o.process.pid, o.process.start_ticks) in attempted for o in offenders)
+            if not offenders or hopeless or waited >= timeout:
                 if fresh and rounds >= MAX_REAP_ROUNDS:
                     notes.append(f"gave up after {rounds} reaping rounds: killed processes keep being "
                                  f"replaced (a process pool or supervisor outside our reach?)")
+                still = {(o.process.pid, o.process.start_ticks) for o in offenders if o.process is not None}
+                lingered = tuple(
+                    dataclasses.replace(o, detail=f"outlived its test, ended by itself within {waited:.2f}s "
+                                        "(reaping is off)")
+                    for key, o in first_seen.items() if key not in still)
                 return CheckResult(
                     phase=phase, clean=not offenders, devices=snaps, offenders=tuple(offenders),
+                    lingered=lingered,
                     reaped=tuple(reaped), waited_s=waited,
                     clean_after_s=waited if not offenders else None, notes=tuple(notes),
                     tolerance_mib=tolerance_mib,
@@ -259,16 +272,20 @@ class Checker:
             offenders.append(Offender("leaked", info, self.ownership.owner(f.token), f.found_by,
                                       _mib_of(f.pid, snaps), detail="reaping is off" if not
                                       self.reap_enabled else "could not be reaped"))
-        accounted = excused | ignored | foreign | {f.pid for f in ours}
+        # Memory of allowlisted processes still counts against the tolerance; only their presence is
+        # excused. Memory explained by a listed offender is not reported twice.
+        blamed = {o.process.pid for o in offenders if o.process is not None}
         for snap in snaps:
-            extra = snap.used_bytes - snap.bytes_of(excused | ignored)
-            if extra > tolerance and not (accounted - excused - ignored) & {p.pid for p in snap.processes}:
+            extra = snap.used_bytes - snap.bytes_of(excused)
+            if extra > tolerance and not blamed & {p.pid for p in snap.processes}:
+                holders = sorted(ignored & {p.pid for p in snap.processes})
+                by = f"allowlisted pid(s) {holders}" if holders else "no process we can see"
                 offenders.append(Offender(
                     "memory", None, None, "gpu", ((snap.device.label, extra / MIB),),
                     detail=f"{extra / MIB:.0f} MiB used on {snap.device.label} beyond the tolerance "
-                           f"of {tolerance / MIB:.0f} MiB, by no process we can see"))
+                           f"of {tolerance / MIB:.0f} MiB, held by {by}"))
         if self.host_scope:
-            exclude = self.never_touch | accounted | {f.pid for f in ours} | self._helper_pids()
+            exclude = self.never_touch | excused | ignored | foreign | blamed | {f.pid for f in ours}
             strays = processes.stray_python_processes(self.uid, exclude, self.ignore)
             for pid in sorted(set(strays) - self._peer_pids(strays)):
                 info = processes.describe(pid)
@@ -321,11 +338,15 @@ class Checker:
     def final_sweep(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
         """At session end: reap everything this session spawned that is still alive."""
         self.ownership.active_fixtures.clear()
-        notes: list[str] = []
         found = self.census(scan_cookies=True)
         if not found or not self.reap_enabled:
             return []
-        return self.reap(found, self.snapshot(devices), devices, notes)
+        return self.reap(found, self.snapshot(devices), devices, [])
+
+    def survivors(self) -> list[ProcessInfo]:
+        """Processes of this session still alive (what the final sweep would reap)."""
+        infos = (processes.describe(f.pid, f.start_ticks) for f in self.census(scan_cookies=True))
+        return [info for info in infos if info is not None and info.state != "zombie"]
 
 
 class _ReleaseWatch:

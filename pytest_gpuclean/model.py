@@ -125,6 +125,9 @@ class CheckResult:
     """Seconds from the start of this check to confirmed clean (None if it never got clean)."""
     notes: tuple[str, ...] = ()
     tolerance_mib: int = 0
+    lingered: tuple[Offender, ...] = ()
+    """Our processes that were alive when the check started and ended by themselves while it waited
+    (reaping off): not dirty any more, but still leaked by whoever spawned them."""
     self_mib: tuple[tuple[str, float], ...] = ()
 
 
@@ -148,12 +151,13 @@ class TestRecord:
 
     @property
     def leaked(self) -> bool:
-        """True if this test left processes behind (found now or later)."""
-        return bool(self.found_later) or (self.after is not None and any(
-            o.reason == "leaked" for o in self.after.offenders))
+        """True if this test left processes behind (found by its own teardown check or later)."""
+        after = self.after
+        return bool(self.found_later) or (after is not None and bool(
+            after.reaped or after.lingered or any(o.reason == "leaked" for o in after.offenders)))
 
     @property
     def dirty(self) -> bool:
         """True if any check around this test failed or found something."""
-        return self.leaked or any(
-            c is not None and (not c.clean or c.offenders) for c in (self.before, self.after))
+        return self.leaked or bool(self.in_process_mib) or any(
+            c is not None and (not c.clean or c.offenders or c.reaped) for c in (self.before, self.after))

@@ -203,6 +203,12 @@ class GpuCleanPlugin:
             return
         self.checker.ownership.active_fixtures.clear()
         self.session_reaped = self.checker.final_sweep(self.devices)
+        if not self.checker.reap_enabled:
+            left = self.checker.survivors()
+            if left:
+                self.notes.append(f"session end: {len(left)} process(es) spawned by this session still "
+                                  f"alive (reaping is off): "
+                                  + ", ".join(f"pid {p.pid} {p.cmdline[:60]}" for p in left))
         for reaped in self.session_reaped:
             if reaped.owner is not None and reaped.owner.kind == "test":
                 self._record_for(reaped.owner.name).found_later.append(reaped)
@@ -276,7 +282,10 @@ class GpuCleanPlugin:
         return (self.settings.all or item.get_closest_marker(MARKER) is not None
                 or FIXTURE in getattr(item, "fixturenames", ()))
 
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    # trylast: the innermost wrapper. Our check may fail the setup before ``yield``, and wrappers
+    # outside us (logging, capture) must have run their own setup so that their teardown finds it.
+    # Every wrapper still runs before the function-scoped fixtures are set up.
+    @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
         ownership = self.checker.ownership
         token = ownership.new_token(Owner("test", item.nodeid))
@@ -363,16 +372,18 @@ class GpuCleanPlugin:
 
     def _after(self, item: pytest.Item, state: _ItemState) -> str | None:
         record = state.record
-        if record is None:
-            return None  # skipped or failed before the setup check finished
+        if record is None or record.before is None or not record.before.clean:
+            return None  # the test never ran on clean GPUs: its setup error already says why
         result = self.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
                                     timeout=state.timeout)
-        record.after = result
-        record.after_s = result.waited_s
         own_tokens = {state.token, *state.fixture_tokens}
         own = [r for r in result.reaped if r.owner is None or r.owner.kind not in ("test", "fixture")
                or self._token_of(r.owner) in own_tokens]
         self._attribute_earlier([r for r in result.reaped if r not in own], state)
+        # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
+        result = dataclasses.replace(result, reaped=tuple(own))
+        record.after = result
+        record.after_s = result.waited_s
         torch_after = _torch_allocated()
         if state.torch_before is not None and torch_after is not None:
             grown = [(f"cuda:{i}", (torch_after.get(i, 0) - before) / MIB)
@@ -383,11 +394,11 @@ class GpuCleanPlugin:
                 warnings.warn(GpuCleanWarning(
                     f"{item.nodeid}: torch.cuda.memory_allocated grew during the test in the pytest process "
                     f"({growth}): tensors kept alive after the test"), stacklevel=1)
-        leaked_offenders = [o for o in result.offenders if o.reason == "leaked"]
+        leaked_offenders = [o for o in (*result.offenders, *result.lingered) if o.reason == "leaked"]
         if own or leaked_offenders:
             # The processes are reported even if reaping made everything clean: the test leaked them.
-            final = dataclasses.replace(result, reaped=tuple(own))
-            return report.check_report(final, report.leak_heading(own, leaked_offenders))
+            return report.check_report(result, report.leak_heading(own, leaked_offenders,
+                                                                   self.checker.reap_enabled))
         if not result.clean:
             return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
         return None

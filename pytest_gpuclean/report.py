@@ -63,6 +63,10 @@ def check_report(result: CheckResult, heading: str) -> str:
         lines.append(f"reaped {len(result.reaped)} process(es):")
         for reaped in result.reaped:
             lines.extend(reaped_lines(reaped))
+    if result.lingered:
+        lines.append("outlived the test, then ended by themselves:")
+        for offender in result.lingered:
+            lines.extend(offender_lines(offender))
     if result.offenders:
         lines.append(f"still dirty after {result.waited_s:.2f}s:")
         for offender in result.offenders:
@@ -76,11 +80,15 @@ def check_report(result: CheckResult, heading: str) -> str:
     return "\n".join(lines)
 
 
-def leak_heading(reaped: Sequence[Reaped], offenders: Sequence[Offender]) -> str:
-    leaked = len(reaped) + sum(1 for o in offenders if o.reason == "leaked" and
-                               o.process is not None and o.process.pid not in {r.process.pid for r in reaped})
-    state = "reaped" if reaped and not offenders else "NOT all reaped" if offenders else "reported"
-    return f"{LEAK_PREFIX} {leaked} process(es) ({state})"
+def leak_heading(reaped: Sequence[Reaped], leaked: Sequence[Offender], reap_enabled: bool) -> str:
+    """``gpuclean: test leaked N process(es) (reaped)``; ``leaked`` are the ones not reaped."""
+    if not reap_enabled:
+        state = "reaping is off: reported only"
+    elif leaked:
+        state = "NOT all reaped"
+    else:
+        state = "reaped"
+    return f"{LEAK_PREFIX} {len(reaped) + len(leaked)} process(es) ({state})"
 
 
 def not_clean_heading(phase: str, result: CheckResult, timeout: float) -> str:

@@ -22,7 +22,8 @@ _NESTED: dict[type, tuple[tuple[str, type, bool], ...]] = {
     DeviceSnapshot: (("device", DeviceInfo, False), ("processes", GpuProcess, True)),
     Offender: (("process", ProcessInfo, False), ("owner", Owner, False)),
     Reaped: (("process", ProcessInfo, False), ("owner", Owner, False)),
-    CheckResult: (("devices", DeviceSnapshot, True), ("offenders", Offender, True), ("reaped", Reaped, True)),
+    CheckResult: (("devices", DeviceSnapshot, True), ("offenders", Offender, True), ("reaped", Reaped, True),
+                  ("lingered", Offender, True)),
     TestRecord: (("before", CheckResult, False), ("after", CheckResult, False),
                  ("found_later", Reaped, True)),
 }

@@ -39,6 +39,9 @@ def _hold(args: argparse.Namespace) -> None:
     if args.pidfile:
         with open(args.pidfile, "a") as f:
             f.write(f"{os.getpid()}\n")
+    if args.seconds is not None:
+        time.sleep(args.seconds)
+        return
     while True:
         time.sleep(3600)
 
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     hold.add_argument("--daemonize", action="store_true", help="double-fork and setsid before holding")
     hold.add_argument("--children", type=int, default=0, help="fork K children that hold the same amount")
     hold.add_argument("--pidfile", help="append each holder's pid to this file once it holds memory")
+    hold.add_argument("--seconds", type=float, help="exit by itself after this many seconds")
     args = parser.parse_args(argv)
     if args.daemonize:
         _daemonize()

@@ -1,0 +1,339 @@
+"""The clean-GPU gate (issue 2): inner pytest sessions over simulated devices with real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import alive, run_inner, wait_dead
+
+from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
+
+
+def test_clean_session_passes_and_shows_devices(inner: Callable[[str], Path],
+                                                pytester: pytest.Pytester) -> None:
+    inner("""
+@pytest.mark.needs_clean_gpus
+def test_marked(clean_gpus):
+    assert [d.index for d in clean_gpus.devices] == [0, 1]
+    assert all(d.used_bytes == 0 and d.total_bytes == 80 * 1024**3 for d in clean_gpus.devices)
+    assert all(d.uuid.startswith("GPU-") and d.name == "Simulated GPU" for d in clean_gpus.devices)
+
+def test_fixture_only(clean_gpus):
+    assert len(clean_gpus.devices) == 2
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([
+        "gpuclean: simulated devices*checking 2*subreaper on",
+        "gpuclean: GPU 0 Simulated GPU (GPU-*): 0/81920 MiB used",
+        "gpuclean: GPU 1 Simulated GPU (GPU-*): 0/81920 MiB used",
+        "*2 checked test(s), 0 with findings, 0 process(es) reaped*",
+    ])
+
+
+def test_marker_is_registered_with_its_arguments(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("-p", "gpuclean", "--markers")
+    result.stdout.fnmatch_lines(
+        ["@pytest.mark.needs_clean_gpus(tolerance_mib=None, timeout=None, count=None):*"])
+
+
+def test_leak_is_a_teardown_error_of_the_leaking_test(inner: Callable[[str], Path],
+                                                       pytester: pytest.Pytester) -> None:
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold(mib=512)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-grace=2")
+    leaked = int(pidfile.read_text().split()[0])
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_leaks*",
+        f"{LEAK_PREFIX} 1 process(es) (reaped)",
+        f"  pid {leaked} ended by SIGTERM*(found as descendant, spawned by test_inner.py::test_leaks): "
+        "held GPU 0 512 MiB*",
+        "*ERROR test_inner.py::test_leaks - Failed: gpuclean: test leaked*",
+    ])
+    assert "test_next" not in "".join(line for line in result.stdout.lines if line.startswith("ERROR"))
+    assert not alive(leaked)
+
+
+def test_reap_off_reports_and_next_test_waits_for_the_leaker(inner: Callable[[str], Path],
+                                                              pytester: pytest.Pytester) -> None:
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold("--seconds", "1.5", mib=64)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus(timeout=30)
+def test_next():
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-reap=off")
+    leaked = int(pidfile.read_text().split()[0])
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_leaks*",
+        f"{LEAK_PREFIX} 1 process(es) (reaping is off: reported only)",
+        "outlived the test, then ended by themselves:",
+        f"  leaked pid {leaked} (user *, found as descendant, spawned by test_inner.py::test_leaks): "
+        "GPU 0 64 MiB; outlived its test, ended by itself within *s (reaping is off)",
+    ])
+    # Nobody killed it: it ended by itself after 1.5 s and test_next waited for that.
+    assert "SIGTERM" not in result.stdout.str()
+
+
+def test_foreign_holder_errors_in_setup_and_is_left_alive(inner: Callable[[str], Path],
+                                                          pytester: pytest.Pytester,
+                                                          outside_holder: Callable[..., int]) -> None:
+    foreign = outside_holder(mib=256)
+    inner("""
+@pytest.mark.needs_clean_gpus(timeout=0.5)
+def test_victim():
+    raise AssertionError("must not run on dirty GPUs")
+
+def test_unmarked_runs():
+    pass
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines([
+        "*ERROR at setup of test_victim*",
+        f"{NOT_CLEAN_PREFIX} before the test (waited 0.5s of a 0.5s timeout)",
+        f"  foreign pid {foreign} (user *, found as gpu): GPU 0 256 MiB; not started by this session: "
+        "waited for, never killed",
+        "      cmd: *pytest_gpuclean.simulate hold*",
+    ])
+    assert alive(foreign)
+
+
+def test_gpuclean_all_checks_unmarked_tests(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                            outside_holder: Callable[..., int]) -> None:
+    outside_holder(mib=10)
+    inner("""
+def test_unmarked():
+    pass
+""")
+    run_inner(pytester).assert_outcomes(passed=1)
+    result = run_inner(pytester, "--gpuclean-all", "--gpuclean-timeout=0.2")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"{NOT_CLEAN_PREFIX} before the test*"])
+
+
+def test_tolerance_counts_allowlisted_memory(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                             outside_holder: Callable[..., int]) -> None:
+    holder = outside_holder(mib=100)
+    inner("""
+@pytest.mark.needs_clean_gpus(tolerance_mib=150, timeout=0.2)
+def test_marker_tolerance():
+    pass
+""")
+    ignore = "--gpuclean-ignore=*simulate hold*"
+    # Allowlisted by command line, and its 100 MiB fit in the marker's 150 MiB.
+    run_inner(pytester, ignore).assert_outcomes(passed=1)
+    # The command line beats the marker: 50 MiB is too little.
+    result = run_inner(pytester, ignore, "--gpuclean-tolerance-mib=50")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([
+        "  memory: 100 MiB used on GPU 0 beyond the tolerance of 50 MiB, "
+        f"held by allowlisted pid(s) [[]{holder}[]]",
+    ])
+    # Not allowlisted: the process itself is an offender, whatever the tolerance.
+    result = run_inner(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines([f"  foreign pid {holder} *"])
+
+
+def test_own_process_memory_is_not_a_leak(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    inner("""
+from pytest_gpuclean.simulate import allocate
+
+@pytest.mark.needs_clean_gpus
+def test_allocates_in_process():
+    allocate(SIM, 0, 300)  # like torch's primary context: lives as long as the pytest process
+
+@pytest.mark.needs_clean_gpus
+def test_after():
+    pass
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=2, warnings=1)
+    result.stdout.fnmatch_lines([
+        "*GpuCleanWarning: gpuclean: this pytest process (pid *) holds a CUDA context (GPU 0 300 MiB); "
+        "it is not counted as a leak*",
+    ])
+
+
+def test_count_larger_than_devices_skips_with_reason(inner: Callable[[str], Path],
+                                                     pytester: pytest.Pytester) -> None:
+    inner("""
+@pytest.mark.needs_clean_gpus(count=3)
+def test_three():
+    pass
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *gpuclean: test needs 3 GPU(s), found 2"])
+
+
+def test_no_driver_skips_marked_tests_or_errors_with_require_gpu(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)
+    # No NVML library here; on a GPU box point it at a missing one so the test means the same.
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/nonexistent")
+    pytester.makepyfile("""
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_gpu():
+    pass
+
+def test_cpu():
+    pass
+""")
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        pytest.skip("a real NVIDIA driver is present")
+    except Exception:
+        pass
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["gpuclean: no GPUs checked: NVML init failed*; tests marked "
+                                 "needs_clean_gpus will be skipped",
+                                 "SKIPPED*gpuclean: no GPU to check: NVML init failed*"])
+    result = run_inner(pytester, "--gpuclean-require-gpu")
+    result.assert_outcomes(passed=1, failed=0, errors=1)
+    result.stdout.fnmatch_lines(["*gpuclean: no GPU to check: NVML init failed* (--gpuclean-require-gpu)"])
+
+
+@pytest.mark.parametrize(("args", "env", "ini", "message"), [
+    (["--gpuclean-timeout=-1"], {}, "",
+     "ERROR: --gpuclean-timeout: '-1' is not a number of seconds >= 0 (from the command line)"),
+    ([], {"GPUCLEAN_TOLERANCE_MIB": "lots"}, "",
+     "ERROR: --gpuclean-tolerance-mib: 'lots' is not a whole number (from environment variable "
+     "GPUCLEAN_TOLERANCE_MIB)"),
+    ([], {}, "gpuclean_scope = planet",
+     "ERROR: --gpuclean-scope: 'planet' is not one of session, host (from ini option gpuclean_scope in "
+     "*tox.ini)"),
+    (["--gpuclean-simulate=/nonexistent/sim"], {}, "",
+     "ERROR: --gpuclean-simulate: '/nonexistent/sim' is not an existing directory (from the command line)"),
+    (["--gpuclean-devices=7"], {}, "",
+     "ERROR: --gpuclean-devices: device 7 does not exist (2 device(s) found) (from the command line)"),
+    ([], {"CUDA_VISIBLE_DEVICES": "GPU-nope"}, "",
+     "ERROR: --gpuclean-devices: no device has a UUID starting with 'GPU-nope' (from environment variable "
+     "CUDA_VISIBLE_DEVICES='GPU-nope'*"),
+    (["--gpuclean-grace=soon"], {}, "",
+     "ERROR: --gpuclean-grace: 'soon' is not a number of seconds (from the command line)"),
+])
+def test_bad_option_values_are_usage_errors_naming_their_source(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        outside_holder: Callable[..., int], args: list[str], env: dict[str, str], ini: str,
+        message: str) -> None:
+    bystander = outside_holder(mib=1)
+    inner("""
+@pytest.mark.needs_clean_gpus
+def test_a():
+    pass
+""")
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini}\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = run_inner(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert alive(bystander)  # no stray kill on the way out
+
+
+def test_bad_marker_argument_errors_that_test(inner: Callable[[str], Path],
+                                              pytester: pytest.Pytester) -> None:
+    inner("""
+@pytest.mark.needs_clean_gpus(tolerance_mib=-5)
+def test_bad():
+    pass
+
+@pytest.mark.needs_clean_gpus(timeuot=3)
+def test_typo():
+    pass
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines_random([
+        "*gpuclean: needs_clean_gpus(tolerance_mib=-5) on test_inner.py::test_bad: '-5' is negative*"
+        "(from the needs_clean_gpus marker)",
+        "*gpuclean: needs_clean_gpus got unknown argument(s) timeuot on test_inner.py::test_typo*",
+    ])
+
+
+def test_disabled_with_no_gpuclean(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold(mib=5)
+    wait_holders(1)
+""")
+    result = pytester.runpytest_subprocess("-p", "no:gpuclean", "-p", "no:cacheprovider",
+                                           "-W", "ignore::pytest.PytestUnknownMarkWarning")
+    result.assert_outcomes(passed=1)
+    assert not [line for line in result.stdout.lines if line.startswith("gpuclean")]
+    leaked = int(pidfile.read_text().split()[0])
+    assert alive(leaked)  # nobody reaped it: the plugin really was off (the autouse fixture kills it)
+
+
+def test_host_scope_flags_stray_python_and_respects_allowlist(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    marker = f"gpuclean-host-scope-{os.getpid()}-{time.monotonic_ns()}"
+    stray = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(120)  # {marker}"])
+    try:
+        inner("""
+@pytest.mark.needs_clean_gpus(timeout=0.3)
+def test_host():
+    pass
+""")
+        result = run_inner(pytester, "--gpuclean-scope=host")
+        result.assert_outcomes(errors=1)
+        result.stdout.fnmatch_lines([
+            f"  host pid {stray.pid} (user *, found as host): no GPU memory; Python process of this user "
+            "(host scope): never killed",
+        ])
+        # Other Python processes of this user may run beside us; ours must no longer be named.
+        result = run_inner(pytester, "--gpuclean-scope=host", f"--gpuclean-ignore=*{marker}*")
+        assert f"host pid {stray.pid} " not in result.stdout.str()
+        # The default scope ignores unrelated processes entirely.
+        run_inner(pytester).assert_outcomes(passed=1)
+        assert stray.poll() is None
+    finally:
+        stray.kill()
+        stray.wait()
+
+
+def test_leaks_wait_for_nothing_and_reports_are_fast_to_read(
+        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    # A leak is reported with its figures in the terminal summary section.
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold(mib=32, device=1)
+    wait_holders(1)
+""")
+    result = run_inner(pytester)
+    leaked = int(pidfile.read_text().split()[0])
+    result.stdout.fnmatch_lines([
+        "*= gpuclean =*",
+        f"test_inner.py::test_leaks: teardown: reaped 1 (pid {leaked} SIGTERM)*",
+        "1 checked test(s), 1 with findings, 1 process(es) reaped",
+    ])
+    assert wait_dead([leaked]) == []
