@@ -1,31 +1,50 @@
 """Cross-process GPU locks: one per physical GPU (by UUID) in a directory every session on the host shares.
 
-fcntl locks (through filelock) die with their holder, so a crashed or SIGKILLed session never leaves a
-GPU locked. Next to each lock a small JSON file says who holds it, so a waiting session can tell what
-it waits for.
+Each lock is a BSD ``flock`` on ``<dir>/<uuid>.lock``. The kernel drops it when the holder's last
+descriptor closes, so a crashed or SIGKILLed session never leaves a GPU locked. Next to each lock a small
+JSON file says who holds it, so a waiting session can tell what it waits for.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import errno
+import fcntl
+import glob
 import json
 import os
 import random
 import socket
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import filelock
 
 _RETRY_S = (0.02, 0.1)
 """Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
-_LOCK_KWARGS: dict[str, Any] = ({"preserve_lock_file": True}
-                if "preserve_lock_file" in inspect.signature(filelock.FileLock.__init__).parameters else {})
-# Deleting a lock file on release would let two sessions lock two different inodes of one path.
+_LOCK_MODE = 0o666
+"""Lock files are shared by every user of the GPUs; whoever creates one makes it usable by all."""
+
+# flock (not filelock.FileLock): filelock 4 refuses, in a sticky directory like ours, a lock file that
+# belongs neither to this user nor to the directory's owner, so a third user of a shared GPU box could
+# never lock a GPU whose lock file a second user created. We never delete or rename lock files, so the
+# inode-replacement race that check guards against only arises from someone deleting files by hand,
+# and ``_try`` checks for that too.
+
+_held_fds: set[int] = set()
+
+
+def _close_in_forked_child() -> None:
+    # A child forked (without exec) while we hold a lock shares the locked open file: if this session
+    # is killed, a leaked child would keep the GPU locked. Drop the child's copies (close, not unlock).
+    for fd in list(_held_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 class LockTimeout(Exception):
@@ -45,6 +64,9 @@ def ensure_lock_dir(path: str) -> str:
             raise OSError(f"{path} is not a directory")
         if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != 0o1777:
             os.chmod(path, 0o1777)  # makedirs' mode is filtered by the umask
+        elif not os.access(path, os.W_OK | os.X_OK):
+            raise OSError(f"not writable by uid {os.getuid()} (owner uid {info.st_uid}, mode "
+                          f"{stat.S_IMODE(info.st_mode):o}); its owner can run 'chmod 1777 {path}'")
     except OSError as exc:
         raise OSError(f"cannot use GPU lock directory {path!r}: {exc}") from exc
     return path
@@ -59,7 +81,8 @@ class HeldLocks:
     """Locks held by this process for one test; release them in ``release``."""
 
     uuids: tuple[str, ...]
-    locks: list[filelock.BaseFileLock]
+    locks: list[int]
+    """Open descriptors of the locked files."""
     holder_paths: list[str]
     waited_s: float
 
@@ -68,8 +91,41 @@ class HeldLocks:
         for path in self.holder_paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        for lock in self.locks:
-            lock.release(force=True)
+        self.holder_paths = []
+        for fd in self.locks:
+            _unlock(fd)
+        self.locks = []
+
+
+def _unlock(fd: int) -> None:
+    _held_fds.discard(fd)
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _open_lock_file(path: str) -> int:
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW
+    while True:
+        # Open an existing file without O_CREAT: fs.protected_regular refuses O_CREAT on another user's
+        # file in a sticky directory, even when it exists.
+        try:
+            return os.open(path, flags | os.O_RDWR)
+        except FileNotFoundError:
+            pass
+        except PermissionError:
+            # A file made without group/other write (by hand, or an old version): flock needs only a
+            # descriptor, not write access (except on NFS, where it becomes a POSIX lock).
+            with contextlib.suppress(FileNotFoundError):
+                return os.open(path, flags | os.O_RDONLY)
+        try:
+            fd = os.open(path, flags | os.O_RDWR | os.O_CREAT | os.O_EXCL, _LOCK_MODE)
+        except FileExistsError:
+            continue  # another session created it just now
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, _LOCK_MODE)  # past the umask
+        return fd
 
 
 class GpuLocks:
@@ -82,64 +138,109 @@ class GpuLocks:
         return os.path.join(self.directory, _file_name(uuid) + ".lock")
 
     def holder_path(self, uuid: str) -> str:
-        return os.path.join(self.directory, _file_name(uuid) + ".holder")
+        """This user's holder file for ``uuid``.
+
+        One per user: in the sticky lock directory nobody can replace another user's file, and a session
+        that was killed leaves its file behind.
+        """
+        return os.path.join(self.directory, f"{_file_name(uuid)}.{os.getuid()}.holder")
 
     def holder(self, uuid: str) -> dict[str, object]:
-        """Who holds ``uuid``'s lock, as recorded next to it (empty if nobody recorded)."""
-        try:
-            with open(self.holder_path(uuid)) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+        """Who holds ``uuid``'s lock, as recorded next to it (empty if nobody recorded).
 
-    def _try(self, uuid: str) -> filelock.BaseFileLock | None:
-        lock = filelock.FileLock(self.lock_path(uuid), mode=0o666, **_LOCK_KWARGS)
-        try:
-            lock.acquire(timeout=0)
-        except filelock.Timeout:
-            return None
-        return lock
+        The newest record wins: a holder writes its record after it got the lock, so any older one is
+        left over from a session that ended without releasing (killed).
+        """
+        newest: dict[str, object] = {}
+        for path in glob.glob(os.path.join(glob.escape(self.directory), _file_name(uuid) + ".*.holder")):
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict) and _since(data) >= _since(newest):
+                newest = data
+        return newest
+
+    def _try(self, uuid: str) -> int | None:
+        path = self.lock_path(uuid)
+        while True:
+            fd = _open_lock_file(path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return None
+                raise
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                _held_fds.add(fd)
+                return fd
+            # The file was deleted (by hand) after we opened it: a lock on that inode locks nothing.
+            _unlock(fd)
 
     def acquire(self, candidates: Sequence[str], count: int, timeout: float, holder_id: str,
-                prefer: Sequence[str] = ()) -> HeldLocks:
+                prefer: Sequence[str] = (),
+                on_wait: Callable[[dict[str, dict[str, object]]], None] | None = None) -> HeldLocks:
         """Lock ``count`` of ``candidates`` (all of them when ``count == len(candidates)``).
 
         Free devices are taken in UUID order, those listed in ``prefer`` first. If fewer than ``count``
-        are free, everything taken is released and the attempt repeats until ``timeout``.
+        are free, everything taken is released and the attempt repeats until ``timeout``. ``on_wait`` is
+        called once, when the first attempt fails, with the holders of the busy devices.
         """
         ordered = sorted(candidates, key=lambda u: (u not in prefer, u))
         started = time.monotonic()
+        notified = False
         while True:
-            taken: list[tuple[str, filelock.BaseFileLock]] = []
-            for uuid in ordered:
-                lock = self._try(uuid)
-                if lock is not None:
-                    taken.append((uuid, lock))
-                    if len(taken) == count:
-                        break
-            if len(taken) == count:
-                held = HeldLocks(tuple(u for u, _ in taken), [lk for _, lk in taken], [],
-                                 time.monotonic() - started)
-                for uuid, _lock in taken:
-                    path = self.holder_path(uuid)
-                    # Best effort: in the sticky lock directory another user's old holder file can't be
-                    # replaced; the lock itself is what protects the GPU.
-                    with contextlib.suppress(OSError):
-                        _write_json(path, {"pid": os.getpid(), "host": socket.gethostname(),
-                                           "test": holder_id, "since": time.time(), "uuid": uuid})
-                        held.holder_paths.append(path)
-                return held
-            for _uuid, lock in taken:
-                lock.release(force=True)
+            taken: list[tuple[str, int]] = []
+            try:
+                for uuid in ordered:
+                    fd = self._try(uuid)
+                    if fd is not None:
+                        taken.append((uuid, fd))
+                        if len(taken) == count:
+                            break
+                if len(taken) == count:
+                    return self._record(taken, holder_id, time.monotonic() - started)
+            except BaseException:
+                # Also on KeyboardInterrupt or a pytest-timeout signal: a lock kept by a stray
+                # descriptor would block this very session's next test.
+                for _uuid, fd in taken:
+                    _unlock(fd)
+                raise
+            for _uuid, fd in taken:
+                _unlock(fd)
+            busy = [u for u in ordered if u not in {t for t, _ in taken}]
             waited = time.monotonic() - started
             if waited >= timeout:
-                busy = [u for u in ordered if u not in {t for t, _ in taken}]
                 holders = {u: self.holder(u) for u in busy}
                 raise LockTimeout(
                     f"waited {waited:.1f}s for {count} of {len(ordered)} GPU lock(s); held by: "
-                    + "; ".join(f"{u}: {describe_holder(h)}" for u, h in holders.items()), holders)
+                    + describe_holders(holders), holders)
+            if on_wait is not None and not notified:
+                notified = True
+                on_wait({u: self.holder(u) for u in busy})
             time.sleep(random.uniform(*_RETRY_S))
+
+    def _record(self, taken: list[tuple[str, int]], holder_id: str, waited_s: float) -> HeldLocks:
+        held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken], [], waited_s)
+        for uuid, _fd in taken:
+            path = self.holder_path(uuid)
+            # Best effort: the lock itself is what protects the GPU.
+            with contextlib.suppress(OSError):
+                _write_json(path, {"pid": os.getpid(), "host": socket.gethostname(), "uid": os.getuid(),
+                                   "test": holder_id, "since": time.time(), "uuid": uuid})
+                held.holder_paths.append(path)
+        return held
+
+
+def _since(holder: dict[str, object]) -> float:
+    since = holder.get("since")
+    return float(since) if isinstance(since, (int, float)) else float("-inf")
 
 
 def describe_holder(holder: dict[str, object]) -> str:
@@ -148,12 +249,40 @@ def describe_holder(holder: dict[str, object]) -> str:
         return "unknown holder"
     since = holder.get("since")
     age = f", for {time.time() - since:.0f}s" if isinstance(since, (int, float)) else ""
-    return f"pid {holder.get('pid')} on {holder.get('host')} running {holder.get('test')}{age}"
+    pid = holder.get("pid")
+    gone = ""
+    if isinstance(pid, int) and holder.get("host") == socket.gethostname() and not _pid_alive(pid):
+        # The lock is busy, so someone holds it; this record is left over from a killed session.
+        gone = " (that process is gone: a stale record; the holder did not record itself)"
+    return f"pid {pid} on {holder.get('host')} running {holder.get('test')}{age}{gone}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def describe_holders(holders: dict[str, dict[str, object]]) -> str:
+    """``uuid: holder; uuid: holder`` for a message."""
+    return "; ".join(f"{u}: {describe_holder(h)}" for u, h in holders.items())
 
 
 def _write_json(path: str, data: dict[str, object]) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a killed session whose pid we now have
+    # O_EXCL | O_NOFOLLOW: never write through a link someone planted in the shared directory.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
