@@ -1,0 +1,172 @@
+"""CUDA_VISIBLE_DEVICES mapping (issue 4): device lists of indices, UUIDs, prefixes and MIG UUIDs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import run_inner
+
+from pytest_gpuclean.devices import (
+    DeviceSelectionError,
+    SimulatedBackend,
+    parse_device_list,
+    select_devices,
+    simulated_uuid,
+)
+from pytest_gpuclean.model import DeviceInfo
+
+GPU0 = DeviceInfo(0, "GPU-1a2b3c4d-0000-4000-8000-000000000000", "H200")
+GPU1 = DeviceInfo(1, "GPU-1a2b9999-1111-4000-8000-000000000001", "H200")
+GPU2 = DeviceInfo(2, "GPU-77777777-2222-4000-8000-000000000002", "H200")
+MIG_A = DeviceInfo(3, "MIG-5e5e5e5e-aaaa-5000-8000-00000000000a", "A100", mig_index=0)
+MIG_B = DeviceInfo(3, "MIG-6f6f6f6f-bbbb-5000-8000-00000000000b", "A100", mig_index=1)
+ALL = (GPU0, GPU1, GPU2, MIG_A, MIG_B)
+
+
+@pytest.mark.parametrize(("spec", "tokens"), [
+    ("0,1", ["0", "1"]),
+    (" 0 , 2 ", ["0", "2"]),
+    ("", []),
+    (",,1,", ["1"]),
+    ("1,-1,0", ["1"]),  # CUDA stops at a negative index
+    ("-1", []),
+    ("GPU-1a2b3c4d,MIG-5e5e", ["GPU-1a2b3c4d", "MIG-5e5e"]),
+])
+def test_parse_device_list(spec: str, tokens: list[str]) -> None:
+    assert parse_device_list(spec) == tokens
+
+
+def test_cuda_ordinals_are_positions_among_the_devices() -> None:
+    gpus = (GPU0, GPU1, GPU2)
+    assert select_devices(gpus, "2,0", cuda_ordinals=True) == (GPU2, GPU0)
+    assert select_devices(gpus, "1,1", cuda_ordinals=True) == (GPU1,)  # listed twice, one device
+
+
+def test_cuda_ordinals_follow_cudas_own_order_when_given() -> None:
+    # CUDA's "fastest first" order can differ from NVML's PCI order: ordinal 0 is then NVML's GPU 2.
+    order = [GPU2.uuid, GPU0.uuid, GPU1.uuid]
+    assert select_devices((GPU0, GPU1, GPU2), "0,2", cuda_ordinals=True, ordinal_uuids=order) == (GPU2, GPU1)
+    with pytest.raises(DeviceSelectionError, match="device 3 does not exist"):
+        select_devices((GPU0, GPU1, GPU2), "3", cuda_ordinals=True, ordinal_uuids=order)
+
+
+def test_nvml_indices_never_pick_a_mig_instance() -> None:
+    assert select_devices(ALL, "2,0", cuda_ordinals=False) == (GPU2, GPU0)
+    # Index 3 is a GPU in MIG mode: it is only reachable through its MIG UUIDs.
+    with pytest.raises(DeviceSelectionError, match="device 3 does not exist"):
+        select_devices(ALL, "3", cuda_ordinals=False)
+
+
+def test_full_uuids_any_case() -> None:
+    assert select_devices(ALL, f"{GPU2.uuid},{GPU0.uuid.upper()}", cuda_ordinals=True) == (GPU2, GPU0)
+
+
+def test_unique_uuid_prefixes() -> None:
+    assert select_devices(ALL, "GPU-1a2b3c", cuda_ordinals=True) == (GPU0,)
+    assert select_devices(ALL, "GPU-7", cuda_ordinals=True) == (GPU2,)
+    assert select_devices(ALL, "gpu-1A2B9", cuda_ordinals=True) == (GPU1,)
+
+
+def test_mig_uuids_and_prefixes() -> None:
+    assert select_devices(ALL, f"{MIG_B.uuid}", cuda_ordinals=True) == (MIG_B,)
+    assert select_devices(ALL, "MIG-5e,GPU-7", cuda_ordinals=True) == (MIG_A, GPU2)
+
+
+def test_mixed_indices_and_uuids_keep_the_listed_order() -> None:
+    spec = f"2,{GPU0.uuid[:12]},1"
+    assert select_devices((GPU0, GPU1, GPU2), spec, cuda_ordinals=True) == (GPU2, GPU0, GPU1)
+
+
+def test_ambiguous_prefix_is_an_error() -> None:
+    with pytest.raises(DeviceSelectionError, match=r"UUID prefix 'GPU-1a2b' is ambiguous \(2 devices\)"):
+        select_devices(ALL, "GPU-1a2b", cuda_ordinals=True)
+    with pytest.raises(DeviceSelectionError, match="ambiguous"):
+        select_devices(ALL, "MIG-", cuda_ordinals=True)
+
+
+@pytest.mark.parametrize("spec", ["GPU-deadbeef", "5", "GPU-1a2b3c4d-0000-4000-8000-000000000000-x", "foo"])
+def test_unknown_device_is_an_error(spec: str) -> None:
+    with pytest.raises(DeviceSelectionError):
+        select_devices(ALL, spec, cuda_ordinals=True)
+
+
+def test_list_cut_at_negative_index_ignores_the_rest() -> None:
+    # CUDA hides everything after -1, so a bogus entry there is not an error.
+    assert select_devices((GPU0, GPU1), "1,-1,GPU-deadbeef", cuda_ordinals=True) == (GPU1,)
+
+
+def test_simulated_devices_take_uuids_from_their_files(tmp_path: Path) -> None:
+    for index in (0, 1):
+        (tmp_path / str(index)).mkdir()
+    named = "GPU-feedface-0000-4000-8000-000000000001"
+    (tmp_path / "1" / "uuid").write_text(named + "\n")
+    found = SimulatedBackend(tmp_path).devices()
+    assert [d.uuid for d in found] == [simulated_uuid(tmp_path, 0), named]
+    # The default UUID is stable for a directory, so concurrent sessions agree on lock names.
+    assert simulated_uuid(tmp_path, 0) == simulated_uuid(str(tmp_path) + "/.", 0)
+    assert simulated_uuid(tmp_path, 0) != simulated_uuid(tmp_path, 1)
+
+
+# ---- end to end: what an inner session checks, from CUDA_VISIBLE_DEVICES --------------------------
+
+SIM_UUIDS = ("GPU-0c0c0c0c-0000-4000-8000-000000000000", "GPU-1d1d1d1d-1111-4000-8000-000000000001")
+
+SHOW_DEVICES = """
+import os
+import pytest
+
+def test_sees(clean_gpus):
+    print("SEEN", [(d.index, d.uuid) for d in clean_gpus.devices])
+
+@pytest.mark.needs_clean_gpus(count=1)
+def test_count_gets_full_uuid():
+    print("VISIBLE", os.environ["CUDA_VISIBLE_DEVICES"])
+"""
+
+
+@pytest.fixture
+def named_sim(sim: Path) -> Path:
+    for index, uuid in enumerate(SIM_UUIDS):
+        (sim / str(index) / "uuid").write_text(uuid)
+    return sim
+
+
+def test_cuda_visible_devices_prefix_selects_one_device(pytester: pytest.Pytester, named_sim: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1d1d")
+    pytester.makepyfile(test_inner=SHOW_DEVICES)
+    result = run_inner(pytester, "-s")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([
+        "gpuclean: simulated devices*checking 1,*",
+        f"gpuclean: GPU 1 Simulated GPU ({SIM_UUIDS[1]}): 0/81920 MiB used",
+    ])
+    out = result.stdout.str()
+    assert f"SEEN [(1, '{SIM_UUIDS[1]}')]" in out
+    assert f"VISIBLE {SIM_UUIDS[1]}\n" in out  # count=N hands the test full UUIDs, whatever the user wrote
+    assert SIM_UUIDS[0] not in out
+
+
+def test_cuda_visible_devices_indices_and_uuids(pytester: pytest.Pytester, named_sim: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"1,{SIM_UUIDS[0]}")
+    pytester.makepyfile(test_inner=SHOW_DEVICES)
+    result = run_inner(pytester, "-s")
+    result.assert_outcomes(passed=2)
+    assert f"SEEN [(1, '{SIM_UUIDS[1]}'), (0, '{SIM_UUIDS[0]}')]" in result.stdout.str()
+
+
+@pytest.mark.parametrize(("visible", "problem"), [
+    ("GPU-ffff", "no device has a UUID starting with 'GPU-ffff'"),
+    ("GPU-", "UUID prefix 'GPU-' is ambiguous (2 devices)"),
+    ("2", "device 2 does not exist (2 device(s) found)"),
+])
+def test_unknown_cuda_visible_device_is_a_usage_error(pytester: pytest.Pytester, named_sim: Path,
+                                                      monkeypatch: pytest.MonkeyPatch, visible: str,
+                                                      problem: str) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    pytester.makepyfile(test_inner=SHOW_DEVICES)
+    result = run_inner(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: *{problem}*CUDA_VISIBLE_DEVICES={visible!r}*"])
