@@ -269,9 +269,14 @@ class Checker:
             info = processes.describe(f.pid, f.start_ticks)
             if info is None:
                 continue
+            if info.uid != self.uid:
+                detail = f"belongs to another user ({info.user}): never killed"
+            elif not self.reap_enabled:
+                detail = "reaping is off"
+            else:
+                detail = f"could not be reaped ({info.state})"
             offenders.append(Offender("leaked", info, self.ownership.owner(f.token), f.found_by,
-                                      _mib_of(f.pid, snaps), detail="reaping is off" if not
-                                      self.reap_enabled else "could not be reaped"))
+                                      _mib_of(f.pid, snaps), detail=detail))
         # Memory of allowlisted processes still counts against the tolerance; only their presence is
         # excused. Memory explained by a listed offender is not reported twice.
         blamed = {o.process.pid for o in offenders if o.process is not None}

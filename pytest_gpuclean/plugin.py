@@ -94,6 +94,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(plugin.close)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(plugin), PLUGIN_NAME + "-xdist")
+    from pytest_gpuclean.outputs import OutputHooks  # imported here: outputs imports this module
+
+    config.pluginmanager.register(OutputHooks(plugin), PLUGIN_NAME + "-outputs")
 
 
 def _select_devices(backend: devices_mod.Backend, resolved: settings.Settings) -> tuple[DeviceInfo, ...]:
@@ -162,6 +165,7 @@ class GpuCleanPlugin:
         self.controller = False
         self.worker_payloads: list[dict[str, Any]] = []
         self._fixture_tokens: dict[int, str] = {}
+        self._tearing_down: _ItemState | None = None
         self._session_token = self.checker.ownership.new_token(Owner("session", "pytest session"))
         # Processes started outside any test (collection, other plugins, conftest imports) belong to
         # the session, like a session-scoped fixture: protected until the final sweep.
@@ -208,7 +212,7 @@ class GpuCleanPlugin:
             if left:
                 self.notes.append(f"session end: {len(left)} process(es) spawned by this session still "
                                   f"alive (reaping is off): "
-                                  + ", ".join(f"pid {p.pid} {p.cmdline[:60]}" for p in left))
+                                  + ", ".join(f"pid {p.pid} {report.one_line(p.cmdline, 60)}" for p in left))
         for reaped in self.session_reaped:
             if reaped.owner is not None and reaped.owner.kind == "test":
                 self._record_for(reaped.owner.name).found_later.append(reaped)
@@ -270,9 +274,10 @@ class GpuCleanPlugin:
         if token is not None:
             # From now on its processes are checked like a test's, at the end of this teardown.
             self.checker.ownership.active_fixtures.discard(token)
-            state = request.node.stash.get(_STATE, None)
-            if state is not None:
-                state.fixture_tokens.append(token)
+            # request.node is the fixture's own node (module, class...), not the test whose teardown
+            # finalizes it; that test's check is the one that blames the fixture.
+            if self._tearing_down is not None:
+                self._tearing_down.fixture_tokens.append(token)
 
     # ---- around each test -------------------------------------------------------------------------
 
@@ -353,6 +358,7 @@ class GpuCleanPlugin:
         # tryfirst makes this wrapper the outermost, so the code after ``yield`` runs after every
         # fixture (and every other plugin's teardown) has finished.
         state = item.stash.get(_STATE, None)
+        self._tearing_down = state
         try:
             outcome: BaseException | None = None
             try:
@@ -361,6 +367,7 @@ class GpuCleanPlugin:
                 outcome = exc
             failure = self._after(item, state) if state is not None and state.checked else None
         finally:
+            self._tearing_down = None
             if state is not None:
                 self._end_test(state)
         if outcome is not None:
@@ -427,8 +434,9 @@ class GpuCleanPlugin:
             if r.owner is not None and r.owner.kind == "test":
                 self._record_for(r.owner.name).found_later.append(r)
             warnings.warn(GpuCleanWarning(
-                f"gpuclean: pid {r.process.pid} ({r.process.cmdline[:80]}) was leaked by {r.owner} and "
-                f"reaped ({r.ended_by}) before {state.record.nodeid if state.record else 'this test'}"),
+                f"gpuclean: pid {r.process.pid} ({report.one_line(r.process.cmdline, 80)}) was leaked by "
+                f"{r.owner} and reaped ({r.ended_by}) before "
+                f"{state.record.nodeid if state.record else 'this test'}"),
                 stacklevel=1)
 
     def _note_own_context(self, result: CheckResult) -> None:

@@ -26,6 +26,15 @@ def device_line(snap: DeviceSnapshot, holders: str = "") -> str:
     return line + (f", {holders}" if holders else "")
 
 
+CMDLINE_CHARS = 200
+
+
+def one_line(text: str, limit: int = CMDLINE_CHARS) -> str:
+    """A command line on one line: inline scripts (``python -c``) contain newlines."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
 def _held(pairs: Sequence[tuple[str, float]]) -> str:
     return ", ".join(f"{label} {value:.0f} MiB" for label, value in pairs) or "no GPU memory"
 
@@ -39,7 +48,7 @@ def offender_lines(offender: Offender) -> list[str]:
         f"  {offender.reason} pid {proc.pid} (user {proc.user}, {proc.state}, found as {offender.found_by}"
         f"{owner}): {_held(offender.mib_per_device)}"
         + (f"; {offender.detail}" if offender.detail else ""),
-        f"      cmd: {proc.cmdline}",
+        f"      cmd: {one_line(proc.cmdline)}",
     ]
 
 
@@ -52,7 +61,7 @@ def reaped_lines(reaped: Reaped) -> list[str]:
     return [
         f"  pid {proc.pid} ended by {reaped.ended_by}{timing} (found as {reaped.found_by}{owner}): "
         f"held {_held(reaped.mib_per_device)}{release}",
-        f"      cmd: {proc.cmdline}",
+        f"      cmd: {one_line(proc.cmdline)}",
     ]
 
 

@@ -1,0 +1,364 @@
+"""The reaper (issue 3): every way a test can leak a process, attribution, and the safety rules."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import alive, kill_all, read_pids, run_inner, wait_dead
+
+from pytest_gpuclean import processes, procfs
+from pytest_gpuclean.report import LEAK_PREFIX
+
+CHAIN = r'''
+import os, sys, time
+from pytest_gpuclean.simulate import allocate
+pidfile, depth = sys.argv[1], int(sys.argv[2])
+for level in range(depth):
+    if os.fork() != 0:
+        break
+else:
+    allocate(os.environ["GPUCLEAN_SIMULATE"], 0, 10)  # the deepest one holds memory
+with open(pidfile, "a") as f:
+    f.write(f"{os.getpid()}\n")
+time.sleep(3600)
+'''
+
+# name -> (test body leaking something, pids expected in the pidfile, text expected in the report)
+SCENARIOS: dict[str, tuple[str, int, list[str]]] = {
+    "plain_child": ("hold(mib=64)", 1, ["*ended by SIGTERM*found as descendant*held GPU 0 64 MiB*"]),
+    "grandchild_of_exited_parent": (
+        "subprocess.run(['sh', '-c', ' '.join([sys.executable, '-m', 'pytest_gpuclean.simulate', 'hold', "
+        "'--dir', SIM, '--mib', '8', '--pidfile', PIDFILE, '&'])], check=True)",
+        1, ["*ended by SIGTERM*held GPU 0 8 MiB*"]),
+    "setsid_double_fork_daemon": ("hold('--daemonize', mib=16)", 1,
+                                  ["*ended by SIGTERM*found as adopted*held GPU 0 16 MiB*"]),
+    "scrubbed_environment": (
+        "hold(mib=4, prefix=['env', '-i'])", 1,
+        ["*ended by SIGTERM*spawned by test_inner.py::test_leak*held GPU 0 4 MiB*"]),
+    "ignores_sigterm": ("hold('--ignore-sigterm', mib=32)", 1, ["*ended by SIGKILL*held GPU 0 32 MiB*"]),
+    "deep_tree_20": (f"subprocess.Popen([sys.executable, '-c', {CHAIN!r}, PIDFILE, '20'])", 21,
+                     ["reaped 21 process(es):"]),
+    "wide_tree_100": ("hold('--children', '99', mib=1)", 100, ["reaped 100 process(es):"]),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_leak_is_found_attributed_reaped_and_next_test_passes(
+        scenario: str, inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    body, count, expected = SCENARIOS[scenario]
+    pidfile = inner(f"""
+@pytest.mark.needs_clean_gpus
+def test_leak():
+    {body}
+    wait_holders({count})
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-grace=0.5")
+    pids = read_pids(pidfile, count)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at teardown of test_leak*", f"{LEAK_PREFIX} *", *expected])
+    assert f"pid {pids[-1]} " in result.stdout.str()
+    assert wait_dead(pids, timeout=2) == []
+    assert "ERROR at setup of test_next" not in result.stdout.str()
+
+
+def test_zombie_child_is_reaped_by_its_pid(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    inner("""
+KEEP = []
+
+@pytest.mark.needs_clean_gpus
+def test_leak():
+    proc = subprocess.Popen(["true"])
+    KEEP.append(proc)  # never waited for: a zombie once it exits
+    with open(PIDFILE, "w") as f:
+        f.write(str(proc.pid))
+    time.sleep(0.3)
+""")
+    result = run_inner(pytester)
+    zombie = read_pids(Path(os.environ["LEAK_PIDFILE"]))[0]
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines([f"  pid {zombie} ended by reaped zombie*"])
+    assert procfs.read_stat(zombie) is None  # collected, not left as a zombie
+
+
+def test_multiprocessing_pool_left_open_is_shut_down(inner: Callable[[str], Path],
+                                                      pytester: pytest.Pytester) -> None:
+    pidfile = inner("""
+import multiprocessing
+POOLS = []
+
+@pytest.mark.needs_clean_gpus
+def test_leak():
+    pool = multiprocessing.get_context("fork").Pool(3)
+    POOLS.append(pool)  # still referenced: its handler thread would respawn killed workers
+    with open(PIDFILE, "w") as f:
+        f.write(" ".join(str(p.pid) for p in pool._pool))
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-grace=1")
+    workers = read_pids(pidfile, 3)
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*note: Pool with workers * was still referenced in the pytest process: "
+                                 "shut it down*"])
+    assert wait_dead(workers, timeout=2) == []
+    assert "gave up" not in result.stdout.str()
+
+
+def test_leak_of_unmarked_test_is_blamed_on_it_and_finder_proceeds(
+        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner("""
+def test_unmarked_leaker():
+    hold(mib=20)
+    wait_holders(1)
+
+def test_unmarked_innocent():
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_finder():
+    pass
+""")
+    result = run_inner(pytester)
+    leaked = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=3, warnings=1)
+    result.stdout.fnmatch_lines([
+        f"*GpuCleanWarning: gpuclean: pid {leaked} (*) was leaked by test_inner.py::test_unmarked_leaker and "
+        "reaped (SIGTERM) before test_inner.py::test_finder",
+        "*= gpuclean =*",
+        f"test_inner.py::test_unmarked_leaker: leaked 1 process(es) found by a later check "
+        f"(pid {leaked} SIGTERM)",
+    ])
+    assert "test_inner.py::test_unmarked_innocent:" not in result.stdout.str()
+    assert not alive(leaked)
+
+
+SERVER_MODULE = """
+import signal
+
+@pytest.fixture(scope="module")
+def server():
+    proc = hold(mib=50)
+    pid = wait_holders(1)[0]
+    yield pid
+    if STOP_SERVER:
+        proc.terminate()
+        proc.wait()
+
+@pytest.mark.needs_clean_gpus
+def test_one(server):
+    os.kill(server, 0)
+
+@pytest.mark.needs_clean_gpus
+def test_two(server):
+    os.kill(server, 0)  # the first test's checks left the fixture's server alone
+"""
+
+
+def test_module_fixture_process_survives_its_tests(inner: Callable[[str], Path],
+                                                   pytester: pytest.Pytester) -> None:
+    pidfile = inner("STOP_SERVER = True\n" + SERVER_MODULE)
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=2)
+    assert "leaked" not in result.stdout.str()
+    assert not alive(read_pids(pidfile)[0])
+
+
+def test_module_fixture_that_leaks_is_blamed_at_its_teardown(inner: Callable[[str], Path],
+                                                             pytester: pytest.Pytester) -> None:
+    pidfile = inner("STOP_SERVER = False\n" + SERVER_MODULE)
+    result = run_inner(pytester)
+    server = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_two*",
+        f"{LEAK_PREFIX} 1 process(es) (reaped)",
+        f"  pid {server} ended by SIGTERM*(found as descendant, spawned by fixture server (module-scoped)): "
+        "held GPU 0 50 MiB*",
+    ])
+    assert "ERROR at teardown of test_one" not in result.stdout.str()
+    assert not alive(server)
+
+
+def test_session_end_sweeps_what_nothing_else_checked(inner: Callable[[str], Path],
+                                                      pytester: pytest.Pytester) -> None:
+    pidfile = inner("""
+def test_unmarked_last():
+    hold(mib=3)
+    wait_holders(1)
+""")
+    result = run_inner(pytester)
+    leaked = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        f"session end: reaped 1 leftover process(es): pid {leaked} (test_inner.py::test_unmarked_last) "
+        "SIGTERM",
+    ])
+    assert not alive(leaked)
+
+
+def test_escapee_through_a_daemon_is_found_by_its_cookie(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    # A launcher outside the inner session's tree starts processes with the requester's environment,
+    # like a daemon that inherits env: only the cookie ties the process to the test that asked.
+    fifo = tmp_path / "launch.fifo"
+    os.mkfifo(fifo)
+    launcher = subprocess.Popen([sys.executable, "-c", f"""
+import json, subprocess
+while True:
+    with open({str(fifo)!r}) as f:
+        for line in f:
+            request = json.loads(line)
+            subprocess.Popen(request["argv"], env=request["env"], start_new_session=True)
+"""])
+    try:
+        pidfile = inner(f"""
+import json
+
+@pytest.mark.needs_clean_gpus
+def test_leak_via_daemon():
+    argv = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", SIM, "--mib", "12",
+            "--pidfile", PIDFILE]
+    with open({str(fifo)!r}, "w") as f:
+        f.write(json.dumps({{"argv": argv, "env": dict(os.environ)}}) + "\\n")
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+""")
+        result = run_inner(pytester)
+        escapee = read_pids(pidfile)[0]
+        result.assert_outcomes(passed=2, errors=1)
+        result.stdout.fnmatch_lines([
+            f"  pid {escapee} ended by SIGTERM*(found as cookie, spawned by "
+            "test_inner.py::test_leak_via_daemon): held GPU 0 12 MiB*",
+        ])
+        assert not alive(escapee)
+        assert launcher.poll() is None  # the launcher itself was never ours
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+@pytest.fixture
+def other_user() -> Iterator[pwd.struct_passwd]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    name = "gpuclean-other"
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        if shutil.which("useradd") is None:
+            pytest.skip("no useradd to create a second user")
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+        entry = pwd.getpwnam(name)
+    yield entry
+
+
+def test_another_users_process_is_never_signalled(other_user: pwd.struct_passwd, pytester: pytest.Pytester,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Even as root, and even when it is our own descendant, another user's process is not ours to kill.
+    shared = Path(tempfile.mkdtemp(prefix="gpuclean-uid-"))
+    try:
+        shared.chmod(0o1777)
+        (shared / "0").mkdir(mode=0o777)
+        (shared / "0").chmod(0o777)
+        pidfile = shared / "pids"
+        monkeypatch.setenv("GPUCLEAN_SIMULATE", str(shared))
+        monkeypatch.setenv("GPUCLEAN_LOCK_DIR", str(shared / "locks"))
+        monkeypatch.setenv("LEAK_PIDFILE", str(pidfile))
+        # A shell holder: the other user can't run this venv's Python (it lives under /root).
+        script = ('echo 7340032 > "$GPUCLEAN_SIMULATE/0/$$"; echo $$ >> "$LEAK_PIDFILE"; exec sleep 3600')
+        pytester.makepyfile(test_inner=f"""
+import os, subprocess, time
+import pytest
+
+@pytest.mark.needs_clean_gpus(timeout=0.5)
+def test_spawns_as_other_user():
+    subprocess.Popen(["sh", "-c", {script!r}], user={other_user.pw_uid}, group={other_user.pw_gid}, cwd="/")
+    deadline = time.monotonic() + 20
+    while not os.path.exists(os.environ["LEAK_PIDFILE"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+""")
+        result = run_inner(pytester)
+        holder = read_pids(pidfile)[0]
+        assert alive(holder), result.stdout.str()
+        assert processes.owner_uid(holder) == other_user.pw_uid
+        result.stdout.fnmatch_lines([
+            f"  leaked pid {holder} (user {other_user.pw_name}*): GPU 0 7 MiB; belongs to another user "
+            f"({other_user.pw_name}): never killed",
+            f"note: pid {holder} left alone: not provably ours"])
+        assert "SIGTERM" not in result.stdout.str()
+        kill_all([holder])
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_pid_reuse_is_never_signalled() -> None:
+    # A recorded identity whose start time no longer matches is a different process: leave it alone.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stat = procfs.read_stat(proc.pid)
+        assert stat is not None
+        stale = processes.KillTarget(proc.pid, stat.start_ticks - 1)
+        outcome = processes.terminate([stale], grace=0.2)
+        assert [(o.pid, o.ended_by) for o in outcome] == [(proc.pid, "pid reused")]
+        time.sleep(0.1)
+        assert proc.poll() is None
+        # The true identity is killed, and collected by its specific pid.
+        outcome = processes.terminate([processes.KillTarget(proc.pid, stat.start_ticks)], grace=2)
+        assert outcome[0].ended_by == "SIGTERM"
+        assert procfs.read_stat(proc.pid) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_reaper_never_steals_popen_exit_statuses(inner: Callable[[str], Path],
+                                                  pytester: pytest.Pytester) -> None:
+    # A Popen held by a module fixture keeps its own exit status: gpuclean waits on specific pids only.
+    inner("""
+@pytest.fixture(scope="module")
+def worker():
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"])
+    yield proc
+    assert proc.wait() == 7
+
+@pytest.mark.needs_clean_gpus
+def test_one(worker):
+    time.sleep(0.3)  # the worker has exited: a zombie that belongs to the fixture
+
+@pytest.mark.needs_clean_gpus
+def test_two(worker):
+    pass
+""")
+    run_inner(pytester).assert_outcomes(passed=2)
+
+
+def test_fixture_protection_ends_with_the_fixture(tmp_path: Path) -> None:
+    # Ownership bookkeeping: a process spawned under a fixture's cookie is protected only while it lives.
+    from pytest_gpuclean.checker import Ownership
+    from pytest_gpuclean.model import Owner
+
+    ownership = Ownership("s1")
+    token = ownership.new_token(Owner("fixture", "server (module-scoped)"))
+    ownership.active_fixtures.add(token)
+    assert ownership.is_protected(ownership.token_of_cookie(ownership.cookie(token)))
+    ownership.active_fixtures.discard(token)
+    assert not ownership.is_protected(token)
+    assert ownership.token_of_cookie("other-session:" + token) is None
