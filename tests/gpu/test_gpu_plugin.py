@@ -1,0 +1,183 @@
+"""The plugin against a real GPU: NVML v2 memory, per-process attribution, reaping CUDA holders.
+
+Each scenario runs an inner pytest session (``-p gpuclean``, real NVML) in a subprocess, so leaks and
+kills stay there; figures are printed so docs/gpu.md can quote them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuclean.devices import NvmlBackend
+from pytest_gpuclean.model import MIB
+
+# A CUDA holder: allocates MIB of device memory, then records its pid (so the test knows it holds).
+HOLDER = r'''
+import os, signal, sys, time
+import torch
+mib, pidfile, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if mode == "daemon":
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+block = torch.empty(mib * 1024 * 1024, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+with open(pidfile, "a") as f:
+    f.write(f"{os.getpid()}\n")
+time.sleep(3600)
+'''
+
+PRELUDE = f'''
+import os, subprocess, sys, time
+import pytest
+HOLDER = {HOLDER!r}
+PIDFILE = os.environ["LEAK_PIDFILE"]
+
+def hold(mib, mode="plain"):
+    subprocess.Popen([sys.executable, "-c", HOLDER, str(mib), PIDFILE, mode])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if os.path.exists(PIDFILE) and open(PIDFILE).read().strip():
+            return int(open(PIDFILE).read().split()[0])
+        time.sleep(0.05)
+    raise AssertionError("CUDA holder did not start")
+'''
+
+
+@pytest.fixture
+def gpu_inner(pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)
+    monkeypatch.setenv("GPUCLEAN_LOCK_DIR", str(tmp_path / "locks"))
+    pidfile = tmp_path / "holder.pids"
+    monkeypatch.setenv("LEAK_PIDFILE", str(pidfile))
+    return pidfile
+
+
+def _run(pytester: pytest.Pytester, body: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(test_inner=PRELUDE + body)
+    result = pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider", "-rA", *args,
+                                           timeout=300)
+    print(result.stdout.str())
+    return result
+
+
+def test_idle_gpu_is_clean_in_v2_memory() -> None:
+    backend = NvmlBackend()
+    try:
+        for device in backend.devices():
+            snap = backend.snapshot(device)
+            import pynvml
+
+            handle = pynvml.nvmlDeviceGetHandleByUUID(device.uuid)
+            v1_used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+            print(f"{device.label} {device.name}: v2 used {snap.used_bytes / MIB:.0f} MiB, "
+                  f"v1 used {v1_used / MIB:.0f} MiB, processes {snap.processes}")
+            assert snap.processes == (), "GPU not idle: another process holds it"
+            assert snap.used_bytes == 0  # v1 would say ~600 MiB (reserved) on an idle H200
+    finally:
+        backend.close()
+
+
+def test_idle_gpu_passes_the_gate(gpu_inner: Path, pytester: pytest.Pytester) -> None:
+    result = _run(pytester, """
+@pytest.mark.needs_clean_gpus
+def test_idle(clean_gpus):
+    assert clean_gpus.devices and all(d.used_bytes == 0 for d in clean_gpus.devices)
+""")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpuclean: nvml devices (driver *), checking *",
+                                 "gpuclean: GPU 0 NVIDIA *: 0/* MiB used"])
+
+
+def test_torch_child_is_attributed_reaped_and_release_timed(gpu_inner: Path,
+                                                             pytester: pytest.Pytester) -> None:
+    result = _run(pytester, """
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold(1024)
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+""")
+    pid = int(gpu_inner.read_text().split()[0])
+    result.assert_outcomes(passed=2, errors=1)
+    line = next(x for x in result.stdout.lines if x.startswith(f"  pid {pid} ended by SIGTERM"))
+    held = float(re.search(r"held GPU 0 (\d+) MiB", line).group(1))  # type: ignore[union-attr]
+    assert 1024 <= held < 1024 + 1024  # the tensor plus its CUDA context
+    assert "the driver released it" in line
+
+
+def test_sigterm_ignoring_4gib_holder_needs_sigkill(gpu_inner: Path, pytester: pytest.Pytester) -> None:
+    report = gpu_inner.parent / "report.json"
+    result = _run(pytester, """
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold(4096, "ignore-term")
+""", "--gpuclean-grace=1", f"--gpuclean-report={report}")
+    pid = int(gpu_inner.read_text().split()[0])
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines([f"  pid {pid} ended by SIGKILL after 1.*s (found as descendant*): "
+                                 "held GPU 0 4*MiB; the driver released it *s after exit"])
+    if report.exists():  # the JSON report carries the release time too
+        print(json.dumps(json.loads(report.read_text()), indent=1)[:4000])
+
+
+def test_double_forked_cuda_daemon_is_adopted_and_reaped(gpu_inner: Path,
+                                                          pytester: pytest.Pytester) -> None:
+    result = _run(pytester, """
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold(512, "daemon")
+""")
+    pid = int(gpu_inner.read_text().split()[0])
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines([f"  pid {pid} ended by SIGTERM*(found as adopted*): held GPU 0 *MiB*"])
+
+
+def test_own_cuda_context_is_not_a_leak(gpu_inner: Path, pytester: pytest.Pytester) -> None:
+    result = _run(pytester, """
+import torch
+
+@pytest.mark.needs_clean_gpus
+def test_uses_cuda_in_process():
+    x = torch.ones(256 * 1024 * 1024 // 4, device="cuda")
+    assert float(x.sum()) == 256 * 1024 * 1024 // 4
+
+@pytest.mark.needs_clean_gpus
+def test_after():
+    pass
+""")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*holds a CUDA context (GPU 0 * MiB); it is not counted as a leak*"])
+
+
+def test_count_one_sets_cuda_visible_devices_to_the_uuid(gpu_inner: Path, pytester: pytest.Pytester) -> None:
+    backend = NvmlBackend()
+    uuids = [d.uuid for d in backend.devices()]
+    backend.close()
+    result = _run(pytester, """
+@pytest.mark.needs_clean_gpus(count=1)
+def test_one_gpu(clean_gpus):
+    visible = os.environ["CUDA_VISIBLE_DEVICES"]
+    assert visible == clean_gpus.devices[0].uuid
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count(), "
+                          "torch.cuda.get_device_properties(0).uuid)"], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    print("CUDA_VISIBLE_DEVICES", visible, "torch sees", out)
+    assert out[0] == "1"
+    assert visible.lower().endswith(out[1].lower())
+""")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["CUDA_VISIBLE_DEVICES GPU-* torch sees *"])
+    assert any(u in result.stdout.str() for u in uuids)
