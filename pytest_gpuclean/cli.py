@@ -1,0 +1,454 @@
+"""``gpuclean status|check|reap``: the plugin's clean check and reaper as a command for CI runner hooks.
+
+* ``gpuclean status [--json]``: what each GPU holds, and who.
+* ``gpuclean check [--wait S]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or driver error.
+* ``gpuclean reap [--dry-run]``: post-job cleanup of the invoking user's GPU processes (and of the
+  processes carrying a ``--cookie``), with the plugin's TERM -> grace -> KILL ladder.
+
+Nothing here talks to NVML or signals a process itself: devices come from ``devices.open_backend``,
+verdicts from ``checker.Checker``, process details and kills from ``processes``. The CLI has no process
+tree of its own, so for it "clean" means: no process on the devices and memory within the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO, TypeVar
+
+from pytest_gpuclean import __version__, devices, jsonreport, processes, report
+from pytest_gpuclean.checker import COOKIE_VAR, Checker, _ReleaseWatch
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, ProcessInfo, Reaped
+
+EXIT_CLEAN = 0
+EXIT_DIRTY = 1
+"""``check``: not clean; ``reap``: a process survived SIGKILL."""
+EXIT_ERROR = 2
+"""A usage error (the message names the option) or the devices could not be read."""
+
+PROG = "gpuclean"
+CMDLINE_WIDTH = 200
+DEFAULT_GRACE_S = 5.0
+
+T = TypeVar("T")
+
+
+class CliError(Exception):
+    """A problem the user must fix (bad option or environment value, no devices): exit status 2."""
+
+
+# ---- option values -----------------------------------------------------------------------------------
+
+def _whole_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; expected a whole number >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _existing_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
+    return os.path.abspath(text)
+
+
+def _globs(text: str) -> list[str]:
+    return [p.strip() for p in text.replace("\n", ",").split(",") if p.strip()]
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    value: Any
+    source: str
+
+
+def _resolve(given: T | None, flag: str, env_var: str, parse: Callable[[str], T], default: T) -> _Resolved:
+    """The command line wins over the environment variable, which wins over the default.
+
+    The variables are the plugin's (``GPUCLEAN_SIMULATE``, ``GPUCLEAN_DEVICES``, ...), so a runner
+    configured once applies to both the hooks and the pytest sessions they guard.
+    """
+    if given is not None:
+        return _Resolved(given, f"from {flag}")
+    raw = os.environ.get(env_var, "")
+    if raw == "":
+        return _Resolved(default, "default")
+    try:
+        return _Resolved(parse(raw), f"from environment variable {env_var}")
+    except argparse.ArgumentTypeError as exc:
+        raise CliError(f"{flag}: {exc} (from environment variable {env_var})") from None
+
+
+# ---- devices -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Devices:
+    backend: devices.Backend
+    chosen: tuple[DeviceInfo, ...]
+    source: str
+    """Where the device list came from, for the header and error messages."""
+
+
+def _select(backend: devices.Backend, spec: _Resolved) -> tuple[tuple[DeviceInfo, ...], str]:
+    available = backend.devices()
+    if spec.value is not None:
+        try:
+            return devices.select_devices(available, spec.value, cuda_ordinals=False), spec.source
+        except devices.DeviceSelectionError as exc:
+            raise CliError(f"--devices: {exc} ({spec.source})") from None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return available, "all devices"
+    # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those, as the
+    # pytest sessions it runs do; its tokens are CUDA ordinals, which may not be NVML's order.
+    ordinal_uuids = None
+    if (any(t.isdigit() for t in devices.parse_device_list(visible))
+            and not devices.cuda_order_matches_nvml(available) and backend.kind == "nvml"):
+        ordinal_uuids = devices.cuda_ordinal_uuids()
+    try:
+        chosen = devices.select_devices(available, visible, cuda_ordinals=True, ordinal_uuids=ordinal_uuids)
+    except devices.DeviceSelectionError as exc:
+        raise CliError(f"--devices: {exc} (from environment variable CUDA_VISIBLE_DEVICES={visible!r}; "
+                       "pass --devices to choose devices explicitly)") from None
+    return chosen, f"from CUDA_VISIBLE_DEVICES={visible!r}"
+
+
+@contextlib.contextmanager
+def _open_devices(args: argparse.Namespace) -> Iterator[_Devices]:
+    simulate = _resolve(args.simulate, "--simulate", "GPUCLEAN_SIMULATE", _existing_dir, None)
+    spec = _resolve(args.devices, "--devices", "GPUCLEAN_DEVICES", str, None)
+    backend = devices.open_backend(simulate.value)
+    try:
+        chosen, source = _select(backend, spec)
+        yield _Devices(backend, chosen, source)
+    finally:
+        backend.close()
+
+
+def _checker(backend: devices.Backend, *, grace: float = DEFAULT_GRACE_S, ignore: Sequence[str] = ()
+             ) -> Checker:
+    checker = Checker(backend, reap=False, grace=grace, ignore=ignore)
+    # The plugin excuses sibling xdist workers of its own run; the CLI has no run, and a hook started
+    # from inside a test run (as our own tests do) must not excuse that run's processes.
+    checker.xdist_run = None
+    return checker
+
+
+def _header(found: _Devices) -> str:
+    backend = found.backend
+    return (f"{backend.kind} devices, driver {backend.driver_version()}; "
+            f"{len(found.chosen)} of {len(backend.devices())} device(s) ({found.source})")
+
+
+def _cmd(cmdline: str) -> str:
+    return cmdline if len(cmdline) <= CMDLINE_WIDTH else cmdline[: CMDLINE_WIDTH - 3] + "..."
+
+
+def _mib_text(num_bytes: int | None) -> str:
+    return "?" if num_bytes is None else f"{num_bytes / MIB:.0f}"
+
+
+# ---- status ------------------------------------------------------------------------------------------
+
+def status_lines(snaps: Sequence[DeviceSnapshot], described: dict[int, ProcessInfo | None]) -> list[str]:
+    """The compact per-GPU table of ``gpuclean status``."""
+    lines: list[str] = []
+    for snap in snaps:
+        device = snap.device
+        busy = f"{len(snap.processes)} process(es)" if snap.processes else "no processes"
+        lines.append(f"{device.label:<10} {device.name}  {device.uuid}  "
+                     f"{_mib_text(snap.used_bytes)} / {_mib_text(snap.total_bytes)} MiB used  {busy}")
+        if not snap.processes:
+            continue
+        lines.append(f"    {'PID':>8}  {'USER':<12} {'MiB':>8}  COMMAND")
+        for proc in snap.processes:
+            info = described.get(proc.pid)
+            user = info.user if info else "?"
+            command = _cmd(info.cmdline) if info else "(not visible here: exited, or another PID namespace)"
+            lines.append(f"    {proc.pid:>8}  {user:<12} {_mib_text(proc.used_bytes):>8}  {command}")
+    return lines
+
+
+def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
+    """``gpuclean status``: memory and processes of each device; ``--json`` for machines."""
+    with _open_devices(args) as found:
+        snaps = [found.backend.snapshot(d) for d in found.chosen]
+        described = {p.pid: processes.describe(p.pid) for s in snaps for p in s.processes}
+        if args.json:
+            document = {"gpuclean_version": __version__, "backend": found.backend.kind,
+                        "driver": found.backend.driver_version(), "device_source": found.source,
+                        "devices": [jsonreport.snapshot_json(s, described) for s in snaps]}
+            json.dump(document, out, indent=2)
+            out.write("\n")
+            return EXIT_CLEAN
+        print(f"{PROG} status: {_header(found)}", file=out)
+        for line in status_lines(snaps, described) or ["(no devices)"]:
+            print(line, file=out)
+    return EXIT_CLEAN
+
+
+# ---- check -------------------------------------------------------------------------------------------
+
+def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
+    """Why ``gpuclean check`` found the devices clean or not."""
+    lines: list[str] = []
+    if result.clean:
+        waited = f", after {result.waited_s:.1f}s" if wait else ""
+        lines.append(f"{PROG} check: clean ({len(result.devices)} device(s), tolerance "
+                     f"{result.tolerance_mib} MiB{waited})")
+    else:
+        waited = f" after waiting {result.waited_s:.1f}s" if wait else ""
+        lines.append(f"{PROG} check: NOT clean{waited} (tolerance {result.tolerance_mib} MiB):")
+        for offender in result.offenders:
+            proc = offender.process
+            if proc is None:
+                lines.append(f"  {offender.detail}")
+                continue
+            held = ", ".join(f"{label} {value:.0f} MiB" for label, value in offender.mib_per_device)
+            lines.append(f"  pid {proc.pid} (user {proc.user}, {proc.state}) is on {held or 'the devices'}: "
+                         f"{_cmd(proc.cmdline)}")
+        mine = [o.process.pid for o in result.offenders if o.process is not None and o.process.uid == my_uid]
+        if mine:
+            lines.append(f"  `{PROG} reap` would end the processes of this user: pid(s) "
+                         + ", ".join(map(str, mine)))
+    lines.extend("  " + report.device_line(s) for s in result.devices)
+    return lines
+
+
+def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
+    """``gpuclean check``: exit 0 if the devices are clean (waiting up to ``--wait``), 1 if not."""
+    tolerance = _resolve(args.tolerance_mib, "--tolerance-mib", "GPUCLEAN_TOLERANCE_MIB", _whole_number, 0)
+    ignore = _resolve(args.ignore and [g for a in args.ignore for g in _globs(a)], "--ignore",
+                      "GPUCLEAN_IGNORE", _globs, [])
+    with _open_devices(args) as found:
+        if not found.chosen:
+            raise CliError(f"no devices to check ({_header(found)})")
+        checker = _checker(found.backend, ignore=ignore.value)
+        result = checker.check("check", found.chosen, tolerance_mib=tolerance.value, timeout=args.wait,
+                               reap=False)
+        for line in check_lines(result, args.wait, checker.uid):
+            print(line, file=out)
+    return EXIT_CLEAN if result.clean else EXIT_DIRTY
+
+
+# ---- reap --------------------------------------------------------------------------------------------
+
+@dataclass
+class _Target:
+    info: ProcessInfo
+    found_by: str
+    """``gpu`` (listed on a device) or ``cookie`` (carries the ``--cookie`` value)."""
+    mib: tuple[tuple[str, float], ...]
+
+
+def _mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:
+    return tuple((s.device.label, s.bytes_of({pid}) / MIB) for s in snaps
+                 if any(p.pid == pid for p in s.processes))
+
+
+def _process_uids() -> set[int]:
+    uids: set[int] = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                uids.add(os.stat(f"/proc/{name}").st_uid)
+    return uids
+
+
+def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[int], all_users: bool,
+              cookie: str | None) -> tuple[dict[int, _Target], list[str]]:
+    """What ``reap`` may end, and a line for each process it leaves alone (and why)."""
+    targets: dict[int, _Target] = {}
+    left_alone: list[str] = []
+    for pid in sorted({p.pid for s in snaps for p in s.processes}):
+        info = processes.describe(pid)
+        if info is None:
+            listed = ", ".join(label for label, _ in _mib_of(pid, snaps))
+            left_alone.append(f"pid {pid} (listed on {listed}): not visible here (exited, or in another "
+                              "PID namespace)")
+        elif pid in never_touch:
+            left_alone.append(f"pid {pid} ({_cmd(info.cmdline)}): gpuclean itself or one of its ancestors")
+        elif info.uid != my_uid and not all_users:
+            left_alone.append(f"pid {pid} of user {info.user} ({_cmd(info.cmdline)}): another user's "
+                              "process (only root, with --all-users, ends those)")
+        else:
+            targets[pid] = _Target(info, "gpu", _mib_of(pid, snaps))
+    if cookie is not None:
+        uids = sorted(_process_uids()) if all_users else [my_uid]
+        for uid in uids:
+            for pid, _value in processes.cookie_holders(COOKIE_VAR, cookie, uid):
+                if pid in targets:
+                    continue
+                info = processes.describe(pid)
+                if info is None:
+                    continue
+                if pid in never_touch:
+                    left_alone.append(f"pid {pid} ({_cmd(info.cmdline)}): carries the cookie, but is "
+                                      "gpuclean itself or one of its ancestors")
+                    continue
+                targets[pid] = _Target(info, "cookie", _mib_of(pid, snaps))
+    return targets, left_alone
+
+
+def _kill_targets(targets: dict[int, _Target]) -> list[processes.KillTarget]:
+    # Children before their parents: a parent that restarts dead children then has nothing to restart.
+    pids = set(targets)
+    return [processes.KillTarget(pid, t.info.start_ticks, len((processes.ancestors(pid) - {pid}) & pids))
+            for pid, t in targets.items()]
+
+
+def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[int, _Target],
+                 grace: float) -> tuple[list[Reaped], float | None]:
+    """End ``targets`` with the kill ladder; returns what happened and when the devices let go.
+
+    The second value is the seconds from the first signal until the driver listed none of the GPU
+    holders among ``targets`` any more (None if none held a GPU or they never disappeared).
+    """
+    holders = {pid for pid, t in targets.items() if t.mib}
+    watch = _ReleaseWatch(checker, chosen, holders)
+    started = time.monotonic()
+    outcomes = {o.pid: o for o in processes.terminate(_kill_targets(targets), grace, watch=watch.poll)}
+    watch.finish(deadline=time.monotonic() + max(grace, 10.0))
+    reaped: list[Reaped] = []
+    for pid, target in sorted(targets.items()):
+        outcome = outcomes[pid]
+        ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
+        release = None
+        if pid in watch.gone_at:
+            release = max(0.0, watch.gone_at[pid] - (started + (outcome.exit_s or 0.0)))
+        reaped.append(Reaped(target.info, None, target.found_by, ended_by, target.mib, outcome.exit_s,
+                             release))
+    all_released = None
+    if holders and holders <= watch.gone_at.keys():
+        all_released = max(watch.gone_at[p] for p in holders) - started
+    return reaped, all_released
+
+
+def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
+    """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers)."""
+    grace = _resolve(args.grace, "--grace", "GPUCLEAN_GRACE", _seconds, DEFAULT_GRACE_S)
+    if args.cookie is not None and not args.cookie.strip():
+        raise CliError("--cookie: the value is empty, and an empty prefix would match every process "
+                       f"that has {COOKIE_VAR} set")
+    if args.all_users and os.geteuid() != 0:
+        raise CliError("--all-users: only root may end other users' processes")
+    with _open_devices(args) as found:
+        checker = _checker(found.backend, grace=grace.value)
+        snaps = checker.snapshot(found.chosen)
+        targets, left_alone = plan_reap(snaps, my_uid=checker.uid, never_touch=checker.never_touch,
+                                        all_users=args.all_users, cookie=args.cookie)
+        print(f"{PROG} reap: {_header(found)}" + (f"; cookie {args.cookie!r}" if args.cookie else ""),
+              file=out)
+        for line in left_alone:
+            print(f"  left alone: {line}", file=out)
+        if not targets:
+            print(f"{PROG} reap: nothing to end", file=out)
+            return EXIT_CLEAN
+        if args.dry_run:
+            print(f"{PROG} reap: --dry-run: would end {len(targets)} process(es):", file=out)
+            for pid, target in sorted(targets.items()):
+                held = ", ".join(f"{label} {value:.0f} MiB" for label, value in target.mib) or "no GPU memory"
+                print(f"  pid {pid} (user {target.info.user}, found as {target.found_by}): held {held}",
+                      file=out)
+                print(f"      cmd: {_cmd(target.info.cmdline)}", file=out)
+            return EXIT_CLEAN
+        reaped, released_s = reap_targets(checker, found.chosen, targets, grace.value)
+        print(f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {grace.value:g}s):",
+              file=out)
+        for item in reaped:
+            for line in report.reaped_lines(item):
+                print(line, file=out)
+        if released_s is not None:
+            print(f"{PROG} reap: the driver released their GPU memory {released_s:.2f}s after the first "
+                  "signal", file=out)
+        for snap in checker.snapshot(found.chosen):
+            print("  now: " + report.device_line(snap), file=out)
+    survived = [r for r in reaped if r.ended_by.startswith("survived")]
+    return EXIT_DIRTY if survived else EXIT_CLEAN
+
+
+# ---- entry point -------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed so the documentation and tests can use the same options)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--simulate", metavar="DIR", type=_existing_dir,
+                        help="use simulated devices in DIR instead of NVML [env GPUCLEAN_SIMULATE]")
+    common.add_argument("--devices", metavar="LIST",
+                        help="devices: NVML indices, GPU-/MIG- UUIDs or UUID prefixes, comma-separated "
+                             "(default: those in CUDA_VISIBLE_DEVICES, else all) [env GPUCLEAN_DEVICES]")
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Check and clean GPUs around CI jobs (the pytest-gpuclean plugin's check "
+                               "and reaper as a command).",
+        epilog="exit status: 0 clean / done, 1 not clean (check) or a process survived (reap), "
+               "2 usage error or the devices could not be read")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    status = commands.add_parser("status", parents=[common], help="show memory and processes per GPU")
+    status.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+    check = commands.add_parser("check", parents=[common],
+                                help="exit 0 if the GPUs are clean, 1 if not (pre-job gate)")
+    check.add_argument("--tolerance-mib", metavar="N", type=_whole_number,
+                       help="memory (MiB, NVML v2 'used') allowed per device (default 0) "
+                            "[env GPUCLEAN_TOLERANCE_MIB]")
+    check.add_argument("--wait", metavar="S", type=_seconds, default=0.0,
+                       help="wait up to S seconds for the GPUs to become clean (default 0)")
+    check.add_argument("--ignore", metavar="GLOBS", action="append",
+                       help="command-line globs of processes that never count (comma-separated, "
+                            "repeatable) [env GPUCLEAN_IGNORE]")
+
+    reap = commands.add_parser("reap", parents=[common],
+                               help="end this user's processes on the GPUs (post-job cleanup)")
+    reap.add_argument("--grace", metavar="S", type=_seconds,
+                      help="seconds between SIGTERM and SIGKILL (default 5) [env GPUCLEAN_GRACE]")
+    reap.add_argument("--dry-run", action="store_true", help="only list what would be ended")
+    reap.add_argument("--cookie", metavar="VALUE",
+                      help=f"also end processes whose {COOKIE_VAR} environment variable starts with VALUE, "
+                           "on a GPU or not")
+    reap.add_argument("--all-users", action="store_true",
+                      help="root only: also end other users' processes on the devices")
+    return parser
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
+    "status": cmd_status, "check": cmd_check, "reap": cmd_reap}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gpuclean``; returns the exit status (argparse itself exits 2 on a malformed command line)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args, sys.stdout)
+    except CliError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+    except devices.DeviceError as exc:
+        # NVML missing or failing, or a device unreadable: the gate cannot vouch for the GPUs.
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader (``| head``) went away; Python would complain again when flushing at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
+    return EXIT_ERROR

@@ -1,0 +1,236 @@
+"""The JSON shapes gpuclean publishes (schema version 1), built from the plain dataclasses of ``model``.
+
+Pure functions, no pytest: the ``--gpuclean-report`` file and ``gpuclean status --json`` share the
+device and process shapes. ``report_schema.json`` next to this module is the contract; the
+documentation is docs/report-schema.md. The internal dataclasses may change; these shapes only change
+with ``SCHEMA_VERSION``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pytest_gpuclean.model import (
+    MIB,
+    CheckResult,
+    DeviceInfo,
+    DeviceSnapshot,
+    Offender,
+    Owner,
+    ProcessInfo,
+    Reaped,
+    TestRecord,
+)
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("report_schema.json")
+
+JsonDict = dict[str, Any]
+
+
+def _mib(num_bytes: int | float) -> float:
+    return round(num_bytes / MIB, 3)
+
+
+def _seconds(value: float | None) -> float | None:
+    # Microseconds are plenty for anything gpuclean times, and keep the file readable.
+    return None if value is None else round(value, 6)
+
+
+def device_json(device: DeviceInfo) -> JsonDict:
+    """A device's identity."""
+    return {"index": device.index, "mig_index": device.mig_index, "uuid": device.uuid, "name": device.name,
+            "label": device.label}
+
+
+def process_json(info: ProcessInfo) -> JsonDict:
+    """A process as the user sees it; ``(pid, start_ticks)`` identifies it."""
+    return {"pid": info.pid, "start_ticks": info.start_ticks, "ppid": info.ppid, "uid": info.uid,
+            "user": info.user, "cmdline": info.cmdline, "state": info.state}
+
+
+def owner_json(owner: Owner | None) -> JsonDict | None:
+    """Who spawned a process (a test, a fixture, the session), or None if unknown."""
+    return None if owner is None else {"kind": owner.kind, "name": owner.name}
+
+
+def mib_pairs_json(pairs: Sequence[tuple[str, float]]) -> list[JsonDict]:
+    """``(device label, MiB)`` pairs as objects."""
+    return [{"device": label, "mib": round(value, 3)} for label, value in pairs]
+
+
+def snapshot_json(snap: DeviceSnapshot, described: Mapping[int, ProcessInfo | None] | None = None
+                  ) -> JsonDict:
+    """One reading of a device; with ``described``, each process also gets its user and command line."""
+    entries: list[JsonDict] = []
+    for proc in snap.processes:
+        entry: JsonDict = {"pid": proc.pid, "used_bytes": proc.used_bytes,
+                           "used_mib": None if proc.used_bytes is None else _mib(proc.used_bytes)}
+        if described is not None:
+            info = described.get(proc.pid)
+            # None: exited since the reading, or in another PID namespace (the driver lists host pids).
+            entry.update({"uid": info.uid if info else None, "user": info.user if info else None,
+                          "cmdline": info.cmdline if info else None, "state": info.state if info else None})
+        entries.append(entry)
+    return {**device_json(snap.device), "used_bytes": snap.used_bytes, "total_bytes": snap.total_bytes,
+            "used_mib": _mib(snap.used_bytes), "total_mib": _mib(snap.total_bytes), "processes": entries}
+
+
+def offender_json(offender: Offender) -> JsonDict:
+    """Something that made a check fail."""
+    return {"reason": offender.reason, "found_by": offender.found_by, "detail": offender.detail,
+            "process": None if offender.process is None else process_json(offender.process),
+            "owner": owner_json(offender.owner), "mib_per_device": mib_pairs_json(offender.mib_per_device)}
+
+
+def reaped_json(reaped: Reaped) -> JsonDict:
+    """A process gpuclean ended, how, and how long the driver took to release its memory."""
+    return {"process": process_json(reaped.process), "owner": owner_json(reaped.owner),
+            "found_by": reaped.found_by, "ended_by": reaped.ended_by, "exit_s": _seconds(reaped.exit_s),
+            "release_s": _seconds(reaped.release_s), "mib_per_device": mib_pairs_json(reaped.mib_per_device)}
+
+
+def check_json(check: CheckResult) -> JsonDict:
+    """One check (before or after a test)."""
+    return {"phase": check.phase, "clean": check.clean, "waited_s": _seconds(check.waited_s),
+            "clean_after_s": _seconds(check.clean_after_s), "tolerance_mib": check.tolerance_mib,
+            "devices": [snapshot_json(s) for s in check.devices],
+            "offenders": [offender_json(o) for o in check.offenders],
+            "reaped": [reaped_json(r) for r in check.reaped], "notes": list(check.notes),
+            "self_mib": mib_pairs_json(check.self_mib)}
+
+
+def _owned_by_other_test(owner: Owner | None, nodeid: str) -> bool:
+    return owner is not None and owner.kind == "test" and owner.name != nodeid
+
+
+def own_reaped(record: TestRecord) -> list[Reaped]:
+    """Processes the after-check reaped that this test (or a fixture ending with it) leaked.
+
+    The after-check also reaps leftovers of earlier, unchecked tests; those are charged to the test
+    that spawned them (its ``found_later``), not to this one.
+    """
+    if record.after is None:
+        return []
+    return [r for r in record.after.reaped if not _owned_by_other_test(r.owner, record.nodeid)]
+
+
+def leaked_json(record: TestRecord) -> list[JsonDict]:
+    """Every process this test left behind: reaped after it, found by a later check, or not reapable."""
+    leaked: list[JsonDict] = []
+    for reaped, when in [*((r, "teardown") for r in own_reaped(record)),
+                         *((r, "later") for r in record.found_later)]:
+        leaked.append({"pid": reaped.process.pid, "user": reaped.process.user,
+                       "cmdline": reaped.process.cmdline, "owner": owner_json(reaped.owner), "found": when,
+                       "ended_by": reaped.ended_by, "release_s": _seconds(reaped.release_s)})
+    if record.after is not None:
+        for offender in record.after.offenders:
+            if offender.reason == "leaked" and offender.process is not None:
+                leaked.append({"pid": offender.process.pid, "user": offender.process.user,
+                               "cmdline": offender.process.cmdline, "owner": owner_json(offender.owner),
+                               "found": "teardown", "ended_by": None, "release_s": None})
+    return leaked
+
+
+def outcome(record: TestRecord) -> str:
+    """``leaked``, ``not_clean``, ``clean`` or ``unchecked`` (no check finished for this test)."""
+    if own_reaped(record) or record.found_later or record.leaked:
+        return "leaked"
+    checks = [c for c in (record.before, record.after) if c is not None]
+    if any(not c.clean for c in checks):
+        return "not_clean"
+    return "clean" if record.before is not None else "unchecked"
+
+
+def record_json(record: TestRecord) -> JsonDict:
+    """Everything gpuclean saw around one test."""
+    return {
+        "nodeid": record.nodeid,
+        "file": record.location[0],
+        "line": record.location[1],
+        "outcome": outcome(record),
+        "devices": list(record.devices),
+        "before": None if record.before is None else check_json(record.before),
+        "after": None if record.after is None else check_json(record.after),
+        "leaked": leaked_json(record),
+        "found_later": [reaped_json(r) for r in record.found_later],
+        "in_process_mib": mib_pairs_json(record.in_process_mib),
+        "timings": {"lock_wait_s": _seconds(record.lock_wait_s), "before_s": _seconds(record.before_s),
+                    "after_s": _seconds(record.after_s)},
+    }
+
+
+def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> JsonDict:
+    """Counts over the whole session."""
+    outcomes = [outcome(r) for r in records]
+    reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after) if c) + len(session_reaped)
+    return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
+            "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
+            "not_clean": outcomes.count("not_clean"), "reaped": reaped}
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of gpuclean and what it runs on, for reading a report months later."""
+    import platform
+
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for key, dist in (("pytest_gpuclean", "pytest-gpuclean"), ("pytest", "pytest"),
+                      ("pytest_xdist", "pytest-xdist"), ("nvidia_ml_py", "nvidia-ml-py"),
+                      ("psutil", "psutil")):
+        try:
+            found[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[key] = None
+    return found
+
+
+def iso_time(timestamp: float) -> str:
+    """A wall-clock timestamp as ISO 8601 in UTC."""
+    return datetime.fromtimestamp(timestamp, tz=timezone.utc).isoformat(timespec="milliseconds")
+
+
+def report_document(*, records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
+                    notes: Sequence[str], session: JsonDict) -> JsonDict:
+    """The whole ``--gpuclean-report`` document; ``session`` is built by the caller (it knows pytest)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "versions": versions(),
+        "session": session,
+        "summary": summary_json(records, session_reaped),
+        "tests": [record_json(r) for r in records],
+        "session_reaped": [reaped_json(r) for r in session_reaped],
+        "notes": list(notes),
+    }
+
+
+def write_atomic(path: str | os.PathLike[str], document: Any) -> None:
+    """Write ``document`` as JSON to ``path`` so a reader sees the old file or the whole new one."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        # mkstemp creates 0600; a report is meant to be read by CI tooling running as other users.
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load_schema() -> JsonDict:
+    """The JSON Schema of the report (for validating a report, e.g. in a CI step)."""
+    schema: JsonDict = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    return schema

@@ -1,0 +1,296 @@
+"""Machine-readable outputs of a gpuclean session, for CI: the JSON report (``--gpuclean-report``), JUnit
+``user_properties`` and, on GitHub Actions, ``::error`` annotations plus a job-summary table.
+
+``OutputHooks`` reads the checker plugin's records; it never checks or reaps anything itself. Under
+pytest-xdist the workers add JUnit properties to their own reports (xdist ships them to the
+controller's junitxml) and the controller writes everything else from the records the workers sent.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import socket
+import time
+from collections.abc import Generator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpuclean import jsonreport
+from pytest_gpuclean.model import Reaped, TestRecord
+from pytest_gpuclean.plugin import _STATE, GpuCleanPlugin
+from pytest_gpuclean.serialize import reaped_from_dict, record_from_dict
+
+TITLE_LEAK = "GPU leak"
+TITLE_NOT_CLEAN = "GPU not clean"
+PROPERTY_PREFIX = "gpuclean_"
+REPORT_OPTION = "--gpuclean-report"
+
+
+# ---- GitHub workflow commands ------------------------------------------------------------------------
+
+def escape_data(text: str) -> str:
+    """Escape the message of a workflow command (GitHub's ``escapeData``)."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def escape_property(text: str) -> str:
+    """Escape a property value of a workflow command (GitHub's ``escapeProperty``)."""
+    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def workflow_command(command: str, message: str, properties: Sequence[tuple[str, str]] = ()) -> str:
+    """``::command key=value,...::message`` with both parts escaped."""
+    props = ",".join(f"{key}={escape_property(value)}" for key, value in properties)
+    return f"::{command}{' ' + props if props else ''}::{escape_data(message)}"
+
+
+def _process_line(pid: int, cmdline: str, ended_by: str | None, release_s: float | None) -> str:
+    what = f"ended by {ended_by}" if ended_by else "NOT reaped, still running"
+    release = f", GPU memory released {release_s:.2f}s after exit" if release_s is not None else ""
+    return f"pid {pid} {what}{release}: {cmdline[:200]}"
+
+
+def annotation_message(record: TestRecord) -> tuple[str, str] | None:
+    """(title, message) of the annotation for a test with findings; None for a clean test."""
+    verdict = jsonreport.outcome(record)
+    if verdict == "leaked":
+        leaked = jsonreport.leaked_json(record)
+        lines = [f"{record.nodeid} leaked {len(leaked)} process(es)"]
+        lines.extend(_process_line(p["pid"], p["cmdline"], p["ended_by"], p["release_s"]) for p in leaked)
+        return TITLE_LEAK, "\n".join(lines)
+    if verdict == "not_clean":
+        lines = []
+        for check in (record.before, record.after):
+            if check is None or check.clean:
+                continue
+            when = "before" if check.phase == "setup" else "after"
+            lines.append(f"GPUs not clean {when} {record.nodeid} (waited {check.waited_s:.1f}s)")
+            for offender in check.offenders:
+                proc = offender.process
+                held = ", ".join(f"{label} {value:.0f} MiB" for label, value in offender.mib_per_device)
+                who = (f"{offender.reason} pid {proc.pid} (user {proc.user}): {proc.cmdline[:200]}"
+                       if proc is not None else offender.detail)
+                lines.append(who + (f" [{held}]" if held and proc is not None else ""))
+        return TITLE_NOT_CLEAN, "\n".join(lines)
+    return None
+
+
+def annotation_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
+                     file_of: Any = None) -> list[str]:
+    """``::error`` lines: one per test with findings, one for leftovers reaped at session end.
+
+    ``file_of`` maps a record's file (relative to rootdir) to the path GitHub expects (relative to
+    the workspace); identity by default.
+    """
+    lines: list[str] = []
+    for record in records:
+        found = annotation_message(record)
+        if found is None:
+            continue
+        title, message = found
+        properties: list[tuple[str, str]] = []
+        if record.location[0]:
+            path = file_of(record.location[0]) if file_of else record.location[0]
+            properties.append(("file", path))
+            if record.location[1]:
+                properties.append(("line", str(record.location[1])))
+        properties.append(("title", title))
+        lines.append(workflow_command("error", message, properties))
+    # Leftovers of a test are already in that test's annotation (its found_later).
+    unowned = [r for r in session_reaped if r.owner is None or r.owner.kind != "test"]
+    if unowned:
+        message = "\n".join([f"gpuclean reaped {len(unowned)} leftover process(es) at session end"] + [
+            _process_line(r.process.pid, f"({r.owner}) {r.process.cmdline}", r.ended_by, r.release_s)
+            for r in unowned])
+        lines.append(workflow_command("error", message, [("title", TITLE_LEAK)]))
+    return lines
+
+
+def _cell(text: str) -> str:
+    return html.escape(text, quote=False).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+
+
+def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
+    """Markdown for ``$GITHUB_STEP_SUMMARY``: totals, then a row per test with findings."""
+    totals = jsonreport.summary_json(records, session_reaped)
+    lines = [f"### gpuclean: {totals['checked']} checked test(s), {totals['leaked']} leaked, "
+             f"{totals['not_clean']} met GPUs that were not clean, {totals['reaped']} process(es) reaped", ""]
+    rows: list[str] = []
+    for record in records:
+        verdict = jsonreport.outcome(record)
+        if verdict in ("clean", "unchecked"):
+            continue
+        leaked = jsonreport.leaked_json(record)
+        processes = ", ".join(f"pid {p['pid']} {p['ended_by'] or 'NOT reaped'}" for p in leaked)
+        if verdict == "not_clean":
+            processes = ", ".join(
+                f"{o.reason} pid {o.process.pid}" if o.process else o.reason
+                for c in (record.before, record.after) if c is not None for o in c.offenders)
+        releases = [p["release_s"] for p in leaked if p["release_s"] is not None]
+        rows.append("| " + " | ".join([
+            f"`{_cell(record.nodeid)}`" if "`" not in record.nodeid else _cell(record.nodeid),
+            verdict.replace("_", " "),
+            _cell(processes) or "-",
+            f"{max(releases):.2f} s" if releases else "-",
+            f"{record.before_s:.2f} s",
+            f"{record.after_s:.2f} s",
+        ]) + " |")
+    if rows:
+        lines += ["| Test | Verdict | Processes | Driver release | Before check | After check |",
+                  "|---|---|---|---|---|---|", *rows]
+    else:
+        lines.append("Every checked test found the GPUs clean and left them clean.")
+    if session_reaped:
+        lines += ["", "Reaped at session end: " + _cell(", ".join(
+            f"pid {r.process.pid} ({r.owner}) {r.ended_by}" for r in session_reaped))]
+    return "\n".join(lines) + "\n"
+
+
+# ---- JUnit -------------------------------------------------------------------------------------------
+
+def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
+    """``user_properties`` of a checked test, as known at the end of its teardown."""
+    own = jsonreport.own_reaped(record)
+    leaked = jsonreport.leaked_json(record)
+    releases = [r.release_s for r in own if r.release_s is not None]
+    props = [
+        ("outcome", jsonreport.outcome(record)),
+        ("leaked", str(len(leaked))),
+        ("reaped_pids", ",".join(str(r.process.pid) for r in own)),
+        ("release_s", f"{max(releases):.6f}" if releases else ""),
+        ("before_s", f"{record.before_s:.6f}"),
+        ("after_s", f"{record.after_s:.6f}"),
+        ("lock_wait_s", f"{record.lock_wait_s:.6f}"),
+    ]
+    return [(PROPERTY_PREFIX + name, value) for name, value in props]
+
+
+# ---- the hooks ---------------------------------------------------------------------------------------
+
+def _report_path(value: str, source: str, base: Path) -> Path:
+    # Checked at startup so that a typo fails in a second, not after an hour of GPU tests.
+    path = (base / Path(value).expanduser()).absolute()
+    if path.is_dir():
+        raise pytest.UsageError(f"{REPORT_OPTION}: {value!r} is a directory; give a file path ({source})")
+    if not path.parent.is_dir():
+        raise pytest.UsageError(
+            f"{REPORT_OPTION}: directory {str(path.parent)!r} does not exist ({source})")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise pytest.UsageError(
+            f"{REPORT_OPTION}: directory {str(path.parent)!r} is not writable ({source})")
+    return path
+
+
+class OutputHooks:
+    """Turns the checker plugin's records into the JSON report, JUnit properties and GitHub output."""
+
+    def __init__(self, plugin: GpuCleanPlugin) -> None:
+        self.plugin = plugin
+        config = plugin.config
+        self.worker = hasattr(config, "workerinput")
+        self.report_path: Path | None = None
+        if plugin.settings.report and not self.worker:
+            source = plugin.settings.sources.get("report", "from the command line")
+            self.report_path = _report_path(plugin.settings.report, source, config.invocation_params.dir)
+        self.github = os.environ.get("GITHUB_ACTIONS") == "true" and not self.worker
+        self.started = time.time()
+        self._merged: tuple[list[TestRecord], list[Reaped], list[str]] | None = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
+                                  ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        if call.when == "teardown":
+            state = item.stash.get(_STATE, None)
+            if state is not None and state.record is not None:
+                # On the report, not the item: junitxml and xdist take them from the teardown report.
+                report.user_properties.extend(junit_properties(state.record))
+        return report
+
+    def _merge(self) -> tuple[list[TestRecord], list[Reaped], list[str]]:
+        plugin = self.plugin
+        records = plugin._all_records()
+        session_reaped = list(plugin.session_reaped)
+        notes = list(plugin.notes)
+        for payload in plugin.worker_payloads:
+            records.extend(record_from_dict(r) for r in payload["records"])
+            session_reaped.extend(reaped_from_dict(r) for r in payload["session_reaped"])
+            notes.extend(payload["notes"])
+        return records, session_reaped, notes
+
+    def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
+        plugin = self.plugin
+        backend = plugin.backend
+        settings = plugin.settings
+        ended = time.time()
+        return {
+            "start": jsonreport.iso_time(self.started),
+            "end": jsonreport.iso_time(ended),
+            "duration_s": round(max(0.0, ended - self.started), 6),
+            "exitstatus": int(exitstatus),
+            "host": socket.gethostname(),
+            "backend": backend.kind if backend is not None else None,
+            "driver": backend.driver_version() if backend is not None else None,
+            "unavailable": plugin.unavailable,
+            "devices": [jsonreport.device_json(d) for d in plugin.devices],
+            "settings": {"all": settings.all, "tolerance_mib": settings.tolerance_mib,
+                         "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
+                         "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu},
+            "xdist_workers": len(plugin.worker_payloads) if plugin.controller else None,
+        }
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> Generator[None, None, None]:
+        # A wrapper, so this runs after every plain implementation, the checker's final sweep included.
+        yield
+        if self.worker:
+            return
+        self._merged = records, session_reaped, notes = self._merge()
+        if self.report_path is not None:
+            document = jsonreport.report_document(
+                records=records, session_reaped=session_reaped, notes=notes,
+                session=self._session_json(session.exitstatus))
+            try:
+                jsonreport.write_atomic(self.report_path, document)
+            except OSError as exc:
+                self._complain(session, f"gpuclean: could not write the report {self.report_path}: {exc}")
+        summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
+        if self.github and summary_file and (records or session_reaped):
+            try:
+                with open(summary_file, "a", encoding="utf-8") as f:
+                    f.write(step_summary(records, session_reaped))
+            except OSError as exc:
+                self._complain(session, f"gpuclean: could not append to GITHUB_STEP_SUMMARY "
+                                        f"{summary_file}: {exc}")
+
+    def _complain(self, session: pytest.Session, message: str) -> None:
+        # The tests ran, but CI would miss the output it relies on: fail the run, loudly.
+        writer = session.config.pluginmanager.get_plugin("terminalreporter")
+        if writer is not None:
+            writer.write_line(message, red=True)
+        else:
+            print(message)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+
+    def _github_path(self, file: str) -> str:
+        # GitHub resolves annotation paths against the workspace; rootdir may be a subdirectory.
+        workspace = os.environ.get("GITHUB_WORKSPACE")
+        full = self.plugin.config.rootpath / file
+        if workspace:
+            try:
+                return full.resolve().relative_to(Path(workspace).resolve()).as_posix()
+            except ValueError:
+                pass
+        return file
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.github or self._merged is None:
+            return
+        records, session_reaped, _notes = self._merged
+        for line in annotation_lines(records, session_reaped, self._github_path):
+            terminalreporter.write_line(line)
