@@ -1,0 +1,305 @@
+"""The ``gpuclean`` command (issue 5): status, check and reap as runner hooks, against simulated devices
+with real holder processes, run as a subprocess the way a runner hook runs it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import alive, read_pids, wait_dead
+
+from pytest_gpuclean import __version__, cli, simulate
+from pytest_gpuclean.devices import simulated_uuid
+
+HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
+ME = pwd.getpwuid(os.getuid()).pw_name
+
+
+def gpuclean(*args: str, env: dict[str, str] | None = None, timeout: float = 120
+             ) -> subprocess.CompletedProcess[str]:
+    """Run the command as a runner hook would: a separate process, output captured."""
+    return subprocess.run([sys.executable, "-m", "pytest_gpuclean", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(autouse=True)
+def _plain_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for name in list(os.environ):
+        if name.startswith("GPUCLEAN_") and name != "GPUCLEAN_TEST":
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start processes for a test and make sure every one of them is gone afterwards."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, **kwargs)  # type: ignore[call-overload]
+        started.append(proc)
+        return proc  # type: ignore[no-any-return]
+
+    yield start
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def holder(sim: Path, tmp_path: Path, spawn: Callable[..., subprocess.Popen[bytes]]
+           ) -> Callable[..., int]:
+    """Start a simulated GPU holder (a real process); returns its pid once it holds memory."""
+    counter = iter(range(1000))
+
+    def start(*extra: str, device: int = 0, mib: float = 256, env: dict[str, str] | None = None) -> int:
+        pidfile = tmp_path / f"holder-{next(counter)}.pid"
+        spawn([*HOLD, "--dir", str(sim), "--device", str(device), "--mib", str(mib), "--pidfile",
+               str(pidfile), *extra], env=env)
+        return read_pids(pidfile)[0]
+
+    return start
+
+
+# ---- status ------------------------------------------------------------------------------------------
+
+def test_status_table_shows_each_gpu_and_its_processes(sim: Path, holder: Callable[..., int]) -> None:
+    on_0 = holder(device=0, mib=256)
+    on_1 = holder(device=1, mib=512)
+    result = gpuclean("status")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "gpuclean status: simulated devices, driver simulated; 2 of 2 device(s) (all devices)"
+    gpu0 = next(i for i, line in enumerate(lines) if line.startswith("GPU 0 "))
+    gpu1 = next(i for i, line in enumerate(lines) if line.startswith("GPU 1 "))
+    assert simulated_uuid(sim, 0) in lines[gpu0] and "256 / 81920 MiB used  1 process(es)" in lines[gpu0]
+    assert simulated_uuid(sim, 1) in lines[gpu1] and "512 / 81920 MiB used  1 process(es)" in lines[gpu1]
+    row0 = lines[gpu0 + 2].split()
+    assert row0[:3] == [str(on_0), ME, "256"]
+    assert "pytest_gpuclean.simulate hold" in lines[gpu0 + 2] and "--device 0" in lines[gpu0 + 2]
+    assert lines[gpu1 + 2].split()[:3] == [str(on_1), ME, "512"]
+
+
+def test_status_json_is_machine_readable(sim: Path, holder: Callable[..., int]) -> None:
+    pid = holder(device=1, mib=300)
+    result = gpuclean("status", "--json")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["backend"] == "simulated" and document["device_source"] == "all devices"
+    gpu0, gpu1 = document["devices"]
+    assert (gpu0["index"], gpu0["uuid"], gpu0["used_bytes"], gpu0["processes"]) == (
+        0, simulated_uuid(sim, 0), 0, [])
+    assert gpu1["total_mib"] == 81920 and gpu1["used_mib"] == 300
+    [proc] = gpu1["processes"]
+    assert (proc["pid"], proc["user"], proc["uid"], proc["used_mib"]) == (pid, ME, os.getuid(), 300)
+    assert "pytest_gpuclean.simulate hold" in proc["cmdline"]
+
+
+def test_cuda_visible_devices_limits_the_default_devices(sim: Path, holder: Callable[..., int],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # A runner pinned to GPU 1 (CUDA_VISIBLE_DEVICES in its environment) must not judge GPU 0.
+    holder(device=0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    result = gpuclean("status")
+    assert "1 of 2 device(s) (from CUDA_VISIBLE_DEVICES='1')" in result.stdout
+    assert not any(line.startswith("GPU 0") for line in result.stdout.splitlines())
+    assert gpuclean("check").returncode == 0
+    assert gpuclean("check", "--devices", "0").returncode == 1
+
+
+# ---- check -------------------------------------------------------------------------------------------
+
+def test_check_is_0_when_clean_and_1_with_a_process_on_a_gpu(sim: Path, holder: Callable[..., int]) -> None:
+    clean = gpuclean("check")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert clean.stdout.startswith("gpuclean check: clean (2 device(s), tolerance 0 MiB)")
+
+    pid = holder(device=1, mib=64)
+    dirty = gpuclean("check")
+    assert dirty.returncode == 1
+    heading, offender, hint = dirty.stdout.splitlines()[:3]
+    assert heading == "gpuclean check: NOT clean (tolerance 0 MiB):"
+    assert offender.startswith(f"  pid {pid} (user {ME}, sleeping) is on GPU 1 64 MiB: {' '.join(HOLD)} "
+                               f"--dir {sim} --device 1 --mib 64")
+    assert hint == f"  `gpuclean reap` would end the processes of this user: pid(s) {pid}"
+    # Tolerance is for memory nobody accounts for; a process on the device is never "within tolerance".
+    assert gpuclean("check", "--tolerance-mib", "1024").returncode == 1
+    assert gpuclean("check", "--devices", "0").returncode == 0
+    assert gpuclean("check", "--devices", simulated_uuid(sim, 0)[:12]).returncode == 0
+
+
+def test_check_waits_for_the_gpus_to_become_clean(sim: Path, holder: Callable[..., int]) -> None:
+    holder("--seconds", "1", device=0)
+    result = gpuclean("check", "--wait", "60")
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.startswith("gpuclean check: clean (2 device(s), tolerance 0 MiB, after ")
+
+    stays = holder(device=0)
+    result = gpuclean("check", "--wait", "0.3")
+    assert result.returncode == 1
+    assert result.stdout.startswith("gpuclean check: NOT clean after waiting ")
+    assert f"pid {stays} " in result.stdout
+
+
+@pytest.mark.parametrize(("args", "env", "named"), [
+    (["check", "--tolerance-mib", "lots"], {}, "argument --tolerance-mib: 'lots' is not a whole number"),
+    (["check", "--wait", "-1"], {}, "argument --wait: '-1' is not a number of seconds >= 0"),
+    (["check", "--simulate", "/nonexistent/gpus"], {}, "argument --simulate: '/nonexistent/gpus' is not an "
+                                                       "existing directory"),
+    (["check", "--devices", "7"], {},
+     "--devices: device 7 does not exist (2 device(s) found) (from --devices)"),
+    (["status", "--devices", "GPU-ffff"], {}, "--devices: no device has a UUID starting with 'GPU-ffff'"),
+    (["reap", "--grace", "soon"], {}, "argument --grace: 'soon' is not a number of seconds"),
+    (["reap", "--cookie", ""], {}, "--cookie: the value is empty"),
+    (["check"], {"GPUCLEAN_TOLERANCE_MIB": "-5"},
+     "--tolerance-mib: '-5' is negative; expected a whole number >= 0 (from environment variable "
+     "GPUCLEAN_TOLERANCE_MIB)"),
+    (["status"], {"GPUCLEAN_SIMULATE": "/nonexistent/gpus"},
+     "--simulate: '/nonexistent/gpus' is not an existing directory (from environment variable "
+     "GPUCLEAN_SIMULATE)"),
+    (["check"], {"CUDA_VISIBLE_DEVICES": "3"}, "(from environment variable CUDA_VISIBLE_DEVICES='3'"),
+    (["frobnicate"], {}, "argument COMMAND: invalid choice: 'frobnicate'"),
+])
+def test_usage_errors_exit_2_and_name_the_option(sim: Path, args: list[str], env: dict[str, str],
+                                                  named: str) -> None:
+    result = gpuclean(*args, env={**os.environ, **env})
+    assert result.returncode == 2
+    assert named in result.stderr
+    assert result.stdout == ""
+
+
+def test_no_devices_to_check_is_an_error(sim: Path) -> None:
+    result = gpuclean("check", env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2
+    assert "gpuclean check: error: no devices to check" in result.stderr
+
+
+def test_driver_failure_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        pytest.skip("NVML works on this machine: nothing fails")
+    except pynvml.NVMLError:
+        pass
+    for command in ("status", "check", "reap"):
+        result = gpuclean(command)
+        assert result.returncode == 2
+        assert result.stderr.startswith(f"gpuclean {command}: error: NVML init failed")
+
+
+# ---- reap --------------------------------------------------------------------------------------------
+
+def test_reap_ends_this_users_gpu_processes_and_cookie_carriers_only(
+        sim: Path, holder: Callable[..., int], spawn: Callable[..., subprocess.Popen[bytes]]) -> None:
+    stubborn = holder("--ignore-sigterm", device=0, mib=128)
+    on_other_device = holder(device=1)
+    ours = spawn(["sleep", "600"], env={**os.environ, "GPUCLEAN_TEST": "job-42:step-3"})
+    not_ours = spawn(["sleep", "600"], env={**os.environ, "GPUCLEAN_TEST": "job-421:step-1"})
+    no_cookie = spawn(["sleep", "600"])
+    result = gpuclean("reap", "--devices", "0", "--cookie", "job-42:", "--grace", "0.5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert f"  pid {stubborn} ended by SIGKILL after " in out
+    assert "(found as gpu): held GPU 0 128 MiB; the driver released it " in out
+    assert f"  pid {ours.pid} ended by SIGTERM after " in out
+    assert "(found as cookie): held no GPU memory" in out
+    assert "gpuclean reap: the driver released their GPU memory " in out
+    assert "  now: GPU 0 Simulated GPU" in out and "0/81920 MiB used" in out
+    assert wait_dead([stubborn, ours.pid]) == []
+    assert alive(on_other_device) and alive(not_ours.pid) and alive(no_cookie.pid)
+
+
+def test_reap_dry_run_ends_nothing(sim: Path, holder: Callable[..., int]) -> None:
+    pids = [holder(device=0, mib=100), holder(device=1, mib=200)]
+    result = gpuclean("reap", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "gpuclean reap: --dry-run: would end 2 process(es):" in result.stdout
+    assert f"  pid {pids[0]} (user {ME}, found as gpu): held GPU 0 100 MiB" in result.stdout
+    assert f"  pid {pids[1]} (user {ME}, found as gpu): held GPU 1 200 MiB" in result.stdout
+    assert all(alive(p) for p in pids)
+    assert gpuclean("check").returncode == 1
+
+
+def test_reap_with_nothing_to_do(sim: Path) -> None:
+    result = gpuclean("reap")
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[-1] == "gpuclean reap: nothing to end"
+
+
+def test_reap_never_ends_itself_or_its_ancestors(sim: Path) -> None:
+    # The hook's own shell carries the job's cookie (it was started inside the job): it must survive.
+    script = f"{sys.executable} -m pytest_gpuclean reap --cookie job-7 --grace 1; echo \"shell survived $?\""
+    result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "GPUCLEAN_TEST": "job-7:hook"})
+    assert "shell survived 0" in result.stdout, result.stdout + result.stderr
+    assert "carries the cookie, but is gpuclean itself or one of its ancestors" in result.stdout
+    assert "nothing to end" in result.stdout
+
+
+@pytest.fixture
+def other_user() -> pwd.struct_passwd:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    name = "gpuclean-other"
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        if shutil.which("useradd") is None:
+            pytest.skip("no useradd to create a second user")
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+        return pwd.getpwnam(name)
+
+
+def test_reap_never_ends_another_users_process(sim: Path, holder: Callable[..., int],
+                                               spawn: Callable[..., subprocess.Popen[bytes]],
+                                               other_user: pwd.struct_passwd) -> None:
+    mine = holder(device=0)
+    # The other user only needs to exist as a process; its allocation is recorded on its behalf.
+    theirs = spawn(["sleep", "600"], user=other_user.pw_uid, group=other_user.pw_gid, cwd="/",
+                   env={**os.environ, "GPUCLEAN_TEST": "job-42:other"})
+    simulate.allocate(str(sim), 0, 64, pid=theirs.pid)
+    result = gpuclean("reap", "--cookie", "job-42", "--grace", "1")
+    assert result.returncode == 0, result.stderr
+    assert (f"  left alone: pid {theirs.pid} of user {other_user.pw_name} (sleep 600): another user's "
+            "process (only root, with --all-users, ends those)") in result.stdout
+    assert wait_dead([mine]) == []
+    assert alive(theirs.pid)
+    assert f"pid {theirs.pid} 64 MiB" in result.stdout  # still listed on the device afterwards
+
+    # Root may opt in, explicitly.
+    result = gpuclean("reap", "--all-users", "--grace", "1")
+    assert result.returncode == 0, result.stderr
+    assert f"  pid {theirs.pid} ended by SIGTERM" in result.stdout
+    assert wait_dead([theirs.pid]) == []
+
+
+def test_all_users_is_refused_to_non_root(sim: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # In-process, so it runs as "non-root" here too; the command line would exit with this status.
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert cli.main(["reap", "--all-users", "--simulate", str(sim)]) == 2
+    assert capsys.readouterr().err == ("gpuclean reap: error: --all-users: only root may end other users' "
+                                       "processes\n")
+
+
+def test_console_script_is_the_same_command(sim: Path) -> None:
+    script = Path(sys.executable).with_name("gpuclean")
+    if not script.exists():
+        pytest.skip("the gpuclean script is not installed next to this interpreter")
+    result = subprocess.run([str(script), "check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    assert result.stdout.startswith("gpuclean check: clean")
+    version = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert version.stdout.strip() == f"gpuclean {__version__}"
