@@ -1,0 +1,478 @@
+"""Sharing GPUs (issue 4): concurrent sessions, killed holders, xdist, lock timeouts, pytest-timeout.
+
+Every session here is a real pytest process over simulated devices, with its own lock directory under
+``tmp_path``. Tests record when they ran on which GPU; "no overlap" is checked on those intervals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import alive, read_pids, run_inner, wait_dead
+
+from pytest_gpuclean.devices import SimulatedBackend
+from pytest_gpuclean.locks import GpuLocks, LockTimeout
+from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
+
+SESSION_TIMEOUT = 120
+"""A session that runs longer than this is deadlocked (they take a few seconds)."""
+
+INTERVALS = '''
+import json, os, subprocess, sys, time
+from pathlib import Path
+import pytest
+
+EVENTS = os.environ["SHARING_EVENTS"]
+
+
+def use_gpus(request, seconds):
+    """Occupy the GPUs this test was given, recording when and which."""
+    visible = os.environ["CUDA_VISIBLE_DEVICES"]
+    start = time.monotonic_ns()
+    time.sleep(seconds)
+    end = time.monotonic_ns()
+    line = json.dumps({"session": os.environ.get("SESSION_TAG"), "pid": os.getpid(),
+                       "test": request.node.nodeid, "start": start, "end": end, "visible": visible,
+                       "visible_at_end": os.environ["CUDA_VISIBLE_DEVICES"]})
+    fd = os.open(EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\\n").encode())  # one write of < PIPE_BUF bytes: lines never interleave
+    finally:
+        os.close(fd)
+'''
+
+HOLDER = '''
+import os, time
+from pathlib import Path
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+def test_hold():
+    """Hold every GPU's lock until RELEASE exists (or a minute passes)."""
+    Path(os.environ["HOLDING"]).write_text(str(os.getpid()))
+    release = Path(os.environ["RELEASE"])
+    deadline = time.monotonic() + 60
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+'''
+
+
+class Sessions:
+    """Inner pytest sessions started with Popen (so several run at once); all killed at the end."""
+
+    def __init__(self, sim: Path, lock_dir: Path, suite: Path) -> None:
+        self.sim, self.lock_dir, self.suite = sim, lock_dir, suite
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(self, *args: str, **env: str) -> subprocess.Popen[str]:
+        environ = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("PYTEST_", "GPUCLEAN_")) and k != "CUDA_VISIBLE_DEVICES"}
+        environ.update(env, PYTHONDONTWRITEBYTECODE="1")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider", "-rA",
+             f"--gpuclean-simulate={self.sim}", f"--gpuclean-lock-dir={self.lock_dir}", *args],
+            cwd=self.suite, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.started.append(proc)
+        return proc
+
+    def finish(self, proc: subprocess.Popen[str], timeout: float = SESSION_TIMEOUT) -> tuple[int, str]:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            pytest.fail(f"session {proc.args} still running after {timeout}s (deadlock?):\n{out}")
+        return proc.returncode, out
+
+    def kill_all(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture
+def sessions(sim: Path, tmp_path: Path) -> Iterator[Sessions]:
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "pytest.ini").write_text("[pytest]\n")  # this directory is the rootdir, whatever is above
+    started = Sessions(sim, tmp_path / "locks", suite)
+    try:
+        yield started
+    finally:
+        started.kill_all()
+
+
+def uuids_of(sim: Path) -> list[str]:
+    return [d.uuid for d in SimulatedBackend(sim).devices()]
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def overlaps(events: list[dict[str, Any]]) -> list[str]:
+    """Pairs of tests that ran on one GPU at the same time."""
+    spans: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for event in events:
+        for uuid in event["visible"].split(","):
+            spans[uuid].append((event["start"], event["end"], f"{event['session']} {event['test']}"))
+    found = []
+    for uuid, items in spans.items():
+        items.sort()
+        for (_, end, first), (start, _, second) in itertools.pairwise(items):
+            if start < end:
+                found.append(f"{uuid}: {first} and {second}")
+    return found
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        if proc.poll() is not None:
+            pytest.fail(f"session ended before writing {path.name}:\n{proc.communicate()[0]}")
+        time.sleep(0.02)
+    raise AssertionError(f"{path} not written after {timeout}s")
+
+
+def collect(pid: int) -> None:
+    """Kill ``pid`` and, if it was re-parented to us (our subreaper), collect its zombie."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+    assert not wait_dead([pid])
+
+
+# ---- concurrent sessions --------------------------------------------------------------------------
+
+def test_four_sessions_share_two_gpus_without_overlap(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    (sessions.suite / "test_shared.py").write_text(INTERVALS + '''
+
+@pytest.mark.needs_clean_gpus(count=1)
+@pytest.mark.parametrize("n", range(4))
+def test_one_gpu(request, n):
+    use_gpus(request, 0.15)
+
+
+def test_visible_devices_restored():
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+''')
+    procs = [sessions.start("test_shared.py", SHARING_EVENTS=str(events), SESSION_TAG=f"s{i}")
+             for i in range(4)]
+    for proc in procs:
+        rc, out = sessions.finish(proc)
+        assert rc == 0, out
+        assert "5 passed" in out, out
+    recorded = read_events(events)
+    assert len(recorded) == 16
+    gpus = set(uuids_of(sim))
+    for event in recorded:
+        assert event["visible"] in gpus, event  # exactly one UUID, one of the two
+        assert event["visible_at_end"] == event["visible"], event
+    assert not overlaps(recorded)
+    # Everything was released: no session left a holder record behind.
+    assert not list((tmp_path / "locks").glob("*.holder"))
+
+
+def test_sigkilled_session_frees_its_gpus(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+    holding, release = tmp_path / "holding", tmp_path / "release"
+    (sessions.suite / "test_hold.py").write_text(HOLDER)
+    (sessions.suite / "conftest.py").write_text('''
+import os, time
+
+def pytest_runtest_logstart(nodeid, location):
+    os.environ["LOGSTART_NS"] = str(time.monotonic_ns())  # before setup, so before the lock wait
+''')
+    (sessions.suite / "test_after.py").write_text('''
+import os, time
+import pytest
+from pytest_gpuclean.locks import GpuLocks
+
+
+@pytest.mark.needs_clean_gpus
+def test_after_kill(clean_gpus):
+    print("WAITED", (time.monotonic_ns() - int(os.environ["LOGSTART_NS"])) / 1e9)
+    locks = GpuLocks(os.environ["LOCK_DIR"])
+    # The killed session's holder records are stale; ours are the newest.
+    assert [locks.holder(uuid)["pid"] for uuid in clean_gpus.uuids] == [os.getpid()] * 2
+''')
+    holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
+    assert int(wait_for_file(holding, holder)) == holder.pid
+    locks = GpuLocks(str(tmp_path / "locks"))
+    for uuid in uuids_of(sim):
+        assert locks.holder(uuid)["pid"] == holder.pid
+        assert locks.holder(uuid)["test"] == "test_hold.py::test_hold"
+    holder.send_signal(signal.SIGKILL)  # no teardown, no release: only the kernel frees the locks
+    holder.wait()
+
+    rc, out = sessions.finish(sessions.start("test_after.py", "-s", "--gpuclean-lock-timeout=30",
+                                             LOCK_DIR=str(tmp_path / "locks")))
+    assert rc == 0, out
+    waited = float(out.split("WAITED ")[1].split()[0])
+    assert waited < 15, f"waited {waited:.1f}s for locks a dead session held\n{out}"
+
+
+def test_lock_timeout_names_the_holder(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+    holding, release = tmp_path / "holding", tmp_path / "release"
+    (sessions.suite / "test_hold.py").write_text(HOLDER)
+    (sessions.suite / "test_wants_one.py").write_text('''
+import pytest
+
+@pytest.mark.needs_clean_gpus(count=1)
+def test_wants_one():
+    pass
+''')
+    holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
+    wait_for_file(holding, holder)
+    rc, out = sessions.finish(sessions.start("test_wants_one.py", "--gpuclean-lock-timeout=1"))
+    release.touch()
+    holder_rc, holder_out = sessions.finish(holder)
+    assert holder_rc == 0, holder_out
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "1 error" in out.splitlines()[-1], out
+    # Busy GPUs are listed in lock order (by UUID).
+    busy = [f"{uuid}: pid {holder.pid} on * running test_hold.py::test_hold, for *s"
+            for uuid in sorted(uuids_of(sim))]
+    message = ("*gpuclean: could not lock the GPUs: waited *s for 1 of 2 GPU lock(s); held by: "
+               + "; ".join(busy))
+    pytest.LineMatcher(out.splitlines()).fnmatch_lines([message])
+
+
+# ---- xdist ----------------------------------------------------------------------------------------
+
+def test_xdist_workers_share_three_gpus_in_pairs(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+    (sim / "2").mkdir()
+    events, pidfile = tmp_path / "events.jsonl", tmp_path / "leak.pids"
+    (sessions.suite / "test_pairs.py").write_text(INTERVALS + '''
+
+@pytest.mark.needs_clean_gpus(count=2)
+@pytest.mark.parametrize("n", range(6))
+def test_pair(request, n):
+    use_gpus(request, 0.1)
+
+
+@pytest.mark.needs_clean_gpus(count=2)
+def test_leaks_a_holder(request, clean_gpus):
+    pidfile = Path(os.environ["LEAK_PIDFILE"])
+    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
+                      os.environ["SIM"], "--device", str(clean_gpus.devices[1].index), "--mib", "64",
+                      "--pidfile", str(pidfile)])
+    while not pidfile.exists() or not pidfile.read_text():
+        time.sleep(0.01)
+    use_gpus(request, 0.0)
+''')
+    rc, out = sessions.finish(sessions.start("test_pairs.py", "-n", "2", SHARING_EVENTS=str(events),
+                                             LEAK_PIDFILE=str(pidfile), SIM=str(sim)))
+    leaked = read_pids(pidfile)[0]
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "7 passed, 1 error" in out.splitlines()[-1], out
+    # The controller ran no test, yet prints what its workers found.
+    pytest.LineMatcher(out.splitlines()).fnmatch_lines([
+        "*= gpuclean =*",
+        f"test_pairs.py::test_leaks_a_holder: teardown: reaped 1 (pid {leaked} SIGTERM)*",
+        "7 checked test(s), 1 with findings, 1 process(es) reaped",
+    ])
+    assert not alive(leaked)
+    recorded = read_events(events)
+    assert len(recorded) == 7
+    gpus = set(uuids_of(sim))
+    for event in recorded:
+        given = event["visible"].split(",")
+        assert len(set(given)) == 2 and set(given) <= gpus, event
+    assert not overlaps(recorded)
+
+
+# ---- pytest-timeout -------------------------------------------------------------------------------
+
+HANGS = """
+@pytest.mark.needs_clean_gpus
+def test_hangs():
+    hold(mib=64)
+    wait_holders(1)
+    time.sleep(60)
+"""
+
+
+def test_pytest_timeout_signal_method_still_reaps(inner: Callable[[str], Path],
+                                                  pytester: pytest.Pytester) -> None:
+    pidfile = inner(HANGS)
+    result = run_inner(pytester, "-p", "timeout", "--timeout=2", "--timeout-method=signal",
+                       "--gpuclean-grace=2")
+    leaked = read_pids(pidfile)[0]
+    result.assert_outcomes(failed=1, errors=1)
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_hangs*",
+        f"{LEAK_PREFIX} 1 process(es) (reaped)",
+        f"  pid {leaked} ended by SIGTERM*spawned by test_inner.py::test_hangs*",
+        "FAILED test_inner.py::test_hangs - Failed: Timeout (>2.0s) from pytest-timeout.",
+    ])
+    assert not alive(leaked)
+
+
+def test_pytest_timeout_thread_method_exits_without_teardown(inner: Callable[[str], Path],
+                                                             pytester: pytest.Pytester) -> None:
+    # pytest-timeout's thread method ends the process with os._exit(1): no teardown, no reaping. The
+    # next session's setup check is what notices the leftover (and waits for it, never kills it).
+    pidfile = inner(HANGS)
+    leaked: int | None = None
+    try:
+        result = run_inner(pytester, "-p", "timeout", "--timeout=2", "--timeout-method=thread")
+        leaked = read_pids(pidfile)[0]
+        assert result.ret == 1
+        result.stdout.fnmatch_lines(["*+ Timeout +*"])
+        assert "checked test(s)" not in result.stdout.str()  # no gpuclean summary: it never got there
+        assert alive(leaked)
+
+        pytester.makepyfile(test_inner="""
+import pytest
+
+@pytest.mark.needs_clean_gpus(timeout=1)
+def test_next():
+    pass
+""")
+        result = run_inner(pytester)
+        result.assert_outcomes(errors=1)
+        result.stdout.fnmatch_lines([
+            f"{NOT_CLEAN_PREFIX} before the test*",
+            f"  foreign pid {leaked} *",
+        ])
+        assert alive(leaked)
+    finally:
+        if leaked is not None:
+            collect(leaked)
+
+
+# ---- the lock primitive ---------------------------------------------------------------------------
+
+def test_waiting_reports_holders_once(tmp_path: Path) -> None:
+    locks = GpuLocks(str(tmp_path / "locks"))
+    held = locks.acquire(["GPU-a", "GPU-b"], 1, 1.0, "first::test")
+    assert held.uuids == ("GPU-a",)
+    told: list[dict[str, dict[str, object]]] = []
+    try:
+        # flock conflicts between two opens of a file, even in one process.
+        second = locks.acquire(["GPU-a", "GPU-b"], 1, 1.0, "second::test")
+        assert second.uuids == ("GPU-b",)
+        with pytest.raises(LockTimeout, match=r"for 2 of 2 GPU lock\(s\); held by: GPU-a: pid \d+ on .* "
+                                              r"running first::test.*; GPU-b: .* running second::test"):
+            locks.acquire(["GPU-a", "GPU-b"], 2, 0.3, "third::test", on_wait=told.append)
+        second.release()
+    finally:
+        held.release()
+    assert [sorted(t) for t in told] == [["GPU-a", "GPU-b"]]
+    assert told[0]["GPU-a"]["test"] == "first::test"
+    assert locks.acquire(["GPU-a", "GPU-b"], 2, 0, "fourth::test").uuids == ("GPU-a", "GPU-b")
+
+
+def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    locks = GpuLocks(str(tmp_path / "locks"))
+    real_try = GpuLocks._try
+
+    def interrupted(self: GpuLocks, uuid: str) -> int | None:
+        if uuid == "GPU-b":
+            raise KeyboardInterrupt  # as pytest-timeout's SIGALRM would, between two locks
+        return real_try(self, uuid)
+
+    monkeypatch.setattr(GpuLocks, "_try", interrupted)
+    # Keep the traceback (and so acquire's frame) alive, as pytest's reports and sys.last_traceback do.
+    with pytest.raises(KeyboardInterrupt) as interruption:
+        locks.acquire(["GPU-a", "GPU-b"], 2, 5, "interrupted::test")
+    assert interruption.tb is not None
+    # Another process can have GPU-a at once (the one that took it was interrupted).
+    other = subprocess.run([sys.executable, "-c", "import sys; from pytest_gpuclean.locks import GpuLocks; "
+                            "GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'next::test')", locks.directory],
+                           capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+
+
+def test_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
+    # A holder forks (as multiprocessing or vLLM do) and is killed; its child lives on.
+    lock_dir = str(tmp_path / "locks")
+    child_file = tmp_path / "child.pid"
+    script = f"""
+import os, time
+from pytest_gpuclean.locks import GpuLocks
+GpuLocks({lock_dir!r}).acquire(["GPU-a"], 1, 5, "forking::test")
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+with open({str(child_file)!r}, "w") as f:
+    f.write(str(child))
+os.kill(os.getpid(), 9)
+"""
+    subprocess.run([sys.executable, "-c", script], stdout=subprocess.DEVNULL, timeout=60)
+    child = int(child_file.read_text())
+    try:
+        assert alive(child)
+        GpuLocks(lock_dir).acquire(["GPU-a"], 1, 5, "next::test").release()
+    finally:
+        collect(child)
+
+
+def _as_user(uid: int, action: Callable[[], str]) -> str:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.close(read)
+            os.setgid(uid)
+            os.setuid(uid)
+            answer = action()
+        except BaseException as exc:
+            answer = f"{type(exc).__name__}: {exc}"
+        os.write(write, answer.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        answer = f.read()
+    os.waitpid(pid, 0)
+    return answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as several users needs root")
+def test_three_users_share_one_lock_directory() -> None:
+    base = Path(tempfile.mkdtemp(prefix="gpuclean-users-"))
+    base.chmod(0o1777)
+    lock_dir = str(base / "locks")
+
+    def lock_and_release() -> str:
+        locks = GpuLocks(lock_dir)
+        held = locks.acquire(["GPU-a"], 1, 5, f"user {os.getuid()}")
+        recorded = locks.holder("GPU-a")
+        held.release()
+        return f"ok {recorded['pid'] == os.getpid()}"
+
+    def lock_and_die() -> str:
+        GpuLocks(lock_dir).acquire(["GPU-a"], 1, 5, f"user {os.getuid()}")
+        os.kill(os.getpid(), signal.SIGKILL)
+        return "not reached"
+
+    try:
+        assert _as_user(4001, lambda: str(GpuLocks(lock_dir).directory)) == lock_dir  # owns the directory
+        assert _as_user(4002, lock_and_release) == "ok True"  # owns the lock file
+        # Neither the file's nor the directory's owner; its record stays behind when it is killed.
+        assert _as_user(4003, lock_and_die) == ""
+        assert _as_user(4002, lock_and_release) == "ok True"  # the newest record is the holder's
+        assert _as_user(4001, lock_and_release) == "ok True"
+    finally:
+        shutil.rmtree(base)
