@@ -165,6 +165,8 @@ class SimulatedBackend:
 
     Faithful to the driver where it matters: memory counts only while its process lives and is not a
     zombie, and a file left by a dead process is not credited to a new process that reused its pid.
+    Optional files: ``total`` (bytes), ``uuid``, ``name``, and ``context_overhead`` (bytes per process
+    that count as used but are charged to no process, as the driver does for each CUDA context).
     """
 
     kind = "simulated"
@@ -196,10 +198,13 @@ class SimulatedBackend:
             raise DeviceError(f"simulated {device.label} ({folder}) unreadable: {exc}") from exc
         processes: list[GpuProcess] = []
         total = DEFAULT_SIM_TOTAL
+        overhead = 0
         for name in names:
             if not name.isdigit():
                 if name == "total":
                     total = int(_read_text(folder / name) or DEFAULT_SIM_TOTAL)
+                elif name == "context_overhead":
+                    overhead = int(_read_text(folder / name) or 0)
                 continue
             pid = int(name)
             used = _counted_allocation(folder / name, pid)
@@ -208,7 +213,8 @@ class SimulatedBackend:
         processes.sort(key=lambda p: p.pid)
         return DeviceSnapshot(
             device=device,
-            used_bytes=sum(p.used_bytes or 0 for p in processes),
+            # Like the real driver, each context may cost memory that no process is charged for.
+            used_bytes=sum(p.used_bytes or 0 for p in processes) + overhead * len(processes),
             total_bytes=total,
             processes=tuple(processes),
         )

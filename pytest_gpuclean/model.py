@@ -107,7 +107,8 @@ class Reaped:
     exit_s: float | None
     """Seconds from the first signal to the process being gone."""
     release_s: float | None = None
-    """Seconds from the process being gone to the driver no longer listing it (GPU holders only)."""
+    """Seconds from the signal that ended the process to the driver no longer listing it (GPU holders
+    only): how long the driver took to give the memory back."""
 
 
 @dataclass(frozen=True)

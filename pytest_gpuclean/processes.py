@@ -146,6 +146,8 @@ class KillOutcome:
     ended_by: str
     exit_s: float | None
     state: str = ""
+    signal_s: float | None = None
+    """When the signal that ended it was sent, in seconds from the start of ``terminate``."""
 
 
 class _Tracked:
@@ -262,6 +264,7 @@ def terminate(targets: Sequence[KillTarget], grace: float, kill_wait: float = 5.
                 t.gone_at, t.ended_by = 0.0, "already exited"
         _wait(tracked, started + grace, started, "SIGTERM", watch)
         survivors = [t for t in tracked if t.gone_at is None]
+        kill_sent = time.monotonic() - started
         for t in survivors:
             if not _signal(t, signal.SIGKILL):
                 t.gone_at, t.ended_by = time.monotonic() - started, "SIGTERM"
@@ -272,7 +275,8 @@ def terminate(targets: Sequence[KillTarget], grace: float, kill_wait: float = 5.
             if t.gone_at is None:
                 stat = procfs.read_stat(t.target.pid)
                 state = _STATE_NAMES.get(stat.state, stat.state) if stat else "gone"
-            outcomes.append(KillOutcome(t.target.pid, t.ended_by or "survived", t.gone_at, state))
+            sent = {"SIGTERM": 0.0, "SIGKILL": kill_sent}.get(t.ended_by)
+            outcomes.append(KillOutcome(t.target.pid, t.ended_by or "survived", t.gone_at, state, sent))
     finally:
         for t in tracked:
             if t.pidfd is not None:

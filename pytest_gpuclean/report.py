@@ -55,7 +55,7 @@ def offender_lines(offender: Offender) -> list[str]:
 def reaped_lines(reaped: Reaped) -> list[str]:
     proc = reaped.process
     timing = f" after {reaped.exit_s:.2f}s" if reaped.exit_s is not None else ""
-    release = (f"; the driver released it {reaped.release_s:.2f}s after exit"
+    release = (f"; the driver released it {reaped.release_s:.2f}s after the {reaped.ended_by}"
                if reaped.release_s is not None else "")
     owner = f", spawned by {reaped.owner}" if reaped.owner else ""
     return [
@@ -90,14 +90,22 @@ def check_report(result: CheckResult, heading: str) -> str:
 
 
 def leak_heading(reaped: Sequence[Reaped], leaked: Sequence[Offender], reap_enabled: bool) -> str:
-    """``gpuclean: test leaked N process(es) (reaped)``; ``leaked`` are the ones not reaped."""
+    """``gpuclean: test leaked N process(es) (reaped)``; ``leaked`` are the ones not reaped.
+
+    Exited children nobody waited for (zombies) are counted apart: they held no memory, and the
+    intermediate parents of a double fork become such zombies once our subreaper adopts them.
+    """
     if not reap_enabled:
         state = "reaping is off: reported only"
     elif leaked:
         state = "NOT all reaped"
     else:
         state = "reaped"
-    return f"{LEAK_PREFIX} {len(reaped) + len(leaked)} process(es) ({state})"
+    zombies = sum(1 for r in reaped if r.ended_by == "reaped zombie")
+    live = len(reaped) - zombies + len(leaked)
+    extra = f" and {zombies} exited child(ren) nobody waited for" if zombies and live else ""
+    count = f"{live} process(es){extra}" if live else f"{zombies} exited child(ren) nobody waited for"
+    return f"{LEAK_PREFIX} {count} ({state})"
 
 
 def not_clean_heading(phase: str, result: CheckResult, timeout: float) -> str:
