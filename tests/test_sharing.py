@@ -96,7 +96,7 @@ class Sessions:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
-            pytest.fail(f"session {proc.args} still running after {timeout}s (deadlock?):\n{out}")
+            pytest.fail(f"session {proc.args!r} still running after {timeout}s (deadlock?):\n{out}")
         return proc.returncode, out
 
     def kill_all(self) -> None:
