@@ -1,0 +1,308 @@
+"""CI outputs (issue 5): the JSON report against its schema (also merged under xdist), JUnit properties,
+GitHub annotations and the job summary; inner pytest sessions over simulated devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+from conftest import alive, run_inner
+
+from pytest_gpuclean import jsonreport, outputs
+from pytest_gpuclean.devices import simulated_uuid
+
+LEAKS_AND_CLEAN = """
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold(mib=64)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+def test_clean():
+    pass
+
+def test_unchecked():
+    pass
+"""
+
+
+@pytest.fixture(autouse=True)
+def _isolated_inner_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # When this suite itself runs on GitHub Actions, the inner sessions must not annotate that job.
+    for name in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "GITHUB_WORKSPACE"):
+        monkeypatch.delenv(name, raising=False)
+    # Under an outer `-n`, an inner session and the holders started here would inherit the outer
+    # run's id, and the checker would excuse those holders as sibling xdist workers of its own run.
+    for name in ("PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def validate(document: Any) -> None:
+    """Validate against the shipped schema, date-time formats included."""
+    validator = jsonschema.Draft202012Validator(jsonreport.load_schema(),
+                                                format_checker=jsonschema.FormatChecker())
+    validator.validate(document)
+
+
+def first_line(path: Path, function: str) -> int:
+    """1-based line where pytest says ``function`` starts: its first decorator, else its ``def``."""
+    lines = path.read_text().splitlines()
+    index = next(i for i, text in enumerate(lines) if text.startswith(f"def {function}("))
+    while index > 0 and lines[index - 1].startswith("@"):
+        index -= 1
+    return index + 1
+
+
+def by_nodeid(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {t["nodeid"]: t for t in document["tests"]}
+
+
+# ---- JSON report -------------------------------------------------------------------------------------
+
+def test_report_has_a_record_per_checked_test_and_matches_its_schema(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path) -> None:
+    pidfile = inner(LEAKS_AND_CLEAN)
+    (pytester.path / "out").mkdir()
+    result = run_inner(pytester, "--gpuclean-report=out/report.json", "--gpuclean-grace=2")
+    result.assert_outcomes(passed=3, errors=1)
+    leaked_pid = int(pidfile.read_text().split()[-1])
+    document = json.loads((pytester.path / "out" / "report.json").read_text())
+    validate(document)
+    assert os.listdir(pytester.path / "out") == ["report.json"]  # the temp file was renamed, not left
+
+    assert document["schema_version"] == 1
+    session = document["session"]
+    assert (session["backend"], session["driver"]) == ("simulated", "simulated")
+    assert session["xdist_workers"] is None
+    assert [d["uuid"] for d in session["devices"]] == [simulated_uuid(sim, 0), simulated_uuid(sim, 1)]
+    assert session["exitstatus"] == 1 and session["settings"]["grace"] == 2
+    assert document["versions"]["pytest_gpuclean"] == "0.1.0"
+    assert document["summary"] == {"tests": 2, "checked": 2, "clean": 1, "leaked": 1, "not_clean": 0,
+                                   "reaped": 1}
+
+    tests = by_nodeid(document)
+    assert set(tests) == {"test_inner.py::test_leaks", "test_inner.py::test_clean"}
+    leaks = tests["test_inner.py::test_leaks"]
+    assert (leaks["outcome"], leaks["file"]) == ("leaked", "test_inner.py")
+    assert leaks["line"] == first_line(pytester.path / "test_inner.py", "test_leaks")
+    assert leaks["before"]["clean"] and leaks["after"]["clean"]  # reaping made it clean again
+    [reaped] = leaks["after"]["reaped"]
+    assert reaped["process"]["pid"] == leaked_pid and reaped["ended_by"] == "SIGTERM"
+    assert reaped["owner"] == {"kind": "test", "name": "test_inner.py::test_leaks"}
+    assert reaped["mib_per_device"] == [{"device": "GPU 0", "mib": 64.0}]
+    assert [(p["pid"], p["found"], p["ended_by"]) for p in leaks["leaked"]] == [
+        (leaked_pid, "teardown", "SIGTERM")]
+    assert leaks["before"]["devices"][0]["used_bytes"] == 0
+    assert leaks["after"]["devices"][0]["used_bytes"] == 0
+    clean = tests["test_inner.py::test_clean"]
+    assert clean["outcome"] == "clean" and clean["leaked"] == [] and clean["after"]["reaped"] == []
+    assert not alive(leaked_pid)
+    assert "::error" not in result.stdout.str()  # not on GitHub: no workflow commands
+
+
+def test_report_records_gpus_that_were_not_clean(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                                 outside_holder: Callable[..., int]) -> None:
+    foreign = outside_holder(device=1, mib=32)
+    inner("""
+@pytest.mark.needs_clean_gpus(timeout=0.2)
+def test_meets_a_busy_gpu():
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-report=report.json")
+    result.assert_outcomes(errors=1)
+    document = json.loads((pytester.path / "report.json").read_text())
+    validate(document)
+    [test] = document["tests"]
+    assert test["outcome"] == "not_clean" and test["after"] is None
+    [offender] = test["before"]["offenders"]
+    assert (offender["reason"], offender["process"]["pid"]) == ("foreign", foreign)
+    assert offender["mib_per_device"] == [{"device": "GPU 1", "mib": 32.0}]
+    assert test["before"]["devices"][1]["processes"] == [
+        {"pid": foreign, "used_bytes": 32 * 1024 * 1024, "used_mib": 32.0}]
+    assert alive(foreign)  # another session's process: waited for, never killed
+
+
+def test_report_under_xdist_is_merged_from_the_workers(inner: Callable[[str], Path],
+                                                       pytester: pytest.Pytester) -> None:
+    inner("""
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(4))
+def test_leaks(n):
+    holder = hold(mib=16)
+    with open("spawned.pids", "a") as f:
+        f.write(f"{holder.pid}\\n")
+    while not os.path.exists(os.path.join(SIM, "0", str(holder.pid))):
+        time.sleep(0.01)
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(4))
+def test_clean(n):
+    pass
+""")
+    result = run_inner(pytester, "-n", "2", "--gpuclean-report=report.json", "--junitxml=junit.xml",
+                       "--gpuclean-grace=2")
+    result.assert_outcomes(passed=8, errors=4)
+    document = json.loads((pytester.path / "report.json").read_text())
+    validate(document)
+    assert document["session"]["xdist_workers"] == 2
+    tests = by_nodeid(document)
+    assert set(tests) == {f"test_inner.py::test_{name}[{n}]" for name in ("leaks", "clean") for n in range(4)}
+    leaked = {p["pid"] for t in tests.values() for p in t["leaked"]}
+    assert leaked == {int(p) for p in (pytester.path / "spawned.pids").read_text().split()}
+    assert len(leaked) == 4
+    assert document["summary"]["leaked"] == 4 and document["summary"]["clean"] == 4
+    # JUnit properties travel from the workers' reports to the controller's junitxml.
+    properties = junit_properties(pytester.path / "junit.xml")
+    assert {properties[f"test_leaks[{n}]"]["gpuclean_outcome"] for n in range(4)} == {"leaked"}
+    assert {int(properties[f"test_leaks[{n}]"]["gpuclean_reaped_pids"]) for n in range(4)} == leaked
+
+
+def test_a_report_that_cannot_be_written_fails_the_run(inner: Callable[[str], Path],
+                                                       pytester: pytest.Pytester) -> None:
+    inner("""
+import shutil
+
+@pytest.mark.needs_clean_gpus
+def test_removes_the_report_directory():
+    shutil.rmtree("out")
+""")
+    (pytester.path / "out").mkdir()
+    result = run_inner(pytester, "--gpuclean-report=out/report.json")
+    assert result.ret == pytest.ExitCode.INTERNAL_ERROR
+    result.stdout.fnmatch_lines(["gpuclean: could not write the report */out/report.json: *"])
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--gpuclean-report=missing/report.json"], {},
+     "ERROR: --gpuclean-report: directory '*/missing' does not exist (from the command line)"),
+    (["--gpuclean-report=."], {},
+     "ERROR: --gpuclean-report: '.' is a directory; give a file path (from the command line)"),
+    ([], {"GPUCLEAN_REPORT": "missing/r.json"},
+     "ERROR: --gpuclean-report: directory '*/missing' does not exist (from environment variable "
+     "GPUCLEAN_REPORT)"),
+])
+def test_a_bad_report_path_is_a_usage_error_at_startup(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        args: list[str], env: dict[str, str], message: str) -> None:
+    inner(LEAKS_AND_CLEAN)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = run_inner(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert not (pytester.path / "missing").exists()
+    assert not (pytester.path / "leak.pids").exists()  # no test ran
+
+
+# ---- JUnit -------------------------------------------------------------------------------------------
+
+def junit_properties(path: Path) -> dict[str, dict[str, str]]:
+    """testcase name -> its properties."""
+    tree = ET.parse(path)
+    return {case.get("name", ""): {p.get("name", ""): p.get("value", "") for p in case.iter("property")}
+            for case in tree.iter("testcase")}
+
+
+def test_junitxml_carries_gpuclean_properties(inner: Callable[[str], Path],
+                                              pytester: pytest.Pytester) -> None:
+    pidfile = inner(LEAKS_AND_CLEAN)
+    result = run_inner(pytester, "--junitxml=junit.xml", "--gpuclean-grace=2")
+    result.assert_outcomes(passed=3, errors=1)
+    properties = junit_properties(pytester.path / "junit.xml")
+    leaks = properties["test_leaks"]
+    assert (leaks["gpuclean_outcome"], leaks["gpuclean_leaked"]) == ("leaked", "1")
+    assert leaks["gpuclean_reaped_pids"] == pidfile.read_text().split()[0]
+    for name in ("gpuclean_release_s", "gpuclean_before_s", "gpuclean_after_s", "gpuclean_lock_wait_s"):
+        assert float(leaks[name]) >= 0
+    clean = properties["test_clean"]
+    assert (clean["gpuclean_outcome"], clean["gpuclean_leaked"], clean["gpuclean_reaped_pids"],
+            clean["gpuclean_release_s"]) == ("clean", "0", "", "")
+    assert properties["test_unchecked"] == {}
+
+
+# ---- GitHub ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "data", "prop"), [
+    ("50% done", "50%25 done", "50%25 done"),
+    ("a\r\nb", "a%0D%0Ab", "a%0D%0Ab"),
+    ("file: a,b", "file: a,b", "file%3A a%2Cb"),
+    ("%0A", "%250A", "%250A"),  # an escape sequence in the input is not an escape
+])
+def test_workflow_command_escaping(text: str, data: str, prop: str) -> None:
+    assert outputs.escape_data(text) == data
+    assert outputs.escape_property(text) == prop
+
+
+def test_workflow_command_shape() -> None:
+    line = outputs.workflow_command("error", "two\nlines: 100%", [("file", "a,b.py"), ("title", "GPU leak")])
+    assert line == "::error file=a%2Cb.py,title=GPU leak::two%0Alines: 100%25"
+
+
+def test_github_annotations_and_job_summary(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                            monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    summary = tmp_path / "step_summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(pytester.path.parent))
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("x", [1], ids=["50%:a\\nb,c"])
+def test_weird(x):
+    hold(mib=64)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+def test_clean():
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-grace=2")
+    result.assert_outcomes(passed=2, errors=1)
+    pid = int(pidfile.read_text().split()[0])
+    line = first_line(pytester.path / "test_inner.py", "test_weird")
+    annotations = [text for text in result.stdout.lines if text.startswith("::")]
+    assert len(annotations) == 1
+    [annotation] = annotations
+    # The path is relative to GITHUB_WORKSPACE; pytest shows the newline of the id as "\n".
+    workspace_path = f"{pytester.path.name}/test_inner.py"
+    assert annotation.startswith(
+        f"::error file={workspace_path},line={line},title=GPU leak::"
+        f"test_inner.py::test_weird[50%25:a\\nb,c] leaked 1 process(es)%0Apid {pid} ended by SIGTERM")
+    message = annotation.split("::", 2)[2]
+    assert re.search(r"%(?!25|0A|0D)", message) is None  # every % is escaped
+    assert "\r" not in annotation
+
+    text = summary.read_text()
+    assert text.startswith("earlier step\n### gpuclean: 2 checked test(s), 1 leaked, 0 met GPUs that were "
+                           "not clean, 1 process(es) reaped\n")
+    assert "| Test | Verdict | Processes | Driver release | Before check | After check |" in text
+    assert f"| `test_inner.py::test_weird[50%:a\\nb,c]` | leaked | pid {pid} SIGTERM |" in text
+    assert "test_clean" not in text
+
+
+def test_github_annotation_for_gpus_that_were_not_clean(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        outside_holder: Callable[..., int]) -> None:
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    foreign = outside_holder(device=0, mib=8)
+    inner("""
+@pytest.mark.needs_clean_gpus(timeout=0.2)
+def test_meets_a_busy_gpu():
+    pass
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(errors=1)
+    annotations = [text for text in result.stdout.lines if text.startswith("::")]
+    assert len(annotations) == 1
+    line = first_line(pytester.path / "test_inner.py", "test_meets_a_busy_gpu")
+    assert annotations[0].startswith(
+        f"::error file=test_inner.py,line={line},title=GPU not clean::GPUs not clean before "
+        "test_inner.py::test_meets_a_busy_gpu (waited ")
+    assert f"%0Aforeign pid {foreign} (user " in annotations[0]
