@@ -24,6 +24,8 @@ _RETRY_S = (0.02, 0.1)
 """Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
 _LOCK_MODE = 0o666
 """Lock files are shared by every user of the GPUs; whoever creates one makes it usable by all."""
+_PARKED = ".free"
+"""Suffix of a released holder file, kept for reuse: not a record (``holder`` reads ``*.holder`` only)."""
 
 # flock (not filelock.FileLock): filelock 4 refuses, in a sticky directory like ours, a lock file that
 # belongs neither to this user nor to the directory's owner, so a third user of a shared GPU box could
@@ -87,10 +89,11 @@ class HeldLocks:
     waited_s: float
 
     def release(self) -> None:
-        # Holder file first: once the lock is free, the next holder writes its own.
+        # Holder record first: once the lock is free, the next holder writes its own. The file is parked
+        # (renamed) rather than deleted, for the next acquire to reuse (see ``_write_holder``).
         for path in self.holder_paths:
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.rename(path, path + _PARKED)
         self.holder_paths = []
         for fd in self.locks:
             _unlock(fd)
@@ -232,8 +235,8 @@ class GpuLocks:
             path = self.holder_path(uuid)
             # Best effort: the lock itself is what protects the GPU.
             with contextlib.suppress(OSError):
-                _write_json(path, {"pid": os.getpid(), "host": socket.gethostname(), "uid": os.getuid(),
-                                   "test": holder_id, "since": time.time(), "uuid": uuid})
+                _write_holder(path, {"pid": os.getpid(), "host": socket.gethostname(), "uid": os.getuid(),
+                                     "test": holder_id, "since": time.time(), "uuid": uuid})
                 held.holder_paths.append(path)
         return held
 
@@ -272,17 +275,21 @@ def describe_holders(holders: dict[str, dict[str, object]]) -> str:
     return "; ".join(f"{u}: {describe_holder(h)}" for u, h in holders.items())
 
 
-def _write_json(path: str, data: dict[str, object]) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # left by a killed session whose pid we now have
-    # O_EXCL | O_NOFOLLOW: never write through a link someone planted in the shared directory.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+def _write_holder(path: str, data: dict[str, object]) -> None:
+    """Write this user's holder record for one GPU into its file, reusing the file parked at release.
+
+    Creating a file per GPU and test (a temporary file renamed into place, unlinked at release) cost
+    0.3-0.8 ms per GPU on ext4, ten times the clean check itself; renaming the parked file back and
+    overwriting it in place costs ~30 us. A reader that catches a half-written record fails to parse it
+    and reads "unknown holder", as for a missing one.
+    """
+    with contextlib.suppress(OSError):
+        os.rename(path + _PARKED, path)  # none on first use, or after a killed session left its record
+    # O_NOFOLLOW: never write through a link someone planted in the shared directory.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        payload = json.dumps(data).encode()
+        os.pwrite(fd, payload, 0)
+        os.ftruncate(fd, len(payload))
+    finally:
+        os.close(fd)
