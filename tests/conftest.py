@@ -144,3 +144,27 @@ def _no_leftovers(tmp_path: Path) -> Iterator[None]:
     if pidfile.exists():
         pids = [int(x) for x in pidfile.read_text().split()]
         kill_all([p for p in pids if alive(p)])
+
+
+def _nvml_reason() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+    except Exception as exc:
+        return f"no NVIDIA driver/NVML: {exc}"
+    return None if count else "NVML sees no GPU"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # tests/gpu/ needs a real GPU (run it on the H200: docs/gpu.md); elsewhere say why it is skipped.
+    gpu_items = [item for item in items if "tests/gpu/" in item.nodeid or item.nodeid.startswith("gpu/")]
+    if not gpu_items:
+        return
+    reason = _nvml_reason()
+    if reason is None:
+        return
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason=f"real-GPU test: {reason}"))
