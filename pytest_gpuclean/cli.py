@@ -160,7 +160,8 @@ def _header(found: _Devices) -> str:
 
 
 def _cmd(cmdline: str) -> str:
-    return cmdline if len(cmdline) <= CMDLINE_WIDTH else cmdline[: CMDLINE_WIDTH - 3] + "..."
+    # One line per process: a ``python -c "<script>"`` command line carries newlines.
+    return report.one_line(cmdline, CMDLINE_WIDTH)
 
 
 def _mib_text(num_bytes: int | None) -> str:
@@ -333,8 +334,9 @@ def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[i
         outcome = outcomes[pid]
         ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
         release = None
-        if pid in watch.gone_at:
-            release = max(0.0, watch.gone_at[pid] - (started + (outcome.exit_s or 0.0)))
+        if pid in watch.gone_at and outcome.signal_s is not None:
+            # As the plugin does: from the signal that ended it (the driver frees while it exits).
+            release = max(0.0, watch.gone_at[pid] - (started + outcome.signal_s))
         reaped.append(Reaped(target.info, None, target.found_by, ended_by, target.mib, outcome.exit_s,
                              release))
     all_released = None

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuclean import jsonreport
+from pytest_gpuclean import jsonreport, report
 from pytest_gpuclean.model import Reaped, TestRecord
 from pytest_gpuclean.plugin import _STATE, GpuCleanPlugin
 from pytest_gpuclean.serialize import reaped_from_dict, record_from_dict
@@ -50,7 +50,7 @@ def workflow_command(command: str, message: str, properties: Sequence[tuple[str,
 def _process_line(pid: int, cmdline: str, ended_by: str | None, release_s: float | None) -> str:
     what = f"ended by {ended_by}" if ended_by else "NOT reaped, still running"
     release = f", GPU memory released {release_s:.2f}s after exit" if release_s is not None else ""
-    return f"pid {pid} {what}{release}: {cmdline[:200]}"
+    return f"pid {pid} {what}{release}: {report.one_line(cmdline)}"
 
 
 def annotation_message(record: TestRecord) -> tuple[str, str] | None:
@@ -71,7 +71,7 @@ def annotation_message(record: TestRecord) -> tuple[str, str] | None:
             for offender in check.offenders:
                 proc = offender.process
                 held = ", ".join(f"{label} {value:.0f} MiB" for label, value in offender.mib_per_device)
-                who = (f"{offender.reason} pid {proc.pid} (user {proc.user}): {proc.cmdline[:200]}"
+                who = (f"{offender.reason} pid {proc.pid} (user {proc.user}): {report.one_line(proc.cmdline)}"
                        if proc is not None else offender.detail)
                 lines.append(who + (f" [{held}]" if held and proc is not None else ""))
         return TITLE_NOT_CLEAN, "\n".join(lines)
@@ -202,13 +202,13 @@ class OutputHooks:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
                                   ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        report = yield
+        test_report = yield
         if call.when == "teardown":
             state = item.stash.get(_STATE, None)
             if state is not None and state.record is not None:
                 # On the report, not the item: junitxml and xdist take them from the teardown report.
-                report.user_properties.extend(junit_properties(state.record))
-        return report
+                test_report.user_properties.extend(junit_properties(state.record))
+        return test_report
 
     def _merge(self) -> tuple[list[TestRecord], list[Reaped], list[str]]:
         plugin = self.plugin

@@ -1,7 +1,8 @@
 """The ``gpuclean`` command against a real GPU: status, the pre-job check on an idle GPU and with a torch
 child holding ~1 GiB, and the post-job reap that ends that child.
 
-Skipped without NVML (tests/gpu/conftest.py). Outputs are printed (run with ``-s``) for docs/ci.md.
+Skipped without NVML (the tests/gpu hook in tests/conftest.py). Outputs are printed (run with ``-s``)
+for docs/ci.md.
 """
 
 from __future__ import annotations
