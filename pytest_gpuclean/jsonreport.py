@@ -104,7 +104,8 @@ def check_json(check: CheckResult) -> JsonDict:
             "clean_after_s": _seconds(check.clean_after_s), "tolerance_mib": check.tolerance_mib,
             "devices": [snapshot_json(s) for s in check.devices],
             "offenders": [offender_json(o) for o in check.offenders],
-            "reaped": [reaped_json(r) for r in check.reaped], "notes": list(check.notes),
+            "reaped": [reaped_json(r) for r in check.reaped],
+            "lingered": [offender_json(o) for o in check.lingered], "notes": list(check.notes),
             "self_mib": mib_pairs_json(check.self_mib)}
 
 
@@ -132,17 +133,23 @@ def leaked_json(record: TestRecord) -> list[JsonDict]:
                        "cmdline": reaped.process.cmdline, "owner": owner_json(reaped.owner), "found": when,
                        "ended_by": reaped.ended_by, "release_s": _seconds(reaped.release_s)})
     if record.after is not None:
-        for offender in record.after.offenders:
-            if offender.reason == "leaked" and offender.process is not None:
-                leaked.append({"pid": offender.process.pid, "user": offender.process.user,
-                               "cmdline": offender.process.cmdline, "owner": owner_json(offender.owner),
-                               "found": "teardown", "ended_by": None, "release_s": None})
+        # Still running (reaping off, or it survived), or gone by itself while the check waited.
+        for offenders, ended_by in ((record.after.offenders, None),
+                                    (record.after.lingered, "exited by itself")):
+            for offender in offenders:
+                proc = offender.process
+                if (offender.reason != "leaked" or proc is None
+                        or _owned_by_other_test(offender.owner, record.nodeid)):
+                    continue
+                leaked.append({"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline,
+                               "owner": owner_json(offender.owner), "found": "teardown",
+                               "ended_by": ended_by, "release_s": None})
     return leaked
 
 
 def outcome(record: TestRecord) -> str:
     """``leaked``, ``not_clean``, ``clean`` or ``unchecked`` (no check finished for this test)."""
-    if own_reaped(record) or record.found_later or record.leaked:
+    if leaked_json(record):
         return "leaked"
     checks = [c for c in (record.before, record.after) if c is not None]
     if any(not c.clean for c in checks):

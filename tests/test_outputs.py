@@ -129,6 +129,26 @@ def test_meets_a_busy_gpu():
     assert alive(foreign)  # another session's process: waited for, never killed
 
 
+def test_report_with_reaping_off_shows_a_leak_that_ended_by_itself(inner: Callable[[str], Path],
+                                                                   pytester: pytest.Pytester) -> None:
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus(timeout=60)
+def test_leaks_briefly():
+    hold("--seconds", "1", mib=16)
+    wait_holders(1)
+""")
+    result = run_inner(pytester, "--gpuclean-reap=off", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=1, errors=1)
+    document = json.loads((pytester.path / "report.json").read_text())
+    validate(document)
+    [test] = document["tests"]
+    pid = int(pidfile.read_text().split()[0])
+    assert test["outcome"] == "leaked" and test["after"]["reaped"] == []
+    assert [o["process"]["pid"] for o in test["after"]["lingered"]] == [pid]
+    assert [(p["pid"], p["ended_by"]) for p in test["leaked"]] == [(pid, "exited by itself")]
+    assert document["summary"]["leaked"] == 1 and document["summary"]["reaped"] == 0
+
+
 def test_report_under_xdist_is_merged_from_the_workers(inner: Callable[[str], Path],
                                                        pytester: pytest.Pytester) -> None:
     inner("""
