@@ -18,12 +18,18 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pytest_gpuclean import procfs
 
 _RETRY_S = (0.02, 0.1)
 """Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
 _LOCK_MODE = 0o666
 """Lock files are shared by every user of the GPUs; whoever creates one makes it usable by all."""
+HELD_VAR = "GPUCLEAN_HELD_LOCKS"
+"""Set while this process holds GPU locks, so its children know: JSON ``{"dir": lock directory,
+"holders": {uuid: [pid, start ticks]}}``. A gpuclean session that a test runs (a nested pytest,
+pytester) takes those GPUs as its own instead of waiting for its parent's locks until it times out."""
 _PARKED = ".free"
 """Suffix of a released holder file, kept for reuse: not a record (``holder`` reads ``*.holder`` only)."""
 
@@ -87,6 +93,10 @@ class HeldLocks:
     """Open descriptors of the locked files."""
     holder_paths: list[str]
     waited_s: float
+    inherited: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """GPUs an ancestor process holds, with its (pid, start ticks): not locked again, not released."""
+    _env: tuple[str | None, str | None] = (None, None)
+    """(value of ``HELD_VAR`` before us, the value we set)."""
 
     def release(self) -> None:
         # Holder record first: once the lock is free, the next holder writes its own. The file is parked
@@ -98,6 +108,13 @@ class HeldLocks:
         for fd in self.locks:
             _unlock(fd)
         self.locks = []
+        previous, ours = self._env
+        if ours is not None and os.environ.get(HELD_VAR) == ours:
+            if previous is None:
+                os.environ.pop(HELD_VAR, None)
+            else:
+                os.environ[HELD_VAR] = previous
+        self._env = (None, None)
 
 
 def _unlock(fd: int) -> None:
@@ -191,32 +208,32 @@ class GpuLocks:
                 on_wait: Callable[[dict[str, dict[str, object]]], None] | None = None) -> HeldLocks:
         """Lock ``count`` of ``candidates`` (all of them when ``count == len(candidates)``).
 
-        Free devices are taken in UUID order, those listed in ``prefer`` first. If fewer than ``count``
-        are free, everything taken is released and the attempt repeats until ``timeout``. ``on_wait`` is
+        GPUs that an ancestor process holds (see ``HELD_VAR``) count as taken, and come first; then free
+        devices are taken in UUID order, those listed in ``prefer`` first. If fewer than ``count`` are
+        free, everything taken is released and the attempt repeats until ``timeout``. ``on_wait`` is
         called once, when the first attempt fails, with the holders of the busy devices.
         """
-        ordered = sorted(candidates, key=lambda u: (u not in prefer, u))
+        inherited = {u: h for u, h in self.inherited().items() if u in candidates}
+        ordered = sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
         started = time.monotonic()
         notified = False
         while True:
-            taken: list[tuple[str, int]] = []
+            taken: list[tuple[str, int | None]] = []
             try:
                 for uuid in ordered:
-                    fd = self._try(uuid)
-                    if fd is not None:
+                    fd = None if uuid in inherited else self._try(uuid)
+                    if fd is not None or uuid in inherited:
                         taken.append((uuid, fd))
                         if len(taken) == count:
                             break
                 if len(taken) == count:
-                    return self._record(taken, holder_id, time.monotonic() - started)
+                    return self._record(taken, holder_id, time.monotonic() - started, inherited)
             except BaseException:
                 # Also on KeyboardInterrupt or a pytest-timeout signal: a lock kept by a stray
                 # descriptor would block this very session's next test.
-                for _uuid, fd in taken:
-                    _unlock(fd)
+                _unlock_all(taken)
                 raise
-            for _uuid, fd in taken:
-                _unlock(fd)
+            _unlock_all(taken)
             busy = [u for u in ordered if u not in {t for t, _ in taken}]
             waited = time.monotonic() - started
             if waited >= timeout:
@@ -229,9 +246,37 @@ class GpuLocks:
                 on_wait({u: self.holder(u) for u in busy})
             time.sleep(random.uniform(*_RETRY_S))
 
-    def _record(self, taken: list[tuple[str, int]], holder_id: str, waited_s: float) -> HeldLocks:
-        held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken], [], waited_s)
-        for uuid, _fd in taken:
+    def inherited(self) -> dict[str, tuple[int, int]]:
+        """GPUs of this lock directory that an ancestor of this process holds, per ``HELD_VAR``.
+
+        Trusted only if the named holder is still our ancestor (same pid and start time) and still the
+        recorded holder of the GPU: a process that outlived the test that started it inherits nothing.
+        """
+        try:
+            data = json.loads(os.environ.get(HELD_VAR) or "{}")
+            if os.path.realpath(str(data["dir"])) != os.path.realpath(self.directory):
+                return {}
+            holders = {str(u): (int(pid), int(start)) for u, (pid, start) in data["holders"].items()}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return {}
+        ancestors = _ancestors()
+        return {u: (pid, start) for u, (pid, start) in holders.items()
+                if ancestors.get(pid) == start and self.holder(u).get("pid") == pid}
+
+    def _record(self, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
+                inherited: dict[str, tuple[int, int]]) -> HeldLocks:
+        held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], [], waited_s,
+                         inherited={u: inherited[u] for u, fd in taken if fd is None})
+        me = procfs.read_stat(os.getpid())
+        if me is not None:
+            previous = os.environ.get(HELD_VAR)
+            holders = {u: list(held.inherited.get(u, (me.pid, me.start_ticks))) for u in held.uuids}
+            ours = json.dumps({"dir": self.directory, "holders": holders})
+            os.environ[HELD_VAR] = ours
+            held._env = (previous, ours)
+        for uuid, fd in taken:
+            if fd is None:
+                continue  # the ancestor's record stays: it is the holder
             path = self.holder_path(uuid)
             # Best effort: the lock itself is what protects the GPU.
             with contextlib.suppress(OSError):
@@ -239,6 +284,23 @@ class GpuLocks:
                                      "test": holder_id, "since": time.time(), "uuid": uuid})
                 held.holder_paths.append(path)
         return held
+
+
+def _unlock_all(taken: list[tuple[str, int | None]]) -> None:
+    for _uuid, fd in taken:
+        if fd is not None:
+            _unlock(fd)
+
+
+def _ancestors() -> dict[int, int]:
+    """pid -> start ticks of every ancestor of this process."""
+    found: dict[int, int] = {}
+    stat = procfs.read_stat(os.getpid())
+    while stat is not None and stat.ppid > 0 and stat.ppid not in found:
+        stat = procfs.read_stat(stat.ppid)
+        if stat is not None:
+            found[stat.pid] = stat.start_ticks
+    return found
 
 
 def _since(holder: dict[str, object]) -> float:

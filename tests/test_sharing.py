@@ -25,7 +25,7 @@ import pytest
 from conftest import alive, read_pids, run_inner, wait_dead
 
 from pytest_gpuclean.devices import SimulatedBackend
-from pytest_gpuclean.locks import GpuLocks, LockTimeout
+from pytest_gpuclean.locks import HELD_VAR, GpuLocks, LockTimeout
 from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 
 SESSION_TIMEOUT = 120
@@ -255,6 +255,74 @@ def test_wants_one():
     message = ("*gpuclean: could not lock the GPUs: waited *s for 1 of 2 GPU lock(s); held by: "
                + "; ".join(busy))
     pytest.LineMatcher(out.splitlines()).fnmatch_lines([message])
+
+
+def test_nested_session_uses_the_gpu_its_test_holds(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+    # A checked test that runs a gpuclean session of its own (pytester does) must not wait for itself.
+    nested = sessions.suite / "nested"
+    nested.mkdir()
+    (nested / "pytest.ini").write_text("[pytest]\n")
+    (nested / "test_nested.py").write_text('''
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_nested(clean_gpus):
+    print("NESTED SEES", ",".join(clean_gpus.uuids))
+''')
+    (sessions.suite / "test_outer.py").write_text(f'''
+import os, subprocess, sys
+import pytest
+
+@pytest.mark.needs_clean_gpus(count=1)
+def test_runs_a_nested_session():
+    nested = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider", "-s",
+         "--gpuclean-simulate={sim}", "--gpuclean-lock-dir={tmp_path / "locks"}",
+         "--gpuclean-lock-timeout=5"],
+        cwd={str(nested)!r}, capture_output=True, text=True)
+    assert nested.returncode == 0, nested.stdout
+    assert "NESTED SEES " + os.environ["CUDA_VISIBLE_DEVICES"] + "\\n" in nested.stdout
+
+
+def test_nothing_held_afterwards():
+    assert "{HELD_VAR}" not in os.environ
+''')
+    rc, out = sessions.finish(sessions.start("test_outer.py"))
+    assert rc == 0, out
+
+
+def test_only_descendants_of_the_holder_inherit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lock_dir = str(tmp_path / "locks")
+    child = ("import sys; from pytest_gpuclean.locks import GpuLocks; "
+             "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'child::test'); "
+             "print('CHILD', held.uuids, held.locks, sorted(held.inherited))")
+    script = f"""
+import os, subprocess, sys
+from pytest_gpuclean.locks import HELD_VAR, GpuLocks
+held = GpuLocks({lock_dir!r}).acquire(["GPU-a"], 1, 5, "parent::test")
+child = subprocess.run([sys.executable, "-c", {child!r}, {lock_dir!r}], capture_output=True, text=True)
+print(child.stdout.strip() or child.stderr, flush=True)
+print("HELD", os.environ[HELD_VAR], flush=True)
+sys.stdin.read()
+held.release()
+print("AFTER", os.environ.get(HELD_VAR), flush=True)
+"""
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "CHILD ('GPU-a',) [] ['GPU-a']"
+        held_value = holder.stdout.readline().strip().removeprefix("HELD ")
+        # We are not the holder's descendant: its environment, copied here, gives us nothing.
+        monkeypatch.setenv(HELD_VAR, held_value)
+        assert GpuLocks(lock_dir).inherited() == {}
+        with pytest.raises(LockTimeout, match="running parent::test"):
+            GpuLocks(lock_dir).acquire(["GPU-a"], 1, 0.2, "outsider::test")
+        holder.stdin.close()
+        assert holder.stdout.read().split() == ["AFTER", "None"]
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 # ---- xdist ----------------------------------------------------------------------------------------
