@@ -71,6 +71,14 @@ def test_hold():
         time.sleep(0.02)
 '''
 
+WANTS_ONE = """
+import pytest
+
+@pytest.mark.needs_clean_gpus(count=1)
+def test_wants_one():
+    pass
+"""
+
 
 class Sessions:
     """Inner pytest sessions started with Popen (so several run at once); all killed at the end."""
@@ -234,13 +242,7 @@ def test_after_kill(clean_gpus):
 def test_lock_timeout_names_the_holder(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
     holding, release = tmp_path / "holding", tmp_path / "release"
     (sessions.suite / "test_hold.py").write_text(HOLDER)
-    (sessions.suite / "test_wants_one.py").write_text('''
-import pytest
-
-@pytest.mark.needs_clean_gpus(count=1)
-def test_wants_one():
-    pass
-''')
+    (sessions.suite / "test_wants_one.py").write_text(WANTS_ONE)
     holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
     wait_for_file(holding, holder)
     rc, out = sessions.finish(sessions.start("test_wants_one.py", "--gpuclean-lock-timeout=1"))
@@ -394,6 +396,28 @@ def test_pytest_timeout_signal_method_still_reaps(inner: Callable[[str], Path],
         "FAILED test_inner.py::test_hangs - Failed: Timeout (>2.0s) from pytest-timeout.",
     ])
     assert not alive(leaked)
+
+
+def test_pytest_timeout_counts_the_lock_wait_unless_func_only(sessions: Sessions, tmp_path: Path) -> None:
+    holding, release = tmp_path / "holding", tmp_path / "release"
+    (sessions.suite / "test_hold.py").write_text(HOLDER)
+    (sessions.suite / "test_wants_one.py").write_text(WANTS_ONE)
+    holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
+    wait_for_file(holding, holder)
+    waiting = ("test_wants_one.py", "-p", "timeout", "--timeout=1", "--timeout-method=signal",
+               "--gpuclean-lock-timeout=60")
+    # By default pytest-timeout's clock runs from setup to teardown: it cuts the wait for a lock short.
+    rc, out = sessions.finish(sessions.start(*waiting))
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
+    assert "1 error" in out.splitlines()[-1], out
+    assert "Failed: Timeout (>1.0s) from pytest-timeout" in out
+    # With timeout_func_only it times the test function only, and the session waits for the GPU.
+    waiter = sessions.start(*waiting, "-o", "timeout_func_only=true")
+    time.sleep(3)  # well past --timeout, the waiter still waits for the lock
+    release.touch()
+    rc, out = sessions.finish(waiter)
+    assert rc == 0, out
+    assert sessions.finish(holder)[0] == 0
 
 
 def test_pytest_timeout_thread_method_exits_without_teardown(inner: Callable[[str], Path],
