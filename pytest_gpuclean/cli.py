@@ -275,17 +275,38 @@ def _process_uids() -> set[int]:
     return uids
 
 
+def has_nvidia_device_open(pid: int) -> bool:
+    """True if ``pid`` has a ``/dev/nvidia*`` file open, as every process with a CUDA context does."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/nvidia"):
+                return True
+    return False
+
+
 def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[int], all_users: bool,
-              cookie: str | None) -> tuple[dict[int, _Target], list[str]]:
-    """What ``reap`` may end, and a line for each process it leaves alone (and why)."""
+              cookie: str | None, require_device_file: bool = False) -> tuple[dict[int, _Target], list[str]]:
+    """What ``reap`` may end, and a line for each process it leaves alone (and why).
+
+    With ``require_device_file`` (real GPUs), a pid the driver lists is a target only if that process
+    has a GPU device file open: in a container the driver may list host pids, and the same number can
+    name an unrelated local process.
+    """
     targets: dict[int, _Target] = {}
     left_alone: list[str] = []
     for pid in sorted({p.pid for s in snaps for p in s.processes}):
         info = processes.describe(pid)
+        listed = ", ".join(label for label, _ in _mib_of(pid, snaps))
         if info is None:
-            listed = ", ".join(label for label, _ in _mib_of(pid, snaps))
             left_alone.append(f"pid {pid} (listed on {listed}): not visible here (exited, or in another "
                               "PID namespace)")
+        elif require_device_file and not has_nvidia_device_open(pid):
+            left_alone.append(f"pid {pid} (listed on {listed}) is {_cmd(info.cmdline)!r} here, which has no "
+                              "/dev/nvidia* open: not the driver's process (another PID namespace?)")
         elif pid in never_touch:
             left_alone.append(f"pid {pid} ({_cmd(info.cmdline)}): gpuclean itself or one of its ancestors")
         elif info.uid != my_uid and not all_users:
@@ -357,7 +378,8 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         checker = _checker(found.backend, grace=grace.value)
         snaps = checker.snapshot(found.chosen)
         targets, left_alone = plan_reap(snaps, my_uid=checker.uid, never_touch=checker.never_touch,
-                                        all_users=args.all_users, cookie=args.cookie)
+                                        all_users=args.all_users, cookie=args.cookie,
+                                        require_device_file=found.backend.kind == "nvml")
         print(f"{PROG} reap: {_header(found)}" + (f"; cookie {args.cookie!r}" if args.cookie else ""),
               file=out)
         for line in left_alone:

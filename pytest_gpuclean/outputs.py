@@ -49,7 +49,8 @@ def workflow_command(command: str, message: str, properties: Sequence[tuple[str,
 
 def _process_line(pid: int, cmdline: str, ended_by: str | None, release_s: float | None) -> str:
     what = f"ended by {ended_by}" if ended_by else "NOT reaped, still running"
-    release = f", GPU memory released {release_s:.2f}s after exit" if release_s is not None else ""
+    release = (f", GPU memory released {release_s:.2f}s after the {ended_by}"
+               if release_s is not None and ended_by else "")
     return f"pid {pid} {what}{release}: {report.one_line(cmdline)}"
 
 

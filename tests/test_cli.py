@@ -19,6 +19,7 @@ from conftest import alive, read_pids, wait_dead
 
 from pytest_gpuclean import __version__, cli, simulate
 from pytest_gpuclean.devices import simulated_uuid
+from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
 
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -219,6 +220,26 @@ def test_reap_ends_this_users_gpu_processes_and_cookie_carriers_only(
     assert "  now: GPU 0 Simulated GPU" in out and "0/81920 MiB used" in out
     assert wait_dead([stubborn, ours.pid]) == []
     assert alive(on_other_device) and alive(not_ours.pid) and alive(no_cookie.pid)
+
+
+def test_on_real_gpus_reap_targets_only_processes_with_a_gpu_device_open(
+        spawn: Callable[..., subprocess.Popen[bytes]]) -> None:
+    # In a container the driver can list a host pid that names an unrelated local process.
+    innocent = spawn(["sleep", "600"])
+    device = DeviceInfo(index=0, uuid="GPU-test", name="test GPU")
+    snaps = [DeviceSnapshot(device, 1024 * MIB, 80 * 1024 * MIB, (GpuProcess(innocent.pid, 1024 * MIB),))]
+    assert not cli.has_nvidia_device_open(innocent.pid)
+    targets, left_alone = cli.plan_reap(snaps, my_uid=os.getuid(), never_touch=set(), all_users=False,
+                                        cookie=None, require_device_file=True)
+    assert targets == {}
+    [why] = left_alone
+    # (Right after exec the command line may still read as '[sleep]'.)
+    assert why.startswith(f"pid {innocent.pid} (listed on GPU 0) is ") and "sleep" in why
+    assert why.endswith("here, which has no /dev/nvidia* open: not the driver's process (another PID "
+                        "namespace?)")
+    # Simulated devices have no device files: there the driver's list is the truth.
+    targets, _ = cli.plan_reap(snaps, my_uid=os.getuid(), never_touch=set(), all_users=False, cookie=None)
+    assert list(targets) == [innocent.pid] and targets[innocent.pid].found_by == "gpu"
 
 
 def test_reap_dry_run_ends_nothing(sim: Path, holder: Callable[..., int]) -> None:
