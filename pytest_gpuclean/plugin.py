@@ -19,7 +19,7 @@ import pytest
 from pytest_gpuclean import devices as devices_mod
 from pytest_gpuclean import processes, report, settings
 from pytest_gpuclean.checker import COOKIE_VAR, Checker
-from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout
+from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout, describe_holders
 from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Reaped, TestRecord
 from pytest_gpuclean.serialize import reaped_from_dict, reaped_to_dict, record_from_dict, record_to_dict
 
@@ -308,7 +308,9 @@ class GpuCleanPlugin:
         try:
             applied = settings.for_marker(self.settings, marker.kwargs if marker else {}, item.nodeid)
         except ValueError as exc:
-            pytest.fail(f"gpuclean: {exc} (from the {MARKER} marker)", pytrace=False)
+            # ``from None``: failing inside ``except`` would print the message twice, chained.
+            message = f"gpuclean: {exc} (from the {MARKER} marker)"
+            raise pytest.fail.Exception(message, pytrace=False) from None
         wants_gpu = marker is not None or FIXTURE in getattr(item, "fixturenames", ())
         if self.unavailable is not None and wants_gpu:
             message = f"gpuclean: no GPU to check: {self.unavailable}"
@@ -325,10 +327,13 @@ class GpuCleanPlugin:
         if self.locks is not None and self.devices:
             wanted = applied.count or len(self.devices)
             try:
-                state.locks = self.locks.acquire([d.uuid for d in self.devices], wanted,
-                                                 self.settings.lock_timeout, item.nodeid)
+                state.locks = self.locks.acquire(
+                    [d.uuid for d in self.devices], wanted, self.settings.lock_timeout, item.nodeid,
+                    on_wait=lambda holders: self._say(f"gpuclean: {item.nodeid} waits for GPU lock(s) held "
+                                                      f"by: {describe_holders(holders)}"))
             except LockTimeout as exc:
-                pytest.fail(f"gpuclean: could not lock the GPUs: {exc}", pytrace=False)
+                message = f"gpuclean: could not lock the GPUs: {exc}"
+                raise pytest.fail.Exception(message, pytrace=False) from None
             record.lock_wait_s = state.locks.waited_s
             state.devices = tuple(d for d in self.devices if d.uuid in state.locks.uuids)
         elif applied.count is not None:
@@ -420,6 +425,12 @@ class GpuCleanPlugin:
         if state.locks is not None:
             state.locks.release()
             state.locks = None
+
+    def _say(self, line: str) -> None:
+        # Shown while the session waits (a lock can take minutes), not only in the final report.
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(line)
 
     def _token_of(self, owner: Owner) -> str | None:
         for token, candidate in self.checker.ownership.owners.items():

@@ -144,6 +144,10 @@ def _no_leftovers(tmp_path: Path) -> Iterator[None]:
     if pidfile.exists():
         pids = [int(x) for x in pidfile.read_text().split()]
         kill_all([p for p in pids if alive(p)])
+        wait_dead(pids)
+        for pid in pids:  # orphans of inner sessions are re-parented to this (subreaper) process
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 
 def _nvml_reason() -> str | None:
