@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import uuid
 import warnings
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -155,8 +156,13 @@ class GpuCleanPlugin:
             except OSError as exc:
                 source = resolved.sources.get("lock_dir", "the default")
                 raise pytest.UsageError(f"--gpuclean-lock-dir: {exc} ({source})") from None
+        # A cookie already set (a CI job's, or the test of an outer pytest session) prefixes ours, so
+        # `gpuclean reap --cookie <job>` and the outer session still recognise everything we spawn.
+        inherited = os.environ.get(COOKIE_VAR)
+        session_id = f"{me}-{uuid.uuid4().hex[:10]}"
         self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
-                               ignore=resolved.ignore, host_scope=resolved.scope == "host")
+                               ignore=resolved.ignore, host_scope=resolved.scope == "host",
+                               session_id=f"{inherited}/{session_id}" if inherited else session_id)
         self.records: list[TestRecord] = []
         self.late_records: dict[str, TestRecord] = {}
         self.session_reaped: list[Reaped] = []

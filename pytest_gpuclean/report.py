@@ -133,6 +133,10 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
                                 if check.clean_after_s is not None else ""))
             if check.offenders:
                 parts.append(f"{check.phase}: not clean ({', '.join(_short(o) for o in check.offenders)})")
+        if record.after is not None and record.after.lingered:
+            lingered = record.after.lingered
+            parts.append(f"{len(lingered)} process(es) outlived the test and ended by themselves "
+                         f"({', '.join(_short(o) for o in lingered)})")
         if record.found_later:
             parts.append(f"leaked {len(record.found_later)} process(es) found by a later check "
                          f"({', '.join(f'pid {r.process.pid} {r.ended_by}' for r in record.found_later)})")

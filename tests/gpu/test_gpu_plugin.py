@@ -7,9 +7,7 @@ kills stay there; figures are printed so docs/gpu.md can quote them.
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
