@@ -15,7 +15,8 @@ Each prompt becomes ``OUT/<index>.safetensors`` with ``input_ids`` [seq] int64, 
 [seq, n_layers, hidden] in the dtype vLLM ran the model in, and ``layer_ids`` [n_layers] int64 (see
 :mod:`example_suite.hidden_states` for the layer convention).
 
-Several prompts per ``generate`` call are supported: the worker finds each prompt's tokens in the flattened batch
+Several prompts per ``generate`` call are supported: the worker finds each prompt's tokens in the flattened
+batch
 by (position, token id) runs (see :func:`example_suite.hidden_states.split_requests`).
 """
 
@@ -31,7 +32,7 @@ from types import TracebackType
 from typing import Any
 
 from example_suite.hidden_states import WORKER_EXTENSION, check_layer_ids, default_layer_ids
-from example_suite.runtime import configure_vllm_environment
+from example_suite.runtime import vllm_environment_applied
 
 SHUTDOWN_TIMEOUT_S = 60.0
 
@@ -60,18 +61,19 @@ class HiddenStateExtractor:
         clash = sorted(set(engine_args) & set(REQUIRED_ENGINE_ARGS))
         if clash:
             raise ValueError(f"engine arguments {clash} are fixed by the extractor")
-        configure_vllm_environment(tensor_parallel_size)
         from vllm import LLM
 
-        self._llm: Any = LLM(
-            model=str(model),
-            tensor_parallel_size=tensor_parallel_size,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=max(max_model_len, engine_args.pop("max_num_batched_tokens", 0)),
-            **REQUIRED_ENGINE_ARGS,
-            **engine_args,
-        )
+        with vllm_environment_applied(tensor_parallel_size):
+            self._llm: Any = LLM(
+                model=str(model),
+                tensor_parallel_size=tensor_parallel_size,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                # Without chunked prefill a prompt must fit into one step's token budget.
+                max_num_batched_tokens=max(max_model_len, engine_args.pop("max_num_batched_tokens", 0)),
+                **REQUIRED_ENGINE_ARGS,
+                **engine_args,
+            )
         try:
             self.num_layers: int = self.llm.collective_rpc("hsx_num_layers")[0]
             self.layer_ids = check_layer_ids(
@@ -117,7 +119,8 @@ class HiddenStateExtractor:
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        # vLLM has no public LLM.shutdown() across 0.20..0.33; engine_core.shutdown(timeout) exists in all of them:
+        # vLLM has no public LLM.shutdown() across 0.20..0.33; engine_core.shutdown(timeout) exists in all of
+        # them:
         # it SIGTERMs EngineCore (which stops its TP workers), joins it, and SIGKILLs only after the timeout.
         # vLLM's default grace is 5 s, shorter than a TP=2 EngineCore takes on 2 CPU cores (~6 s); a killed
         # EngineCore is never joined and stays a zombie, so give it time to exit cleanly.
@@ -153,7 +156,7 @@ def read_prompts(path: Path) -> Iterator[list[int]]:
             record = json.loads(line)
             ids = record.get("input_ids") if isinstance(record, dict) else None
             if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"{path}:{line_no}: expected {{\"input_ids\": [int, ...]}}")
+                raise ValueError(f'{path}:{line_no}: expected {{"input_ids": [int, ...]}}')
             yield ids
 
 
@@ -168,31 +171,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
     from tqdm import tqdm
 
-    parser = argparse.ArgumentParser(prog="python -m example_suite.extract", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m example_suite.extract", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("prompts", type=Path, help='jsonl file, one {"input_ids": [...]} per line')
     parser.add_argument("--model", required=True, help="local model directory")
     parser.add_argument("--out", required=True, type=Path, help="output directory (one file per prompt)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     parser.add_argument(
-        "--layers", type=_parse_layers, default=None,
+        "--layers",
+        type=_parse_layers,
+        default=None,
         help="comma-separated layer ids; id k = output of decoder layer k-1, 0 = embeddings "
         "(default: EAGLE-3's [2, N//2, N-3, N], de-duplicated)",
     )
     parser.add_argument("--dtype", default="auto", help="vLLM dtype (default: auto)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default 16)")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of each GPU vLLM may take (CUDA only)",
+    )
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error("--batch-size must be at least 1")
 
     prompts = list(read_prompts(args.prompts))
-    with HiddenStateExtractor(
-        args.model,
-        tensor_parallel_size=args.tp,
-        layer_ids=args.layers,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-    ) as extractor, tqdm(total=len(prompts), unit="prompt", desc="hidden states") as progress:
+    extra: dict[str, Any] = {}
+    if args.gpu_memory_utilization is not None:
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
+    with (
+        HiddenStateExtractor(
+            args.model,
+            tensor_parallel_size=args.tp,
+            layer_ids=args.layers,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            **extra,
+        ) as extractor,
+        tqdm(total=len(prompts), unit="prompt", desc="hidden states") as progress,
+    ):
         for start in range(0, len(prompts), args.batch_size):
             batch = prompts[start : start + args.batch_size]
             extractor.extract(batch, args.out, start_index=start)

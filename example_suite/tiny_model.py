@@ -21,7 +21,8 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 
 @dataclass(frozen=True)
 class TinyLlamaSpec:
-    """Shape of the test model. Heads, KV heads and the MLP width are divisible by 2 so that TP=2 splits them."""
+    """Shape of the test model. Heads, KV heads and the MLP width are divisible by 2 so that TP=2 splits
+    them."""
 
     num_layers: int = 4
     hidden_size: int = 128
@@ -35,7 +36,8 @@ class TinyLlamaSpec:
 
 
 def build_tiny_llama(out_dir: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
-    """Write a float32 Llama checkpoint (config, safetensors weights, tokenizer) to ``out_dir`` and return it."""
+    """Write a float32 Llama checkpoint (config, safetensors weights, tokenizer) to ``out_dir`` and return
+    it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
@@ -46,8 +48,10 @@ def build_tiny_llama(out_dir: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Pa
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_positions,
-        # Linear weights with std 1/sqrt(fan_in) keep activations O(1) through the layers, so every layer really
-        # changes the residual stream and a 1e-4 comparison means something (the default 0.02 barely moves it).
+        # Linear weights with std 1/sqrt(fan_in) keep activations O(1) through the layers, so every layer
+        # really
+        # changes the residual stream and a 1e-4 comparison means something (the default 0.02 barely moves
+        # it).
         initializer_range=1.0 / math.sqrt(spec.hidden_size),
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -70,7 +74,8 @@ def build_tiny_llama(out_dir: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Pa
 
 
 def build_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over ``<unk> <s> </s> <pad> w4 w5 ...`` with ``vocab_size`` entries."""
+    """A whitespace word-level tokenizer over ``<unk> <s> </s> <pad> w4 w5 ...`` with ``vocab_size``
+    entries."""
     words = list(SPECIAL_TOKENS) + [f"w{i}" for i in range(len(SPECIAL_TOKENS), vocab_size)]
     backend = Tokenizer(WordLevel(vocab={word: i for i, word in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = WhitespaceSplit()

@@ -1,0 +1,48 @@
+"""Assertions shared by the example suite's tests: tolerances and the per-file format check."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+# fp32 on the CPU: vLLM and HF run the same math in a slightly different order. Never loosen these.
+CPU_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+
+# fp32 on a GPU. Measured, not guessed: against HF fp32 on the CPU, CUDA vLLM 0.20.2 on an H200 differed by
+# max |diff| 1.2e-3 .. 4.0e-3 per layer (TF32 matmuls; values up to ~4.7) for a 4-layer Llama (GPU-FACTS.md).
+# 1e-2 leaves a factor 2.5 on the worst layer measured.
+GPU_TOLERANCE = {"atol": 1e-2, "rtol": 1e-2}
+
+
+def tolerance(device: str) -> dict[str, float]:
+    """The comparison tolerance for results computed on ``device`` ("cpu" or "cuda")."""
+    return GPU_TOLERANCE if device == "cuda" else CPU_TOLERANCE
+
+
+def load_checked(
+    path: Path, prompt: Sequence[int], layer_ids: Sequence[int], hidden_size: int
+) -> torch.Tensor:
+    """Load one extracted file, assert its format, and return ``hidden_states`` [seq, n_layers, hidden]."""
+    tensors = load_file(str(path))
+    assert set(tensors) == {"input_ids", "hidden_states", "layer_ids"}, sorted(tensors)
+    assert tensors["input_ids"].dtype == torch.int64
+    assert tensors["input_ids"].tolist() == list(prompt)
+    assert tensors["layer_ids"].dtype == torch.int64
+    assert tensors["layer_ids"].tolist() == list(layer_ids)
+    hidden = tensors["hidden_states"]
+    assert hidden.dtype == torch.float32  # the suite runs the model in fp32
+    assert tuple(hidden.shape) == (len(prompt), len(layer_ids), hidden_size)
+    return hidden
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: dict[str, float], what: str) -> None:
+    """``torch.testing.assert_close`` with a message naming what was compared and the largest difference."""
+    largest = (actual - expected).abs().max().item()
+
+    def message(detail: str) -> str:
+        return f"{what}: max |diff| {largest:.3g}\n{detail}"
+
+    torch.testing.assert_close(actual, expected, **tol, msg=message)

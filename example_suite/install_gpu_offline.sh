@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install CUDA vLLM 0.20.2 on the H200 machine, which has no internet (a copy of the steps of
+# shared/offline-vllm/install.sh, because shared/ does not travel to that machine).
+#
+# Before: on a machine with PyPI access, run shared/offline-vllm/stage.sh from the project root; it downloads the
+# wheels of shared/offline-vllm/requirements-h200.txt (Python 3.12, x86_64) and splits them into .vllm-stage/NN/
+# parts of at most 58 MiB. Copy every part file into /tmp/vllm-stage/ on the GPU machine, then run this script.
+# It unpacks and installs into /tmp/vllm-site (no index, no dependency resolution: the image provides torch
+# 2.11.0+cu130, transformers, numpy, ...). Afterwards: export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH
+set -euo pipefail
+stage=${VLLM_STAGE_DIR:-/tmp/vllm-stage}
+site=${VLLM_SITE_DIR:-/tmp/vllm-site}
+if PYTHONPATH=$site python3 -c "import vllm" 2>/dev/null; then
+    echo "vLLM already installed in $site"
+else
+    ls "$stage"/part* >/dev/null || { echo "no parts in $stage (see the header of $0)" >&2; exit 2; }
+    mkdir -p /tmp/vllm-wheels
+    cat "$stage"/part* | tar xf - -C /tmp/vllm-wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" /tmp/vllm-wheels/*.whl
+fi
+PYTHONPATH=$site:${PYTHONPATH:-} python3 -c \
+    "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Run the example suite on the H200 GPU machine (Python 3.12, torch 2.11+cu130, transformers 5.x, safetensors,
+# tokenizers, tqdm, pytest, psutil, nvidia-ml-py in the image), from the project root:
+#
+#   bash example_suite/run_gpu.sh [extra pytest args]
+#
+# CUDA vLLM 0.20.2 comes from /tmp/vllm-site (installed by example_suite/install_gpu_offline.sh if missing).
+# TP=2 tests need two visible GPUs and are skipped with a reason on a one-GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash example_suite/install_gpu_offline.sh
+export PYTHONPATH=/tmp/vllm-site${PYTHONPATH:+:$PYTHONPATH}
+# The plugin (pytest11 entry point "gpuclean"); --no-deps: the image already has pytest, psutil, nvidia-ml-py.
+python3 -m pip install -q --no-deps --no-build-isolation -e .
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+python3 -m pytest -p gpuclean example_suite -v "$@"

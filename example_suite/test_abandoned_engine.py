@@ -1,0 +1,162 @@
+"""The failure gpuclean exists for: a test abandons a TP=2 vLLM engine; gpuclean reaps it and blames that test.
+
+An inner pytest session (``pytester.runpytest_subprocess("-p", "gpuclean", ...)``) runs two tests. The first
+starts an ``LLM``, keeps a global reference and never shuts it down, so EngineCore and its two TP workers outlive
+it. The second must pass, and checks from inside the same session that those processes are already gone (so they
+were reaped in the first test's teardown, not by vLLM's own clean-up at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from example_suite.runtime import VLLM_MISSING, VllmRuntime, vllm_environment
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
+pytestmark = pytest.mark.needs_clean_gpus
+
+INNER_TIMEOUT_S = 300  # the inner session starts one TP=2 engine (~35 s on 2 CPU cores)
+
+INNER_TESTS = """
+import json
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+MODEL = {model!r}
+PIDS_FILE = Path({pids_file!r})
+ENGINE_ARGS = {engine_args!r}
+
+# A global reference: the engine is never garbage-collected, so vLLM never shuts it down before exit.
+_abandoned = []
+
+
+@pytest.mark.needs_clean_gpus
+def test_abandons_engine():
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=MODEL, tensor_parallel_size=2, enforce_eager=True, **ENGINE_ARGS)
+    llm.generate([{{"prompt_token_ids": [1, 17, 42]}}], SamplingParams(max_tokens=1), use_tqdm=False)
+    _abandoned.append(llm)
+    engine = [
+        {{"pid": p.pid, "cmdline": " ".join(p.cmdline())}}
+        for p in psutil.Process().children(recursive=True)
+        if "VLLM::" in " ".join(p.cmdline())
+    ]
+    PIDS_FILE.write_text(json.dumps(engine))
+    assert any("EngineCore" in p["cmdline"] for p in engine), engine
+
+
+@pytest.mark.needs_clean_gpus
+def test_next_test_passes():
+    # Still the same session: only the plugin can have ended them by now.
+    engine = json.loads(PIDS_FILE.read_text())
+    alive = [p for p in engine if psutil.pid_exists(p["pid"])
+             and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive
+"""
+
+
+def _section(output: str, title: str) -> str:
+    # The body of one "___ ERROR at teardown of X ___" block of pytest's report.
+    match = re.search(rf"_+ {re.escape(title)} _+\n(.*?)(?=\n_{{3,}} |\n={{3,}} )", output, re.S)
+    assert match, f"no {title!r} section in:\n{output}"
+    return match.group(1)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return not _alive(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _reap_exited_orphans(known_children: set[int], grace_s: float = 10.0) -> None:
+    # gpuclean made this process a child subreaper, so whatever the inner session leaves behind is re-parented
+    # to us. Its multiprocessing resource tracker always is: it exits by itself once the inner pytest has
+    # exited, and then stays our zombie until someone waits for it. Wait for exactly those pids (never
+    # waitpid(-1)). A new child still running after the grace period is a real leak, left for gpuclean.
+    deadline = time.monotonic() + grace_s
+    while True:
+        orphans = [c for c in psutil.Process().children() if c.pid not in known_children]
+        for orphan in orphans:
+            try:
+                if orphan.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(orphan.pid, 0)
+            except (psutil.NoSuchProcess, ChildProcessError):
+                pass
+        if not any(_alive(c) for c in orphans) or time.monotonic() > deadline:
+            return
+        time.sleep(0.1)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_abandoned_engine_is_reaped_and_blamed(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model_dir: Path,
+    engine_args: dict[str, Any],
+    vllm_runtime: VllmRuntime,
+) -> None:
+    if vllm_runtime.device == "cuda" and vllm_runtime.gpus < 2:
+        pytest.skip(f"the abandoned engine runs TP=2, which needs 2 GPUs; {vllm_runtime.gpus} visible")
+    for name, value in vllm_environment(tensor_parallel_size=2).items():
+        monkeypatch.setenv(name, value)  # the inner engine is TP=2; LD_PRELOAD must be set before it starts
+    pids_file = pytester.path / "engine-pids.json"
+    pytester.makepyfile(
+        test_inner=INNER_TESTS.format(
+            model=str(tiny_model_dir),
+            pids_file=str(pids_file),
+            engine_args=engine_args,
+        )
+    )
+
+    # runpytest_subprocess sends the inner output to files, not pipes: a leaked EngineCore inherits the inner
+    # session's stdout/stderr and could otherwise keep us waiting for EOF forever (GPU-FACTS.md, pipe hazard).
+    known_children = {c.pid for c in psutil.Process().children()}
+    try:
+        result = pytester.runpytest_subprocess(
+            "-p", "gpuclean", "-v", "-p", "no:cacheprovider", timeout=INNER_TIMEOUT_S
+        )
+    finally:
+        _reap_exited_orphans(known_children)
+    output = result.stdout.str() + "\n" + result.stderr.str()
+
+    engine = json.loads(pids_file.read_text())
+    core_pids = [p["pid"] for p in engine if "EngineCore" in p["cmdline"]]
+    assert len(core_pids) == 1, engine
+    assert sum("Worker_TP" in p["cmdline"] for p in engine) == 2, engine
+
+    # The first test passed its body and errored in teardown with the plugin's leak report; the second passed.
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*test_inner.py::test_abandons_engine PASSED*", "*test_inner.py::test_abandons_engine ERROR*"]
+    )
+    result.stdout.fnmatch_lines(["*test_inner.py::test_next_test_passes PASSED*"])
+    report = _section(result.stdout.str(), "ERROR at teardown of test_abandons_engine")
+    assert "leaked" in report, report
+    assert f"pid {core_pids[0]}" in report, report
+    assert "EngineCore" in report, report
+
+    # And nothing of the engine is left running now (pids are not reused that fast).
+    deadline = time.monotonic() + 10
+    while not all(_gone(p["pid"]) for p in engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(p["pid"]) for p in engine), (engine, output[-3000:])
