@@ -79,7 +79,9 @@ class Ownership:
     def token_of_cookie(self, value: str | None) -> str | None:
         if value is None or not value.startswith(self.session_id + ":"):
             return None
-        token = value[len(self.session_id) + 1 :]
+        # A nested gpuclean session prefixes its own cookies with ours ("<ours>:t5/<its id>:t1"): what
+        # it spawns belongs, for us, to our test t5.
+        token = value[len(self.session_id) + 1 :].split("/", 1)[0]
         return token if token in self.owners else None
 
     def open_window(self, token: str) -> None:
@@ -177,10 +179,19 @@ class Checker:
         return found
 
     def _peer_pids(self, pids: Iterable[int]) -> set[int]:
-        # Sibling pytest-xdist workers of the same run hold their own CUDA contexts, like we do.
+        # Sibling pytest-xdist workers of the same run hold their own CUDA contexts, like we do. Every
+        # process a worker's test starts inherits the run id too, so a peer must also be our sibling
+        # (a direct child of the controller); a worker's leak is its descendant, never our sibling.
         if not self.xdist_run:
             return set()
-        return {pid for pid in pids if procfs.read_environ_var(pid, XDIST_RUN_VAR) == self.xdist_run}
+        parent = os.getppid()
+        peers: set[int] = set()
+        for pid in pids:
+            stat = procfs.read_stat(pid)
+            if (stat is not None and stat.ppid == parent
+                    and procfs.read_environ_var(pid, XDIST_RUN_VAR) == self.xdist_run):
+                peers.add(pid)
+        return peers
 
     # ---- the check -----------------------------------------------------------------------------
 
@@ -204,7 +215,9 @@ class Checker:
             snaps = self.snapshot(devices)
             found = self.census(scan_cookies=scan_cookies)
             ours = [f for f in found if not self.ownership.is_protected(f.token)]
-            excused = {self.me} | self._helper_pids() | {f.pid for f in found if f not in ours}
+            # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
+            # goes: their contexts are excused like our own; they are never killed either.
+            excused = self.never_touch | self._helper_pids() | {f.pid for f in found if f not in ours}
             unexplained = {p.pid for s in snaps for p in s.processes} - excused - {f.pid for f in ours}
             # Our own CUDA context's unlisted overhead must not trigger the cookie scan (a full /proc
             # scan, ~1 ms) on every check of a pytest process that uses the GPU itself.

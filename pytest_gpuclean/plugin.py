@@ -163,6 +163,10 @@ class GpuCleanPlugin:
         self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
                                ignore=resolved.ignore, host_scope=resolved.scope == "host",
                                session_id=f"{inherited}/{session_id}" if inherited else session_id)
+        if not hasattr(config, "workerinput"):
+            # Not an xdist worker: the run id in our environment was inherited (e.g. we are a nested
+            # session started by a worker's test), and our siblings are no peers of ours.
+            self.checker.xdist_run = None
         self.records: list[TestRecord] = []
         self.late_records: dict[str, TestRecord] = {}
         self.session_reaped: list[Reaped] = []
