@@ -1,23 +1,37 @@
-"""Assertions shared by the example suite's tests: tolerances and the per-file format check."""
+"""Shared by the example suite's tests: tolerances, the file format check, reaping a subprocess's orphans."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Absolute and relative tolerance of ``torch.testing.assert_close``."""
+
+    atol: float
+    rtol: float
+
+
 # fp32 on the CPU: vLLM and HF run the same math in a slightly different order. Never loosen these.
-CPU_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+CPU_TOLERANCE = Tolerance(atol=1e-4, rtol=1e-4)
 
 # fp32 on a GPU. Measured, not guessed: against HF fp32 on the CPU, CUDA vLLM 0.20.2 on an H200 differed by
 # max |diff| 1.2e-3 .. 4.0e-3 per layer (TF32 matmuls; values up to ~4.7) for a 4-layer Llama (GPU-FACTS.md).
 # 1e-2 leaves a factor 2.5 on the worst layer measured.
-GPU_TOLERANCE = {"atol": 1e-2, "rtol": 1e-2}
+GPU_TOLERANCE = Tolerance(atol=1e-2, rtol=1e-2)
 
 
-def tolerance(device: str) -> dict[str, float]:
+def tolerance(device: str) -> Tolerance:
     """The comparison tolerance for results computed on ``device`` ("cpu" or "cuda")."""
     return GPU_TOLERANCE if device == "cuda" else CPU_TOLERANCE
 
@@ -38,11 +52,42 @@ def load_checked(
     return hidden
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: dict[str, float], what: str) -> None:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, what: str) -> None:
     """``torch.testing.assert_close`` with a message naming what was compared and the largest difference."""
     largest = (actual - expected).abs().max().item()
 
     def message(detail: str) -> str:
         return f"{what}: max |diff| {largest:.3g}\n{detail}"
 
-    torch.testing.assert_close(actual, expected, **tol, msg=message)
+    torch.testing.assert_close(actual, expected, atol=tol.atol, rtol=tol.rtol, msg=message)
+
+
+@contextmanager
+def orphans_reaped(grace_s: float = 10.0) -> Iterator[None]:
+    """Around running a subprocess: afterwards, wait for those of its descendants re-parented to this process.
+
+    gpuclean makes pytest a child subreaper, so orphans of a subprocess become our children instead of init's.
+    One always appears: a subprocess that used multiprocessing's spawn (vLLM does) has a resource tracker that
+    exits by itself just after the subprocess, and then stays our zombie until someone waits for it; gpuclean
+    would rightly report that zombie as leaked by the test. We wait for exactly those pids (never
+    ``waitpid(-1)``). A new child still running after ``grace_s`` is a real leak and is left to gpuclean.
+    """
+    known_children = {c.pid for c in psutil.Process().children()}
+    try:
+        yield
+    finally:
+        deadline = time.monotonic() + grace_s
+        while True:
+            orphans = [c for c in psutil.Process().children() if c.pid not in known_children]
+            running = False
+            for orphan in orphans:
+                try:
+                    if orphan.status() == psutil.STATUS_ZOMBIE:
+                        os.waitpid(orphan.pid, 0)
+                    else:
+                        running = True
+                except (psutil.NoSuchProcess, ChildProcessError):
+                    pass
+            if not running or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)

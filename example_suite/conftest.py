@@ -39,8 +39,9 @@ SIMULATED_GPUS = 2  # TP=2 "uses" two devices
 
 def _simulated_gpus_for_cpu_runs() -> str | None:
     # gpuclean skips marked tests where it finds no GPUs. With CPU vLLM (or none) we give it simulated, idle
-    # devices instead, so that the suite runs and the plugin still checks and reaps processes. This must happen at
-    # import: this conftest is loaded before any plugin's pytest_configure, where gpuclean reads the variable.
+    # devices instead, so that the suite runs and the plugin still checks and reaps processes. This must
+    # happen at import: this conftest is loaded before any plugin's pytest_configure, where gpuclean reads the
+    # variable.
     if os.environ.get(SIMULATE_VAR) or (vllm_installed() and detect_runtime().device != "cpu"):
         return None
     root = tempfile.mkdtemp(prefix="gpuclean-simulated-")
@@ -56,7 +57,7 @@ _SIMULATED_ROOT = _simulated_gpus_for_cpu_runs()
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.hasplugin("gpuclean"):
         # Developing without the plugin (-p no:gpuclean): keep the marker known so --strict-markers passes.
-        config.addinivalue_line("markers", f"{MARKER}: assert clean GPUs and reap leaked processes (gpuclean)")
+        config.addinivalue_line("markers", f"{MARKER}: assert clean GPUs, reap leaked processes (gpuclean)")
     if _SIMULATED_ROOT is not None:
         config.add_cleanup(lambda: _forget_simulated_gpus(_SIMULATED_ROOT))
     if vllm_installed():
@@ -81,8 +82,7 @@ def vllm_runtime() -> Iterator[VllmRuntime]:
     with pytest.MonkeyPatch.context() as patch:
         # For the whole session, so that subprocesses (the CLI, inner pytest runs) inherit it too: LD_PRELOAD
         # only works if it is in a process's environment when it starts. HiddenStateExtractor adjusts the
-        # thread
-        # binding to its TP size while it starts an engine.
+        # thread binding to its TP size while it starts an engine.
         for name, value in vllm_environment(tensor_parallel_size=1).items():
             patch.setenv(name, value)
         yield runtime
@@ -131,7 +131,7 @@ def hf_hidden_states(tiny_model_dir: Path, prompts: list[list[int]]) -> list[Any
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # float32, as saved
     last_layer_output: list[torch.Tensor] = []
 
     def keep_output(module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -16,8 +16,7 @@ Each prompt becomes ``OUT/<index>.safetensors`` with ``input_ids`` [seq] int64, 
 :mod:`example_suite.hidden_states` for the layer convention).
 
 Several prompts per ``generate`` call are supported: the worker finds each prompt's tokens in the flattened
-batch
-by (position, token id) runs (see :func:`example_suite.hidden_states.split_requests`).
+batch by (position, token id) runs (see :func:`example_suite.hidden_states.split_requests`).
 """
 
 from __future__ import annotations
@@ -63,17 +62,18 @@ class HiddenStateExtractor:
             raise ValueError(f"engine arguments {clash} are fixed by the extractor")
         from vllm import LLM
 
+        args: dict[str, Any] = {
+            "model": str(model),
+            "tensor_parallel_size": tensor_parallel_size,
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            **engine_args,
+            **REQUIRED_ENGINE_ARGS,
+        }
+        # Without chunked prefill, a prompt must fit into one step's token budget.
+        args["max_num_batched_tokens"] = max(max_model_len, engine_args.get("max_num_batched_tokens", 0))
         with vllm_environment_applied(tensor_parallel_size):
-            self._llm: Any = LLM(
-                model=str(model),
-                tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                # Without chunked prefill a prompt must fit into one step's token budget.
-                max_num_batched_tokens=max(max_model_len, engine_args.pop("max_num_batched_tokens", 0)),
-                **REQUIRED_ENGINE_ARGS,
-                **engine_args,
-            )
+            self._llm: Any = LLM(**args)
         try:
             self.num_layers: int = self.llm.collective_rpc("hsx_num_layers")[0]
             self.layer_ids = check_layer_ids(
@@ -120,10 +120,9 @@ class HiddenStateExtractor:
         if llm is None:
             return
         # vLLM has no public LLM.shutdown() across 0.20..0.33; engine_core.shutdown(timeout) exists in all of
-        # them:
-        # it SIGTERMs EngineCore (which stops its TP workers), joins it, and SIGKILLs only after the timeout.
-        # vLLM's default grace is 5 s, shorter than a TP=2 EngineCore takes on 2 CPU cores (~6 s); a killed
-        # EngineCore is never joined and stays a zombie, so give it time to exit cleanly.
+        # them: it SIGTERMs EngineCore (which stops its TP workers), joins it, and SIGKILLs only after the
+        # timeout. vLLM's default grace is 5 s, shorter than a TP=2 EngineCore takes on 2 CPU cores (~6 s); a
+        # killed EngineCore is never joined and stays a zombie, so give it time to exit cleanly.
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
@@ -169,7 +168,7 @@ def _parse_layers(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
 
     parser = argparse.ArgumentParser(
         prog="python -m example_suite.extract", description=__doc__.split("\n")[0]

@@ -1,16 +1,13 @@
 """Hidden-state capture inside vLLM workers, and the layer-id convention shared with the caller.
 
-Layer ids: id ``k`` is the residual stream *after* decoder layer ``k-1``, i.e. the output of layer ``k-1``; id
-0 is
-the token embeddings. That is HF transformers' ``output_hidden_states[k]`` for ``k < N`` and vLLM's own
-EAGLE-3
-``aux_hidden_state_layers`` numbering. For ``k == N`` (the last layer) it is the output of the last decoder
-layer
-*before* the final norm; HF's ``hidden_states[N]`` is after the final norm, so the two differ only there.
+Layer ids: id ``k`` is the residual stream *after* decoder layer ``k-1``, i.e. the output of layer ``k-1``;
+id 0 is the token embeddings. That is HF transformers' ``output_hidden_states[k]`` for ``k < N`` and vLLM's
+own EAGLE-3 ``aux_hidden_state_layers`` numbering. For ``k == N`` (the last layer) it is the output of the
+last decoder layer *before* the final norm; HF's ``hidden_states[N]`` is after the final norm, so the two
+differ only there.
 
 This module is imported by vLLM in every worker process (``worker_extension_cls``). It needs torch and
-safetensors only, and uses no vLLM internals beyond ``self.model_runner.get_model()`` and the tensor-parallel
-rank.
+safetensors only, and of vLLM only ``self.model_runner.get_model()`` and the tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -146,7 +143,7 @@ class HiddenStatesWorkerExtension:
         layers = inner.layers
         ids = check_layer_ids(layer_ids, len(layers))
         state = _CaptureState(layer_ids=ids, handles=[])
-        self._hsx_state = state
+        self._hsx_state: _CaptureState | None = state
         if get_tensor_model_parallel_rank() != 0:
             return
 
@@ -154,8 +151,7 @@ class HiddenStatesWorkerExtension:
             return state.forwards[-1] if state.recording and state.forwards else None
 
         # Hooks on the decoder model itself do not fire: vLLM's @support_torch_compile replaces its __call__
-        # and
-        # calls forward() directly. Its submodules are called normally, so the embedding's input gives the
+        # and calls forward() directly. Its submodules are called normally, so the embedding's input gives the
         # token ids (and opens a new record per forward), and the first layer's input gives the positions and
         # the embedding output (id 0; the residual is still None there).
         def on_embedding_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -1,12 +1,10 @@
 """Which vLLM is installed (CUDA or CPU), and the environment it needs before an engine starts.
 
-Everything here acts on ``os.environ`` of the process that creates the ``LLM``. That is enough, including for
-``LD_PRELOAD``: vLLM starts EngineCore and the TP workers with the ``spawn`` method, i.e. as freshly exec'd
-Python
-processes, and the dynamic loader of each new process reads ``LD_PRELOAD`` from the environment it inherits.
-The
-parent itself never needs libiomp5 because it runs no model code of vLLM's. (vLLM's CPU platform does the same
-with its own ``LD_PRELOAD`` additions.) No re-exec is needed.
+Everything here acts on ``os.environ`` of the process that creates the ``LLM``. That is enough, including
+for ``LD_PRELOAD``: vLLM starts EngineCore and the TP workers with the ``spawn`` method, i.e. as freshly
+exec'd Python processes, and the dynamic loader of each new process reads ``LD_PRELOAD`` from the environment
+it inherits. The parent itself never needs libiomp5 because it runs none of vLLM's model code. (vLLM's CPU
+platform does the same with its own ``LD_PRELOAD`` additions.) No re-exec is needed.
 """
 
 from __future__ import annotations
@@ -61,9 +59,8 @@ def detect_runtime() -> VllmRuntime:
 def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int] | None = None) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` value giving each TP rank its own slice of the allowed cores.
 
-    vLLM's default ("auto") binds by NUMA node and fails on a small box ("Not enough allowed NUMA nodes"), so
-    we
-    hand out the cores ourselves: 2 cores and TP=2 give ``"0|1"``, TP=1 gives ``"0-1"``.
+    vLLM's default ("auto") binds by NUMA node and fails on a small box ("Not enough allowed NUMA nodes"),
+    so we hand out the cores ourselves: 2 cores and TP=2 give ``"0|1"``, TP=1 gives ``"0,1"``.
     """
     allowed = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
     if len(allowed) < tensor_parallel_size:
@@ -74,21 +71,18 @@ def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int] | None = None)
 
 
 def iomp_library() -> Path | None:
-    """Intel OpenMP from the active venv (vllm-cpu depends on intel-openmp, which installs it to
-    <venv>/lib)."""
+    """Intel OpenMP of the active venv: vllm-cpu depends on intel-openmp, which installs it to <venv>/lib."""
     candidate = Path(sys.prefix) / "lib" / IOMP_LIBRARY
     return candidate if candidate.exists() else None
 
 
 def vllm_environment(tensor_parallel_size: int) -> dict[str, str]:
-    """The variables an engine about to start needs, given the current ``os.environ`` (which it does not
-    change).
+    """The variables that an engine about to start needs and ``os.environ`` lacks (it is not changed).
 
     On CPU: cores per TP rank (unless the user's ``VLLM_CPU_OMP_THREADS_BIND`` already has one entry per
-    rank),
-    a KV-cache size (default 1 GiB), libiomp5 in ``LD_PRELOAD`` and the spawn start method. On CUDA: spawn
-    only,
-    because a fork after anything touched CUDA in this process kills EngineCore with "initialization error".
+    rank), a KV-cache size (default 1 GiB), libiomp5 in ``LD_PRELOAD`` and the spawn start method. On CUDA:
+    spawn only, because a fork after anything touched CUDA in this process kills EngineCore with
+    "initialization error".
     """
     wanted: dict[str, str] = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     if detect_runtime().device == "cpu":

@@ -1,15 +1,14 @@
-"""The failure gpuclean exists for: a test abandons a TP=2 vLLM engine; gpuclean reaps it and blames that test.
+"""The failure gpuclean exists for: a test abandons a TP=2 vLLM engine; gpuclean reaps it, blames that test.
 
 An inner pytest session (``pytester.runpytest_subprocess("-p", "gpuclean", ...)``) runs two tests. The first
-starts an ``LLM``, keeps a global reference and never shuts it down, so EngineCore and its two TP workers outlive
-it. The second must pass, and checks from inside the same session that those processes are already gone (so they
-were reaped in the first test's teardown, not by vLLM's own clean-up at interpreter exit).
+starts an ``LLM``, keeps a global reference and never shuts it down, so EngineCore and its two TP workers
+outlive it. The second must pass, and checks from inside the same session that those processes are already
+gone (so they were reaped in the first test's teardown, not by vLLM's own clean-up at interpreter exit).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import psutil
 import pytest
 
+from example_suite.checks import orphans_reaped
 from example_suite.runtime import VLLM_MISSING, VllmRuntime, vllm_environment
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
@@ -77,35 +77,9 @@ def _section(output: str, title: str) -> str:
 
 def _gone(pid: int) -> bool:
     try:
-        return not _alive(psutil.Process(pid))
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def _reap_exited_orphans(known_children: set[int], grace_s: float = 10.0) -> None:
-    # gpuclean made this process a child subreaper, so whatever the inner session leaves behind is re-parented
-    # to us. Its multiprocessing resource tracker always is: it exits by itself once the inner pytest has
-    # exited, and then stays our zombie until someone waits for it. Wait for exactly those pids (never
-    # waitpid(-1)). A new child still running after the grace period is a real leak, left for gpuclean.
-    deadline = time.monotonic() + grace_s
-    while True:
-        orphans = [c for c in psutil.Process().children() if c.pid not in known_children]
-        for orphan in orphans:
-            try:
-                if orphan.status() == psutil.STATUS_ZOMBIE:
-                    os.waitpid(orphan.pid, 0)
-            except (psutil.NoSuchProcess, ChildProcessError):
-                pass
-        if not any(_alive(c) for c in orphans) or time.monotonic() > deadline:
-            return
-        time.sleep(0.1)
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_abandoned_engine_is_reaped_and_blamed(
@@ -130,13 +104,10 @@ def test_abandoned_engine_is_reaped_and_blamed(
 
     # runpytest_subprocess sends the inner output to files, not pipes: a leaked EngineCore inherits the inner
     # session's stdout/stderr and could otherwise keep us waiting for EOF forever (GPU-FACTS.md, pipe hazard).
-    known_children = {c.pid for c in psutil.Process().children()}
-    try:
+    with orphans_reaped():
         result = pytester.runpytest_subprocess(
             "-p", "gpuclean", "-v", "-p", "no:cacheprovider", timeout=INNER_TIMEOUT_S
         )
-    finally:
-        _reap_exited_orphans(known_children)
     output = result.stdout.str() + "\n" + result.stderr.str()
 
     engine = json.loads(pids_file.read_text())

@@ -15,7 +15,7 @@ from example_suite.runtime import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import assert_close, load_checked, tolerance
+from example_suite.checks import assert_close, load_checked, orphans_reaped, tolerance
 from example_suite.runtime import VllmRuntime
 from example_suite.tiny_model import TinyLlamaSpec
 
@@ -65,7 +65,7 @@ def test_cli_writes_one_file_per_prompt(
     }
     log_path = tmp_path / "cli.log"
     # Output to a file, not a pipe: a stray engine process could keep a pipe open and hang us (GPU-FACTS.md).
-    with log_path.open("wb") as log:
+    with log_path.open("wb") as log, orphans_reaped():
         completed = subprocess.run(
             command,
             cwd=tmp_path,

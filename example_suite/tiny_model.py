@@ -21,8 +21,7 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 
 @dataclass(frozen=True)
 class TinyLlamaSpec:
-    """Shape of the test model. Heads, KV heads and the MLP width are divisible by 2 so that TP=2 splits
-    them."""
+    """Shape of the test model. Heads, KV heads and the MLP width are even, so that TP=2 splits them."""
 
     num_layers: int = 4
     hidden_size: int = 128
@@ -36,8 +35,7 @@ class TinyLlamaSpec:
 
 
 def build_tiny_llama(out_dir: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Path:
-    """Write a float32 Llama checkpoint (config, safetensors weights, tokenizer) to ``out_dir`` and return
-    it."""
+    """Write a float32 Llama checkpoint (config, safetensors weights, tokenizer) to ``out_dir``; return it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
@@ -49,9 +47,8 @@ def build_tiny_llama(out_dir: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Pa
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_positions,
         # Linear weights with std 1/sqrt(fan_in) keep activations O(1) through the layers, so every layer
-        # really
-        # changes the residual stream and a 1e-4 comparison means something (the default 0.02 barely moves
-        # it).
+        # really changes the residual stream and a 1e-4 comparison means something (the default 0.02 barely
+        # moves it).
         initializer_range=1.0 / math.sqrt(spec.hidden_size),
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -62,7 +59,7 @@ def build_tiny_llama(out_dir: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Pa
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config)  # float32 parameters
         with torch.no_grad():
             # Unit-variance embeddings, like a trained model's residual stream.
             model.get_input_embeddings().weight.normal_(0.0, 1.0)
@@ -74,8 +71,7 @@ def build_tiny_llama(out_dir: Path, spec: TinyLlamaSpec = TinyLlamaSpec()) -> Pa
 
 
 def build_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over ``<unk> <s> </s> <pad> w4 w5 ...`` with ``vocab_size``
-    entries."""
+    """A whitespace word-level tokenizer: ``<unk> <s> </s> <pad> w4 w5 ...``, ``vocab_size`` entries."""
     words = list(SPECIAL_TOKENS) + [f"w{i}" for i in range(len(SPECIAL_TOKENS), vocab_size)]
     backend = Tokenizer(WordLevel(vocab={word: i for i, word in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = WhitespaceSplit()
