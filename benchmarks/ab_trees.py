@@ -1,6 +1,7 @@
 """Before/after: run one benchmark script against several source trees, alternating, in one run.
 
-Each tree is a git revision exported with ``git archive`` (or ``WORKTREE``, the checkout as it is) into
+Each tree is a git revision exported with ``git archive`` (or ``WORKTREE``, the checkout as it is, or a
+directory holding a ``pytest_gpuclean`` package, e.g. HEAD with some commits reverse-applied) into
 a temporary directory; the benchmark script of the *current* checkout is copied into each tree, so only
 ``pytest_gpuclean`` differs. Runs alternate A, B, ..., A, B, ... and the medians of the chosen JSON
 values are printed with their ratios to the first tree.
@@ -37,8 +38,10 @@ KEYS = {
 
 def export(rev: str, dest: str) -> None:
     os.makedirs(dest)
-    if rev == "WORKTREE":
-        shutil.copytree(os.path.join(_common.REPO, "pytest_gpuclean"), os.path.join(dest, "pytest_gpuclean"))
+    if rev == "WORKTREE" or os.path.isdir(rev):
+        source = _common.REPO if rev == "WORKTREE" else rev
+        shutil.copytree(os.path.join(source, "pytest_gpuclean"), os.path.join(dest, "pytest_gpuclean"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
     else:
         archive = subprocess.run(["git", "-C", _common.REPO, "archive", rev, "pytest_gpuclean"],
                                  check=True, capture_output=True).stdout

@@ -406,6 +406,7 @@ class Bench:
             "released_s": (release_end - t0) if release_end else None,
             "last_signal_to_release_s": (release_end - last_signal) if release_end else None,
             "verdict_after_release_ms": ((t1 - release_end) * 1e3) if release_end else None,
+            "first_signal_ms": min(sigs.values()) * 1e3 if sigs else None,
             "checker_exit_s": reaped[0].exit_s if reaped else None,
             "checker_release_s": reaped[0].release_s if reaped else None,
             "ended_by": reaped[0].ended_by if reaped else None,
@@ -491,6 +492,10 @@ def summarize(results: dict[str, Any], grace: float) -> dict[str, Any]:
         out["target_b_met"] = worst <= grace + 0.2
     if vllm is not None and term is not None:
         out["vllm_over_reap_term_ratio"] = vllm / term
+    # gpuclean's own part of the latency: before its first signal, and from release to verdict.
+    for name in ("reap_term", "reap_ignore"):
+        out[f"{name}_first_signal_ms"] = med(name, "first_signal_ms")
+        out[f"{name}_verdict_after_release_ms"] = med(name, "verdict_after_release_ms")
     return out
 
 
@@ -506,7 +511,26 @@ def main() -> int:
     parser.add_argument("--sample-ms", type=float, default=2.0,
                         help="timeline sampling period (default 2 ms)")
     parser.add_argument("--holder-timeout", type=float, default=90.0)
+    parser.add_argument("--import-modules", default="",
+                        help="comma-separated modules to import into this (the 'pytest') process first, "
+                             "e.g. torch,transformers: a realistic heap (CUDA is not initialised here)")
     args = parser.parse_args()
+    heap: dict[str, Any] = {}
+    if args.import_modules:
+        import gc
+        import importlib
+
+        t = time.monotonic()
+        for name in args.import_modules.split(","):
+            try:
+                importlib.import_module(name.strip())
+                heap.setdefault("imported", []).append(name.strip())
+            except Exception as exc:  # a missing module only makes the heap smaller: say so
+                heap.setdefault("failed", []).append(f"{name.strip()}: {type(exc).__name__}: {exc}"[:200])
+        heap["import_s"] = time.monotonic() - t
+        heap["gc_objects"] = len(gc.get_objects())
+        print(f"imported {heap.get('imported')} (failed: {heap.get('failed')}): "
+              f"{heap['gc_objects']} objects in this process's heap", flush=True)
     os.makedirs(args.out, exist_ok=True)
     # The sampler thread must get the GIL every ~0.5 ms, not every 5 ms (Python's default switch
     # interval), or the timeline has holes while the checker computes.
@@ -519,7 +543,12 @@ def main() -> int:
     info["device"] = f"{bench.device.label}: {bench.device.name} ({bench.device.uuid})"
     bench.results["machine"] = info
     bench.results["config"] = {"gib": args.gib, "grace_s": args.grace, "repeat": args.repeat,
-                               "vllm_repeat": args.vllm_repeat, "sample_ms": args.sample_ms}
+                               "vllm_repeat": args.vllm_repeat, "sample_ms": args.sample_ms,
+                               "import_modules": args.import_modules}
+    import gc
+
+    heap.setdefault("gc_objects", len(gc.get_objects()))
+    bench.results["heap"] = heap
     print(f"release benchmark on {info['device']}, driver {info['driver']}, {info['date_utc']}", flush=True)
     rc = 0
     try:
@@ -539,7 +568,7 @@ def main() -> int:
             bench.results["runs"].setdefault(name, []).append(res)
             shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
                      if k in ("release_s", "signal_to_exit_s", "latency_s", "released_s", "ended_by", "clean",
-                              "verdict_after_release_ms", "mean_sample_interval_ms")}
+                              "first_signal_ms", "verdict_after_release_ms", "mean_sample_interval_ms")}
             print(f"  {name:11s} #{i + 1}: {shown}", flush=True)
             bench.save()
     except Exception:
