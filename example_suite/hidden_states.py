@@ -50,8 +50,9 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
 
 
 @dataclass
-class _ForwardCapture:
-    # One model forward: the flattened batch vLLM ran, and the states we took from it (all on CPU).
+class ForwardCapture:
+    """One model forward: the flattened batch vLLM ran, and the states taken from it (all on the CPU)."""
+
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     states: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -60,8 +61,9 @@ class _ForwardCapture:
 @dataclass
 class _CaptureState:
     layer_ids: list[int]
-    handles: list[Any]
-    forwards: list[_ForwardCapture] = field(default_factory=list)
+    saver: bool  # TP rank 0: the only rank that hooks, records and writes
+    handles: list[Any] = field(default_factory=list)
+    forwards: list[ForwardCapture] = field(default_factory=list)
     recording: bool = False
 
 
@@ -76,8 +78,8 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def split_requests(
-    forwards: Sequence[_ForwardCapture], prompts: Sequence[Sequence[int]]
-) -> list[tuple[_ForwardCapture, int]]:
+    forwards: Sequence[ForwardCapture], prompts: Sequence[Sequence[int]]
+) -> list[tuple[ForwardCapture, int]]:
     """Find each prompt's tokens in the captured flattened batches: ``(forward, start offset)`` per prompt.
 
     vLLM concatenates all scheduled requests into one ``[num_tokens, hidden]`` batch in an order of its own
@@ -88,7 +90,7 @@ def split_requests(
     Identical prompts get distinct runs, in order.
     """
     used: set[tuple[int, int]] = set()
-    found: list[tuple[_ForwardCapture, int]] = []
+    found: list[tuple[ForwardCapture, int]] = []
     for index, prompt in enumerate(prompts):
         want_ids = torch.tensor(list(prompt), dtype=torch.long)
         want_pos = torch.arange(len(prompt), dtype=torch.long)
@@ -142,12 +144,12 @@ class HiddenStatesWorkerExtension:
         inner = self.model_runner.get_model().model
         layers = inner.layers
         ids = check_layer_ids(layer_ids, len(layers))
-        state = _CaptureState(layer_ids=ids, handles=[])
+        state = _CaptureState(layer_ids=ids, saver=get_tensor_model_parallel_rank() == 0)
         self._hsx_state: _CaptureState | None = state
-        if get_tensor_model_parallel_rank() != 0:
+        if not state.saver:
             return
 
-        def current() -> _ForwardCapture | None:
+        def current() -> ForwardCapture | None:
             return state.forwards[-1] if state.recording and state.forwards else None
 
         # Hooks on the decoder model itself do not fire: vLLM's @support_torch_compile replaces its __call__
@@ -157,7 +159,7 @@ class HiddenStatesWorkerExtension:
         def on_embedding_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if state.recording:
                 (token_ids,) = _bound_arguments(module, args, kwargs).values()
-                state.forwards.append(_ForwardCapture(input_ids=_to_cpu(token_ids)))
+                state.forwards.append(ForwardCapture(input_ids=_to_cpu(token_ids)))
 
         def on_first_layer_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             fwd = current()
@@ -205,7 +207,7 @@ class HiddenStatesWorkerExtension:
         """Stop recording and write one safetensors file per prompt; rank 0 returns the paths, others None."""
         state = self._hsx_require()
         state.recording = False
-        if not state.handles:
+        if not state.saver:
             return None
         if len(prompts) != len(paths):
             raise ValueError("prompts and paths differ in length")

@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 bash example_suite/install_gpu_offline.sh
 export PYTHONPATH=/tmp/vllm-site${PYTHONPATH:+:$PYTHONPATH}
 # The plugin (pytest11 entry point "gpuclean"); --no-deps: the image already has pytest, psutil, nvidia-ml-py.
-python3 -m pip install -q --no-deps --no-build-isolation -e .
+# A Python that is "externally managed" (PEP 668) refuses the first form.
+python3 -m pip install -q --no-deps --no-build-isolation -e . \
+    || python3 -m pip install -q --no-deps --no-build-isolation --break-system-packages -e .
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 python3 -m pytest -p gpuclean example_suite -v "$@"

@@ -17,10 +17,11 @@ from typing import Any
 import psutil
 import pytest
 
-from example_suite.checks import orphans_reaped
 from example_suite.runtime import VLLM_MISSING, VllmRuntime, vllm_environment
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
+
+from example_suite.checks import orphans_reaped
 
 pytestmark = pytest.mark.needs_clean_gpus
 
