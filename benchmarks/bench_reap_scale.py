@@ -11,7 +11,8 @@ devices, so the driver-release watch runs too). The mix (default 256 live proces
 * escaped: double-forked ``setsid`` daemons (``--daemonize``), re-parented to us by the subreaper
   (the intermediate processes are zombies we must collect as well);
 * stubborn: ignore SIGTERM (``--ignore-sigterm``), so they need SIGKILL after the grace period. They
-  are in scenario ``stubborn`` only, whose time is necessarily >= grace; scenario ``mixed`` has none.
+  are in scenario ``stubborn`` only, whose time is necessarily >= grace (0.25 s here, so that the
+  1 s target still applies); scenario ``mixed`` has none.
 
 Timed: ``Checker.check("teardown", ...)`` from its call to its return with the verdict clean, which
 includes the census, the kill ladder (SIGTERM, grace, SIGKILL), waiting for every process to exit,
@@ -101,6 +102,8 @@ def one_round(checker: Checker, backend: SimulatedBackend, sim: str, tmp: str, c
     procs = spawn(shapes, sim, pidfile)
     pids = wait_pids(pidfile, sum(n for _, n in shapes))
     spawn_s = time.monotonic() - spawned_at
+    # (pid, start time): a pid that names another process afterwards (reuse) is not a survivor.
+    born = {p: st.start_ticks for p in pids if (st := procfs.read_stat(p)) is not None}
     ownership.close_window(token)  # the test body is over: what it started is no longer protected
     if previous is None:
         os.environ.pop(COOKIE_VAR, None)
@@ -120,7 +123,10 @@ def one_round(checker: Checker, backend: SimulatedBackend, sim: str, tmp: str, c
     if profile is not None:
         profile.disable()
 
-    survivors = [p for p in pids if procfs.read_stat(p) is not None]
+    stats = {p: st for p in pids if (st := procfs.read_stat(p)) is not None and st.start_ticks == born.get(p)}
+    survivors = [p for p, st in stats.items() if st.state not in ("Z", "X")]
+    # A zombie holds nothing but a pid; note whose child it is (ours: not yet collected).
+    zombies_left = [(p, st.ppid) for p, st in stats.items() if st.state in ("Z", "X")]
     for proc in procs:
         proc.poll()
     ended: dict[str, int] = {}
@@ -133,7 +139,7 @@ def one_round(checker: Checker, backend: SimulatedBackend, sim: str, tmp: str, c
         "census_s": census_s, "spawn_s": spawn_s,
         "simulated_used_mib_before": used_before / 2**20,
         "check_s": elapsed, "clean": result.clean, "reaped": len(result.reaped), "ended_by": ended,
-        "survivors": survivors, "notes": list(result.notes),
+        "survivors": survivors, "zombies_left": zombies_left, "notes": list(result.notes),
         "offenders": [f"{o.reason} {o.process.pid if o.process else ''}" for o in result.offenders],
     }
 
@@ -174,12 +180,13 @@ def main() -> int:
                   f"zombies, {res['adopted']} adopted) -> check {res['check_s']:.3f} s, "
                   f"clean={res['clean']}, "
                   f"reaped {res['reaped']} {res['ended_by']}, census alone {res['census_s'] * 1e3:.1f} ms, "
-                  f"survivors {len(res['survivors'])}", flush=True)  # type: ignore[arg-type]
+                  f"survivors {len(res['survivors'])}, uncollected zombies {len(res['zombies_left'])}",  # type: ignore[arg-type]
+                  flush=True)
     summary = {}
     for scenario in args.scenarios.split(","):
         values = [float(r["check_s"]) for r in rounds if r["label"].startswith(scenario)]  # type: ignore[union-attr]
         s = _common.summary(values)
-        limit = 1.0 + (args.grace if scenario == "stubborn" else 0.0)
+        limit = 1.0  # also for the stubborn scenario: its grace is part of the second (keep it small)
         all_ok = all(r["clean"] and not r["survivors"] for r in rounds if r["label"].startswith(scenario))  # type: ignore[union-attr]
         summary[scenario] = {"check_s": s, "limit_s": limit, "met": s["max"] <= limit and all_ok,
                              "all_clean_and_gone": all_ok}

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 PANELS = [
-    ("driver", "Driver alone: SIGTERM by hand, NVML polled every ~1 ms", ("SIGTERM",)),
+    ("driver", "Driver alone: SIGTERM by hand, NVML polled every ~1.5 ms", ("SIGTERM",)),
     ("reap_term", "gpuclean teardown, leak obeys SIGTERM (a)", ("teardown check starts",)),
     ("reap_ignore", "gpuclean teardown, leak ignores SIGTERM (b): SIGKILL after the grace",
      ("teardown check starts",)),
