@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,6 +10,8 @@ from pathlib import Path
 import psutil
 import torch
 from safetensors.torch import load_file
+
+from example_suite.reaping import wait_and_reap
 
 
 @dataclass(frozen=True)
@@ -69,25 +69,12 @@ def orphans_reaped(grace_s: float = 10.0) -> Iterator[None]:
     gpuclean makes pytest a child subreaper, so orphans of a subprocess become our children instead of init's.
     One always appears: a subprocess that used multiprocessing's spawn (vLLM does) has a resource tracker that
     exits by itself just after the subprocess, and then stays our zombie until someone waits for it; gpuclean
-    would rightly report that zombie as leaked by the test. We wait for exactly those pids (never
-    ``waitpid(-1)``). A new child still running after ``grace_s`` is a real leak and is left to gpuclean.
+    would rightly report that zombie as leaked by the test. A new child still running after ``grace_s`` is a
+    real leak: it is left to gpuclean, not killed.
     """
     known_children = {c.pid for c in psutil.Process().children()}
     try:
         yield
     finally:
-        deadline = time.monotonic() + grace_s
-        while True:
-            orphans = [c for c in psutil.Process().children() if c.pid not in known_children]
-            running = False
-            for orphan in orphans:
-                try:
-                    if orphan.status() == psutil.STATUS_ZOMBIE:
-                        os.waitpid(orphan.pid, 0)
-                    else:
-                        running = True
-                except (psutil.NoSuchProcess, ChildProcessError):
-                    pass
-            if not running or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        orphans = [c for c in psutil.Process().children() if c.pid not in known_children]
+        wait_and_reap(orphans, grace_s, kill_survivors=False)

@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Any
 
 from example_suite.hidden_states import WORKER_EXTENSION, check_layer_ids, default_layer_ids
+from example_suite.reaping import descendants, wait_and_reap
 from example_suite.runtime import vllm_environment_applied
 
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -72,8 +73,11 @@ class HiddenStateExtractor:
         }
         # Without chunked prefill, a prompt must fit into one step's token budget.
         args["max_num_batched_tokens"] = max(max_model_len, engine_args.get("max_num_batched_tokens", 0))
+        before = {p.pid for p in descendants()}
         with vllm_environment_applied(tensor_parallel_size):
             self._llm: Any = LLM(**args)
+        # EngineCore and the TP workers, so that close() can make sure that they are gone.
+        self._engine_processes = [p for p in descendants() if p.pid not in before]
         try:
             self.num_layers: int = self.llm.collective_rpc("hsx_num_layers")[0]
             self.layer_ids = check_layer_ids(
@@ -128,6 +132,10 @@ class HiddenStateExtractor:
             engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         del llm
         gc.collect()
+        # EngineCore can exit before a worker does (seen on a loaded 2-core box); the worker then ends as an
+        # orphan, re-parented to us when we are a child subreaper (gpuclean), and stays a zombie. Wait for
+        # every engine process, reap our zombies, and kill what outlives the grace period.
+        wait_and_reap(self._engine_processes, SHUTDOWN_TIMEOUT_S, kill_survivors=True)
 
     def __enter__(self) -> HiddenStateExtractor:
         return self
