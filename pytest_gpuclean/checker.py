@@ -210,6 +210,8 @@ class Checker:
         notes: list[str] = []
         attempted: set[tuple[int, int]] = set()
         first_seen: dict[tuple[int, int], Offender] = {}
+        collected: list[Reaped] = []
+        collected_ids: set[tuple[int, int]] = set()
         rounds = 0
         while True:
             snaps = self.snapshot(devices)
@@ -229,6 +231,17 @@ class Checker:
                 continue
             excused |= self._peer_pids(unexplained)
             overhead = {s.device.uuid: _context_overhead(s, excused) for s in snaps}
+            # Exited processes nobody waited for hold no memory and are no leak: most are orphans that
+            # our subreaper adopted (a double fork's middle process, a subprocess's resource tracker),
+            # which init would have collected. Collect the ones that are now our children, by pid.
+            for f in ours:
+                if f.state in ("Z", "X") and (f.pid, f.start_ticks) not in collected_ids:
+                    info = processes.describe(f.pid, f.start_ticks)
+                    if processes.reap_if_child(f.pid):
+                        collected_ids.add((f.pid, f.start_ticks))
+                        collected.append(Reaped(info or _vanished(f.pid), self.ownership.owner(f.token),
+                                                f.found_by, "reaped zombie", (), None))
+            ours = [f for f in ours if f.state not in ("Z", "X")]
             fresh = [f for f in ours if (f.pid, f.start_ticks) not in attempted]
             if reap and fresh and rounds < MAX_REAP_ROUNDS:
                 if rounds:
@@ -238,10 +251,6 @@ class Checker:
                 attempted.update((f.pid, f.start_ticks) for f in fresh)
                 reaped.extend(self.reap(fresh, snaps, devices, notes))
                 continue
-            # Zombies hold no GPU memory; once we tried, what is left is a zombie whose (live) parent
-            # is not ours to reap, or one we just collected.
-            ours = [f for f in ours if not (f.state == "Z" and ((f.pid, f.start_ticks) in attempted
-                                                                 or processes.reap_if_child(f.pid)))]
             offenders = self._offenders(snaps, ours, unexplained - excused, excused, tolerance, overhead)
             for o in offenders:
                 if o.reason == "leaked" and o.process is not None:
@@ -262,7 +271,7 @@ class Checker:
                     for key, o in first_seen.items() if key not in still)
                 return CheckResult(
                     phase=phase, clean=not offenders, devices=snaps, offenders=tuple(offenders),
-                    lingered=lingered,
+                    lingered=lingered, collected=tuple(collected),
                     reaped=tuple(reaped), waited_s=waited,
                     clean_after_s=waited if not offenders else None, notes=tuple(notes),
                     tolerance_mib=tolerance_mib,

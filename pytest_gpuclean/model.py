@@ -128,6 +128,8 @@ class CheckResult:
     """Seconds from the start of this check to confirmed clean (None if it never got clean)."""
     notes: tuple[str, ...] = ()
     tolerance_mib: int = 0
+    collected: tuple[Reaped, ...] = ()
+    """Exited processes of ours that nobody had waited for (zombies): collected, not counted as leaks."""
     lingered: tuple[Offender, ...] = ()
     """Our processes that were alive when the check started and ended by themselves while it waited
     (reaping off): not dirty any more, but still leaked by whoever spawned them."""
@@ -163,4 +165,5 @@ class TestRecord:
     def dirty(self) -> bool:
         """True if any check around this test failed or found something."""
         return self.leaked or bool(self.in_process_mib) or any(
-            c is not None and (not c.clean or c.offenders or c.reaped) for c in (self.before, self.after))
+            c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
+            for c in (self.before, self.after))

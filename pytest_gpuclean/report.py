@@ -133,6 +133,9 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
                                 if check.clean_after_s is not None else ""))
             if check.offenders:
                 parts.append(f"{check.phase}: not clean ({', '.join(_short(o) for o in check.offenders)})")
+        if collected := [r for c in (record.before, record.after) if c for r in c.collected]:
+            parts.append(f"collected {len(collected)} exited process(es) nobody waited for ("
+                         + ", ".join(f"pid {r.process.pid} spawned by {r.owner}" for r in collected) + ")")
         if record.after is not None and record.after.lingered:
             lingered = record.after.lingered
             parts.append(f"{len(lingered)} process(es) outlived the test and ended by themselves "

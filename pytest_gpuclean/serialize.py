@@ -23,7 +23,7 @@ _NESTED: dict[type, tuple[tuple[str, type, bool], ...]] = {
     Offender: (("process", ProcessInfo, False), ("owner", Owner, False)),
     Reaped: (("process", ProcessInfo, False), ("owner", Owner, False)),
     CheckResult: (("devices", DeviceSnapshot, True), ("offenders", Offender, True), ("reaped", Reaped, True),
-                  ("lingered", Offender, True)),
+                  ("lingered", Offender, True), ("collected", Reaped, True)),
     TestRecord: (("before", CheckResult, False), ("after", CheckResult, False),
                  ("found_later", Reaped, True)),
 }

@@ -88,8 +88,11 @@ def test_leak():
 """)
     result = run_inner(pytester)
     zombie = read_pids(Path(os.environ["LEAK_PIDFILE"]))[0]
-    result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines([f"  pid {zombie} ended by reaped zombie*"])
+    # An exited process holds no GPU memory: collected and reported, not a test error (most such
+    # zombies are orphans our subreaper adopted, which init would have collected).
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"test_inner.py::test_leak: collected 1 exited process(es) nobody waited "
+                                 f"for (pid {zombie} spawned by test_inner.py::test_leak)"])
     assert procfs.read_stat(zombie) is None  # collected, not left as a zombie
 
 

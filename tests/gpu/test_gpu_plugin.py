@@ -126,7 +126,7 @@ def test_leaks():
     pid = int(gpu_inner.read_text().split()[0])
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines([f"  pid {pid} ended by SIGKILL after 1.*s (found as descendant*): "
-                                 "held GPU 0 4*MiB; the driver released it *s after exit"])
+                                 "held GPU 0 4*MiB; the driver released it *s after the SIGKILL"])
     if report.exists():  # the JSON report carries the release time too
         print(json.dumps(json.loads(report.read_text()), indent=1)[:4000])
 
