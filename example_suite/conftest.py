@@ -27,11 +27,9 @@ from example_suite.runtime import (
 pytest_plugins = ["pytester"]
 
 MARKER = "needs_clean_gpus"
-# Engine arguments shared by every engine of the suite. fp32 so that the CPU comparison can be tight.
-MAX_MODEL_LEN = 128
+MAX_MODEL_LEN = 128  # the longest test prompt has 41 tokens
 # On a GPU, vLLM would otherwise reserve 92% of each card; the tiny model needs a few GB at most.
 GPU_MEMORY_UTILIZATION = 0.1
-
 
 SIMULATE_VAR = "GPUCLEAN_SIMULATE"
 SIMULATED_GPUS = 2  # TP=2 "uses" two devices
@@ -90,7 +88,7 @@ def vllm_runtime() -> Iterator[VllmRuntime]:
 
 @pytest.fixture(scope="session")
 def engine_args(vllm_runtime: VllmRuntime) -> dict[str, Any]:
-    """Keyword arguments for every ``HiddenStateExtractor`` / ``LLM`` of the suite."""
+    """Keyword arguments for every ``HiddenStateExtractor`` / ``LLM`` of the suite (fp32: tight checks)."""
     args: dict[str, Any] = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN}
     if vllm_runtime.device == "cuda":
         args["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
