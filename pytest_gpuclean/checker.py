@@ -339,24 +339,41 @@ class Checker:
         if any(f.depth == 1 for f in safe):
             notes.extend(pools.shutdown_pools({f.pid for f in safe}, wait=self.grace))
         holders = {p.pid for s in snaps for p in s.processes} & {f.pid for f in safe}
-        watch = _ReleaseWatch(self, devices, holders)
-        killed_at = time.monotonic()
         targets = [processes.KillTarget(f.pid, f.start_ticks, f.depth) for f in safe]
-        outcomes = {o.pid: o for o in processes.terminate(targets, self.grace, watch=watch.poll)}
-        watch.finish(deadline=time.monotonic() + max(self.grace, 10.0))
+        ended, _released = self.kill_and_confirm(targets, devices, holders)
         result: list[Reaped] = []
         for f in safe:
-            outcome = outcomes[f.pid]
-            info = infos[f.pid] or _vanished(f.pid)
+            outcome, release = ended[f.pid]
             ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
+            result.append(Reaped(infos[f.pid] or _vanished(f.pid), self.ownership.owner(f.token), f.found_by,
+                                 ended_by, _mib_of(f.pid, snaps), outcome.exit_s, release))
+        return result
+
+    def kill_and_confirm(self, targets: Sequence[processes.KillTarget], devices: Sequence[DeviceInfo],
+                         holders: set[int]) -> tuple[dict[int, tuple[processes.KillOutcome, float | None]],
+                                                     float | None]:
+        """The kill ladder, then wait until the driver lists none of ``holders`` (GPU-holding targets).
+
+        Returns per pid its outcome and the driver's release time, and the seconds from the first
+        signal until every holder was gone from the devices (None if none held a GPU or one stayed).
+        The plugin's reaper and ``gpuclean reap`` both end processes through here.
+        """
+        watch = ReleaseWatch(self, devices, holders)
+        killed_at = time.monotonic()
+        outcomes = processes.terminate(targets, self.grace, watch=watch.poll)
+        watch.finish(deadline=time.monotonic() + max(self.grace, 10.0))
+        ended: dict[int, tuple[processes.KillOutcome, float | None]] = {}
+        for outcome in outcomes:
             release = None
-            if f.pid in watch.gone_at and outcome.signal_s is not None:
+            if outcome.pid in watch.gone_at and outcome.signal_s is not None:
                 # The driver frees memory while the process exits (before it is a zombie), so time
                 # the release from the signal that ended it, not from its exit.
-                release = max(0.0, watch.gone_at[f.pid] - (killed_at + outcome.signal_s))
-            result.append(Reaped(info, self.ownership.owner(f.token), f.found_by, ended_by,
-                                 _mib_of(f.pid, snaps), outcome.exit_s, release))
-        return result
+                release = max(0.0, watch.gone_at[outcome.pid] - (killed_at + outcome.signal_s))
+            ended[outcome.pid] = (outcome, release)
+        all_released = None
+        if holders and holders <= watch.gone_at.keys():
+            all_released = max(watch.gone_at[p] for p in holders) - killed_at
+        return ended, all_released
 
     def _may_kill(self, f: Found, info: ProcessInfo | None) -> bool:
         if info is None:
@@ -381,7 +398,7 @@ class Checker:
         return [info for info in infos if info is not None and info.state != "zombie"]
 
 
-class _ReleaseWatch:
+class ReleaseWatch:
     """Notes when each killed GPU holder disappears from the driver's process list."""
 
     def __init__(self, checker: Checker, devices: Sequence[DeviceInfo], holders: set[int]) -> None:

@@ -17,13 +17,12 @@ import contextlib
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO, TypeVar
 
-from pytest_gpuclean import __version__, devices, jsonreport, processes, report
-from pytest_gpuclean.checker import COOKIE_VAR, Checker, _ReleaseWatch
+from pytest_gpuclean import __version__, devices, jsonreport, processes, procfs, report
+from pytest_gpuclean.checker import COOKIE_VAR, Checker
 from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, ProcessInfo, Reaped
 
 EXIT_CLEAN = 0
@@ -275,19 +274,6 @@ def _process_uids() -> set[int]:
     return uids
 
 
-def has_nvidia_device_open(pid: int) -> bool:
-    """True if ``pid`` has a ``/dev/nvidia*`` file open, as every process with a CUDA context does."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/nvidia"):
-                return True
-    return False
-
-
 def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[int], all_users: bool,
               cookie: str | None, require_device_file: bool = False) -> tuple[dict[int, _Target], list[str]]:
     """What ``reap`` may end, and a line for each process it leaves alone (and why).
@@ -304,7 +290,7 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
         if info is None:
             left_alone.append(f"pid {pid} (listed on {listed}): not visible here (exited, or in another "
                               "PID namespace)")
-        elif require_device_file and not has_nvidia_device_open(pid):
+        elif require_device_file and not procfs.has_nvidia_device_open(pid):
             left_alone.append(f"pid {pid} (listed on {listed}) is {_cmd(info.cmdline)!r} here, which has no "
                               "/dev/nvidia* open: not the driver's process (another PID namespace?)")
         elif pid in never_touch:
@@ -346,23 +332,14 @@ def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[i
     holders among ``targets`` any more (None if none held a GPU or they never disappeared).
     """
     holders = {pid for pid, t in targets.items() if t.mib}
-    watch = _ReleaseWatch(checker, chosen, holders)
-    started = time.monotonic()
-    outcomes = {o.pid: o for o in processes.terminate(_kill_targets(targets), grace, watch=watch.poll)}
-    watch.finish(deadline=time.monotonic() + max(grace, 10.0))
+    checker.grace = grace
+    ended, all_released = checker.kill_and_confirm(_kill_targets(targets), chosen, holders)
     reaped: list[Reaped] = []
     for pid, target in sorted(targets.items()):
-        outcome = outcomes[pid]
+        outcome, release = ended[pid]
         ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
-        release = None
-        if pid in watch.gone_at and outcome.signal_s is not None:
-            # As the plugin does: from the signal that ended it (the driver frees while it exits).
-            release = max(0.0, watch.gone_at[pid] - (started + outcome.signal_s))
         reaped.append(Reaped(target.info, None, target.found_by, ended_by, target.mib, outcome.exit_s,
                              release))
-    all_released = None
-    if holders and holders <= watch.gone_at.keys():
-        all_released = max(watch.gone_at[p] for p in holders) - started
     return reaped, all_released
 
 

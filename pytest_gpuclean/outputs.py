@@ -21,7 +21,6 @@ import pytest
 from pytest_gpuclean import jsonreport, report
 from pytest_gpuclean.model import Reaped, TestRecord
 from pytest_gpuclean.plugin import _STATE, GpuCleanPlugin
-from pytest_gpuclean.serialize import reaped_from_dict, record_from_dict
 
 TITLE_LEAK = "GPU leak"
 TITLE_NOT_CLEAN = "GPU not clean"
@@ -212,15 +211,7 @@ class OutputHooks:
         return test_report
 
     def _merge(self) -> tuple[list[TestRecord], list[Reaped], list[str]]:
-        plugin = self.plugin
-        records = plugin._all_records()
-        session_reaped = list(plugin.session_reaped)
-        notes = list(plugin.notes)
-        for payload in plugin.worker_payloads:
-            records.extend(record_from_dict(r) for r in payload["records"])
-            session_reaped.extend(reaped_from_dict(r) for r in payload["session_reaped"])
-            notes.extend(payload["notes"])
-        return records, session_reaped, notes
+        return self.plugin.merged()
 
     def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
         plugin = self.plugin

@@ -244,7 +244,8 @@ class GpuCleanPlugin:
                 return record
         return self.late_records.setdefault(nodeid, TestRecord(nodeid))
 
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+    def merged(self) -> tuple[list[TestRecord], list[Reaped], list[str]]:
+        """Records, session-end reaps and notes of this process and (in the xdist controller) the workers."""
         records = self._all_records()
         session_reaped = list(self.session_reaped)
         notes = list(self.notes)
@@ -252,6 +253,10 @@ class GpuCleanPlugin:
             records.extend(record_from_dict(r) for r in payload["records"])
             session_reaped.extend(reaped_from_dict(r) for r in payload["session_reaped"])
             notes.extend(payload["notes"])
+        return records, session_reaped, notes
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        records, session_reaped, notes = self.merged()
         if not records and not session_reaped and not notes:
             return
         terminalreporter.write_sep("=", report.SUMMARY_TITLE)

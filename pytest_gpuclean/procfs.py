@@ -135,3 +135,18 @@ def exe_name(pid: int) -> str:
         return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
     except OSError:
         return ""
+
+
+def has_nvidia_device_open(pid: int) -> bool:
+    """True if ``pid`` has a ``/dev/nvidia*`` file open, as every process with a CUDA context does."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue  # closed while we looked
+    return False

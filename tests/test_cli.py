@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import alive, read_pids, wait_dead
 
-from pytest_gpuclean import __version__, cli, simulate
+from pytest_gpuclean import __version__, cli, procfs, simulate
 from pytest_gpuclean.devices import simulated_uuid
 from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
 
@@ -228,7 +228,7 @@ def test_on_real_gpus_reap_targets_only_processes_with_a_gpu_device_open(
     innocent = spawn(["sleep", "600"])
     device = DeviceInfo(index=0, uuid="GPU-test", name="test GPU")
     snaps = [DeviceSnapshot(device, 1024 * MIB, 80 * 1024 * MIB, (GpuProcess(innocent.pid, 1024 * MIB),))]
-    assert not cli.has_nvidia_device_open(innocent.pid)
+    assert not procfs.has_nvidia_device_open(innocent.pid)
     targets, left_alone = cli.plan_reap(snaps, my_uid=os.getuid(), never_touch=set(), all_users=False,
                                         cookie=None, require_device_file=True)
     assert targets == {}
