@@ -68,9 +68,9 @@ def orphans_reaped(grace_s: float = 10.0) -> Iterator[None]:
 
     gpuclean makes pytest a child subreaper, so orphans of a subprocess become our children instead of init's.
     One always appears: a subprocess that used multiprocessing's spawn (vLLM does) has a resource tracker that
-    exits by itself just after the subprocess, and then stays our zombie until someone waits for it; gpuclean
-    would rightly report that zombie as leaked by the test. A new child still running after ``grace_s`` is a
-    real leak: it is left to gpuclean, not killed.
+    exits by itself just after the subprocess, and then stays our zombie until someone waits for it (gpuclean
+    collects such zombies and mentions them; early versions counted them as the test's leak). A new child
+    still running after ``grace_s`` is a real leak: it is left to gpuclean, not killed.
     """
     known_children = {c.pid for c in psutil.Process().children()}
     try:
