@@ -24,8 +24,6 @@ from example_suite.runtime import (
     vllm_installed,
 )
 
-pytest_plugins = ["pytester"]
-
 MARKER = "needs_clean_gpus"
 MAX_MODEL_LEN = 128  # the longest test prompt has 41 tokens
 # On a GPU, vLLM would otherwise reserve 92% of each card; the tiny model needs a few GB at most.
