@@ -114,10 +114,11 @@ class Checker:
 
     def __init__(self, backend: Backend | None, *, reap: bool = True, grace: float = 5.0,
                  ignore: Sequence[str] = (), host_scope: bool = False,
-                 session_id: str | None = None) -> None:
+                 session_id: str | None = None, settle: float = 0.0) -> None:
         self.backend = backend
         self.reap_enabled = reap
         self.grace = grace
+        self.settle = settle
         self.ignore = tuple(ignore)
         self.host_scope = host_scope
         self.me = os.getpid()
@@ -212,6 +213,7 @@ class Checker:
         first_seen: dict[tuple[int, int], Offender] = {}
         collected: list[Reaped] = []
         collected_ids: set[tuple[int, int]] = set()
+        settled = False
         rounds = 0
         while True:
             snaps = self.snapshot(devices)
@@ -243,6 +245,12 @@ class Checker:
                                                 f.found_by, "reaped zombie", (), None))
             ours = [f for f in ours if f.state not in ("Z", "X")]
             fresh = [f for f in ours if (f.pid, f.start_ticks) not in attempted]
+            if reap and fresh and not rounds and not settled and self.settle > 0:
+                # Some leftovers are already on their way out (a subprocess's resource tracker that
+                # cleans up after its client, an engine finishing its shutdown): let them go first.
+                settled = True
+                if self._settle(fresh, collected, collected_ids):
+                    continue
             if reap and fresh and rounds < MAX_REAP_ROUNDS:
                 if rounds:
                     notes.append(f"new processes appeared while reaping (round {rounds + 1}): "
@@ -279,6 +287,24 @@ class Checker:
                                    if s.bytes_of({self.me})),
                 )
             time.sleep(POLL_S)
+
+    def _settle(self, fresh: Sequence[Found], collected: list[Reaped],
+                collected_ids: set[tuple[int, int]]) -> bool:
+        """Wait up to ``settle`` seconds for ``fresh`` to exit on their own; True if any did."""
+        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in fresh}
+        deadline = time.monotonic() + self.settle
+        pending = list(fresh)
+        while pending and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            for f in list(pending):
+                stat = procfs.read_stat(f.pid)
+                if stat is None or stat.start_ticks != f.start_ticks or stat.state in ("Z", "X"):
+                    processes.reap_if_child(f.pid)
+                    pending.remove(f)
+                    collected_ids.add((f.pid, f.start_ticks))
+                    collected.append(Reaped(infos[f.pid] or _vanished(f.pid), self.ownership.owner(f.token),
+                                            f.found_by, "exited by itself", (), None))
+        return len(pending) < len(fresh)
 
     def _offenders(self, snaps: Sequence[DeviceSnapshot], ours: Sequence[Found], foreign: set[int],
                    excused: set[int], tolerance: int, overhead: dict[str, int]) -> list[Offender]:

@@ -129,7 +129,8 @@ class CheckResult:
     notes: tuple[str, ...] = ()
     tolerance_mib: int = 0
     collected: tuple[Reaped, ...] = ()
-    """Exited processes of ours that nobody had waited for (zombies): collected, not counted as leaks."""
+    """Processes of ours that had exited without anybody waiting for them (zombies), or that exited by
+    themselves within the settle time: collected and reported, not counted as leaks."""
     lingered: tuple[Offender, ...] = ()
     """Our processes that were alive when the check started and ended by themselves while it waited
     (reaping off): not dirty any more, but still leaked by whoever spawned them."""

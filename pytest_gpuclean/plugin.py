@@ -162,6 +162,7 @@ class GpuCleanPlugin:
         session_id = f"{me}-{uuid.uuid4().hex[:10]}"
         self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
                                ignore=resolved.ignore, host_scope=resolved.scope == "host",
+                               settle=resolved.settle,
                                session_id=f"{inherited}/{session_id}" if inherited else session_id)
         if not hasattr(config, "workerinput"):
             # Not an xdist worker: the run id in our environment was inherited (e.g. we are a nested

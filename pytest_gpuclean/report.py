@@ -134,7 +134,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             if check.offenders:
                 parts.append(f"{check.phase}: not clean ({', '.join(_short(o) for o in check.offenders)})")
         if collected := [r for c in (record.before, record.after) if c for r in c.collected]:
-            parts.append(f"collected {len(collected)} exited process(es) nobody waited for ("
+            parts.append(f"collected {len(collected)} process(es) that exited by themselves ("
                          + ", ".join(f"pid {r.process.pid} spawned by {r.owner}" for r in collected) + ")")
         if record.after is not None and record.after.lingered:
             lingered = record.after.lingered

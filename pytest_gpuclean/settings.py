@@ -120,6 +120,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("ignore", "glob patterns of command lines that are never stray (host scope, GPU processes); "
            "comma-separated, repeatable", _patterns, (), "GLOBS"),
     Option("grace", "seconds between SIGTERM and SIGKILL when reaping (default 5)", _seconds, 5.0, "S"),
+    Option("settle", "seconds leftover processes get to exit by themselves before reaping starts "
+           "(default 1); those that do are reported, not counted as leaks", _seconds, 1.0, "S"),
     Option("reap", "on: kill what a test leaked; off: only report (default on)", _choice(REAP_MODES), "on",
            "MODE"),
     Option("lock", "on: hold a cross-process lock per GPU while a checked test runs (default on)",
@@ -167,6 +169,7 @@ class Settings:
     require_gpu: bool = False
     ignore: tuple[str, ...] = ()
     grace: float = 5.0
+    settle: float = 1.0
     reap: str = "on"
     lock: str = "on"
     lock_dir: str = os.path.join(tempfile.gettempdir(), "gpuclean-locks")

@@ -91,8 +91,8 @@ def test_leak():
     # An exited process holds no GPU memory: collected and reported, not a test error (most such
     # zombies are orphans our subreaper adopted, which init would have collected).
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines([f"test_inner.py::test_leak: collected 1 exited process(es) nobody waited "
-                                 f"for (pid {zombie} spawned by test_inner.py::test_leak)"])
+    result.stdout.fnmatch_lines([f"test_inner.py::test_leak: collected 1 process(es) that exited by "
+                                 f"themselves (pid {zombie} spawned by test_inner.py::test_leak)"])
     assert procfs.read_stat(zombie) is None  # collected, not left as a zombie
 
 
@@ -365,3 +365,26 @@ def test_fixture_protection_ends_with_the_fixture(tmp_path: Path) -> None:
     ownership.active_fixtures.discard(token)
     assert not ownership.is_protected(token)
     assert ownership.token_of_cookie("other-session:" + token) is None
+
+
+@pytest.mark.parametrize(("settle", "leaked"), [("1", False), ("0", True)])
+def test_a_leftover_that_exits_within_the_settle_time_is_no_leak(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, settle: str, leaked: bool) -> None:
+    # Like a subprocess's resource tracker, which outlives its client by a moment to clean up after it.
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+def test_leaves_a_short_lived_helper():
+    hold("--seconds", "0.3", mib=1)
+    wait_holders(1)
+""")
+    result = run_inner(pytester, f"--gpuclean-settle={settle}")
+    helper = read_pids(pidfile)[0]
+    if leaked:
+        result.assert_outcomes(passed=1, errors=1)
+        result.stdout.fnmatch_lines([f"  pid {helper} ended by SIGTERM*"])
+    else:
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines([
+            f"test_inner.py::test_leaves_a_short_lived_helper: collected 1 process(es) that exited by "
+            f"themselves (pid {helper} spawned by test_inner.py::test_leaves_a_short_lived_helper)"])
+    assert not alive(helper)
