@@ -109,9 +109,17 @@ def test_abandoned_engine_is_reaped_and_blamed(
     # runpytest_subprocess sends the inner output to files, not pipes: a leaked EngineCore inherits the inner
     # session's stdout/stderr and could otherwise keep us waiting for EOF forever (GPU-FACTS.md, pipe hazard).
     with orphans_reaped():
-        result = pytester.runpytest_subprocess(
-            "-p", "gpuclean", "-v", "-p", "no:cacheprovider", timeout=INNER_TIMEOUT_S
-        )
+        try:
+            # faulthandler_timeout: an inner test that hangs dumps every thread's stack into its output.
+            result = pytester.runpytest_subprocess(
+                "-p", "gpuclean", "-v", "-p", "no:cacheprovider",
+                "-o", f"faulthandler_timeout={INNER_TIMEOUT_S // 2}", timeout=INNER_TIMEOUT_S
+            )
+        except pytester.TimeoutExpired:
+            # Show what the inner session had printed: otherwise a hang leaves nothing to go on.
+            printed = [(pytester.path / name) for name in ("stdout", "stderr")]
+            tails = "\n".join(p.read_text(errors="replace")[-6000:] for p in printed if p.exists())
+            pytest.fail(f"inner session still running after {INNER_TIMEOUT_S}s; it printed:\n{tails}")
     output = result.stdout.str() + "\n" + result.stderr.str()
 
     engine = json.loads(pids_file.read_text())
