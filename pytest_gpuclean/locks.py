@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import glob
 import json
 import os
@@ -22,6 +23,9 @@ from dataclasses import dataclass, field
 
 from pytest_gpuclean import procfs
 
+_HOST = socket.gethostname()
+_RECORD_BYTES = 512
+_BLANK = b" " * _RECORD_BYTES
 _RETRY_S = (0.02, 0.1)
 """Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
 _LOCK_MODE = 0o666
@@ -30,8 +34,6 @@ HELD_VAR = "GPUCLEAN_HELD_LOCKS"
 """Set while this process holds GPU locks, so its children know: JSON ``{"dir": lock directory,
 "holders": {uuid: [pid, start ticks]}}``. A gpuclean session that a test runs (a nested pytest,
 pytester) takes those GPUs as its own instead of waiting for its parent's locks until it times out."""
-_PARKED = ".free"
-"""Suffix of a released holder file, kept for reuse: not a record (``holder`` reads ``*.holder`` only)."""
 
 # flock (not filelock.FileLock): filelock 4 refuses, in a sticky directory like ours, a lock file that
 # belongs neither to this user nor to the directory's owner, so a third user of a shared GPU box could
@@ -40,14 +42,21 @@ _PARKED = ".free"
 # and ``_try`` checks for that too.
 
 _held_fds: set[int] = set()
+# Lock and holder files stay open for the whole session (path -> descriptor): opening, renaming and
+# closing them for every test cost ~50 us per GPU, more than the clean check itself.
+_lock_fds: dict[str, int] = {}
+_holder_fds: dict[str, int] = {}
 
 
 def _close_in_forked_child() -> None:
-    # A child forked (without exec) while we hold a lock shares the locked open file: if this session
-    # is killed, a leaked child would keep the GPU locked. Drop the child's copies (close, not unlock).
-    for fd in list(_held_fds):
+    # A child forked (without exec) shares our open lock files: one that is locked now, or that we lock
+    # later, would stay locked through a leaked child after this session dies. Drop every copy in the
+    # child (close, not unlock), and forget them so the child opens its own if it locks GPUs.
+    for fd in (*_lock_fds.values(), *_holder_fds.values(), *_held_fds):
         with contextlib.suppress(OSError):
             os.close(fd)
+    _lock_fds.clear()
+    _holder_fds.clear()
     _held_fds.clear()
 
 
@@ -80,6 +89,7 @@ def ensure_lock_dir(path: str) -> str:
     return path
 
 
+@functools.lru_cache(maxsize=256)
 def _file_name(uuid: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in uuid)
 
@@ -91,7 +101,8 @@ class HeldLocks:
     uuids: tuple[str, ...]
     locks: list[int]
     """Open descriptors of the locked files."""
-    holder_paths: list[str]
+    holder_fds: list[int]
+    """This user's holder files of the locked GPUs, emptied at release."""
     waited_s: float
     inherited: dict[str, tuple[int, int]] = field(default_factory=dict)
     """GPUs an ancestor process holds, with its (pid, start ticks): not locked again, not released."""
@@ -99,12 +110,15 @@ class HeldLocks:
     """(value of ``HELD_VAR`` before us, the value we set)."""
 
     def release(self) -> None:
-        # Holder record first: once the lock is free, the next holder writes its own. The file is parked
-        # (renamed) rather than deleted, for the next acquire to reuse (see ``_write_holder``).
-        for path in self.holder_paths:
+        # Holder record first: once the lock is free, the next holder writes its own. A blank file is
+        # no record (``holder`` skips it), and stays open for the next acquire to reuse.
+        for fd in self.holder_fds:
             with contextlib.suppress(OSError):
-                os.rename(path, path + _PARKED)
-        self.holder_paths = []
+                if os.fstat(fd).st_size == _RECORD_BYTES:
+                    os.pwrite(fd, _BLANK, 0)
+                else:
+                    os.ftruncate(fd, 0)
+        self.holder_fds = []
         for fd in self.locks:
             _unlock(fd)
         self.locks = []
@@ -118,11 +132,18 @@ class HeldLocks:
 
 
 def _unlock(fd: int) -> None:
+    # The descriptor stays open (cached in _lock_fds) for the next test.
     _held_fds.discard(fd)
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_UN)
-    with contextlib.suppress(OSError):
-        os.close(fd)
+
+
+def _forget(path: str) -> None:
+    fd = _lock_fds.pop(path, None)
+    if fd is not None:
+        _held_fds.discard(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _open_lock_file(path: str) -> int:
@@ -155,7 +176,7 @@ class GpuLocks:
         self.directory = ensure_lock_dir(directory)
 
     def lock_path(self, uuid: str) -> str:
-        return os.path.join(self.directory, _file_name(uuid) + ".lock")
+        return f"{self.directory}/{_file_name(uuid)}.lock"
 
     def holder_path(self, uuid: str) -> str:
         """This user's holder file for ``uuid``.
@@ -163,7 +184,7 @@ class GpuLocks:
         One per user: in the sticky lock directory nobody can replace another user's file, and a session
         that was killed leaves its file behind.
         """
-        return os.path.join(self.directory, f"{_file_name(uuid)}.{os.getuid()}.holder")
+        return f"{self.directory}/{_file_name(uuid)}.{os.getuid()}.holder"
 
     def holder(self, uuid: str) -> dict[str, object]:
         """Who holds ``uuid``'s lock, as recorded next to it (empty if nobody recorded).
@@ -185,13 +206,19 @@ class GpuLocks:
     def _try(self, uuid: str) -> int | None:
         path = self.lock_path(uuid)
         while True:
-            fd = _open_lock_file(path)
+            fd = _lock_fds.get(path)
+            if fd is None:
+                fd = _lock_fds[path] = _open_lock_file(path)
+            elif fd in _held_fds:
+                # Held by this process already (another acquire still open): flock on the same open file
+                # would just succeed again, so refuse here as a second open of the file would.
+                return None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
-                os.close(fd)
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     return None
+                _forget(path)
                 raise
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(path))
@@ -202,6 +229,7 @@ class GpuLocks:
                 return fd
             # The file was deleted (by hand) after we opened it: a lock on that inode locks nothing.
             _unlock(fd)
+            _forget(path)
 
     def acquire(self, candidates: Sequence[str], count: int, timeout: float, holder_id: str,
                 prefer: Sequence[str] = (),
@@ -277,12 +305,11 @@ class GpuLocks:
         for uuid, fd in taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
-            path = self.holder_path(uuid)
             # Best effort: the lock itself is what protects the GPU.
             with contextlib.suppress(OSError):
-                _write_holder(path, {"pid": os.getpid(), "host": socket.gethostname(), "uid": os.getuid(),
-                                     "test": holder_id, "since": time.time(), "uuid": uuid})
-                held.holder_paths.append(path)
+                held.holder_fds.append(_write_holder(self.holder_path(uuid), {
+                    "pid": os.getpid(), "host": _HOST, "uid": os.getuid(), "test": holder_id,
+                    "since": time.time(), "uuid": uuid}))
         return held
 
 
@@ -337,21 +364,23 @@ def describe_holders(holders: dict[str, dict[str, object]]) -> str:
     return "; ".join(f"{u}: {describe_holder(h)}" for u, h in holders.items())
 
 
-def _write_holder(path: str, data: dict[str, object]) -> None:
-    """Write this user's holder record for one GPU into its file, reusing the file parked at release.
+def _write_holder(path: str, data: dict[str, object]) -> int:
+    """Write this user's holder record for one GPU into its (session-long open) file; return the fd.
 
-    Creating a file per GPU and test (a temporary file renamed into place, unlinked at release) cost
-    0.3-0.8 ms per GPU on ext4, ten times the clean check itself; renaming the parked file back and
-    overwriting it in place costs ~30 us. A reader that catches a half-written record fails to parse it
-    and reads "unknown holder", as for a missing one.
+    Overwritten in place: creating, renaming or deleting a file per GPU and test cost 0.3-0.8 ms per GPU
+    on ext4, more than the whole clean check. A reader that catches a half-written record fails to parse
+    it and reads "unknown holder", as for a missing one.
     """
-    with contextlib.suppress(OSError):
-        os.rename(path + _PARKED, path)  # none on first use, or after a killed session left its record
-    # O_NOFOLLOW: never write through a link someone planted in the shared directory.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        payload = json.dumps(data).encode()
+    fd = _holder_fds.get(path)
+    if fd is None:
+        # O_NOFOLLOW: never write through a link someone planted in the shared directory.
+        fd = _holder_fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    payload = json.dumps(data).encode()
+    if len(payload) <= _RECORD_BYTES:
+        # Padded to a fixed size (JSON allows trailing blanks): no ftruncate, which costs as much as the
+        # write. Released records are blanked the same way (see HeldLocks.release).
+        os.pwrite(fd, payload.ljust(_RECORD_BYTES), 0)
+    else:
         os.pwrite(fd, payload, 0)
         os.ftruncate(fd, len(payload))
-    finally:
-        os.close(fd)
+    return fd
