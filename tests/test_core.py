@@ -361,3 +361,17 @@ def test_leaks():
         "1 checked test(s), 1 with findings, 1 process(es) reaped",
     ])
     assert wait_dead([leaked]) == []
+
+
+def test_dash_p_gpuclean_loads_it_without_autoload(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # `-p gpuclean` names the entry point, so it works where plugin autoloading is switched off.
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    inner("""
+@pytest.mark.needs_clean_gpus
+def test_a(clean_gpus):
+    assert len(clean_gpus.devices) == 2
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpuclean: simulated devices*", "*1 checked test(s)*"])
