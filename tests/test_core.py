@@ -375,3 +375,33 @@ def test_a(clean_gpus):
     result = run_inner(pytester)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["gpuclean: simulated devices*", "*1 checked test(s)*"])
+
+
+def test_in_process_torch_memory_growth_is_reported(inner: Callable[[str], Path],
+                                                    pytester: pytest.Pytester) -> None:
+    # The CPU box has no CUDA: a minimal stand-in for torch.cuda's two counters drives the same plugin
+    # code that reads the real ones on a GPU (tests/gpu covers the real torch).
+    inner("""
+import types
+
+allocated = {0: 1024 * 1024}
+cuda = types.SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 1,
+                             memory_allocated=lambda i: allocated[i])
+sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
+
+@pytest.mark.needs_clean_gpus
+def test_keeps_tensors_alive():
+    allocated[0] += 64 * 1024 * 1024
+
+@pytest.mark.needs_clean_gpus
+def test_frees_what_it_allocates():
+    pass
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=2, warnings=1)
+    result.stdout.fnmatch_lines([
+        "*GpuCleanWarning: test_inner.py::test_keeps_tensors_alive: torch.cuda.memory_allocated grew during "
+        "the test in the pytest process (cuda:0 +64.0 MiB)*",
+        "test_inner.py::test_keeps_tensors_alive: torch memory grew in-process: cuda:0 64 MiB",
+    ])
+    assert "test_inner.py::test_frees_what_it_allocates:" not in result.stdout.str()
