@@ -405,3 +405,18 @@ def test_frees_what_it_allocates():
         "test_inner.py::test_keeps_tensors_alive: torch memory grew in-process: cuda:0 64 MiB",
     ])
     assert "test_inner.py::test_frees_what_it_allocates:" not in result.stdout.str()
+
+
+def test_ignore_from_the_ini_file(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                  outside_holder: Callable[..., int]) -> None:
+    # gpuclean_ignore is a list of globs, one per line, like other pytest line lists.
+    holder = outside_holder(mib=10)
+    pytester.makeini("[pytest]\ngpuclean_ignore =\n    *no-such-command*\n    *simulate hold*\n"
+                     "gpuclean_tolerance_mib = 20\n")
+    inner("""
+@pytest.mark.needs_clean_gpus(timeout=0.2)
+def test_a():
+    pass
+""")
+    run_inner(pytester).assert_outcomes(passed=1)
+    assert alive(holder)
