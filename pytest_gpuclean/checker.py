@@ -223,6 +223,8 @@ class Checker:
             # goes: their contexts are excused like our own; they are never killed either.
             excused = self.never_touch | self._helper_pids() | {f.pid for f in found if f not in ours}
             unexplained = {p.pid for s in snaps for p in s.processes} - excused - {f.pid for f in ours}
+            excused |= self._peer_pids(unexplained)
+            unexplained -= excused
             # Our own CUDA context's unlisted overhead must not trigger the cookie scan (a full /proc
             # scan, ~1 ms) on every check of a pytest process that uses the GPU itself.
             overhead = {s.device.uuid: _context_overhead(s, excused) for s in snaps}
@@ -231,8 +233,6 @@ class Checker:
                 # Something holds a GPU that our tree doesn't explain: maybe an escapee with our cookie.
                 scan_cookies = True
                 continue
-            excused |= self._peer_pids(unexplained)
-            overhead = {s.device.uuid: _context_overhead(s, excused) for s in snaps}
             # Exited processes nobody waited for hold no memory and are no leak: most are orphans that
             # our subreaper adopted (a double fork's middle process, a subprocess's resource tracker),
             # which init would have collected. Collect the ones that are now our children, by pid.
@@ -240,9 +240,7 @@ class Checker:
                 if f.state in ("Z", "X") and (f.pid, f.start_ticks) not in collected_ids:
                     info = processes.describe(f.pid, f.start_ticks)
                     if processes.reap_if_child(f.pid):
-                        collected_ids.add((f.pid, f.start_ticks))
-                        collected.append(Reaped(info or _vanished(f.pid), self.ownership.owner(f.token),
-                                                f.found_by, "reaped zombie", (), None))
+                        self._collect(f, info, "reaped zombie", collected, collected_ids)
             ours = [f for f in ours if f.state not in ("Z", "X")]
             fresh = [f for f in ours if (f.pid, f.start_ticks) not in attempted]
             if reap and fresh and not rounds and not settled and self.settle > 0:
@@ -259,7 +257,7 @@ class Checker:
                 attempted.update((f.pid, f.start_ticks) for f in fresh)
                 reaped.extend(self.reap(fresh, snaps, devices, notes))
                 continue
-            offenders = self._offenders(snaps, ours, unexplained - excused, excused, tolerance, overhead)
+            offenders = self._offenders(snaps, ours, unexplained, excused, tolerance, overhead)
             for o in offenders:
                 if o.reason == "leaked" and o.process is not None:
                     first_seen.setdefault((o.process.pid, o.process.start_ticks), o)
@@ -301,10 +299,15 @@ class Checker:
                 if stat is None or stat.start_ticks != f.start_ticks or stat.state in ("Z", "X"):
                     processes.reap_if_child(f.pid)
                     pending.remove(f)
-                    collected_ids.add((f.pid, f.start_ticks))
-                    collected.append(Reaped(infos[f.pid] or _vanished(f.pid), self.ownership.owner(f.token),
-                                            f.found_by, "exited by itself", (), None))
+                    self._collect(f, infos[f.pid], "exited by itself", collected, collected_ids)
         return len(pending) < len(fresh)
+
+    def _collect(self, f: Found, info: ProcessInfo | None, how: str, collected: list[Reaped],
+                 collected_ids: set[tuple[int, int]]) -> None:
+        # One of ours that ended without being killed: reported in the summary, not a leak.
+        collected_ids.add((f.pid, f.start_ticks))
+        collected.append(Reaped(info or _vanished(f.pid), self.ownership.owner(f.token), f.found_by, how,
+                                (), None))
 
     def _offenders(self, snaps: Sequence[DeviceSnapshot], ours: Sequence[Found], foreign: set[int],
                    excused: set[int], tolerance: int, overhead: dict[str, int]) -> list[Offender]:

@@ -216,7 +216,6 @@ class GpuCleanPlugin:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.controller:
             return
-        self.checker.ownership.active_fixtures.clear()
         self.session_reaped = self.checker.final_sweep(self.devices)
         if not self.checker.reap_enabled:
             left = self.checker.survivors()
