@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,14 +52,29 @@ def load_checked(
     return hidden
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, what: str) -> None:
-    """``torch.testing.assert_close`` with a message naming what was compared and the largest difference."""
-    largest = (actual - expected).abs().max().item()
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, what: str) -> float:
+    """``torch.testing.assert_close`` with a message naming what was compared and the largest difference.
+
+    Returns the largest absolute difference, so that tests can report the margin they passed with: that is
+    how the GPU tolerance below was chosen.
+    """
+    largest = float((actual - expected).abs().max().item())
 
     def message(detail: str) -> str:
         return f"{what}: max |diff| {largest:.3g}\n{detail}"
 
     torch.testing.assert_close(actual, expected, atol=tol.atol, rtol=tol.rtol, msg=message)
+    return largest
+
+
+def report_margins(
+    record_property: Callable[[str, object], None], what: str, largest: dict[str, float], tol: Tolerance
+) -> None:
+    """Print and record (JUnit property ``max_abs_diff``) the largest difference per compared item."""
+    worst = max(largest.values())
+    shown = ", ".join(f"{name} {value:.3g}" for name, value in largest.items())
+    print(f"{what}: max |diff| {shown}; worst {worst:.3g} against atol {tol.atol:g}")
+    record_property("max_abs_diff", f"{worst:.3g}")
 
 
 @contextmanager

@@ -15,4 +15,8 @@ export PYTHONPATH=/tmp/vllm-site${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-deps --no-build-isolation -e . \
     || python3 -m pip install -q --no-deps --no-build-isolation --break-system-packages -e .
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
-python3 -m pytest -p gpuclean example_suite -v "$@"
+# Multi-GPU hosts shared with others: never let NCCL, torch or vLLM use NVLink multicast (NVLS, symmetric
+# memory), which can take a host's GPUs out of service; TP=2 on this tiny model needs none of it.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+# exec: a SIGINT (e.g. `timeout -s INT`) then reaches pytest itself, which prints the failures so far.
+exec python3 -m pytest -p gpuclean example_suite -v "$@"

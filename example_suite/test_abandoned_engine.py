@@ -27,6 +27,9 @@ from example_suite.checks import orphans_reaped
 pytestmark = pytest.mark.needs_clean_gpus
 
 INNER_TIMEOUT_S = 300  # the inner session starts one engine (~35 s on 2 CPU cores at TP=2)
+# An inner test still running after this long dumps every thread's stack into its output (and goes on): a
+# hang then leaves something to read, well before the timeout above ends it.
+INNER_STACKS_AFTER_S = 150
 
 INNER_TESTS = """
 import json
@@ -51,13 +54,24 @@ def test_abandons_engine():
     llm = LLM(model=MODEL, tensor_parallel_size={tp}, enforce_eager=True, **ENGINE_ARGS)
     llm.generate([{{"prompt_token_ids": [1, 17, 42]}}], SamplingParams(max_tokens=1), use_tqdm=False)
     _abandoned.append(llm)
-    engine = [
-        {{"pid": p.pid, "cmdline": " ".join(p.cmdline())}}
-        for p in psutil.Process().children(recursive=True)
-        if "VLLM::" in " ".join(p.cmdline())
-    ]
-    PIDS_FILE.write_text(json.dumps(engine))
-    assert any("EngineCore" in p["cmdline"] for p in engine), engine
+    PIDS_FILE.write_text(json.dumps(engine_processes()))
+
+
+def engine_processes():
+    # vLLM names its processes VLLM::EngineCore and VLLM::Worker_TP<n> where setproctitle is installed;
+    # without it (seen with CUDA vLLM 0.20.2) they keep the `multiprocessing.spawn` command line, and their
+    # place in the tree says what they are: EngineCore is our child, the TP workers are its children.
+    engine = []
+    for child in psutil.Process().children():
+        cmdline = " ".join(child.cmdline())
+        if "resource_tracker" in cmdline or not ("VLLM::" in cmdline or "spawn_main" in cmdline):
+            continue
+        engine.append({{"pid": child.pid, "role": "EngineCore", "cmdline": cmdline}})
+        for worker in child.children(recursive=True):
+            worker_cmdline = " ".join(worker.cmdline())
+            if "resource_tracker" not in worker_cmdline:
+                engine.append({{"pid": worker.pid, "role": "worker", "cmdline": worker_cmdline}})
+    return engine
 
 
 @pytest.mark.needs_clean_gpus
@@ -113,7 +127,7 @@ def test_abandoned_engine_is_reaped_and_blamed(
             # faulthandler_timeout: an inner test that hangs dumps every thread's stack into its output.
             result = pytester.runpytest_subprocess(
                 "-p", "gpuclean", "-v", "-p", "no:cacheprovider",
-                "-o", f"faulthandler_timeout={INNER_TIMEOUT_S // 2}", timeout=INNER_TIMEOUT_S
+                "-o", f"faulthandler_timeout={INNER_STACKS_AFTER_S}", timeout=INNER_TIMEOUT_S
             )
         except pytester.TimeoutExpired:
             # Show what the inner session had printed: otherwise a hang leaves nothing to go on.
@@ -122,11 +136,12 @@ def test_abandoned_engine_is_reaped_and_blamed(
             pytest.fail(f"inner session still running after {INNER_TIMEOUT_S}s; it printed:\n{tails}")
     output = result.stdout.str() + "\n" + result.stderr.str()
 
+    assert pids_file.exists(), output[-6000:]
     engine = json.loads(pids_file.read_text())
-    core_pids = [p["pid"] for p in engine if "EngineCore" in p["cmdline"]]
+    core_pids = [p["pid"] for p in engine if p["role"] == "EngineCore"]
     assert len(core_pids) == 1, engine
     # With TP=1 the model runs inside EngineCore; with TP=2 in two worker processes.
-    assert sum("Worker_TP" in p["cmdline"] for p in engine) == (tp if tp > 1 else 0), engine
+    assert sum(p["role"] == "worker" for p in engine) == (tp if tp > 1 else 0), engine
 
     # The first test passed its body and errored in teardown with the plugin's leak report; the second passed.
     result.assert_outcomes(passed=2, errors=1)
@@ -137,7 +152,9 @@ def test_abandoned_engine_is_reaped_and_blamed(
     report = _section(result.stdout.str(), "ERROR at teardown of test_abandons_engine")
     assert "leaked" in report, report
     assert f"pid {core_pids[0]}" in report, report
-    assert "EngineCore" in report, report
+    for process in engine:  # the report names every process of the engine, with its command line
+        cmdline = " ".join(process["cmdline"].split())  # setproctitle pads the title with spaces
+        assert f"pid {process['pid']} " in report and cmdline[:60] in report, (process, report)
 
     # And nothing of the engine is left running now (pids are not reused that fast).
     deadline = time.monotonic() + 10

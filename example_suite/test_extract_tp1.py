@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,7 @@ from example_suite.runtime import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import assert_close, load_checked, tolerance
+from example_suite.checks import assert_close, load_checked, report_margins, tolerance
 from example_suite.extract import HiddenStateExtractor
 from example_suite.hidden_states import default_layer_ids
 from example_suite.runtime import VllmRuntime
@@ -39,18 +39,20 @@ def test_batch_matches_hf(
     hf_hidden_states: list[Any],
     vllm_runtime: VllmRuntime,
     tmp_path: Path,
+    record_property: Callable[[str, object], None],
 ) -> None:
     paths = extractor_tp1.extract(prompts, tmp_path)  # all prompts in one generate call
     assert [p.name for p in paths] == [f"{i:08d}.safetensors" for i in range(len(prompts))]
+    tol = tolerance(vllm_runtime.device)
+    largest = {f"layer {layer_id}": 0.0 for layer_id in ALL_LAYERS}
     for index, (path, prompt, expected) in enumerate(zip(paths, prompts, hf_hidden_states, strict=True)):
         hidden = load_checked(path, prompt, ALL_LAYERS, SPEC.hidden_size)
         for column, layer_id in enumerate(ALL_LAYERS):
-            assert_close(
-                hidden[:, column],
-                expected[:, layer_id],
-                tolerance(vllm_runtime.device),
-                f"prompt {index} layer id {layer_id} vs HF",
+            diff = assert_close(
+                hidden[:, column], expected[:, layer_id], tol, f"prompt {index} layer id {layer_id} vs HF"
             )
+            largest[f"layer {layer_id}"] = max(largest[f"layer {layer_id}"], diff)
+    report_margins(record_property, f"TP=1 vs HF on {vllm_runtime.device}", largest, tol)
 
 
 def test_layers_really_differ(hf_hidden_states: list[Any]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,7 @@ from example_suite.runtime import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import assert_close, load_checked, tolerance
+from example_suite.checks import assert_close, load_checked, report_margins, tolerance
 from example_suite.extract import HiddenStateExtractor
 from example_suite.hidden_states import default_layer_ids
 from example_suite.runtime import VllmRuntime
@@ -58,17 +58,21 @@ def test_tp2_matches_tp1(
     prompts: list[list[int]],
     vllm_runtime: VllmRuntime,
     tmp_path: Path,
+    record_property: Callable[[str, object], None],
 ) -> None:
     assert extractor_tp2.layer_ids == DEFAULT_LAYERS
     tp2_files = extractor_tp2.extract(prompts, tmp_path)  # several prompts of different lengths, one call
     assert [p.name for p in tp2_files] == [p.name for p in tp1_files]
+    tol = tolerance(vllm_runtime.device)
+    largest: dict[str, float] = {}
     for index, (tp1, tp2, prompt) in enumerate(zip(tp1_files, tp2_files, prompts, strict=True)):
-        assert_close(
+        largest[f"prompt {index}"] = assert_close(
             load_checked(tp2, prompt, DEFAULT_LAYERS, SPEC.hidden_size),
             load_checked(tp1, prompt, DEFAULT_LAYERS, SPEC.hidden_size),
-            tolerance(vllm_runtime.device),
+            tol,
             f"prompt {index}: TP=2 vs TP=1",
         )
+    report_margins(record_property, f"TP=2 vs TP=1 on {vllm_runtime.device}", largest, tol)
 
 
 def test_tp2_matches_hf(
@@ -77,16 +81,17 @@ def test_tp2_matches_hf(
     hf_hidden_states: list[Any],
     vllm_runtime: VllmRuntime,
     tmp_path: Path,
+    record_property: Callable[[str, object], None],
 ) -> None:
     # A different split of the same prompts into calls than the test above: odd and even prompts.
+    tol = tolerance(vllm_runtime.device)
+    largest: dict[str, float] = {}
     for parity in (0, 1):
         indices = list(range(parity, len(prompts), 2))
         paths = extractor_tp2.extract([prompts[i] for i in indices], tmp_path / f"part{parity}")
         for index, path in zip(indices, paths, strict=True):
             hidden = load_checked(path, prompts[index], DEFAULT_LAYERS, SPEC.hidden_size)
-            assert_close(
-                hidden,
-                hf_hidden_states[index][:, DEFAULT_LAYERS],
-                tolerance(vllm_runtime.device),
-                f"prompt {index}: TP=2 vs HF",
+            largest[f"prompt {index}"] = assert_close(
+                hidden, hf_hidden_states[index][:, DEFAULT_LAYERS], tol, f"prompt {index}: TP=2 vs HF"
             )
+    report_margins(record_property, f"TP=2 vs HF on {vllm_runtime.device}", largest, tol)

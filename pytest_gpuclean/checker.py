@@ -217,6 +217,7 @@ class Checker:
         rounds = 0
         while True:
             snaps = self.snapshot(devices)
+            self_cuda: set[str] = set()  # devices where this process initialised CUDA, listed or not
             found = self.census(scan_cookies=scan_cookies)
             ours = [f for f in found if not self.ownership.is_protected(f.token)]
             # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
@@ -227,7 +228,7 @@ class Checker:
             unexplained -= excused
             # Our own CUDA context's unlisted overhead must not trigger the cookie scan (a full /proc
             # scan, ~1 ms) on every check of a pytest process that uses the GPU itself.
-            overhead = {s.device.uuid: _context_overhead(s, excused) for s in snaps}
+            overhead = {s.device.uuid: self._context_overhead(s, excused, self_cuda) for s in snaps}
             if not scan_cookies and (unexplained or any(
                     s.used_bytes - s.bytes_of(excused) - overhead[s.device.uuid] > tolerance for s in snaps)):
                 # Something holds a GPU that our tree doesn't explain: maybe an escapee with our cookie.
@@ -283,6 +284,8 @@ class Checker:
                     tolerance_mib=tolerance_mib,
                     self_mib=tuple((s.device.label, s.bytes_of({self.me}) / MIB) for s in snaps
                                    if s.bytes_of({self.me})),
+                    self_cuda_only=tuple(s.device.label for s in snaps if s.device.label in self_cuda
+                                         and not any(p.pid == self.me for p in s.processes)),
                 )
             time.sleep(POLL_S)
 
@@ -308,6 +311,23 @@ class Checker:
         collected_ids.add((f.pid, f.start_ticks))
         collected.append(Reaped(info or _vanished(f.pid), self.ownership.owner(f.token), f.found_by, how,
                                 (), None))
+
+    def _context_overhead(self, snap: DeviceSnapshot, excused: set[int], self_cuda: set[str]) -> int:
+        """Memory on ``snap``'s device that the driver charges to no process, excused as ours.
+
+        Only when every listed process is excused (ours), and at most CONTEXT_OVERHEAD_BYTES per excused
+        process that uses CUDA there: listed ones (a context) and unlisted ones (CUDA initialised, no
+        context: 3 MiB per H200). Anything beyond stays visible as dirty memory.
+        """
+        listed = {p.pid for p in snap.processes}
+        unlisted = snap.used_bytes - sum(p.used_bytes or 0 for p in snap.processes)
+        if unlisted <= 0 or not listed <= excused:
+            return 0
+        # Reads /proc/<pid>/fd of excused processes: only here, off the clean path (unlisted memory).
+        users = self.backend.cuda_users(snap.device, excused - listed) if self.backend else frozenset()
+        if self.me in users or self.me in listed:
+            self_cuda.add(snap.device.label)
+        return min(unlisted, CONTEXT_OVERHEAD_BYTES * (len(listed) + len(users)))
 
     def _offenders(self, snaps: Sequence[DeviceSnapshot], ours: Sequence[Found], foreign: set[int],
                    excused: set[int], tolerance: int, overhead: dict[str, int]) -> list[Offender]:
@@ -456,13 +476,6 @@ CONTEXT_OVERHEAD_BYTES = 64 * MIB
 an H200 (driver 580): 877 MiB used with one context whose process was charged 868 MiB."""
 
 
-def _context_overhead(snap: DeviceSnapshot, excused: set[int]) -> int:
-    # Excuse the unlisted remainder only when every listed process is excused (ours), and at most
-    # CONTEXT_OVERHEAD_BYTES per such context: anything beyond stays visible as dirty memory.
-    if not snap.processes or any(p.pid not in excused for p in snap.processes):
-        return 0
-    unlisted = snap.used_bytes - sum(p.used_bytes or 0 for p in snap.processes)
-    return max(0, min(unlisted, CONTEXT_OVERHEAD_BYTES * len(snap.processes)))
 
 
 def _mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:

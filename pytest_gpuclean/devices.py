@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import uuid as uuid_mod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,6 +49,14 @@ class Backend(Protocol):
         """Read memory and processes of one device."""
         ...
 
+    def cuda_users(self, device: DeviceInfo, pids: Iterable[int]) -> frozenset[int]:
+        """Those of ``pids`` that have initialised CUDA on ``device``, listed by the driver or not.
+
+        The driver charges such a process a few MiB per device even before (or without) a context,
+        and lists it under no process: 3 MiB per H200 after ``torch.cuda.is_available()`` (docs/gpu.md).
+        """
+        ...
+
     def driver_version(self) -> str:
         """Driver version string, for headers and reports."""
         ...
@@ -74,6 +82,7 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             raise BackendUnavailable(f"NVML init failed: {exc}") from exc
         self._handles: dict[str, Any] = {}
+        self._minors: dict[str, int | None] = {}
         self._devices = self._enumerate()
         # v2 memory info appeared in driver 510; older drivers answer "function not found".
         self._memory_v2 = True
@@ -86,15 +95,21 @@ class NvmlBackend:
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             name = _text(nvml.nvmlDeviceGetName(handle))
+            try:
+                minor: int | None = int(nvml.nvmlDeviceGetMinorNumber(handle))  # N of /dev/nvidiaN
+            except nvml.NVMLError:
+                minor = None
             migs = self._mig_instances(handle)
             if not migs:
                 uuid = _text(nvml.nvmlDeviceGetUUID(handle))
                 self._handles[uuid] = handle
+                self._minors[uuid] = minor
                 found.append(DeviceInfo(index=index, uuid=uuid, name=name))
                 continue
             for mig_index, mig_handle in migs:
                 uuid = _text(nvml.nvmlDeviceGetUUID(mig_handle))
                 self._handles[uuid] = mig_handle
+                self._minors[uuid] = minor  # a MIG instance is used through its GPU's device file
                 found.append(DeviceInfo(index=index, uuid=uuid, name=name, mig_index=mig_index))
         return tuple(found)
 
@@ -144,6 +159,15 @@ class NvmlBackend:
             processes=tuple(GpuProcess(pid, used) for pid, used in sorted(processes.items())),
         )
 
+    def cuda_users(self, device: DeviceInfo, pids: Iterable[int]) -> frozenset[int]:
+        minor = self._minors.get(device.uuid)
+        users = set()
+        for pid in pids:
+            minors = procfs.cuda_device_minors(pid)
+            if minors is not None and (minor is None or minor in minors):
+                users.add(pid)
+        return frozenset(users)
+
     def _memory(self, handle: Any) -> Any:
         nvml = self._nvml
         if self._memory_v2:
@@ -171,6 +195,8 @@ class SimulatedBackend:
     zombie, and a file left by a dead process is not credited to a new process that reused its pid.
     Optional files: ``total`` (bytes), ``uuid``, ``name``, and ``context_overhead`` (bytes per process
     that count as used but are charged to no process, as the driver does for each CUDA context).
+    ``DIR/<index>/cuda/<pid>`` marks a process that has initialised CUDA on the device without being
+    listed (no context): it costs ``context_overhead`` too, charged to no process.
     """
 
     kind = "simulated"
@@ -207,9 +233,12 @@ class SimulatedBackend:
         processes: list[GpuProcess] = []
         total = DEFAULT_SIM_TOTAL
         overhead = 0
+        cuda_users: set[int] = set()
         for name in names:
             if not name.isdigit():
-                if name == "total":
+                if name == "cuda":
+                    cuda_users = self._live_cuda_users(folder / name)
+                elif name == "total":
                     total = int(_read_text(folder / name) or DEFAULT_SIM_TOTAL)
                 elif name == "context_overhead":
                     overhead = int(_read_text(folder / name) or 0)
@@ -219,13 +248,32 @@ class SimulatedBackend:
             if used is not None:
                 processes.append(GpuProcess(pid, used))
         processes.sort(key=lambda p: p.pid)
+        # Like the real driver: each context, and each process with CUDA initialised but no context,
+        # may cost memory that no process is charged for.
+        charged_to_none = overhead * (len(processes) + len(cuda_users - {p.pid for p in processes}))
         return DeviceSnapshot(
             device=device,
-            # Like the real driver, each context may cost memory that no process is charged for.
-            used_bytes=sum(p.used_bytes or 0 for p in processes) + overhead * len(processes),
+            used_bytes=sum(p.used_bytes or 0 for p in processes) + charged_to_none,
             total_bytes=total,
             processes=tuple(processes),
         )
+
+    def cuda_users(self, device: DeviceInfo, pids: Iterable[int]) -> frozenset[int]:
+        where = Path(self._folders.get(device.index) or self.root / str(device.index))
+        listed = set()
+        with contextlib.suppress(OSError):
+            listed = {int(n) for n in os.listdir(where) if n.isdigit()}
+        users = self._live_cuda_users(where / "cuda") | {
+            pid for pid in listed if _counted_allocation(where / str(pid), pid) is not None}
+        return frozenset(users & set(pids))
+
+    @staticmethod
+    def _live_cuda_users(folder: Path) -> set[int]:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return set()
+        return {int(n) for n in names if n.isdigit() and _counted_allocation(folder / n, int(n)) is not None}
 
     def driver_version(self) -> str:
         return "simulated"

@@ -135,6 +135,9 @@ class CheckResult:
     """Our processes that were alive when the check started and ended by themselves while it waited
     (reaping off): not dirty any more, but still leaked by whoever spawned them."""
     self_mib: tuple[tuple[str, float], ...] = ()
+    """This process's own memory per device (a CUDA context of the pytest process): not a leak."""
+    self_cuda_only: tuple[str, ...] = ()
+    """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
 
 
 @dataclass

@@ -173,6 +173,7 @@ class GpuCleanPlugin:
         self.session_reaped: list[Reaped] = []
         self.notes: list[str] = []
         self.warned_own_context = False
+        self.warned_own_cuda = False
         self.controller = False
         self.worker_payloads: list[dict[str, Any]] = []
         self._fixture_tokens: dict[int, str] = {}
@@ -469,10 +470,16 @@ class GpuCleanPlugin:
         if result.self_mib and not self.warned_own_context:
             self.warned_own_context = True
             held = ", ".join(f"{label} {value:.0f} MiB" for label, value in result.self_mib)
-            message = (f"gpuclean: this pytest process (pid {os.getpid()}) holds a CUDA context ({held}); "
-                       "it is not counted as a leak")
-            self.notes.append(message)
-            warnings.warn(GpuCleanWarning(message), stacklevel=1)
+            self._note_own(f"holds a CUDA context ({held})")
+        if result.self_cuda_only and not self.warned_own_cuda:
+            self.warned_own_cuda = True
+            self._note_own(f"initialised CUDA without a context ({', '.join(result.self_cuda_only)}: a few "
+                           "MiB the driver charges to no process)")
+
+    def _note_own(self, what: str) -> None:
+        message = f"gpuclean: this pytest process (pid {os.getpid()}) {what}; it is not counted as a leak"
+        self.notes.append(message)
+        warnings.warn(GpuCleanWarning(message), stacklevel=1)
 
 
 _CLEAN_GPUS = pytest.StashKey[CleanGpus]()

@@ -137,6 +137,31 @@ def exe_name(pid: int) -> str:
         return ""
 
 
+def cuda_device_minors(pid: int) -> frozenset[int] | None:
+    """Minor numbers of the ``/dev/nvidia<N>`` files ``pid`` has open, if it has initialised CUDA.
+
+    None when it has not: CUDA (``cuInit``) opens ``/dev/nvidia-uvm``, NVML alone does not, although both
+    open the ``/dev/nvidia<N>`` files. So a pytest process that merely reads NVML is not taken for one
+    that the driver charges memory to.
+    """
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    minors: set[int] = set()
+    uvm = False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed while we looked
+        if target == "/dev/nvidia-uvm":
+            uvm = True
+        elif target.startswith("/dev/nvidia") and target[11:].isdigit():
+            minors.add(int(target[11:]))
+    return frozenset(minors) if uvm else None
+
+
 def has_nvidia_device_open(pid: int) -> bool:
     """True if ``pid`` has a ``/dev/nvidia*`` file open, as every process with a CUDA context does."""
     try:

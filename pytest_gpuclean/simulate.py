@@ -28,6 +28,17 @@ def allocate(root: str, device: int, mib: float, pid: int | None = None) -> Path
     return path
 
 
+def init_cuda(root: str, device: int, pid: int | None = None) -> Path:
+    """Mark ``pid`` (default: this process) as having initialised CUDA on simulated ``device``, without a
+    context: listed under no process, it costs the device's ``context_overhead`` (as
+    ``torch.cuda.is_available()`` costs a few MiB per real GPU)."""
+    folder = Path(root) / str(device) / "cuda"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / str(pid or os.getpid())
+    path.write_text("0")
+    return path
+
+
 def _hold(args: argparse.Namespace) -> None:
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -160,6 +160,33 @@ def test_after():
     result.stdout.fnmatch_lines(["*holds a CUDA context (GPU 0 * MiB); it is not counted as a leak*"])
 
 
+def test_own_cuda_without_a_context_is_not_a_leak(gpu_inner: Path, pytester: pytest.Pytester) -> None:
+    # What broke the example suite in run 6 (docs/gpu.md): a library asked torch whether CUDA is there, in
+    # the pytest process. That initialises CUDA without a context, and the driver then counts a few MiB
+    # per GPU as used, listed under no process, until the process exits.
+    result = _run(pytester, """
+import pynvml
+import torch
+
+def used_mib():
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    return [pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2).used >> 20 for h in handles]
+
+@pytest.mark.needs_clean_gpus
+def test_asks_torch_about_cuda():
+    before = used_mib()
+    assert torch.cuda.is_available()
+    print("v2 used MiB per GPU before", before, "after torch.cuda.is_available()", used_mib())
+
+@pytest.mark.needs_clean_gpus
+def test_after():
+    pass
+""")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*initialised CUDA without a context (GPU 0*; it is not counted as a leak*"])
+
+
 def test_count_one_sets_cuda_visible_devices_to_the_uuid(gpu_inner: Path, pytester: pytest.Pytester) -> None:
     backend = NvmlBackend()
     uuids = [d.uuid for d in backend.devices()]
