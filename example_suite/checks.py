@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -25,10 +26,11 @@ class Tolerance:
 # fp32 on the CPU: vLLM and HF run the same math in a slightly different order. Never loosen these.
 CPU_TOLERANCE = Tolerance(atol=1e-4, rtol=1e-4)
 
-# fp32 on a GPU. Measured, not guessed: against HF fp32 on the CPU, CUDA vLLM 0.20.2 on an H200 differed by
-# max |diff| 1.2e-3 .. 4.0e-3 per layer (TF32 matmuls; values up to ~4.7) for a 4-layer Llama (GPU-FACTS.md).
-# 1e-2 leaves a factor 2.5 on the worst layer measured.
-GPU_TOLERANCE = Tolerance(atol=1e-2, rtol=1e-2)
+# fp32 on a GPU, where vLLM's matmuls run in TF32. Measured with this suite on H200s (CUDA vLLM 0.20.2,
+# docs/gpu.md run 7), largest |diff| per layer against HF fp32 on the CPU: 0 (embeddings), 2.5e-3, 4.1e-3,
+# 6.5e-3, 8.6e-3 (last layer) at TP=1; worst 8.7e-3 at TP=2; TP=2 vs TP=1 worst 1.0e-3. The error grows
+# with depth, so atol 2e-2 leaves a factor 2.3 over the worst layer measured (1e-2 left only 1.15).
+GPU_TOLERANCE = Tolerance(atol=2e-2, rtol=1e-2)
 
 
 def tolerance(device: str) -> Tolerance:
@@ -67,14 +69,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, w
     return largest
 
 
-def report_margins(
-    record_property: Callable[[str, object], None], what: str, largest: dict[str, float], tol: Tolerance
-) -> None:
-    """Print and record (JUnit property ``max_abs_diff``) the largest difference per compared item."""
+def report_margins(node: pytest.Item, what: str, largest: dict[str, float], tol: Tolerance) -> None:
+    """Print, and keep as the test's ``max_abs_diff`` user property, the largest difference per item."""
     worst = max(largest.values())
     shown = ", ".join(f"{name} {value:.3g}" for name, value in largest.items())
     print(f"{what}: max |diff| {shown}; worst {worst:.3g} against atol {tol.atol:g}")
-    record_property("max_abs_diff", f"{worst:.3g}")
+    # user_properties rather than the record_property fixture, which warns under JUnit's xunit2 family.
+    node.user_properties.append(("max_abs_diff", f"{worst:.3g}"))
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ def test_batch_matches_hf(
     hf_hidden_states: list[Any],
     vllm_runtime: VllmRuntime,
     tmp_path: Path,
-    record_property: Callable[[str, object], None],
+    request: pytest.FixtureRequest,
 ) -> None:
     paths = extractor_tp1.extract(prompts, tmp_path)  # all prompts in one generate call
     assert [p.name for p in paths] == [f"{i:08d}.safetensors" for i in range(len(prompts))]
@@ -52,7 +52,7 @@ def test_batch_matches_hf(
                 hidden[:, column], expected[:, layer_id], tol, f"prompt {index} layer id {layer_id} vs HF"
             )
             largest[f"layer {layer_id}"] = max(largest[f"layer {layer_id}"], diff)
-    report_margins(record_property, f"TP=1 vs HF on {vllm_runtime.device}", largest, tol)
+    report_margins(request.node, f"TP=1 vs HF on {vllm_runtime.device}", largest, tol)
 
 
 def test_layers_really_differ(hf_hidden_states: list[Any]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ def test_tp2_matches_tp1(
     prompts: list[list[int]],
     vllm_runtime: VllmRuntime,
     tmp_path: Path,
-    record_property: Callable[[str, object], None],
+    request: pytest.FixtureRequest,
 ) -> None:
     assert extractor_tp2.layer_ids == DEFAULT_LAYERS
     tp2_files = extractor_tp2.extract(prompts, tmp_path)  # several prompts of different lengths, one call
@@ -72,7 +72,7 @@ def test_tp2_matches_tp1(
             tol,
             f"prompt {index}: TP=2 vs TP=1",
         )
-    report_margins(record_property, f"TP=2 vs TP=1 on {vllm_runtime.device}", largest, tol)
+    report_margins(request.node, f"TP=2 vs TP=1 on {vllm_runtime.device}", largest, tol)
 
 
 def test_tp2_matches_hf(
@@ -81,7 +81,7 @@ def test_tp2_matches_hf(
     hf_hidden_states: list[Any],
     vllm_runtime: VllmRuntime,
     tmp_path: Path,
-    record_property: Callable[[str, object], None],
+    request: pytest.FixtureRequest,
 ) -> None:
     # A different split of the same prompts into calls than the test above: odd and even prompts.
     tol = tolerance(vllm_runtime.device)
@@ -94,4 +94,4 @@ def test_tp2_matches_hf(
             largest[f"prompt {index}"] = assert_close(
                 hidden, hf_hidden_states[index][:, DEFAULT_LAYERS], tol, f"prompt {index}: TP=2 vs HF"
             )
-    report_margins(record_property, f"TP=2 vs HF on {vllm_runtime.device}", largest, tol)
+    report_margins(request.node, f"TP=2 vs HF on {vllm_runtime.device}", largest, tol)
