@@ -46,6 +46,10 @@ _held_fds: set[int] = set()
 # closing them for every test cost ~50 us per GPU, more than the clean check itself.
 _lock_fds: dict[str, int] = {}
 _holder_fds: dict[str, int] = {}
+_lock_inodes: dict[int, tuple[int, int]] = {}
+"""(st_dev, st_ino) of each open lock file, taken at open: compared with the path's after each flock."""
+_me: tuple[int, int] | None = None
+"""(pid, start ticks) of this process, read once (again after a fork: the pid differs)."""
 
 
 def _close_in_forked_child() -> None:
@@ -58,6 +62,7 @@ def _close_in_forked_child() -> None:
     _lock_fds.clear()
     _holder_fds.clear()
     _held_fds.clear()
+    _lock_inodes.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -101,8 +106,8 @@ class HeldLocks:
     uuids: tuple[str, ...]
     locks: list[int]
     """Open descriptors of the locked files."""
-    holder_fds: list[int]
-    """This user's holder files of the locked GPUs, emptied at release."""
+    holder_fds: list[tuple[int, bool]]
+    """This user's holder files of the locked GPUs, blanked at release; True if padded (see _write_holder)."""
     waited_s: float
     inherited: dict[str, tuple[int, int]] = field(default_factory=dict)
     """GPUs an ancestor process holds, with its (pid, start ticks): not locked again, not released."""
@@ -112,12 +117,14 @@ class HeldLocks:
     def release(self) -> None:
         # Holder record first: once the lock is free, the next holder writes its own. A blank file is
         # no record (``holder`` skips it), and stays open for the next acquire to reuse.
-        for fd in self.holder_fds:
-            with contextlib.suppress(OSError):
-                if os.fstat(fd).st_size == _RECORD_BYTES:
+        for fd, padded in self.holder_fds:
+            try:  # (try/except, not contextlib.suppress: this runs per GPU and test)
+                if padded:
                     os.pwrite(fd, _BLANK, 0)
                 else:
                     os.ftruncate(fd, 0)
+            except OSError:
+                pass
         self.holder_fds = []
         for fd in self.locks:
             _unlock(fd)
@@ -134,14 +141,17 @@ class HeldLocks:
 def _unlock(fd: int) -> None:
     # The descriptor stays open (cached in _lock_fds) for the next test.
     _held_fds.discard(fd)
-    with contextlib.suppress(OSError):
+    try:  # noqa: SIM105 (per GPU and test: suppress() costs ~1 us)
         fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        pass
 
 
 def _forget(path: str) -> None:
     fd = _lock_fds.pop(path, None)
     if fd is not None:
         _held_fds.discard(fd)
+        _lock_inodes.pop(fd, None)
         with contextlib.suppress(OSError):
             os.close(fd)
 
@@ -209,6 +219,8 @@ class GpuLocks:
             fd = _lock_fds.get(path)
             if fd is None:
                 fd = _lock_fds[path] = _open_lock_file(path)
+                opened = os.fstat(fd)
+                _lock_inodes[fd] = (opened.st_dev, opened.st_ino)
             elif fd in _held_fds:
                 # Held by this process already (another acquire still open): flock on the same open file
                 # would just succeed again, so refuse here as a second open of the file would.
@@ -221,7 +233,8 @@ class GpuLocks:
                 _forget(path)
                 raise
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
+                now = os.stat(path)
+                same = (now.st_dev, now.st_ino) == _lock_inodes.get(fd)
             except FileNotFoundError:
                 same = False
             if same:
@@ -295,21 +308,24 @@ class GpuLocks:
                 inherited: dict[str, tuple[int, int]]) -> HeldLocks:
         held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], [], waited_s,
                          inherited={u: inherited[u] for u, fd in taken if fd is None})
-        me = procfs.read_stat(os.getpid())
+        me = _me_now()
         if me is not None:
             previous = os.environ.get(HELD_VAR)
-            holders = {u: list(held.inherited.get(u, (me.pid, me.start_ticks))) for u in held.uuids}
+            holders = {u: list(held.inherited.get(u, me)) for u in held.uuids}
             ours = json.dumps({"dir": self.directory, "holders": holders})
             os.environ[HELD_VAR] = ours
             held._env = (previous, ours)
+        # The records differ only in the UUID: encode the rest once (a json.dumps per GPU cost ~4 us).
+        common = json.dumps({"pid": os.getpid(), "host": _HOST, "uid": os.getuid(), "test": holder_id,
+                             "since": time.time()})
         for uuid, fd in taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
-            # Best effort: the lock itself is what protects the GPU.
-            with contextlib.suppress(OSError):
-                held.holder_fds.append(_write_holder(self.holder_path(uuid), {
-                    "pid": os.getpid(), "host": _HOST, "uid": os.getuid(), "test": holder_id,
-                    "since": time.time(), "uuid": uuid}))
+            record = f'{common[:-1]}, "uuid": {json.dumps(uuid)}}}'.encode()
+            try:  # noqa: SIM105 (per GPU and test: suppress() costs ~1 us)
+                held.holder_fds.append(_write_holder(self.holder_path(uuid), record))
+            except OSError:
+                pass  # best effort: the lock itself is what protects the GPU
         return held
 
 
@@ -317,6 +333,15 @@ def _unlock_all(taken: list[tuple[str, int | None]]) -> None:
     for _uuid, fd in taken:
         if fd is not None:
             _unlock(fd)
+
+
+def _me_now() -> tuple[int, int] | None:
+    global _me
+    pid = os.getpid()
+    if _me is None or _me[0] != pid:
+        stat = procfs.read_stat(pid)
+        _me = None if stat is None else (stat.pid, stat.start_ticks)
+    return _me
 
 
 def _ancestors() -> dict[int, int]:
@@ -364,8 +389,10 @@ def describe_holders(holders: dict[str, dict[str, object]]) -> str:
     return "; ".join(f"{u}: {describe_holder(h)}" for u, h in holders.items())
 
 
-def _write_holder(path: str, data: dict[str, object]) -> int:
-    """Write this user's holder record for one GPU into its (session-long open) file; return the fd.
+def _write_holder(path: str, payload: bytes) -> tuple[int, bool]:
+    """Write this user's holder record (JSON) for one GPU into its (session-long open) file.
+
+    Returns the descriptor and whether the record was padded to ``_RECORD_BYTES``.
 
     Overwritten in place: creating, renaming or deleting a file per GPU and test cost 0.3-0.8 ms per GPU
     on ext4, more than the whole clean check. A reader that catches a half-written record fails to parse
@@ -375,12 +402,11 @@ def _write_holder(path: str, data: dict[str, object]) -> int:
     if fd is None:
         # O_NOFOLLOW: never write through a link someone planted in the shared directory.
         fd = _holder_fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    payload = json.dumps(data).encode()
     if len(payload) <= _RECORD_BYTES:
         # Padded to a fixed size (JSON allows trailing blanks): no ftruncate, which costs as much as the
         # write. Released records are blanked the same way (see HeldLocks.release).
         os.pwrite(fd, payload.ljust(_RECORD_BYTES), 0)
-    else:
-        os.pwrite(fd, payload, 0)
-        os.ftruncate(fd, len(payload))
-    return fd
+        return fd, True
+    os.pwrite(fd, payload, 0)
+    os.ftruncate(fd, len(payload))
+    return fd, False

@@ -496,6 +496,31 @@ def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.M
     assert other.returncode == 0, other.stderr
 
 
+def test_lock_file_deleted_by_hand_is_not_trusted(tmp_path: Path) -> None:
+    # The session keeps each lock file open between tests. If someone deletes the file, a lock on the old
+    # inode would lock nothing: another session creates a new file and holds that one.
+    locks = GpuLocks(str(tmp_path / "locks"))
+    locks.acquire(["GPU-a"], 1, 5, "first::test").release()  # the descriptor stays cached
+    os.unlink(locks.lock_path("GPU-a"))
+    ready = tmp_path / "ready"
+    other = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from pytest_gpuclean.locks import GpuLocks; "
+        "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 5, 'other::test'); "
+        "Path(sys.argv[2]).write_text('x'); time.sleep(60)"), locks.directory, str(ready)])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the other session never took the new lock file"
+        with pytest.raises(LockTimeout, match="other::test"):
+            locks.acquire(["GPU-a"], 1, 0.3, "second::test")
+    finally:
+        other.kill()
+        other.wait()
+    # Once the other session is gone, the new file is ours to lock.
+    locks.acquire(["GPU-a"], 1, 5, "third::test").release()
+
+
 def test_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
     # A holder forks (as multiprocessing or vLLM do) and is killed; its child lives on.
     lock_dir = str(tmp_path / "locks")
