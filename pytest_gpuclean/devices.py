@@ -49,8 +49,9 @@ class Backend(Protocol):
         """Read memory and processes of one device."""
         ...
 
-    def cuda_users(self, device: DeviceInfo, pids: Iterable[int]) -> frozenset[int]:
-        """Those of ``pids`` that have initialised CUDA on ``device``, listed by the driver or not.
+    def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
+        """Those of ``pids`` that have initialised CUDA, with the UUIDs of the devices they have open,
+        whether the driver lists them there or not.
 
         The driver charges such a process a few MiB per device even before (or without) a context,
         and lists it under no process: 3 MiB per H200 after ``torch.cuda.is_available()`` (docs/gpu.md).
@@ -159,14 +160,15 @@ class NvmlBackend:
             processes=tuple(GpuProcess(pid, used) for pid, used in sorted(processes.items())),
         )
 
-    def cuda_users(self, device: DeviceInfo, pids: Iterable[int]) -> frozenset[int]:
-        minor = self._minors.get(device.uuid)
-        users = set()
+    def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
+        users: dict[int, frozenset[str]] = {}
         for pid in pids:
             minors = procfs.cuda_device_minors(pid)
-            if minors is not None and (minor is None or minor in minors):
-                users.add(pid)
-        return frozenset(users)
+            if minors is not None:
+                # A device whose minor number NVML did not tell counts as open.
+                users[pid] = frozenset(uuid for uuid, minor in self._minors.items()
+                                       if minor is None or minor in minors)
+        return users
 
     def _memory(self, handle: Any) -> Any:
         nvml = self._nvml
@@ -258,14 +260,19 @@ class SimulatedBackend:
             processes=tuple(processes),
         )
 
-    def cuda_users(self, device: DeviceInfo, pids: Iterable[int]) -> frozenset[int]:
-        where = Path(self._folders.get(device.index) or self.root / str(device.index))
-        listed = set()
-        with contextlib.suppress(OSError):
-            listed = {int(n) for n in os.listdir(where) if n.isdigit()}
-        users = self._live_cuda_users(where / "cuda") | {
-            pid for pid in listed if _counted_allocation(where / str(pid), pid) is not None}
-        return frozenset(users & set(pids))
+    def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
+        wanted = set(pids)
+        users: dict[int, set[str]] = {}
+        for device in self._devices:
+            where = Path(self._folders.get(device.index) or self.root / str(device.index))
+            listed: set[int] = set()
+            with contextlib.suppress(OSError):
+                listed = {int(n) for n in os.listdir(where) if n.isdigit()} & wanted
+            on_device = self._live_cuda_users(where / "cuda") & wanted
+            on_device |= {pid for pid in listed if _counted_allocation(where / str(pid), pid) is not None}
+            for pid in on_device:
+                users.setdefault(pid, set()).add(device.uuid)
+        return {pid: frozenset(uuids) for pid, uuids in users.items()}
 
     @staticmethod
     def _live_cuda_users(folder: Path) -> set[int]:
