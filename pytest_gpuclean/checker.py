@@ -284,8 +284,9 @@ class Checker:
                     tolerance_mib=tolerance_mib,
                     self_mib=tuple((s.device.label, s.bytes_of({self.me}) / MIB) for s in snaps
                                    if s.bytes_of({self.me})),
-                    self_cuda_only=tuple(s.device.label for s in snaps if s.device.label in self_cuda
-                                         and not any(p.pid == self.me for p in s.processes)),
+                    self_cuda_only=() if not self_cuda else tuple(
+                        s.device.label for s in snaps if s.device.label in self_cuda
+                        and not any(p.pid == self.me for p in s.processes)),
                 )
             time.sleep(POLL_S)
 
@@ -323,6 +324,9 @@ class Checker:
         overhead: dict[str, int] = {}
         short: list[tuple[DeviceSnapshot, int, int]] = []  # (snap, unlisted, allowed so far)
         for snap in snaps:
+            if not snap.processes and snap.used_bytes <= 0:
+                overhead[snap.device.uuid] = 0  # the clean path: an idle device
+                continue
             listed = {p.pid for p in snap.processes}
             unlisted = snap.used_bytes - sum(p.used_bytes or 0 for p in snap.processes)
             if self.me in listed:
