@@ -293,13 +293,15 @@ def main() -> int:
         "gpuclean_locks_per_test_s": res["per_test_s"]["gpuclean+locks"]["median"],
         "limit_s": 0.3e-3,
         "met": res["per_test_s"]["gpuclean"]["median"] <= 0.3e-3,
+        "met_with_locks": res["per_test_s"]["gpuclean+locks"]["median"] <= 0.3e-3,
         "shell_ratio": res["ratio_to_gpuclean"]["shell"],
     }
+    target = results["target"]
     print(f"\ntarget (<= 0.3 ms per checked test on {target_n} devices): gpuclean "
-          f"{_common.fmt_time(results['target']['gpuclean_per_test_s'])}, with locks "
-          f"{_common.fmt_time(results['target']['gpuclean_locks_per_test_s'])} -> "
-          f"{'met' if results['target']['met'] else 'MISSED'}; shell check / gpuclean = "
-          f"{results['target']['shell_ratio']:.0f}x")
+          f"{_common.fmt_time(target['gpuclean_per_test_s'])} -> {'met' if target['met'] else 'MISSED'}, "
+          f"with locks {_common.fmt_time(target['gpuclean_locks_per_test_s'])} -> "
+          f"{'met' if target['met_with_locks'] else 'MISSED'}; shell check / gpuclean = "
+          f"{target['shell_ratio']:.0f}x")
     path = args.json or os.path.join(_common.REPO, "benchmarks", "results", f"clean_path_{mode}.json")
     _common.write_json(path, results)
     shutil.rmtree(tmp, ignore_errors=True)
