@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -137,6 +138,21 @@ def exe_name(pid: int) -> str:
         return ""
 
 
+def _nvidia_files(pid: int) -> Iterator[str]:
+    """The ``/dev/nvidia*`` paths among ``pid``'s open files (none if its fds are unreadable)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed while we looked
+        if target.startswith("/dev/nvidia"):
+            yield target
+
+
 def cuda_device_minors(pid: int) -> frozenset[int] | None:
     """Minor numbers of the ``/dev/nvidia<N>`` files ``pid`` has open, if it has initialised CUDA.
 
@@ -144,34 +160,16 @@ def cuda_device_minors(pid: int) -> frozenset[int] | None:
     open the ``/dev/nvidia<N>`` files. So a pytest process that merely reads NVML is not taken for one
     that the driver charges memory to.
     """
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
     minors: set[int] = set()
     uvm = False
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue  # closed while we looked
+    for target in _nvidia_files(pid):
         if target == "/dev/nvidia-uvm":
             uvm = True
-        elif target.startswith("/dev/nvidia") and target[11:].isdigit():
+        elif target[11:].isdigit():
             minors.add(int(target[11:]))
     return frozenset(minors) if uvm else None
 
 
 def has_nvidia_device_open(pid: int) -> bool:
     """True if ``pid`` has a ``/dev/nvidia*`` file open, as every process with a CUDA context does."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/nvidia"):
-                return True
-        except OSError:
-            continue  # closed while we looked
-    return False
+    return next(_nvidia_files(pid), None) is not None

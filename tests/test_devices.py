@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from conftest import run_inner
 
+from pytest_gpuclean import procfs
 from pytest_gpuclean.devices import (
     DeviceSelectionError,
     SimulatedBackend,
@@ -170,3 +172,22 @@ def test_unknown_cuda_visible_device_is_a_usage_error(pytester: pytest.Pytester,
     result = run_inner(pytester)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: *{problem}*CUDA_VISIBLE_DEVICES={visible!r}*"])
+
+
+def test_cuda_device_minors_needs_uvm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What /proc/<pid>/fd shows on a GPU machine (no /dev/nvidia* here): NVML alone opens nvidiactl and
+    # the device files; CUDA adds nvidia-uvm. Only the latter counts as a process the driver charges.
+    links = {"0": "/dev/null", "3": "/dev/nvidiactl", "4": "/dev/nvidia0", "5": "/dev/nvidia1",
+             "6": "socket:[123]"}
+    real_listdir, real_readlink = os.listdir, os.readlink
+    monkeypatch.setattr(os, "listdir",
+                        lambda path: list(links) if path == "/proc/1/fd" else real_listdir(path))
+    monkeypatch.setattr(os, "readlink", lambda path: links[path.rsplit("/", 1)[1]]
+                        if path.startswith("/proc/1/fd/") else real_readlink(path))
+    assert procfs.cuda_device_minors(1) is None  # NVML only
+    assert procfs.has_nvidia_device_open(1)
+    links["7"] = "/dev/nvidia-uvm"
+    assert procfs.cuda_device_minors(1) == frozenset({0, 1})
+    for name in ("3", "4", "5", "7"):
+        links[name] = "/dev/null"
+    assert not procfs.has_nvidia_device_open(1)
