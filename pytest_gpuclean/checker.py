@@ -217,7 +217,7 @@ class Checker:
         rounds = 0
         while True:
             snaps = self.snapshot(devices)
-            self_cuda: set[str] = set()  # devices where this process initialised CUDA, listed or not
+            self_cuda: set[str] = set()  # devices where this process uses CUDA without a (listed) context
             found = self.census(scan_cookies=scan_cookies)
             ours = [f for f in found if not self.ownership.is_protected(f.token)]
             # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
@@ -285,8 +285,7 @@ class Checker:
                     self_mib=tuple((s.device.label, s.bytes_of({self.me}) / MIB) for s in snaps
                                    if s.bytes_of({self.me})),
                     self_cuda_only=() if not self_cuda else tuple(
-                        s.device.label for s in snaps if s.device.label in self_cuda
-                        and not any(p.pid == self.me for p in s.processes)),
+                        s.device.label for s in snaps if s.device.label in self_cuda),
                 )
             time.sleep(POLL_S)
 
@@ -329,8 +328,6 @@ class Checker:
                 continue
             listed = {p.pid for p in snap.processes}
             unlisted = snap.used_bytes - sum(p.used_bytes or 0 for p in snap.processes)
-            if self.me in listed:
-                self_cuda.add(snap.device.label)
             allowed = CONTEXT_OVERHEAD_BYTES * len(listed)
             if unlisted <= 0 or not listed <= excused:
                 overhead[snap.device.uuid] = 0
