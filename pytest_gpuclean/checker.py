@@ -321,7 +321,7 @@ class Checker:
         a context: 3 MiB per H200). Anything beyond stays visible as dirty memory.
         """
         overhead: dict[str, int] = {}
-        short: list[tuple[DeviceSnapshot, int, int]] = []  # (snap, unlisted, allowed so far)
+        short: list[tuple[DeviceSnapshot, set[int], int, int]] = []  # (snap, listed, unlisted, allowed)
         for snap in snaps:
             if not snap.processes and snap.used_bytes <= 0:
                 overhead[snap.device.uuid] = 0  # the clean path: an idle device
@@ -334,23 +334,21 @@ class Checker:
             elif unlisted <= allowed:
                 overhead[snap.device.uuid] = unlisted  # the listed contexts explain it (the common case)
             else:
-                short.append((snap, unlisted, allowed))
-        if not short or self.backend is None:
-            for snap, unlisted, allowed in short:
-                overhead[snap.device.uuid] = min(unlisted, allowed)
-            return overhead
+                short.append((snap, listed, unlisted, allowed))
         # Reading /proc/<pid>/fd costs ~2 us per descriptor: only off the clean path, once per poll, and
         # for the other excused processes only if this one does not explain it all.
-        found = dict(self.backend.cuda_users([self.me]))
+        found: dict[int, frozenset[str]] = {}
+        if short and self.backend is not None:
+            found.update(self.backend.cuda_users([self.me]))
 
-        def users(snap: DeviceSnapshot) -> list[int]:
-            listed = {p.pid for p in snap.processes}
+        def users(snap: DeviceSnapshot, listed: set[int]) -> list[int]:
             return [pid for pid, uuids in found.items() if snap.device.uuid in uuids and pid not in listed]
 
-        if any(u > a + CONTEXT_OVERHEAD_BYTES * len(users(s)) for s, u, a in short):
+        if self.backend is not None and any(
+                u > a + CONTEXT_OVERHEAD_BYTES * len(users(s, ls)) for s, ls, u, a in short):
             found.update(self.backend.cuda_users(sorted(excused - {self.me})))
-        for snap, unlisted, allowed in short:
-            unlisted_users = users(snap)
+        for snap, listed, unlisted, allowed in short:
+            unlisted_users = users(snap, listed)
             if self.me in unlisted_users:
                 self_cuda.add(snap.device.label)
             overhead[snap.device.uuid] = min(unlisted, allowed + CONTEXT_OVERHEAD_BYTES * len(unlisted_users))
@@ -501,8 +499,6 @@ class ReleaseWatch:
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process. Measured on
 an H200 (driver 580): 877 MiB used with one context whose process was charged 868 MiB."""
-
-
 
 
 def _mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:
