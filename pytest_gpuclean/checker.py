@@ -9,12 +9,11 @@ import dataclasses
 import os
 import sys
 import time
-import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from pytest_gpuclean import pools, processes, procfs
-from pytest_gpuclean.devices import Backend
+from pytest_gpuclean.devices import Backend, DeviceError
 from pytest_gpuclean.model import (
     MIB,
     UNKNOWN_OWNER,
@@ -26,21 +25,31 @@ from pytest_gpuclean.model import (
     ProcessInfo,
     Reaped,
 )
+from pytest_gpuclean.ownership import (
+    COOKIE_VAR,
+    OWNER_VAR,
+    SESSION,
+    Ownership,
+    SessionRef,
+    innermost_session,
+    new_session_id,
+)
+from pytest_gpuclean.report import one_line
 
-COOKIE_VAR = "GPUCLEAN_TEST"
-"""Set in the pytest process while a test or higher-scoped fixture runs: every process spawned then
-inherits ``<session id>:<owner token>`` and so says who started it, wherever it ends up."""
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 POLL_S = 0.02
-"""Polling interval while waiting for a device to come clean (the brief asks for <= 20 ms)."""
+"""Polling interval while waiting for a device to come clean."""
 RELEASE_POLL_S = 0.005
-MAX_REAP_ROUNDS = 3
-"""A pool that respawns killed workers would otherwise keep us killing forever."""
+MAX_REAP_ROUNDS = 4
+"""Rounds of reaping within one check; from the second on, what reappeared is frozen and SIGKILLed."""
+MAX_FREEZE_PASSES = 20
+"""Census passes while freezing a respawning set: each pass stops what the previous one missed, and a
+stopped process forks no more, so this ends after as many passes as the tree is deep."""
 
 
 @dataclass
 class Found:
-    """A process that is ours (a descendant, or carrying our session's cookie)."""
+    """A process that is ours (a descendant, or carrying a cookie of ours or of a dead session)."""
 
     pid: int
     start_ticks: int
@@ -48,65 +57,19 @@ class Found:
     found_by: str
     token: str | None
     state: str
+    handle: processes.Handle | None = None
+    debris_of: SessionRef | None = None
+    """For debris of a dead session: that session."""
+    owner_name: str | None = None
+    """For debris: the owner its ``OWNER_VAR`` names."""
 
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.pid, self.start_ticks
 
-@dataclass
-class _Window:
-    start: int
-    end: int | None
-    token: str
-
-
-@dataclass
-class Ownership:
-    """Who spawned what: cookie tokens, their owners, and the time windows they ran in."""
-
-    session_id: str
-    owners: dict[str, Owner] = field(default_factory=dict)
-    active_fixtures: set[str] = field(default_factory=set)
-    windows: list[_Window] = field(default_factory=list)
-    _counter: int = 0
-
-    def new_token(self, owner: Owner) -> str:
-        self._counter += 1
-        token = f"{owner.kind[0]}{self._counter}"
-        self.owners[token] = owner
-        return token
-
-    def cookie(self, token: str) -> str:
-        return f"{self.session_id}:{token}"
-
-    def token_of_cookie(self, value: str | None) -> str | None:
-        if value is None or not value.startswith(self.session_id + ":"):
-            return None
-        # A nested gpuclean session prefixes its own cookies with ours ("<ours>:t5/<its id>:t1"): what
-        # it spawns belongs, for us, to our test t5.
-        token = value[len(self.session_id) + 1 :].split("/", 1)[0]
-        return token if token in self.owners else None
-
-    def open_window(self, token: str) -> None:
-        self.windows.append(_Window(procfs.boot_ticks_now(), None, token))
-
-    def close_window(self, token: str) -> None:
-        now = procfs.boot_ticks_now()
-        for window in reversed(self.windows):
-            if window.token == token and window.end is None:
-                window.end = now
-                return
-
-    def token_at(self, start_ticks: int) -> str | None:
-        # Fall-back for processes without a cookie (started with a scrubbed environment): the most
-        # recently opened window that was open when the process started, i.e. the innermost.
-        for window in reversed(self.windows):
-            if window.start <= start_ticks and (window.end is None or start_ticks <= window.end):
-                return window.token
-        return None
-
-    def owner(self, token: str | None) -> Owner:
-        return self.owners.get(token or "", UNKNOWN_OWNER)
-
-    def is_protected(self, token: str | None) -> bool:
-        return token is not None and token in self.active_fixtures
+    @property
+    def live(self) -> bool:
+        return self.state not in ("Z", "X")
 
 
 class Checker:
@@ -114,21 +77,62 @@ class Checker:
 
     def __init__(self, backend: Backend | None, *, reap: bool = True, grace: float = 5.0,
                  ignore: Sequence[str] = (), host_scope: bool = False,
-                 session_id: str | None = None, settle: float = 0.0) -> None:
+                 session_id: str | None = None, settle: float = 0.0, xdist_run: str | None = None,
+                 peer_cookie: str | None = None, dead_sessions: bool = True) -> None:
         self.backend = backend
         self.reap_enabled = reap
         self.grace = grace
         self.settle = settle
         self.ignore = tuple(ignore)
         self.host_scope = host_scope
-        self.me = os.getpid()
+        self.dead_sessions = dead_sessions
         self.uid = os.getuid()
-        self.my_sid = os.getsid(0)
-        self.never_touch = processes.ancestors(self.me)
         self.session_start_ticks = procfs.boot_ticks_now()
-        self.ownership = Ownership(session_id or f"{self.me}-{uuid.uuid4().hex[:10]}")
-        self._token_cache: dict[tuple[int, int], str | None] = {}
-        self.xdist_run = os.environ.get(XDIST_RUN_VAR)
+        self.ownership = Ownership(session_id or new_session_id())
+        self.xdist_run = xdist_run
+        self.peer_cookie = peer_cookie
+        """The cookie our xdist siblings started with (the controller's): theirs, not a leak's."""
+        self.hurry: Callable[[], bool] | None = None
+        """Set while an interrupt asks the reaping to be quick: the grace ends at once."""
+        self._me = -1
+        self._never_touch: set[int] = set()
+        self._handles: dict[tuple[int, int], processes.Handle] = {}
+        self._tokens: dict[tuple[int, int], str | None] = {}
+        self._owner_names: dict[tuple[int, int], str | None] = {}
+        self._debris_checked = False
+        # What already runs under us belongs to the session set-up (a conftest imported before this
+        # checker existed, a plugin's pytest_configure): never a test's leak.
+        for pid, _depth, _parent in self._walk():
+            stat = procfs.read_stat(pid)
+            if stat is not None:
+                self._tokens[(pid, stat.start_ticks)] = SESSION
+
+    # ---- who we are (a forked test runner changes it) -------------------------------------------
+
+    @property
+    def me(self) -> int:
+        """The process running the checks: under a forked runner, the forked child, not the session."""
+        pid = os.getpid()
+        if pid != self._me:
+            self._me = pid
+            self._never_touch = processes.ancestors(pid)
+        return pid
+
+    @property
+    def never_touch(self) -> set[int]:
+        """This process and its ancestors: never suspects, never signalled."""
+        _ = self.me
+        return self._never_touch
+
+    @property
+    def my_sid(self) -> int:
+        return os.getsid(0)
+
+    def close(self) -> None:
+        """Close the pidfds of every process still pinned."""
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
 
     # ---- census -------------------------------------------------------------------------------
 
@@ -145,52 +149,144 @@ class Checker:
             helpers.add(forkserver._forkserver_pid)  # type: ignore[union-attr]
         return helpers
 
-    def _token(self, pid: int, start_ticks: int) -> str | None:
-        key = (pid, start_ticks)
-        if key not in self._token_cache:
-            token = self.ownership.token_of_cookie(procfs.read_environ_var(pid, COOKIE_VAR))
-            if token is None:
-                token = self.ownership.token_at(start_ticks)
-            self._token_cache[key] = token
-        return self._token_cache[key]
-
-    def census(self, scan_cookies: bool = False) -> list[Found]:
-        """Our processes: the descendant tree (cheap), plus cookie carriers outside it (a /proc scan)."""
-        found: list[Found] = []
-        helpers = self._helper_pids()
-        seen: set[int] = set()
-        for pid, depth in procfs.descendants(self.me):
-            stat = procfs.read_stat(pid)
-            if stat is None or pid in helpers:
-                continue
-            seen.add(pid)
-            # A direct child in another session escaped with setsid and was re-parented to our subreaper.
-            found_by = "adopted" if depth == 1 and stat.sid != self.my_sid else "descendant"
-            found.append(Found(pid, stat.start_ticks, depth, found_by, self._token(pid, stat.start_ticks),
-                               stat.state))
-        if scan_cookies:
-            prefix = self.ownership.session_id + ":"
-            for pid, value in processes.cookie_holders(COOKIE_VAR, prefix, self.uid):
-                stat = procfs.read_stat(pid)
-                if (stat is None or pid in seen or pid in self.never_touch or pid in helpers
-                        or stat.start_ticks < self.session_start_ticks):
-                    continue
-                token = self.ownership.token_of_cookie(value)
-                found.append(Found(pid, stat.start_ticks, 0, "cookie", token, stat.state))
+    def _walk(self) -> list[tuple[int, int, int]]:
+        """Our descendants as (pid, depth, parent pid), parents before their children."""
+        found: list[tuple[int, int, int]] = []
+        root = self.me
+        frontier = [(root, 0)]
+        seen = {root}
+        while frontier:
+            pid, depth = frontier.pop(0)
+            for child in procfs.children(pid):
+                if child not in seen:
+                    seen.add(child)
+                    found.append((child, depth + 1, pid))
+                    frontier.append((child, depth + 1))
         return found
 
+    def _pin(self, pid: int) -> tuple[processes.Handle, procfs.ProcStat] | None:
+        """A pinned process and its current stat; pinned once, from the moment it is first found."""
+        stat = procfs.read_stat(pid)
+        if stat is not None:
+            handle = self._handles.get((pid, stat.start_ticks))
+            if handle is not None:
+                return handle, stat
+        pinned = processes.pin(pid)
+        if pinned is not None:
+            self._handles[(pid, pinned[1].start_ticks)] = pinned[0]
+        return pinned
+
+    def _forget_gone(self, seen: set[tuple[int, int]]) -> None:
+        for key in [k for k in self._handles if k not in seen]:
+            handle = self._handles[key]
+            if handle.exited():
+                handle.close()
+                del self._handles[key]
+
+    def _token(self, pid: int, start_ticks: int, parent_token: str | None, parent_ours: bool) -> str | None:
+        key = (pid, start_ticks)
+        if key not in self._tokens:
+            if parent_ours:
+                # Made by one of our processes: whoever owns the parent owns the child, whatever the
+                # child's environment or birth time say (a fixture's server forking a worker on request).
+                token = parent_token
+            else:
+                values = procfs.read_environ_vars(pid, (COOKIE_VAR,))
+                token = self.ownership.token_of_cookie(values.get(COOKIE_VAR))
+                if token is None:
+                    token = self.ownership.token_by_birth(pid, start_ticks)
+            self._tokens[key] = token
+        return self._tokens[key]
+
+    def census(self, scan_cookies: bool = False, dead_sessions: bool = False) -> list[Found]:
+        """Our processes: the descendant tree (cheap), plus cookie carriers outside it (a /proc scan).
+
+        With ``dead_sessions``, the scan also returns the debris of dead gpuclean sessions of this user.
+        """
+        found: list[Found] = []
+        helpers = self._helper_pids()
+        by_pid: dict[int, Found] = {}
+        me = self.me
+        my_sid = self.my_sid
+        seen_keys: set[tuple[int, int]] = set()
+        for pid, depth, parent in self._walk():
+            if pid in helpers:
+                continue
+            pinned = self._pin(pid)
+            if pinned is None:
+                continue
+            handle, stat = pinned
+            if stat.ppid != parent and stat.ppid not in by_pid and stat.ppid != me:
+                continue  # not the process the walk found any more
+            parent_found = by_pid.get(stat.ppid)
+            token = self._token(pid, stat.start_ticks, parent_found.token if parent_found else None,
+                                parent_found is not None)
+            # A direct child in another session escaped with setsid and was re-parented to our subreaper.
+            found_by = "adopted" if depth == 1 and stat.sid != my_sid else "descendant"
+            state = "R" if procfs.live_state(pid, stat.state) else stat.state
+            entry = Found(pid, stat.start_ticks, depth, found_by, token, state, handle)
+            by_pid[pid] = entry
+            seen_keys.add(entry.key)
+            found.append(entry)
+        if scan_cookies or dead_sessions:
+            found.extend(self._cookie_carriers(by_pid, helpers, dead_sessions, seen_keys))
+        self._forget_gone(seen_keys)
+        return found
+
+    def _cookie_carriers(self, known: dict[int, Found], helpers: set[int], dead_sessions: bool,
+                         seen_keys: set[tuple[int, int]]) -> list[Found]:
+        found: list[Found] = []
+        prefix = "" if dead_sessions else self.ownership.session_id + ":"
+        never_touch = self.never_touch
+        for pid, value in processes.cookie_holders(COOKIE_VAR, prefix, self.uid):
+            if pid in known or pid in never_touch or pid in helpers:
+                continue
+            token = self.ownership.token_of_cookie(value)
+            debris = None
+            if token is None:
+                debris = innermost_session(value) if dead_sessions else None
+                if debris is None or not debris.is_dead():
+                    continue  # a live session's, or no session's: never ours
+            pinned = self._pin(pid)
+            if pinned is None:
+                continue
+            handle, stat = pinned
+            if stat.start_ticks < self.session_start_ticks and debris is None:
+                continue  # carries our cookie but predates us: a recycled value, not our child
+            owner_name = procfs.read_environ_vars(pid, (OWNER_VAR,)).get(OWNER_VAR) if debris else None
+            entry = Found(pid, stat.start_ticks, 0, "dead session" if debris else "cookie", token,
+                          "R" if procfs.live_state(pid, stat.state) else stat.state, handle, debris,
+                          owner_name)
+            seen_keys.add(entry.key)
+            found.append(entry)
+        return found
+
+    def owner_of(self, f: Found) -> Owner:
+        if f.debris_of is not None:
+            if f.owner_name:
+                return Owner("test", f.owner_name)
+            return Owner("session", f.debris_of.describe())
+        return self.ownership.owner(f.token)
+
+    def is_protected(self, f: Found) -> bool:
+        """Not to be reaped now: an active fixture's, the session set-up's, or of unknown birth."""
+        return f.debris_of is None and self.ownership.is_protected(f.token)
+
     def _peer_pids(self, pids: Iterable[int]) -> set[int]:
-        # Sibling pytest-xdist workers of the same run hold their own CUDA contexts, like we do. Every
-        # process a worker's test starts inherits the run id too, so a peer must also be our sibling
-        # (a direct child of the controller); a worker's leak is its descendant, never our sibling.
+        # Sibling pytest-xdist workers of the same run hold their own CUDA contexts, like we do. A peer
+        # is a direct child of the controller that started with the controller's own cookie: what a
+        # worker's test starts (even an orphan of a crashed worker, adopted by the controller) carries
+        # that worker's longer cookie, and is a leak, never a peer.
         if not self.xdist_run:
             return set()
         parent = os.getppid()
         peers: set[int] = set()
         for pid in pids:
             stat = procfs.read_stat(pid)
-            if (stat is not None and stat.ppid == parent
-                    and procfs.read_environ_var(pid, XDIST_RUN_VAR) == self.xdist_run):
+            if stat is None or stat.ppid != parent:
+                continue
+            values = procfs.read_environ_vars(pid, (XDIST_RUN_VAR, COOKIE_VAR))
+            if values.get(XDIST_RUN_VAR) == self.xdist_run and values.get(COOKIE_VAR) == self.peer_cookie:
                 peers.add(pid)
         return peers
 
@@ -204,113 +300,31 @@ class Checker:
     def check(self, phase: str, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
               scan_cookies: bool = False, reap: bool | None = None) -> CheckResult:
         """Check until clean or ``timeout``; reap what is ours first (if enabled)."""
-        reap = self.reap_enabled if reap is None else reap
-        started = time.monotonic()
-        tolerance = tolerance_mib * MIB
-        reaped: list[Reaped] = []
-        notes: list[str] = []
-        attempted: set[tuple[int, int]] = set()
-        first_seen: dict[tuple[int, int], Offender] = {}
-        collected: list[Reaped] = []
-        collected_ids: set[tuple[int, int]] = set()
-        settled = False
-        rounds = 0
-        while True:
-            snaps = self.snapshot(devices)
-            self_cuda: set[str] = set()  # devices where this process uses CUDA without a (listed) context
-            found = self.census(scan_cookies=scan_cookies)
-            ours = [f for f in found if not self.ownership.is_protected(f.token)]
-            # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
-            # goes: their contexts are excused like our own; they are never killed either.
-            excused = self.never_touch | self._helper_pids() | {f.pid for f in found if f not in ours}
-            unexplained = {p.pid for s in snaps for p in s.processes} - excused - {f.pid for f in ours}
-            excused |= self._peer_pids(unexplained)
-            unexplained -= excused
-            # Our own CUDA context's unlisted overhead must not trigger the cookie scan (a full /proc
-            # scan, ~1 ms) on every check of a pytest process that uses the GPU itself.
-            overhead = self._unlisted_overhead(snaps, excused, self_cuda)
-            if not scan_cookies and (unexplained or any(
-                    s.used_bytes - s.bytes_of(excused) - overhead[s.device.uuid] > tolerance for s in snaps)):
-                # Something holds a GPU that our tree doesn't explain: maybe an escapee with our cookie.
-                scan_cookies = True
-                continue
-            # Exited processes nobody waited for hold no memory and are no leak: most are orphans that
-            # our subreaper adopted (a double fork's middle process, a subprocess's resource tracker),
-            # which init would have collected. Collect the ones that are now our children, by pid.
-            for f in ours:
-                if f.state in ("Z", "X") and (f.pid, f.start_ticks) not in collected_ids:
-                    info = processes.describe(f.pid, f.start_ticks)
-                    if processes.reap_if_child(f.pid):
-                        self._collect(f, info, "reaped zombie", collected, collected_ids)
-            ours = [f for f in ours if f.state not in ("Z", "X")]
-            fresh = [f for f in ours if (f.pid, f.start_ticks) not in attempted]
-            if reap and fresh and not rounds and not settled and self.settle > 0:
-                # Some leftovers are already on their way out (a subprocess's resource tracker that
-                # cleans up after its client, an engine finishing its shutdown): let them go first.
-                settled = True
-                if self._settle(fresh, collected, collected_ids):
-                    continue
-            if reap and fresh and rounds < MAX_REAP_ROUNDS:
-                if rounds:
-                    notes.append(f"new processes appeared while reaping (round {rounds + 1}): "
-                                 f"{sorted(f.pid for f in fresh)}")
-                rounds += 1
-                attempted.update((f.pid, f.start_ticks) for f in fresh)
-                reaped.extend(self.reap(fresh, snaps, devices, notes))
-                continue
-            offenders = self._offenders(snaps, ours, unexplained, excused, tolerance, overhead)
-            for o in offenders:
-                if o.reason == "leaked" and o.process is not None:
-                    first_seen.setdefault((o.process.pid, o.process.start_ticks), o)
-            waited = time.monotonic() - started
-            # Processes that survived our SIGKILL do not go away by waiting; anything else may.
-            hopeless = bool(offenders) and all(
-                o.reason == "leaked" and o.process is not None
-                and (o.process.pid, o.process.start_ticks) in attempted for o in offenders)
-            if not offenders or hopeless or waited >= timeout:
-                if fresh and rounds >= MAX_REAP_ROUNDS:
-                    notes.append(f"gave up after {rounds} reaping rounds: killed processes keep being "
-                                 f"replaced (a process pool or supervisor outside our reach?)")
-                still = {(o.process.pid, o.process.start_ticks) for o in offenders if o.process is not None}
-                lingered = tuple(
-                    dataclasses.replace(o, detail=f"outlived its test, ended by itself within {waited:.2f}s "
-                                        "(reaping is off)")
-                    for key, o in first_seen.items() if key not in still)
-                return CheckResult(
-                    phase=phase, clean=not offenders, devices=snaps, offenders=tuple(offenders),
-                    lingered=lingered, collected=tuple(collected),
-                    reaped=tuple(reaped), waited_s=waited,
-                    clean_after_s=waited if not offenders else None, notes=tuple(notes),
-                    tolerance_mib=tolerance_mib,
-                    self_mib=tuple((s.device.label, s.bytes_of({self.me}) / MIB) for s in snaps
-                                   if s.bytes_of({self.me})),
-                    self_cuda_only=() if not self_cuda else tuple(
-                        s.device.label for s in snaps if s.device.label in self_cuda),
-                )
-            time.sleep(POLL_S)
+        dead_sessions = self.dead_sessions and not self._debris_checked
+        self._debris_checked = True  # at start-up once; later only when something is unexplained
+        return _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
+                      self.reap_enabled if reap is None else reap).run()
 
-    def _settle(self, fresh: Sequence[Found], collected: list[Reaped],
-                collected_ids: set[tuple[int, int]]) -> bool:
-        """Wait up to ``settle`` seconds for ``fresh`` to exit on their own; True if any did."""
-        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in fresh}
-        deadline = time.monotonic() + self.settle
-        pending = list(fresh)
-        while pending and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            for f in list(pending):
-                stat = procfs.read_stat(f.pid)
-                if stat is None or stat.start_ticks != f.start_ticks or stat.state in ("Z", "X"):
-                    processes.reap_if_child(f.pid)
-                    pending.remove(f)
-                    self._collect(f, infos[f.pid], "exited by itself", collected, collected_ids)
-        return len(pending) < len(fresh)
+    def _may_kill(self, f: Found, info: ProcessInfo | None) -> bool:
+        if info is None:
+            return True  # already gone: terminate() reports it without signalling
+        if f.pid in self.never_touch or info.uid != self.uid:
+            return False  # root too: another user's process is never ours to kill
+        return not self.is_protected(f)
 
-    def _collect(self, f: Found, info: ProcessInfo | None, how: str, collected: list[Reaped],
-                 collected_ids: set[tuple[int, int]]) -> None:
-        # One of ours that ended without being killed: reported in the summary, not a leak.
-        collected_ids.add((f.pid, f.start_ticks))
-        collected.append(Reaped(info or _vanished(f.pid), self.ownership.owner(f.token), f.found_by, how,
-                                (), None))
+    def _relays_to_others(self, f: Found, info: ProcessInfo | None, everyone: Sequence[Found]) -> str | None:
+        """Why signalling ``f`` would reach another user's process (``su``, ``sudo`` relay signals)."""
+        if info is None:
+            return None
+        for other in everyone:
+            if other.pid == f.pid or other.depth <= f.depth or not other.live:
+                continue
+            other_info = processes.describe(other.pid, other.start_ticks)
+            if (other_info is not None and other_info.uid != self.uid
+                    and f.pid in processes.ancestors(other.pid)):
+                return (f"pid {f.pid} left alone: its descendant pid {other.pid} belongs to another user "
+                        f"({other_info.user}), and {one_line(info.cmdline, 40)} may relay our signals to it")
+        return None
 
     def _unlisted_overhead(self, snaps: Sequence[DeviceSnapshot], excused: set[int],
                            self_cuda: set[str]) -> dict[str, int]:
@@ -355,7 +369,8 @@ class Checker:
         return overhead
 
     def _offenders(self, snaps: Sequence[DeviceSnapshot], ours: Sequence[Found], foreign: set[int],
-                   excused: set[int], tolerance: int, overhead: dict[str, int]) -> list[Offender]:
+                   excused: set[int], tolerance: int, overhead: dict[str, int],
+                   reap_enabled: bool) -> list[Offender]:
         offenders: list[Offender] = []
         ignored: set[int] = set()
         for pid in sorted(foreign):
@@ -363,7 +378,7 @@ class Checker:
             if info is not None and self.ignore and processes.matches_any(info.cmdline, self.ignore):
                 ignored.add(pid)
                 continue
-            offenders.append(Offender("foreign", info or _vanished(pid), None, "gpu", _mib_of(pid, snaps),
+            offenders.append(Offender("foreign", info or vanished(pid), None, "gpu", mib_of(pid, snaps),
                                       detail="not started by this session: waited for, never killed"))
         for f in ours:
             info = processes.describe(f.pid, f.start_ticks)
@@ -371,12 +386,12 @@ class Checker:
                 continue
             if info.uid != self.uid:
                 detail = f"belongs to another user ({info.user}): never killed"
-            elif not self.reap_enabled:
+            elif not reap_enabled:
                 detail = "reaping is off"
             else:
                 detail = f"could not be reaped ({info.state})"
-            offenders.append(Offender("leaked", info, self.ownership.owner(f.token), f.found_by,
-                                      _mib_of(f.pid, snaps), detail=detail))
+            offenders.append(Offender("leaked", info, self.owner_of(f), f.found_by,
+                                      mib_of(f.pid, snaps), detail=detail))
         # Memory of allowlisted processes still counts against the tolerance; only their presence is
         # excused. Memory explained by a listed offender is not reported twice.
         blamed = {o.process.pid for o in offenders if o.process is not None}
@@ -400,32 +415,43 @@ class Checker:
                         detail="Python process of this user (host scope): never killed"))
         return offenders
 
+    def _unknown_offenders(self, unknown: Sequence[Found], snaps: Sequence[DeviceSnapshot]) -> list[Offender]:
+        offenders: list[Offender] = []
+        for f in unknown:
+            info = processes.describe(f.pid, f.start_ticks)
+            if info is not None:
+                offenders.append(Offender(
+                    "leaked", info, UNKNOWN_OWNER, f.found_by, mib_of(f.pid, snaps),
+                    detail="no evidence of which test or fixture started it: left alone, never signalled"))
+        return offenders
+
     # ---- reaping -------------------------------------------------------------------------------
 
     def reap(self, ours: Sequence[Found], snaps: Sequence[DeviceSnapshot], devices: Sequence[DeviceInfo],
-             notes: list[str]) -> list[Reaped]:
-        """Kill ``ours`` (TERM, grace, KILL), then wait until the driver no longer lists them."""
+             notes: list[str], everyone: Sequence[Found] = (), kill_first: bool = False) -> list[Reaped]:
+        """Kill ``ours`` (TERM, grace, KILL; or KILL at once), then wait until the driver lets them go."""
         infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in ours}
-        safe = [f for f in ours if self._may_kill(f, infos[f.pid])]
+        safe: list[Found] = []
         for f in ours:
-            if f not in safe and infos[f.pid] is not None:
-                notes.append(f"pid {f.pid} left alone: not provably ours")
+            relay = self._relays_to_others(f, infos[f.pid], everyone or ours)
+            if self._may_kill(f, infos[f.pid]) and relay is None:
+                safe.append(f)
+            elif infos[f.pid] is not None:
+                notes.append(relay or f"pid {f.pid} left alone: not provably ours")
+        for f in safe:
+            if f.debris_of is not None:
+                notes.append(f"pid {f.pid}: left by {f.debris_of.describe()}")
         if any(f.depth == 1 for f in safe):
             notes.extend(pools.shutdown_pools({f.pid for f in safe}, wait=self.grace))
         holders = {p.pid for s in snaps for p in s.processes} & {f.pid for f in safe}
-        targets = [processes.KillTarget(f.pid, f.start_ticks, f.depth) for f in safe]
-        ended, _released = self.kill_and_confirm(targets, devices, holders)
-        result: list[Reaped] = []
-        for f in safe:
-            outcome, release = ended[f.pid]
-            ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
-            result.append(Reaped(infos[f.pid] or _vanished(f.pid), self.ownership.owner(f.token), f.found_by,
-                                 ended_by, _mib_of(f.pid, snaps), outcome.exit_s, release))
-        return result
+        targets = [processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in safe]
+        ended, _released = self.kill_and_confirm(targets, devices, holders, kill_first=kill_first)
+        return [reaped_record(infos[f.pid], f.pid, self.owner_of(f), f.found_by, ended[f.pid],
+                              mib_of(f.pid, snaps)) for f in safe]
 
     def kill_and_confirm(self, targets: Sequence[processes.KillTarget], devices: Sequence[DeviceInfo],
-                         holders: set[int]) -> tuple[dict[int, tuple[processes.KillOutcome, float | None]],
-                                                     float | None]:
+                         holders: set[int], kill_first: bool = False
+                         ) -> tuple[dict[int, tuple[processes.KillOutcome, float | None]], float | None]:
         """The kill ladder, then wait until the driver lists none of ``holders`` (GPU-holding targets).
 
         Returns per pid its outcome and the driver's release time, and the seconds from the first
@@ -434,7 +460,8 @@ class Checker:
         """
         watch = ReleaseWatch(self, devices, holders)
         killed_at = time.monotonic()
-        outcomes = processes.terminate(targets, self.grace, watch=watch.poll)
+        outcomes = processes.terminate(targets, self.grace, watch=watch.poll, hurry=self.hurry,
+                                       kill_first=kill_first)
         watch.finish(deadline=time.monotonic() + max(self.grace, 10.0))
         ended: dict[int, tuple[processes.KillOutcome, float | None]] = {}
         for outcome in outcomes:
@@ -449,27 +476,231 @@ class Checker:
             all_released = max(watch.gone_at[p] for p in holders) - killed_at
         return ended, all_released
 
-    def _may_kill(self, f: Found, info: ProcessInfo | None) -> bool:
-        if info is None:
-            return True  # already gone: terminate() reports it without signalling
-        if f.pid in self.never_touch or info.uid != self.uid:
-            return False  # root too: another user's process is never ours to kill
-        if f.found_by == "cookie" and f.start_ticks < self.session_start_ticks:
-            return False
-        return not self.ownership.is_protected(f.token)
+    def freeze(self, targets: Sequence[Found], owners: set[str | None], scan_cookies: bool) -> list[Found]:
+        """SIGSTOP ``targets`` and whatever else of the same owners appears, until nothing new does.
 
-    def final_sweep(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
-        """At session end: reap everything this session spawned that is still alive."""
+        A stopped process forks no more, so the set stops growing; what it returns is killed at once.
+        """
+        frozen: dict[tuple[int, int], Found] = {f.key: f for f in targets}
+        processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in targets])
+        for _ in range(MAX_FREEZE_PASSES):
+            new = [f for f in self.census(scan_cookies=scan_cookies)
+                   if f.key not in frozen and f.live and not self.is_protected(f) and f.token in owners]
+            if not new:
+                break
+            frozen.update((f.key, f) for f in new)
+            processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in new])
+        return list(frozen.values())
+
+    def final_sweep(self, devices: Sequence[DeviceInfo], *, include_session: bool = False) -> list[Reaped]:
+        """At session end: reap everything this session's tests and fixtures spawned that is still alive.
+
+        No device data is needed to find and end them: devices are read only to time the release, and
+        a device that cannot be read (a GPU lost at the end) does not stop the sweep. With
+        ``include_session`` also what the session set-up started (conftest, plugins): for the very
+        end, after every ``pytest_unconfigure``.
+        """
         self.ownership.active_fixtures.clear()
-        found = self.census(scan_cookies=True)
+        found = [f for f in self.census(scan_cookies=True) if f.live]
+        if not include_session:
+            found = [f for f in found if f.token != SESSION]
+        else:
+            found = [f for f in found if f.token is not None]
         if not found or not self.reap_enabled:
             return []
-        return self.reap(found, self.snapshot(devices), devices, [])
+        try:
+            snaps = self.snapshot(devices)
+        except DeviceError:
+            snaps, devices = (), ()
+        try:
+            return self.reap(found, snaps, devices, [], everyone=found)
+        except DeviceError:
+            return self.reap(found, (), (), [], everyone=found)
 
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
-        infos = (processes.describe(f.pid, f.start_ticks) for f in self.census(scan_cookies=True))
+        infos = (processes.describe(f.pid, f.start_ticks) for f in self.census(scan_cookies=True)
+                 if f.live and f.token != SESSION)
         return [info for info in infos if info is not None and info.state != "zombie"]
+
+
+class _Check:
+    """One check: observe, collect zombies, let leftovers settle, reap, and give the verdict."""
+
+    def __init__(self, checker: Checker, phase: str, devices: Sequence[DeviceInfo], tolerance_mib: int,
+                 timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool) -> None:
+        self.c = checker
+        self.phase = phase
+        self.devices = devices
+        self.tolerance_mib = tolerance_mib
+        self.tolerance = tolerance_mib * MIB
+        self.timeout = timeout
+        self.scan_cookies = scan_cookies
+        self.dead_sessions = dead_sessions
+        self.reap_enabled = reap
+        self.started = time.monotonic()
+        self.reaped: list[Reaped] = []
+        self.notes: list[str] = []
+        self.attempted: set[tuple[int, int]] = set()
+        self.first_seen: dict[tuple[int, int], Offender] = {}
+        self.collected: list[Reaped] = []
+        self.collected_ids: set[tuple[int, int]] = set()
+        self.settled = False
+        self.rounds = 0
+        self.reaped_owners: set[str | None] = set()
+        # Filled by observe():
+        self.snaps: tuple[DeviceSnapshot, ...] = ()
+        self.found: list[Found] = []
+        self.ours: list[Found] = []
+        self.unknown: list[Found] = []
+        self.excused: set[int] = set()
+        self.unexplained: set[int] = set()
+        self.overhead: dict[str, int] = {}
+        self.self_cuda: set[str] = set()
+
+    def run(self) -> CheckResult:
+        while True:
+            self.observe()
+            if self.needs_cookie_scan():
+                continue
+            self.collect_zombies()
+            fresh = [f for f in self.ours if f.key not in self.attempted]
+            if self.settle(fresh):
+                continue
+            if self.reap_round(fresh):
+                continue
+            result = self.verdict(fresh)
+            if result is not None:
+                return result
+            time.sleep(POLL_S)
+
+    def observe(self) -> None:
+        c = self.c
+        self.snaps = c.snapshot(self.devices)
+        self.self_cuda = set()
+        self.found = c.census(scan_cookies=self.scan_cookies, dead_sessions=self.dead_sessions)
+        self.dead_sessions = False
+        unprotected = [f for f in self.found if not c.is_protected(f)]
+        # Of unknown birth: no evidence says which test made it, so it is reported, never signalled.
+        self.unknown = [f for f in self.found if f.token is None and f.debris_of is None and f.live]
+        self.ours = unprotected
+        # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
+        # goes: their contexts are excused like our own; they are never killed either.
+        excused = c.never_touch | c._helper_pids() | {f.pid for f in self.found
+                                                      if c.is_protected(f) and f.token is not None}
+        listed = {p.pid for s in self.snaps for p in s.processes}
+        unexplained = listed - excused - {f.pid for f in self.ours} - {f.pid for f in self.unknown}
+        excused |= c._peer_pids(unexplained)
+        self.unexplained = unexplained - excused
+        self.excused = excused
+        # Our own CUDA context's unlisted overhead must not trigger the cookie scan on every check of a
+        # pytest process that uses the GPU itself.
+        self.overhead = c._unlisted_overhead(self.snaps, excused, self.self_cuda)
+
+    def needs_cookie_scan(self) -> bool:
+        """Something holds a GPU that our tree does not explain: maybe an escapee with our cookie, or
+        the debris of a dead session."""
+        if self.scan_cookies:
+            return False
+        if self.unexplained or any(
+                s.used_bytes - s.bytes_of(self.excused) - self.overhead[s.device.uuid] > self.tolerance
+                for s in self.snaps):
+            self.scan_cookies = True
+            self.dead_sessions = self.c.dead_sessions
+            return True
+        return False
+
+    def collect_zombies(self) -> None:
+        # Exited processes nobody waited for hold no memory and are no leak: most are orphans that our
+        # subreaper adopted (a double fork's middle process, a subprocess's resource tracker), which init
+        # would have collected. Collect the ones that are now our children, by pid.
+        for f in self.ours:
+            if not f.live and f.key not in self.collected_ids:
+                info = processes.describe(f.pid, f.start_ticks)
+                if processes.reap_if_child(f.pid):
+                    self._collect(f, info, "reaped zombie")
+        self.ours = [f for f in self.ours if f.live]
+
+    def settle(self, fresh: Sequence[Found]) -> bool:
+        """Before the first reaping, give leftovers ``settle`` seconds to exit on their own (a
+        subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown).
+        True if any did, so the caller looks again."""
+        if not (self.reap_enabled and fresh and not self.rounds and not self.settled and self.c.settle > 0):
+            return False
+        self.settled = True
+        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in fresh}
+        deadline = time.monotonic() + self.c.settle
+        pending = list(fresh)
+        while pending and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            for f in list(pending):
+                if f.handle is None or f.handle.exited():
+                    processes.reap_if_child(f.pid)
+                    pending.remove(f)
+                    self._collect(f, infos[f.pid], "exited by itself")
+        return len(pending) < len(fresh)
+
+    def reap_round(self, fresh: Sequence[Found]) -> bool:
+        if not (self.reap_enabled and fresh and self.rounds < MAX_REAP_ROUNDS):
+            return False
+        kill_first = False
+        targets = list(fresh)
+        if self.rounds:
+            # Killed processes were replaced (a SIGTERM handler that forks, a supervisor): stop the
+            # whole set first, so nothing forks while we look, then SIGKILL it; no handler runs again.
+            self.notes.append(f"new processes appeared while reaping (round {self.rounds + 1}): "
+                              f"{sorted(f.pid for f in fresh)}; stopped and killed with SIGKILL")
+            targets = self.c.freeze(fresh, {f.token for f in fresh} | self.reaped_owners, self.scan_cookies)
+            kill_first = True
+        self.rounds += 1
+        self.attempted.update(f.key for f in targets)
+        self.reaped_owners.update(f.token for f in targets)
+        self.reaped.extend(self.c.reap(targets, self.snaps, self.devices, self.notes, everyone=self.found,
+                                       kill_first=kill_first))
+        # What could not be signalled is not retried: waiting for it is what the verdict does.
+        return True
+
+    def verdict(self, fresh: Sequence[Found]) -> CheckResult | None:
+        """The result if the check is over (clean, hopeless or timed out), else None to look again."""
+        c = self.c
+        offenders = c._offenders(self.snaps, self.ours, self.unexplained, self.excused, self.tolerance,
+                                 self.overhead, self.reap_enabled)
+        offenders.extend(c._unknown_offenders(self.unknown, self.snaps))
+        for o in offenders:
+            if o.reason == "leaked" and o.process is not None:
+                self.first_seen.setdefault((o.process.pid, o.process.start_ticks), o)
+        waited = time.monotonic() - self.started
+        # Processes that survived our SIGKILL, or that we may not signal, do not go away by waiting.
+        unsignalled = {f.key for f in self.unknown} | {
+            f.key for f in self.ours if f.key in self.attempted}
+        hopeless = bool(offenders) and all(
+            o.reason == "leaked" and o.process is not None
+            and (o.process.pid, o.process.start_ticks) in unsignalled for o in offenders)
+        if offenders and not hopeless and waited < self.timeout:
+            return None
+        if fresh and self.rounds >= MAX_REAP_ROUNDS:
+            self.notes.append(f"gave up after {self.rounds} reaping rounds: killed processes keep being "
+                              f"replaced (a process pool or supervisor outside our reach?)")
+        still = {(o.process.pid, o.process.start_ticks) for o in offenders if o.process is not None}
+        lingered = tuple(
+            dataclasses.replace(o, detail=f"outlived its test, ended by itself within {waited:.2f}s "
+                                "(reaping is off)")
+            for key, o in self.first_seen.items() if key not in still)
+        me = c.me
+        return CheckResult(
+            phase=self.phase, clean=not offenders, devices=self.snaps, offenders=tuple(offenders),
+            lingered=lingered, collected=tuple(self.collected), reaped=tuple(self.reaped), waited_s=waited,
+            clean_after_s=waited if not offenders else None, notes=tuple(self.notes),
+            tolerance_mib=self.tolerance_mib,
+            self_mib=tuple((s.device.label, s.bytes_of({me}) / MIB) for s in self.snaps if s.bytes_of({me})),
+            self_cuda_only=() if not self.self_cuda else tuple(
+                s.device.label for s in self.snaps if s.device.label in self.self_cuda),
+        )
+
+    def _collect(self, f: Found, info: ProcessInfo | None, how: str) -> None:
+        # One of ours that ended without being killed: reported in the summary, not a leak.
+        self.collected_ids.add(f.key)
+        self.collected.append(Reaped(info or vanished(f.pid), self.c.owner_of(f), f.found_by, how, (), None))
 
 
 class ReleaseWatch:
@@ -501,10 +732,21 @@ CONTEXT_OVERHEAD_BYTES = 64 * MIB
 an H200 (driver 580): 877 MiB used with one context whose process was charged 868 MiB."""
 
 
-def _mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:
+def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:
+    """(device label, MiB) of each device the driver lists ``pid`` on."""
     return tuple((s.device.label, s.bytes_of({pid}) / MIB) for s in snaps
                  if any(p.pid == pid for p in s.processes))
 
 
-def _vanished(pid: int) -> ProcessInfo:
+def vanished(pid: int) -> ProcessInfo:
+    """A stand-in for a process that ended before it could be described."""
     return ProcessInfo(pid, 0, 0, -1, "?", "(exited)", "gone")
+
+
+def reaped_record(info: ProcessInfo | None, pid: int, owner: Owner | None, found_by: str,
+                  ended: tuple[processes.KillOutcome, float | None],
+                  held: tuple[tuple[str, float], ...]) -> Reaped:
+    """What the kill ladder did to one process, as reported."""
+    outcome, release = ended
+    ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
+    return Reaped(info or vanished(pid), owner, found_by, ended_by, held, outcome.exit_s, release)

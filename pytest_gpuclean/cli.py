@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, TextIO, TypeVar
 
 from pytest_gpuclean import __version__, devices, jsonreport, processes, procfs, report
-from pytest_gpuclean.checker import COOKIE_VAR, Checker
+from pytest_gpuclean.checker import Checker
 from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, ProcessInfo, Reaped
+from pytest_gpuclean.ownership import COOKIE_VAR
 
 EXIT_CLEAN = 0
 EXIT_DIRTY = 1
@@ -145,11 +146,9 @@ def _open_devices(args: argparse.Namespace) -> Iterator[_Devices]:
 
 def _checker(backend: devices.Backend, *, grace: float = DEFAULT_GRACE_S, ignore: Sequence[str] = ()
              ) -> Checker:
-    checker = Checker(backend, reap=False, grace=grace, ignore=ignore)
-    # The plugin excuses sibling xdist workers of its own run; the CLI has no run, and a hook started
-    # from inside a test run (as our own tests do) must not excuse that run's processes.
-    checker.xdist_run = None
-    return checker
+    # No xdist run: the plugin excuses sibling xdist workers of its own run; the CLI has no run, and a
+    # hook started from inside a test run (as our own tests do) must not excuse that run's processes.
+    return Checker(backend, reap=False, grace=grace, ignore=ignore)
 
 
 def _header(found: _Devices) -> str:

@@ -6,10 +6,12 @@ is registered in ``pytest_configure`` and undone through ``config.add_cleanup``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import signal
 import sys
-import uuid
+import threading
 import warnings
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -19,9 +21,10 @@ import pytest
 
 from pytest_gpuclean import devices as devices_mod
 from pytest_gpuclean import processes, report, settings
-from pytest_gpuclean.checker import COOKIE_VAR, Checker
+from pytest_gpuclean.checker import Checker
 from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout, describe_holders
 from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Reaped, TestRecord
+from pytest_gpuclean.ownership import COOKIE_VAR, OWNER_VAR, new_session_id
 from pytest_gpuclean.serialize import reaped_from_dict, reaped_to_dict, record_from_dict, record_to_dict
 
 MARKER = "needs_clean_gpus"
@@ -59,7 +62,7 @@ class CleanGpus:
 @dataclass
 class _ItemState:
     token: str
-    previous_cookie: str | None
+    previous_cookie: tuple[str | None, str | None]
     checked: bool = False
     tolerance_mib: int = 0
     timeout: float = 0.0
@@ -159,15 +162,14 @@ class GpuCleanPlugin:
         # A cookie already set (a CI job's, or the test of an outer pytest session) prefixes ours, so
         # `gpuclean reap --cookie <job>` and the outer session still recognise everything we spawn.
         inherited = os.environ.get(COOKIE_VAR)
-        session_id = f"{me}-{uuid.uuid4().hex[:10]}"
+        # Only an xdist worker has peers: otherwise the run id in our environment was inherited (we are
+        # a nested session started by a worker's test), and our siblings are no peers of ours.
+        worker = hasattr(config, "workerinput")
         self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
                                ignore=resolved.ignore, host_scope=resolved.scope == "host",
-                               settle=resolved.settle,
-                               session_id=f"{inherited}/{session_id}" if inherited else session_id)
-        if not hasattr(config, "workerinput"):
-            # Not an xdist worker: the run id in our environment was inherited (e.g. we are a nested
-            # session started by a worker's test), and our siblings are no peers of ours.
-            self.checker.xdist_run = None
+                               settle=resolved.settle, session_id=new_session_id(inherited),
+                               xdist_run=os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None,
+                               peer_cookie=inherited, dead_sessions=resolved.dead_sessions == "on")
         self.records: list[TestRecord] = []
         self.late_records: dict[str, TestRecord] = {}
         self.session_reaped: list[Reaped] = []
@@ -182,16 +184,62 @@ class GpuCleanPlugin:
         # Processes started outside any test (collection, other plugins, conftest imports) belong to
         # the session, like a session-scoped fixture: protected until the final sweep.
         self.checker.ownership.active_fixtures.add(self._session_token)
-        self._previous_cookie = os.environ.get(COOKIE_VAR)
-        os.environ[COOKIE_VAR] = self.checker.ownership.cookie(self._session_token)
+        self._previous_cookie = self._set_owner_env(self._session_token)
+        self._swept = False
+        self._terminated = False
+        self._previous_sigterm: Any = None
+        self._install_sigterm()
 
     def close(self) -> None:
-        if self._previous_cookie is None:
-            os.environ.pop(COOKIE_VAR, None)
-        else:
-            os.environ[COOKIE_VAR] = self._previous_cookie
+        # After every pytest_unconfigure: what the session set-up started (a conftest's server, a
+        # plugin's daemon) and its owner did not stop would otherwise outlive pytest.
+        try:
+            late = self.checker.final_sweep(self.devices, include_session=True) if not self.controller else []
+        except Exception as exc:  # the session is over: say what went wrong, lose nothing else
+            late = []
+            sys.stderr.write(f"gpuclean: the last sweep failed: {exc!r}\n")
+        if late:
+            sys.stderr.write(f"gpuclean: reaped {len(late)} process(es) of the session set-up (conftest, "
+                             "plugins) still alive after pytest_unconfigure: "
+                             + ", ".join(f"pid {r.process.pid} {r.ended_by} "
+                                         f"({report.one_line(r.process.cmdline, 60)})" for r in late) + "\n")
+        _restore_env(COOKIE_VAR, self._previous_cookie[0])
+        _restore_env(OWNER_VAR, self._previous_cookie[1])
+        self.checker.close()
         if self.backend is not None:
             self.backend.close()
+        self._uninstall_sigterm()
+
+    def _set_owner_env(self, token: str) -> tuple[str | None, str | None]:
+        """Export ``token``'s cookie and owner to what the pytest process spawns; return the previous."""
+        ownership = self.checker.ownership
+        previous = os.environ.get(COOKIE_VAR), os.environ.get(OWNER_VAR)
+        os.environ[COOKIE_VAR] = ownership.cookie(token)
+        os.environ[OWNER_VAR] = ownership.owners[token].name
+        return previous
+
+    # ---- signals ---------------------------------------------------------------------------------
+
+    def _install_sigterm(self) -> None:
+        # A cancelled CI job sends SIGTERM: treat it like Ctrl-C, so that the final sweep runs and the
+        # reports are written, then die of SIGTERM as the job runner expects. A handler that the suite
+        # (or another plugin) installed is left alone.
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _uninstall_sigterm(self) -> None:
+        if self._previous_sigterm is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        self._previous_sigterm = None
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self._terminated:
+            self._terminated = True
+            atexit.register(_die_of, signal.SIGTERM)
+        raise KeyboardInterrupt("SIGTERM")
 
     # ---- session ---------------------------------------------------------------------------------
 
@@ -215,9 +263,31 @@ class GpuCleanPlugin:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self.controller:
+        self.sweep(session)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_sessionfinish")
+    def sessionfinish_guard(self, session: pytest.Session) -> Generator[None, None, None]:
+        # A second pytest_sessionfinish: when another plugin's or a
+        # conftest's pytest_sessionfinish raises, pluggy skips the rest, ours included; this outermost
+        # wrapper sweeps anyway.
+        try:
+            return (yield)
+        finally:
+            self.sweep(session)
+
+    def sweep(self, session: pytest.Session) -> None:
+        """The final sweep, once, whatever else failed; a second interrupt only makes it quicker."""
+        if self._swept or self.controller:
             return
-        self.session_reaped = self.checker.final_sweep(self.devices)
+        self._swept = True
+        hurry = threading.Event()
+        restore = _quiet_interrupts(hurry)
+        self.checker.hurry = hurry.is_set
+        try:
+            self.session_reaped = self.checker.final_sweep(self.devices)
+        finally:
+            self.checker.hurry = None
+            restore()
         if not self.checker.reap_enabled:
             left = self.checker.survivors()
             if left:
@@ -275,14 +345,14 @@ class GpuCleanPlugin:
         token = ownership.new_token(Owner("fixture", f"{fixturedef.argname} ({fixturedef.scope}-scoped)"))
         self._fixture_tokens[id(fixturedef)] = token
         ownership.active_fixtures.add(token)
-        previous = os.environ.get(COOKIE_VAR)
-        os.environ[COOKIE_VAR] = ownership.cookie(token)
+        previous = self._set_owner_env(token)
         ownership.open_window(token)
         try:
             return (yield)
         finally:
             ownership.close_window(token)
-            _restore_env(COOKIE_VAR, previous)
+            _restore_env(COOKIE_VAR, previous[0])
+            _restore_env(OWNER_VAR, previous[1])
 
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any],
                                       request: pytest.FixtureRequest) -> None:
@@ -310,9 +380,8 @@ class GpuCleanPlugin:
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
         ownership = self.checker.ownership
         token = ownership.new_token(Owner("test", item.nodeid))
-        state = _ItemState(token=token, previous_cookie=os.environ.get(COOKIE_VAR))
+        state = _ItemState(token=token, previous_cookie=self._set_owner_env(token))
         item.stash[_STATE] = state
-        os.environ[COOKIE_VAR] = ownership.cookie(token)
         ownership.open_window(token)
         if self._should_check(item):
             state.checked = True
@@ -364,7 +433,7 @@ class GpuCleanPlugin:
         record.before = result
         record.before_s = result.waited_s
         self._note_own_context(result)
-        self._attribute_earlier(result.reaped, state)
+        self._attribute_earlier(result.reaped, state, result.notes)
         state.torch_before = _torch_allocated()
         if not result.clean:
             pytest.fail(report.check_report(result, report.not_clean_heading("setup", result, state.timeout)),
@@ -405,9 +474,11 @@ class GpuCleanPlugin:
         result = self.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
                                     timeout=state.timeout)
         own_tokens = {state.token, *state.fixture_tokens}
-        own = [r for r in result.reaped if r.owner is None or r.owner.kind not in ("test", "fixture")
-               or self._token_of(r.owner) in own_tokens]
-        self._attribute_earlier([r for r in result.reaped if r not in own], state)
+        # A dead session's debris is that session's leak, never this test's.
+        own = [r for r in result.reaped if r.found_by != "dead session" and (
+            r.owner is None or r.owner.kind not in ("test", "fixture")
+            or self._token_of(r.owner) in own_tokens)]
+        self._attribute_earlier([r for r in result.reaped if r not in own], state, result.notes)
         # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
         result = dataclasses.replace(result, reaped=tuple(own))
         record.after = result
@@ -434,7 +505,8 @@ class GpuCleanPlugin:
     def _end_test(self, state: _ItemState) -> None:
         ownership = self.checker.ownership
         ownership.close_window(state.token)
-        _restore_env(COOKIE_VAR, state.previous_cookie)
+        _restore_env(COOKIE_VAR, state.previous_cookie[0])
+        _restore_env(OWNER_VAR, state.previous_cookie[1])
         if state.previous_visible is not None:
             was_set, value = state.previous_visible
             _restore_env("CUDA_VISIBLE_DEVICES", value if was_set else None)
@@ -454,16 +526,21 @@ class GpuCleanPlugin:
                 return token
         return None
 
-    def _attribute_earlier(self, reaped: list[Reaped] | tuple[Reaped, ...], state: _ItemState) -> None:
-        # A leak of an earlier (e.g. unmarked) test, found now: blame the test that spawned it, and let
-        # the finder go on if reaping made things clean.
+    def _attribute_earlier(self, reaped: list[Reaped] | tuple[Reaped, ...], state: _ItemState,
+                           notes: tuple[str, ...] = ()) -> None:
+        # A leak of an earlier (e.g. unmarked) test, or of a session that died, found now: blame the test
+        # that spawned it, and let the finder go on if reaping made things clean.
         for r in reaped:
             if r.owner is not None and r.owner.kind == "test":
                 self._record_for(r.owner.name).found_later.append(r)
+            origin = next((n for n in notes if n.startswith(f"pid {r.process.pid}: left by ")), None)
+            if origin is not None:
+                self.notes.append(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.ended_by})")
             warnings.warn(GpuCleanWarning(
                 f"gpuclean: pid {r.process.pid} ({report.one_line(r.process.cmdline, 80)}) was leaked by "
                 f"{r.owner} and reaped ({r.ended_by}) before "
-                f"{state.record.nodeid if state.record else 'this test'}"),
+                f"{state.record.nodeid if state.record else 'this test'}"
+                + (f"; {origin}" if origin else "")),
                 stacklevel=1)
 
     def _note_own_context(self, result: CheckResult) -> None:
@@ -508,6 +585,38 @@ class XdistHooks:
         payload = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
         if payload:
             self.plugin.worker_payloads.append(payload)
+
+
+def _quiet_interrupts(hurry: threading.Event) -> Any:
+    """Make SIGINT/SIGTERM set ``hurry`` instead of raising, until the returned function is called.
+
+    During the final sweep a second Ctrl-C (or the job runner's SIGTERM) must shorten the grace, not
+    abandon the leaks and the reports.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        hurry.set()
+
+    for sig in previous:
+        signal.signal(sig, on_signal)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def _die_of(signum: int) -> None:
+    # Registered when SIGTERM interrupted the session: everything is written, now exit the way the
+    # sender expects (status 128 + 15 in a shell), not as an interrupted pytest.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _restore_env(name: str, value: str | None) -> None:

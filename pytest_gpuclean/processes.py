@@ -129,13 +129,92 @@ def matches_any(text: str, patterns: Iterable[str]) -> bool:
     return any(fnmatchcase(text, pattern) for pattern in patterns)
 
 
+class Handle:
+    """A process pinned by a pidfd from the moment it was found: signals reach it and nothing else.
+
+    A pid can be recycled between the census that finds a process and the kill, even within one tick of
+    its start time (the clock a start time is kept in); a pidfd cannot. Where the kernel has no pidfds
+    (before Linux 5.3), the (pid, start ticks) identity is re-checked before each signal instead.
+    """
+
+    __slots__ = ("pid", "pidfd", "start_ticks")
+
+    def __init__(self, pid: int, start_ticks: int, pidfd: int | None) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.pidfd = pidfd
+
+    def exited(self) -> bool:
+        """True once the process has ended (its last thread, for a leader that exited early)."""
+        if self.pidfd is not None:
+            # Readable once the whole thread group has exited (zombie or reaped).
+            poller = select.poll()
+            poller.register(self.pidfd, select.POLLIN)
+            return bool(poller.poll(0))
+        stat = procfs.read_stat(self.pid)
+        return stat is None or stat.start_ticks != self.start_ticks or not procfs.live_state(self.pid,
+                                                                                           stat.state)
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig``; False if the process is gone."""
+        try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            else:
+                stat = procfs.read_stat(self.pid)
+                if stat is None or stat.start_ticks != self.start_ticks:
+                    return False
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            try:  # noqa: SIM105 (a closed handle is closed)
+                os.close(self.pidfd)
+            except OSError:
+                pass
+            self.pidfd = None
+
+    def __repr__(self) -> str:
+        return f"Handle(pid={self.pid}, start_ticks={self.start_ticks})"
+
+
+def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcStat] | None:
+    """Pin ``pid``: open its pidfd, then read its stat; None if it is gone (or is not ``start_ticks``).
+
+    The stat is read after the pidfd is open and trusted only if the pinned process is still alive
+    afterwards: a live process keeps its pid, so that stat (parent, start time) is the pinned one's.
+    """
+    pidfd: int | None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    except (OSError, AttributeError):
+        pidfd = None
+    stat = procfs.read_stat(pid)
+    handle = Handle(pid, stat.start_ticks if stat else -1, pidfd)
+    if stat is None or (start_ticks is not None and stat.start_ticks != start_ticks) or (
+            pidfd is not None and handle.exited() and stat.state not in ("Z", "X")):
+        handle.close()
+        return None
+    return handle, stat
+
+
 @dataclass(frozen=True)
 class KillTarget:
-    """A process to end; ``depth`` orders children before their parents."""
+    """A process to end; ``depth`` orders children before their parents.
+
+    With a ``handle`` (pinned when the process was found) signals go through it and the caller keeps it
+    open; without one, ``terminate`` pins the process by ``(pid, start_ticks)`` itself.
+    """
 
     pid: int
     start_ticks: int
     depth: int = 0
+    handle: Handle | None = None
 
 
 @dataclass(frozen=True)
@@ -151,9 +230,9 @@ class KillOutcome:
 
 
 class _Tracked:
-    def __init__(self, target: KillTarget, pidfd: int | None) -> None:
+    def __init__(self, target: KillTarget, handle: Handle) -> None:
         self.target = target
-        self.pidfd = pidfd
+        self.handle = handle
         self.gone_at: float | None = None
         self.ended_by = ""
 
@@ -170,56 +249,15 @@ def reap_if_child(pid: int) -> bool:
     return done == pid
 
 
-def _open_pidfd(target: KillTarget) -> tuple[bool, int | None]:
-    """(identity still valid, pidfd). The identity is checked after the pidfd is open, so the pidfd
-    provably refers to the process we recorded."""
-    pidfd: int | None = None
-    try:
-        pidfd = os.pidfd_open(target.pid)
-    except ProcessLookupError:
-        return False, None
-    except (OSError, AttributeError):
-        pidfd = None  # old kernel: fall back to the (pid, start time) check just before each signal
-    stat = procfs.read_stat(target.pid)
-    if stat is None or stat.start_ticks != target.start_ticks:
-        if pidfd is not None:
-            os.close(pidfd)
-        return False, None
-    return True, pidfd
-
-
-def _signal(tracked: _Tracked, sig: int) -> bool:
-    target = tracked.target
-    try:
-        if tracked.pidfd is not None:
-            signal.pidfd_send_signal(tracked.pidfd, sig)
-        else:
-            stat = procfs.read_stat(target.pid)
-            if stat is None or stat.start_ticks != target.start_ticks:
-                return False
-            os.kill(target.pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _has_exited(tracked: _Tracked) -> bool:
-    target = tracked.target
-    if tracked.pidfd is not None:
-        # A pidfd polls readable once the process has exited (zombie or reaped).
-        poller = select.poll()
-        poller.register(tracked.pidfd, select.POLLIN)
-        exited = bool(poller.poll(0))
-    else:
-        stat = procfs.read_stat(target.pid)
-        exited = stat is None or stat.start_ticks != target.start_ticks or stat.state in ("Z", "X")
+    exited = tracked.handle.exited()
     if exited:
-        reap_if_child(target.pid)
+        reap_if_child(tracked.target.pid)
     return exited
 
 
 def _wait(tracked: list[_Tracked], deadline: float, started: float, label: str,
-          watch: Callable[[], None] | None) -> None:
+          watch: Callable[[], None] | None, hurry: Callable[[], bool] | None = None) -> None:
     pending = [t for t in tracked if t.gone_at is None]
     while pending:
         if watch is not None:
@@ -230,57 +268,78 @@ def _wait(tracked: list[_Tracked], deadline: float, started: float, label: str,
                 t.gone_at = now - started
                 t.ended_by = label
         pending = [t for t in pending if t.gone_at is None]
-        if not pending or now >= deadline:
+        if not pending or now >= deadline or (hurry is not None and hurry()):
             return
         time.sleep(_POLL_S)
 
 
+def stop(targets: Sequence[KillTarget]) -> None:
+    """SIGSTOP ``targets`` (pinned): a stopped process can no longer fork a replacement."""
+    for target in targets:
+        if target.handle is not None:
+            target.handle.signal(signal.SIGSTOP)
+
+
 def terminate(targets: Sequence[KillTarget], grace: float, kill_wait: float = 5.0,
-              watch: Callable[[], None] | None = None) -> list[KillOutcome]:
+              watch: Callable[[], None] | None = None, hurry: Callable[[], bool] | None = None,
+              kill_first: bool = False) -> list[KillOutcome]:
     """SIGTERM every target (deepest first), wait up to ``grace``, SIGKILL survivors, wait for them.
 
     Targets whose identity changed are reported as ``pid reused`` and never signalled. ``watch`` is
-    called on every poll while waiting (the checker times the driver's release with it).
+    called on every poll while waiting (the checker times the driver's release with it); once ``hurry``
+    returns True (a second interrupt) the grace ends at once. ``kill_first`` skips SIGTERM: for processes
+    that answered an earlier SIGTERM by forking a replacement.
     """
     started = time.monotonic()
     outcomes: list[KillOutcome] = []
     tracked: list[_Tracked] = []
+    opened: list[Handle] = []
     for target in sorted(targets, key=lambda t: -t.depth):
-        valid, pidfd = _open_pidfd(target)
-        if not valid:
-            outcomes.append(KillOutcome(target.pid, "pid reused" if procfs.read_stat(target.pid)
-                                        else "already exited", None))
-            continue
-        t = _Tracked(target, pidfd)
-        stat = procfs.read_stat(target.pid)
-        if stat is not None and stat.state in ("Z", "X"):
+        handle = target.handle
+        if handle is None:
+            pinned = pin(target.pid, target.start_ticks)
+            if pinned is None:
+                outcomes.append(KillOutcome(target.pid, "pid reused" if procfs.read_stat(target.pid)
+                                            else "already exited", None))
+                continue
+            handle = pinned[0]
+            opened.append(handle)
+        t = _Tracked(target, handle)
+        if handle.exited():
             reap_if_child(target.pid)
             t.gone_at = 0.0
             t.ended_by = "reaped zombie"
         tracked.append(t)
     try:
+        first = signal.SIGKILL if kill_first else signal.SIGTERM
+        first_label = "SIGKILL" if kill_first else "SIGTERM"
         for t in tracked:
-            if t.gone_at is None and not _signal(t, signal.SIGTERM):
+            if t.gone_at is None and not t.handle.signal(first):
                 t.gone_at, t.ended_by = 0.0, "already exited"
-        _wait(tracked, started + grace, started, "SIGTERM", watch)
+        if kill_first:
+            _wait(tracked, started + kill_wait, started, first_label, watch)
+        else:
+            _wait(tracked, started + grace, started, first_label, watch, hurry)
         survivors = [t for t in tracked if t.gone_at is None]
         kill_sent = time.monotonic() - started
-        for t in survivors:
-            if not _signal(t, signal.SIGKILL):
-                t.gone_at, t.ended_by = time.monotonic() - started, "SIGTERM"
-        if survivors:
-            _wait(tracked, time.monotonic() + kill_wait, started, "SIGKILL", watch)
+        if not kill_first:
+            for t in survivors:
+                if not t.handle.signal(signal.SIGKILL):
+                    t.gone_at, t.ended_by = time.monotonic() - started, "SIGTERM"
+            if survivors:
+                _wait(tracked, time.monotonic() + kill_wait, started, "SIGKILL", watch)
         for t in tracked:
             state = ""
             if t.gone_at is None:
                 stat = procfs.read_stat(t.target.pid)
                 state = _STATE_NAMES.get(stat.state, stat.state) if stat else "gone"
-            sent = {"SIGTERM": 0.0, "SIGKILL": kill_sent}.get(t.ended_by)
+                if stat is not None and stat.state == "Z" and procfs.live_state(t.target.pid, "Z"):
+                    state = "zombie leader with live threads"
+            sent = {"SIGTERM": 0.0, "SIGKILL": 0.0 if kill_first else kill_sent}.get(t.ended_by)
             outcomes.append(KillOutcome(t.target.pid, t.ended_by or "survived", t.gone_at, state, sent))
     finally:
-        for t in tracked:
-            if t.pidfd is not None:
-                os.close(t.pidfd)
+        for handle in opened:
+            handle.close()
     return outcomes
 
 

@@ -52,7 +52,53 @@ def read_stat(pid: int) -> ProcStat | None:
 def is_live(pid: int) -> bool:
     """True if ``pid`` exists and is not a zombie or dead (the driver frees memory at exit)."""
     st = read_stat(pid)
-    return st is not None and st.state not in ("Z", "X")
+    return st is not None and live_state(pid, st.state)
+
+
+def live_state(pid: int, state: str) -> bool:
+    """Whether a process whose stat says ``state`` still runs code.
+
+    A thread-group leader that called ``pthread_exit`` shows state Z while its other threads run on
+    (and, on a GPU, keep its memory): such a "zombie" is alive until its last thread ends.
+    """
+    if state not in ("Z", "X"):
+        return True
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any(tid != str(pid) for tid in tasks)
+
+
+def last_pid() -> int | None:
+    """The pid most recently allocated in this pid namespace (None where the kernel does not say).
+
+    Pids are handed out in increasing order until they wrap at ``pid_max``, so two readings bracket the
+    pids of everything created between them: evidence of when a process was born that does not depend
+    on the 10 ms resolution of its start time.
+    """
+    try:
+        with open("/proc/sys/kernel/ns_last_pid", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_max() -> int:
+    """The pid after which allocation wraps around (32768 on many hosts)."""
+    try:
+        with open("/proc/sys/kernel/pid_max", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 4194304
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace: pids from another namespace mean nothing here."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def children(pid: int) -> list[int]:
@@ -104,16 +150,23 @@ def read_environ_var(pid: int, name: str) -> str | None:
     Only the owner (or root) can read another process's environ, which is exactly the set of
     processes gpuclean may ever act on.
     """
+    return read_environ_vars(pid, (name,)).get(name)
+
+
+def read_environ_vars(pid: int, names: tuple[str, ...]) -> dict[str, str]:
+    """The values of those of ``names`` that are in ``pid``'s initial environment (one read)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             data = f.read()
     except OSError:
-        return None
-    key = name.encode() + b"="
+        return {}
+    keys = [(name, name.encode() + b"=") for name in names]
+    found: dict[str, str] = {}
     for entry in data.split(b"\0"):
-        if entry.startswith(key):
-            return entry[len(key) :].decode(errors="replace")
-    return None
+        for name, key in keys:
+            if entry.startswith(key):
+                found[name] = entry[len(key) :].decode(errors="replace")
+    return found
 
 
 def pids_of_uid(uid: int) -> list[int]:

@@ -124,6 +124,9 @@ OPTIONS: tuple[Option, ...] = (
            "(default 1); those that do are reported, not counted as leaks", _seconds, 1.0, "S"),
     Option("reap", "on: kill what a test leaked; off: only report (default on)", _choice(REAP_MODES), "on",
            "MODE"),
+    Option("dead_sessions", "on: reap what dead gpuclean sessions of this user left behind (their pytest "
+           "was killed), found at the first check and whenever a GPU holds something unexplained; off: "
+           "leave it (default on)", _choice(REAP_MODES), "on", "MODE"),
     Option("lock", "on: hold a cross-process lock per GPU while a checked test runs (default on)",
            _choice(LOCK_MODES), "on", "MODE"),
     Option("lock_dir", "directory of the per-GPU lock files shared by all sessions on this host "
@@ -171,6 +174,7 @@ class Settings:
     grace: float = 5.0
     settle: float = 1.0
     reap: str = "on"
+    dead_sessions: str = "on"
     lock: str = "on"
     lock_dir: str = os.path.join(tempfile.gettempdir(), "gpuclean-locks")
     lock_timeout: float = 600.0

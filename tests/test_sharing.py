@@ -420,10 +420,14 @@ def test_pytest_timeout_counts_the_lock_wait_unless_func_only(sessions: Sessions
     assert sessions.finish(holder)[0] == 0
 
 
+@pytest.mark.parametrize("dead_sessions", ["on", "off"])
 def test_pytest_timeout_thread_method_exits_without_teardown(inner: Callable[[str], Path],
-                                                             pytester: pytest.Pytester) -> None:
+                                                             pytester: pytest.Pytester,
+                                                             dead_sessions: str) -> None:
     # pytest-timeout's thread method ends the process with os._exit(1): no teardown, no reaping. The
-    # next session's setup check is what notices the leftover (and waits for it, never kills it).
+    # next session's first check finds the leftover: its cookie names a session whose pytest is dead,
+    # so it is that session's debris, reaped and blamed on the test that made it. With the option off,
+    # it is a foreign process: waited for, never killed.
     pidfile = inner(HANGS)
     leaked: int | None = None
     try:
@@ -441,13 +445,24 @@ import pytest
 def test_next():
     pass
 """)
-        result = run_inner(pytester)
-        result.assert_outcomes(errors=1)
+        result = run_inner(pytester, f"--gpuclean-dead-sessions={dead_sessions}")
+        if dead_sessions == "off":
+            result.assert_outcomes(errors=1)
+            result.stdout.fnmatch_lines([
+                f"{NOT_CLEAN_PREFIX} before the test*",
+                f"  foreign pid {leaked} *",
+            ])
+            assert alive(leaked)
+            return
+        result.assert_outcomes(passed=1)
         result.stdout.fnmatch_lines([
-            f"{NOT_CLEAN_PREFIX} before the test*",
-            f"  foreign pid {leaked} *",
+            f"*pid {leaked} * was leaked by test_inner.py::test_hangs and reaped (SIGTERM) before "
+            "test_inner.py::test_next*",
+            f"test_inner.py::test_hangs: leaked 1 process(es) found by a later check (pid {leaked} SIGTERM)",
+            f"gpuclean: pid {leaked}: left by dead session gc.* (pytest pid *, started *), spawned by "
+            "test_inner.py::test_hangs: reaped (SIGTERM)",
         ])
-        assert alive(leaked)
+        assert wait_dead([leaked]) == []
     finally:
         if leaked is not None:
             collect(leaked)

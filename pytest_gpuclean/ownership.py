@@ -1,0 +1,191 @@
+"""Who made a process: the evidence gpuclean acts on, and nothing it has to guess.
+
+A process belongs to a test only if the test made it: through the processes the test started (ancestry),
+by the environment cookie it inherited, or by its birth while the test ran, bracketed by pid readings
+taken when the test's window opened and closed. It never belongs to a test if a fixture that is still
+active, a conftest, the session set-up or another session made it or one of its ancestors. Where the
+evidence is missing or contradicts itself the owner is ``unknown``, and an unknown process is reported,
+never signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from pytest_gpuclean import procfs
+from pytest_gpuclean.model import UNKNOWN_OWNER, Owner
+
+COOKIE_VAR = "GPUCLEAN_TEST"
+"""Set in the pytest process while a test or higher-scoped fixture runs: every process spawned then
+inherits ``<session id>:<owner token>`` and so says who started it, wherever it ends up."""
+OWNER_VAR = "GPUCLEAN_OWNER"
+"""Set next to the cookie: the owner's name (a test's node id), so that the debris of a session that died
+can still be blamed on the test that made it."""
+
+SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
+
+_SESSION_ID = re.compile(r"gc\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+$")
+
+
+def new_session_id(inherited_cookie: str | None = None) -> str:
+    """A session id that names its leader: ``gc.<pid>.<start ticks>.<pid namespace>.<random>``.
+
+    The leader's pid and start time let any later session prove that this one is dead (its pid gone,
+    or reused by a process that started later); the namespace says where that pid means something. A
+    cookie already set (a CI job's, or an outer session's test) prefixes it, so what this session spawns
+    is still recognised by the job's hooks and by the outer session as theirs.
+    """
+    me = os.getpid()
+    stat = procfs.read_stat(me)
+    own = f"gc.{me}.{stat.start_ticks if stat else 0}.{procfs.pid_namespace()}.{secrets.token_hex(4)}"
+    return f"{inherited_cookie}/{own}" if inherited_cookie else own
+
+
+@dataclass(frozen=True)
+class SessionRef:
+    """The leader of a gpuclean session, as its id names it."""
+
+    session_id: str
+    pid: int
+    start_ticks: int
+    pid_namespace: int
+
+    def is_dead(self) -> bool:
+        """True only when provably dead: same pid namespace, and its pid gone or now another process."""
+        if self.pid_namespace != procfs.pid_namespace():
+            return False  # its pid means nothing here: no proof either way
+        stat = procfs.read_stat(self.pid)
+        return stat is None or stat.start_ticks != self.start_ticks
+
+    def describe(self) -> str:
+        started = procfs.ticks_to_wall(self.start_ticks)
+        import time
+
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        return f"dead session {self.session_id.rsplit('/', 1)[-1]} (pytest pid {self.pid}, started {when})"
+
+
+def innermost_session(cookie: str) -> SessionRef | None:
+    """The session that spawned a cookie's carrier: the last ``<session id>:<token>`` of the chain.
+
+    ``gc.1.2.3.ab:s1/gc.4.5.3.cd:t7`` was spawned by test t7 of session ``gc.4.5.3.cd``, which ran inside
+    session ``gc.1.2.3.ab``. None for a cookie no gpuclean session made (a CI job's).
+    """
+    session_id, sep, _token = cookie.rpartition(":")
+    if not sep:
+        return None
+    match = _SESSION_ID.search(session_id)
+    if match is None or not (match.start() == 0 or session_id[match.start() - 1] == "/"):
+        return None
+    pid, start, namespace = (int(g) for g in match.groups())
+    return SessionRef(session_id, pid, start, namespace)
+
+
+@dataclass
+class Window:
+    """The span of a test or higher-scoped fixture, bracketed by pid and clock readings."""
+
+    token: str
+    first_pid: int | None
+    """The last pid allocated when the window opened: everything born in it has a later pid."""
+    start_tick: int
+    last_pid: int | None = None
+    end_tick: int | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.end_tick is not None
+
+
+@dataclass
+class Ownership:
+    """Who spawned what: cookie tokens, their owners, and the windows they ran in."""
+
+    session_id: str
+    owners: dict[str, Owner] = field(default_factory=dict)
+    active_fixtures: set[str] = field(default_factory=set)
+    windows: list[Window] = field(default_factory=list)
+    _counter: int = 0
+    _pid_space: int = 0
+
+    def __post_init__(self) -> None:
+        self._pid_space = procfs.pid_max()
+
+    def new_token(self, owner: Owner) -> str:
+        self._counter += 1
+        token = f"{owner.kind[0]}{self._counter}"
+        self.owners[token] = owner
+        return token
+
+    def cookie(self, token: str) -> str:
+        return f"{self.session_id}:{token}"
+
+    def token_of_cookie(self, value: str | None) -> str | None:
+        if value is None or not value.startswith(self.session_id + ":"):
+            return None
+        # A nested gpuclean session prefixes its own cookies with ours ("<ours>:t5/<its id>:t1"): what
+        # it spawns belongs, for us, to our test t5.
+        token = value[len(self.session_id) + 1 :].split("/", 1)[0]
+        return token if token in self.owners else None
+
+    def open_window(self, token: str) -> None:
+        self.windows.append(Window(token, procfs.last_pid(), procfs.boot_ticks_now()))
+
+    def close_window(self, token: str) -> None:
+        for window in reversed(self.windows):
+            if window.token == token and not window.closed:
+                window.last_pid = procfs.last_pid()
+                window.end_tick = procfs.boot_ticks_now()
+                return
+
+    def token_by_birth(self, pid: int, start_ticks: int) -> str | None:
+        """The innermost window that ``pid`` (started at ``start_ticks``) was provably born in.
+
+        For a process born after the session started (the caller knows: it was not among the session's
+        processes then). Proof is a pid between the window's two pid readings and a start time between
+        its two clock readings. Pids wrap around, so a window that went through half the pid space or
+        more proves nothing by pid; then only a start time strictly inside the window counts, since its
+        first and last tick are shared with whatever ran just before and after. ``SESSION`` when the
+        process was provably born outside every window (collection, a conftest hook, between tests);
+        None when the evidence does not decide.
+        """
+        now_pid: int | None = None
+        now_tick: int | None = None
+        for window in reversed(self.windows):
+            end_tick, last = window.end_tick, window.last_pid
+            if end_tick is None:
+                now_tick = end_tick = procfs.boot_ticks_now() if now_tick is None else now_tick
+                now_pid = last = procfs.last_pid() if now_pid is None else now_pid
+            if not window.start_tick <= start_ticks <= end_tick:
+                continue
+            by_pid = self._pid_between(pid, window.first_pid, last)
+            if by_pid:
+                return window.token
+            if by_pid is None:
+                return window.token if window.start_tick < start_ticks < end_tick else None
+        return SESSION
+
+    def _pid_between(self, pid: int, first: int | None, last: int | None) -> bool | None:
+        """Whether ``pid`` was allocated after ``first`` and up to ``last``; None if that is unknowable."""
+        if first is None or last is None:
+            return None
+        span = (last - first) % self._pid_space
+        if span > self._pid_space // 2:
+            return None  # may have wrapped all the way round
+        return 0 < (pid - first) % self._pid_space <= span
+
+    def owner(self, token: str | None) -> Owner:
+        if token == SESSION:
+            return SESSION_OWNER
+        return self.owners.get(token or "", UNKNOWN_OWNER)
+
+    def is_protected(self, token: str | None) -> bool:
+        """Not to be touched now: owned by an active fixture or the session set-up, or of unknown birth."""
+        return token is None or token == SESSION or token in self.active_fixtures
+
+
+SESSION = "session"
+"""Token of processes born in this session outside every test and fixture (and the session's own)."""
