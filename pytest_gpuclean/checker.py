@@ -98,7 +98,8 @@ class Checker:
         self._never_touch: set[int] = set()
         self._handles: dict[tuple[int, int], processes.Handle] = {}
         self._tokens: dict[tuple[int, int], str | None] = {}
-        self._owner_names: dict[tuple[int, int], str | None] = {}
+        self._debris: dict[tuple[int, int], tuple[SessionRef, str | None]] = {}
+        """Processes under us that a nested session left when it died: (that session, owner name)."""
         self._debris_checked = False
         # What already runs under us belongs to the session set-up (a conftest imported before this
         # checker existed, a plugin's pytest_configure): never a test's leak.
@@ -191,10 +192,18 @@ class Checker:
                 # child's environment or birth time say (a fixture's server forking a worker on request).
                 token = parent_token
             else:
-                values = procfs.read_environ_vars(pid, (COOKIE_VAR,))
-                token = self.ownership.token_of_cookie(values.get(COOKIE_VAR))
+                values = procfs.read_environ_vars(pid, (COOKIE_VAR, OWNER_VAR))
+                cookie = values.get(COOKIE_VAR)
+                token = self.ownership.token_of_cookie(cookie)
                 if token is None:
                     token = self.ownership.token_by_birth(pid, start_ticks)
+                elif cookie is not None and self.ownership.is_protected(token):
+                    # Started under our session set-up by a nested session that has since died (an
+                    # xdist worker that crashed, adopted by us, its controller): that session's debris.
+                    inner = innermost_session(cookie)
+                    if (inner is not None and inner.session_id != self.ownership.session_id
+                            and inner.is_dead()):
+                        self._debris[key] = (inner, values.get(OWNER_VAR))
             self._tokens[key] = token
         return self._tokens[key]
 
@@ -225,6 +234,9 @@ class Checker:
             found_by = "adopted" if depth == 1 and stat.sid != my_sid else "descendant"
             state = "R" if procfs.live_state(pid, stat.state) else stat.state
             entry = Found(pid, stat.start_ticks, depth, found_by, token, state, handle)
+            if entry.key in self._debris:
+                entry.found_by = "dead session"
+                entry.debris_of, entry.owner_name = self._debris[entry.key]
             by_pid[pid] = entry
             seen_keys.add(entry.key)
             found.append(entry)
@@ -501,6 +513,7 @@ class Checker:
         end, after every ``pytest_unconfigure``.
         """
         self.ownership.active_fixtures.clear()
+        self.ownership.session_over = include_session
         found = [f for f in self.census(scan_cookies=True) if f.live]
         if not include_session:
             found = [f for f in found if f.token != SESSION]
@@ -516,6 +529,19 @@ class Checker:
             return self.reap(found, snaps, devices, [], everyone=found)
         except DeviceError:
             return self.reap(found, (), (), [], everyone=found)
+
+    def reap_dead_sessions(self, devices: Sequence[DeviceInfo]) -> tuple[list[Reaped], list[str]]:
+        """Reap the debris of dead sessions now (an xdist controller, when a worker crashed)."""
+        debris = [f for f in self.census(dead_sessions=self.dead_sessions)
+                  if f.debris_of is not None and f.live]
+        if not debris or not self.reap_enabled:
+            return [], []
+        notes: list[str] = []
+        try:
+            snaps = self.snapshot(devices)
+        except DeviceError:
+            snaps, devices = (), ()
+        return self.reap(debris, snaps, devices, notes, everyone=debris), notes
 
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""

@@ -296,7 +296,7 @@ _STALE_SLACK_S = 0.25
 
 def _counted_allocation(path: Path, pid: int) -> int | None:
     stat = procfs.read_stat(pid)
-    if stat is None or stat.state in ("Z", "X"):
+    if stat is None or not procfs.live_state(pid, stat.state):
         return None
     try:
         mtime = path.stat().st_mtime

@@ -236,10 +236,17 @@ class OutputHooks:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> Generator[None, None, None]:
-        # A wrapper, so this runs after every plain implementation, the checker's final sweep included.
-        yield
-        if self.worker:
-            return
+        # A wrapper, so this runs after every plain implementation, the checker's final sweep included;
+        # and in ``finally``, so that a conftest's or another plugin's failing pytest_sessionfinish does
+        # not cost the reports (the sweep then runs here first).
+        try:
+            yield
+        finally:
+            self.plugin.sweep(session)
+            if not self.worker:
+                self._write(session)
+
+    def _write(self, session: pytest.Session) -> None:
         self._merged = records, session_reaped, notes = self._merge()
         if self.report_path is not None:
             document = jsonreport.report_document(

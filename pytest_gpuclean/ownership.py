@@ -58,7 +58,9 @@ class SessionRef:
         if self.pid_namespace != procfs.pid_namespace():
             return False  # its pid means nothing here: no proof either way
         stat = procfs.read_stat(self.pid)
-        return stat is None or stat.start_ticks != self.start_ticks
+        # An exited leader nobody has waited for yet (an xdist worker that crashed) is dead too.
+        return stat is None or stat.start_ticks != self.start_ticks or not procfs.live_state(self.pid,
+                                                                                           stat.state)
 
     def describe(self) -> str:
         started = procfs.ticks_to_wall(self.start_ticks)
@@ -108,6 +110,8 @@ class Ownership:
     owners: dict[str, Owner] = field(default_factory=dict)
     active_fixtures: set[str] = field(default_factory=set)
     windows: list[Window] = field(default_factory=list)
+    session_over: bool = False
+    """Set for the very last sweep: then what the session set-up started is no longer protected."""
     _counter: int = 0
     _pid_space: int = 0
 
@@ -184,7 +188,7 @@ class Ownership:
 
     def is_protected(self, token: str | None) -> bool:
         """Not to be touched now: owned by an active fixture or the session set-up, or of unknown birth."""
-        return token is None or token == SESSION or token in self.active_fixtures
+        return token is None or (token == SESSION and not self.session_over) or token in self.active_fixtures
 
 
 SESSION = "session"

@@ -514,6 +514,14 @@ class GpuCleanPlugin:
             state.locks.release()
             state.locks = None
 
+    def reap_crashed(self, nodeid: str) -> None:
+        """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran."""
+        reaped, notes = self.checker.reap_dead_sessions(self.devices)
+        for r in reaped:
+            owner = r.owner.name if r.owner is not None and r.owner.kind == "test" else nodeid
+            self._record_for(owner).found_later.append(r)
+        self.notes.extend(f"gpuclean: {note} (crashed while running {nodeid})" for note in notes)
+
     def _say(self, line: str) -> None:
         # Shown while the session waits (a lock can take minutes), not only in the final report.
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -579,6 +587,13 @@ class XdistHooks:
 
     def __init__(self, plugin: GpuCleanPlugin) -> None:
         self.plugin = plugin
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_handlecrashitem(self, crashitem: str, report: Any, sched: Any) -> None:
+        # A worker died while running ``crashitem`` (a segfault, os._exit): its leaks were adopted by us,
+        # the controller, and no worker's check would blame them on the right test. Reap them now, so
+        # that no later test runs on dirty GPUs, and put them in the crashed test's record.
+        self.plugin.reap_crashed(crashitem)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pwd
 import select
 import signal
 import time
@@ -55,6 +56,10 @@ def describe(pid: int, start_ticks: int | None = None) -> ProcessInfo | None:
             except psutil.AccessDenied:
                 cmdline = f"[{proc.name()}]"
             status = proc.status()
+    except psutil.ZombieProcess:
+        if not procfs.live_state(pid, stat.state):
+            return None
+        return _zombie_leader(pid, stat)
     except psutil.NoSuchProcess:
         return None
     except psutil.Error:
@@ -69,6 +74,30 @@ def owner_uid(pid: int) -> int | None:
         return int(psutil.Process(pid).uids().real)
     except psutil.Error:
         return None
+
+
+def _zombie_leader(pid: int, stat: procfs.ProcStat) -> ProcessInfo | None:
+    # Its main thread exited, so psutil calls it a zombie; its other threads still run the program,
+    # and one of them still shows the command line.
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+    cmdline = ""
+    for tid in procfs.thread_ids(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if cmdline:
+            break
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    return ProcessInfo(pid=pid, start_ticks=stat.start_ticks, ppid=stat.ppid, uid=uid, user=user,
+                       cmdline=cmdline or f"[{pid}]", state="running (main thread exited)")
 
 
 def ancestors(pid: int) -> set[int]:

@@ -63,11 +63,15 @@ def live_state(pid: int, state: str) -> bool:
     """
     if state not in ("Z", "X"):
         return True
+    return any(tid != pid for tid in thread_ids(pid))
+
+
+def thread_ids(pid: int) -> list[int]:
+    """The ids of ``pid``'s threads (none if it is gone)."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
-        return False
-    return any(tid != str(pid) for tid in tasks)
+        return []
 
 
 def last_pid() -> int | None:

@@ -1,0 +1,581 @@
+"""The promise under faults: never kill what a fixture, a conftest or another session owns; never let a
+leak outlive the check when something else breaks (signals, crashes, failing hooks); clean up after
+sessions that died."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import alive, kill_all, read_pids, run_inner, wait_dead
+
+from pytest_gpuclean import processes, procfs
+from pytest_gpuclean.report import LEAK_PREFIX
+
+# ---- it must not kill what a fixture, a conftest or the session set-up owns -----------------------
+
+SCRUBBED_SERVER = '''
+@pytest.fixture(scope="module")
+def server():
+    # A server with an explicit environment: no cookie says whose it is.
+    proc = subprocess.Popen(["/bin/sleep", "300"], env={"PATH": os.environ["PATH"]})
+    with open(PIDFILE, "a") as f:
+        f.write(f"{proc.pid}\\n")
+    yield proc
+    assert proc.poll() is None, f"the fixture's server died under it (returncode {proc.returncode})"
+    proc.terminate()
+    assert proc.wait(10) == -15  # our own exit status, not one gpuclean took from us
+
+
+def test_1_unmarked(server):
+    pass
+
+
+@pytest.mark.needs_clean_gpus
+def test_2_marked(server):
+    assert server.poll() is None
+
+
+@pytest.mark.needs_clean_gpus
+def test_3_marked(server):
+    assert server.poll() is None
+'''
+
+
+def test_module_fixture_server_with_scrubbed_environment_survives(
+        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    # Before: the server was given to the test window its 10 ms start time fell in, and SIGTERMed at
+    # test_2_marked's setup in 19 runs of 20. Five modules make one run as strong as five.
+    pidfile = inner(SCRUBBED_SERVER)
+    for n in range(1, 5):
+        pytester.makepyfile(**{f"test_copy{n}": (pytester.path / "test_inner.py").read_text()})
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=15)
+    out = result.stdout.str()
+    assert "reaped" not in out.replace("0 process(es) reaped", "")
+    assert len(read_pids(pidfile, 5)) == 5
+
+
+CONFTEST_SERVERS = '''
+import os, subprocess, sys
+
+def _start(tag):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", tag],
+                            env={"PATH": os.environ["PATH"]})
+    with open(os.environ["LEAK_PIDFILE"], "a") as f:
+        f.write(f"{proc.pid}\\n")
+    return proc
+
+AT_IMPORT = _start("conftest-import")  # before any plugin's pytest_configure
+
+def pytest_configure(config):
+    config._servers = [AT_IMPORT, _start("conftest-configure")]
+
+def pytest_unconfigure(config):
+    # The conftest stops one of its servers itself; it must still be alive to be stopped.
+    server = config._servers[0]
+    assert server.poll() is None, "the conftest's server was killed before pytest_unconfigure"
+    server.terminate()
+    server.wait(10)
+'''
+
+
+def test_processes_of_conftest_and_configure_are_the_sessions(
+        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+def test_one():
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_two():
+    pass
+""")
+    pytester.makeconftest(CONFTEST_SERVERS)
+    result = run_inner(pytester)
+    at_import, at_configure = read_pids(pidfile, 2)
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str() + result.stderr.str()
+    assert "leaked by unknown" not in out
+    assert "was leaked" not in out
+    # The one its conftest did not stop is reaped at the very end, after pytest_unconfigure.
+    assert f"gpuclean: reaped 1 process(es) of the session set-up (conftest, plugins) still alive after " \
+           f"pytest_unconfigure: pid {at_configure} SIGTERM" in out
+    assert wait_dead([at_import, at_configure]) == []
+
+
+FORKING_SERVER = r'''
+import os, subprocess, sys, time
+# A server that starts a worker with a scrubbed environment whenever asked (a line on stdin).
+for line in sys.stdin:
+    worker = subprocess.Popen(["/bin/sleep", "300"], env={})
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{worker.pid}\n")
+'''
+
+
+def test_children_of_a_protected_process_are_protected(inner: Callable[[str], Path],
+                                                        pytester: pytest.Pytester) -> None:
+    pidfile = inner(f"""
+SERVER = {FORKING_SERVER!r}
+
+@pytest.fixture(scope="module")
+def server():
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, PIDFILE], stdin=subprocess.PIPE, text=True)
+    yield proc
+    workers = [int(x) for x in open(PIDFILE).read().split()]
+    assert all(os.path.exists(f"/proc/{{w}}") for w in workers), "a worker of the server was killed"
+    proc.stdin.close()
+    proc.wait(10)
+    for w in workers:
+        os.kill(w, 9)
+
+
+@pytest.mark.needs_clean_gpus
+def test_requests_a_worker(server):
+    server.stdin.write("spawn\\n")
+    server.stdin.flush()
+    wait_holders(1)
+
+
+@pytest.mark.needs_clean_gpus
+def test_uses_the_worker(server):
+    worker = int(open(PIDFILE).read().split()[0])
+    assert os.path.exists(f"/proc/{{worker}}")
+""")
+    result = run_inner(pytester)
+    workers = read_pids(pidfile)
+    result.assert_outcomes(passed=2)
+    assert "reaped" not in result.stdout.str().replace("0 process(es) reaped", "")
+    assert wait_dead(workers) == []
+
+
+def _other_user() -> str | None:
+    import pwd
+
+    for name in ("nobody", "daemon"):
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user through su needs root")
+def test_process_of_another_user_started_through_su_is_not_killed_through_su(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    user = _other_user()
+    if user is None or not os.path.exists("/bin/su"):
+        pytest.skip("no su or no second user on this machine")
+    marker = tmp_path / "other-user-sleep"
+    inner(f"""
+@pytest.mark.needs_clean_gpus(timeout=2)
+def test_su():
+    subprocess.Popen(["su", {user!r}, "-s", "/bin/sh", "-c", "sleep 300; : {marker}"])
+    time.sleep(1)
+""")
+    result = run_inner(pytester, "--gpuclean-grace=1")
+    try:
+        result.assert_outcomes(passed=1, errors=1)
+        # su relays signals to its child: signalling it would kill the other user's process by proxy.
+        result.stdout.fnmatch_lines([
+            f"{LEAK_PREFIX} * (NOT all reaped)",
+            f"*leaked pid * (user {user}, *belongs to another user ({user}): never killed*",
+            f"*note: pid * left alone: its descendant pid * belongs to another user ({user}), and su *"
+            "may relay our signals to it*",
+        ])
+        others = [int(p) for p in subprocess.run(["pgrep", "-f", str(marker)], capture_output=True,
+                                                 text=True).stdout.split()]
+        assert others and all(alive(p) for p in others)
+    finally:
+        subprocess.run(["pkill", "-9", "-f", str(marker)])
+
+
+def _force_pid(target: int, attempts: int = 200) -> subprocess.Popen[bytes] | None:
+    # ns_last_pid (root) says which pid the next fork gets: the way to reuse a pid on purpose.
+    for _ in range(attempts):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(target - 1))
+        except OSError:
+            return None
+        proc = subprocess.Popen(["/bin/sleep", "300"])
+        if proc.pid == target:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="forcing a pid needs root (ns_last_pid)")
+def test_recycled_pid_is_never_signalled_through_a_pinned_process() -> None:
+    # The pidfd is taken when the process is first found; a recycled pid, even one that started in the
+    # same clock tick, is another process and never receives the signal meant for the first.
+    first = subprocess.Popen(["/bin/sleep", "300"])
+    pinned = processes.pin(first.pid)
+    assert pinned is not None
+    handle, stat = pinned
+    first.kill()
+    first.wait()
+    second = _force_pid(first.pid)
+    if second is None:
+        handle.close()
+        pytest.skip("could not recycle the pid on this machine")
+    try:
+        assert handle.exited()
+        assert not handle.signal(signal.SIGTERM)
+        outcome = processes.terminate([processes.KillTarget(first.pid, stat.start_ticks, 0, handle)], 0.2)
+        assert outcome[0].ended_by == "reaped zombie"  # gone before we came: nothing was signalled
+        time.sleep(0.1)
+        assert second.poll() is None
+    finally:
+        handle.close()
+        second.kill()
+        second.wait()
+
+
+# ---- it must not miss what it must catch --------------------------------------------------------
+
+RESPAWNER = r'''
+import os, signal, sys, time
+from pytest_gpuclean.simulate import allocate
+
+def on_term(signum, frame):
+    # Fork a replacement that does the same, then exit: a process that "dies" and lives on.
+    if os.fork() == 0:
+        start()
+    os._exit(0)
+
+def start():
+    signal.signal(signal.SIGTERM, on_term)
+    allocate(sys.argv[1], 0, 16)
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    while True:
+        time.sleep(1)
+
+start()
+'''
+
+
+def test_process_that_replaces_itself_on_sigterm_is_frozen_and_killed(
+        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner(f"""
+@pytest.mark.needs_clean_gpus(timeout=10)
+def test_leak():
+    subprocess.Popen([sys.executable, "-c", {RESPAWNER!r}, SIM, PIDFILE])
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-grace=2")
+    pids = read_pids(pidfile)
+    try:
+        result.assert_outcomes(passed=2, errors=1)
+        result.stdout.fnmatch_lines([f"{LEAK_PREFIX} * (reaped)",
+                                     "*new processes appeared while reaping (round 2)*stopped and killed "
+                                     "with SIGKILL*"])
+        assert "gave up" not in result.stdout.str()
+        assert len(pids) >= 2  # it did fork a replacement
+        assert wait_dead(pids, timeout=2) == []
+        assert "ERROR at setup of test_next" not in result.stdout.str()
+    finally:
+        kill_all([p for p in pids if alive(p)])
+
+
+THREADED_LEADER = r'''
+import ctypes, os, sys, threading, time
+from pytest_gpuclean.simulate import allocate
+
+def keep_running():
+    allocate(sys.argv[1], 0, 24)
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{os.getpid()}\n")
+    while True:
+        time.sleep(1)
+
+threading.Thread(target=keep_running).start()
+time.sleep(0.5)
+ctypes.CDLL(None).pthread_exit(None)  # the main thread ends; the process shows state Z and runs on
+'''
+
+
+def test_zombie_leader_with_live_threads_is_alive_and_reaped(
+        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner(f"""
+@pytest.mark.needs_clean_gpus
+def test_leak():
+    subprocess.Popen([sys.executable, "-c", {THREADED_LEADER!r}, SIM, PIDFILE])
+    pid = wait_holders(1)[0]
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-grace=1")
+    pid = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines([f"{LEAK_PREFIX} 1 process(es) (reaped)",
+                                 f"  pid {pid} ended by SIGTERM*held GPU 0 24 MiB*"])
+    assert "reaped zombie" not in result.stdout.str()
+    assert not os.path.exists(f"/proc/{pid}/task")
+
+
+SLEEPER_LEAK = """
+def test_leak_and_hang():
+    hold({extra}mib=32)
+    wait_holders(1)
+    time.sleep(120)
+"""
+
+
+def _start_inner(pytester: pytest.Pytester, tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
+    # Not runpytest_subprocess: this test signals the inner pytest while it runs.
+    with open(tmp_path / "inner.out", "wb") as out:  # a file, not a pipe: a leak could hold a pipe open
+        return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider",
+                                 "-rA", *args], cwd=pytester.path, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_pytest_runs_the_sweep_and_writes_the_reports(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path, signum: int) -> None:
+    pidfile = inner(SLEEPER_LEAK.format(extra=""))
+    report, junit = tmp_path / "report.json", tmp_path / "junit.xml"
+    proc = _start_inner(pytester, tmp_path, "--gpuclean-all", f"--gpuclean-report={report}",
+                        f"--junitxml={junit}")
+    try:
+        leaked = read_pids(pidfile, timeout=60)[0]
+        time.sleep(0.3)
+        proc.send_signal(signum)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "inner.out").read_text()
+    assert wait_dead([leaked], timeout=2) == [], out
+    # SIGTERM: the job runner sees the process die of SIGTERM, as it would without us.
+    assert code == (-signal.SIGTERM if signum == signal.SIGTERM else pytest.ExitCode.INTERRUPTED), out
+    document = json.loads(report.read_text())
+    assert [r["process"]["pid"] for r in document["session_reaped"]] == [leaked]
+    assert junit.exists()
+    assert "session end: reaped 1 leftover process(es)" in out
+
+
+def test_second_interrupt_shortens_the_grace_and_keeps_the_sweep(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = inner(SLEEPER_LEAK.format(extra="'--ignore-sigterm', "))
+    report = tmp_path / "report.json"
+    proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "--gpuclean-grace=60",
+                        f"--gpuclean-report={report}")
+    try:
+        leaked = read_pids(pidfile, timeout=60)[0]
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        # The final sweep now waits out a 60 s grace for a process that ignores SIGTERM...
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "inner.out").read_text().count("KeyboardInterrupt") and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)
+        assert proc.poll() is None and alive(leaked)
+        proc.send_signal(signal.SIGINT)  # ...until a second Ctrl-C says: be quick
+        proc.wait(30)  # far less than the grace
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "inner.out").read_text()
+    assert wait_dead([leaked], timeout=2) == [], out
+    document = json.loads(report.read_text())
+    assert [(r["process"]["pid"], r["ended_by"]) for r in document["session_reaped"]] == [
+        (leaked, "SIGKILL")], out
+
+
+def test_failing_sessionfinish_of_a_conftest_does_not_skip_the_sweep(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = inner("""
+def test_unmarked_leak():
+    hold(mib=8)
+    wait_holders(1)
+""")
+    pytester.makeconftest("""
+def pytest_sessionfinish(session):
+    raise RuntimeError("conftest broke at session end")
+""")
+    report = tmp_path / "report.json"
+    result = run_inner(pytester, f"--gpuclean-report={report}")
+    leaked = read_pids(pidfile)[0]
+    assert "conftest broke at session end" in result.stdout.str() + result.stderr.str()
+    assert wait_dead([leaked], timeout=2) == []
+    document = json.loads(report.read_text())
+    assert [r["process"]["pid"] for r in document["session_reaped"]] == [leaked]
+
+
+def test_device_lost_at_session_end_does_not_skip_the_sweep(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path, tmp_path: Path) -> None:
+    pidfile = inner(f"""
+import shutil
+
+@pytest.fixture(scope="session", autouse=True)
+def lose_a_device():
+    yield
+    # The device disappears after the last test (a GPU that fell off the bus).
+    shutil.rmtree({str(sim / "1")!r})
+
+def test_unmarked_leak():
+    hold(mib=8)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+def test_checked():
+    pass
+""")
+    report = tmp_path / "report.json"
+    result = run_inner(pytester, f"--gpuclean-report={report}")
+    leaked = read_pids(pidfile)[0]
+    assert wait_dead([leaked], timeout=2) == [], result.stdout.str()
+    document = json.loads(report.read_text())
+    assert leaked in [r["process"]["pid"] for r in document["session_reaped"]] + [
+        p["pid"] for t in document["tests"] for p in t.get("leaked", [])]
+
+
+XDIST_CRASH = """
+@pytest.mark.needs_clean_gpus
+def test_crash_after_leaking():
+    hold(mib=64)
+    wait_holders(1)
+    os._exit(1)  # the worker dies: no teardown, no report from it
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(4))
+def test_later(n):
+    time.sleep(0.5)
+"""
+
+
+def test_crashed_xdist_worker_leak_is_reaped_and_blamed(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = inner(XDIST_CRASH)
+    report = tmp_path / "report.json"
+    result = run_inner(pytester, "-n", "2", "-p", "xdist", f"--gpuclean-report={report}",
+                       "--gpuclean-timeout=20")
+    leaked = read_pids(pidfile)[0]
+    out = result.stdout.str()
+    assert wait_dead([leaked], timeout=2) == [], out
+    result.assert_outcomes(passed=4, failed=1)
+    assert "GPUs not clean" not in out
+    document = json.loads(report.read_text())
+    crashed = [t for t in document["tests"] if t["nodeid"].endswith("test_crash_after_leaking")]
+    assert crashed and crashed[0]["outcome"] == "leaked", json.dumps(document["tests"], indent=1)
+    assert [p["pid"] for p in crashed[0]["leaked"]] == [leaked]
+    # Every later test found the GPUs clean: the leak never counted against them.
+    later = [t for t in document["tests"] if "test_later" in t["nodeid"]]
+    assert len(later) == 4 and all(t["outcome"] == "clean" for t in later), later
+
+
+# ---- debris of dead sessions ------------------------------------------------------------------
+
+def test_session_killed_with_sigkill_leaves_debris_that_the_next_session_reaps(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = inner(SLEEPER_LEAK.format(extra="") + """
+@pytest.mark.needs_clean_gpus(timeout=30)
+def test_next_session():
+    pass
+""")
+    proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "-k", "test_leak_and_hang")
+    try:
+        leaked = read_pids(pidfile, timeout=60)[0]
+        proc.kill()  # the OOM killer, a runner that kills only the leader: no sweep, no report
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert alive(leaked)
+    try:
+        result = run_inner(pytester, "-k", "test_next_session")
+        result.assert_outcomes(passed=1)
+        out = result.stdout.str()
+        assert f"pid {leaked}: left by dead session gc.{proc.pid}." in out
+        assert "test_inner.py::test_leak_and_hang: leaked 1 process(es) found by a later check" in out
+        assert wait_dead([leaked], timeout=2) == []
+        # It did not wait out its timeout for a process it could prove was debris.
+        first_check = [line for line in out.splitlines() if "setup: reaped 1" in line]
+        assert first_check and "clean after" in first_check[0]
+    finally:
+        kill_all([leaked])
+
+
+@pytest.fixture
+def cookie_holders(sim: Path, tmp_path: Path) -> Iterator[Callable[[str], int]]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(cookie: str) -> int:
+        pidfile = tmp_path / f"cookie-{len(started)}.pid"
+        env = {**os.environ, "GPUCLEAN_TEST": cookie}
+        proc = subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", str(sim),
+                                 "--mib", "10", "--pidfile", str(pidfile)], env=env)
+        started.append(proc)
+        return read_pids(pidfile)[0]
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def test_only_provably_dead_sessions_leave_debris(pytester: pytest.Pytester, inner: Callable[[str], Path],
+                                                   cookie_holders: Callable[[str], int]) -> None:
+    me = procfs.read_stat(os.getpid())
+    assert me is not None
+    namespace = procfs.pid_namespace()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that is certainly gone now
+    debris = cookie_holders(f"gc.{dead.pid}.1.{namespace}.0badc0de:t3")
+    live_session = cookie_holders(f"gc.{os.getpid()}.{me.start_ticks}.{namespace}.0badc0de:t3")
+    other_namespace = cookie_holders(f"gc.{dead.pid}.1.{namespace + 1}.0badc0de:t3")
+    not_ours = cookie_holders("buildkite-1234:job")
+    inner("""
+@pytest.mark.needs_clean_gpus(timeout=1)
+def test_first():
+    pass
+""")
+    result = run_inner(pytester)
+    out = result.stdout.str()
+    assert wait_dead([debris], timeout=2) == [], out
+    assert f"pid {debris}: left by dead session gc.{dead.pid}." in out
+    for survivor in (live_session, other_namespace, not_ours):
+        assert alive(survivor), out
+        assert f"foreign pid {survivor} " in out
+    result.assert_outcomes(errors=1)
+
+
+def test_concurrent_live_session_processes_are_never_debris(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = inner(SLEEPER_LEAK.format(extra="") + """
+@pytest.mark.needs_clean_gpus(timeout=1)
+def test_other_session():
+    pass
+""")
+    first = _start_inner(pytester, tmp_path, "-k", "test_leak_and_hang", "--gpuclean-lock=off")
+    try:
+        held = read_pids(pidfile, timeout=60)[0]
+        result = run_inner(pytester, "-k", "test_other_session", "--gpuclean-lock=off")
+        assert alive(held) and first.poll() is None
+        result.assert_outcomes(errors=1)
+        result.stdout.fnmatch_lines([f"  foreign pid {held} *not started by this session*"])
+    finally:
+        first.kill()
+        first.wait()
+        kill_all(read_pids(pidfile))
