@@ -252,7 +252,7 @@ def test_lock_timeout_names_the_holder(sessions: Sessions, sim: Path, tmp_path: 
     assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert "1 error" in out.splitlines()[-1], out
     # Busy GPUs are listed in lock order (by UUID).
-    busy = [f"{uuid}: pid {holder.pid} on * running test_hold.py::test_hold, for *s"
+    busy = [f"{uuid}: pid {holder.pid} (user *) on * running test_hold.py::test_hold, for *s"
             for uuid in sorted(uuids_of(sim))]
     message = ("*gpuclean: could not lock the GPUs: waited *s for 1 of 2 GPU lock(s); held by: "
                + "; ".join(busy))
@@ -479,7 +479,7 @@ def test_waiting_reports_holders_once(tmp_path: Path) -> None:
         # flock conflicts between two opens of a file, even in one process.
         second = locks.acquire(["GPU-a", "GPU-b"], 1, 1.0, "second::test")
         assert second.uuids == ("GPU-b",)
-        with pytest.raises(LockTimeout, match=r"for 2 of 2 GPU lock\(s\); held by: GPU-a: pid \d+ on .* "
+        with pytest.raises(LockTimeout, match=r"for 2 of 2 GPU lock\(s\); held by: GPU-a: pid \d+ \(user \S+\) on .* "
                                               r"running first::test.*; GPU-b: .* running second::test"):
             locks.acquire(["GPU-a", "GPU-b"], 2, 0.3, "third::test", on_wait=told.append)
         second.release()
@@ -494,10 +494,10 @@ def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.M
     locks = GpuLocks(str(tmp_path / "locks"))
     real_try = GpuLocks._try
 
-    def interrupted(self: GpuLocks, uuid: str) -> int | None:
+    def interrupted(self: GpuLocks, state: Any, uuid: str) -> int | None:
         if uuid == "GPU-b":
             raise KeyboardInterrupt  # as pytest-timeout's SIGALRM would, between two locks
-        return real_try(self, uuid)
+        return real_try(self, state, uuid)
 
     monkeypatch.setattr(GpuLocks, "_try", interrupted)
     # Keep the traceback (and so acquire's frame) alive, as pytest's reports and sys.last_traceback do.
