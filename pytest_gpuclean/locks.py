@@ -93,6 +93,9 @@ class _Dir:
     holder_fds: dict[str, int] = field(default_factory=dict)
     parked: list[int] = field(default_factory=list)
     """Descriptors kept open only because closing them would drop a POSIX lock this process holds."""
+    ctime_ns: int = 0
+    mtime_ns: int = 0
+    """The directory's times when an acquire last looked (see ``GpuLocks._state``)."""
 
     def close_all(self) -> None:
         for fd in (*self.lock_fds.values(), *self.holder_fds.values(), *self.parked, self.fd):
@@ -243,6 +246,9 @@ class HeldLocks:
     """(value of ``HELD_VAR`` before us, the value we set)."""
     _dir: _Dir | None = None
     """The directory whose shared lock this acquire holds (None: it holds none)."""
+    _mtime_ns: int = 0
+    """The directory's mtime when the acquire began: if it changed by release, an entry was removed or
+    added, maybe a held lock file."""
 
     def release(self) -> None:
         # Holder record first: once the lock is free, the next holder writes its own. A blank file is
@@ -259,8 +265,13 @@ class HeldLocks:
         state = self._dir
         self._dir = None
         if state is not None and _dirs.get(state.ident) is state:  # (not in a forked child)
+            try:
+                changed = os.fstat(state.fd).st_mtime_ns != self._mtime_ns
+            except OSError:
+                changed = True
             for fd in self.locks:
-                _check_still_named(state, fd)
+                if changed:
+                    _check_still_named(state, fd)
                 _unlock(state, fd)
             _unshare(state)
         self.locks = []
@@ -418,6 +429,15 @@ class GpuLocks:
         if os.getpid() != _owner_pid:
             _forget_inherited()  # a raw fork() skipped the at-fork hook: nothing here is ours
         state = _dirs.get(self._ident)
+        if state is not None:
+            info = os.fstat(state.fd)
+            state.mtime_ns = info.st_mtime_ns
+            # Renaming or removing the directory changes its ctime (or its link count), and so does any
+            # entry added or removed: only then is the path looked up again (a path stat per test costs
+            # as much as locking a GPU).
+            if info.st_ctime_ns == state.ctime_ns and info.st_nlink > 0:
+                return state
+            state.ctime_ns = info.st_ctime_ns
         try:
             now = os.stat(self.directory, follow_symlinks=False)
             same = (now.st_dev, now.st_ino) == self._ident and stat.S_ISDIR(now.st_mode)
@@ -617,7 +637,8 @@ class GpuLocks:
     def _record(self, state: _Dir, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
                 inherited: dict[str, tuple[int, int]]) -> HeldLocks:
         held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], [], waited_s,
-                         inherited={u: inherited[u] for u, fd in taken if fd is None}, _dir=state)
+                         inherited={u: inherited[u] for u, fd in taken if fd is None}, _dir=state,
+                         _mtime_ns=state.mtime_ns)
         me = _me_now()
         if me is not None:
             previous = os.environ.get(HELD_VAR)

@@ -479,8 +479,9 @@ def test_waiting_reports_holders_once(tmp_path: Path) -> None:
         # flock conflicts between two opens of a file, even in one process.
         second = locks.acquire(["GPU-a", "GPU-b"], 1, 1.0, "second::test")
         assert second.uuids == ("GPU-b",)
-        with pytest.raises(LockTimeout, match=r"for 2 of 2 GPU lock\(s\); held by: GPU-a: pid \d+ \(user \S+\) on .* "
-                                              r"running first::test.*; GPU-b: .* running second::test"):
+        with pytest.raises(LockTimeout, match=r"for 2 of 2 GPU lock\(s\); held by: GPU-a: pid \d+ "
+                                              r"\(user \S+\) on .* running first::test.*; GPU-b: .* "
+                                              r"running second::test"):
             locks.acquire(["GPU-a", "GPU-b"], 2, 0.3, "third::test", on_wait=told.append)
         second.release()
     finally:
