@@ -283,7 +283,7 @@ def test_tmp_cleaner_leaves_a_lock_directory_alone_while_a_lock_is_held(tmp_path
         pytest.skip("systemd-tmpfiles is not installed")
     parent = tmp_path / "tmp"
     lock_dir = parent / "gpuclean-locks"
-    GpuLocks(str(lock_dir)).prepare(["GPU-a"])
+    GpuLocks(str(lock_dir)).acquire(["GPU-a"], 1, 5, "first::test").release()
     lock_file = lock_dir / "GPU-a.lock"
     old = time.time() - 30 * 86400
     os.utime(lock_file, (old, old))
