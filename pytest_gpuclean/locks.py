@@ -604,6 +604,11 @@ class GpuLocks:
                 continue  # made them while nobody held a lock here: try again at once
             busy = [u for u in ordered if u not in {t for t, _ in taken}]
             waited = time.monotonic() - started
+            if not shared and waited < timeout:
+                # Someone holds the directory exclusively for a moment (creating lock files, or a tmp
+                # cleaner looking at it): nothing was tried, so there is nobody to name yet.
+                time.sleep(random.uniform(*_RETRY_S))
+                continue
             if waited >= timeout:
                 holders = self.holders(busy)
                 raise LockTimeout(
