@@ -625,8 +625,11 @@ class GpuLocks:
         Trusted only if the named holder is still our ancestor (same pid and start time) and still the
         recorded holder of the GPU: a process that outlived the test that started it inherits nothing.
         """
+        value = os.environ.get(HELD_VAR)
+        if not value:
+            return {}  # (the usual case: no json.loads per test)
         try:
-            data = json.loads(os.environ.get(HELD_VAR) or "{}")
+            data = json.loads(value)
             if os.path.realpath(str(data["dir"])) != os.path.realpath(self.directory):
                 return {}
             holders = {str(u): (int(pid), int(start)) for u, (pid, start) in data["holders"].items()}
