@@ -299,6 +299,12 @@ def test_tmp_cleaner_leaves_a_lock_directory_alone_while_a_lock_is_held(tmp_path
         assert lock_file.exists()
         assert holder.stdin is not None
         holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    # The exclusion docs/sharing.md recommends keeps it when nobody holds a lock, too.
+    config.write_text(f"e {parent} - - - m:1s\nx {lock_dir}\n")
+    clean()
+    assert lock_file.exists()
+    config.write_text(f"e {parent} - - - m:1s\n")
     clean()
     assert not lock_file.exists()  # the cleaner does clean, when nobody holds a lock there
     GpuLocks(str(lock_dir)).acquire(["GPU-a"], 1, 5, "next::test").release()
