@@ -33,6 +33,10 @@ KEYS = {
         ("1 device, own context: gpuclean", ("own_context", "1", "per_test_s", "median")),
         ("8 devices, own context: gpuclean", ("own_context", "8", "per_test_s", "median")),
     ],
+    "bench_locks.py": [
+        ("1 GPU: acquire + release", ("by_gpus", "1", "median")),
+        ("8 GPUs: acquire + release", ("by_gpus", "8", "median")),
+    ],
 }
 
 

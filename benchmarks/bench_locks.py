@@ -1,9 +1,10 @@
 """Per-GPU locks alone: acquire + release of N GPUs' locks in a loop, as the plugin does per checked test.
 
-    python benchmarks/bench_locks.py [--gpus 8] [--iterations 3000] [--profile]
+    python benchmarks/bench_locks.py [--gpus 1,8] [--iterations 3000] [--rounds 5] [--profile] [--json F]
 
-Prints the median of 5 timed runs (after a warm-up) in µs per acquire + release; ``--profile`` adds a
-cProfile of one run, sorted by own time. The lock directory is a fresh temporary one.
+For each GPU count: the median of ``--rounds`` timed runs (after a warm-up), in µs per acquire + release;
+``--profile`` adds a cProfile of one run of the largest count, sorted by own time. The lock directory is
+a fresh temporary one. Before/after comparisons run it through ``ab_trees.py`` (one run, alternating).
 """
 
 from __future__ import annotations
@@ -12,41 +13,50 @@ import argparse
 import cProfile
 import os
 import pstats
-import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common
+
 from pytest_gpuclean.locks import GpuLocks
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--gpus", default="1,8", help="comma-separated GPU counts")
     parser.add_argument("--iterations", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     locks = GpuLocks(os.path.join(tempfile.mkdtemp(prefix="gpuclean-bench-locks-"), "locks"))
-    uuids = [f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(args.gpus)]
+    results = {}
+    for gpus in (int(g) for g in args.gpus.split(",")):
+        uuids = [f"GPU-{i:08x}-0000-0000-0000-000000000000" for i in range(gpus)]
 
-    def once() -> None:
-        locks.acquire(uuids, len(uuids), 600.0, "bench::test").release()
+        def once(uuids: list[str] = uuids) -> None:
+            locks.acquire(uuids, len(uuids), 600.0, "bench::test").release()
 
-    for _ in range(200):
-        once()
-    runs = []
-    for _ in range(5):
-        started = time.perf_counter()
-        for _ in range(args.iterations):
+        for _ in range(200):
             once()
-        runs.append((time.perf_counter() - started) / args.iterations * 1e6)
-    print(f"acquire + release of {args.gpus} GPU locks: median {statistics.median(runs):.1f} µs "
-          f"(runs: {', '.join(f'{r:.1f}' for r in runs)})")
+        runs = []
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            for _ in range(args.iterations):
+                once()
+            runs.append((time.perf_counter() - started) / args.iterations)
+        results[str(gpus)] = _common.summary(runs)
+        print(f"acquire + release of {gpus} GPU locks: median {results[str(gpus)]['median'] * 1e6:.1f} µs "
+              f"(runs: {', '.join(f'{r * 1e6:.1f}' for r in runs)})")
     if args.profile:
         profile = cProfile.Profile()
         profile.runcall(lambda: [once() for _ in range(args.iterations)])
         pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+    if args.json:
+        _common.write_json(args.json, {"machine": _common.machine(), "iterations": args.iterations,
+                                       "by_gpus": results})
 
 
 if __name__ == "__main__":

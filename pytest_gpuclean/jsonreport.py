@@ -148,7 +148,8 @@ def leaked_json(record: TestRecord) -> list[JsonDict]:
 
 
 def outcome(record: TestRecord) -> str:
-    """``leaked``, ``not_clean``, ``clean`` or ``unchecked`` (no check finished for this test)."""
+    """``leaked``, ``not_clean``, ``clean`` or ``unchecked`` (no check finished for this test: see
+    ``lock_timeout`` for one that never got its GPU locks)."""
     if leaked_json(record):
         return "leaked"
     checks = [c for c in (record.before, record.after) if c is not None]
@@ -170,6 +171,7 @@ def record_json(record: TestRecord) -> JsonDict:
         "leaked": leaked_json(record),
         "found_later": [reaped_json(r) for r in record.found_later],
         "in_process_mib": mib_pairs_json(record.in_process_mib),
+        "lock_timeout": record.lock_timeout,
         "timings": {"lock_wait_s": _seconds(record.lock_wait_s), "before_s": _seconds(record.before_s),
                     "after_s": _seconds(record.after_s)},
     }
@@ -181,7 +183,8 @@ def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after) if c) + len(session_reaped)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
-            "not_clean": outcomes.count("not_clean"), "reaped": reaped}
+            "not_clean": outcomes.count("not_clean"), "reaped": reaped,
+            "lock_timeouts": sum(1 for r in records if r.lock_timeout is not None)}
 
 
 def versions() -> dict[str, str | None]:

@@ -1,8 +1,16 @@
 """Cross-process GPU locks: one per physical GPU (by UUID) in a directory every session on the host shares.
 
-Each lock is a BSD ``flock`` on ``<dir>/<uuid>.lock``. The kernel drops it when the holder's last
-descriptor closes, so a crashed or SIGKILLed session never leaves a GPU locked. Next to each lock a small
-JSON file says who holds it, so a waiting session can tell what it waits for.
+Each lock is a POSIX record lock (``fcntl`` ``F_SETLK``, a write lock on the whole file) on
+``<dir>/<uuid>.lock``. A POSIX lock belongs to the process that took it: the kernel drops it when that
+process ends (SIGKILL, the OOM killer, ``os._exit``), and no child ever holds it, whether made by
+``os.fork``, ``multiprocessing`` or a raw ``fork()`` from C that skips Python's at-fork hooks. (A BSD
+``flock`` belongs to the open file instead: a child that inherited the descriptor kept the GPU locked after
+its pytest died.) Next to each lock, each user has a small JSON holder record saying who holds it; records
+are untrusted input (another user writes them). docs/sharing.md has the threat model.
+
+The directory is opened once, without following a symbolic link, and every file is opened relative to that
+descriptor, so swapping the directory's path for a link later changes nothing. While a session holds GPU
+locks it also holds a shared BSD lock on the directory; see ``_create``.
 """
 
 from __future__ import annotations
@@ -11,9 +19,10 @@ import contextlib
 import errno
 import fcntl
 import functools
-import glob
 import json
+import math
 import os
+import pwd
 import random
 import socket
 import stat
@@ -26,72 +35,194 @@ from pytest_gpuclean import procfs
 _HOST = socket.gethostname()
 _RECORD_BYTES = 512
 _BLANK = b" " * _RECORD_BYTES
+_READ_LIMIT = 4096
+"""A holder record is well under 1 KiB: a bigger file is not one, and is not read further."""
 _RETRY_S = (0.02, 0.1)
 """Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
-_LOCK_MODE = 0o666
-"""Lock files are shared by every user of the GPUs; whoever creates one makes it usable by all."""
+_CLOCK_SKEW_S = 300.0
+"""A record may say it was written this much in the future (clocks of containers, NTP steps), no more."""
+_TEXT_LIMIT = 300
+
+DIR_MODE = 0o1777
+"""Mode of a lock directory gpuclean creates: every user's sessions create lock files and their own
+holder records in it, and the sticky bit stops them from deleting or replacing each other's files."""
+LOCK_FILE_MODE = 0o666
+"""A POSIX write lock needs a descriptor open for writing, so every user who shares the GPUs must be able
+to open a lock file for writing. Nothing is ever written to it: its content means nothing."""
+HOLDER_FILE_MODE = 0o644
+"""Only its user writes a holder record; everybody reads it, to name who holds a GPU."""
+
 HELD_VAR = "GPUCLEAN_HELD_LOCKS"
 """Set while this process holds GPU locks, so its children know: JSON ``{"dir": lock directory,
 "holders": {uuid: [pid, start ticks]}}``. A gpuclean session that a test runs (a nested pytest,
 pytester) takes those GPUs as its own instead of waiting for its parent's locks until it times out."""
 
-# flock (not filelock.FileLock): filelock 4 refuses, in a sticky directory like ours, a lock file that
-# belongs neither to this user nor to the directory's owner, so a third user of a shared GPU box could
-# never lock a GPU whose lock file a second user created. We never delete or rename lock files, so the
-# inode-replacement race that check guards against only arises from someone deleting files by hand,
-# and ``_try`` checks for that too.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NOFOLLOW: never through a link planted in the shared directory; O_NONBLOCK: a FIFO planted under a
+# lock file's name must not hang the open.
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
-_held_fds: set[int] = set()
-# Lock and holder files stay open for the whole session (path -> descriptor): opening, renaming and
-# closing them for every test cost ~50 us per GPU, more than the clean check itself.
-_lock_fds: dict[str, int] = {}
-_holder_fds: dict[str, int] = {}
-_lock_inodes: dict[int, tuple[int, int]] = {}
-"""(st_dev, st_ino) of each open lock file, taken at open: compared with the path's after each flock."""
+
+class LockDirError(OSError):
+    """The lock directory, or a file in it, cannot be used; the message names it and says what to do."""
+
+
+class LockTimeout(Exception):
+    """The locks could not be had in time; ``holders`` says who has them, ``waited_s`` how long we waited."""
+
+    def __init__(self, message: str, holders: dict[str, dict[str, object]], waited_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.holders = holders
+        self.waited_s = waited_s
+
+
+@dataclass(eq=False)
+class _Dir:
+    """One lock directory as this process has it open: the directory and the files in it, by name."""
+
+    path: str
+    fd: int
+    ident: tuple[int, int]
+    shared: int = 0
+    """Acquires of this process that hold the directory's shared lock (one BSD lock, counted here)."""
+    lock_fds: dict[str, int] = field(default_factory=dict)
+    lock_idents: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """(st_dev, st_ino) of each open lock file, taken at open: compared with the name's after each lock."""
+    lock_names: dict[int, str] = field(default_factory=dict)
+    held: set[int] = field(default_factory=set)
+    holder_fds: dict[str, int] = field(default_factory=dict)
+    parked: list[int] = field(default_factory=list)
+    """Descriptors kept open only because closing them would drop a POSIX lock this process holds."""
+    ctime_ns: int = 0
+    mtime_ns: int = 0
+    """The directory's times when an acquire last looked (see ``GpuLocks._state``)."""
+
+    def close_all(self) -> None:
+        for fd in (*self.lock_fds.values(), *self.holder_fds.values(), *self.parked, self.fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.lock_fds.clear()
+        self.lock_idents.clear()
+        self.lock_names.clear()
+        self.held.clear()
+        self.holder_fds.clear()
+        self.parked.clear()
+
+
+# Files stay open for the whole session: opening and closing them for every test cost more than the
+# clean check itself. Keyed by the directory's inode, so that two spellings of one directory share one
+# descriptor per file: closing a second descriptor of a file would drop this process's POSIX lock on it.
+_dirs: dict[tuple[int, int], _Dir] = {}
+_owner_pid = os.getpid()
+_notices: list[str] = []
 _me: tuple[int, int] | None = None
 """(pid, start ticks) of this process, read once (again after a fork: the pid differs)."""
 
 
-def _close_in_forked_child() -> None:
-    # A child forked (without exec) shares our open lock files: one that is locked now, or that we lock
-    # later, would stay locked through a leaked child after this session dies. Drop every copy in the
-    # child (close, not unlock), and forget them so the child opens its own if it locks GPUs.
-    for fd in (*_lock_fds.values(), *_holder_fds.values(), *_held_fds):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _lock_fds.clear()
-    _holder_fds.clear()
-    _held_fds.clear()
-    _lock_inodes.clear()
+def _forget_inherited() -> None:
+    # In a child of a fork, every descriptor here is a copy of the parent's. The child holds none of the
+    # parent's POSIX locks, and closing its copies drops none of them (they are the parent's); the
+    # directory's BSD lock stays with the parent's open file. Forgotten, so the child opens its own.
+    global _owner_pid
+    for state in _dirs.values():
+        state.close_all()
+    _dirs.clear()
+    _notices.clear()
+    _owner_pid = os.getpid()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_forked_child)
+    os.register_at_fork(after_in_child=_forget_inherited)
 
 
-class LockTimeout(Exception):
-    """The locks could not be had in time; ``holders`` says who has them."""
+def take_notices() -> list[str]:
+    """Things noticed about the lock directory since the last call (a lock file deleted while held, the
+    directory replaced), for the session's notes."""
+    found = list(_notices)
+    _notices.clear()
+    return found
 
-    def __init__(self, message: str, holders: dict[str, dict[str, object]]) -> None:
-        super().__init__(message)
-        self.holders = holders
+
+def _os_reason(exc: OSError) -> str:
+    if exc.errno == errno.ENOSPC:
+        return ("no space left on its file system (no free blocks or no free inodes): free some there, or "
+                "set --gpuclean-lock-dir / GPUCLEAN_LOCK_DIR to a directory on another file system (the same "
+                "one for every session that shares these GPUs)")
+    if exc.errno == errno.EDQUOT:
+        return (f"the disk quota of uid {os.geteuid()} is used up there: free some, or set "
+                "--gpuclean-lock-dir / GPUCLEAN_LOCK_DIR to a directory on another file system (the same one "
+                "for every session that shares these GPUs)")
+    if exc.errno == errno.EROFS:
+        return "its file system is mounted read-only"
+    return exc.strerror or str(exc)
 
 
-def ensure_lock_dir(path: str) -> str:
-    """Create the shared lock directory (sticky and world-writable, like /tmp) if needed."""
+def _dir_error(path: str, what: str, exc: OSError | None = None) -> LockDirError:
+    reason = f": {_os_reason(exc)}" if exc is not None else ""
+    return LockDirError(f"cannot use GPU lock directory {path!r}: {what}{reason}")
+
+
+def _open_dir(path: str) -> _Dir:
+    """Open (and if needed create) the lock directory; check that it is one we may use."""
+    created = False
     try:
-        os.makedirs(path, mode=0o1777, exist_ok=True)
-        info = os.lstat(path)
-        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-            raise OSError(f"{path} is not a directory")
-        if info.st_uid == os.getuid() and stat.S_IMODE(info.st_mode) != 0o1777:
-            os.chmod(path, 0o1777)  # makedirs' mode is filtered by the umask
-        elif not os.access(path, os.W_OK | os.X_OK):
-            raise OSError(f"not writable by uid {os.getuid()} (owner uid {info.st_uid}, mode "
-                          f"{stat.S_IMODE(info.st_mode):o}); its owner can run 'chmod 1777 {path}'")
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except FileNotFoundError:
+            parent, name = os.path.split(path)
+            os.makedirs(parent, exist_ok=True)  # intermediate directories: the user's own, as umask says
+            parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                try:
+                    os.mkdir(name, 0o700, dir_fd=parent_fd)
+                    created = True
+                except FileExistsError:
+                    pass  # another session made it just now
+                fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            finally:
+                os.close(parent_fd)
     except OSError as exc:
-        raise OSError(f"cannot use GPU lock directory {path!r}: {exc}") from exc
-    return path
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            try:
+                found = os.lstat(path)
+            except OSError:
+                found = None
+            if found is not None and stat.S_ISLNK(found.st_mode):
+                raise _dir_error(path, f"it is a symbolic link (owner uid {found.st_uid}): gpuclean opens "
+                                       "the lock directory itself, never through a link; give the real "
+                                       "directory") from None
+            raise _dir_error(path, "it is not a directory") from None
+        raise _dir_error(path, "cannot open or create it", exc) from None
+    try:
+        info = os.fstat(fd)
+        if created and info.st_uid == os.geteuid():
+            # Made by us just now (and still ours: nobody swapped it in between): shared like /tmp.
+            os.fchmod(fd, DIR_MODE)
+        else:
+            _check_existing(path, fd, info)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Dir(path, fd, (info.st_dev, info.st_ino))
+
+
+def _check_existing(path: str, fd: int, info: os.stat_result) -> None:
+    # A directory we did not create is used as it is, never chmod'ed: it may be a private directory of
+    # the user, $HOME or "." given by mistake, and its mode is its owner's decision.
+    mode = stat.S_IMODE(info.st_mode)
+    described = f"owner uid {info.st_uid}, mode {mode:o}"
+    if os.statvfs(fd).f_flag & os.ST_RDONLY:
+        raise _dir_error(path, f"it is on a read-only file system ({described})")
+    if not os.access(".", os.W_OK | os.X_OK, dir_fd=fd, effective_ids=os.access in os.supports_effective_ids):
+        raise _dir_error(path, f"not writable by uid {os.geteuid()} ({described}); gpuclean did not create "
+                               "it, so it leaves its mode alone: if it is meant to be shared its owner can "
+                               f"run 'chmod 1777 {path}', else choose another with --gpuclean-lock-dir")
+    # World-writable without the sticky bit: anyone could delete or replace anyone's files. (A group-writable
+    # one is left to its owner, who chose the group: with umask 002 a user's own directories are 0775.)
+    if mode & 0o002 and not mode & stat.S_ISVTX:
+        raise _dir_error(path, f"every user can write it and it has no sticky bit ({described}): anyone "
+                               "could delete or replace the lock files of GPUs in use; its owner can run "
+                               f"'chmod +t {path}'")
 
 
 @functools.lru_cache(maxsize=256)
@@ -113,10 +244,15 @@ class HeldLocks:
     """GPUs an ancestor process holds, with its (pid, start ticks): not locked again, not released."""
     _env: tuple[str | None, str | None] = (None, None)
     """(value of ``HELD_VAR`` before us, the value we set)."""
+    _dir: _Dir | None = None
+    """The directory whose shared lock this acquire holds (None: it holds none)."""
+    _mtime_ns: int = 0
+    """The directory's mtime when the acquire began: if it changed by release, an entry was removed or
+    added, maybe a held lock file."""
 
     def release(self) -> None:
         # Holder record first: once the lock is free, the next holder writes its own. A blank file is
-        # no record (``holder`` skips it), and stays open for the next acquire to reuse.
+        # no record (``holders`` skips it), and stays open for the next acquire to reuse.
         for fd, padded in self.holder_fds:
             try:  # (try/except, not contextlib.suppress: this runs per GPU and test)
                 if padded:
@@ -126,8 +262,18 @@ class HeldLocks:
             except OSError:
                 pass
         self.holder_fds = []
-        for fd in self.locks:
-            _unlock(fd)
+        state = self._dir
+        self._dir = None
+        if state is not None and _dirs.get(state.ident) is state:  # (not in a forked child)
+            try:
+                changed = os.fstat(state.fd).st_mtime_ns != self._mtime_ns
+            except OSError:
+                changed = True
+            for fd in self.locks:
+                if changed:
+                    _check_still_named(state, fd)
+                _unlock(state, fd)
+            _unshare(state)
         self.locks = []
         previous, ours = self._env
         if ours is not None and os.environ.get(HELD_VAR) == ours:
@@ -138,52 +284,175 @@ class HeldLocks:
         self._env = (None, None)
 
 
-def _unlock(fd: int) -> None:
-    # The descriptor stays open (cached in _lock_fds) for the next test.
-    _held_fds.discard(fd)
+def _check_still_named(state: _Dir, fd: int) -> None:
+    # The holder's side of a deleted lock file: nobody else could take the GPU meanwhile (see _create),
+    # but whoever deletes lock files should hear of it.
+    name = state.lock_names.get(fd)
+    if name is None:
+        return
+    try:
+        now = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
+        same = (now.st_dev, now.st_ino) == state.lock_idents.get(fd)
+    except OSError:
+        same = False
+    if not same:
+        _notices.append(
+            f"gpuclean: lock file {state.path}/{name} was deleted or replaced while this session held it (by "
+            "hand or by a tmp cleaner); no other session could take the GPU meanwhile, but exclude the lock "
+            "directory from tmp cleaning (docs/sharing.md)")
+
+
+def _unlock(state: _Dir, fd: int) -> None:
+    # The descriptor stays open (cached in lock_fds) for the next test.
+    state.held.discard(fd)
     try:  # noqa: SIM105 (per GPU and test: suppress() costs ~1 us)
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
     except OSError:
         pass
 
 
-def _forget(path: str) -> None:
-    fd = _lock_fds.pop(path, None)
-    if fd is not None:
-        _held_fds.discard(fd)
-        _lock_inodes.pop(fd, None)
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-def _open_lock_file(path: str) -> int:
-    flags = os.O_CLOEXEC | os.O_NOFOLLOW
-    while True:
-        # Open an existing file without O_CREAT: fs.protected_regular refuses O_CREAT on another user's
-        # file in a sticky directory, even when it exists.
+def _share(state: _Dir) -> bool:
+    """Take the directory's shared lock (once per process, counted); False while someone holds it
+    exclusively (a session creating lock files, or a tmp cleaner at work)."""
+    if state.shared == 0:
         try:
-            return os.open(path, flags | os.O_RDWR)
-        except FileNotFoundError:
+            fcntl.flock(state.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise _dir_error(state.path, "cannot lock it", exc) from None
+    state.shared += 1
+    return True
+
+
+def _unshare(state: _Dir) -> None:
+    state.shared -= 1
+    if state.shared <= 0:
+        state.shared = 0
+        try:  # noqa: SIM105 (per test)
+            fcntl.flock(state.fd, fcntl.LOCK_UN)
+        except OSError:
             pass
-        except PermissionError:
-            # A file made without group/other write (by hand, or an old version): flock needs only a
-            # descriptor, not write access (except on NFS, where it becomes a POSIX lock).
-            with contextlib.suppress(FileNotFoundError):
-                return os.open(path, flags | os.O_RDONLY)
+
+
+def _create(state: _Dir, names: Sequence[str]) -> bool:
+    """Create missing lock files, only while no session holds any GPU lock in the directory.
+
+    Why: a lock file deleted while held (by hand, by a tmp cleaner) takes the only trace of its holder
+    with it. A session that found the name missing and simply made a new file would lock that and run on
+    the GPU next to the holder. Every holder keeps a shared BSD lock on the directory from before it
+    checks its lock files' names until it releases them, and a new lock file is made only under an
+    exclusive lock on the directory: so while anyone holds any GPU here, no lock file can be replaced. (A
+    held lock file deleted stays missing until its holder is done.) systemd-tmpfiles also leaves alone a
+    directory that is BSD-locked, so it does not clean this one while a session holds GPU locks.
+
+    Returns False if the directory is busy (somebody holds GPU locks in it, this process included).
+    """
+    try:
+        # A descriptor of its own: an exclusive lock through ``state.fd`` would convert our shared lock.
+        fd = os.open(".", _DIR_FLAGS, dir_fd=state.fd)
+    except OSError as exc:
+        raise _dir_error(state.path, "cannot open it", exc) from None
+    try:
         try:
-            fd = os.open(path, flags | os.O_RDWR | os.O_CREAT | os.O_EXCL, _LOCK_MODE)
-        except FileExistsError:
-            continue  # another session created it just now
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, _LOCK_MODE)  # past the umask
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        for name in names:
+            try:
+                new = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, LOCK_FILE_MODE,
+                              dir_fd=state.fd)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise _dir_error(state.path, f"cannot create lock file {name}", exc) from None
+            with contextlib.suppress(OSError):
+                os.fchmod(new, LOCK_FILE_MODE)  # past the umask
+            # Closing is safe: nobody (this process included) can hold a lock on a file this new.
+            os.close(new)
+    finally:
+        os.close(fd)  # drops the exclusive lock
+    return True
+
+
+_MISSING = -1
+
+
+def _open_lock(state: _Dir, name: str) -> int:
+    """A lock file's descriptor, or ``_MISSING`` if there is no file of that name."""
+    try:
+        fd = os.open(name, os.O_RDWR | _FILE_FLAGS, dir_fd=state.fd)
+    except FileNotFoundError:
+        return _MISSING
+    except OSError as exc:
+        raise _file_error(state, name, exc) from None
+    info = os.fstat(fd)
+    ident = (info.st_dev, info.st_ino)
+    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        state.lock_idents[fd] = ident
+        state.lock_names[fd] = name
         return fd
+    if ident in state.lock_idents.values():
+        state.parked.append(fd)  # a link to a file we have open: closing this would drop our lock on it
+    else:
+        os.close(fd)
+    raise _file_error(state, name, None)
+
+
+def _file_error(state: _Dir, name: str, exc: OSError | None) -> LockDirError:
+    try:
+        info = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
+        who = f"owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):o}"
+    except OSError:
+        info, who = None, "gone now"
+    if info is not None and stat.S_ISLNK(info.st_mode):
+        what = f"lock file {name} is a symbolic link ({who}), planted there: its owner or root must remove it"
+    elif exc is None:
+        what = (f"lock file {name} is not a regular file with a single link ({who}): gpuclean never makes "
+                "such a thing; its owner or root must remove it")
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        what = (f"lock file {name} cannot be opened for writing by uid {os.geteuid()} ({who}); a POSIX lock "
+                f"needs that: its owner can run 'chmod {LOCK_FILE_MODE:o}' on it")
+    else:
+        return _dir_error(state.path, f"cannot open lock file {name}", exc)
+    return _dir_error(state.path, what)
 
 
 class GpuLocks:
     """Acquire per-GPU locks all-or-nothing, in one global (UUID) order, so no two sessions deadlock."""
 
     def __init__(self, directory: str) -> None:
-        self.directory = ensure_lock_dir(directory)
+        self.directory = os.path.abspath(directory)
+        self._ident = _open_dir_once(self.directory).ident
+
+    def _state(self) -> _Dir:
+        if os.getpid() != _owner_pid:
+            _forget_inherited()  # a raw fork() skipped the at-fork hook: nothing here is ours
+        state = _dirs.get(self._ident)
+        if state is not None:
+            info = os.fstat(state.fd)
+            state.mtime_ns = info.st_mtime_ns
+            # Renaming or removing the directory changes its ctime (or its link count), and so does any
+            # entry added or removed: only then is the path looked up again (a path stat per test costs
+            # as much as locking a GPU).
+            if info.st_ctime_ns == state.ctime_ns and info.st_nlink > 0:
+                return state
+            state.ctime_ns = info.st_ctime_ns
+        try:
+            now = os.stat(self.directory, follow_symlinks=False)
+            same = (now.st_dev, now.st_ino) == self._ident and stat.S_ISDIR(now.st_mode)
+        except OSError:
+            same = False
+        if state is not None and same:
+            return state
+        if state is not None:
+            _notices.append(
+                f"gpuclean: the GPU lock directory {self.directory} was removed or replaced while this "
+                "session ran; the new one is used from now on (sessions still in the old one don't see its "
+                "locks until their next test)")
+        state = _open_dir_once(self.directory)
+        self._ident = state.ident
+        return state
 
     def lock_path(self, uuid: str) -> str:
         return f"{self.directory}/{_file_name(uuid)}.lock"
@@ -194,55 +463,101 @@ class GpuLocks:
         One per user: in the sticky lock directory nobody can replace another user's file, and a session
         that was killed leaves its file behind.
         """
-        return f"{self.directory}/{_file_name(uuid)}.{os.getuid()}.holder"
+        return f"{self.directory}/{_holder_name(uuid, os.geteuid())}"
+
+    def prepare(self, uuids: Sequence[str]) -> None:
+        """Open (and create, if nobody holds a lock here now) the lock and holder files of ``uuids``.
+
+        At session start, so that an unusable or full directory stops the session with a clear message
+        rather than failing a test later.
+        """
+        state = self._state()
+        names = [f"{_file_name(u)}.lock" for u in uuids]
+        missing = [n for n in names if n not in state.lock_fds and _cache_lock(state, n) is None]
+        if missing:
+            _create(state, missing)
+            for name in missing:
+                _cache_lock(state, name)
+        for uuid in uuids:
+            try:
+                _holder_fd(state, _holder_name(uuid, os.geteuid()))
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                    raise _dir_error(self.directory, "cannot create a holder record", exc) from None
 
     def holder(self, uuid: str) -> dict[str, object]:
-        """Who holds ``uuid``'s lock, as recorded next to it (empty if nobody recorded).
+        """Who holds ``uuid``'s lock, as recorded next to it (empty if nobody recorded), validated.
 
         The newest record wins: a holder writes its record after it got the lock, so any older one is
         left over from a session that ended without releasing (killed).
         """
-        newest: dict[str, object] = {}
-        for path in glob.glob(os.path.join(glob.escape(self.directory), _file_name(uuid) + ".*.holder")):
-            try:
-                with open(path) as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if isinstance(data, dict) and _since(data) >= _since(newest):
-                newest = data
-        return newest
+        return _read_records(self._state(), [uuid]).get(uuid, {})
 
-    def _try(self, uuid: str) -> int | None:
-        path = self.lock_path(uuid)
-        while True:
-            fd = _lock_fds.get(path)
+    def holders(self, uuids: Sequence[str]) -> dict[str, dict[str, object]]:
+        """For each of ``uuids``: its newest valid record, plus what the kernel says about the lock.
+
+        ``lock_pid``: the process holding the POSIX lock per /proc/locks (0: one in another PID namespace),
+        with ``lock_user`` and ``lock_cmd``; ``missing``: the lock file is missing.
+        """
+        state = self._state()
+        records = _read_records(state, uuids)
+        idents: dict[tuple[int, int], str] = {}
+        found: dict[str, dict[str, object]] = {}
+        for uuid in uuids:
+            found[uuid] = dict(records.get(uuid, {}))
+            fd = state.lock_fds.get(f"{_file_name(uuid)}.lock")
             if fd is None:
-                fd = _lock_fds[path] = _open_lock_file(path)
-                opened = os.fstat(fd)
-                _lock_inodes[fd] = (opened.st_dev, opened.st_ino)
-            elif fd in _held_fds:
-                # Held by this process already (another acquire still open): flock on the same open file
-                # would just succeed again, so refuse here as a second open of the file would.
+                with contextlib.suppress(OSError):
+                    fd = _cache_lock(state, f"{_file_name(uuid)}.lock")
+            if fd is None:
+                found[uuid]["missing"] = True
+            else:
+                idents[state.lock_idents[fd]] = uuid
+        lockers = _posix_lockers(set(idents))
+        for ident, uuid in idents.items():
+            pid = lockers.get(ident)
+            if pid is not None:
+                found[uuid]["lock_pid"] = pid
+                if pid > 0:
+                    found[uuid]["lock_user"], found[uuid]["lock_cmd"] = _describe_process(pid)
+        if any(f.get("missing") for f in found.values()):
+            dir_pids = sorted(_flock_pids(state.ident))
+            for info in found.values():
+                if info.get("missing"):
+                    info["dir_pids"] = dir_pids
+        return found
+
+    def _try(self, state: _Dir, uuid: str) -> int | None:
+        name = f"{_file_name(uuid)}.lock"
+        while True:
+            fd = state.lock_fds.get(name)
+            if fd is None:
+                fd = _open_lock(state, name)
+                if fd == _MISSING:
+                    return _MISSING
+                state.lock_fds[name] = fd
+            elif fd in state.held:
+                # Held by this process already (another acquire still open): a second POSIX lock of the
+                # same process would just succeed, so refuse here as another process would be refused.
                 return None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     return None
-                _forget(path)
-                raise
+                raise _dir_error(state.path, f"cannot lock {name}", exc) from None
             try:
-                now = os.stat(path)
-                same = (now.st_dev, now.st_ino) == _lock_inodes.get(fd)
+                now = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
+                same = (now.st_dev, now.st_ino) == state.lock_idents.get(fd)
             except FileNotFoundError:
                 same = False
             if same:
-                _held_fds.add(fd)
+                state.held.add(fd)
                 return fd
-            # The file was deleted (by hand) after we opened it: a lock on that inode locks nothing.
-            _unlock(fd)
-            _forget(path)
+            # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
+            # nothing. Look at what the name holds now.
+            _unlock(state, fd)
+            _forget(state, name)
 
     def acquire(self, candidates: Sequence[str], count: int, timeout: float, holder_id: str,
                 prefer: Sequence[str] = (),
@@ -252,39 +567,56 @@ class GpuLocks:
         GPUs that an ancestor process holds (see ``HELD_VAR``) count as taken, and come first; then free
         devices are taken in UUID order, those listed in ``prefer`` first. If fewer than ``count`` are
         free, everything taken is released and the attempt repeats until ``timeout``. ``on_wait`` is
-        called once, when the first attempt fails, with the holders of the busy devices.
+        called once, when the first attempt fails, with the holders of the busy devices (see ``holders``).
         """
         inherited = {u: h for u, h in self.inherited().items() if u in candidates}
         ordered = sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
         started = time.monotonic()
         notified = False
         while True:
+            state = self._state()
             taken: list[tuple[str, int | None]] = []
+            missing: list[str] = []
+            shared = False
             try:
-                for uuid in ordered:
-                    fd = None if uuid in inherited else self._try(uuid)
-                    if fd is not None or uuid in inherited:
+                shared = _share(state)
+                for uuid in ordered if shared else ():
+                    fd = None if uuid in inherited else self._try(state, uuid)
+                    if fd == _MISSING:
+                        missing.append(uuid)
+                    elif fd is not None or uuid in inherited:
                         taken.append((uuid, fd))
                         if len(taken) == count:
                             break
                 if len(taken) == count:
-                    return self._record(taken, holder_id, time.monotonic() - started, inherited)
+                    return self._record(state, taken, holder_id, time.monotonic() - started, inherited)
             except BaseException:
                 # Also on KeyboardInterrupt or a pytest-timeout signal: a lock kept by a stray
                 # descriptor would block this very session's next test.
-                _unlock_all(taken)
+                _unlock_all(state, taken)
+                if shared:
+                    _unshare(state)
                 raise
-            _unlock_all(taken)
+            _unlock_all(state, taken)
+            if shared:
+                _unshare(state)
+            if missing and _create(state, [f"{_file_name(u)}.lock" for u in missing]):
+                continue  # made them while nobody held a lock here: try again at once
             busy = [u for u in ordered if u not in {t for t, _ in taken}]
             waited = time.monotonic() - started
+            if not shared and waited < timeout:
+                # Someone holds the directory exclusively for a moment (creating lock files, or a tmp
+                # cleaner looking at it): nothing was tried, so there is nobody to name yet.
+                time.sleep(random.uniform(*_RETRY_S))
+                continue
             if waited >= timeout:
-                holders = {u: self.holder(u) for u in busy}
+                holders = self.holders(busy)
                 raise LockTimeout(
                     f"waited {waited:.1f}s for {count} of {len(ordered)} GPU lock(s); held by: "
-                    + describe_holders(holders), holders)
+                    + describe_holders(holders), holders, waited)
             if on_wait is not None and not notified:
                 notified = True
-                on_wait({u: self.holder(u) for u in busy})
+                on_wait(self.holders(busy))
             time.sleep(random.uniform(*_RETRY_S))
 
     def inherited(self) -> dict[str, tuple[int, int]]:
@@ -293,21 +625,28 @@ class GpuLocks:
         Trusted only if the named holder is still our ancestor (same pid and start time) and still the
         recorded holder of the GPU: a process that outlived the test that started it inherits nothing.
         """
+        value = os.environ.get(HELD_VAR)
+        if not value:
+            return {}  # (the usual case: no json.loads per test)
         try:
-            data = json.loads(os.environ.get(HELD_VAR) or "{}")
+            data = json.loads(value)
             if os.path.realpath(str(data["dir"])) != os.path.realpath(self.directory):
                 return {}
             holders = {str(u): (int(pid), int(start)) for u, (pid, start) in data["holders"].items()}
         except (ValueError, TypeError, KeyError, AttributeError):
             return {}
+        if not holders:
+            return {}
         ancestors = _ancestors()
+        records = _read_records(self._state(), list(holders))
         return {u: (pid, start) for u, (pid, start) in holders.items()
-                if ancestors.get(pid) == start and self.holder(u).get("pid") == pid}
+                if ancestors.get(pid) == start and records.get(u, {}).get("pid") == pid}
 
-    def _record(self, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
+    def _record(self, state: _Dir, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
                 inherited: dict[str, tuple[int, int]]) -> HeldLocks:
         held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], [], waited_s,
-                         inherited={u: inherited[u] for u, fd in taken if fd is None})
+                         inherited={u: inherited[u] for u, fd in taken if fd is None}, _dir=state,
+                         _mtime_ns=state.mtime_ns)
         me = _me_now()
         if me is not None:
             previous = os.environ.get(HELD_VAR)
@@ -316,80 +655,117 @@ class GpuLocks:
             os.environ[HELD_VAR] = ours
             held._env = (previous, ours)
         # The records differ only in the UUID: encode the rest once (a json.dumps per GPU cost ~4 us).
-        common = json.dumps({"pid": os.getpid(), "host": _HOST, "uid": os.getuid(), "test": holder_id,
-                             "since": time.time()})
+        common = json.dumps({"pid": os.getpid(), "start": me[1] if me else None, "host": _HOST,
+                             "uid": os.geteuid(), "test": holder_id, "since": time.time()})
+        uid = os.geteuid()
         for uuid, fd in taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
             record = f'{common[:-1]}, "uuid": {json.dumps(uuid)}}}'.encode()
             try:  # noqa: SIM105 (per GPU and test: suppress() costs ~1 us)
-                held.holder_fds.append(_write_holder(self.holder_path(uuid), record))
+                held.holder_fds.append(_write_holder(state, _holder_name(uuid, uid), record))
             except OSError:
                 pass  # best effort: the lock itself is what protects the GPU
         return held
 
 
-def _unlock_all(taken: list[tuple[str, int | None]]) -> None:
+def _open_dir_once(path: str) -> _Dir:
+    opened = _open_dir(path)
+    known = _dirs.get(opened.ident)
+    if known is not None:
+        os.close(opened.fd)  # (a directory: no POSIX lock of ours to lose)
+        return known
+    _dirs[opened.ident] = opened
+    return opened
+
+
+def _cache_lock(state: _Dir, name: str) -> int | None:
+    fd = state.lock_fds.get(name)
+    if fd is None:
+        fd = _open_lock(state, name)
+        if fd == _MISSING:
+            return None
+        state.lock_fds[name] = fd
+    return fd
+
+
+def _forget(state: _Dir, name: str) -> None:
+    fd = state.lock_fds.pop(name, None)
+    if fd is not None:
+        state.held.discard(fd)
+        state.lock_idents.pop(fd, None)
+        state.lock_names.pop(fd, None)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _unlock_all(state: _Dir, taken: list[tuple[str, int | None]]) -> None:
     for _uuid, fd in taken:
         if fd is not None:
-            _unlock(fd)
+            _unlock(state, fd)
 
 
 def _me_now() -> tuple[int, int] | None:
     global _me
     pid = os.getpid()
     if _me is None or _me[0] != pid:
-        stat = procfs.read_stat(pid)
-        _me = None if stat is None else (stat.pid, stat.start_ticks)
+        found = procfs.read_stat(pid)
+        _me = None if found is None else (found.pid, found.start_ticks)
     return _me
 
 
 def _ancestors() -> dict[int, int]:
     """pid -> start ticks of every ancestor of this process."""
     found: dict[int, int] = {}
-    stat = procfs.read_stat(os.getpid())
-    while stat is not None and stat.ppid > 0 and stat.ppid not in found:
-        stat = procfs.read_stat(stat.ppid)
-        if stat is not None:
-            found[stat.pid] = stat.start_ticks
+    current = procfs.read_stat(os.getpid())
+    while current is not None and current.ppid > 0 and current.ppid not in found:
+        current = procfs.read_stat(current.ppid)
+        if current is not None:
+            found[current.pid] = current.start_ticks
     return found
 
 
-def _since(holder: dict[str, object]) -> float:
-    since = holder.get("since")
-    return float(since) if isinstance(since, (int, float)) else float("-inf")
+# ---- holder records: written by us, read as untrusted input ------------------------------------------
+
+def _holder_name(uuid: str, uid: int) -> str:
+    return f"{_file_name(uuid)}.{uid}.holder"
 
 
-def describe_holder(holder: dict[str, object]) -> str:
-    """One line naming a lock holder."""
-    if not holder:
-        return "unknown holder"
-    since = holder.get("since")
-    age = f", for {time.time() - since:.0f}s" if isinstance(since, (int, float)) else ""
-    pid = holder.get("pid")
-    gone = ""
-    if isinstance(pid, int) and holder.get("host") == socket.gethostname() and not _pid_alive(pid):
-        # The lock is busy, so someone holds it; this record is left over from a killed session.
-        gone = " (that process is gone: a stale record; the holder did not record itself)"
-    return f"pid {pid} on {holder.get('host')} running {holder.get('test')}{age}{gone}"
+def _holder_fd(state: _Dir, name: str) -> int:
+    fd = state.holder_fds.get(name)
+    if fd is None:
+        fd = state.holder_fds[name] = _open_own_holder(state, name)
+    return fd
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
+def _open_own_holder(state: _Dir, name: str) -> int:
+    flags = os.O_WRONLY | _FILE_FLAGS
+    for _attempt in range(2):
+        try:
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, HOLDER_FILE_MODE, dir_fd=state.fd)
+        except FileExistsError:
+            pass
+        else:
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, HOLDER_FILE_MODE)
+            return fd
+        try:
+            fd = os.open(name, flags, dir_fd=state.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EACCES):  # a link, a FIFO, another's file
+                raise
+        else:
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_nlink == 1:
+                return fd
+            os.close(fd)
+        # Another user's file under our name, a link, or a hard link to some other file: never write into
+        # it. Remove it if we may (root, or the directory's owner), and make our own.
+        os.unlink(name, dir_fd=state.fd)
+    raise OSError(errno.EEXIST, f"holder record {name} keeps being replaced")
 
 
-def describe_holders(holders: dict[str, dict[str, object]]) -> str:
-    """``uuid: holder; uuid: holder`` for a message."""
-    return "; ".join(f"{u}: {describe_holder(h)}" for u, h in holders.items())
-
-
-def _write_holder(path: str, payload: bytes) -> tuple[int, bool]:
+def _write_holder(state: _Dir, name: str, payload: bytes) -> tuple[int, bool]:
     """Write this user's holder record (JSON) for one GPU into its (session-long open) file.
 
     Returns the descriptor and whether the record was padded to ``_RECORD_BYTES``.
@@ -398,10 +774,7 @@ def _write_holder(path: str, payload: bytes) -> tuple[int, bool]:
     on ext4, more than the whole clean check. A reader that catches a half-written record fails to parse
     it and reads "unknown holder", as for a missing one.
     """
-    fd = _holder_fds.get(path)
-    if fd is None:
-        # O_NOFOLLOW: never write through a link someone planted in the shared directory.
-        fd = _holder_fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = _holder_fd(state, name)
     if len(payload) <= _RECORD_BYTES:
         # Padded to a fixed size (JSON allows trailing blanks): no ftruncate, which costs as much as the
         # write. Released records are blanked the same way (see HeldLocks.release).
@@ -410,3 +783,227 @@ def _write_holder(path: str, payload: bytes) -> tuple[int, bool]:
     os.pwrite(fd, payload, 0)
     os.ftruncate(fd, len(payload))
     return fd, False
+
+
+def _read_records(state: _Dir, uuids: Sequence[str]) -> dict[str, dict[str, object]]:
+    """The newest valid holder record of each of ``uuids`` (absent: none)."""
+    wanted = {_file_name(u): u for u in uuids}
+    try:
+        names = os.listdir(state.fd)
+    except OSError:
+        return {}
+    now = time.time()
+    newest: dict[str, dict[str, object]] = {}
+    for name in names:
+        if not name.endswith(".holder"):
+            continue
+        base, _, uid_text = name[: -len(".holder")].rpartition(".")
+        uuid = wanted.get(base)
+        if uuid is None or not (uid_text.isascii() and uid_text.isdigit()):
+            continue
+        record = _read_record(state, name, int(uid_text), uuid, now)
+        if record is not None and _since(record) >= _since(newest.get(uuid, {})):
+            newest[uuid] = record
+    return newest
+
+
+def _read_record(state: _Dir, name: str, uid: int, uuid: str, now: float) -> dict[str, object] | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=state.fd)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        # Only the user a record file is named after may have written it: the kernel says who made it.
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+            return None
+        raw = os.read(fd, _READ_LIMIT + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) > _READ_LIMIT or not raw.strip():
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None  # blank (released), half-written, or not ours
+    return _valid_record(data, uid, uuid, now)
+
+
+def _valid_record(data: object, uid: int, uuid: str, now: float) -> dict[str, object] | None:
+    """The fields of a holder record we can use, checked and cleaned; None if it is not a valid record."""
+    if not isinstance(data, dict) or data.get("uuid") != uuid:
+        return None
+    pid, since, start = data.get("pid"), data.get("since"), data.get("start")
+    if type(pid) is not int or not 0 < pid < 1 << 22:  # (bool is an int: type(), not isinstance)
+        return None
+    if data.get("uid") != uid or type(data.get("uid")) is not int:
+        return None
+    if not isinstance(since, (int, float)) or isinstance(since, bool) or not math.isfinite(since):
+        return None
+    if not 0 < since <= now + _CLOCK_SKEW_S:
+        return None
+    record: dict[str, object] = {"pid": pid, "uid": uid, "user": _user_name(uid),
+                                 "host": _clean_host(data.get("host")), "test": clean_text(data.get("test")),
+                                 "since": float(since), "uuid": uuid}
+    if type(start) is int and start >= 0:
+        record["start"] = start
+    return record
+
+
+def clean_text(value: object, limit: int = _TEXT_LIMIT) -> str:
+    """Untrusted text made safe to print: one line, no control or format characters (ANSI escapes,
+    bidi overrides), at most ``limit`` characters, and never starting like a CI workflow command."""
+    if not isinstance(value, str):
+        return "?"
+    text = " ".join("".join(c if c.isprintable() else " " for c in value).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    # GitHub's runner reads "::command::" (and the older "##[command]") at the start of a line.
+    if text.startswith(("::", "##")):
+        text = "?" + text
+    return text or "?"
+
+
+def _clean_host(value: object) -> str:
+    if isinstance(value, str) and 0 < len(value) <= 253 and all(c.isascii() and (c.isalnum() or c in ".-_")
+                                                                 for c in value):
+        return value
+    return "?"
+
+
+@functools.lru_cache(maxsize=64)
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _since(holder: dict[str, object]) -> float:
+    since = holder.get("since")
+    return float(since) if isinstance(since, (int, float)) else float("-inf")
+
+
+# ---- who really holds a lock: /proc/locks ------------------------------------------------------------
+
+def _proc_locks() -> list[tuple[str, int, int, int, int]]:
+    """(kind, pid, major, minor, inode) of every lock on the host (not waiters)."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        parts = line.split()
+        # "1: POSIX  ADVISORY  WRITE 4242 fd:01:131090 0 EOF"; waiters have "->" as second field.
+        if len(parts) < 6 or parts[1] == "->":
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            found.append((parts[1], int(parts[4]), int(major, 16), int(minor, 16), int(inode)))
+        except ValueError:
+            continue
+    return found
+
+
+def _posix_lockers(idents: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """For each (st_dev, st_ino): the pid holding a POSIX lock on it (0: in another PID namespace)."""
+    if not idents:
+        return {}
+    wanted = {(os.major(dev), os.minor(dev), ino): (dev, ino) for dev, ino in idents}
+    by_inode: dict[int, list[tuple[tuple[int, int], int]]] = {}
+    found: dict[tuple[int, int], int] = {}
+    for kind, pid, major, minor, inode in _proc_locks():
+        if kind != "POSIX":
+            continue
+        ident = wanted.get((major, minor, inode))
+        if ident is not None:
+            found[ident] = pid
+        else:
+            by_inode.setdefault(inode, []).append(((major, minor), pid))
+    # Some file systems (btrfs subvolumes, overlayfs) report another device number in stat() than in
+    # /proc/locks: fall back to the inode number when only one lock has it.
+    for dev, ino in idents - set(found):
+        candidates = by_inode.get(ino, [])
+        if len(candidates) == 1:
+            found[(dev, ino)] = candidates[0][1]
+    return found
+
+
+def _flock_pids(ident: tuple[int, int]) -> set[int]:
+    """Pids /proc/locks names for BSD locks on a file (the locker; the lock may be held by its children)."""
+    dev, ino = ident
+    return {pid for kind, pid, major, minor, inode in _proc_locks()
+            if kind == "FLOCK" and (major, minor, inode) == (os.major(dev), os.minor(dev), ino)}
+
+
+def _describe_process(pid: int) -> tuple[str, str]:
+    """(user, command line) of a local process, cleaned for printing."""
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+        user = _user_name(uid)
+    except OSError:
+        user = "?"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read(1024).replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        cmd = ""
+    return user, clean_text(cmd, 120)
+
+
+def _record_alive(holder: dict[str, object]) -> bool | None:
+    """Whether the recorded process still runs (None: it runs on another host, or we can't tell)."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != _HOST:
+        return None
+    found = procfs.read_stat(pid)
+    if found is None:
+        return False
+    start = holder.get("start")
+    return not isinstance(start, int) or found.start_ticks == start
+
+
+def _recorded(holder: dict[str, object]) -> str:
+    age = f", for {max(0.0, time.time() - _since(holder)):.0f}s" if "since" in holder else ""
+    return (f"pid {holder.get('pid')} (user {holder.get('user')}) on {holder.get('host')} running "
+            f"{holder.get('test')}{age}")
+
+
+def describe_holder(holder: dict[str, object]) -> str:
+    """One line naming a lock's holder: its record, checked against the kernel's /proc/locks."""
+    if holder.get("missing"):
+        dir_pids = holder.get("dir_pids")
+        pids = ", ".join(str(p) for p in dir_pids) if isinstance(dir_pids, list) else ""
+        holding = (f" (BSD locks on the directory taken by pid(s) {pids}, or by "
+                   "processes that inherited their descriptors)") if pids else ""
+        return ("its lock file is missing (deleted by hand or by a tmp cleaner?); a new one is made only "
+                f"when no session holds a GPU lock in this directory{holding}")
+    recorded = _recorded(holder) if "pid" in holder else None
+    lock_pid = holder.get("lock_pid")
+    if not isinstance(lock_pid, int):
+        if recorded is None:
+            return "unknown holder (no valid holder record, and /proc/locks does not name the process)"
+        if _record_alive(holder) is False:
+            return recorded + " (that process is gone: a stale record; the holder did not record itself)"
+        return recorded
+    if lock_pid == 0:
+        return (recorded or "unknown holder") + " (the lock is held from another PID namespace)"
+    if recorded is not None and holder.get("host") != _HOST:
+        return f"{recorded} (pid {lock_pid} here)"  # another container: its own pid numbers
+    if recorded is not None and holder.get("pid") == lock_pid and _record_alive(holder) is not False:
+        return recorded
+    real = (f"pid {lock_pid} (user {holder.get('lock_user')}: {holder.get('lock_cmd') or '?'}), which left "
+            "no record")
+    if recorded is None:
+        return real
+    state = "that process is gone" if _record_alive(holder) is False else "that process does not hold it"
+    return f"{real}; the newest record, {recorded}, is stale ({state})"
+
+
+def describe_holders(holders: dict[str, dict[str, object]]) -> str:
+    """``uuid: holder; uuid: holder`` for a message."""
+    return "; ".join(f"{u}: {describe_holder(h)}" for u, h in holders.items())

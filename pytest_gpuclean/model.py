@@ -155,6 +155,8 @@ class TestRecord:
     devices: tuple[str, ...] = ()
     """UUIDs the test held the locks of."""
     lock_wait_s: float = 0.0
+    lock_timeout: str | None = None
+    """Why the test never got its GPU locks (it waited ``lock_wait_s``); None if it got them."""
     before_s: float = 0.0
     after_s: float = 0.0
 
@@ -168,6 +170,6 @@ class TestRecord:
     @property
     def dirty(self) -> bool:
         """True if any check around this test failed or found something."""
-        return self.leaked or bool(self.in_process_mib) or any(
+        return self.leaked or bool(self.in_process_mib) or self.lock_timeout is not None or any(
             c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
             for c in (self.before, self.after))

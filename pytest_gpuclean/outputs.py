@@ -21,11 +21,15 @@ import pytest
 from pytest_gpuclean import jsonreport, report
 from pytest_gpuclean.model import Reaped, TestRecord
 from pytest_gpuclean.plugin import _STATE, GpuCleanPlugin
+from pytest_gpuclean.serialize import record_from_dict, record_to_dict
 
 TITLE_LEAK = "GPU leak"
 TITLE_NOT_CLEAN = "GPU not clean"
+TITLE_LOCK_TIMEOUT = "GPU lock timeout"
 PROPERTY_PREFIX = "gpuclean_"
 REPORT_OPTION = "--gpuclean-report"
+RECORD_ATTRIBUTE = "gpuclean_record"
+"""Attribute of an xdist worker's teardown report: the test's record, for the controller."""
 
 
 # ---- GitHub workflow commands ------------------------------------------------------------------------
@@ -55,6 +59,8 @@ def _process_line(pid: int, cmdline: str, ended_by: str | None, release_s: float
 
 def annotation_message(record: TestRecord) -> tuple[str, str] | None:
     """(title, message) of the annotation for a test with findings; None for a clean test."""
+    if record.lock_timeout is not None:
+        return TITLE_LOCK_TIMEOUT, f"{record.nodeid} never got its GPU locks: {record.lock_timeout}"
     verdict = jsonreport.outcome(record)
     if verdict == "leaked":
         leaked = jsonreport.leaked_json(record)
@@ -116,11 +122,18 @@ def _cell(text: str) -> str:
 def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
     """Markdown for ``$GITHUB_STEP_SUMMARY``: totals, then a row per test with findings."""
     totals = jsonreport.summary_json(records, session_reaped)
+    timeouts = f", {totals['lock_timeouts']} gave up waiting for GPU locks" if totals["lock_timeouts"] else ""
     lines = [f"### gpuclean: {totals['checked']} checked test(s), {totals['leaked']} leaked, "
-             f"{totals['not_clean']} met GPUs that were not clean, {totals['reaped']} process(es) reaped", ""]
+             f"{totals['not_clean']} met GPUs that were not clean, {totals['reaped']} process(es) reaped"
+             f"{timeouts}", ""]
     rows: list[str] = []
     for record in records:
         verdict = jsonreport.outcome(record)
+        if record.lock_timeout is not None:
+            rows.append("| " + " | ".join([
+                f"`{_cell(record.nodeid)}`" if "`" not in record.nodeid else _cell(record.nodeid),
+                "lock timeout", _cell(record.lock_timeout), "-", "-", "-"]) + " |")
+            continue
         if verdict in ("clean", "unchecked"):
             continue
         leaked = jsonreport.leaked_json(record)
@@ -164,6 +177,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         ("before_s", f"{record.before_s:.6f}"),
         ("after_s", f"{record.after_s:.6f}"),
         ("lock_wait_s", f"{record.lock_wait_s:.6f}"),
+        ("lock_timeout", record.lock_timeout or ""),
     ]
     return [(PROPERTY_PREFIX + name, value) for name, value in props]
 
@@ -208,7 +222,17 @@ class OutputHooks:
             if state is not None and state.record is not None:
                 # On the report, not the item: junitxml and xdist take them from the teardown report.
                 test_report.user_properties.extend(junit_properties(state.record))
+                if self.worker:
+                    # xdist ships a report's attributes to the controller as each test ends: if the run is
+                    # interrupted, the controller still knows what the finished tests found (the worker's
+                    # session-end payload never comes).
+                    setattr(test_report, RECORD_ATTRIBUTE, record_to_dict(state.record))
         return test_report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        record = getattr(report, RECORD_ATTRIBUTE, None)
+        if record is not None and not self.worker and report.when == "teardown":
+            self.plugin.streamed_records[report.nodeid] = record_from_dict(record)
 
     def _merge(self) -> tuple[list[TestRecord], list[Reaped], list[str]]:
         return self.plugin.merged()

@@ -7,6 +7,7 @@ is registered in ``pytest_configure`` and undone through ``config.add_cleanup``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import signal
@@ -22,7 +23,7 @@ import pytest
 from pytest_gpuclean import devices as devices_mod
 from pytest_gpuclean import processes, report, settings
 from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout, describe_holders
+from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout, describe_holders, take_notices
 from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Reaped, TestRecord
 from pytest_gpuclean.ownership import COOKIE_VAR, OWNER_VAR, new_session_id
 from pytest_gpuclean.serialize import reaped_from_dict, reaped_to_dict, record_from_dict, record_to_dict
@@ -156,6 +157,7 @@ class GpuCleanPlugin:
         if resolved.lock == "on" and self.backend is not None:
             try:
                 self.locks = GpuLocks(resolved.lock_dir)
+                self.locks.prepare([d.uuid for d in self.devices])
             except OSError as exc:
                 source = resolved.sources.get("lock_dir", "the default")
                 raise pytest.UsageError(f"--gpuclean-lock-dir: {exc} ({source})") from None
@@ -178,6 +180,8 @@ class GpuCleanPlugin:
         self.warned_own_cuda = False
         self.controller = False
         self.worker_payloads: list[dict[str, Any]] = []
+        self.streamed_records: dict[str, TestRecord] = {}
+        """xdist controller: each worker's records as its tests ended (see outputs.RECORD_ATTRIBUTE)."""
         self._fixture_tokens: dict[int, str] = {}
         self._tearing_down: _ItemState | None = None
         self._session_token = self.checker.ownership.new_token(Owner("session", "pytest session"))
@@ -324,6 +328,10 @@ class GpuCleanPlugin:
             records.extend(record_from_dict(r) for r in payload["records"])
             session_reaped.extend(reaped_from_dict(r) for r in payload["session_reaped"])
             notes.extend(payload["notes"])
+        # A worker's session-end payload has everything; its tests' records as they ended stand in for it
+        # when it never came (the run was interrupted, the worker crashed).
+        known = {r.nodeid for r in records}
+        records.extend(r for nodeid, r in self.streamed_records.items() if nodeid not in known)
         return records, session_reaped, notes
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -410,16 +418,7 @@ class GpuCleanPlugin:
         self.records.append(record)
         state.devices = self.devices
         if self.locks is not None and self.devices:
-            wanted = applied.count or len(self.devices)
-            try:
-                state.locks = self.locks.acquire(
-                    [d.uuid for d in self.devices], wanted, self.settings.lock_timeout, item.nodeid,
-                    on_wait=lambda holders: self._say(f"gpuclean: {item.nodeid} waits for GPU lock(s) held "
-                                                      f"by: {describe_holders(holders)}"))
-            except LockTimeout as exc:
-                message = f"gpuclean: could not lock the GPUs: {exc}"
-                raise pytest.fail.Exception(message, pytrace=False) from None
-            record.lock_wait_s = state.locks.waited_s
+            state.locks = self._lock_gpus(item, record, applied.count or len(self.devices))
             state.devices = tuple(d for d in self.devices if d.uuid in state.locks.uuids)
         elif applied.count is not None:
             state.devices = self.devices[: applied.count]
@@ -513,6 +512,34 @@ class GpuCleanPlugin:
         if state.locks is not None:
             state.locks.release()
             state.locks = None
+            self.notes.extend(n for n in take_notices() if n not in self.notes)
+
+    def _lock_gpus(self, item: pytest.Item, record: TestRecord, wanted: int) -> HeldLocks:
+        assert self.locks is not None
+        waiting: list[bool] = []
+
+        def on_wait(holders: dict[str, dict[str, object]]) -> None:
+            waiting.append(True)
+            self._say(f"gpuclean: {item.nodeid} waits for GPU lock(s) held by: {describe_holders(holders)}")
+
+        try:
+            held = self.locks.acquire([d.uuid for d in self.devices], wanted, self.settings.lock_timeout,
+                                      item.nodeid, on_wait=on_wait)
+        except LockTimeout as exc:
+            # A finding, not a skip: the test never ran on GPUs it could call its own.
+            record.lock_wait_s = exc.waited_s
+            record.lock_timeout = str(exc)
+            if waiting:
+                self._say(f"gpuclean: {item.nodeid} gave up waiting for GPU lock(s) after "
+                          f"{exc.waited_s:.1f}s")
+            raise pytest.fail.Exception(f"gpuclean: could not lock the GPUs: {exc}", pytrace=False) from None
+        except OSError as exc:  # the lock directory became unusable (full, removed, a planted link)
+            raise pytest.fail.Exception(f"gpuclean: {exc}", pytrace=False) from None
+        record.lock_wait_s = held.waited_s
+        if waiting:
+            self._say(f"gpuclean: {item.nodeid} got GPU lock(s) {', '.join(held.uuids)} after "
+                      f"{held.waited_s:.1f}s")
+        return held
 
     def reap_crashed(self, nodeid: str) -> None:
         """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran."""
@@ -523,9 +550,13 @@ class GpuCleanPlugin:
         self.notes.extend(f"gpuclean: {note} (crashed while running {nodeid})" for note in notes)
 
     def _say(self, line: str) -> None:
-        # Shown while the session waits (a lock can take minutes), not only in the final report.
+        # Shown while the session waits (a lock can take minutes), not only in the final report: past
+        # the output capture, which would otherwise file it under the test's "Captured stdout setup".
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
+        if reporter is None:
+            return
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
             reporter.write_line(line)
 
     def _token_of(self, owner: Owner) -> str | None:

@@ -145,13 +145,17 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
                          f"({', '.join(f'pid {r.process.pid} {r.ended_by}' for r in record.found_later)})")
         if record.in_process_mib:
             parts.append("torch memory grew in-process: " + _held(record.in_process_mib))
+        if record.lock_timeout is not None:
+            parts.append(f"never got its GPU locks: {record.lock_timeout}")
         lines.append(f"{record.nodeid}: " + "; ".join(parts))
     if session_reaped:
         lines.append(f"session end: reaped {len(session_reaped)} leftover process(es): "
                      + ", ".join(f"pid {r.process.pid} ({r.owner}) {r.ended_by}" for r in session_reaped))
     lines.extend(notes)
     total_reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after) if c) + len(session_reaped)
-    lines.append(f"{checked} checked test(s), {len(dirty)} with findings, {total_reaped} process(es) reaped")
+    timeouts = sum(1 for r in records if r.lock_timeout is not None)
+    lines.append(f"{checked} checked test(s), {len(dirty)} with findings, {total_reaped} process(es) reaped"
+                 + (f", {timeouts} gave up waiting for GPU locks" if timeouts else ""))
     return lines
 
 

@@ -239,24 +239,113 @@ def test_after_kill(clean_gpus):
     assert waited < 15, f"waited {waited:.1f}s for locks a dead session held\n{out}"
 
 
-def test_lock_timeout_names_the_holder(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+def test_lock_timeout_names_the_holder_and_is_a_finding(sessions: Sessions, sim: Path,
+                                                        tmp_path: Path) -> None:
     holding, release = tmp_path / "holding", tmp_path / "release"
+    report_file, step_summary = tmp_path / "report.json", tmp_path / "summary.md"
     (sessions.suite / "test_hold.py").write_text(HOLDER)
     (sessions.suite / "test_wants_one.py").write_text(WANTS_ONE)
     holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
     wait_for_file(holding, holder)
-    rc, out = sessions.finish(sessions.start("test_wants_one.py", "--gpuclean-lock-timeout=1"))
+    rc, out = sessions.finish(sessions.start(
+        "test_wants_one.py", "--gpuclean-lock-timeout=1", f"--gpuclean-report={report_file}",
+        GITHUB_ACTIONS="true", GITHUB_STEP_SUMMARY=str(step_summary)))
     release.touch()
     holder_rc, holder_out = sessions.finish(holder)
     assert holder_rc == 0, holder_out
     assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert "1 error" in out.splitlines()[-1], out
     # Busy GPUs are listed in lock order (by UUID).
-    busy = [f"{uuid}: pid {holder.pid} on * running test_hold.py::test_hold, for *s"
-            for uuid in sorted(uuids_of(sim))]
-    message = ("*gpuclean: could not lock the GPUs: waited *s for 1 of 2 GPU lock(s); held by: "
-               + "; ".join(busy))
-    pytest.LineMatcher(out.splitlines()).fnmatch_lines([message])
+    busy = "; ".join(f"{uuid}: pid {holder.pid} (user *) on * running test_hold.py::test_hold, for *s"
+                     for uuid in sorted(uuids_of(sim)))
+    matcher = pytest.LineMatcher(out.splitlines())
+    matcher.fnmatch_lines([
+        f"gpuclean: test_wants_one.py::test_wants_one waits for GPU lock(s) held by: {busy}",
+        "gpuclean: test_wants_one.py::test_wants_one gave up waiting for GPU lock(s) after 1.*s",
+        f"*gpuclean: could not lock the GPUs: waited 1.*s for 1 of 2 GPU lock(s); held by: {busy}",
+    ])
+    # A finding everywhere: the summary, the JSON report (with the real wait), an annotation, the job
+    # summary.
+    matcher.fnmatch_lines([
+        "*= gpuclean =*",
+        "test_wants_one.py::test_wants_one: never got its GPU locks: waited 1.*s for 1 of 2 GPU lock(s)*",
+        "0 checked test(s), 1 with findings, 0 process(es) reaped, 1 gave up waiting for GPU locks",
+        "::error file=test_wants_one.py,line=*,title=GPU lock timeout::test_wants_one.py::test_wants_one "
+        "never got its GPU locks: waited 1.*s*",
+    ])
+    document = json.loads(report_file.read_text())
+    (test,) = document["tests"]
+    assert test["lock_timeout"].startswith("waited 1.") and f"pid {holder.pid}" in test["lock_timeout"]
+    assert test["timings"]["lock_wait_s"] >= 1.0
+    assert document["summary"]["lock_timeouts"] == 1
+    summary = step_summary.read_text()
+    assert "1 gave up waiting for GPU locks" in summary and "| lock timeout |" in summary
+    assert "Every checked test found the GPUs clean" not in summary
+
+
+def test_wait_lines_reach_the_terminal_while_waiting(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+    holding, release = tmp_path / "holding", tmp_path / "release"
+    (sessions.suite / "test_hold.py").write_text(HOLDER)
+    (sessions.suite / "test_wants_one.py").write_text(WANTS_ONE)
+    holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
+    wait_for_file(holding, holder)
+    waiter = sessions.start("test_wants_one.py", "-v", "--gpuclean-lock-timeout=30")
+    assert waiter.stdout is not None
+    seen: list[str] = []
+    # Read as it comes: the line must show while the session waits (not filed under "Captured stdout").
+    while not any("waits for GPU lock(s)" in line for line in seen):
+        line = waiter.stdout.readline()
+        assert line, "the waiter ended without saying it waits:\n" + "".join(seen)
+        seen.append(line)
+    release.touch()
+    rc, rest = sessions.finish(waiter)
+    out = "".join(seen) + rest
+    assert rc == 0, out
+    assert sessions.finish(holder)[0] == 0
+    pytest.LineMatcher(out.splitlines()).fnmatch_lines([
+        "gpuclean: test_wants_one.py::test_wants_one waits for GPU lock(s) held by: GPU-*: pid "
+        f"{holder.pid} (user *) on * running test_hold.py::test_hold, for *s; GPU-*",
+        "gpuclean: test_wants_one.py::test_wants_one got GPU lock(s) GPU-* after *s",
+        "test_wants_one.py::test_wants_one PASSED*",
+    ])
+    assert "Captured stdout" not in out
+    assert out.count("waits for GPU lock(s)") == 1
+
+
+def test_raw_fork_child_of_a_killed_session_keeps_no_gpu(sessions: Sessions, tmp_path: Path) -> None:
+    # A test forks through libc (no Python at-fork hook runs), then pytest is SIGKILLed: the child lives on.
+    child_file = tmp_path / "child"
+    (sessions.suite / "test_fork.py").write_text("""
+import ctypes, os, time
+from pathlib import Path
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_forks():
+    child = ctypes.CDLL(None).fork()
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+    Path(os.environ["CHILD"]).write_text(str(child))
+    time.sleep(120)
+""")
+    (sessions.suite / "test_next.py").write_text("""
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+""")
+    forker = sessions.start("test_fork.py", CHILD=str(child_file))
+    child = int(wait_for_file(child_file, forker))
+    try:
+        forker.send_signal(signal.SIGKILL)
+        forker.wait()
+        rc, out = sessions.finish(sessions.start("test_next.py", "--gpuclean-lock-timeout=30"))
+        assert rc == 0, out
+        assert "waits for GPU lock" not in out
+    finally:
+        collect(child)
 
 
 def test_nested_session_uses_the_gpu_its_test_holds(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
@@ -371,6 +460,66 @@ def test_leaks_a_holder(request, clean_gpus):
     assert not overlaps(recorded)
 
 
+def test_xdist_controller_interrupted_reports_what_workers_sent(sessions: Sessions, sim: Path,
+                                                                tmp_path: Path) -> None:
+    pidfile, started, seen, release = (tmp_path / n for n in ("leak.pids", "started", "seen", "release"))
+    report_file = tmp_path / "report.json"
+    (sessions.suite / "conftest.py").write_text("""
+import os
+
+def pytest_runtest_logreport(report):
+    # In the controller: the leaking test's last report has arrived from its worker.
+    controller = "PYTEST_XDIST_WORKER" not in os.environ
+    if controller and report.when == "teardown" and report.nodeid.endswith("test_leaks"):
+        open(os.environ["SEEN"], "w").close()
+""")
+    (sessions.suite / "test_x.py").write_text(INTERVALS + """
+
+@pytest.mark.needs_clean_gpus(count=1)
+def test_leaks(clean_gpus):
+    pidfile = Path(os.environ["LEAK_PIDFILE"])
+    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
+                      "--device", str(clean_gpus.devices[0].index), "--mib", "64", "--pidfile", str(pidfile)])
+    while not pidfile.exists() or not pidfile.read_text():
+        time.sleep(0.01)
+
+
+def test_runs_until_interrupted():
+    Path(os.environ["STARTED"]).touch()
+    deadline = time.monotonic() + 60
+    while not Path(os.environ["RELEASE"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+""")
+    controller = sessions.start("test_x.py", "-n", "2", "--dist", "loadfile",
+                                f"--gpuclean-report={report_file}", SHARING_EVENTS=str(tmp_path / "events"),
+                                LEAK_PIDFILE=str(pidfile), SIM=str(sim), STARTED=str(started), SEEN=str(seen),
+                                RELEASE=str(release))
+    try:
+        wait_for_file_created(started, controller)
+        wait_for_file_created(seen, controller)
+        controller.send_signal(signal.SIGINT)
+        rc, out = sessions.finish(controller)
+    finally:
+        release.touch()
+    leaked = read_pids(pidfile)[0]
+    assert not alive(leaked)
+    assert rc == pytest.ExitCode.INTERRUPTED, out
+    document = json.loads(report_file.read_text())
+    tests = {t["nodeid"]: t for t in document["tests"]}
+    assert [p["pid"] for p in tests["test_x.py::test_leaks"]["leaked"]] == [leaked], document
+    assert tests["test_x.py::test_leaks"]["outcome"] == "leaked"
+    assert document["summary"]["leaked"] == 1
+
+
+def wait_for_file_created(path: Path, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"session ended before {path.name} appeared:\n{proc.communicate()[0]}")
+        assert time.monotonic() < deadline, f"{path} not created after {timeout}s"
+        time.sleep(0.02)
+
+
 # ---- pytest-timeout -------------------------------------------------------------------------------
 
 HANGS = """
@@ -479,8 +628,9 @@ def test_waiting_reports_holders_once(tmp_path: Path) -> None:
         # flock conflicts between two opens of a file, even in one process.
         second = locks.acquire(["GPU-a", "GPU-b"], 1, 1.0, "second::test")
         assert second.uuids == ("GPU-b",)
-        with pytest.raises(LockTimeout, match=r"for 2 of 2 GPU lock\(s\); held by: GPU-a: pid \d+ on .* "
-                                              r"running first::test.*; GPU-b: .* running second::test"):
+        with pytest.raises(LockTimeout, match=r"for 2 of 2 GPU lock\(s\); held by: GPU-a: pid \d+ "
+                                              r"\(user \S+\) on .* running first::test.*; GPU-b: .* "
+                                              r"running second::test"):
             locks.acquire(["GPU-a", "GPU-b"], 2, 0.3, "third::test", on_wait=told.append)
         second.release()
     finally:
@@ -494,10 +644,10 @@ def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.M
     locks = GpuLocks(str(tmp_path / "locks"))
     real_try = GpuLocks._try
 
-    def interrupted(self: GpuLocks, uuid: str) -> int | None:
+    def interrupted(self: GpuLocks, state: Any, uuid: str) -> int | None:
         if uuid == "GPU-b":
             raise KeyboardInterrupt  # as pytest-timeout's SIGALRM would, between two locks
-        return real_try(self, uuid)
+        return real_try(self, state, uuid)
 
     monkeypatch.setattr(GpuLocks, "_try", interrupted)
     # Keep the traceback (and so acquire's frame) alive, as pytest's reports and sys.last_traceback do.
