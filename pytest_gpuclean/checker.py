@@ -530,10 +530,13 @@ class Checker:
         except DeviceError:
             return self.reap(found, (), (), [], everyone=found)
 
+    def dead_session_debris(self) -> list[Found]:
+        """Live processes of this user whose cookie names a gpuclean session that provably died."""
+        return [f for f in self.census(dead_sessions=True) if f.debris_of is not None and f.live]
+
     def reap_dead_sessions(self, devices: Sequence[DeviceInfo]) -> tuple[list[Reaped], list[str]]:
         """Reap the debris of dead sessions now (an xdist controller, when a worker crashed)."""
-        debris = [f for f in self.census(dead_sessions=self.dead_sessions)
-                  if f.debris_of is not None and f.live]
+        debris = self.dead_session_debris() if self.dead_sessions else []
         if not debris or not self.reap_enabled:
             return [], []
         notes: list[str] = []

@@ -148,7 +148,9 @@ def _checker(backend: devices.Backend, *, grace: float = DEFAULT_GRACE_S, ignore
              ) -> Checker:
     # No xdist run: the plugin excuses sibling xdist workers of its own run; the CLI has no run, and a
     # hook started from inside a test run (as our own tests do) must not excuse that run's processes.
-    return Checker(backend, reap=False, grace=grace, ignore=ignore)
+    # Dead sessions' debris is listed on its own (``debris_lines``) and ended only by ``reap
+    # --dead-sessions``: off the GPUs it does not make them dirty.
+    return Checker(backend, reap=False, grace=grace, ignore=ignore, dead_sessions=False)
 
 
 def _header(found: _Devices) -> str:
@@ -246,7 +248,24 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
                                reap=False)
         for line in check_lines(result, args.wait, checker.uid):
             print(line, file=out)
+        for line in debris_lines(checker):
+            print(line, file=out)
     return EXIT_CLEAN if result.clean else EXIT_DIRTY
+
+
+def debris_lines(checker: Checker) -> list[str]:
+    """What ``reap --dead-sessions`` would end: processes left by gpuclean sessions that died."""
+    lines: list[str] = []
+    for f in checker.dead_session_debris():
+        info = processes.describe(f.pid, f.start_ticks)
+        if info is None or f.debris_of is None:
+            continue
+        owner = f", spawned by {f.owner_name}" if f.owner_name else ""
+        lines.append(f"  pid {f.pid} ({_cmd(info.cmdline)}): left by {f.debris_of.describe()}{owner}")
+    if lines:
+        lines.insert(0, f"{PROG} check: `{PROG} reap --dead-sessions` would end {len(lines)} process(es) "
+                        "that dead pytest sessions left behind:")
+    return lines
 
 
 # ---- reap --------------------------------------------------------------------------------------------
@@ -356,10 +375,23 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         targets, left_alone = plan_reap(snaps, my_uid=checker.uid, never_touch=checker.never_touch,
                                         all_users=args.all_users, cookie=args.cookie,
                                         require_device_file=found.backend.kind == "nvml")
+        debris_notes: list[str] = []
+        if args.dead_sessions:
+            # Processes whose cookie names a gpuclean session that provably died (its pytest was killed):
+            # that session's leaks, which nobody else will ever reap.
+            for debris in checker.dead_session_debris():
+                info = processes.describe(debris.pid, debris.start_ticks)
+                if info is None or debris.pid in targets or debris.debris_of is None:
+                    continue
+                targets[debris.pid] = _Target(info, "dead session", _mib_of(debris.pid, snaps))
+                debris_notes.append(f"pid {debris.pid}: left by {debris.debris_of.describe()}"
+                                    + (f", spawned by {debris.owner_name}" if debris.owner_name else ""))
         print(f"{PROG} reap: {_header(found)}" + (f"; cookie {args.cookie!r}" if args.cookie else ""),
               file=out)
         for line in left_alone:
             print(f"  left alone: {line}", file=out)
+        for line in debris_notes:
+            print(f"  dead session: {line}", file=out)
         if not targets:
             print(f"{PROG} reap: nothing to end", file=out)
             return EXIT_CLEAN
@@ -426,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     reap.add_argument("--cookie", metavar="VALUE",
                       help=f"also end processes whose {COOKIE_VAR} environment variable starts with VALUE, "
                            "on a GPU or not")
+    reap.add_argument("--dead-sessions", action="store_true",
+                      help="also end this user's processes that gpuclean sessions which died (pytest "
+                           "killed) left behind, on a GPU or not; each names its session")
     reap.add_argument("--all-users", action="store_true",
                       help="root only: also end other users' processes on the devices")
     return parser

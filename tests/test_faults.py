@@ -579,3 +579,38 @@ def test_other_session():
         first.kill()
         first.wait()
         kill_all(read_pids(pidfile))
+
+
+def test_cli_reaps_dead_sessions_only_when_asked(sim: Path) -> None:
+    me = procfs.read_stat(os.getpid())
+    assert me is not None
+    namespace = procfs.pid_namespace()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def sleeper(cookie: str) -> subprocess.Popen[bytes]:
+        env = {"PATH": os.environ["PATH"], "GPUCLEAN_TEST": cookie, "GPUCLEAN_OWNER": "tests/x.py::test_x"}
+        return subprocess.Popen(["/bin/sleep", "300"], env=env)
+
+    debris = sleeper(f"gc.{dead.pid}.1.{namespace}.0badc0de:t3")
+    live = sleeper(f"gc.{os.getpid()}.{me.start_ticks}.{namespace}.0badc0de:t3")
+    gpuclean = [sys.executable, "-m", "pytest_gpuclean"]  # devices: GPUCLEAN_SIMULATE (the sim fixture)
+    try:
+        time.sleep(0.2)
+        check = subprocess.run([*gpuclean, "check"], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert "`gpuclean reap --dead-sessions` would end 1 process(es)" in check.stdout
+        assert f"pid {debris.pid} (/bin/sleep 300): left by dead session gc.{dead.pid}." in check.stdout
+        assert "spawned by tests/x.py::test_x" in check.stdout
+        plain = subprocess.run([*gpuclean, "reap"], capture_output=True, text=True)
+        assert "nothing to end" in plain.stdout and debris.poll() is None
+        reap = subprocess.run([*gpuclean, "reap", "--dead-sessions", "--grace", "1"], capture_output=True,
+                              text=True)
+        assert reap.returncode == 0, reap.stdout + reap.stderr
+        assert f"dead session: pid {debris.pid}: left by dead session gc.{dead.pid}." in reap.stdout
+        assert debris.wait(5) == -signal.SIGTERM
+        assert live.poll() is None
+    finally:
+        for proc in (debris, live):
+            proc.kill()
+            proc.wait()
