@@ -68,7 +68,7 @@ class Backend(Protocol):
 
 
 class NvmlBackend:
-    """Real GPUs through NVML. ``nvmlInit`` costs ~14 ms, so it is done once per process."""
+    """Real GPUs through NVML. ``nvmlInit`` is slow next to a device query, so it is done once per process."""
 
     kind = "nvml"
 
@@ -142,7 +142,7 @@ class NvmlBackend:
                 processes: dict[int, int | None] = {}
                 # The clean path's shortcut: a listed process has a context on the device, and a context
                 # holds memory (612 MiB for one with a 4-byte tensor on an H200), so with v2 "used" at 0
-                # no process can be listed. Skips 2 of the 3 NVML queries: 20.6 -> 9.1 us per idle H200.
+                # no process can be listed, and the two process queries can be skipped (docs/benchmarks.md).
                 getters = () if self._memory_v2 and memory.used == 0 else (
                     nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses)
                 for getter in getters:
@@ -225,7 +225,7 @@ class SimulatedBackend:
         return self._devices
 
     def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
-        # A str path from _enumerate: building a Path per call cost as much as the listdir itself.
+        # A str path from _enumerate: this runs on every poll, and a Path per call is not free.
         where = self._folders.get(device.index) or str(self.root / str(device.index))
         try:
             names = os.listdir(where)

@@ -46,7 +46,7 @@ class DeviceSnapshot:
     def bytes_of(self, pids: frozenset[int] | set[int]) -> int:
         """Memory the driver attributes to ``pids`` on this device."""
         if not self.processes:
-            return 0  # the clean path asks ~3 times per device and check: skip building a generator
+            return 0  # the clean path asks several times per device and check: skip the generator
         return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
 
 

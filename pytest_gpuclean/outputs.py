@@ -234,9 +234,6 @@ class OutputHooks:
         if record is not None and not self.worker and report.when == "teardown":
             self.plugin.streamed_records[report.nodeid] = record_from_dict(record)
 
-    def _merge(self) -> tuple[list[TestRecord], list[Reaped], list[str]]:
-        return self.plugin.merged()
-
     def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
         plugin = self.plugin
         backend = plugin.backend
@@ -259,7 +256,7 @@ class OutputHooks:
         }
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> Generator[None, None, None]:
+    def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
         # A wrapper, so this runs after every plain implementation, the checker's final sweep included;
         # and in ``finally``, so that a conftest's or another plugin's failing pytest_sessionfinish does
         # not cost the reports (the sweep then runs here first).
@@ -271,7 +268,7 @@ class OutputHooks:
                 self._write(session)
 
     def _write(self, session: pytest.Session) -> None:
-        self._merged = records, session_reaped, notes = self._merge()
+        self._merged = records, session_reaped, notes = self.plugin.merged()
         if self.report_path is not None:
             document = jsonreport.report_document(
                 records=records, session_reaped=session_reaped, notes=notes,

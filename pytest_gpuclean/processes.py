@@ -68,14 +68,6 @@ def describe(pid: int, start_ticks: int | None = None) -> ProcessInfo | None:
                        cmdline=cmdline, state=str(status))
 
 
-def owner_uid(pid: int) -> int | None:
-    """Real uid of ``pid`` (None if gone)."""
-    try:
-        return int(psutil.Process(pid).uids().real)
-    except psutil.Error:
-        return None
-
-
 def _zombie_leader(pid: int, stat: procfs.ProcStat) -> ProcessInfo | None:
     # Its main thread exited, so psutil calls it a zombie; its other threads still run the program,
     # and one of them still shows the command line.

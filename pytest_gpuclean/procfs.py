@@ -21,7 +21,6 @@ class ProcStat(NamedTuple):
     pid: int
     state: str
     ppid: int
-    pgid: int
     sid: int
     start_ticks: int
     """Start time in clock ticks since boot: with the pid, a process's identity (pid reuse guard)."""
@@ -43,7 +42,6 @@ def read_stat(pid: int) -> ProcStat | None:
         pid=pid,
         state=fields[0].decode(),
         ppid=int(fields[1]),
-        pgid=int(fields[2]),
         sid=int(fields[3]),
         start_ticks=int(fields[19]),
     )

@@ -1,4 +1,4 @@
-"""The ``gpuclean`` command (issue 5): status, check and reap as runner hooks, against simulated devices
+"""The ``gpuclean`` command: status, check and reap as runner hooks, against simulated devices
 with real holder processes, run as a subprocess the way a runner hook runs it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import alive, read_pids, wait_dead
+from helpers import alive, read_pids, wait_dead
 
 from pytest_gpuclean import __version__, cli, procfs, simulate
 from pytest_gpuclean.devices import simulated_uuid

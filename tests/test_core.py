@@ -1,4 +1,4 @@
-"""The clean-GPU gate (issue 2): inner pytest sessions over simulated devices with real processes."""
+"""The clean-GPU gate: inner pytest sessions over simulated devices with real processes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import alive, run_inner, wait_dead
+from helpers import alive, run_inner, wait_dead
 
 from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda

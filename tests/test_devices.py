@@ -1,4 +1,4 @@
-"""CUDA_VISIBLE_DEVICES mapping (issue 4): device lists of indices, UUIDs, prefixes and MIG UUIDs."""
+"""CUDA_VISIBLE_DEVICES mapping: device lists of indices, UUIDs, prefixes and MIG UUIDs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_inner
+from helpers import run_inner
 
 from pytest_gpuclean import procfs
 from pytest_gpuclean.devices import (

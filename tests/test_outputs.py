@@ -1,4 +1,4 @@
-"""CI outputs (issue 5): the JSON report against its schema (also merged under xdist), JUnit properties,
+"""CI outputs: the JSON report against its schema (also merged under xdist), JUnit properties,
 GitHub annotations and the job summary; inner pytest sessions over simulated devices."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from conftest import alive, run_inner
+from helpers import alive, run_inner
 
 from pytest_gpuclean import jsonreport, outputs
 from pytest_gpuclean.devices import simulated_uuid

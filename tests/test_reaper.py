@@ -1,4 +1,4 @@
-"""The reaper (issue 3): every way a test can leak a process, attribution, and the safety rules."""
+"""The reaper: every way a test can leak a process, attribution, and the safety rules."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import alive, kill_all, read_pids, run_inner, wait_dead
+from helpers import alive, kill_all, owner_uid, read_pids, reap_orphans, run_inner, wait_dead
 
 from pytest_gpuclean import processes, procfs
 from pytest_gpuclean.report import LEAK_PREFIX
@@ -277,6 +277,7 @@ def test_another_users_process_is_never_signalled(other_user: pwd.struct_passwd,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     # Even as root, and even when it is our own descendant, another user's process is not ours to kill.
     shared = Path(tempfile.mkdtemp(prefix="gpuclean-uid-"))
+    holders: list[int] = []
     try:
         shared.chmod(0o1777)
         (shared / "0").mkdir(mode=0o777)
@@ -299,17 +300,23 @@ def test_spawns_as_other_user():
         time.sleep(0.01)
 """)
         result = run_inner(pytester)
-        holder = read_pids(pidfile)[0]
+        holders[:] = read_pids(pidfile)
+        holder = holders[0]
         assert alive(holder), result.stdout.str()
-        assert processes.owner_uid(holder) == other_user.pw_uid
+        assert owner_uid(holder) == other_user.pw_uid
         result.stdout.fnmatch_lines([
             f"  leaked pid {holder} (user {other_user.pw_name}*): GPU 0 7 MiB; belongs to another user "
             f"({other_user.pw_name}): never killed",
             f"note: pid {holder} left alone: not provably ours"])
         assert "SIGTERM" not in result.stdout.str()
-        kill_all([holder])
     finally:
+        # The holder outlived the inner session and was re-parented to this (subreaper) process: end
+        # it and collect it, or this session's own final check finds it.
+        kill_all(holders)
+        assert wait_dead(holders) == []
+        reap_orphans(holders)
         shutil.rmtree(shared, ignore_errors=True)
+    assert procfs.read_stat(holder) is None, "the holder is still a zombie of this process"
 
 
 def test_pid_reuse_is_never_signalled() -> None:

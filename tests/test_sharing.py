@@ -1,4 +1,4 @@
-"""Sharing GPUs (issue 4): concurrent sessions, killed holders, xdist, lock timeouts, pytest-timeout.
+"""Sharing GPUs: concurrent sessions, killed holders, xdist, lock timeouts, pytest-timeout.
 
 Every session here is a real pytest process over simulated devices, with its own lock directory under
 ``tmp_path``. Tests record when they ran on which GPU; "no overlap" is checked on those intervals.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import alive, read_pids, run_inner, wait_dead
+from helpers import alive, read_pids, run_inner, wait_dead
 
 from pytest_gpuclean.devices import SimulatedBackend
 from pytest_gpuclean.locks import HELD_VAR, GpuLocks, LockTimeout

@@ -1,0 +1,103 @@
+"""Helpers for gpuclean's own tests: real processes, pidfiles, inner pytest sessions in subprocesses.
+
+A plain module (``pythonpath = ["tests"]`` in pyproject.toml puts it on ``sys.path``), so that the tests
+import it under every ``--import-mode``; the fixtures that use it are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
+INNER_TIMEOUT = 180
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` runs (a zombie does not count: it holds nothing)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """Wait until every pid is gone; return those still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        living = [p for p in pids if alive(p)]
+        if not living:
+            return []
+        time.sleep(0.02)
+    return [p for p in pids if alive(p)]
+
+
+def read_pids(path: Path, expected: int = 1, timeout: float = 15.0) -> list[int]:
+    """Pids appended to ``path`` by holders (``--pidfile``), waiting until ``expected`` are there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            pids = [int(x) for x in path.read_text().split()]
+            if len(pids) >= expected:
+                return pids
+        time.sleep(0.02)
+    raise AssertionError(f"{path}: fewer than {expected} pids after {timeout}s")
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def owner_uid(pid: int) -> int | None:
+    """Real uid of ``pid`` (None if gone)."""
+    try:
+        return int(psutil.Process(pid).uids().real)
+    except psutil.Error:
+        return None
+
+
+def reap_orphans(pids: list[int]) -> None:
+    """Collect the exit status of those ``pids`` that were re-parented to this (subreaper) process."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def run_inner(pytester: pytest.Pytester, *args: str, timeout: float = INNER_TIMEOUT) -> pytest.RunResult:
+    """An inner pytest session with gpuclean, in a subprocess (signals, children and kills stay there)."""
+    return pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider", "-rA", *args,
+                                         timeout=timeout)
+
+
+INNER_PRELUDE = '''
+import os, subprocess, sys, time
+import pytest
+
+SIM = os.environ["GPUCLEAN_SIMULATE"]
+PIDFILE = os.environ.get("LEAK_PIDFILE", "leak.pids")
+
+
+def hold(*extra, device=0, mib=100, prefix=()):
+    """Start a simulated holder as a child of this test process."""
+    return subprocess.Popen([*prefix, sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", SIM,
+                             "--device", str(device), "--mib", str(mib), "--pidfile", PIDFILE, *extra])
+
+
+def wait_holders(n):
+    """Wait until n holders recorded their pids (so they really hold memory)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.exists(PIDFILE) and len(open(PIDFILE).read().split()) >= n:
+            return [int(x) for x in open(PIDFILE).read().split()]
+        time.sleep(0.01)
+    raise AssertionError("holders did not start")
+'''
