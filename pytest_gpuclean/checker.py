@@ -20,8 +20,11 @@ from pytest_gpuclean.model import (
     CheckResult,
     DeviceInfo,
     DeviceSnapshot,
+    EndedBy,
+    FoundBy,
     Offender,
     Owner,
+    Phase,
     ProcessInfo,
     Reaped,
 )
@@ -54,7 +57,7 @@ class Found:
     pid: int
     start_ticks: int
     depth: int
-    found_by: str
+    found_by: FoundBy
     token: str | None
     state: str
     handle: processes.Handle | None = None
@@ -231,7 +234,7 @@ class Checker:
             token = self._token(pid, stat.start_ticks, parent_found.token if parent_found else None,
                                 parent_found is not None)
             # A direct child in another session escaped with setsid and was re-parented to our subreaper.
-            found_by = "adopted" if depth == 1 and stat.sid != my_sid else "descendant"
+            found_by: FoundBy = "adopted" if depth == 1 and stat.sid != my_sid else "descendant"
             state = "R" if procfs.live_state(pid, stat.state) else stat.state
             entry = Found(pid, stat.start_ticks, depth, found_by, token, state, handle)
             if entry.key in self._debris:
@@ -309,7 +312,7 @@ class Checker:
             return ()
         return tuple(self.backend.snapshot(d) for d in devices)
 
-    def check(self, phase: str, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
+    def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
               scan_cookies: bool = False, reap: bool | None = None) -> CheckResult:
         """Check until clean or ``timeout``; reap what is ours first (if enabled)."""
         dead_sessions = self.dead_sessions and not self._debris_checked
@@ -556,7 +559,7 @@ class Checker:
 class _Check:
     """One check: observe, collect zombies, let leftovers settle, reap, and give the verdict."""
 
-    def __init__(self, checker: Checker, phase: str, devices: Sequence[DeviceInfo], tolerance_mib: int,
+    def __init__(self, checker: Checker, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
                  timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool) -> None:
         self.c = checker
         self.phase = phase
@@ -726,7 +729,7 @@ class _Check:
                 s.device.label for s in self.snaps if s.device.label in self.self_cuda),
         )
 
-    def _collect(self, f: Found, info: ProcessInfo | None, how: str) -> None:
+    def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
         self.collected.append(Reaped(info or vanished(f.pid), self.c.owner_of(f), f.found_by, how, (), None))
@@ -772,10 +775,9 @@ def vanished(pid: int) -> ProcessInfo:
     return ProcessInfo(pid, 0, 0, -1, "?", "(exited)", "gone")
 
 
-def reaped_record(info: ProcessInfo | None, pid: int, owner: Owner | None, found_by: str,
+def reaped_record(info: ProcessInfo | None, pid: int, owner: Owner | None, found_by: FoundBy,
                   ended: tuple[processes.KillOutcome, float | None],
                   held: tuple[tuple[str, float], ...]) -> Reaped:
     """What the kill ladder did to one process, as reported."""
     outcome, release = ended
-    ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
-    return Reaped(info or vanished(pid), owner, found_by, ended_by, held, outcome.exit_s, release)
+    return Reaped.after_kill(info or vanished(pid), owner, found_by, held, outcome, release)

@@ -1,13 +1,15 @@
 """``gpuclean status|check|reap``: the plugin's clean check and reaper as a command for CI runner hooks.
 
 * ``gpuclean status [--json]``: what each GPU holds, and who.
-* ``gpuclean check [--wait S]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or driver error.
+* ``gpuclean check [--wait S] [--json]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or
+  driver error.
 * ``gpuclean reap [--dry-run]``: post-job cleanup of the invoking user's GPU processes (and of the
   processes carrying a ``--cookie``), with the plugin's TERM -> grace -> KILL ladder.
 
 Nothing here talks to NVML or signals a process itself: devices come from ``devices.open_backend``,
-verdicts from ``checker.Checker``, process details and kills from ``processes``. The CLI has no process
-tree of its own, so for it "clean" means: no process on the devices and memory within the tolerance.
+verdicts from ``checker.Checker``, process details and kills from ``processes``, option values from
+``settings`` (the plugin's parsers and environment variables). The CLI has no process tree of its own,
+so for it "clean" means: no process on the devices and memory within the tolerance.
 """
 
 from __future__ import annotations
@@ -19,11 +21,19 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
-from pytest_gpuclean import __version__, devices, jsonreport, processes, procfs, report
-from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, ProcessInfo, Reaped
+from pytest_gpuclean import __version__, devices, jsonreport, processes, procfs, report, settings
+from pytest_gpuclean.checker import Checker, mib_of, reaped_record
+from pytest_gpuclean.model import (
+    MIB,
+    CheckResult,
+    DeviceInfo,
+    DeviceSnapshot,
+    FoundBy,
+    ProcessInfo,
+    Reaped,
+)
 from pytest_gpuclean.ownership import COOKIE_VAR
 
 EXIT_CLEAN = 0
@@ -34,9 +44,6 @@ EXIT_ERROR = 2
 
 PROG = "gpuclean"
 CMDLINE_WIDTH = 200
-DEFAULT_GRACE_S = 5.0
-
-T = TypeVar("T")
 
 
 class CliError(Exception):
@@ -45,57 +52,34 @@ class CliError(Exception):
 
 # ---- option values -----------------------------------------------------------------------------------
 
-def _whole_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; expected a whole number >= 0")
-    return value
+def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    # argparse reports an ArgumentTypeError's own message; a plain ValueError becomes "invalid value".
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
-    return value
+def _settings(args: argparse.Namespace, *names: str) -> settings.Settings:
+    """The options ``names`` from the command line, else the plugin's environment variables.
 
-
-def _existing_dir(text: str) -> str:
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an existing directory")
-    return os.path.abspath(text)
-
-
-def _globs(text: str) -> list[str]:
-    return [p.strip() for p in text.replace("\n", ",").split(",") if p.strip()]
-
-
-@dataclass(frozen=True)
-class _Resolved:
-    value: Any
-    source: str
-
-
-def _resolve(given: T | None, flag: str, env_var: str, parse: Callable[[str], T], default: T) -> _Resolved:
-    """The command line wins over the environment variable, which wins over the default.
-
-    The variables are the plugin's (``GPUCLEAN_SIMULATE``, ``GPUCLEAN_DEVICES``, ...), so a runner
-    configured once applies to both the hooks and the pytest sessions they guard.
+    The command's flags are the plugin's options without the ``gpuclean-`` prefix and read the same
+    variables (``GPUCLEAN_SIMULATE``, ...), so a runner configured once applies to both the hooks and
+    the pytest sessions they guard.
     """
-    if given is not None:
-        return _Resolved(given, f"from {flag}")
-    raw = os.environ.get(env_var, "")
-    if raw == "":
-        return _Resolved(default, "default")
+    chosen = [settings.option(name) for name in names]
+    given = {option.dest: getattr(args, option.name, None) for option in chosen}
     try:
-        return _Resolved(parse(raw), f"from environment variable {env_var}")
-    except argparse.ArgumentTypeError as exc:
-        raise CliError(f"{flag}: {exc} (from environment variable {env_var})") from None
+        return settings.resolve_options(chosen, given, os.environ, flag=lambda option: option.command_flag)
+    except settings.SettingError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _env_note(name: str) -> str:
+    return f"[env {settings.option(name).env_var}]"
 
 
 # ---- devices -----------------------------------------------------------------------------------------
@@ -108,43 +92,26 @@ class _Devices:
     """Where the device list came from, for the header and error messages."""
 
 
-def _select(backend: devices.Backend, spec: _Resolved) -> tuple[tuple[DeviceInfo, ...], str]:
-    available = backend.devices()
-    if spec.value is not None:
-        try:
-            return devices.select_devices(available, spec.value, cuda_ordinals=False), spec.source
-        except devices.DeviceSelectionError as exc:
-            raise CliError(f"--devices: {exc} ({spec.source})") from None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return available, "all devices"
-    # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those, as the
-    # pytest sessions it runs do; its tokens are CUDA ordinals, which may not be NVML's order.
-    ordinal_uuids = None
-    if (any(t.isdigit() for t in devices.parse_device_list(visible))
-            and not devices.cuda_order_matches_nvml(available) and backend.kind == "nvml"):
-        ordinal_uuids = devices.cuda_ordinal_uuids()
-    try:
-        chosen = devices.select_devices(available, visible, cuda_ordinals=True, ordinal_uuids=ordinal_uuids)
-    except devices.DeviceSelectionError as exc:
-        raise CliError(f"--devices: {exc} (from environment variable CUDA_VISIBLE_DEVICES={visible!r}; "
-                       "pass --devices to choose devices explicitly)") from None
-    return chosen, f"from CUDA_VISIBLE_DEVICES={visible!r}"
-
-
 @contextlib.contextmanager
-def _open_devices(args: argparse.Namespace) -> Iterator[_Devices]:
-    simulate = _resolve(args.simulate, "--simulate", "GPUCLEAN_SIMULATE", _existing_dir, None)
-    spec = _resolve(args.devices, "--devices", "GPUCLEAN_DEVICES", str, None)
-    backend = devices.open_backend(simulate.value)
+def _open_devices(resolved: settings.Settings) -> Iterator[_Devices]:
+    # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those, as the
+    # pytest sessions it runs do.
     try:
-        chosen, source = _select(backend, spec)
-        yield _Devices(backend, chosen, source)
+        backend = devices.open_backend(resolved.simulate)
+    except devices.SimulationError as exc:
+        raise CliError(f"--simulate: {exc} ({resolved.sources.get('simulate')})") from None
+    try:
+        try:
+            selection = devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
+                                               option=settings.option("devices").command_flag)
+        except devices.DeviceSelectionError as exc:
+            raise CliError(str(exc)) from None
+        yield _Devices(backend, selection.devices, selection.source)
     finally:
         backend.close()
 
 
-def _checker(backend: devices.Backend, *, grace: float = DEFAULT_GRACE_S, ignore: Sequence[str] = ()
+def _checker(backend: devices.Backend, *, grace: float = settings.DEFAULT_GRACE_S, ignore: Sequence[str] = ()
              ) -> Checker:
     # No xdist run: the plugin excuses sibling xdist workers of its own run; the CLI has no run, and a
     # hook started from inside a test run (as our own tests do) must not excuse that run's processes.
@@ -189,17 +156,30 @@ def status_lines(snaps: Sequence[DeviceSnapshot], described: dict[int, ProcessIn
     return lines
 
 
+def _described(snaps: Sequence[DeviceSnapshot]) -> dict[int, ProcessInfo | None]:
+    return {p.pid: processes.describe(p.pid) for s in snaps for p in s.processes}
+
+
+def _status_json(found: _Devices, snaps: Sequence[DeviceSnapshot],
+                 described: dict[int, ProcessInfo | None]) -> dict[str, Any]:
+    # ``check --json`` extends this document with the verdict: one shape for a CI script to read.
+    return {"gpuclean_version": __version__, "backend": found.backend.kind,
+            "driver": found.backend.driver_version(), "device_source": found.source,
+            "devices": [jsonreport.snapshot_json(s, described) for s in snaps]}
+
+
+def _print_json(document: dict[str, Any], out: TextIO) -> None:
+    json.dump(document, out, indent=2)
+    out.write("\n")
+
+
 def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean status``: memory and processes of each device; ``--json`` for machines."""
-    with _open_devices(args) as found:
+    with _open_devices(_settings(args, "simulate", "devices")) as found:
         snaps = [found.backend.snapshot(d) for d in found.chosen]
-        described = {p.pid: processes.describe(p.pid) for s in snaps for p in s.processes}
+        described = _described(snaps)
         if args.json:
-            document = {"gpuclean_version": __version__, "backend": found.backend.kind,
-                        "driver": found.backend.driver_version(), "device_source": found.source,
-                        "devices": [jsonreport.snapshot_json(s, described) for s in snaps]}
-            json.dump(document, out, indent=2)
-            out.write("\n")
+            _print_json(_status_json(found, snaps, described), out)
             return EXIT_CLEAN
         print(f"{PROG} status: {_header(found)}", file=out)
         for line in status_lines(snaps, described) or ["(no devices)"]:
@@ -208,6 +188,17 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
 
 
 # ---- check -------------------------------------------------------------------------------------------
+
+def processes_note(result: CheckResult) -> str | None:
+    """Why a check with a tolerance still fails: a process on a device fails it, whatever it holds."""
+    listed = [o for o in result.offenders if o.process is not None]
+    if not listed or not result.tolerance_mib:
+        return None
+    labels = sorted({label for o in listed for label, _ in o.mib_per_device})
+    where = f" on {', '.join(labels)}" if labels else ""
+    count = "1 process" if len(listed) == 1 else f"{len(listed)} processes"
+    return f"{count}{where}; processes fail the check whatever the tolerance"
+
 
 def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
     """Why ``gpuclean check`` found the devices clean or not."""
@@ -219,14 +210,16 @@ def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
     else:
         waited = f" after waiting {result.waited_s:.1f}s" if wait else ""
         lines.append(f"{PROG} check: NOT clean{waited} (tolerance {result.tolerance_mib} MiB):")
+        note = processes_note(result)
+        if note:
+            lines.append(f"  {note}")
         for offender in result.offenders:
             proc = offender.process
             if proc is None:
                 lines.append(f"  {offender.detail}")
                 continue
-            held = ", ".join(f"{label} {value:.0f} MiB" for label, value in offender.mib_per_device)
-            lines.append(f"  pid {proc.pid} (user {proc.user}, {proc.state}) is on {held or 'the devices'}: "
-                         f"{_cmd(proc.cmdline)}")
+            lines.append(f"  pid {proc.pid} (user {proc.user}, {proc.state}) is on "
+                         f"{report.mib_list(offender.mib_per_device) or 'the devices'}: {_cmd(proc.cmdline)}")
         mine = [o.process.pid for o in result.offenders if o.process is not None and o.process.uid == my_uid]
         if mine:
             lines.append(f"  `{PROG} reap` would end the processes of this user: pid(s) "
@@ -235,21 +228,37 @@ def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
     return lines
 
 
+def check_json(found: _Devices, result: CheckResult, checker: Checker) -> dict[str, Any]:
+    """``gpuclean check --json``: the ``status --json`` document of the devices as the check last read
+    them, plus the verdict and what ``reap --dead-sessions`` would end."""
+    note = processes_note(result)
+    debris: list[dict[str, Any]] = []
+    for f in checker.dead_session_debris():
+        info = processes.describe(f.pid, f.start_ticks)
+        if info is not None and f.debris_of is not None:
+            debris.append({"pid": f.pid, "user": info.user, "cmdline": info.cmdline,
+                           "left_by": f.debris_of.describe(), "owner": f.owner_name})
+    return {**_status_json(found, result.devices, _described(result.devices)),
+            "clean": result.clean, "tolerance_mib": result.tolerance_mib,
+            "waited_s": round(result.waited_s, 6),
+            "offenders": [jsonreport.offender_json(o) for o in result.offenders],
+            "notes": [*([note] if note else []), *result.notes], "dead_session_debris": debris}
+
+
 def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean check``: exit 0 if the devices are clean (waiting up to ``--wait``), 1 if not."""
-    tolerance = _resolve(args.tolerance_mib, "--tolerance-mib", "GPUCLEAN_TOLERANCE_MIB", _whole_number, 0)
-    ignore = _resolve(args.ignore and [g for a in args.ignore for g in _globs(a)], "--ignore",
-                      "GPUCLEAN_IGNORE", _globs, [])
-    with _open_devices(args) as found:
+    resolved = _settings(args, "simulate", "devices", "tolerance_mib", "ignore")
+    with _open_devices(resolved) as found:
         if not found.chosen:
             raise CliError(f"no devices to check ({_header(found)})")
-        checker = _checker(found.backend, ignore=ignore.value)
-        result = checker.check("check", found.chosen, tolerance_mib=tolerance.value, timeout=args.wait,
+        checker = _checker(found.backend, ignore=resolved.ignore)
+        result = checker.check("check", found.chosen, tolerance_mib=resolved.tolerance_mib, timeout=args.wait,
                                reap=False)
-        for line in check_lines(result, args.wait, checker.uid):
-            print(line, file=out)
-        for line in debris_lines(checker):
-            print(line, file=out)
+        if args.json:
+            _print_json(check_json(found, result, checker), out)
+        else:
+            for line in [*check_lines(result, args.wait, checker.uid), *debris_lines(checker)]:
+                print(line, file=out)
     return EXIT_CLEAN if result.clean else EXIT_DIRTY
 
 
@@ -273,14 +282,9 @@ def debris_lines(checker: Checker) -> list[str]:
 @dataclass
 class _Target:
     info: ProcessInfo
-    found_by: str
+    found_by: FoundBy
     """``gpu`` (listed on a device) or ``cookie`` (carries the ``--cookie`` value)."""
     mib: tuple[tuple[str, float], ...]
-
-
-def _mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:
-    return tuple((s.device.label, s.bytes_of({pid}) / MIB) for s in snaps
-                 if any(p.pid == pid for p in s.processes))
 
 
 def _process_uids() -> set[int]:
@@ -304,7 +308,7 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
     left_alone: list[str] = []
     for pid in sorted({p.pid for s in snaps for p in s.processes}):
         info = processes.describe(pid)
-        listed = ", ".join(label for label, _ in _mib_of(pid, snaps))
+        listed = ", ".join(label for label, _ in mib_of(pid, snaps))
         if info is None:
             left_alone.append(f"pid {pid} (listed on {listed}): not visible here (exited, or in another "
                               "PID namespace)")
@@ -317,7 +321,7 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
             left_alone.append(f"pid {pid} of user {info.user} ({_cmd(info.cmdline)}): another user's "
                               "process (only root, with --all-users, ends those)")
         else:
-            targets[pid] = _Target(info, "gpu", _mib_of(pid, snaps))
+            targets[pid] = _Target(info, "gpu", mib_of(pid, snaps))
     if cookie is not None:
         uids = sorted(_process_uids()) if all_users else [my_uid]
         for uid in uids:
@@ -331,7 +335,7 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
                     left_alone.append(f"pid {pid} ({_cmd(info.cmdline)}): carries the cookie, but is "
                                       "gpuclean itself or one of its ancestors")
                     continue
-                targets[pid] = _Target(info, "cookie", _mib_of(pid, snaps))
+                targets[pid] = _Target(info, "cookie", mib_of(pid, snaps))
     return targets, left_alone
 
 
@@ -352,25 +356,21 @@ def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[i
     holders = {pid for pid, t in targets.items() if t.mib}
     checker.grace = grace
     ended, all_released = checker.kill_and_confirm(_kill_targets(targets), chosen, holders)
-    reaped: list[Reaped] = []
-    for pid, target in sorted(targets.items()):
-        outcome, release = ended[pid]
-        ended_by = outcome.ended_by if not outcome.state else f"survived ({outcome.state})"
-        reaped.append(Reaped(target.info, None, target.found_by, ended_by, target.mib, outcome.exit_s,
-                             release))
+    reaped = [reaped_record(target.info, pid, None, target.found_by, ended[pid], target.mib)
+              for pid, target in sorted(targets.items())]
     return reaped, all_released
 
 
 def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers)."""
-    grace = _resolve(args.grace, "--grace", "GPUCLEAN_GRACE", _seconds, DEFAULT_GRACE_S)
+    resolved = _settings(args, "simulate", "devices", "grace")
     if args.cookie is not None and not args.cookie.strip():
         raise CliError("--cookie: the value is empty, and an empty prefix would match every process "
                        f"that has {COOKIE_VAR} set")
     if args.all_users and os.geteuid() != 0:
         raise CliError("--all-users: only root may end other users' processes")
-    with _open_devices(args) as found:
-        checker = _checker(found.backend, grace=grace.value)
+    with _open_devices(resolved) as found:
+        checker = _checker(found.backend, grace=resolved.grace)
         snaps = checker.snapshot(found.chosen)
         targets, left_alone = plan_reap(snaps, my_uid=checker.uid, never_touch=checker.never_touch,
                                         all_users=args.all_users, cookie=args.cookie,
@@ -383,7 +383,7 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
                 info = processes.describe(debris.pid, debris.start_ticks)
                 if info is None or debris.pid in targets or debris.debris_of is None:
                     continue
-                targets[debris.pid] = _Target(info, "dead session", _mib_of(debris.pid, snaps))
+                targets[debris.pid] = _Target(info, "dead session", mib_of(debris.pid, snaps))
                 debris_notes.append(f"pid {debris.pid}: left by {debris.debris_of.describe()}"
                                     + (f", spawned by {debris.owner_name}" if debris.owner_name else ""))
         print(f"{PROG} reap: {_header(found)}" + (f"; cookie {args.cookie!r}" if args.cookie else ""),
@@ -398,13 +398,12 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         if args.dry_run:
             print(f"{PROG} reap: --dry-run: would end {len(targets)} process(es):", file=out)
             for pid, target in sorted(targets.items()):
-                held = ", ".join(f"{label} {value:.0f} MiB" for label, value in target.mib) or "no GPU memory"
-                print(f"  pid {pid} (user {target.info.user}, found as {target.found_by}): held {held}",
-                      file=out)
+                print(f"  pid {pid} (user {target.info.user}, found as {target.found_by}): held "
+                      f"{report.mib_list(target.mib) or 'no GPU memory'}", file=out)
                 print(f"      cmd: {_cmd(target.info.cmdline)}", file=out)
             return EXIT_CLEAN
-        reaped, released_s = reap_targets(checker, found.chosen, targets, grace.value)
-        print(f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {grace.value:g}s):",
+        reaped, released_s = reap_targets(checker, found.chosen, targets, resolved.grace)
+        print(f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {resolved.grace:g}s):",
               file=out)
         for item in reaped:
             for line in report.reaped_lines(item):
@@ -414,7 +413,7 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
                   "signal", file=out)
         for snap in checker.snapshot(found.chosen):
             print("  now: " + report.device_line(snap), file=out)
-    survived = [r for r in reaped if r.ended_by.startswith("survived")]
+    survived = [r for r in reaped if r.ended_by == "survived"]
     return EXIT_DIRTY if survived else EXIT_CLEAN
 
 
@@ -422,12 +421,13 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed so the documentation and tests can use the same options)."""
+    # Option values stay text here: settings parses them with the source named in any error.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--simulate", metavar="DIR", type=_existing_dir,
-                        help="use simulated devices in DIR instead of NVML [env GPUCLEAN_SIMULATE]")
+    common.add_argument("--simulate", metavar="DIR",
+                        help=f"use simulated devices in DIR instead of NVML {_env_note('simulate')}")
     common.add_argument("--devices", metavar="LIST",
                         help="devices: NVML indices, GPU-/MIG- UUIDs or UUID prefixes, comma-separated "
-                             "(default: those in CUDA_VISIBLE_DEVICES, else all) [env GPUCLEAN_DEVICES]")
+                             f"(default: those in CUDA_VISIBLE_DEVICES, else all) {_env_note('devices')}")
     parser = argparse.ArgumentParser(
         prog=PROG, description="Check and clean GPUs around CI jobs (the pytest-gpuclean plugin's check "
                                "and reaper as a command).",
@@ -441,19 +441,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser("check", parents=[common],
                                 help="exit 0 if the GPUs are clean, 1 if not (pre-job gate)")
-    check.add_argument("--tolerance-mib", metavar="N", type=_whole_number,
-                       help="memory (MiB, NVML v2 'used') allowed per device (default 0) "
-                            "[env GPUCLEAN_TOLERANCE_MIB]")
-    check.add_argument("--wait", metavar="S", type=_seconds, default=0.0,
+    check.add_argument("--tolerance-mib", metavar="N",
+                       help="memory (MiB, NVML v2 'used') allowed per device (default "
+                            f"{settings.DEFAULT_TOLERANCE_MIB}); any process on a device fails the check "
+                            f"whatever it holds {_env_note('tolerance_mib')}")
+    check.add_argument("--wait", metavar="S", type=_argument(settings.parse_seconds), default=0.0,
                        help="wait up to S seconds for the GPUs to become clean (default 0)")
     check.add_argument("--ignore", metavar="GLOBS", action="append",
                        help="command-line globs of processes that never count (comma-separated, "
-                            "repeatable) [env GPUCLEAN_IGNORE]")
+                            f"repeatable) {_env_note('ignore')}")
+    check.add_argument("--json", action="store_true",
+                       help="print the verdict as JSON (the status --json document plus clean, "
+                            "tolerance_mib, waited_s, offenders, notes)")
 
     reap = commands.add_parser("reap", parents=[common],
                                help="end this user's processes on the GPUs (post-job cleanup)")
-    reap.add_argument("--grace", metavar="S", type=_seconds,
-                      help="seconds between SIGTERM and SIGKILL (default 5) [env GPUCLEAN_GRACE]")
+    reap.add_argument("--grace", metavar="S",
+                      help=f"seconds between SIGTERM and SIGKILL (default {settings.DEFAULT_GRACE_S:g}) "
+                           f"{_env_note('grace')}")
     reap.add_argument("--dry-run", action="store_true", help="only list what would be ended")
     reap.add_argument("--cookie", metavar="VALUE",
                       help=f"also end processes whose {COOKIE_VAR} environment variable starts with VALUE, "

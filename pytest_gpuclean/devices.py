@@ -13,6 +13,7 @@ import sys
 import threading
 import uuid as uuid_mod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +30,10 @@ class DeviceError(Exception):
 
 class BackendUnavailable(DeviceError):
     """No usable device backend: no NVML library, no driver, or no such simulate directory."""
+
+
+class SimulationError(DeviceError):
+    """A file of the simulated devices holds something no driver would report (``abc`` bytes)."""
 
 
 class DeviceSelectionError(ValueError):
@@ -208,6 +213,8 @@ class SimulatedBackend:
         if not self.root.is_dir():
             raise BackendUnavailable(f"simulated device directory {str(self.root)!r} does not exist")
         self._devices = self._enumerate()
+        for device in self._devices:
+            self.snapshot(device)  # a corrupt file is a set-up mistake: say so now, not in the first test
 
     def _enumerate(self) -> tuple[DeviceInfo, ...]:
         found: list[DeviceInfo] = []
@@ -241,9 +248,9 @@ class SimulatedBackend:
                 if name == "cuda":
                     cuda_users = self._live_cuda_users(folder / name)
                 elif name == "total":
-                    total = int(_read_text(folder / name) or DEFAULT_SIM_TOTAL)
+                    total = _bytes_in(folder / name, _read_text(folder / name), DEFAULT_SIM_TOTAL)
                 elif name == "context_overhead":
-                    overhead = int(_read_text(folder / name) or 0)
+                    overhead = _bytes_in(folder / name, _read_text(folder / name), 0)
                 continue
             pid = int(name)
             used = _counted_allocation(folder / name, pid)
@@ -305,10 +312,23 @@ def _counted_allocation(path: Path, pid: int) -> int | None:
         return None  # the holder removed it while we looked
     if procfs.ticks_to_wall(stat.start_ticks) > mtime + _STALE_SLACK_S:
         return None
+    if not content:
+        return None  # being written right now (a shell's ``echo N > file`` truncates first)
+    return _bytes_in(path, content, 0)
+
+
+def _bytes_in(path: Path, content: str, default: int) -> int:
+    """The byte count a simulated device file holds (``default`` if empty); SimulationError otherwise."""
+    if not content:
+        return default
     try:
-        return int(content)
+        value = int(content)
     except ValueError:
-        return None  # being written right now
+        value = -1
+    if value < 0:
+        raise SimulationError(f"simulated device file {str(path)!r} holds {content[:40]!r}, not a number of "
+                              "bytes (a whole number >= 0)")
+    return value
 
 
 def simulated_uuid(root: str | os.PathLike[str], index: int) -> str:
@@ -322,6 +342,54 @@ def open_backend(simulate_dir: str | None) -> Backend:
     if simulate_dir:
         return SimulatedBackend(simulate_dir)
     return NvmlBackend()
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The devices to check, and where that choice came from (for headers and error messages)."""
+
+    devices: tuple[DeviceInfo, ...]
+    source: str
+    """``all devices``, ``from CUDA_VISIBLE_DEVICES='1'``, or the source of an explicit list."""
+    found: int
+    """How many devices the backend has."""
+
+    def none_reason(self, kind: str) -> str:
+        """Why there is nothing to check, when ``devices`` is empty."""
+        if not self.found:
+            return f"the {kind} backend has no devices"
+        return f"none of the {self.found} {kind} device(s) is selected ({self.source})"
+
+
+def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, option: str) -> Selection:
+    """The devices to check: those ``spec`` lists (NVML indices or UUIDs), else those CUDA_VISIBLE_DEVICES
+    shows, else all.
+
+    The plugin and the ``gpuclean`` command both choose here. Raises ``DeviceSelectionError`` naming
+    ``option`` and where the list came from (``spec_source``, or CUDA_VISIBLE_DEVICES).
+    """
+    available = backend.devices()
+    if spec is not None:
+        try:
+            chosen = select_devices(available, spec, cuda_ordinals=False)
+        except DeviceSelectionError as exc:
+            raise DeviceSelectionError(f"{option}: {exc} ({spec_source})") from None
+        return Selection(chosen, spec_source, len(available))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return Selection(available, "all devices", len(available))
+    # Processes pinned to some GPUs through CUDA_VISIBLE_DEVICES check and reap only those; its tokens
+    # are CUDA ordinals, which may not be NVML's order.
+    ordinal_uuids = None
+    if (any(t.isdigit() for t in parse_device_list(visible))
+            and not cuda_order_matches_nvml(available) and backend.kind == "nvml"):
+        ordinal_uuids = cuda_ordinal_uuids()
+    try:
+        chosen = select_devices(available, visible, cuda_ordinals=True, ordinal_uuids=ordinal_uuids)
+    except DeviceSelectionError as exc:
+        raise DeviceSelectionError(f"{option}: {exc} (from environment variable CUDA_VISIBLE_DEVICES="
+                                   f"{visible!r}; pass {option} to choose devices explicitly)") from None
+    return Selection(chosen, f"from CUDA_VISIBLE_DEVICES={visible!r}", len(available))
 
 
 def parse_device_list(spec: str) -> list[str]:

@@ -94,7 +94,7 @@ def offender_json(offender: Offender) -> JsonDict:
 def reaped_json(reaped: Reaped) -> JsonDict:
     """A process gpuclean ended, how, and how long the driver took to release its memory."""
     return {"process": process_json(reaped.process), "owner": owner_json(reaped.owner),
-            "found_by": reaped.found_by, "ended_by": reaped.ended_by, "exit_s": _seconds(reaped.exit_s),
+            "found_by": reaped.found_by, "ended_by": reaped.how_ended, "exit_s": _seconds(reaped.exit_s),
             "release_s": _seconds(reaped.release_s), "mib_per_device": mib_pairs_json(reaped.mib_per_device)}
 
 
@@ -131,7 +131,7 @@ def leaked_json(record: TestRecord) -> list[JsonDict]:
                          *((r, "later") for r in record.found_later)]:
         leaked.append({"pid": reaped.process.pid, "user": reaped.process.user,
                        "cmdline": reaped.process.cmdline, "owner": owner_json(reaped.owner), "found": when,
-                       "ended_by": reaped.ended_by, "release_s": _seconds(reaped.release_s)})
+                       "ended_by": reaped.how_ended, "release_s": _seconds(reaped.release_s)})
     if record.after is not None:
         # Still running (reaping off, or it survived), or gone by itself while the check waited.
         for offenders, ended_by in ((record.after.offenders, None),

@@ -6,8 +6,30 @@ Only ``devices.py`` knows NVML and only ``processes.py`` knows psutil; everythin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, Protocol, cast, get_args
 
 MIB = 1024 * 1024
+
+# Closed sets of words, as types so that ``mypy --strict`` catches a misspelt one. The JSON report
+# publishes them verbatim (report_schema.json lists the same values).
+Reason = Literal["leaked", "foreign", "host", "memory"]
+"""Why a check failed: ``leaked`` (ours: a descendant or carries our cookie), ``foreign`` (on our GPU,
+not ours), ``host`` (stray Python process, host scope), ``memory`` (memory no process accounts for)."""
+FoundBy = Literal["descendant", "adopted", "cookie", "gpu", "host", "dead session"]
+"""How a process was found: in our process tree, re-parented to our subreaper (``adopted``), by our
+cookie in its environment, listed on a device (``gpu``), as a stray Python process (``host``), or as
+what a gpuclean session that died left behind (``dead session``)."""
+EndedBy = Literal["SIGTERM", "SIGKILL", "already exited", "reaped zombie", "exited by itself", "pid reused",
+                  "survived"]
+"""How a process ended: the signal that ended it; ``already exited`` before any signal; ``reaped zombie``
+(it had exited, nobody had waited for it); ``exited by itself`` within the settle time; ``pid reused``
+(its identity changed: left alone); ``survived`` (still there after SIGKILL)."""
+OwnerKind = Literal["test", "fixture", "session", "unknown"]
+"""``session`` is gpuclean's own session, outside any test."""
+Phase = Literal["setup", "teardown", "check"]
+"""Before a test, after it, or a ``gpuclean check``."""
+OnOff = Literal["on", "off"]
+Scope = Literal["session", "host"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +76,7 @@ class DeviceSnapshot:
 class Owner:
     """Who a process belongs to: the test or higher-scoped fixture that was running when it was spawned."""
 
-    kind: str
-    """``test``, ``fixture``, ``session`` (gpuclean's own session, outside any test) or ``unknown``."""
+    kind: OwnerKind
     name: str
 
     def __str__(self) -> str:
@@ -83,13 +104,10 @@ class ProcessInfo:
 class Offender:
     """Something that makes a check fail: a process, or memory nobody accounts for."""
 
-    reason: str
-    """``leaked`` (ours: a descendant or carries our cookie), ``foreign`` (on our GPU, not ours),
-    ``host`` (stray Python process, host scope), ``memory`` (unattributed memory)."""
+    reason: Reason
     process: ProcessInfo | None
     owner: Owner | None
-    found_by: str
-    """``descendant``, ``adopted`` (orphan re-parented to our subreaper), ``cookie``, ``gpu``, ``host``."""
+    found_by: FoundBy
     mib_per_device: tuple[tuple[str, float], ...] = ()
     """(device label, MiB) pairs for devices this process holds memory on."""
     detail: str = ""
@@ -101,24 +119,57 @@ class Reaped:
 
     process: ProcessInfo
     owner: Owner | None
-    found_by: str
-    ended_by: str
-    """``SIGTERM``, ``SIGKILL``, ``already exited``, ``reaped zombie``, ``pool terminate``,
-    or ``survived`` (could not be killed), ``pid reused`` (identity changed: left alone)."""
+    found_by: FoundBy
+    ended_by: EndedBy
     mib_per_device: tuple[tuple[str, float], ...]
     exit_s: float | None
     """Seconds from the first signal to the process being gone."""
     release_s: float | None = None
     """Seconds from the signal that ended the process to the driver no longer listing it (GPU holders
     only): how long the driver took to give the memory back."""
+    survived_as: str = ""
+    """The process's state when it outlived SIGKILL (``ended_by == "survived"``), e.g. ``stopped``."""
+
+    @property
+    def how_ended(self) -> str:
+        """``ended_by`` as the reports show it: ``survived (<state>)`` names the state."""
+        return f"survived ({self.survived_as})" if self.ended_by == "survived" else self.ended_by
+
+    @classmethod
+    def after_kill(cls, process: ProcessInfo, owner: Owner | None, found_by: FoundBy,
+                   mib_per_device: tuple[tuple[str, float], ...], outcome: KillResult,
+                   release_s: float | None) -> Reaped:
+        """What the kill ladder did to ``process`` (``outcome``), as a report entry."""
+        if outcome.state:
+            return cls(process, owner, found_by, "survived", mib_per_device, outcome.exit_s, release_s,
+                       survived_as=outcome.state)
+        if outcome.ended_by not in _ENDED_BY:
+            raise ValueError(f"unknown way for a process to end: {outcome.ended_by!r}")
+        return cls(process, owner, found_by, cast(EndedBy, outcome.ended_by), mib_per_device, outcome.exit_s,
+                   release_s)
+
+
+_ENDED_BY = frozenset(get_args(EndedBy))
+
+
+class KillResult(Protocol):
+    """How the kill ladder (``processes.terminate``) ended one process."""
+
+    @property
+    def ended_by(self) -> str: ...
+    @property
+    def exit_s(self) -> float | None: ...
+    @property
+    def state(self) -> str:
+        """Non-empty when the process survived: its state then."""
+        ...
 
 
 @dataclass(frozen=True)
 class CheckResult:
     """The verdict of one check of the devices and processes."""
 
-    phase: str
-    """``setup``, ``teardown``, ``fixture`` or ``session``."""
+    phase: Phase
     clean: bool
     devices: tuple[DeviceSnapshot, ...]
     offenders: tuple[Offender, ...]

@@ -76,7 +76,7 @@ def annotation_message(record: TestRecord) -> tuple[str, str] | None:
             lines.append(f"GPUs not clean {when} {record.nodeid} (waited {check.waited_s:.1f}s)")
             for offender in check.offenders:
                 proc = offender.process
-                held = ", ".join(f"{label} {value:.0f} MiB" for label, value in offender.mib_per_device)
+                held = report.mib_list(offender.mib_per_device)
                 who = (f"{offender.reason} pid {proc.pid} (user {proc.user}): {report.one_line(proc.cmdline)}"
                        if proc is not None else offender.detail)
                 lines.append(who + (f" [{held}]" if held and proc is not None else ""))
@@ -109,7 +109,7 @@ def annotation_lines(records: Sequence[TestRecord], session_reaped: Sequence[Rea
     unowned = [r for r in session_reaped if r.owner is None or r.owner.kind != "test"]
     if unowned:
         message = "\n".join([f"gpuclean reaped {len(unowned)} leftover process(es) at session end"] + [
-            _process_line(r.process.pid, f"({r.owner}) {r.process.cmdline}", r.ended_by, r.release_s)
+            _process_line(r.process.pid, f"({r.owner}) {r.process.cmdline}", r.how_ended, r.release_s)
             for r in unowned])
         lines.append(workflow_command("error", message, [("title", TITLE_LEAK)]))
     return lines
@@ -158,7 +158,7 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
         lines.append("Every checked test found the GPUs clean and left them clean.")
     if session_reaped:
         lines += ["", "Reaped at session end: " + _cell(", ".join(
-            f"pid {r.process.pid} ({r.owner}) {r.ended_by}" for r in session_reaped))]
+            f"pid {r.process.pid} ({r.owner}) {r.how_ended}" for r in session_reaped))]
     return "\n".join(lines) + "\n"
 
 

@@ -104,26 +104,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(OutputHooks(plugin), PLUGIN_NAME + "-outputs")
 
 
-def _select_devices(backend: devices_mod.Backend, resolved: settings.Settings) -> tuple[DeviceInfo, ...]:
-    available = backend.devices()
-    if resolved.devices is not None:
-        try:
-            return devices_mod.select_devices(available, resolved.devices, cuda_ordinals=False)
-        except devices_mod.DeviceSelectionError as exc:
-            raise pytest.UsageError(f"--gpuclean-devices: {exc} ({resolved.sources['devices']})") from None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return available
-    ordinal_uuids = None
-    if (any(t.isdigit() for t in devices_mod.parse_device_list(visible))
-            and not devices_mod.cuda_order_matches_nvml(available) and backend.kind == "nvml"):
-        ordinal_uuids = devices_mod.cuda_ordinal_uuids()
+def _select_devices(backend: devices_mod.Backend, resolved: settings.Settings) -> devices_mod.Selection:
     try:
-        return devices_mod.select_devices(available, visible, cuda_ordinals=True, ordinal_uuids=ordinal_uuids)
+        return devices_mod.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
+                                          option=settings.option("devices").cli)
     except devices_mod.DeviceSelectionError as exc:
-        raise pytest.UsageError(
-            f"--gpuclean-devices: {exc} (from environment variable CUDA_VISIBLE_DEVICES={visible!r}; "
-            "pass --gpuclean-devices to choose devices explicitly)") from None
+        raise pytest.UsageError(str(exc)) from None
 
 
 def _torch_allocated() -> dict[int, int] | None:
@@ -150,9 +136,16 @@ class GpuCleanPlugin:
             self.backend = devices_mod.open_backend(resolved.simulate)
         except devices_mod.BackendUnavailable as exc:
             self.unavailable = str(exc)
+        except devices_mod.SimulationError as exc:
+            source = resolved.sources.get("simulate")
+            raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({source})") from None
         self.devices: tuple[DeviceInfo, ...] = ()
         if self.backend is not None:
-            self.devices = _select_devices(self.backend, resolved)
+            selection = _select_devices(self.backend, resolved)
+            self.devices = selection.devices
+            if not self.devices:
+                # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
+                self.unavailable = selection.none_reason(self.backend.kind)
         self.locks: GpuLocks | None = None
         if resolved.lock == "on" and self.backend is not None:
             try:
@@ -205,7 +198,7 @@ class GpuCleanPlugin:
         if late:
             sys.stderr.write(f"gpuclean: reaped {len(late)} process(es) of the session set-up (conftest, "
                              "plugins) still alive after pytest_unconfigure: "
-                             + ", ".join(f"pid {r.process.pid} {r.ended_by} "
+                             + ", ".join(f"pid {r.process.pid} {r.how_ended} "
                                          f"({report.one_line(r.process.cmdline, 60)})" for r in late) + "\n")
         _restore_env(COOKIE_VAR, self._previous_cookie[0])
         _restore_env(OWNER_VAR, self._previous_cookie[1])
@@ -574,10 +567,10 @@ class GpuCleanPlugin:
                 self._record_for(r.owner.name).found_later.append(r)
             origin = next((n for n in notes if n.startswith(f"pid {r.process.pid}: left by ")), None)
             if origin is not None:
-                self.notes.append(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.ended_by})")
+                self.notes.append(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended})")
             warnings.warn(GpuCleanWarning(
                 f"gpuclean: pid {r.process.pid} ({report.one_line(r.process.cmdline, 80)}) was leaked by "
-                f"{r.owner} and reaped ({r.ended_by}) before "
+                f"{r.owner} and reaped ({r.how_ended}) before "
                 f"{state.record.nodeid if state.record else 'this test'}"
                 + (f"; {origin}" if origin else "")),
                 stacklevel=1)
@@ -585,8 +578,7 @@ class GpuCleanPlugin:
     def _note_own_context(self, result: CheckResult) -> None:
         if result.self_mib and not self.warned_own_context:
             self.warned_own_context = True
-            held = ", ".join(f"{label} {value:.0f} MiB" for label, value in result.self_mib)
-            self._note_own(f"holds a CUDA context ({held})")
+            self._note_own(f"holds a CUDA context ({report.mib_list(result.self_mib)})")
         if result.self_cuda_only and not self.warned_own_cuda:
             self.warned_own_cuda = True
             self._note_own(f"initialised CUDA without a context ({', '.join(result.self_cuda_only)}: a few "

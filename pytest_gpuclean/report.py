@@ -35,8 +35,13 @@ def one_line(text: str, limit: int = CMDLINE_CHARS) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
+def mib_list(pairs: Sequence[tuple[str, float]]) -> str:
+    """``GPU 0 512 MiB, GPU 1 8 MiB`` for (device label, MiB) pairs; empty for none."""
+    return ", ".join(f"{label} {value:.0f} MiB" for label, value in pairs)
+
+
 def _held(pairs: Sequence[tuple[str, float]]) -> str:
-    return ", ".join(f"{label} {value:.0f} MiB" for label, value in pairs) or "no GPU memory"
+    return mib_list(pairs) or "no GPU memory"
 
 
 def offender_lines(offender: Offender) -> list[str]:
@@ -59,7 +64,7 @@ def reaped_lines(reaped: Reaped) -> list[str]:
                if reaped.release_s is not None else "")
     owner = f", spawned by {reaped.owner}" if reaped.owner else ""
     return [
-        f"  pid {proc.pid} ended by {reaped.ended_by}{timing} (found as {reaped.found_by}{owner}): "
+        f"  pid {proc.pid} ended by {reaped.how_ended}{timing} (found as {reaped.found_by}{owner}): "
         f"held {_held(reaped.mib_per_device)}{release}",
         f"      cmd: {one_line(proc.cmdline)}",
     ]
@@ -117,7 +122,6 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
                   notes: Sequence[str]) -> list[str]:
     """The terminal summary: one block per test that leaked or met dirty GPUs, then totals."""
     lines: list[str] = []
-    checked = sum(1 for r in records if r.before is not None)
     dirty = [r for r in records if r.dirty]
     for record in dirty:
         parts: list[str] = []
@@ -127,7 +131,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             if check.reaped:
                 releases = [r.release_s for r in check.reaped if r.release_s is not None]
                 parts.append(f"{check.phase}: reaped {len(check.reaped)} "
-                             f"({', '.join(f'pid {r.process.pid} {r.ended_by}' for r in check.reaped)})"
+                             f"({', '.join(f'pid {r.process.pid} {r.how_ended}' for r in check.reaped)})"
                              + (f", driver release {max(releases):.2f}s" if releases else "")
                              + (f", clean after {check.clean_after_s:.2f}s"
                                 if check.clean_after_s is not None else ""))
@@ -142,7 +146,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
                          f"({', '.join(_short(o) for o in lingered)})")
         if record.found_later:
             parts.append(f"leaked {len(record.found_later)} process(es) found by a later check "
-                         f"({', '.join(f'pid {r.process.pid} {r.ended_by}' for r in record.found_later)})")
+                         f"({', '.join(f'pid {r.process.pid} {r.how_ended}' for r in record.found_later)})")
         if record.in_process_mib:
             parts.append("torch memory grew in-process: " + _held(record.in_process_mib))
         if record.lock_timeout is not None:
@@ -150,13 +154,29 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
         lines.append(f"{record.nodeid}: " + "; ".join(parts))
     if session_reaped:
         lines.append(f"session end: reaped {len(session_reaped)} leftover process(es): "
-                     + ", ".join(f"pid {r.process.pid} ({r.owner}) {r.ended_by}" for r in session_reaped))
+                     + ", ".join(f"pid {r.process.pid} ({r.owner}) {r.how_ended}" for r in session_reaped))
     lines.extend(notes)
-    total_reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after) if c) + len(session_reaped)
-    timeouts = sum(1 for r in records if r.lock_timeout is not None)
-    lines.append(f"{checked} checked test(s), {len(dirty)} with findings, {total_reaped} process(es) reaped"
-                 + (f", {timeouts} gave up waiting for GPU locks" if timeouts else ""))
+    lines.append(totals_line(records, session_reaped))
     return lines
+
+
+def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
+    """``3 checked test(s), 1 with findings, 2 process(es) reaped``.
+
+    A test that was not checked has a record only when a later check found processes it leaked, or when
+    it gave up waiting for its GPU locks: each is counted on its own, not as a checked test with findings.
+    """
+    checked = [r for r in records if r.before is not None]
+    unchecked_leakers = sum(1 for r in records if r.before is None and r.leaked)
+    timeouts = sum(1 for r in records if r.lock_timeout is not None)
+    total_reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after) if c) + len(session_reaped)
+    parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if r.dirty)} with findings"]
+    if unchecked_leakers:
+        parts.append(f"{unchecked_leakers} unchecked test(s) that leaked processes")
+    parts.append(f"{total_reaped} process(es) reaped")
+    if timeouts:
+        parts.append(f"{timeouts} gave up waiting for GPU locks")
+    return ", ".join(parts)
 
 
 def _short(offender: Offender) -> str:

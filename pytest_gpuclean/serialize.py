@@ -1,32 +1,18 @@
-"""Dataclasses to plain JSON-able dicts and back: for xdist's workeroutput and the JSON report."""
+"""Dataclasses to plain JSON-able dicts and back: for xdist's workeroutput and the JSON report.
+
+``from_dict`` rebuilds nested dataclasses, tuples and lists from the classes' own type hints, so a
+field added to ``model`` round-trips without a change here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+import types
+import typing
+from typing import Any, Union, get_args, get_origin
 
-from pytest_gpuclean.model import (
-    CheckResult,
-    DeviceInfo,
-    DeviceSnapshot,
-    GpuProcess,
-    Offender,
-    Owner,
-    ProcessInfo,
-    Reaped,
-    TestRecord,
-)
-
-# Fields holding nested dataclasses, per class: (field name, class, is a sequence).
-_NESTED: dict[type, tuple[tuple[str, type, bool], ...]] = {
-    DeviceSnapshot: (("device", DeviceInfo, False), ("processes", GpuProcess, True)),
-    Offender: (("process", ProcessInfo, False), ("owner", Owner, False)),
-    Reaped: (("process", ProcessInfo, False), ("owner", Owner, False)),
-    CheckResult: (("devices", DeviceSnapshot, True), ("offenders", Offender, True), ("reaped", Reaped, True),
-                  ("lingered", Offender, True), ("collected", Reaped, True)),
-    TestRecord: (("before", CheckResult, False), ("after", CheckResult, False),
-                 ("found_later", Reaped, True)),
-}
+from pytest_gpuclean.model import Reaped, TestRecord
 
 
 def to_dict(obj: Any) -> Any:
@@ -42,22 +28,37 @@ def _plain(value: Any) -> Any:
     return value
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    origin = get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        inner = [a for a in get_args(hint) if a is not type(None)]
+        return _build(inner[0], value) if len(inner) == 1 else value
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return from_dict(hint, value)
+    if origin is tuple:
+        args = get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_build(args[0], v) for v in value)
+        return tuple(_build(a, v) for a, v in zip(args, value, strict=True))
+    if origin is list:
+        (item,) = get_args(hint)
+        return [_build(item, v) for v in value]
+    return value  # scalars, Literal words, Mapping of scalars
+
+
 def from_dict(cls: type, data: Any) -> Any:
     """Rebuild ``cls`` from ``to_dict`` output (sequences come back as tuples or lists as declared)."""
     if data is None:
         return None
-    kwargs = dict(data)
-    nested = {name: (inner, many) for name, inner, many in _NESTED.get(cls, ())}
-    for f in dataclasses.fields(cls):
-        if f.name not in kwargs:
-            continue
-        value = kwargs[f.name]
-        if f.name in nested:
-            inner, many = nested[f.name]
-            value = [from_dict(inner, v) for v in value] if many else from_dict(inner, value)
-        if isinstance(value, list) and "tuple" in str(f.type):
-            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
-        kwargs[f.name] = value
+    hints = _hints(cls)
+    kwargs = {f.name: _build(hints[f.name], data[f.name]) for f in dataclasses.fields(cls) if f.name in data}
     return cls(**kwargs)
 
 

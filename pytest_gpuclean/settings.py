@@ -2,6 +2,8 @@
 
 Every value remembers where it came from, so a bad one is reported as e.g.
 ``--gpuclean-timeout: 'abc' is not a number (from environment variable GPUCLEAN_TIMEOUT)``.
+The ``gpuclean`` command resolves its options through the same table and parsers (without an ini file),
+so this module imports pytest only where the plugin needs it.
 """
 
 from __future__ import annotations
@@ -9,16 +11,30 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, get_args
 
-import pytest
+from pytest_gpuclean.devices import parse_device_list
+from pytest_gpuclean.model import OnOff, Scope
 
-SCOPES = ("session", "host")
-REAP_MODES = ("on", "off")
-LOCK_MODES = ("on", "off")
+if TYPE_CHECKING:
+    import pytest
+
+SCOPES: tuple[Scope, ...] = get_args(Scope)
+ON_OFF: tuple[OnOff, ...] = get_args(OnOff)
 MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
+
+DEFAULT_TOLERANCE_MIB = 0
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_GRACE_S = 5.0
+DEFAULT_SETTLE_S = 1.0
+DEFAULT_LOCK_DIR = os.path.join(tempfile.gettempdir(), "gpuclean-locks")
+DEFAULT_LOCK_TIMEOUT_S = 600.0
+
+
+class SettingError(ValueError):
+    """A bad option value; the message names the option and where the value came from."""
 
 
 def _non_negative_int(text: str) -> int:
@@ -31,7 +47,8 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+def parse_seconds(text: str) -> float:
+    """A number of seconds >= 0 (``ValueError`` with a message for the user otherwise)."""
     try:
         value = float(text)
     except ValueError:
@@ -59,6 +76,13 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def _device_list(text: str) -> str:
+    # An empty list would check nothing while looking like a choice: refuse it rather than guess.
+    if not parse_device_list(text):
+        raise ValueError(f"{text!r} names no device")
+    return text
+
+
 def _existing_dir(text: str) -> str:
     if not os.path.isdir(text):
         raise ValueError(f"{text!r} is not an existing directory")
@@ -80,15 +104,18 @@ class Option:
     name: str
     help: str
     parse: Callable[[str], Any]
-    default: Any
     metavar: str | None = None
     flag: bool = False
     """A CLI switch without a value (``--gpuclean-all``)."""
-    env: bool = True
 
     @property
     def cli(self) -> str:
         return "--gpuclean-" + self.name.replace("_", "-")
+
+    @property
+    def command_flag(self) -> str:
+        """The flag of the ``gpuclean`` command (``--tolerance-mib``): no prefix there."""
+        return "--" + self.name.replace("_", "-")
 
     @property
     def ini(self) -> str:
@@ -104,46 +131,53 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("all", "check every test, not only those marked needs_clean_gpus", _boolean, False, flag=True),
+    Option("all", "check every test, not only those marked needs_clean_gpus", _boolean, flag=True),
     Option("tolerance_mib", "GPU memory (MiB, NVML v2 'used') allowed per device, not counting the pytest "
-           "process's own (default 0)", _non_negative_int, 0, "N"),
-    Option("timeout", "seconds a check waits for GPUs and processes to become clean (default 60)",
-           _seconds, 60.0, "S"),
+           f"process's own (default {DEFAULT_TOLERANCE_MIB})", _non_negative_int, "N"),
+    Option("timeout", f"seconds a check waits for GPUs and processes to become clean (default "
+           f"{DEFAULT_TIMEOUT_S:g})", parse_seconds, "S"),
     Option("devices", "devices to check: indices (as nvidia-smi shows), GPU-/MIG- UUIDs or UUID prefixes, "
-           "comma-separated (default: those visible through CUDA_VISIBLE_DEVICES)", _text, None, "LIST"),
+           "comma-separated (default: those visible through CUDA_VISIBLE_DEVICES)", _device_list, "LIST"),
     Option("scope", "session: our processes and the GPUs; host: also every Python process of this user "
-           "that is not pytest or an ancestor (default session)", _choice(SCOPES), "session", "SCOPE"),
+           "that is not pytest or an ancestor (default session)", _choice(SCOPES), "SCOPE"),
     Option("simulate", "use simulated devices in DIR instead of NVML (DIR/<index>/<pid> holds bytes)",
-           _existing_dir, None, "DIR"),
+           _existing_dir, "DIR"),
     Option("require_gpu", "make marked tests error instead of skip when no GPU/NVML is available",
-           _boolean, False, flag=True),
+           _boolean, flag=True),
     Option("ignore", "glob patterns of command lines that are never stray (host scope, GPU processes); "
-           "comma-separated, repeatable", _patterns, (), "GLOBS"),
-    Option("grace", "seconds between SIGTERM and SIGKILL when reaping (default 5)", _seconds, 5.0, "S"),
+           "comma-separated, repeatable", _patterns, "GLOBS"),
+    Option("grace", f"seconds between SIGTERM and SIGKILL when reaping (default {DEFAULT_GRACE_S:g})",
+           parse_seconds, "S"),
     Option("settle", "seconds leftover processes get to exit by themselves before reaping starts "
-           "(default 1); those that do are reported, not counted as leaks", _seconds, 1.0, "S"),
-    Option("reap", "on: kill what a test leaked; off: only report (default on)", _choice(REAP_MODES), "on",
-           "MODE"),
+           f"(default {DEFAULT_SETTLE_S:g}); those that do are reported, not counted as leaks",
+           parse_seconds, "S"),
+    Option("reap", "on: kill what a test leaked; off: only report (default on)", _choice(ON_OFF), "MODE"),
     Option("dead_sessions", "on: reap what dead gpuclean sessions of this user left behind (their pytest "
            "was killed), found at the first check and whenever a GPU holds something unexplained; off: "
-           "leave it (default on)", _choice(REAP_MODES), "on", "MODE"),
+           "leave it (default on)", _choice(ON_OFF), "MODE"),
     Option("lock", "on: hold a cross-process lock per GPU while a checked test runs (default on)",
-           _choice(LOCK_MODES), "on", "MODE"),
+           _choice(ON_OFF), "MODE"),
     Option("lock_dir", "directory of the per-GPU lock files shared by all sessions on this host "
-           "(default: <tmp>/gpuclean-locks)", _text, os.path.join(tempfile.gettempdir(), "gpuclean-locks"),
-           "DIR"),
-    Option("lock_timeout", "seconds to wait for another session's GPU lock (default 600)", _seconds, 600.0,
-           "S"),
-    Option("report", "write a JSON report of every checked test to PATH", _text, None, "PATH"),
+           "(default: <tmp>/gpuclean-locks)", _text, "DIR"),
+    Option("lock_timeout", f"seconds to wait for another session's GPU lock (default "
+           f"{DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
+    Option("report", "write a JSON report of every checked test to PATH", _text, "PATH"),
 )
-OPTION_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def option(name: str) -> Option:
+    """The option called ``name`` (``tolerance_mib``)."""
+    for candidate in OPTIONS:
+        if candidate.name == name:
+            return candidate
+    raise KeyError(name)
 
 
 def add_options(parser: pytest.Parser) -> None:
     """Declare every option on the command line and in the ini file."""
     group = parser.getgroup("gpuclean", "clean-GPU checks (pytest-gpuclean)")
     for option in OPTIONS:
-        env_note = f" [env {option.env_var}]" if option.env else ""
+        env_note = f" [env {option.env_var}]"
         if option.flag:
             group.addoption(option.cli, action="store_const", const="true", default=None, dest=option.dest,
                             help=option.help + env_note)
@@ -164,20 +198,20 @@ class Settings:
     """Resolved options; ``sources`` says where each explicitly set value came from."""
 
     all: bool = False
-    tolerance_mib: int = 0
-    timeout: float = 60.0
+    tolerance_mib: int = DEFAULT_TOLERANCE_MIB
+    timeout: float = DEFAULT_TIMEOUT_S
     devices: str | None = None
-    scope: str = "session"
+    scope: Scope = "session"
     simulate: str | None = None
     require_gpu: bool = False
     ignore: tuple[str, ...] = ()
-    grace: float = 5.0
-    settle: float = 1.0
-    reap: str = "on"
-    dead_sessions: str = "on"
-    lock: str = "on"
-    lock_dir: str = os.path.join(tempfile.gettempdir(), "gpuclean-locks")
-    lock_timeout: float = 600.0
+    grace: float = DEFAULT_GRACE_S
+    settle: float = DEFAULT_SETTLE_S
+    reap: OnOff = "on"
+    dead_sessions: OnOff = "on"
+    lock: OnOff = "on"
+    lock_dir: str = DEFAULT_LOCK_DIR
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     report: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
 
@@ -195,19 +229,27 @@ def _describe_source(kind: str, option: Option, inifile: str | None) -> str:
     return f"from ini option {option.ini}{where}"
 
 
-def resolve(
+def _no_ini(name: str) -> None:
+    return None
+
+
+def resolve_options(
+    options: Iterable[Option],
     cli: Mapping[str, Any],
     env: Mapping[str, str],
-    ini: Callable[[str], Any],
+    ini: Callable[[str], Any] = _no_ini,
     inifile: str | None = None,
+    *,
+    flag: Callable[[Option], str] = lambda option: option.cli,
 ) -> Settings:
-    """Build ``Settings`` from the three sources; raise ``pytest.UsageError`` naming the bad one."""
+    """Build ``Settings`` from ``options`` as found in the sources (``cli`` is keyed by ``Option.dest``);
+    the others keep their defaults. Raises ``SettingError`` naming the option (as ``flag`` spells it)."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for option in OPTIONS:
+    for option in options:
         raw: Any = cli.get(option.dest)
         kind = "cli"
-        if raw is None and option.env and env.get(option.env_var) not in (None, ""):
+        if raw is None and env.get(option.env_var) not in (None, ""):
             raw, kind = env[option.env_var], "env"
         if raw is None:
             ini_value = ini(option.ini)
@@ -217,13 +259,28 @@ def resolve(
             continue
         if isinstance(raw, list):
             raw = ",".join(raw)
+        source = _describe_source(kind, option, inifile)
         try:
             values[option.name] = option.parse(str(raw))
         except ValueError as exc:
-            raise pytest.UsageError(
-                f"{option.cli}: {exc} ({_describe_source(kind, option, inifile)})") from None
-        sources[option.name] = _describe_source(kind, option, inifile)
+            raise SettingError(f"{flag(option)}: {exc} ({source})") from None
+        sources[option.name] = source
     return Settings(**values, sources=sources)
+
+
+def resolve(
+    cli: Mapping[str, Any],
+    env: Mapping[str, str],
+    ini: Callable[[str], Any],
+    inifile: str | None = None,
+) -> Settings:
+    """Build ``Settings`` from the three sources; raise ``pytest.UsageError`` naming the bad one."""
+    import pytest  # here, not at the top: the gpuclean command uses this module without pytest
+
+    try:
+        return resolve_options(OPTIONS, cli, env, ini, inifile)
+    except SettingError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -257,7 +314,7 @@ def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str) -> Tes
             raise ValueError(f"needs_clean_gpus({name}={value!r}) on {where}: {exc}") from None
 
     tolerance = pick("tolerance_mib", _non_negative_int)
-    timeout = pick("timeout", _seconds)
+    timeout = pick("timeout", parse_seconds)
     count = pick("count", _non_negative_int)
     if count == 0:
         raise ValueError(f"needs_clean_gpus(count=0) on {where}: count must be >= 1")
