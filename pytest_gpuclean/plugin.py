@@ -392,7 +392,8 @@ class GpuCleanPlugin:
     def _before(self, item: pytest.Item, state: _ItemState) -> None:
         marker = item.get_closest_marker(MARKER)
         try:
-            applied = settings.for_marker(self.settings, marker.kwargs if marker else {}, item.nodeid)
+            applied = settings.for_marker(self.settings, marker.kwargs if marker else {}, item.nodeid,
+                                          marker.args if marker else ())
         except ValueError as exc:
             # ``from None``: failing inside ``except`` would print the message twice, chained.
             message = f"gpuclean: {exc} (from the {MARKER} marker)"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -292,11 +292,17 @@ class TestSettings:
     count: int | None
 
 
-def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str) -> TestSettings:
+def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: Sequence[Any] = ()
+               ) -> TestSettings:
     """Apply a ``needs_clean_gpus(...)`` marker's arguments below CLI, environment and ini.
 
     Raises ``ValueError`` with a message naming the marker argument and the test.
     """
+    if args:
+        # needs_clean_gpus(2) reads as "2 GPUs" to some and "2 MiB" to others: make the reader say which.
+        given = ", ".join(map(repr, args))
+        raise ValueError(f"needs_clean_gpus({given}) on {where}: positional arguments are not accepted; "
+                         f"use keyword arguments: {', '.join(f'{name}=...' for name in MARKER_KWARGS)}")
     unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
     if unknown:
         raise ValueError(f"needs_clean_gpus got unknown argument(s) {', '.join(unknown)} on {where}; "

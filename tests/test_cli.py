@@ -133,10 +133,54 @@ def test_check_is_0_when_clean_and_1_with_a_process_on_a_gpu(sim: Path, holder: 
     assert offender.startswith(f"  pid {pid} (user {ME}, sleeping) is on GPU 1 64 MiB: {' '.join(HOLD)} "
                                f"--dir {sim} --device 1 --mib 64")
     assert hint == f"  `gpuclean reap` would end the processes of this user: pid(s) {pid}"
-    # Tolerance is for memory nobody accounts for; a process on the device is never "within tolerance".
-    assert gpuclean("check", "--tolerance-mib", "1024").returncode == 1
+    # Tolerance is for memory nobody accounts for; a process on the device is never "within tolerance",
+    # and the output says so rather than leave "NOT clean (tolerance 1024 MiB)" unexplained.
+    tolerant = gpuclean("check", "--tolerance-mib", "1024")
+    assert tolerant.returncode == 1
+    assert tolerant.stdout.splitlines()[:2] == [
+        "gpuclean check: NOT clean (tolerance 1024 MiB):",
+        "  1 process on GPU 1; processes fail the check whatever the tolerance"]
+    assert "whatever the tolerance" not in dirty.stdout  # tolerance 0: nothing to explain
     assert gpuclean("check", "--devices", "0").returncode == 0
     assert gpuclean("check", "--devices", simulated_uuid(sim, 0)[:12]).returncode == 0
+
+
+def test_check_json_gives_the_verdict_in_the_status_document(sim: Path, holder: Callable[..., int]) -> None:
+    clean = gpuclean("check", "--json")
+    assert clean.returncode == 0, clean.stderr
+    document = json.loads(clean.stdout)
+    status = json.loads(gpuclean("status", "--json").stdout)
+    assert {k: v for k, v in document.items() if k in status} == status  # the same document, extended
+    assert (document["clean"], document["tolerance_mib"], document["offenders"], document["notes"]) == (
+        True, 0, [], [])
+
+    pid = holder(device=1, mib=64)
+    dirty = gpuclean("check", "--json", "--tolerance-mib", "512")
+    assert dirty.returncode == 1, dirty.stderr
+    document = json.loads(dirty.stdout)
+    assert document["clean"] is False and document["tolerance_mib"] == 512
+    [offender] = document["offenders"]
+    assert (offender["reason"], offender["found_by"], offender["process"]["pid"], offender["process"]["user"],
+            offender["mib_per_device"]) == ("foreign", "gpu", pid, ME, [{"device": "GPU 1", "mib": 64.0}])
+    assert document["notes"] == ["1 process on GPU 1; processes fail the check whatever the tolerance"]
+    [listed] = document["devices"][1]["processes"]
+    assert (listed["pid"], listed["user"], listed["used_mib"]) == (pid, ME, 64)
+
+
+@pytest.mark.parametrize(("name", "content"), [
+    ("0/total", "abc"), ("1/context_overhead", "xyz"), ("0/{pid}", "lots"), ("1/{pid}", "-536870912")])
+@pytest.mark.parametrize("command", ["status", "check", "reap"])
+def test_a_corrupt_simulated_device_file_is_an_error_naming_it(sim: Path, name: str, content: str,
+                                                               command: str) -> None:
+    # {pid}: this process, alive and older than the file, so the simulated driver would count it.
+    path = sim / name.format(pid=os.getpid())
+    path.write_text(content + "\n")
+    result = gpuclean(command)
+    assert result.returncode == 2, result.stdout + result.stderr  # 1 would say "not clean"
+    assert result.stderr == (f"gpuclean {command}: error: --simulate: simulated device file {str(path)!r} "
+                             f"holds {content!r}, not a number of bytes (a whole number >= 0) (from "
+                             "environment variable GPUCLEAN_SIMULATE)\n")
+    assert result.stdout == ""
 
 
 def test_check_waits_for_the_gpus_to_become_clean(sim: Path, holder: Callable[..., int]) -> None:
@@ -153,18 +197,24 @@ def test_check_waits_for_the_gpus_to_become_clean(sim: Path, holder: Callable[..
 
 
 @pytest.mark.parametrize(("args", "env", "named"), [
-    (["check", "--tolerance-mib", "lots"], {}, "argument --tolerance-mib: 'lots' is not a whole number"),
+    (["check", "--tolerance-mib", "lots"], {},
+     "gpuclean check: error: --tolerance-mib: 'lots' is not a whole number (from the command line)"),
     (["check", "--wait", "-1"], {}, "argument --wait: '-1' is not a number of seconds >= 0"),
-    (["check", "--simulate", "/nonexistent/gpus"], {}, "argument --simulate: '/nonexistent/gpus' is not an "
-                                                       "existing directory"),
+    (["check", "--simulate", "/nonexistent/gpus"], {},
+     "--simulate: '/nonexistent/gpus' is not an existing directory (from the command line)"),
     (["check", "--devices", "7"], {},
-     "--devices: device 7 does not exist (2 device(s) found) (from --devices)"),
+     "--devices: device 7 does not exist (2 device(s) found) (from the command line)"),
     (["status", "--devices", "GPU-ffff"], {}, "--devices: no device has a UUID starting with 'GPU-ffff'"),
-    (["reap", "--grace", "soon"], {}, "argument --grace: 'soon' is not a number of seconds"),
+    (["status", "--devices", ""], {},
+     "gpuclean status: error: --devices: '' names no device (from the command line)"),
+    (["check", "--devices", " , "], {}, "--devices: ' , ' names no device (from the command line)"),
+    (["reap", "--grace", "soon"], {}, "--grace: 'soon' is not a number of seconds (from the command line)"),
     (["reap", "--cookie", ""], {}, "--cookie: the value is empty"),
     (["check"], {"GPUCLEAN_TOLERANCE_MIB": "-5"},
      "--tolerance-mib: '-5' is negative; expected a whole number >= 0 (from environment variable "
      "GPUCLEAN_TOLERANCE_MIB)"),
+    (["reap"], {"GPUCLEAN_GRACE": "inf"},
+     "--grace: 'inf' is not a number of seconds >= 0 (from environment variable GPUCLEAN_GRACE)"),
     (["status"], {"GPUCLEAN_SIMULATE": "/nonexistent/gpus"},
      "--simulate: '/nonexistent/gpus' is not an existing directory (from environment variable "
      "GPUCLEAN_SIMULATE)"),

@@ -290,6 +290,37 @@ def test_cpu():
     result.stdout.fnmatch_lines(["*gpuclean: no GPU to check: NVML init failed* (--gpuclean-require-gpu)"])
 
 
+@pytest.mark.parametrize("visible", [None, "", "-1"])
+def test_no_devices_to_check_skips_marked_tests_like_no_driver(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, visible: str | None) -> None:
+    # A marked test that checked zero devices would pass as "checked" while checking nothing.
+    if visible is None:
+        empty = tmp_path / "no-devices"
+        empty.mkdir()
+        monkeypatch.setenv("GPUCLEAN_SIMULATE", str(empty))
+        reason = "the simulated backend has no devices"
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        reason = (f"none of the 2 simulated device(s) is selected (from CUDA_VISIBLE_DEVICES={visible!r})")
+    inner("""
+@pytest.mark.needs_clean_gpus
+def test_gpu():
+    pass
+
+def test_cpu():
+    pass
+""")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines([f"gpuclean: no GPUs checked: {reason}; tests marked needs_clean_gpus will "
+                                 "be skipped",
+                                 f"SKIPPED [[]1[]] *: gpuclean: no GPU to check: {reason}"])
+    result = run_inner(pytester, "--gpuclean-require-gpu")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines([f"gpuclean: no GPU to check: {reason} (--gpuclean-require-gpu)"])
+
+
 @pytest.mark.parametrize(("args", "env", "ini", "message"), [
     (["--gpuclean-timeout=-1"], {}, "",
      "ERROR: --gpuclean-timeout: '-1' is not a number of seconds >= 0 (from the command line)"),
@@ -308,6 +339,19 @@ def test_cpu():
      "CUDA_VISIBLE_DEVICES='GPU-nope'*"),
     (["--gpuclean-grace=soon"], {}, "",
      "ERROR: --gpuclean-grace: 'soon' is not a number of seconds (from the command line)"),
+    (["--gpuclean-devices="], {}, "",
+     "ERROR: --gpuclean-devices: '' names no device (from the command line)"),
+    ([], {}, "gpuclean_devices = ,",
+     "ERROR: --gpuclean-devices: ',' names no device (from ini option gpuclean_devices in *tox.ini)"),
+    ([], {"SIM_FILE": "0/total=abc"}, "",
+     "ERROR: --gpuclean-simulate: simulated device file '*/sim/0/total' holds 'abc', not a number of bytes "
+     "(a whole number >= 0) (from environment variable GPUCLEAN_SIMULATE)"),
+    ([], {"SIM_FILE": "1/context_overhead=xyz"}, "",
+     "ERROR: --gpuclean-simulate: simulated device file '*/sim/1/context_overhead' holds 'xyz', not a number "
+     "of bytes (a whole number >= 0) (from environment variable GPUCLEAN_SIMULATE)"),
+    ([], {"SIM_FILE": "0/{pid}=-512"}, "",
+     "ERROR: --gpuclean-simulate: simulated device file '*/sim/0/*' holds '-512', not a number of bytes "
+     "(a whole number >= 0) (from environment variable GPUCLEAN_SIMULATE)"),
 ])
 def test_bad_option_values_are_usage_errors_naming_their_source(
         inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
@@ -322,6 +366,10 @@ def test_a():
     if ini:
         pytester.makeini(f"[pytest]\n{ini}\n")
     for name, value in env.items():
+        if name == "SIM_FILE":  # a corrupt file; {pid} is a live process older than the file
+            where, content = value.split("=", 1)
+            (Path(os.environ["GPUCLEAN_SIMULATE"]) / where.format(pid=bystander)).write_text(content)
+            continue
         monkeypatch.setenv(name, value)
     result = run_inner(pytester, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -339,13 +387,20 @@ def test_bad():
 @pytest.mark.needs_clean_gpus(timeuot=3)
 def test_typo():
     pass
+
+@pytest.mark.needs_clean_gpus(2)
+def test_positional():
+    pass
 """)
     result = run_inner(pytester)
-    result.assert_outcomes(errors=2)
+    result.assert_outcomes(errors=3)
     result.stdout.fnmatch_lines_random([
         "*gpuclean: needs_clean_gpus(tolerance_mib=-5) on test_inner.py::test_bad: '-5' is negative*"
         "(from the needs_clean_gpus marker)",
         "*gpuclean: needs_clean_gpus got unknown argument(s) timeuot on test_inner.py::test_typo*",
+        "gpuclean: needs_clean_gpus(2) on test_inner.py::test_positional: positional arguments are not "
+        "accepted; use keyword arguments: tolerance_mib=..., timeout=..., count=... (from the "
+        "needs_clean_gpus marker)",
     ])
 
 

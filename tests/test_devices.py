@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import run_inner
 
 from pytest_gpuclean import procfs
 from pytest_gpuclean.devices import (
+    DEFAULT_SIM_TOTAL,
     DeviceSelectionError,
+    Selection,
     SimulatedBackend,
+    SimulationError,
+    choose_devices,
     parse_device_list,
     select_devices,
     simulated_uuid,
@@ -108,6 +114,65 @@ def test_simulated_devices_take_uuids_from_their_files(tmp_path: Path) -> None:
     # The default UUID is stable for a directory, so concurrent sessions agree on lock names.
     assert simulated_uuid(tmp_path, 0) == simulated_uuid(str(tmp_path) + "/.", 0)
     assert simulated_uuid(tmp_path, 0) != simulated_uuid(tmp_path, 1)
+
+
+@pytest.mark.parametrize(("name", "content", "shown"), [
+    ("total", "abc", "'abc'"), ("context_overhead", "xyz\n", "'xyz'"), ("{pid}", "-512", "'-512'"),
+    ("{pid}", "12.5", "'12.5'"), ("cuda/{pid}", "zero", "'zero'")])
+def test_a_corrupt_simulated_file_is_refused_when_the_backend_opens(tmp_path: Path, name: str, content: str,
+                                                                     shown: str) -> None:
+    # {pid}: this process, alive and older than the file: a real driver would count it.
+    path = tmp_path / "0" / name.format(pid=os.getpid())
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    message = (f"simulated device file {str(path)!r} holds {shown}, not a number of bytes (a whole number "
+               ">= 0)")
+    with pytest.raises(SimulationError, match="^" + re.escape(message) + "$"):
+        SimulatedBackend(tmp_path)
+
+
+def test_a_file_corrupted_later_fails_the_reading_that_meets_it(tmp_path: Path) -> None:
+    (tmp_path / "0").mkdir()
+    backend = SimulatedBackend(tmp_path)
+    (tmp_path / "0" / "total").write_text("")  # being written: the default, not an error
+    assert backend.snapshot(backend.devices()[0]).total_bytes == DEFAULT_SIM_TOTAL
+    (tmp_path / "0" / "total").write_text("1e9")
+    with pytest.raises(SimulationError, match="holds '1e9', not a number of bytes"):
+        backend.snapshot(backend.devices()[0])
+
+
+class _Devices:
+    kind = "simulated"
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        return (GPU0, GPU1, GPU2)
+
+
+def test_choose_devices_takes_an_explicit_list_else_cuda_visible_devices_else_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    backend: Any = _Devices()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert choose_devices(backend, None, "", option="--x") == Selection((GPU0, GPU1, GPU2), "all devices", 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    assert choose_devices(backend, None, "", option="--x") == Selection(
+        (GPU2, GPU0), "from CUDA_VISIBLE_DEVICES='2,0'", 3)
+    # An explicit list uses NVML indices and wins over CUDA_VISIBLE_DEVICES.
+    assert choose_devices(backend, "1", "from the command line", option="--x") == Selection(
+        (GPU1,), "from the command line", 3)
+    with pytest.raises(DeviceSelectionError, match=re.escape(
+            "--x: device 5 does not exist (3 device(s) found) (from environment variable GPUCLEAN_DEVICES)")):
+        choose_devices(backend, "5", "from environment variable GPUCLEAN_DEVICES", option="--x")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-ffff")
+    with pytest.raises(DeviceSelectionError, match=re.escape(
+            "--x: no device has a UUID starting with 'GPU-ffff' (from environment variable "
+            "CUDA_VISIBLE_DEVICES='GPU-ffff'; pass --x to choose devices explicitly)")):
+        choose_devices(backend, None, "", option="--x")
+
+
+def test_an_empty_selection_says_why() -> None:
+    assert Selection((), "all devices", 0).none_reason("nvml") == "the nvml backend has no devices"
+    assert Selection((), "from CUDA_VISIBLE_DEVICES=''", 2).none_reason("simulated") == (
+        "none of the 2 simulated device(s) is selected (from CUDA_VISIBLE_DEVICES='')")
 
 
 # ---- end to end: what an inner session checks, from CUDA_VISIBLE_DEVICES --------------------------

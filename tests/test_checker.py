@@ -1,0 +1,155 @@
+"""The checker's memory arithmetic, in-process, against a fake device backend.
+
+Only the public ``Checker(...).check(...)`` is used: what counts against the tolerance, what the pytest
+process's own context is excused for, and how findings are reported. The census still looks at this
+process's real children; the project's tests leave none behind, so there are none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pytest
+
+from pytest_gpuclean.checker import Checker
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
+
+GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
+GPU1 = DeviceInfo(1, "GPU-fake-1", "Fake GPU")
+ME = os.getpid()
+
+
+def absent_pid() -> int:
+    # A pid no process has: the driver lists processes of other PID namespaces like that.
+    pid = 4_000_000
+    while os.path.exists(f"/proc/{pid}"):
+        pid += 1
+    return pid
+
+
+@dataclass
+class FakeBackend:
+    """Devices whose readings the test sets: ``used`` MiB and ``(pid, MiB)`` listed processes."""
+
+    readings: dict[str, tuple[float, tuple[tuple[int, float | None], ...]]] = field(default_factory=dict)
+    cuda: dict[int, frozenset[str]] = field(default_factory=dict)
+    kind: str = "simulated"
+
+    def set(self, device: DeviceInfo, used_mib: float, *listed: tuple[int, float | None]) -> None:
+        self.readings[device.uuid] = (used_mib, listed)
+
+    def devices(self) -> tuple[DeviceInfo, ...]:
+        return (GPU0, GPU1)
+
+    def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
+        used, listed = self.readings.get(device.uuid, (0, ()))
+        return DeviceSnapshot(device, int(used * MIB), 1000 * MIB, tuple(
+            GpuProcess(pid, None if mib is None else int(mib * MIB)) for pid, mib in listed))
+
+    def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
+        return {pid: self.cuda[pid] for pid in pids if pid in self.cuda}
+
+    def driver_version(self) -> str:
+        return "fake"
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def backend() -> FakeBackend:
+    return FakeBackend()
+
+
+def check(backend: FakeBackend, tolerance_mib: int = 0, devices: tuple[DeviceInfo, ...] = (GPU0,)
+          ) -> CheckResult:
+    checker = Checker(backend, reap=False)
+    return checker.check("check", devices, tolerance_mib=tolerance_mib, timeout=0)
+
+
+def memory_findings(result: CheckResult) -> list[tuple[str, float]]:
+    return [pair for o in result.offenders if o.reason == "memory" for pair in o.mib_per_device]
+
+
+def test_idle_devices_are_clean(backend: FakeBackend) -> None:
+    result = check(backend, devices=(GPU0, GPU1))
+    assert (result.clean, result.offenders, result.phase, result.tolerance_mib) == (True, (), "check", 0)
+    assert [s.device for s in result.devices] == [GPU0, GPU1]
+    assert result.clean_after_s is not None
+
+
+@pytest.mark.parametrize(("used_mib", "tolerance_mib", "clean"), [(16, 16, True), (17, 16, False),
+                                                                  (1, 0, False)])
+def test_unattributed_memory_counts_against_the_tolerance(backend: FakeBackend, used_mib: float,
+                                                          tolerance_mib: int, clean: bool) -> None:
+    backend.set(GPU0, used_mib)
+    result = check(backend, tolerance_mib)
+    assert result.clean is clean
+    assert memory_findings(result) == ([] if clean else [("GPU 0", used_mib)])
+    if not clean:
+        [offender] = result.offenders
+        assert (offender.process, offender.found_by) == (None, "gpu")
+        assert offender.detail == (f"{used_mib:.0f} MiB used on GPU 0 beyond the tolerance of "
+                                   f"{tolerance_mib} MiB, held by no process we can see")
+
+
+def test_a_listed_process_fails_whatever_the_tolerance(backend: FakeBackend) -> None:
+    stranger = absent_pid()
+    backend.set(GPU0, 512, (stranger, 512))
+    result = check(backend, tolerance_mib=4096)
+    assert not result.clean
+    [offender] = result.offenders  # its memory is its own, not reported again as unattributed
+    assert (offender.reason, offender.found_by, offender.owner) == ("foreign", "gpu", None)
+    assert offender.process is not None and offender.process.pid == stranger
+    assert offender.mib_per_device == (("GPU 0", 512.0),)
+
+
+def test_only_the_devices_under_check_count(backend: FakeBackend) -> None:
+    backend.set(GPU1, 900, (absent_pid(), 900))
+    assert check(backend, devices=(GPU0,)).clean
+    assert not check(backend, devices=(GPU0, GPU1)).clean
+
+
+def test_this_processs_own_context_is_excused_and_reported(backend: FakeBackend) -> None:
+    # The context's unlisted overhead (charged to no process) is excused up to a bound per context.
+    backend.set(GPU0, 600 + 40, (ME, 600))
+    result = check(backend)
+    assert result.clean, result.offenders
+    assert result.self_mib == (("GPU 0", 600.0),)
+
+
+def test_overhead_beyond_the_bound_of_the_listed_contexts_is_dirty(backend: FakeBackend) -> None:
+    backend.set(GPU0, 600 + 100, (ME, 600))
+    result = check(backend)
+    assert memory_findings(result) == [("GPU 0", 100 - 64)]
+    assert check(backend, tolerance_mib=36).clean
+
+
+def test_cuda_without_a_context_is_excused_for_this_process_only(backend: FakeBackend) -> None:
+    # Initialising CUDA costs a few MiB the driver lists under no process.
+    backend.set(GPU0, 3)
+    assert not check(backend).clean
+    backend.cuda[ME] = frozenset({GPU0.uuid})
+    result = check(backend)
+    assert result.clean, result.offenders
+    assert result.self_cuda_only == ("GPU 0",)
+
+
+def test_memory_on_a_device_with_a_foreign_process_is_blamed_on_it_once(backend: FakeBackend) -> None:
+    stranger = absent_pid()
+    backend.set(GPU0, 600 + 200 + 30, (ME, 600), (stranger, 200))
+    backend.set(GPU1, 30)
+    result = check(backend, devices=(GPU0, GPU1))
+    # GPU 0: the foreign holder is the finding, its device's unlisted 30 MiB is not reported again;
+    # GPU 1: nobody is listed, so the same 30 MiB is a finding of its own.
+    assert [(o.reason, o.mib_per_device) for o in result.offenders] == [
+        ("foreign", (("GPU 0", 200.0),)), ("memory", (("GPU 1", 30.0),))]
+
+
+def test_a_process_without_a_memory_figure_counts_as_zero(backend: FakeBackend) -> None:
+    backend.set(GPU0, 50, (absent_pid(), None))
+    result = check(backend, tolerance_mib=100)
+    [offender] = result.offenders
+    assert offender.reason == "foreign" and offender.mib_per_device == (("GPU 0", 0.0),)

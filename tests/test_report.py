@@ -1,0 +1,155 @@
+"""Formatting and serialisation of findings, in-process: text report, summary, JSON shapes, round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from typing import Any, get_args
+
+import pytest
+
+from pytest_gpuclean import jsonreport, model, report
+from pytest_gpuclean.model import (
+    MIB,
+    CheckResult,
+    DeviceInfo,
+    DeviceSnapshot,
+    GpuProcess,
+    Offender,
+    Owner,
+    ProcessInfo,
+    Reaped,
+)
+from pytest_gpuclean.model import TestRecord as Record  # (a Test* name would be collected)
+from pytest_gpuclean.serialize import from_dict, record_from_dict, record_to_dict, to_dict
+
+GPU0 = DeviceInfo(0, "GPU-0000", "H200")
+MIG = DeviceInfo(1, "MIG-1111", "A100", mig_index=2)
+PROC = ProcessInfo(pid=4242, start_ticks=99, ppid=1, uid=1000, user="ci", cmdline="python -c\n'hold()'",
+                   state="sleeping")
+TEST = Owner("test", "t.py::test_leaks")
+SNAP = DeviceSnapshot(GPU0, 600 * MIB, 1000 * MIB, (GpuProcess(4242, 512 * MIB), GpuProcess(7, None)))
+REAPED = Reaped(PROC, TEST, "descendant", "SIGTERM", (("GPU 0", 512.0),), 0.25, 0.125)
+SURVIVED = Reaped(PROC, TEST, "adopted", "survived", (), None, survived_as="uninterruptible sleep (D)")
+LEAKED = Offender("leaked", PROC, TEST, "cookie", (("GPU 0", 512.0),), "reaping is off")
+MEMORY = Offender("memory", None, None, "gpu", (("GPU 0", 88.0),),
+                  "88 MiB used on GPU 0 beyond the tolerance")
+AFTER = CheckResult("teardown", False, (SNAP,), (LEAKED, MEMORY), reaped=(REAPED,), waited_s=1.5,
+                    clean_after_s=None, notes=("a note",), tolerance_mib=16, collected=(REAPED,),
+                    lingered=(LEAKED,), self_mib=(("GPU 0", 3.0),), self_cuda_only=("GPU 1/MIG 2",))
+BEFORE = CheckResult("setup", True, (SNAP,), ())
+RECORD = Record("t.py::test_leaks", ("t.py", 12), BEFORE, AFTER, [SURVIVED], [("cuda:0", 1.5)],
+                    ("GPU-0000",), 0.5, 0.01, 1.5)
+
+# One fully populated instance of every dataclass in model: each must survive a round trip.
+EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
+                       AFTER, BEFORE, RECORD, Record("t.py::test_unchecked")]
+
+
+def test_every_model_dataclass_has_a_round_trip_example() -> None:
+    classes = {cls for _, cls in inspect.getmembers(model, inspect.isclass)
+               if dataclasses.is_dataclass(cls) and cls.__module__ == model.__name__}
+    assert classes == {type(e) for e in EXAMPLES}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: type(e).__name__)
+def test_round_trip_through_json_gives_an_equal_object(example: Any) -> None:
+    data = json.loads(json.dumps(to_dict(example)))
+    assert from_dict(type(example), data) == example
+
+
+def test_a_record_keeps_its_sequence_types() -> None:
+    back = record_from_dict(json.loads(json.dumps(record_to_dict(RECORD))))
+    assert isinstance(back.in_process_mib, list) and back.in_process_mib[0] == ("cuda:0", 1.5)
+    assert isinstance(back.found_later, list) and isinstance(back.devices, tuple)
+    assert back.after is not None and isinstance(back.after.offenders[0].mib_per_device[0], tuple)
+
+
+def test_reaped_lines_show_how_and_when() -> None:
+    assert report.reaped_lines(REAPED) == [
+        "  pid 4242 ended by SIGTERM after 0.25s (found as descendant, spawned by t.py::test_leaks): held "
+        "GPU 0 512 MiB; the driver released it 0.12s after the SIGTERM",
+        "      cmd: python -c 'hold()'"]
+    assert report.reaped_lines(SURVIVED)[0] == (
+        "  pid 4242 ended by survived (uninterruptible sleep (D)) (found as adopted, spawned by "
+        "t.py::test_leaks): held no GPU memory")
+
+
+def test_check_report_lists_every_finding_then_the_devices() -> None:
+    text = report.check_report(AFTER, "HEADING")
+    assert text.splitlines() == [
+        "HEADING",
+        "reaped 1 process(es):",
+        *report.reaped_lines(REAPED),
+        "outlived the test, then ended by themselves:",
+        *report.offender_lines(LEAKED),
+        "still dirty after 1.50s:",
+        "  leaked pid 4242 (user ci, sleeping, found as cookie, spawned by t.py::test_leaks): GPU 0 512 MiB; "
+        "reaping is off",
+        "      cmd: python -c 'hold()'",
+        "  memory: 88 MiB used on GPU 0 beyond the tolerance",
+        "note: a note",
+        "devices (tolerance 16 MiB):",
+        "  GPU 0 H200 (GPU-0000): 600/1000 MiB used, processes: pid 4242 512 MiB, pid 7",
+    ]
+
+
+@pytest.mark.parametrize(("reaped", "leaked", "reap_enabled", "heading"), [
+    ((REAPED,), (), True, "gpuclean: test leaked 1 process(es) (reaped)"),
+    ((REAPED,), (LEAKED,), True, "gpuclean: test leaked 2 process(es) (NOT all reaped)"),
+    ((), (LEAKED,), False, "gpuclean: test leaked 1 process(es) (reaping is off: reported only)"),
+    ((dataclasses.replace(REAPED, ended_by="reaped zombie"),), (), True,
+     "gpuclean: test leaked 1 exited child(ren) nobody waited for (reaped)"),
+    ((REAPED, dataclasses.replace(REAPED, ended_by="reaped zombie")), (), True,
+     "gpuclean: test leaked 1 process(es) and 1 exited child(ren) nobody waited for (reaped)"),
+])
+def test_leak_heading_counts_live_processes_and_zombies_apart(
+        reaped: tuple[Reaped, ...], leaked: tuple[Offender, ...], reap_enabled: bool, heading: str) -> None:
+    assert report.leak_heading(reaped, leaked, reap_enabled) == heading
+
+
+def test_totals_count_unchecked_leakers_apart_from_checked_tests() -> None:
+    # An unchecked test has a record only because a later check found what it leaked.
+    clean = Record("t.py::test_clean", before=BEFORE, after=dataclasses.replace(BEFORE, phase="teardown"))
+    unchecked = Record("t.py::test_unmarked", found_later=[REAPED])
+    assert report.totals_line([clean, unchecked], [REAPED]) == (
+        "1 checked test(s), 0 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped")
+    assert report.totals_line([clean, RECORD], []) == (
+        "2 checked test(s), 1 with findings, 1 process(es) reaped")
+    lines = report.summary_lines([clean, unchecked], [], ["a note"])
+    assert lines == ["t.py::test_unmarked: leaked 1 process(es) found by a later check (pid 4242 SIGTERM)",
+                     "a note", report.totals_line([clean, unchecked], [])]
+
+
+def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
+    assert jsonreport.reaped_json(SURVIVED)["ended_by"] == "survived (uninterruptible sleep (D))"
+    record = jsonreport.record_json(RECORD)
+    assert record["outcome"] == "leaked"
+    assert [(p["pid"], p["found"], p["ended_by"]) for p in record["leaked"]] == [
+        (4242, "teardown", "SIGTERM"), (4242, "later", "survived (uninterruptible sleep (D))"),
+        (4242, "teardown", None), (4242, "teardown", "exited by itself")]
+    assert record["in_process_mib"] == [{"device": "cuda:0", "mib": 1.5}]
+    assert record["after"]["offenders"][1] == {
+        "reason": "memory", "found_by": "gpu", "detail": "88 MiB used on GPU 0 beyond the tolerance",
+        "process": None, "owner": None, "mib_per_device": [{"device": "GPU 0", "mib": 88.0}]}
+    assert jsonreport.snapshot_json(SNAP)["processes"][1] == {"pid": 7, "used_bytes": None, "used_mib": None}
+    assert jsonreport.summary_json([RECORD, Record("t.py::test_unchecked")], [REAPED]) == {
+        "tests": 2, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "reaped": 2}
+
+
+def _enum(schema: dict[str, Any], *path: str) -> set[Any]:
+    node: Any = schema
+    for key in path:
+        node = node[key]
+    return set(node["enum"])
+
+
+def test_the_closed_sets_are_the_schema_enums() -> None:
+    # The Literal types are what mypy checks; the schema is what consumers of the report check.
+    defs = jsonreport.load_schema()["$defs"]
+    assert set(get_args(model.Reason)) == _enum(defs, "offender", "properties", "reason")
+    assert set(get_args(model.OwnerKind)) == _enum(defs["owner"]["oneOf"][1], "properties", "kind")
+    session = defs["session"]["properties"]["settings"]["properties"]
+    assert set(get_args(model.Scope)) == _enum(session, "scope")
+    assert set(get_args(model.OnOff)) == _enum(session, "reap") == _enum(session, "lock")
