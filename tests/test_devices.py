@@ -93,9 +93,15 @@ def test_ambiguous_prefix_is_an_error() -> None:
         select_devices(ALL, "MIG-", cuda_ordinals=True)
 
 
-@pytest.mark.parametrize("spec", ["GPU-deadbeef", "5", "GPU-1a2b3c4d-0000-4000-8000-000000000000-x", "foo"])
-def test_unknown_device_is_an_error(spec: str) -> None:
-    with pytest.raises(DeviceSelectionError):
+@pytest.mark.parametrize(("spec", "message"), [
+    ("GPU-deadbeef", "no device has a UUID starting with 'GPU-deadbeef'"),
+    ("5", "device 5 does not exist (5 device(s) found)"),
+    ("GPU-1a2b3c4d-0000-4000-8000-000000000000-x",
+     "no device has a UUID starting with 'GPU-1a2b3c4d-0000-4000-8000-000000000000-x'"),
+    ("foo", "no device has a UUID starting with 'foo'"),
+])
+def test_unknown_device_is_an_error(spec: str, message: str) -> None:
+    with pytest.raises(DeviceSelectionError, match="^" + re.escape(message) + "$"):
         select_devices(ALL, spec, cuda_ordinals=True)
 
 

@@ -98,12 +98,12 @@ def torch_holder(device: DeviceInfo, hook_env: dict[str, str], tmp_path: Path) -
 
 def test_status_shows_the_gpu(device: DeviceInfo, hook_env: dict[str, str]) -> None:
     table = gpuclean("status", "--devices", device.uuid, env=hook_env)
-    assert table.returncode == 0
+    assert table.returncode == 0, table.stderr
     assert table.stdout.startswith("gpuclean status: nvml devices, driver ")
     assert f"{device.label}" in table.stdout and device.uuid in table.stdout and device.name in table.stdout
 
     as_json = gpuclean("status", "--json", "--devices", device.uuid, env=hook_env)
-    assert as_json.returncode == 0
+    assert as_json.returncode == 0, as_json.stderr
     [entry] = json.loads(as_json.stdout)["devices"]
     assert (entry["index"], entry["uuid"], entry["name"]) == (device.index, device.uuid, device.name)
     assert entry["total_mib"] > 0 and 0 <= entry["used_mib"] <= entry["total_mib"]
@@ -112,7 +112,10 @@ def test_status_shows_the_gpu(device: DeviceInfo, hook_env: dict[str, str]) -> N
 def test_check_on_an_idle_gpu_is_0(device: DeviceInfo, hook_env: dict[str, str]) -> None:
     # The gate a job-started hook runs; waits out what earlier tests may still be releasing.
     result = gpuclean("check", "--devices", device.uuid, "--wait", "120", env=hook_env)
-    assert result.returncode == 0
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("gpuclean check: clean (1 device(s), tolerance 0 MiB, after ")
+    assert f"  {device.label} {device.name} ({device.uuid}): " in result.stdout
+    assert result.stderr == ""
 
 
 def test_check_and_reap_a_torch_holder(device: DeviceInfo, hook_env: dict[str, str], torch_holder: int
@@ -128,19 +131,32 @@ def test_check_and_reap_a_torch_holder(device: DeviceInfo, hook_env: dict[str, s
     assert mine["used_mib"] is None or mine["used_mib"] >= HOLD_MIB
 
     busy = gpuclean("check", "--devices", device.uuid, env=hook_env)
-    assert busy.returncode == 1
+    assert busy.returncode == 1, busy.stderr
     assert f"  pid {torch_holder} (user " in busy.stdout and f"is on {device.label} " in busy.stdout
 
+    # A tolerance above what the holder uses: still not clean, and the output says why.
+    tolerant = gpuclean("check", "--json", "--tolerance-mib", str(4 * HOLD_MIB), "--devices", device.uuid,
+                        env=hook_env)
+    assert tolerant.returncode == 1, tolerant.stderr
+    verdict = json.loads(tolerant.stdout)
+    assert (verdict["clean"], verdict["tolerance_mib"]) == (False, 4 * HOLD_MIB)
+    assert [o["process"]["pid"] for o in verdict["offenders"]] == [torch_holder]
+    assert verdict["notes"][0] == (f"1 process on {device.label}; processes fail the check whatever the "
+                                   "tolerance")
+
     dry = gpuclean("reap", "--dry-run", "--devices", device.uuid, env=hook_env)
-    assert dry.returncode == 0 and f"  pid {torch_holder} (user " in dry.stdout
+    assert dry.returncode == 0, dry.stderr
+    assert "gpuclean reap: --dry-run: would end 1 process(es):" in dry.stdout
+    assert f"  pid {torch_holder} (user " in dry.stdout and ", found as gpu): held " in dry.stdout
     assert not gone(torch_holder, 0.5)
 
     reaped = gpuclean("reap", "--devices", device.uuid, "--grace", "10", env=hook_env)
-    assert reaped.returncode == 0
+    assert reaped.returncode == 0, reaped.stderr
+    assert "gpuclean reap: ended 1 process(es) (SIGTERM, SIGKILL after 10s):" in reaped.stdout
     assert f"  pid {torch_holder} ended by SIGTERM after " in reaped.stdout
     assert "gpuclean reap: the driver released their GPU memory " in reaped.stdout
     assert gone(torch_holder, 30)
 
     idle = gpuclean("check", "--devices", device.uuid, "--wait", "60", env=hook_env)
-    assert idle.returncode == 0
+    assert idle.returncode == 0, idle.stdout + idle.stderr
     assert idle.stdout.startswith("gpuclean check: clean (1 device(s), tolerance 0 MiB")
