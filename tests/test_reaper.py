@@ -360,8 +360,8 @@ def test_two(worker):
     result = run_inner(pytester)
     result.assert_outcomes(passed=2)
     # The fixture's exited worker was left to the fixture: neither collected nor reported.
-    result.stdout.fnmatch_lines(["PASSED test_inner.py::test_one", "PASSED test_inner.py::test_two",
-                                 "*= gpuclean =*", "2 checked test(s), 0 with findings, 0 process(es) reaped"])
+    result.stdout.fnmatch_lines(["*= gpuclean =*", "2 checked test(s), 0 with findings, 0 process(es) reaped",
+                                 "PASSED test_inner.py::test_one", "PASSED test_inner.py::test_two"])
 
 
 def test_fixture_protection_ends_with_the_fixture(tmp_path: Path) -> None:
