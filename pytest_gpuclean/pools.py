@@ -24,10 +24,10 @@ def _registered_pools(pool_type: type | None, executor_type: type | None) -> lis
     """Live pools and executors, found through the standard library's own registries.
 
     A ``Pool`` registers a ``multiprocessing.util.Finalize`` holding a weak reference to itself; a
-    ``ProcessPoolExecutor`` with workers runs a manager thread holding one. Microseconds, where walking
-    the heap costs ~130 ms in a process that imported torch, transformers and vllm (400k objects), all
-    of it between the teardown's start and the first signal. None where these internals are missing
-    (another Python version): the caller walks the heap then.
+    ``ProcessPoolExecutor`` with workers runs a manager thread holding one. Walking the heap instead
+    takes time proportional to it, and in a process that imported torch, transformers and vllm all of
+    that lies between the teardown's start and the first signal (docs/benchmarks.md). None where these
+    internals are missing (another Python version): the caller walks the heap then.
     """
     found: list[Any] = []
     if pool_type is not None:
