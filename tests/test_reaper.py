@@ -342,11 +342,11 @@ def test_pid_reuse_is_never_signalled() -> None:
 def test_reaper_never_steals_popen_exit_statuses(inner: Callable[[str], Path],
                                                   pytester: pytest.Pytester) -> None:
     # A Popen held by a module fixture keeps its own exit status: gpuclean waits on specific pids only.
-    pidfile = inner("""
+    inner("""
 @pytest.fixture(scope="module")
 def worker():
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"])
-    with open(PIDFILE, "w") as f:
+    with open("worker.pid", "w") as f:  # not PIDFILE: its pids are killed after the test
         f.write(str(proc.pid))
     yield proc
     assert proc.wait() == 7
@@ -362,7 +362,7 @@ def test_two(worker):
     result = run_inner(pytester)
     result.assert_outcomes(passed=2)
     # The fixture's exited worker was left to the fixture: neither collected nor reported.
-    worker = read_pids(pidfile)[0]
+    worker = read_pids(pytester.path / "worker.pid")[0]
     assert f"pid {worker} " not in result.stdout.str()
     result.stdout.fnmatch_lines(["*= gpuclean =*", "2 checked test(s), * process(es) reaped",
                                  "PASSED test_inner.py::test_one", "PASSED test_inner.py::test_two"])
