@@ -10,10 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash example_suite/install_gpu_offline.sh
 export PYTHONPATH=/tmp/vllm-site${PYTHONPATH:+:$PYTHONPATH}
-# The plugin (pytest11 entry point "gpuclean"); --no-deps: the image already has pytest, psutil, nvidia-ml-py.
-# A Python that is "externally managed" (PEP 668) refuses the first form.
-python3 -m pip install -q --no-deps --no-build-isolation -e . \
-    || python3 -m pip install -q --no-deps --no-build-isolation --break-system-packages -e .
+# The plugin (pytest11 entry point "gpuclean"), without its dependencies: the image has them.
+bash .ci/install-offline
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 # Multi-GPU hosts shared with others: never let NCCL, torch or vLLM use NVLink multicast (NVLS, symmetric
 # memory), which can take a host's GPUs out of service; TP=2 on this tiny model needs none of it.

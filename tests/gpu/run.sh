@@ -5,14 +5,7 @@
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpuclean-gpu}}
 mkdir -p "$out"
-# pyproject.toml's SPDX license string needs setuptools >= 77 (PEP 639). An offline image with an older
-# one builds from the same file with the older license table, restored afterwards.
-if ! python3 -c 'import sys, setuptools; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
-    cp pyproject.toml "$out/pyproject.toml.orig"
-    trap 'cp "$out/pyproject.toml.orig" pyproject.toml' EXIT
-    sed -i -e 's/^license = "MIT"$/license = { text = "MIT" }/' -e '/^license-files = /d' pyproject.toml
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
+bash .ci/install-offline >"$out/install.log" 2>&1 || { cat "$out/install.log"; exit 1; }
 { date -u; nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.used,memory.total --format=csv; \
   python3 -c "import torch, pytest, psutil, pynvml; print('torch', torch.__version__, 'pytest', pytest.__version__, 'psutil', psutil.__version__)"; } | tee "$out/device.txt"
 PYTHONUNBUFFERED=1 python3 -m pytest tests/gpu -v -s -p no:cacheprovider --junitxml="$out/gpu-junit.xml" 2>&1 | tee "$out/gpu-tests.log"
