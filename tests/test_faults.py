@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import alive, kill_all, read_pids, run_inner, wait_dead
+from helpers import alive, kill_all, read_pids, run_inner, wait_dead
 
 from pytest_gpuclean import processes, procfs
 from pytest_gpuclean.report import LEAK_PREFIX
