@@ -1,4 +1,4 @@
-"""The shared lock directory under attack (issue 17) and locks that outlive a fork (issue 14, point 11).
+"""The shared lock directory under attack, and locks that outlive a fork.
 
 Other users are real: a user made with ``useradd`` for the test, and steps run as that user in a forked
 child that drops to its uid (the interpreter lives where other users can't exec it). Tests that need root
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import alive
+from helpers import alive
 
 from pytest_gpuclean import locks as locks_mod
 from pytest_gpuclean.locks import GpuLocks, LockDirError, LockTimeout
@@ -310,7 +310,7 @@ def test_tmp_cleaner_leaves_a_lock_directory_alone_while_a_lock_is_held(tmp_path
     GpuLocks(str(lock_dir)).acquire(["GPU-a"], 1, 5, "next::test").release()
 
 
-# ---- issue 14.11: forked children never hold a lock; the real holder is named ----------------------
+# ---- forked children never hold a lock; the real holder is named ------------------------------------
 
 RAW_FORK = """
 import ctypes
@@ -393,7 +393,8 @@ def test_waiting_names_the_real_holder_not_a_stale_record(tmp_path: Path) -> Non
     try:
         assert taker.stdout is not None and taker.stdout.readline() == "LOCKED\n"
         told: list[dict[str, dict[str, object]]] = []
-        with pytest.raises(LockTimeout) as timeout:
+        expected = r"^waited .* for 1 of 1 GPU lock\(s\); held by: GPU-a: "
+        with pytest.raises(LockTimeout, match=expected) as timeout:
             GpuLocks(lock_dir).acquire(["GPU-a"], 1, 0.5, "waiter::test", on_wait=told.append)
         message = str(timeout.value)
         assert f"GPU-a: pid {taker.pid} (user root: {sys.executable} -c import fcntl" in message
@@ -435,7 +436,7 @@ def test_hostile_holder_records_are_validated_and_cleaned(other_user: User, shar
     with as_user(other_user, hold_and_lie) as (pid, answer):
         assert answer == "holding"
         locks = GpuLocks(str(lock_dir))
-        with pytest.raises(LockTimeout) as timeout:
+        with pytest.raises(LockTimeout, match=r"^waited .* for 2 of 2 GPU lock\(s\); held by: ") as timeout:
             locks.acquire(["GPU-a", "GPU-b"], 2, 0.3, "root::test")
         message = str(timeout.value)
         assert all(c.isprintable() for c in message), repr(message)

@@ -40,11 +40,13 @@ AFTER = CheckResult("teardown", False, (SNAP,), (LEAKED, MEMORY), reaped=(REAPED
                     lingered=(LEAKED,), self_mib=(("GPU 0", 3.0),), self_cuda_only=("GPU 1/MIG 2",))
 BEFORE = CheckResult("setup", True, (SNAP,), ())
 RECORD = Record("t.py::test_leaks", ("t.py", 12), BEFORE, AFTER, [SURVIVED], [("cuda:0", 1.5)],
-                    ("GPU-0000",), 0.5, 0.01, 1.5)
+                ("GPU-0000",), lock_wait_s=0.5, before_s=0.01, after_s=1.5)
+NO_LOCKS = Record("t.py::test_waits", ("t.py", 20), lock_wait_s=600.0,
+                  lock_timeout="waited 600s for 1 of 1 GPU lock(s); held by: GPU-0000: pid 1")
 
 # One fully populated instance of every dataclass in model: each must survive a round trip.
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
-                       AFTER, BEFORE, RECORD, Record("t.py::test_unchecked")]
+                       AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked")]
 
 
 def test_every_model_dataclass_has_a_round_trip_example() -> None:
@@ -117,6 +119,9 @@ def test_totals_count_unchecked_leakers_apart_from_checked_tests() -> None:
         "1 checked test(s), 0 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped")
     assert report.totals_line([clean, RECORD], []) == (
         "2 checked test(s), 1 with findings, 1 process(es) reaped")
+    # A test that never got its GPU locks was not checked either.
+    assert report.totals_line([clean, NO_LOCKS], []) == (
+        "1 checked test(s), 0 with findings, 0 process(es) reaped, 1 gave up waiting for GPU locks")
     lines = report.summary_lines([clean, unchecked], [], ["a note"])
     assert lines == ["t.py::test_unmarked: leaked 1 process(es) found by a later check (pid 4242 SIGTERM)",
                      "a note", report.totals_line([clean, unchecked], [])]
@@ -134,8 +139,8 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
         "reason": "memory", "found_by": "gpu", "detail": "88 MiB used on GPU 0 beyond the tolerance",
         "process": None, "owner": None, "mib_per_device": [{"device": "GPU 0", "mib": 88.0}]}
     assert jsonreport.snapshot_json(SNAP)["processes"][1] == {"pid": 7, "used_bytes": None, "used_mib": None}
-    assert jsonreport.summary_json([RECORD, Record("t.py::test_unchecked")], [REAPED]) == {
-        "tests": 2, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "reaped": 2}
+    assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")], [REAPED]) == {
+        "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "reaped": 2, "lock_timeouts": 1}
 
 
 def _enum(schema: dict[str, Any], *path: str) -> set[Any]:
