@@ -517,7 +517,7 @@ class Checker:
         """
         self.ownership.active_fixtures.clear()
         self.ownership.session_over = include_session
-        found = [f for f in self.census(scan_cookies=True) if f.live]
+        found = self.census(scan_cookies=True)  # zombies too: collected and reported
         if not include_session:
             found = [f for f in found if f.token != SESSION]
         else:
