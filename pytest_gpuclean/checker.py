@@ -38,6 +38,7 @@ from pytest_gpuclean.ownership import (
     new_session_id,
 )
 from pytest_gpuclean.report import one_line
+from pytest_gpuclean.settings import DEFAULT_GRACE_S
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 POLL_S = 0.02
@@ -78,7 +79,7 @@ class Found:
 class Checker:
     """Checks devices and processes; reaps leaks that are provably this session's."""
 
-    def __init__(self, backend: Backend | None, *, reap: bool = True, grace: float = 5.0,
+    def __init__(self, backend: Backend | None, *, reap: bool = True, grace: float = DEFAULT_GRACE_S,
                  ignore: Sequence[str] = (), host_scope: bool = False,
                  session_id: str | None = None, settle: float = 0.0, xdist_run: str | None = None,
                  peer_cookie: str | None = None, dead_sessions: bool = True) -> None:
@@ -364,7 +365,7 @@ class Checker:
                 overhead[snap.device.uuid] = unlisted  # the listed contexts explain it (the common case)
             else:
                 short.append((snap, listed, unlisted, allowed))
-        # Reading /proc/<pid>/fd costs ~2 us per descriptor: only off the clean path, once per poll, and
+        # Reading /proc/<pid>/fd costs a syscall per descriptor: only off the clean path, once per poll, and
         # for the other excused processes only if this one does not explain it all.
         found: dict[int, frozenset[str]] = {}
         if short and self.backend is not None:
@@ -552,8 +553,8 @@ class Checker:
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
         infos = (processes.describe(f.pid, f.start_ticks) for f in self.census(scan_cookies=True)
-                 if f.live and f.token != SESSION)
-        return [info for info in infos if info is not None and info.state != "zombie"]
+                 if f.live and f.token != SESSION)  # zombies hold nothing
+        return [info for info in infos if info is not None]
 
 
 class _Check:
