@@ -1,18 +1,39 @@
-"""Shared by the example suite's tests: tolerances, the file format check, reaping a subprocess's orphans."""
+"""Shared by the example suite's tests: settings, tolerances, the HF reference, comparisons, subprocesses.
+
+Imports torch lazily: the conftest imports this module in environments without torch or vLLM, where every
+test is skipped.
+"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from example_suite.reaping import wait_and_reap
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CLI_TIMEOUT_S = 600  # an offline run starts an engine: 15-60 s on 2 busy CPU cores, ~70 s on an H200
+
+NUM_LAYERS = 4  # TinyLlamaSpec().num_layers
+HIDDEN_SIZE = 128  # TinyLlamaSpec().hidden_size
+ALL_LAYERS = list(range(NUM_LAYERS + 1))  # 0 (embeddings) .. L (last decoder layer's output, before the norm)
+LONG_PROMPT = [1] + [(7 * i + 11) % 250 + 4 for i in range(111)]  # 112 tokens: 4 blocks of 32
+MAX_MODEL_LEN = 128  # the longest test prompt has 112 tokens
+# The smallest block size CPU vLLM accepts (a multiple of 32): the long prompt then spans 4 KV blocks, and a
+# repeat of it hits the prefix cache for 3 of them.
+BLOCK_SIZE = 32
+# On a GPU, vLLM would otherwise reserve 92% of each card; the tiny model needs a few GB at most.
+GPU_MEMORY_UTILIZATION = 0.1
 
 
 @dataclass(frozen=True)
@@ -23,14 +44,54 @@ class Tolerance:
     rtol: float
 
 
-# fp32 on the CPU: vLLM and HF run the same math in a slightly different order. Never loosen these.
+# fp32 on the CPU: vLLM and HF run the same math in a slightly different order (measured: at most 5e-6).
+# Never loosen these.
 CPU_TOLERANCE = Tolerance(atol=1e-4, rtol=1e-4)
 
-# fp32 on a GPU, where vLLM's matmuls run in TF32. Measured with this suite on H200s (CUDA vLLM 0.20.2,
-# docs/gpu.md run 7), largest |diff| per layer against HF fp32 on the CPU: 0 (embeddings), 2.5e-3, 4.1e-3,
-# 6.5e-3, 8.6e-3 (last layer) at TP=1; worst 8.7e-3 at TP=2; TP=2 vs TP=1 worst 1.0e-3. The error grows
-# with depth, so atol 2e-2 leaves a factor 2.3 over the worst layer measured (1e-2 left only 1.15).
+# fp32 on a GPU, where vLLM's matmuls run in TF32. Largest |diff| against HF fp32 on the CPU measured on H200s
+# with CUDA vLLM 0.20.2 and this tiny model: 2.5e-3 to 3.9e-3 with vLLM's native extraction at TP=1
+# (GPU-FACTS.md, offline and server alike); up to 8.7e-3 at TP=2 with the earlier hook-based extraction of
+# the same layers (docs/gpu.md run 7: the error grows with depth and TP changes the reduction order).
+# atol 2e-2 leaves a factor 2.3 over the worst value ever measured and 5 over the native path's.
 GPU_TOLERANCE = Tolerance(atol=2e-2, rtol=1e-2)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every engine and server of the suite runs with (fp32, so that the comparisons can be tight)."""
+
+    device: str
+    dtype: str = "float32"
+    max_model_len: int = MAX_MODEL_LEN
+    block_size: int = BLOCK_SIZE
+
+    def offline(self, **extra: Any) -> dict[str, Any]:
+        """Keyword arguments of ``OfflineExtractor``."""
+        args: dict[str, Any] = {
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            # Eager: starts in 13 s instead of 36 s on 2 CPU cores (compilation), and the suite's tiny model
+            # gains nothing from compiled graphs.
+            "enforce_eager": True,
+        }
+        if self.device == "cuda":
+            args["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+        return {**args, **extra}
+
+    def server(self, **extra: Any) -> dict[str, Any]:
+        """Keyword arguments of ``VllmServer``."""
+        extra_args = ["--enforce-eager", "--block-size", str(self.block_size)]
+        if self.device == "cuda":
+            extra_args += ["--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION)]
+        return {"dtype": self.dtype, "max_model_len": self.max_model_len, "extra_args": extra_args, **extra}
+
+
+@dataclass
+class Tp1Reference:
+    """vLLM's TP=1 states for ``prompts`` at ``ALL_LAYERS``, once some module has computed them."""
+
+    states: list[Any] | None = None
 
 
 def tolerance(device: str) -> Tolerance:
@@ -38,28 +99,55 @@ def tolerance(device: str) -> Tolerance:
     return GPU_TOLERANCE if device == "cuda" else CPU_TOLERANCE
 
 
-def load_checked(
-    path: Path, prompt: Sequence[int], layer_ids: Sequence[int], hidden_size: int
-) -> torch.Tensor:
-    """Load one extracted file, assert its format, and return ``hidden_states`` [seq, n_layers, hidden]."""
-    tensors = load_file(str(path))
-    assert set(tensors) == {"input_ids", "hidden_states", "layer_ids"}, sorted(tensors)
-    assert tensors["input_ids"].dtype == torch.int64
-    assert tensors["input_ids"].tolist() == list(prompt)
-    assert tensors["layer_ids"].dtype == torch.int64
-    assert tensors["layer_ids"].tolist() == list(layer_ids)
-    hidden = tensors["hidden_states"]
-    assert hidden.dtype == torch.float32  # the suite runs the model in fp32
-    assert tuple(hidden.shape) == (len(prompt), len(layer_ids), hidden_size)
-    return hidden
+class HfReference:
+    """The tiny model in HF transformers, fp32 on the CPU: residual streams per prompt, cached by ids."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._states: dict[tuple[int, ...], Any] = {}
+
+    @cached_property
+    def model(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_dir).eval()  # float32, as saved
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    def token_ids(self, text: str) -> list[int]:
+        """How the model's tokenizer encodes ``text`` by default (as vLLM does for a text prompt)."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    def states(self, token_ids: Sequence[int]) -> Any:
+        """HF's ``hidden_states`` for the prompt, stacked: [tokens, L+1, hidden]; entry L is normed."""
+        key = tuple(int(t) for t in token_ids)
+        if key not in self._states:
+            import torch
+
+            with torch.no_grad():
+                out = self.model(torch.tensor([list(key)]), output_hidden_states=True)
+            self._states[key] = torch.stack([h[0] for h in out.hidden_states], dim=1)
+        return self._states[key]
+
+    def final_norm(self, hidden: Any) -> Any:
+        """HF's final RMSNorm (``model.model.norm``) applied to ``hidden``, on the CPU in fp32."""
+        import torch
+
+        with torch.no_grad():
+            return self.model.model.norm(hidden.to("cpu", torch.float32))
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, what: str) -> float:
+def assert_close(actual: Any, expected: Any, tol: Tolerance, what: str) -> float:
     """``torch.testing.assert_close`` with a message naming what was compared and the largest difference.
 
-    Returns the largest absolute difference, so that tests can report the margin they passed with: that is
-    how the GPU tolerance below was chosen.
+    Returns the largest absolute difference, so that tests can report the margin they passed with.
     """
+    import torch
+
     largest = float((actual - expected).abs().max().item())
 
     def message(detail: str) -> str:
@@ -67,6 +155,31 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, w
 
     torch.testing.assert_close(actual, expected, atol=tol.atol, rtol=tol.rtol, msg=message)
     return largest
+
+
+def assert_matches_hf(
+    hidden: Any,
+    token_ids: Sequence[int],
+    layer_ids: Sequence[int],
+    hf: HfReference,
+    tol: Tolerance,
+    what: str,
+    largest: dict[str, float],
+) -> None:
+    """Every layer of one extracted sample against HF, keeping the largest |diff| per layer id in ``largest``.
+
+    Id k < L against HF's ``hidden_states[k]``; id L (before the final norm) after applying HF's final norm,
+    against HF's last entry.
+    """
+    assert hidden.shape[:2] == (len(token_ids), len(layer_ids)), (tuple(hidden.shape), len(layer_ids))
+    expected = hf.states(token_ids)
+    for column, layer_id in enumerate(layer_ids):
+        actual = hidden[:, column].float()
+        if layer_id == NUM_LAYERS:
+            actual = hf.final_norm(actual)
+        label = f"id {layer_id}" + (" (normed)" if layer_id == NUM_LAYERS else "")
+        diff = assert_close(actual, expected[:, layer_id], tol, f"{what}, layer {label} vs HF")
+        largest[label] = max(largest.get(label, 0.0), diff)
 
 
 def report_margins(node: pytest.Item, what: str, largest: dict[str, float], tol: Tolerance) -> None:
@@ -84,9 +197,8 @@ def orphans_reaped(grace_s: float = 10.0) -> Iterator[None]:
 
     gpuclean makes pytest a child subreaper, so orphans of a subprocess become our children instead of init's.
     One always appears: a subprocess that used multiprocessing's spawn (vLLM does) has a resource tracker that
-    exits by itself just after the subprocess, and then stays our zombie until someone waits for it (gpuclean
-    collects such zombies and mentions them; early versions counted them as the test's leak). A new child
-    still running after ``grace_s`` is a real leak: it is left to gpuclean, not killed.
+    exits by itself just after the subprocess, and then stays our zombie until someone waits for it. A new
+    child still running after ``grace_s`` is a real leak: it is left to gpuclean, not killed.
     """
     known_children = {c.pid for c in psutil.Process().children()}
     try:
@@ -94,3 +206,30 @@ def orphans_reaped(grace_s: float = 10.0) -> Iterator[None]:
     finally:
         orphans = [c for c in psutil.Process().children() if c.pid not in known_children]
         wait_and_reap(orphans, grace_s, kill_survivors=False)
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """Exit status and output (stdout and stderr together) of a command-line run."""
+
+    returncode: int
+    output: str
+
+
+def run_cli(arguments: list[str], log_path: Path, timeout_s: float = CLI_TIMEOUT_S) -> CliRun:
+    """``python -m example_suite.extract ARGS`` in a subprocess, its output to a file (never a pipe)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    with log_path.open("wb") as log, orphans_reaped():
+        completed = subprocess.run(
+            [sys.executable, "-m", "example_suite.extract", *arguments],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            check=False,
+        )
+    return CliRun(completed.returncode, log_path.read_text(errors="replace"))

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from example_suite.checks import ALL_LAYERS, LONG_PROMPT, EngineSettings, HfReference, Tp1Reference
 from example_suite.runtime import (
     VLLM_MISSING,
     VllmRuntime,
@@ -23,11 +24,9 @@ from example_suite.runtime import (
     vllm_environment,
     vllm_installed,
 )
+from example_suite.samples import Prompt, read_sample
 
 MARKER = "needs_clean_gpus"
-MAX_MODEL_LEN = 128  # the longest test prompt has 41 tokens
-# On a GPU, vLLM would otherwise reserve 92% of each card; the tiny model needs a few GB at most.
-GPU_MEMORY_UTILIZATION = 0.1
 
 SIMULATE_VAR = "GPUCLEAN_SIMULATE"
 SIMULATED_GPUS = 2  # TP=2 "uses" two devices
@@ -77,20 +76,17 @@ def vllm_runtime() -> Iterator[VllmRuntime]:
     runtime = detect_runtime()
     with pytest.MonkeyPatch.context() as patch:
         # For the whole session, so that subprocesses (the CLI, inner pytest runs) inherit it too: LD_PRELOAD
-        # only works if it is in a process's environment when it starts. HiddenStateExtractor adjusts the
-        # thread binding to its TP size while it starts an engine.
+        # only works if it is in a process's environment when it starts. OfflineExtractor and VllmServer
+        # adjust the thread binding to their TP size when they start an engine.
         for name, value in vllm_environment(tensor_parallel_size=1).items():
             patch.setenv(name, value)
         yield runtime
 
 
 @pytest.fixture(scope="session")
-def engine_args(vllm_runtime: VllmRuntime) -> dict[str, Any]:
-    """Keyword arguments for every ``HiddenStateExtractor`` / ``LLM`` of the suite (fp32: tight checks)."""
-    args: dict[str, Any] = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN}
-    if vllm_runtime.device == "cuda":
-        args["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
-    return args
+def engine_settings(vllm_runtime: VllmRuntime) -> EngineSettings:
+    """The engine and server settings of the whole suite."""
+    return EngineSettings(vllm_runtime.device)
 
 
 @pytest.fixture(scope="session")
@@ -102,46 +98,47 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, vllm_runtime: VllmR
 
 
 @pytest.fixture(scope="session")
-def prompts() -> list[list[int]]:
-    """Token-id prompts of different lengths, including a repeat and a prefix of another prompt (ids <
-    256)."""
-    long_prompt = [1] + [(7 * i + 11) % 250 + 4 for i in range(40)]
+def prompts() -> list[Prompt]:
+    """Prompts of different lengths: token ids and a text, one spanning 4 KV blocks, a repeat, a prefix."""
     return [
         [1, 17, 42, 99, 5],
-        long_prompt,
-        [1, 200],
-        long_prompt[:9],  # a prefix of the long prompt: must not be confused with it in the flattened batch
+        LONG_PROMPT,
+        "w5 w17 w42 w99 w200 w7",  # text: the word-level tokenizer makes it [5, 17, 42, 99, 200, 7]
+        LONG_PROMPT[:9],  # a prefix of the long prompt
         [1, 17, 42, 99, 5],  # identical to the first prompt: gets its own file
         [1] + [(13 * i + 3) % 250 + 4 for i in range(22)],
     ]
 
 
 @pytest.fixture(scope="session")
-def hf_hidden_states(tiny_model_dir: Path, prompts: list[list[int]]) -> list[Any]:
-    """HF transformers' residual stream per prompt, ``[seq, N+1, hidden]`` fp32 on the CPU, for ids 0..N.
+def hf(tiny_model_dir: Path) -> HfReference:
+    """HF transformers on the CPU in fp32: the reference every extraction is compared with."""
+    return HfReference(tiny_model_dir)
 
-    HF's ``hidden_states[N]`` is after the final norm, while id N means the last decoder layer's output; that
-    one
-    is taken from a forward hook on the last decoder layer instead.
+
+@pytest.fixture(scope="session")
+def tp1_reference_cache() -> Tp1Reference:
+    """Filled by the offline TP=1 module's engine; TP=2 tests use it instead of starting a TP=1 engine."""
+    return Tp1Reference()
+
+
+@pytest.fixture(scope="module")
+def tp1_reference(
+    tp1_reference_cache: Tp1Reference,
+    tiny_model_dir: Path,
+    engine_settings: EngineSettings,
+    prompts: list[Prompt],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[Any]:
+    """vLLM's TP=1 states per prompt, [tokens, len(ALL_LAYERS), hidden], from the cache or a new engine.
+
+    The engine of test_offline.py fills the cache when that module ran first (a full run); a TP=2 module run
+    alone starts its own TP=1 engine here, and shuts it down before its TP=2 engine starts.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
+    if tp1_reference_cache.states is None:
+        from example_suite.offline import OfflineExtractor
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # float32, as saved
-    last_layer_output: list[torch.Tensor] = []
-
-    def keep_output(module: torch.nn.Module, args: Any, output: Any) -> None:
-        last_layer_output.append(output[0] if isinstance(output, tuple) else output)
-
-    handle = model.model.layers[-1].register_forward_hook(keep_output)
-    references = []
-    try:
-        with torch.no_grad():
-            for prompt in prompts:
-                last_layer_output.clear()
-                out = model(torch.tensor([prompt]), output_hidden_states=True)
-                per_layer = [*out.hidden_states[:-1], last_layer_output[0]]
-                references.append(torch.stack([h[0] for h in per_layer], dim=1))
-    finally:
-        handle.remove()
-    return references
+        with OfflineExtractor(tiny_model_dir, layer_ids=ALL_LAYERS, **engine_settings.offline()) as ex:
+            paths = ex.extract(prompts, tmp_path_factory.mktemp("tp1-reference"))
+        tp1_reference_cache.states = [read_sample(p).hidden_states for p in paths]
+    return tp1_reference_cache.states

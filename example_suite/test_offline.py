@@ -1,0 +1,133 @@
+"""The offline form at TP=1: ``OfflineExtractor`` (``vllm.LLM`` with vLLM's native extraction) against HF."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from example_suite.runtime import VLLM_MISSING
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
+from example_suite.checks import (
+    ALL_LAYERS,
+    NUM_LAYERS,
+    EngineSettings,
+    HfReference,
+    Tp1Reference,
+    assert_matches_hf,
+    report_margins,
+    tolerance,
+)
+from example_suite.hidden_states import ExtractionError, default_layer_ids, normalize_layer_ids
+from example_suite.offline import OfflineExtractor
+from example_suite.reaping import descendants
+from example_suite.runtime import VllmRuntime
+from example_suite.samples import Prompt, read_sample
+
+pytestmark = pytest.mark.needs_clean_gpus
+
+
+@pytest.fixture(scope="module")
+def offline_tp1(tiny_model_dir: Path, engine_settings: EngineSettings) -> Iterator[OfflineExtractor]:
+    # One engine for the module (13-45 s to start on 2 CPU cores); every test writes its own files.
+    with OfflineExtractor(tiny_model_dir, layer_ids=ALL_LAYERS, **engine_settings.offline()) as ex:
+        yield ex
+
+
+@pytest.fixture(scope="module")
+def tp1_files(
+    offline_tp1: OfflineExtractor,
+    prompts: list[Prompt],
+    tmp_path_factory: pytest.TempPathFactory,
+    tp1_reference_cache: Tp1Reference,
+) -> list[Path]:
+    paths = offline_tp1.extract(prompts, tmp_path_factory.mktemp("offline-tp1"))
+    # The TP=2 modules compare against these instead of starting a TP=1 engine of their own.
+    tp1_reference_cache.states = [read_sample(p).hidden_states for p in paths]
+    return paths
+
+
+def test_every_layer_matches_hf(
+    tp1_files: list[Path],
+    prompts: list[Prompt],
+    hf: HfReference,
+    vllm_runtime: VllmRuntime,
+    request: pytest.FixtureRequest,
+) -> None:
+    assert [p.name for p in tp1_files] == [f"hs_{i}.safetensors" for i in range(len(prompts))]
+    tol = tolerance(vllm_runtime.device)
+    largest: dict[str, float] = {}
+    for index, (path, prompt) in enumerate(zip(tp1_files, prompts, strict=True)):
+        sample = read_sample(path)
+        assert (
+            sample.hidden_states.dtype.is_floating_point
+            and str(sample.hidden_states.dtype) == "torch.float32"
+        )
+        assert sample.layer_ids == ALL_LAYERS
+        expected_ids = hf.token_ids(prompt) if isinstance(prompt, str) else prompt
+        assert sample.token_ids == expected_ids, (index, sample.token_ids)
+        assert_matches_hf(
+            sample.hidden_states, sample.token_ids, ALL_LAYERS, hf, tol, f"prompt {index}", largest
+        )
+    report_margins(request.node, f"offline TP=1 vs HF on {vllm_runtime.device}", largest, tol)
+
+
+def test_last_id_is_before_the_final_norm(tp1_files: list[Path], hf: HfReference) -> None:
+    # Id L differs from HF's last entry (after the norm) by far more than any tolerance, and every layer moves
+    # the residual stream: a swapped, repeated or normed layer could not pass the comparison above.
+    import torch
+
+    sample = read_sample(tp1_files[1])
+    expected = hf.states(sample.token_ids)
+    assert float((sample.hidden_states[:, NUM_LAYERS] - expected[:, NUM_LAYERS]).abs().max()) > 0.1
+    steps = (expected[:, 1:] - expected[:, :-1]).abs().amax(dim=(0, 2))
+    assert bool((steps > 0.1).all()), steps
+    assert torch.equal(sample.hidden_states[:, 0], expected[:, 0])  # id 0: the embeddings, exactly
+
+
+def test_rerun_skips_good_files_and_redoes_bad_ones(
+    offline_tp1: OfflineExtractor, prompts: list[Prompt], tp1_files: list[Path], tmp_path: Path
+) -> None:
+    import torch
+
+    first = offline_tp1.extract(prompts, tmp_path)
+    good = os.stat(first[0])
+    first[1].write_bytes(first[1].read_bytes()[:-100])  # truncated
+    first[2].write_bytes(b"\x00" * 64)  # not a safetensors file
+    first[3].unlink()  # missing
+    (tmp_path / "hs_4.safetensors").write_bytes(first[5].read_bytes())  # a file for another prompt
+
+    again = offline_tp1.extract(prompts, tmp_path)
+    assert again == first
+    after = os.stat(first[0])
+    assert (after.st_ino, after.st_mtime_ns) == (good.st_ino, good.st_mtime_ns)  # kept, not rewritten
+    for index in (1, 2, 3, 4, 5):
+        redone, reference = read_sample(again[index]), read_sample(tp1_files[index])
+        assert redone.token_ids == reference.token_ids
+        assert torch.equal(redone.hidden_states, reference.hidden_states)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_layer_id_out_of_range_fails_before_an_engine_starts(tiny_model_dir: Path) -> None:
+    before = {p.pid for p in descendants()}
+    with pytest.raises(ExtractionError, match=r"layer id\(s\) \[5\] out of range.*ids are 0\.\.4"):
+        OfflineExtractor(tiny_model_dir, layer_ids=[0, 5])
+    assert {p.pid for p in descendants()} == before
+
+
+def test_layer_ids_are_sorted_and_deduplicated_like_vllm() -> None:
+    assert normalize_layer_ids([4, 0, 2, 2], 4) == [0, 2, 4]
+    assert normalize_layer_ids(None, 4) == default_layer_ids(4) == [1, 2, 4]  # from (2, 2, 1, 4)
+    assert default_layer_ids(32) == [2, 16, 29, 32]
+    with pytest.raises(ExtractionError, match="out of range"):
+        normalize_layer_ids([-1], 4)
+
+
+def test_bad_prompts_are_clear_errors(offline_tp1: OfflineExtractor, tmp_path: Path) -> None:
+    with pytest.raises(ExtractionError, match=r"prompt 1: expected a non-empty list of token ids"):
+        offline_tp1.extract([[1, 2], []], tmp_path)
+    assert not list(tmp_path.iterdir())  # checked before anything ran
