@@ -233,3 +233,64 @@ def run_cli(arguments: list[str], log_path: Path, timeout_s: float = CLI_TIMEOUT
             check=False,
         )
     return CliRun(completed.returncode, log_path.read_text(errors="replace"))
+
+
+INNER_TIMEOUT_S = 420  # an inner session starts one engine or server: 15-110 s on 2 busy CPU cores
+# An inner test still running after this long dumps every thread's stack into its output (and goes on): a
+# hang then leaves something to read, well before the timeout above ends it.
+INNER_STACKS_AFTER_S = 240
+
+
+def run_inner_session(pytester: pytest.Pytester) -> pytest.RunResult:
+    """Run the inner test file under gpuclean in a subprocess; reap its orphaned zombies afterwards.
+
+    ``runpytest_subprocess`` sends the inner output to files, not pipes: a leaked EngineCore inherits the
+    inner session's stdout/stderr and could otherwise keep us waiting for EOF forever (GPU-FACTS.md, pipe
+    hazard).
+    """
+    with orphans_reaped():
+        try:
+            return pytester.runpytest_subprocess(
+                "-p", "gpuclean", "-v", "-p", "no:cacheprovider",
+                "-o", f"faulthandler_timeout={INNER_STACKS_AFTER_S}",
+                timeout=INNER_TIMEOUT_S,
+            )  # fmt: skip
+        except pytester.TimeoutExpired:
+            # Show what the inner session had printed: otherwise a hang leaves nothing to go on.
+            printed = [(pytester.path / name) for name in ("stdout", "stderr")]
+            tails = "\n".join(p.read_text(errors="replace")[-6000:] for p in printed if p.exists())
+            pytest.fail(f"inner session still running after {INNER_TIMEOUT_S}s; it printed:\n{tails}")
+
+
+def report_section(output: str, title: str) -> str:
+    """The body of one ``___ TITLE ___`` block of pytest's report, e.g. "ERROR at teardown of test_x"."""
+    import re
+
+    match = re.search(rf"_+ {re.escape(title)} _+\n(.*?)(?=\n_{{3,}} |\n={{3,}} )", output, re.S)
+    assert match, f"no {title!r} section in:\n{output}"
+    return match.group(1)
+
+
+def gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (a zombie counts as gone: it holds no memory)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def assert_leak_reaped_and_blamed(
+    result: pytest.RunResult, test_name: str, processes: list[dict[str, Any]]
+) -> None:
+    """The inner ``test_name`` passed its body, errored at teardown naming every one of ``processes``
+    (``{"pid", "cmdline"}``) as leaked, and the inner ``test_next_test_passes`` passed."""
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [f"*test_inner.py::{test_name} PASSED*", f"*test_inner.py::{test_name} ERROR*"]
+    )
+    result.stdout.fnmatch_lines(["*test_inner.py::test_next_test_passes PASSED*"])
+    report = report_section(result.stdout.str(), f"ERROR at teardown of {test_name}")
+    assert "leaked" in report, report
+    for process in processes:  # the report names each process with its command line
+        cmdline = " ".join(process["cmdline"].split())  # setproctitle pads the title with spaces
+        assert f"pid {process['pid']} " in report and cmdline[:60] in report, (process, report)

@@ -107,9 +107,9 @@ def _extract(args: argparse.Namespace) -> int:
     from example_suite.samples import pending_indices, read_prompts
 
     prompts = read_prompts(args.prompts)
-    todo = (
-        pending_indices(args.out, prompts, args.layers, resume=args.resume) if args.out.is_dir() else prompts
-    )
+    # Before an engine starts: a rerun with nothing left to do needs none.
+    layers = sorted(set(args.layers)) if args.layers is not None else None
+    todo = pending_indices(args.out, prompts, layers, resume=args.resume) if args.out.is_dir() else prompts
     done = len(prompts) - len(todo)
     if not todo:
         print(f"all {len(prompts)} prompts already have their file in {args.out}", file=sys.stderr)

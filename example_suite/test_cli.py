@@ -1,13 +1,14 @@
-"""The command line: ``python -m example_suite.extract`` on a jsonl file, run as a real subprocess."""
+"""The command line: ``python -m example_suite.extract offline`` for real, and its errors (no traceback).
+
+The ``client`` form runs against the shared server in test_server.py.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import re
+import socket
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,88 +16,109 @@ from example_suite.runtime import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import assert_close, load_checked, orphans_reaped, tolerance
+from example_suite.checks import EngineSettings, HfReference, assert_matches_hf, run_cli, tolerance
 from example_suite.runtime import VllmRuntime
-from example_suite.tiny_model import TinyLlamaSpec
+from example_suite.samples import Prompt, read_sample
 
 pytestmark = pytest.mark.needs_clean_gpus
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [2, 3, 4]
-CLI_TIMEOUT_S = 600
 
 
-def test_cli_writes_one_file_per_prompt(
+def write_prompts(path: Path, prompts: list[Prompt]) -> Path:
+    lines = [json.dumps({"text": p} if isinstance(p, str) else {"input_ids": p}) for p in prompts]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_offline_command_line(
     tiny_model_dir: Path,
-    prompts: list[list[int]],
-    hf_hidden_states: list[Any],
-    engine_args: dict[str, Any],
+    prompts: list[Prompt],
+    hf: HfReference,
+    engine_settings: EngineSettings,
     vllm_runtime: VllmRuntime,
     tmp_path: Path,
 ) -> None:
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
-    out_dir = tmp_path / "out"
+    out = tmp_path / "out"
     command = [
-        sys.executable,
-        "-m",
-        "example_suite.extract",
-        "--model",
-        str(tiny_model_dir),
-        "--tp",
-        "1",
-        "--layers",
-        ",".join(map(str, LAYERS)),
-        "--out",
-        str(out_dir),
-        "--dtype",
-        engine_args["dtype"],
-        "--max-model-len",
-        str(engine_args["max_model_len"]),
-        "--batch-size",
-        "4",  # 6 prompts: a batch of 4, then one of 2
-        str(prompts_file),
-    ]
-    if "gpu_memory_utilization" in engine_args:
-        command += ["--gpu-memory-utilization", str(engine_args["gpu_memory_utilization"])]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    log_path = tmp_path / "cli.log"
-    # Output to a file, not a pipe: a stray engine process could keep a pipe open and hang us (GPU-FACTS.md).
-    with log_path.open("wb") as log, orphans_reaped():
-        completed = subprocess.run(
-            command,
-            cwd=tmp_path,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            timeout=CLI_TIMEOUT_S,
-            check=False,
-        )
-    output = log_path.read_text(errors="replace")
-    assert completed.returncode == 0, output[-5000:]
-    assert "hidden states: 100%" in output  # the tqdm bar over prompts finished
-    assert f"wrote {len(prompts)} files" in output
+        "offline", "--model", str(tiny_model_dir), "--layers", "4,2,3", "--out", str(out),
+        "--dtype", engine_settings.dtype, "--max-model-len", str(engine_settings.max_model_len),
+        "--batch-size", "4",  # 6 prompts: a batch of 4, then one of 2
+        str(write_prompts(tmp_path / "prompts.jsonl", prompts)),
+    ]  # fmt: skip
+    if vllm_runtime.device == "cuda":
+        command += ["--gpu-memory-utilization", str(engine_settings.offline()["gpu_memory_utilization"])]
+    first = run_cli(command, tmp_path / "first.log")
+    assert first.returncode == 0, first.output[-5000:]
+    assert "hidden states: 100%" in first.output  # the tqdm bar over prompts finished
+    assert f"wrote {len(prompts)} files to {out}, kept 0 (layer ids {LAYERS})" in first.output
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"hs_{i}.safetensors" for i in range(len(prompts)))
+    largest: dict[str, float] = {}
+    for index in range(len(prompts)):
+        sample = read_sample(out / f"hs_{index}.safetensors")
+        assert sample.layer_ids == LAYERS
+        tol = tolerance(vllm_runtime.device)
+        assert_matches_hf(sample.hidden_states, sample.token_ids, LAYERS, hf, tol, f"prompt {index}", largest)
 
-    files = sorted(out_dir.iterdir())
-    assert [f.name for f in files] == [f"{i:08d}.safetensors" for i in range(len(prompts))]
-    for index, (path, prompt) in enumerate(zip(files, prompts, strict=True)):
-        hidden = load_checked(path, prompt, LAYERS, TinyLlamaSpec().hidden_size)
-        assert_close(
-            hidden,
-            hf_hidden_states[index][:, LAYERS],
-            tolerance(vllm_runtime.device),
-            f"prompt {index}: CLI vs HF",
-        )
+    # A rerun with every file complete has nothing to do, and starts no engine for it.
+    again = run_cli(command, tmp_path / "again.log")
+    assert again.returncode == 0, again.output[-5000:]
+    assert f"all {len(prompts)} prompts already have their file" in again.output
+    assert "vLLM" not in again.output and "EngineCore" not in again.output
 
 
-def test_cli_rejects_bad_prompt_file(tmp_path: Path) -> None:
-    from example_suite.extract import read_prompts
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"input_ids": [1, 2]}\n\n{"text": "no ids"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:3"):
-        list(read_prompts(bad))
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        (
+            "bad prompt file",
+            r"prompts.jsonl:3: expected {\"input_ids\": \[int, ...\]} or {\"text\": \"...\"}",
+        ),
+        ("missing prompt file", r"nowhere.jsonl: cannot read the prompt file: No such file or directory"),
+        ("layer id out of range", r"layer id\(s\) \[9\] out of range: this model has 4 decoder layers"),
+        (
+            "unreachable server",
+            r"cannot reach the vLLM server at http://127.0.0.1:\d+ .*is `vllm serve` running",
+        ),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(
+    case: str, expected: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        '{"input_ids": [1, 2]}\n\n{"ids": [3]}\n' if case == "bad prompt file" else '{"text": "w5"}\n'
+    )
+    out = ["--out", str(tmp_path / "out")]
+    command = {
+        "bad prompt file": ["offline", "--model", str(tiny_model_dir), *out, str(prompts)],
+        "missing prompt file": [
+            "offline",
+            "--model",
+            str(tiny_model_dir),
+            *out,
+            str(tmp_path / "nowhere.jsonl"),
+        ],
+        "layer id out of range": [
+            "offline",
+            "--model",
+            str(tiny_model_dir),
+            "--layers",
+            "0,9",
+            *out,
+            str(prompts),
+        ],
+        "unreachable server": ["client", "--url", f"http://127.0.0.1:{free_port()}", *out, str(prompts)],
+    }[case]
+    run = run_cli(command, tmp_path / "cli.log", timeout_s=120)
+    assert run.returncode == 2, run.output
+    assert "Traceback" not in run.output, run.output
+    lines = [line for line in run.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.output
+    assert re.search(expected, lines[0]), (expected, lines[0])

@@ -1,0 +1,127 @@
+"""A server's API process dies mid-test (SIGKILL, as the OOM killer does): gpuclean reaps and blames.
+
+The inner test starts ``vllm serve`` itself, extracts one prompt, and the API server is SIGKILLed. vLLM's
+EngineCore and workers do not notice: they live on, orphaned (re-parented to pytest, which gpuclean makes a
+child subreaper), holding their memory (on a GPU: the whole KV cache). gpuclean must find them at that test's
+teardown, reap them, blame that test, and the next test must pass.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from example_suite.runtime import VLLM_MISSING, VllmRuntime
+
+pytest.importorskip("vllm", reason=VLLM_MISSING)
+
+from example_suite.checks import (
+    REPO_ROOT,
+    EngineSettings,
+    assert_leak_reaped_and_blamed,
+    gone,
+    run_inner_session,
+)
+from example_suite.server import DEV_SHM, KMP_ENTRY
+
+pytestmark = pytest.mark.needs_clean_gpus
+
+INNER_TESTS = """
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, {repo!r})
+from example_suite.client import HiddenStatesClient
+from example_suite.server import VllmServer
+
+PIDS_FILE = Path({pids_file!r})
+
+
+@pytest.mark.needs_clean_gpus
+def test_api_server_killed(tmp_path):
+    server = VllmServer({model!r}, layer_ids=[2], tensor_parallel_size={tp}, log_path={log!r},
+                        **{server_args!r})
+    server.start()
+    HiddenStatesClient(server.url).extract([[1, 17, 42]], tmp_path)
+    engine = [{{"pid": p.pid, "cmdline": " ".join(p.cmdline())}} for p in server.processes()[1:]
+              if "resource_tracker" not in " ".join(p.cmdline())]
+    PIDS_FILE.write_text(json.dumps({{"api": server.process.pid, "engine": engine,
+                                     "private_dir": str(server.private_dir)}}))
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+    # The test ends as one whose server crashed would: nobody stops EngineCore and the workers.
+
+
+@pytest.mark.needs_clean_gpus
+def test_next_test_passes():
+    engine = json.loads(PIDS_FILE.read_text())["engine"]
+    alive = [p for p in engine if psutil.pid_exists(p["pid"])
+             and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive
+"""
+
+
+def test_orphans_of_a_killed_api_server_are_reaped_and_blamed(
+    pytester: pytest.Pytester,
+    tiny_model_dir: Path,
+    engine_settings: EngineSettings,
+    vllm_runtime: VllmRuntime,
+) -> None:
+    tp = 1 if vllm_runtime.device == "cuda" and vllm_runtime.gpus < 2 else 2
+    pids_file = pytester.path / "server-pids.json"
+    log = pytester.path / "server.log"
+    pytester.makepyfile(
+        test_inner=INNER_TESTS.format(
+            repo=str(REPO_ROOT),
+            model=str(tiny_model_dir),
+            pids_file=str(pids_file),
+            log=str(log),
+            server_args=engine_settings.server(),
+            tp=tp,
+        )
+    )
+    try:
+        result = run_inner_session(pytester)
+        output = result.stdout.str() + "\n" + result.stderr.str()
+        assert pids_file.exists(), output[-6000:] + _tail(log)
+        recorded = json.loads(pids_file.read_text())
+        engine = recorded["engine"]
+        # EngineCore, and the workers where vLLM runs the model in its own processes (CPU, or TP=2).
+        assert any("EngineCore" in p["cmdline"] or "spawn_main" in p["cmdline"] for p in engine), engine
+        assert len(engine) >= (1 + tp if tp > 1 else 1), engine
+        assert_leak_reaped_and_blamed(result, "test_api_server_killed", engine)
+        deadline = time.monotonic() + 10
+        while not all(gone(p["pid"]) for p in engine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(gone(p["pid"]) for p in engine), (engine, output[-3000:])
+    finally:
+        if pids_file.exists():
+            _remove_debris(json.loads(pids_file.read_text()))
+
+
+def _tail(path: Path) -> str:
+    return "\n--- server log ---\n" + path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+
+def _remove_debris(recorded: dict[str, object]) -> None:
+    # The killed server could not clean up after itself: its private directory (IPC sockets, TMPDIR), and on
+    # CPU the OpenMP registrations of its processes in /dev/shm, once none of them runs any more.
+    pids = {recorded["api"], *[p["pid"] for p in recorded["engine"]]}  # type: ignore[attr-defined]
+    if any(psutil.pid_exists(pid) and not gone(pid) for pid in pids):  # type: ignore[arg-type]
+        return
+    shutil.rmtree(str(recorded["private_dir"]), ignore_errors=True)
+    for entry in DEV_SHM.glob("__KMP_REGISTERED_LIB_*"):
+        match = KMP_ENTRY.fullmatch(entry.name)
+        if match and int(match.group(1)) in pids:
+            entry.unlink(missing_ok=True)
