@@ -37,7 +37,7 @@ from example_suite.client import HiddenStatesClient
 from example_suite.hidden_states import ExtractionError
 from example_suite.runtime import VllmRuntime
 from example_suite.samples import Prompt, read_sample
-from example_suite.server import DEV_SHM, VllmServer
+from example_suite.server import VllmServer
 
 pytestmark = pytest.mark.needs_clean_gpus
 
@@ -53,9 +53,11 @@ def server_tp1(
     # The way a user should stop it: SIGTERM, and vLLM's --shutdown-timeout lets it stop in order.
     report = server.stop()
     assert report.exit_code == 0 and not report.killed, (report, server.log_tail())
-    assert not [p for p in report.debris if p.parent == DEV_SHM], report  # only IPC socket files remain
     assert not any(psutil.pid_exists(pid) and _not_zombie(pid) for pid in server.recorded_pids())
+    # What it left (IPC socket files; on a loaded CPU box also the /dev/shm entry of a worker that vLLM had
+    # to kill after its grace period) is gone with the private directory.
     assert not server.private_dir.exists()
+    assert not [p for p in report.debris if p.exists()], report
 
 
 def _not_zombie(pid: int) -> bool:
