@@ -294,3 +294,24 @@ def assert_leak_reaped_and_blamed(
     for process in processes:  # the report names each process with its command line
         cmdline = " ".join(process["cmdline"].split())  # setproctitle pads the title with spaces
         assert f"pid {process['pid']} " in report and cmdline[:60] in report, (process, report)
+
+
+def remove_engine_debris(pids: set[int], directories: Sequence[str]) -> None:
+    """After a test killed or abandoned an engine: remove what its processes could not clean up themselves.
+
+    ``directories`` (a server's private directory, an extractor's staging directory) and, on CPU, the
+    OpenMP registrations ``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*`` of exactly ``pids``; only once none of
+    ``pids`` runs any more.
+    """
+    import shutil
+
+    from example_suite.server import DEV_SHM, KMP_ENTRY
+
+    if not all(gone(pid) for pid in pids):
+        return
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
+    for entry in DEV_SHM.glob("__KMP_REGISTERED_LIB_*"):
+        match = KMP_ENTRY.fullmatch(entry.name)
+        if match and int(match.group(1)) in pids:
+            entry.unlink(missing_ok=True)

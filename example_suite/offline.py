@@ -66,7 +66,7 @@ class OfflineExtractor:
         from vllm import LLM
 
         # vLLM writes one file per request here; extract() moves each into place.
-        self._staging = Path(tempfile.mkdtemp(prefix="vllm-hidden-states-"))
+        self.staging_dir = Path(tempfile.mkdtemp(prefix="vllm-hidden-states-"))
         args: dict[str, Any] = {
             "model": str(model),
             "tensor_parallel_size": tensor_parallel_size,
@@ -74,7 +74,7 @@ class OfflineExtractor:
             "max_model_len": max_model_len,
             **engine_args,
             "speculative_config": speculative_config(self.layer_ids),
-            "kv_transfer_config": kv_transfer_config(self._staging, cpu=detect_runtime().device == "cpu"),
+            "kv_transfer_config": kv_transfer_config(self.staging_dir, cpu=detect_runtime().device == "cpu"),
         }
         before = {p.pid for p in descendants()}
         self._llm: Any = None
@@ -82,7 +82,7 @@ class OfflineExtractor:
             with vllm_environment_applied(tensor_parallel_size):
                 self._llm = LLM(**args)
         except BaseException:
-            shutil.rmtree(self._staging, ignore_errors=True)
+            shutil.rmtree(self.staging_dir, ignore_errors=True)
             raise
         # EngineCore and the workers, so that close() can make sure they are gone.
         self._engine_processes = [p for p in descendants() if p.pid not in before]
@@ -148,7 +148,7 @@ class OfflineExtractor:
         # we are a child subreaper (gpuclean), and stays a zombie. Wait for every engine process, reap our
         # zombies, and kill what outlives the grace period.
         wait_and_reap(self._engine_processes, SHUTDOWN_TIMEOUT_S, kill_survivors=True)
-        shutil.rmtree(self._staging, ignore_errors=True)
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     def __enter__(self) -> OfflineExtractor:
         return self

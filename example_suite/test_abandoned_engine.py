@@ -24,6 +24,7 @@ from example_suite.checks import (
     EngineSettings,
     assert_leak_reaped_and_blamed,
     gone,
+    remove_engine_debris,
     run_inner_session,
 )
 
@@ -51,7 +52,8 @@ def test_abandons_engine(tmp_path):
     extractor = OfflineExtractor({model!r}, layer_ids=[2], tensor_parallel_size={tp}, **{engine_args!r})
     extractor.extract([[1, 17, 42]], tmp_path)
     _abandoned.append(extractor)
-    PIDS_FILE.write_text(json.dumps(engine_processes()))
+    PIDS_FILE.write_text(json.dumps({{"engine": engine_processes(),
+                                     "staging_dir": str(extractor.staging_dir)}}))
 
 
 def engine_processes():
@@ -74,7 +76,7 @@ def engine_processes():
 @pytest.mark.needs_clean_gpus
 def test_next_test_passes():
     # Still the same session: only the plugin can have ended them by now.
-    engine = json.loads(PIDS_FILE.read_text())
+    engine = json.loads(PIDS_FILE.read_text())["engine"]
     alive = [p for p in engine if psutil.pid_exists(p["pid"])
              and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
     assert not alive, alive
@@ -104,7 +106,8 @@ def test_abandoned_engine_is_reaped_and_blamed(
     output = result.stdout.str() + "\n" + result.stderr.str()
 
     assert pids_file.exists(), output[-6000:]
-    engine = json.loads(pids_file.read_text())
+    recorded = json.loads(pids_file.read_text())
+    engine = recorded["engine"]
     assert sum(p["role"] == "EngineCore" for p in engine) == 1, engine
     # On a GPU at TP=1 the model runs inside EngineCore; CPU vLLM and TP=2 run it in worker processes.
     assert sum(p["role"] == "worker" for p in engine) >= (tp if tp > 1 else 0), engine
@@ -115,3 +118,5 @@ def test_abandoned_engine_is_reaped_and_blamed(
     while not all(gone(p["pid"]) for p in engine) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(gone(p["pid"]) for p in engine), (engine, output[-3000:])
+    # What the abandoned engine could not clean up itself (its staging directory, /dev/shm on CPU).
+    remove_engine_debris({p["pid"] for p in engine}, [recorded["staging_dir"]])

@@ -73,24 +73,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        (
-            "bad prompt file",
-            r"prompts.jsonl:3: expected {\"input_ids\": \[int, ...\]} or {\"text\": \"...\"}",
-        ),
-        ("missing prompt file", r"nowhere.jsonl: cannot read the prompt file: No such file or directory"),
-        ("layer id out of range", r"layer id\(s\) \[9\] out of range: this model has 4 decoder layers"),
-        (
-            "unreachable server",
-            r"cannot reach the vLLM server at http://127.0.0.1:\d+ .*is `vllm serve` running",
-        ),
-    ],
-)
-def test_user_errors_are_one_line_without_traceback(
-    case: str, expected: str, tiny_model_dir: Path, tmp_path: Path
-) -> None:
+USER_ERRORS = {
+    "bad prompt file": r"prompts.jsonl:3: expected {\"input_ids\": \[int, ...\]} or {\"text\": \"...\"}",
+    "missing prompt file": r"nowhere.jsonl: cannot read the prompt file: No such file or directory",
+    "layer id out of range": r"layer id\(s\) \[9\] out of range: this model has 4 decoder layers",
+    "unreachable server": r"cannot reach the vLLM server at http://127.0.0.1:\d+ .*is `vllm serve` running",
+}
+
+
+@pytest.mark.parametrize("case", list(USER_ERRORS))
+def test_user_errors_are_one_line_without_traceback(case: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         '{"input_ids": [1, 2]}\n\n{"ids": [3]}\n' if case == "bad prompt file" else '{"text": "w5"}\n'
@@ -121,4 +113,4 @@ def test_user_errors_are_one_line_without_traceback(
     assert "Traceback" not in run.output, run.output
     lines = [line for line in run.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), run.output
-    assert re.search(expected, lines[0]), (expected, lines[0])
+    assert re.search(USER_ERRORS[case], lines[0]), (USER_ERRORS[case], lines[0])

@@ -9,11 +9,9 @@ teardown, reap them, blame that test, and the next test must pass.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from example_suite.runtime import VLLM_MISSING, VllmRuntime
@@ -25,9 +23,9 @@ from example_suite.checks import (
     EngineSettings,
     assert_leak_reaped_and_blamed,
     gone,
+    remove_engine_debris,
     run_inner_session,
 )
-from example_suite.server import DEV_SHM, KMP_ENTRY
 
 pytestmark = pytest.mark.needs_clean_gpus
 
@@ -38,7 +36,6 @@ import signal
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 sys.path.insert(0, {repo!r})
@@ -56,7 +53,7 @@ def test_api_server_killed(tmp_path):
     HiddenStatesClient(server.url).extract([[1, 17, 42]], tmp_path)
     engine = [{{"pid": p.pid, "cmdline": " ".join(p.cmdline())}} for p in server.processes()[1:]
               if "resource_tracker" not in " ".join(p.cmdline())]
-    PIDS_FILE.write_text(json.dumps({{"api": server.process.pid, "engine": engine,
+    PIDS_FILE.write_text(json.dumps({{"tree": server.recorded_pids(), "engine": engine,
                                      "private_dir": str(server.private_dir)}}))
     os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait()
@@ -107,21 +104,10 @@ def test_orphans_of_a_killed_api_server_are_reaped_and_blamed(
         assert all(gone(p["pid"]) for p in engine), (engine, output[-3000:])
     finally:
         if pids_file.exists():
-            _remove_debris(json.loads(pids_file.read_text()))
+            # The killed server could not clean up after itself (IPC sockets, TMPDIR, /dev/shm).
+            recorded = json.loads(pids_file.read_text())
+            remove_engine_debris(set(recorded["tree"]), [recorded["private_dir"]])
 
 
 def _tail(path: Path) -> str:
     return "\n--- server log ---\n" + path.read_text(errors="replace")[-4000:] if path.exists() else ""
-
-
-def _remove_debris(recorded: dict[str, object]) -> None:
-    # The killed server could not clean up after itself: its private directory (IPC sockets, TMPDIR), and on
-    # CPU the OpenMP registrations of its processes in /dev/shm, once none of them runs any more.
-    pids = {recorded["api"], *[p["pid"] for p in recorded["engine"]]}  # type: ignore[attr-defined]
-    if any(psutil.pid_exists(pid) and not gone(pid) for pid in pids):  # type: ignore[arg-type]
-        return
-    shutil.rmtree(str(recorded["private_dir"]), ignore_errors=True)
-    for entry in DEV_SHM.glob("__KMP_REGISTERED_LIB_*"):
-        match = KMP_ENTRY.fullmatch(entry.name)
-        if match and int(match.group(1)) in pids:
-            entry.unlink(missing_ok=True)
