@@ -36,6 +36,7 @@ import signal
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, {repo!r})
