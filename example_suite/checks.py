@@ -305,13 +305,11 @@ def remove_engine_debris(pids: set[int], directories: Sequence[str]) -> None:
     """
     import shutil
 
-    from example_suite.server import DEV_SHM, KMP_ENTRY
+    from example_suite.runtime import openmp_registrations
 
     if not all(gone(pid) for pid in pids):
         return
     for directory in directories:
         shutil.rmtree(directory, ignore_errors=True)
-    for entry in DEV_SHM.glob("__KMP_REGISTERED_LIB_*"):
-        match = KMP_ENTRY.fullmatch(entry.name)
-        if match and int(match.group(1)) in pids:
-            entry.unlink(missing_ok=True)
+    for entry in openmp_registrations(pids):
+        entry.unlink(missing_ok=True)

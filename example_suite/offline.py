@@ -29,7 +29,7 @@ from example_suite.hidden_states import (
     take_vllm_file,
 )
 from example_suite.reaping import descendants, wait_and_reap
-from example_suite.runtime import detect_runtime, vllm_environment_applied
+from example_suite.runtime import detect_runtime, openmp_registrations, vllm_environment_applied
 from example_suite.samples import (
     Progress,
     Prompt,
@@ -147,8 +147,12 @@ class OfflineExtractor:
         # EngineCore can exit before a worker does; the worker then ends as an orphan, re-parented to us when
         # we are a child subreaper (gpuclean), and stays a zombie. Wait for every engine process, reap our
         # zombies, and kill what outlives the grace period.
-        wait_and_reap(self._engine_processes, SHUTDOWN_TIMEOUT_S, kill_survivors=True)
+        left = wait_and_reap(self._engine_processes, SHUTDOWN_TIMEOUT_S, kill_survivors=True)
         shutil.rmtree(self.staging_dir, ignore_errors=True)
+        if not left:
+            # A worker that vLLM had to kill leaves its OpenMP registration in /dev/shm (CPU).
+            for entry in openmp_registrations(p.pid for p in self._engine_processes):
+                entry.unlink(missing_ok=True)
 
     def __enter__(self) -> OfflineExtractor:
         return self

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 IOMP_LIBRARY = "libiomp5.so"
+DEV_SHM = Path("/dev/shm")
+# Intel OpenMP (libiomp5, preloaded into every CPU vLLM process) registers each process that loads it here,
+# and removes the entry only when the process exits normally.
+KMP_ENTRY = re.compile(r"__KMP_REGISTERED_LIB_(\d+)_\d+")
 VLLM_MISSING = (
     "vLLM is not installed: on CPU run `bash example_suite/install_cpu.sh <venv>`, on a GPU runner "
     "`pip install vllm` (a release built for the runner's torch)"
@@ -133,3 +138,17 @@ def vllm_environment_applied(tensor_parallel_size: int) -> Iterator[dict[str, st
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def openmp_registrations(pids: Iterable[int]) -> list[Path]:
+    """The ``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*`` entries of exactly these pids.
+
+    A CPU vLLM process that is killed (vLLM SIGTERMs or SIGKILLs workers that do not stop within its grace
+    period; an abort; a crash) leaves its entry behind. Remove them only for pids that no longer run.
+    """
+    wanted = {str(pid) for pid in pids}
+    try:
+        entries = sorted(DEV_SHM.glob("__KMP_REGISTERED_LIB_*"))
+    except OSError:
+        return []
+    return [e for e in entries if (m := KMP_ENTRY.fullmatch(e.name)) is not None and m.group(1) in wanted]

@@ -22,7 +22,6 @@ import contextlib
 import getpass
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -47,11 +46,15 @@ from example_suite.hidden_states import (
     speculative_config,
 )
 from example_suite.reaping import wait_and_reap
-from example_suite.runtime import detect_runtime, vllm_environment, vllm_metadata_shim
+from example_suite.runtime import (
+    DEV_SHM,
+    detect_runtime,
+    openmp_registrations,
+    vllm_environment,
+    vllm_metadata_shim,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEV_SHM = Path("/dev/shm")
-KMP_ENTRY = re.compile(r"__KMP_REGISTERED_LIB_(\d+)_\d+")
 # A clean stop: vLLM lets running requests finish for up to this long after SIGTERM, then stops its engine
 # and workers in order. vLLM's default (0) aborts at once and leaves IPC files behind.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10
@@ -238,13 +241,13 @@ class VllmServer:
         """
         found = [p for p in sorted(self.rpc_dir.rglob("*")) if not p.is_dir()]
         found += [p for p in sorted(self.tmp_dir.rglob("*")) if not p.is_dir()]
+        found += openmp_registrations(self._tree)
+        # The CPU TP group's shared memory is named after the rendezvous file in the server's own TMPDIR.
         dist_ids = {p.name for p in self.tmp_dir.glob("vllm_dist_*")}
-        pids = {str(pid) for pid in self._tree}
         with contextlib.suppress(OSError):
-            for entry in sorted(DEV_SHM.iterdir()):
-                kmp = KMP_ENTRY.fullmatch(entry.name)
-                if (kmp and kmp.group(1) in pids) or any(entry.name.startswith(f"{i}-") for i in dist_ids):
-                    found.append(entry)
+            found += [
+                e for e in sorted(DEV_SHM.iterdir()) if any(e.name.startswith(f"{i}-") for i in dist_ids)
+            ]
         return found
 
     def _remove(self, debris: list[Path]) -> None:

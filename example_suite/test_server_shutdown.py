@@ -22,8 +22,8 @@ pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from example_suite.checks import EngineSettings
 from example_suite.client import HiddenStatesClient
-from example_suite.runtime import VllmRuntime
-from example_suite.server import DEV_SHM, KMP_ENTRY, VllmServer
+from example_suite.runtime import DEV_SHM, KMP_ENTRY, VllmRuntime
+from example_suite.server import VllmServer
 
 pytestmark = pytest.mark.needs_clean_gpus
 
