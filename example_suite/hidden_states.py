@@ -19,7 +19,6 @@ last decoder layer's output *before* the final norm, while HF's last entry is af
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -143,13 +142,11 @@ def take_vllm_file(path: str | Path) -> dict[str, Any]:
             fcntl.flock(lock_fd, fcntl.LOCK_SH)
         try:
             tensors = load_file(str(file), device="cpu")
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                raise ExtractionError(
-                    f"{file}: vLLM named this hidden-states file but it does not exist here (the server's "
-                    "shared_storage_path must be a directory this client can read)"
-                ) from None
-            raise
+        except FileNotFoundError:  # safetensors raises it without an errno
+            raise ExtractionError(
+                f"{file}: vLLM named this hidden-states file but it does not exist here (the server's "
+                "shared_storage_path must be a directory this client can read)"
+            ) from None
     finally:
         if lock_fd is not None:
             os.close(lock_fd)
