@@ -130,6 +130,16 @@ class Checker:
         self._token_cache: dict[tuple[int, int], str | None] = {}
         self.xdist_run = os.environ.get(XDIST_RUN_VAR)
 
+    def _follow_fork(self) -> None:
+        # A forked child (pytest-forked, a fork-per-test helper) runs the hooks with the checker its
+        # parent built: the process running the check and its ancestors, the session's pytest among
+        # them, are us, never suspects.
+        pid = os.getpid()
+        if pid != self.me:
+            self.me = pid
+            self.my_sid = os.getsid(0)
+            self.never_touch = processes.ancestors(pid)
+
     # ---- census -------------------------------------------------------------------------------
 
     def _helper_pids(self) -> set[int]:
@@ -156,6 +166,7 @@ class Checker:
 
     def census(self, scan_cookies: bool = False) -> list[Found]:
         """Our processes: the descendant tree (cheap), plus cookie carriers outside it (a /proc scan)."""
+        self._follow_fork()
         found: list[Found] = []
         helpers = self._helper_pids()
         seen: set[int] = set()
