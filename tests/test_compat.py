@@ -13,6 +13,7 @@ import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import alive, read_pids, run_inner, wait_dead
@@ -34,6 +35,20 @@ needs_forked = pytest.mark.skipif(
            "reports: every forked test fails with or without gpuclean); CI runs these in .venv-pytest8")
 
 
+needs_xdist = pytest.mark.skipif(not _installed("xdist"), reason="needs pytest-xdist")
+
+
+def needs(module: str, package: str) -> pytest.MarkDecorator:
+    """Skip unless ``package`` is installed (CI installs the plugins in .venv-pytest8 / .venv-pytest9)."""
+    return pytest.mark.skipif(not _installed(module), reason=f"needs {package} (.ci/peers installs it "
+                                                           "in .venv-pytest8 and .venv-pytest9)")
+
+
+def compat_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """An inner gpuclean session in test order (pytest-randomly, where installed, only when asked)."""
+    return run_inner(pytester, *(args if "randomly" in " ".join(args) else ("-p", "no:randomly", *args)))
+
+
 def summary_of(result: pytest.RunResult) -> list[str]:
     """The lines of gpuclean's terminal summary section."""
     lines = result.outlines
@@ -46,6 +61,19 @@ def summary_of(result: pytest.RunResult) -> list[str]:
             break
         section.append(line)
     return section
+
+
+def report_of(pytester: pytest.Pytester) -> dict[str, Any]:
+    """The inner session's --gpuclean-report=report.json."""
+    document: dict[str, Any] = json.loads((pytester.path / "report.json").read_text())
+    return document
+
+
+def records_by_nodeid(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for test in report["tests"]:
+        found.setdefault(test["nodeid"], []).append(test)
+    return found
 
 
 # ---- pytest-forked ---------------------------------------------------------------------------------
@@ -65,7 +93,7 @@ def test_marked():
 def test_unmarked():
     assert os.getpid() > 0
 ''')
-    result = run_inner(pytester, "--forked", "--gpuclean-all", f"--gpuclean-reap={reap}",
+    result = compat_run(pytester, "--forked", "--gpuclean-all", f"--gpuclean-reap={reap}",
                        "--gpuclean-timeout=3")
     result.assert_outcomes(passed=2)
     assert "CRASHED" not in result.stdout.str()
@@ -88,7 +116,7 @@ def test_leaks_a_daemon():
 def test_after():
     pass
 ''')
-    result = run_inner(pytester, "--forked", "--gpuclean-all", "--gpuclean-report=report.json",
+    result = compat_run(pytester, "--forked", "--gpuclean-all", "--gpuclean-report=report.json",
                        "--junitxml=junit.xml")
     result.assert_outcomes(passed=3, errors=2)
     leaked = read_pids(pidfile, expected=2)
@@ -127,7 +155,7 @@ def test_a_unchecked_leaks_a_daemon():
 def test_b_checked():
     pass
 ''')
-    result = run_inner(pytester, "--forked", "--gpuclean-report=report.json")
+    result = compat_run(pytester, "--forked", "--gpuclean-report=report.json")
     leaked = read_pids(pidfile)
     assert wait_dead(leaked, timeout=5) == []
     result.assert_outcomes(passed=2)
@@ -137,3 +165,238 @@ def test_b_checked():
     assert [r["process"]["pid"] for r in later] == leaked
     assert records["test_inner.py::test_b_checked"]["leaked"] == []
     assert alive(leaked[0]) is False
+
+
+@needs_forked
+@needs_xdist
+def test_forked_under_xdist_reports_each_leak_once(inner: Callable[[str], Path],
+                                                    pytester: pytest.Pytester) -> None:
+    # The record travels child -> worker (on the report) -> controller (in the worker's output); the
+    # controller also sees the report itself and must not count it again.
+    pidfile = inner('''
+@pytest.mark.parametrize("n", range(4))
+def test_clean(n):
+    pass
+
+def test_leaks():
+    hold(mib=100)
+    wait_holders(1)
+''')
+    result = compat_run(pytester, "-n", "2", "--forked", "--gpuclean-all", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=5, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    assert summary_of(result)[-1] == "5 checked test(s), 1 with findings, 1 process(es) reaped"
+    report = json.loads((pytester.path / "report.json").read_text())
+    assert sorted(t["nodeid"] for t in report["tests"]) == sorted(
+        [f"test_inner.py::test_clean[{n}]" for n in range(4)] + ["test_inner.py::test_leaks"])
+    assert [t["outcome"] for t in report["tests"] if t["nodeid"] == "test_inner.py::test_leaks"] == ["leaked"]
+
+
+# ---- pytest-xdist ----------------------------------------------------------------------------------
+
+@needs_xdist
+@pytest.mark.parametrize("dist", ["load", "loadgroup"])
+def test_xdist_suite_reports_only_the_leak(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                          dist: str) -> None:
+    pidfile = inner('''
+@pytest.mark.xdist_group("engine")
+@pytest.mark.parametrize("n", range(3))
+def test_grouped(n):
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+@pytest.mark.xdist_group("engine")
+def test_grouped_leaks():
+    hold(mib=100)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(3))
+def test_free(n):
+    pass
+''')
+    result = compat_run(pytester, "-n", "2", f"--dist={dist}", "--gpuclean-all",
+                        "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=7, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    assert summary_of(result)[-1] == "7 checked test(s), 1 with findings, 1 process(es) reaped"
+    records = records_by_nodeid(report_of(pytester))
+    # xdist 3.8's loadgroup renames grouped tests "...@engine" on pytest 8, and on pytest 9.2 does not
+    # (nor keeps the group on one worker: its rename no longer reaches the report), gpuclean or not.
+    renamed = dist == "loadgroup" and PYTEST_VERSION < (9, 2)
+    grouped = "test_inner.py::test_grouped_leaks" + ("@engine" if renamed else "")
+    leaker = records.pop(grouped)
+    assert [r["outcome"] for r in leaker] == ["leaked"]
+    assert [p["pid"] for p in leaker[0]["leaked"]] == leaked
+    assert len(records) == 6
+    assert all(r["outcome"] == "clean" for rs in records.values() for r in rs)
+
+
+# ---- pytest-isolate --------------------------------------------------------------------------------
+
+@needs("pytest_isolate", "pytest-isolate")
+def test_isolate_checks_each_child_and_reports_once(inner: Callable[[str], Path],
+                                                    pytester: pytest.Pytester) -> None:
+    pidfile = inner('''
+@pytest.mark.needs_clean_gpus
+def test_marked():
+    pass
+
+def test_leaks():
+    hold(mib=100)
+    wait_holders(1)
+
+def test_after():
+    pass
+''')
+    result = compat_run(pytester, "--isolate", "--gpuclean-all", "--gpuclean-report=report.json",
+                        "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=3, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    assert "CRASHED" not in result.stdout.str()
+    assert summary_of(result)[-1] == "3 checked test(s), 1 with findings, 1 process(es) reaped"
+    records = records_by_nodeid(report_of(pytester))
+    assert [p["pid"] for p in records["test_inner.py::test_leaks"][0]["leaked"]] == leaked
+    assert len(records) == 3 and all(len(rs) == 1 for rs in records.values())
+
+
+# ---- pytest-rerunfailures, pytest-repeat, pytest-randomly -----------------------------------------
+
+@needs("pytest_rerunfailures", "pytest-rerunfailures")
+def test_rerunfailures_each_attempt_is_checked(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                               tmp_path: Path) -> None:
+    # A flaky test leaks on its failing first attempt and passes on the rerun: the leak of the first
+    # attempt is reaped and reported, the rerun starts on clean GPUs.
+    pidfile = inner(f'''
+ATTEMPTS = {str(tmp_path / "attempts")!r}
+
+def test_flaky():
+    with open(ATTEMPTS, "a") as f:
+        f.write("x")
+    if len(open(ATTEMPTS).read()) == 1:
+        hold(mib=100)
+        wait_holders(1)
+        assert False, "first attempt fails"
+
+def test_steady():
+    pass
+''')
+    result = compat_run(pytester, "--reruns=1", "--gpuclean-all",
+                        "--gpuclean-report=report.json")
+    # rerunfailures shows the first attempt's failure and its teardown error (the leak) as two reruns.
+    assert result.parseoutcomes() == {"passed": 2, "rerun": 2}
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    records = records_by_nodeid(report_of(pytester))
+    assert [r["outcome"] for r in records["test_inner.py::test_flaky"]] == ["leaked", "clean"]
+    assert [p["pid"] for p in records["test_inner.py::test_flaky"][0]["leaked"]] == leaked
+    assert summary_of(result)[-1] == "3 checked test(s), 1 with findings, 1 process(es) reaped"
+
+
+@needs("pytest_repeat", "pytest-repeat")
+def test_repeat_blames_each_repetition(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner('''
+def test_leaks():
+    hold(mib=10)
+    time.sleep(0.1)
+''')
+    result = compat_run(pytester, "--count=3", "--gpuclean-all",
+                        "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=3, errors=3)
+    leaked = read_pids(pidfile, expected=3)
+    assert wait_dead(leaked, timeout=5) == []
+    records = records_by_nodeid(report_of(pytester))
+    assert sorted(records) == [f"test_inner.py::test_leaks[{i}-3]" for i in (1, 2, 3)]
+    assert sorted(p["pid"] for rs in records.values() for p in rs[0]["leaked"]) == sorted(leaked)
+
+
+@needs("pytest_randomly", "pytest-randomly")
+def test_randomly_any_order_blames_the_spawner(inner: Callable[[str], Path],
+                                               pytester: pytest.Pytester) -> None:
+    # Whatever the order, an unchecked test's escapee is blamed on it, found by the next checked test.
+    pidfile = inner('''
+def test_unchecked_leaks():
+    hold("--daemonize", mib=50)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(3))
+def test_checked(n):
+    pass
+''')
+    for seed in ("1", "2", "3"):
+        result = compat_run(pytester, f"--randomly-seed={seed}",
+                            "--gpuclean-report=report.json")
+        result.assert_outcomes(passed=4)
+        leaked = read_pids(pidfile)
+        assert wait_dead(leaked, timeout=5) == []
+        records = records_by_nodeid(report_of(pytester))
+        # Found by a later test's check, or by the final sweep if it ran last (with the zombies of its
+        # double fork, which only the sweep reports).
+        later = records["test_inner.py::test_unchecked_leaks"][0]["found_later"]
+        assert leaked[0] in [r["process"]["pid"] for r in later]
+        assert {r["owner"]["name"] for r in later} == {"test_inner.py::test_unchecked_leaks"}
+        assert all(r["leaked"] == [] for name, rs in records.items() if name.startswith(
+            "test_inner.py::test_checked") for r in rs)
+        pidfile.unlink()
+
+
+# ---- pytest-asyncio --------------------------------------------------------------------------------
+
+@needs("pytest_asyncio", "pytest-asyncio")
+def test_asyncio_subprocesses(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    # asyncio waits for its children in a watcher thread: the one it awaited is no leak, the one it
+    # forgot is reaped (and the watcher does not break when gpuclean collects it).
+    pidfile = inner('''
+import asyncio
+
+@pytest.mark.asyncio
+async def test_awaits_its_child():
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "print('hi')",
+                                                stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    assert out.strip() == b"hi"
+
+@pytest.mark.asyncio
+async def test_forgets_its_child():
+    await asyncio.create_subprocess_exec(sys.executable, "-m", "pytest_gpuclean.simulate", "hold",
+                                         "--dir", SIM, "--device", "0", "--mib", "100",
+                                         "--pidfile", PIDFILE)
+    wait_holders(1)
+
+@pytest.mark.asyncio
+async def test_after():
+    await asyncio.sleep(0)
+''')
+    result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=3, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    records = records_by_nodeid(report_of(pytester))
+    assert [p["pid"] for p in records["test_inner.py::test_forgets_its_child"][0]["leaked"]] == leaked
+    assert records["test_inner.py::test_awaits_its_child"][0]["outcome"] == "clean"
+    assert records["test_inner.py::test_after"][0]["outcome"] == "clean"
+
+
+# ---- pytest-timeout, junitxml ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["signal", "thread"])
+def test_timeout_that_does_not_fire_changes_nothing(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                                    method: str) -> None:
+    # (Timeouts that fire: tests/test_sharing.py, test_pytest_timeout_*.)
+    inner('''
+@pytest.mark.timeout(60)
+def test_spawns_and_waits():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_plain():
+    pass
+''')
+    result = compat_run(pytester, "-p", "timeout", "--timeout=60", f"--timeout-method={method}",
+                        "--gpuclean-all", "--junitxml=junit.xml")
+    result.assert_outcomes(passed=2)
+    assert summary_of(result)[-1] == "2 checked test(s), 0 with findings, 0 process(es) reaped"
+    junit = (pytester.path / "junit.xml").read_text()
+    assert junit.count('name="gpuclean_outcome" value="clean"') == 2
