@@ -18,8 +18,11 @@ are about processes; on a GPU box it checks the real devices.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +31,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -86,6 +91,27 @@ def findings(report: dict[str, Any]) -> list[str]:
     return found
 
 
+MODEL_HINTS = re.compile(r"facebook/|meta-llama|Qwen/|/opt-|hf_runner|vllm_runner|\bLLM\(|RemoteOpenAIServer"
+                         r"|model_name|MODEL")
+"""A test file of vLLM's that mentions any of these loads a model (from the hub: no network here)."""
+
+
+def model_free_files(vllm_dir: Path, env: dict[str, str]) -> list[str]:
+    """vLLM's model-free distributed tests: tests/distributed/test_*.py that name no model and collect here.
+
+    A file that does not collect (an optional dependency such as ray is missing, or it is a torchrun
+    script that reads RANK at import) is left out by the rule, not by hand.
+    """
+    files = (vllm_dir / "tests" / "distributed").glob("test_*.py")
+    candidates = sorted(str(p.relative_to(vllm_dir)) for p in files
+                        if not MODEL_HINTS.search(p.read_text(errors="replace")))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:gpuclean", "--continue-on-collection-errors", *candidates],
+                         cwd=vllm_dir, env=env, capture_output=True, text=True).stdout
+    broken = set(re.findall(r"^ERROR (\S+\.py)", out, re.M))
+    return [f for f in candidates if f not in broken]
+
+
 class Suite:
     """How to run one peer suite: the command, its working directory and environment."""
 
@@ -108,12 +134,13 @@ class Suite:
             self.targets = ["test_distributed_spawn.py"]
         else:
             self.cwd = Path(args.vllm_dir).resolve()
-            self.targets = args.files or ["tests/distributed"]
             iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
             if args.iomp and iomp.exists() and "libiomp" not in self.env.get("LD_PRELOAD", ""):
                 # CPU vLLM's workers need Intel's OpenMP preloaded (example_suite/runtime.py says why).
                 preload = [str(iomp), self.env.get("LD_PRELOAD")]
                 self.env["LD_PRELOAD"] = os.pathsep.join(filter(None, preload))
+        if args.suite == "vllm":
+            self.targets = args.files or model_free_files(self.cwd, self.env)
         if args.simulate:
             sim = work / "sim"
             for index in (0, 1):
@@ -133,18 +160,65 @@ class Suite:
         return cmd, env
 
 
+EXIT_GRACE_S = 30.0
+"""How long pytest may take to exit after writing its JUnit XML (a peer test's non-daemon thread can keep
+the interpreter alive forever after the session ended; the outcomes are in by then)."""
+
+
+def set_child_subreaper() -> bool:
+    # Orphans of a way's pytest (what the peer suite leaked) come to us: reported and ended after each
+    # way, so that one way's leftovers never meet the next way's checks.
+    try:
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def end_leftovers() -> list[str]:
+    """End every process still below us (a way's pytest is done): TERM, 5 s, KILL; describe each."""
+    left = psutil.Process().children(recursive=True)
+    described = []
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            described.append(f"pid {proc.pid} ({proc.status()}): {' '.join(proc.cmdline())[:300]}")
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _gone, alive = psutil.wait_procs(left, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return [d for d in described if "(zombie)" not in d]
+
+
 def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None) -> dict[str, Any]:
     cmd, env = suite.command(way, tag, keep_file)
     log = suite.work / f"{tag}.log"
+    xml = suite.work / f"{tag}.xml"
     started = time.monotonic()
+    hung = None
     with open(log, "w") as out:
-        proc = subprocess.run(cmd, cwd=suite.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, timeout=suite.args.way_timeout)
-    wall = time.monotonic() - started
+        proc = subprocess.Popen(cmd, cwd=suite.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        written_at = None
+        while proc.poll() is None:
+            time.sleep(0.5)
+            now = time.monotonic()
+            if written_at is None and xml.exists():
+                written_at = now
+            if written_at is not None and now - written_at > EXIT_GRACE_S:
+                hung = f"pytest did not exit {EXIT_GRACE_S:.0f}s after the session ended: killed"
+            elif now - started > suite.args.way_timeout:
+                hung = f"the way ran past {suite.args.way_timeout:.0f}s: killed"
+            if hung:
+                proc.kill()
+                proc.wait()
+    wall = (written_at if hung and written_at else time.monotonic()) - started
     tail = log.read_text(errors="replace").splitlines()[-1:] or [""]
     result: dict[str, Any] = {"way": way, "exit": proc.returncode, "wall_s": round(wall, 1),
-                              "last_line": tail[0], "log": str(log), "command": cmd}
-    xml = suite.work / f"{tag}.xml"
+                              "last_line": tail[0], "log": str(log), "command": cmd, "hung": hung,
+                              "leftovers": end_leftovers()}
     result["outcomes"] = junit_outcomes(xml) if xml.exists() else {}
     report_path = suite.work / f"{tag}.json"
     if way != "off" and report_path.exists():
@@ -199,6 +273,7 @@ def main() -> int:
     if ways[0] != "off" or any(w not in WAYS for w in ways):
         parser.error(f"--ways: start with off, then any of {WAYS}")
 
+    set_child_subreaper()
     work = Path(args.keep_work or tempfile.mkdtemp(prefix=f"peers-{args.suite}-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     suite = Suite(args, work)
@@ -231,6 +306,10 @@ def main() -> int:
                                         f"{again_off.get(key)} -> {again_way.get(key)}")
         for finding in res["findings"]:
             failures.append(f"{way}: gpuclean finding:\n{finding}")
+        if way != "off" and res["leftovers"] and not res["hung"]:
+            # The final sweep reaps whatever the session spawned: anything still here escaped gpuclean.
+            failures.append(f"{way}: processes outlived the session under gpuclean:\n  "
+                            + "\n  ".join(res["leftovers"]))
         rows.append([way, str(len(outcomes)),
                      *(str(counts[k]) for k in ("passed", "failed", "error", "skipped")),
                      "-" if way == "off" else ("yes" if not differs else
@@ -245,6 +324,13 @@ def main() -> int:
         print(f"{way}: {results[way]['wall_s'] / off_s:.2f}x the plugin-off wall time" if off_s else "")
         for line in results[way]["flaky"]:
             print(f"  not reproduced (the peer suite's flakiness): {line}")
+    for way in ways:
+        if results[way]["hung"]:
+            print(f"{way}: {results[way]['hung']}")
+        if results[way]["leftovers"]:
+            print(f"{way}: {len(results[way]['leftovers'])} process(es) left behind when pytest ended:")
+            for line in results[way]["leftovers"]:
+                print(f"  {line}")
     for failure in failures:
         print(f"FAIL {failure}")
     if args.out:
