@@ -333,6 +333,11 @@ def main() -> int:
                 print(f"  {line}")
     for failure in failures:
         print(f"FAIL {failure}")
+    failed_ways = {w for w in ways[1:] if any(f.startswith(f"{w}:") for f in failures)}
+    if not base:
+        failed_ways = set(ways[1:])
+    # One closing line a CI log reader understands: the comparisons (one per way under gpuclean).
+    print(f"{args.suite}: {len(ways) - 1 - len(failed_ways)} passed, {len(failed_ways)} failed")
     if args.out:
         write_json(args.out, {"suite": args.suite, "targets": suite.targets, "shard": args.shard,
                               "machine": machine(), "commit": git_commit(), "repo": REPO,
