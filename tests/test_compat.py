@@ -113,23 +113,39 @@ def test_leaks_a_daemon():
     hold("--daemonize", mib=50)
     wait_holders(2)
 
+def test_leaks_a_cpu_daemon():
+    # No GPU memory, so no cookie scan: found only because the child adopts it (its own subreaper).
+    subprocess.run([sys.executable, "-c", DAEMON, PIDFILE], check=True)
+    wait_holders(3)
+
 def test_after():
     pass
+
+DAEMON = """
+import os, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+with open(sys.argv[1], "a") as f:
+    f.write(str(os.getpid()) + chr(10))
+time.sleep(300)
+"""
 ''')
     result = compat_run(pytester, "--forked", "--gpuclean-all", "--gpuclean-report=report.json",
-                       "--junitxml=junit.xml")
-    result.assert_outcomes(passed=3, errors=2)
-    leaked = read_pids(pidfile, expected=2)
+                        "--junitxml=junit.xml")
+    result.assert_outcomes(passed=4, errors=3)
+    leaked = read_pids(pidfile, expected=3)
     assert wait_dead(leaked, timeout=5) == []
     out = result.stdout.str()
-    assert out.count(LEAK_PREFIX) == 2
+    assert out.count(LEAK_PREFIX) == 3
     summary = summary_of(result)
-    assert summary[-1] == "3 checked test(s), 2 with findings, 2 process(es) reaped"
-    for name in ("test_leaks", "test_leaks_a_daemon"):
+    assert summary[-1] == "4 checked test(s), 3 with findings, 3 process(es) reaped"
+    for name in ("test_leaks", "test_leaks_a_daemon", "test_leaks_a_cpu_daemon"):
         assert sum(1 for line in summary if line.startswith(f"test_inner.py::{name}:")) == 1
     report = json.loads((pytester.path / "report.json").read_text())
     records = {t["nodeid"]: t for t in report["tests"]}
-    assert len(report["tests"]) == 3 == len(records)
+    assert len(report["tests"]) == 4 == len(records)
+    assert [p["pid"] for p in records["test_inner.py::test_leaks_a_cpu_daemon"]["leaked"]] == leaked[2:]
     assert [p["pid"] for p in records["test_inner.py::test_leaks"]["leaked"]] == leaked[:1]
     daemon = records["test_inner.py::test_leaks_a_daemon"]["leaked"]
     assert leaked[1] in [p["pid"] for p in daemon]
