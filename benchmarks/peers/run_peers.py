@@ -92,8 +92,9 @@ def findings(report: dict[str, Any]) -> list[str]:
 
 
 MODEL_HINTS = re.compile(r"facebook/|meta-llama|Qwen/|/opt-|hf_runner|vllm_runner|\bLLM\(|RemoteOpenAIServer"
-                         r"|model_name|MODEL")
-"""A test file of vLLM's that mentions any of these loads a model (from the hub: no network here)."""
+                         r"|model_name|MODEL|ModelConfig\(")
+"""A test file of vLLM's that mentions any of these loads a model or its config from the hub (a bare
+``ModelConfig()`` means vLLM's default model): those need the network."""
 
 
 def model_free_files(vllm_dir: Path, env: dict[str, str]) -> list[str]:
