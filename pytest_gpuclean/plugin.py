@@ -32,6 +32,8 @@ MARKER = "needs_clean_gpus"
 FIXTURE = "clean_gpus"
 PLUGIN_NAME = "gpuclean-checker"
 WORKER_OUTPUT_KEY = "gpuclean"
+FORKED_REPORT_ATTR = "gpuclean_forked"
+"""Attribute of a teardown report made in a forked child (pytest-forked): that child's records."""
 
 
 class GpuCleanWarning(pytest.PytestWarning):
@@ -128,6 +130,7 @@ class GpuCleanPlugin:
         self.config = config
         self.settings = resolved
         me = os.getpid()
+        self._session_pid = me
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
         self.unavailable: str | None = None
@@ -176,6 +179,7 @@ class GpuCleanPlugin:
         self.streamed_records: dict[str, TestRecord] = {}
         """xdist controller: each worker's records as its tests ended (see outputs.RECORD_ATTRIBUTE)."""
         self._fixture_tokens: dict[int, str] = {}
+        self._test_tokens: dict[str, str] = {}
         self._tearing_down: _ItemState | None = None
         self._session_token = self.checker.ownership.new_token(Owner("session", "pytest session"))
         # Processes started outside any test (collection, other plugins, conftest imports) belong to
@@ -366,6 +370,54 @@ class GpuCleanPlugin:
             if self._tearing_down is not None:
                 self._tearing_down.fixture_tokens.append(token)
 
+    # ---- tests run in a forked child (pytest-forked) ------------------------------------------------
+
+    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
+        # pytest-forked calls this in the session's process, then forks the child that runs the test:
+        # a token made here is unique across children, and the session knows whose cookie a leftover
+        # carries. Without a fork, setup takes it from the same process.
+        if not self.controller:
+            self._test_tokens[nodeid] = self.checker.ownership.new_token(Owner("test", nodeid))
+
+    def _follow_fork(self) -> None:
+        pid = os.getpid()
+        if pid == self._session_pid or pid in _SUBREAPER:
+            return
+        # A forked child: the subreaper setting is not inherited, and the records it inherited are the
+        # session's, which keeps its own; this child ships only what it records itself.
+        _SUBREAPER[pid] = processes.set_child_subreaper()
+        self.records, self.late_records = [], {}
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
+                                  ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        test_report = yield
+        if call.when == "teardown" and os.getpid() != self._session_pid:
+            # This child's memory dies with it: its records travel on the teardown report, which
+            # pytest-forked serialises (plain dicts and lists) with the report's other attributes.
+            setattr(test_report, FORKED_REPORT_ATTR, {
+                "records": [record_to_dict(r) for r in self.records],
+                "found_later": {nodeid: [reaped_to_dict(r) for r in record.found_later]
+                                for nodeid, record in self.late_records.items()},
+            })
+            self.records, self.late_records = [], {}
+        return test_report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        shipped = getattr(report, FORKED_REPORT_ATTR, None)
+        # The xdist controller gets the same report from a worker, which already merged it.
+        if shipped is None or self.controller or os.getpid() != self._session_pid:
+            return
+        self.records.extend(record_from_dict(r) for r in shipped["records"])
+        for nodeid, reaped in shipped["found_later"].items():
+            self._record_for(nodeid).found_later.extend(reaped_from_dict(r) for r in reaped)
+        # Orphans of the child that ended there (killed by its check, a double fork's middle process)
+        # were re-parented to this process: exited, they hold nothing; collect them now rather than
+        # report them as leftovers at session end.
+        for found in self.checker.census():
+            if found.state in ("Z", "X") and not self.checker.ownership.is_protected(found.token):
+                processes.reap_if_child(found.pid)
+
     # ---- around each test -------------------------------------------------------------------------
 
     def _should_check(self, item: pytest.Item) -> bool:
@@ -379,8 +431,9 @@ class GpuCleanPlugin:
     # Every wrapper still runs before the function-scoped fixtures are set up.
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        self._follow_fork()
         ownership = self.checker.ownership
-        token = ownership.new_token(Owner("test", item.nodeid))
+        token = self._test_tokens.pop(item.nodeid, None) or ownership.new_token(Owner("test", item.nodeid))
         state = _ItemState(token=token, previous_cookie=self._set_owner_env(token))
         item.stash[_STATE] = state
         ownership.open_window(token)

@@ -1,0 +1,49 @@
+"""pytest plugin (``-p peers_select``): keep a stable slice of a peer suite, the same on every machine.
+
+``PEERS_SHARD=K`` keeps the tests whose key hashes to 0 modulo K (SHA-256, so the slice depends only on
+the tests' names, not on the order, the machine or the Python hash seed); ``PEERS_SHARD_KEY=name``
+hashes the test's name within its class (the driver's file name differs between machines),
+``nodeid`` (the default) its node id relative to the rootdir. ``PEERS_SHARD`` unset or 1 keeps all.
+``PEERS_KEEP_FILE=PATH`` keeps only the node ids listed in PATH (one a line): the re-run of a test whose
+outcome differed between two runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+
+def shard_key(item: pytest.Item, key: str) -> str:
+    """What is hashed: ``Class::test_name`` (``name``) or the node id (``nodeid``)."""
+    if key == "name":
+        cls = getattr(item, "cls", None)
+        return f"{cls.__name__}::{item.name}" if cls is not None else item.name
+    return item.nodeid
+
+
+def in_shard(text: str, shard: int) -> bool:
+    """True if ``text`` is in the slice of 1 in ``shard``."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % shard == 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard = int(os.environ.get("PEERS_SHARD", "1"))
+    key = os.environ.get("PEERS_SHARD_KEY", "nodeid")
+    keep_file = os.environ.get("PEERS_KEEP_FILE")
+    wanted = None
+    if keep_file:
+        with open(keep_file, encoding="utf-8") as f:
+            wanted = {line.strip() for line in f if line.strip()}
+    selected: list[pytest.Item] = []
+    deselected: list[pytest.Item] = []
+    for item in items:
+        keep = in_shard(shard_key(item, key), shard) if shard > 1 else True
+        if wanted is not None:
+            keep = item.nodeid in wanted
+        (selected if keep else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected

@@ -1,0 +1,352 @@
+"""Run a peer suite (PyTorch's or vLLM's own tests, unmodified) three ways and compare.
+
+    python benchmarks/peers/run_peers.py torch [--shard 16] [--backend gloo] [--world-size 2]
+    python benchmarks/peers/run_peers.py vllm --vllm-dir DIR [--shard 1] [FILES...]
+
+The three ways: ``off`` (``-p no:gpuclean``), ``marked`` (``-p gpuclean`` with gpuclean_mark_all.py marking
+every test ``needs_clean_gpus``, as a user's conftest would) and ``all`` (``--gpuclean-all``). Each way's
+outcome per test comes from its JUnit XML, gpuclean's findings from its ``--gpuclean-report``.
+
+The run FAILS (exit 1) when a test's outcome under gpuclean differs from the plugin-off run and the
+difference reproduces when that test runs again alone both ways (a difference that does not reproduce is
+the peer suite's own flakiness, reported as such), when a way runs a different set of tests, or when
+gpuclean reports a finding (a leak, GPUs not clean, a leftover reaped at session end): each is printed
+with its processes. On a CPU box ``--simulate`` gives gpuclean two idle simulated devices, so the checks
+are about processes; on a GPU box it checks the real devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from _common import REPO, git_commit, machine, table, write_json  # noqa: E402
+
+WAYS = ("off", "marked", "all")
+WAY_ARGS = {
+    "off": ["-p", "no:gpuclean"],
+    "marked": ["-p", "gpuclean", "-p", "gpuclean_mark_all"],
+    "all": ["-p", "gpuclean", "--gpuclean-all"],
+}
+
+
+def junit_outcomes(path: Path) -> dict[str, str]:
+    """``classname::name`` -> passed, failed, error or skipped (a teardown error makes it error)."""
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        key = f"{case.get('classname')}::{case.get('name')}"
+        tags = {child.tag for child in case}
+        if "error" in tags:
+            outcome = "error"
+        elif "failure" in tags:
+            outcome = "failed"
+        elif "skipped" in tags:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        outcomes[key] = outcome
+    return outcomes
+
+
+def findings(report: dict[str, Any]) -> list[str]:
+    """gpuclean's findings in one report, one paragraph each, with the processes involved."""
+    found: list[str] = []
+    for test in report["tests"]:
+        if test["outcome"] not in ("leaked", "not_clean"):
+            continue
+        lines = [f"{test['nodeid']}: {test['outcome']}"]
+        for leaked in test["leaked"]:
+            lines.append(f"  leaked pid {leaked['pid']} ({leaked['found']}, ended by {leaked['ended_by']}, "
+                         f"owner {leaked['owner']}): {leaked['cmdline'][:300]}")
+        for check in (test["before"], test["after"]):
+            if check is None or check["clean"]:
+                continue
+            for offender in check["offenders"]:
+                proc = offender["process"] or {}
+                lines.append(f"  {check['phase']}: {offender['reason']} pid {proc.get('pid')} "
+                             f"({offender['detail']}): {str(proc.get('cmdline'))[:300]}")
+        found.append("\n".join(lines))
+    for reaped in report["session_reaped"]:
+        if reaped["ended_by"] == "reaped zombie":
+            continue  # an exited process nobody waited for: it held nothing
+        proc = reaped["process"]
+        found.append(f"session end: reaped pid {proc['pid']} ({reaped['ended_by']}, "
+                     f"owner {reaped['owner']}): {proc['cmdline'][:300]}")
+    return found
+
+
+MODEL_HINTS = re.compile(r"facebook/|meta-llama|Qwen/|/opt-|hf_runner|vllm_runner|\bLLM\(|RemoteOpenAIServer"
+                         r"|model_name|MODEL|ModelConfig\(")
+"""A test file of vLLM's that mentions any of these loads a model or its config from the hub (a bare
+``ModelConfig()`` means vLLM's default model): those need the network."""
+
+
+def model_free_files(vllm_dir: Path, env: dict[str, str]) -> list[str]:
+    """vLLM's model-free distributed tests: tests/distributed/test_*.py that name no model and collect here.
+
+    A file that does not collect (an optional dependency such as ray is missing, or it is a torchrun
+    script that reads RANK at import) is left out by the rule, not by hand.
+    """
+    files = (vllm_dir / "tests" / "distributed").glob("test_*.py")
+    candidates = sorted(str(p.relative_to(vllm_dir)) for p in files
+                        if not MODEL_HINTS.search(p.read_text(errors="replace")))
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "-p", "no:gpuclean", "--continue-on-collection-errors", *candidates],
+                         cwd=vllm_dir, env=env, capture_output=True, text=True).stdout
+    broken = set(re.findall(r"^ERROR (\S+\.py)", out, re.M))
+    return [f for f in candidates if f not in broken]
+
+
+class Suite:
+    """How to run one peer suite: the command, its working directory and environment."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.env = dict(os.environ)
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), self.env.get("PYTHONPATH")]))
+        self.env["PEERS_SHARD"] = str(args.shard)
+        self.env.pop("GPUCLEAN_TEST", None)
+        if args.suite == "torch":
+            temp_dir = work / "torch-temp"
+            for sub in ("barrier", "test_dir", "init_dir"):
+                (temp_dir / sub).mkdir(parents=True, exist_ok=True)
+            self.env.update({"BACKEND": args.backend, "WORLD_SIZE": str(args.world_size),
+                             "TEMP_DIR": str(temp_dir),
+                             "INIT_METHOD": f"file://{temp_dir / 'init_dir' / 'shared_init_file'}",
+                             "PEERS_SHARD_KEY": "name"})
+            self.cwd = HERE / "torch_distributed"
+            self.targets = ["test_distributed_spawn.py"]
+        else:
+            self.cwd = Path(args.vllm_dir).resolve()
+            iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+            if args.iomp and iomp.exists() and "libiomp" not in self.env.get("LD_PRELOAD", ""):
+                # CPU vLLM's workers need Intel's OpenMP preloaded (example_suite/runtime.py says why).
+                preload = [str(iomp), self.env.get("LD_PRELOAD")]
+                self.env["LD_PRELOAD"] = os.pathsep.join(filter(None, preload))
+        if args.suite == "vllm":
+            self.targets = args.files or model_free_files(self.cwd, self.env)
+        if args.simulate:
+            sim = work / "sim"
+            for index in (0, 1):
+                (sim / str(index)).mkdir(parents=True, exist_ok=True)
+            self.env["GPUCLEAN_SIMULATE"] = str(sim)
+            self.env["GPUCLEAN_LOCK_DIR"] = str(work / "locks")
+
+    def command(self, way: str, tag: str, keep_file: Path | None = None) -> tuple[list[str], dict[str, str]]:
+        cmd = [sys.executable, "-m", "pytest", *self.targets, "-p", "peers_select", "-p", "no:cacheprovider",
+               "-p", "no:randomly", "-q", "-rfEs", f"--junitxml={self.work / f'{tag}.xml'}",
+               *WAY_ARGS[way], *self.args.pytest_args]
+        if way != "off":
+            cmd.append(f"--gpuclean-report={self.work / f'{tag}.json'}")
+        env = dict(self.env)
+        if keep_file is not None:
+            env["PEERS_KEEP_FILE"] = str(keep_file)
+        return cmd, env
+
+
+EXIT_GRACE_S = 30.0
+"""How long pytest may take to exit after writing its JUnit XML (a peer test's non-daemon thread can keep
+the interpreter alive forever after the session ended; the outcomes are in by then)."""
+
+
+def set_child_subreaper() -> bool:
+    # Orphans of a way's pytest (what the peer suite leaked) come to us: reported and ended after each
+    # way, so that one way's leftovers never meet the next way's checks.
+    try:
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def end_leftovers() -> list[str]:
+    """End every process still below us (a way's pytest is done): TERM, 5 s, KILL; describe each."""
+    left = psutil.Process().children(recursive=True)
+    described = []
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            described.append(f"pid {proc.pid} ({proc.status()}): {' '.join(proc.cmdline())[:300]}")
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _gone, alive = psutil.wait_procs(left, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=5)
+    return [d for d in described if "(zombie)" not in d]
+
+
+def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None) -> dict[str, Any]:
+    cmd, env = suite.command(way, tag, keep_file)
+    log = suite.work / f"{tag}.log"
+    xml = suite.work / f"{tag}.xml"
+    started = time.monotonic()
+    hung = None
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=suite.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        written_at = None
+        while proc.poll() is None:
+            time.sleep(0.5)
+            now = time.monotonic()
+            if written_at is None and xml.exists():
+                written_at = now
+            if written_at is not None and now - written_at > EXIT_GRACE_S:
+                hung = f"pytest did not exit {EXIT_GRACE_S:.0f}s after the session ended: killed"
+            elif now - started > suite.args.way_timeout:
+                hung = f"the way ran past {suite.args.way_timeout:.0f}s: killed"
+            if hung:
+                proc.kill()
+                proc.wait()
+    wall = (written_at if hung and written_at else time.monotonic()) - started
+    tail = log.read_text(errors="replace").splitlines()[-1:] or [""]
+    result: dict[str, Any] = {"way": way, "exit": proc.returncode, "wall_s": round(wall, 1),
+                              "last_line": tail[0], "log": str(log), "command": cmd, "hung": hung,
+                              "leftovers": end_leftovers()}
+    result["outcomes"] = junit_outcomes(xml) if xml.exists() else {}
+    report_path = suite.work / f"{tag}.json"
+    if way != "off" and report_path.exists():
+        report = json.loads(report_path.read_text())
+        result["findings"] = findings(report)
+        result["checked"] = report["summary"]["checked"]
+    else:
+        result["findings"] = []
+    return result
+
+
+def keep_file_for(suite: Suite, keys: list[str], tag: str) -> Path:
+    # JUnit's classname::name back to node ids: run the suite's collection once and match.
+    cmd = [sys.executable, "-m", "pytest", *suite.targets, "-p", "peers_select", "-p", "no:cacheprovider",
+           "-p", "no:gpuclean", "--collect-only", "-q"]
+    out = subprocess.run(cmd, cwd=suite.cwd, env=suite.env, capture_output=True, text=True).stdout
+    wanted = []
+    for nodeid in (line.strip() for line in out.splitlines() if "::" in line):
+        path, _, rest = nodeid.partition("::")
+        classname = path.removesuffix(".py").replace("/", ".")
+        parts = rest.split("::")
+        key = f"{'.'.join([classname, *parts[:-1]])}::{parts[-1]}"
+        if key in keys:
+            wanted.append(nodeid)
+    path = suite.work / f"{tag}.keep"
+    path.write_text("\n".join(wanted) + "\n")
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suite", choices=["torch", "vllm"])
+    parser.add_argument("files", nargs="*", help="vllm: test files or directories under --vllm-dir")
+    parser.add_argument("--vllm-dir", help="vllm: a folder holding vLLM's tests/ (from its sdist)")
+    parser.add_argument("--shard", type=int, default=1, help="keep 1 test in SHARD (peers_select.py)")
+    parser.add_argument("--backend", default="gloo", help="torch: BACKEND (gloo, nccl)")
+    parser.add_argument("--world-size", type=int, default=2, help="torch: WORLD_SIZE")
+    parser.add_argument("--simulate", action="store_true", help="gpuclean checks two idle simulated devices")
+    parser.add_argument("--no-iomp", dest="iomp", action="store_false",
+                        help="vllm: do not preload libiomp5 (CPU vLLM needs it; CUDA vLLM does not)")
+    parser.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of off,marked,all")
+    parser.add_argument("--way-timeout", type=float, default=3600, help="seconds one way may take")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--keep-work", help="keep logs, JUnit XML and reports in this folder")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments (one string)")
+    args = parser.parse_args()
+    args.pytest_args = args.pytest_args.split()
+    if args.suite == "vllm" and not args.vllm_dir:
+        parser.error("vllm needs --vllm-dir")
+    ways = [w for w in args.ways.split(",") if w]
+    if ways[0] != "off" or any(w not in WAYS for w in ways):
+        parser.error(f"--ways: start with off, then any of {WAYS}")
+
+    set_child_subreaper()
+    work = Path(args.keep_work or tempfile.mkdtemp(prefix=f"peers-{args.suite}-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    suite = Suite(args, work)
+    results = {way: run_way(suite, way, way) for way in ways}
+    base = results["off"]["outcomes"]
+    failures: list[str] = []
+    if not base:
+        failures.append(f"the plugin-off run produced no JUnit outcomes (see {results['off']['log']})")
+    rows = []
+    for way in ways:
+        res = results[way]
+        outcomes = res["outcomes"]
+        counts = {k: list(outcomes.values()).count(k) for k in ("passed", "failed", "error", "skipped")}
+        differs = sorted(k for k in base.keys() | outcomes.keys() if base.get(k) != outcomes.get(k))
+        res["differs"] = differs
+        res["flaky"] = []
+        if way != "off" and differs:
+            if base.keys() != outcomes.keys():
+                failures.append(f"{way}: ran other tests than off: {sorted(base.keys() ^ outcomes.keys())}")
+            # A difference counts only if it reproduces: the test alone, plugin off and this way again.
+            keep = keep_file_for(suite, differs, f"{way}-rerun")
+            again_off = run_way(suite, "off", f"{way}-rerun-off", keep)["outcomes"]
+            again_way = run_way(suite, way, f"{way}-rerun-{way}", keep)["outcomes"]
+            for key in differs:
+                if again_off.get(key) == base.get(key) and again_way.get(key) == outcomes.get(key):
+                    failures.append(f"{way}: {key}: {outcomes.get(key)} with gpuclean, {base.get(key)} "
+                                    "without (reproduced alone)")
+                else:
+                    res["flaky"].append(f"{key}: {base.get(key)} -> {outcomes.get(key)}, alone "
+                                        f"{again_off.get(key)} -> {again_way.get(key)}")
+        for finding in res["findings"]:
+            failures.append(f"{way}: gpuclean finding:\n{finding}")
+        if way != "off" and res["leftovers"] and not res["hung"]:
+            # The final sweep reaps whatever the session spawned: anything still here escaped gpuclean.
+            failures.append(f"{way}: processes outlived the session under gpuclean:\n  "
+                            + "\n  ".join(res["leftovers"]))
+        rows.append([way, str(len(outcomes)),
+                     *(str(counts[k]) for k in ("passed", "failed", "error", "skipped")),
+                     "-" if way == "off" else ("yes" if not differs else
+                                               f"no ({len(differs)}, {len(res['flaky'])} flaky)"),
+                     "-" if way == "off" else str(len(res["findings"])),
+                     f"{res['wall_s']:.0f}"])
+    print(f"\n{args.suite} peer suite ({' '.join(suite.targets)}, shard 1/{args.shard}), work dir {work}")
+    print(table(rows, ["way", "tests", "passed", "failed", "error", "skipped", "same outcomes as off",
+                       "findings", "wall s"]))
+    off_s = results["off"]["wall_s"]
+    for way in ways[1:]:
+        print(f"{way}: {results[way]['wall_s'] / off_s:.2f}x the plugin-off wall time" if off_s else "")
+        for line in results[way]["flaky"]:
+            print(f"  not reproduced (the peer suite's flakiness): {line}")
+    for way in ways:
+        if results[way]["hung"]:
+            print(f"{way}: {results[way]['hung']}")
+        if results[way]["leftovers"]:
+            print(f"{way}: {len(results[way]['leftovers'])} process(es) left behind when pytest ended:")
+            for line in results[way]["leftovers"]:
+                print(f"  {line}")
+    for failure in failures:
+        print(f"FAIL {failure}")
+    failed_ways = {w for w in ways[1:] if any(f.startswith(f"{w}:") for f in failures)}
+    if not base:
+        failed_ways = set(ways[1:])
+    # One closing line a CI log reader understands: the comparisons (one per way under gpuclean).
+    print(f"{args.suite}: {len(ways) - 1 - len(failed_ways)} passed, {len(failed_ways)} failed")
+    if args.out:
+        write_json(args.out, {"suite": args.suite, "targets": suite.targets, "shard": args.shard,
+                              "machine": machine(), "commit": git_commit(), "repo": REPO,
+                              "results": results, "failures": failures})
+    if not args.keep_work and not failures:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,661 @@
+"""The plugin inside suites written elsewhere (issue 13): process-per-test runners and helpers.
+
+Each case runs an inner session under ``-p gpuclean --gpuclean-all`` over simulated devices, with the
+helper as its users have it: pytest-forked, pytest-xdist, PyTorch's ``MultiProcessTestCase``, vLLM's
+fork/spawn-per-test decorators and a server started in a fixture, and the common pytest plugins. A
+clean suite must pass exactly as without gpuclean (no finding, no killed runner); a leak must be
+reaped, blamed on its test and reported once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import alive, read_pids, run_inner, wait_dead
+
+from pytest_gpuclean.report import LEAK_PREFIX
+
+PYTEST_VERSION = tuple(int(part) for part in pytest.__version__.split(".")[:2])
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+# pytest 9.2 puts a ``_id`` (a NodeId object) on every test report; pytest-forked (1.6.0 and 1.7.5)
+# marshals the report's attributes and fails on it, so on 9.2 every forked test fails, gpuclean or not.
+needs_forked = pytest.mark.skipif(
+    not _installed("pytest_forked") or PYTEST_VERSION >= (9, 2),
+    reason="needs pytest-forked on pytest < 9.2 (pytest-forked 1.7.5 cannot serialise pytest 9.2's "
+           "reports: every forked test fails with or without gpuclean); CI runs these in .venv-pytest8")
+
+
+needs_xdist = pytest.mark.skipif(not _installed("xdist"), reason="needs pytest-xdist")
+
+
+def needs(module: str, package: str) -> pytest.MarkDecorator:
+    """Skip unless ``package`` is installed (CI installs the plugins in .venv-pytest8 / .venv-pytest9)."""
+    return pytest.mark.skipif(not _installed(module), reason=f"needs {package} (.ci/peers installs it "
+                                                           "in .venv-pytest8 and .venv-pytest9)")
+
+
+def compat_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """An inner gpuclean session in test order (pytest-randomly, where installed, only when asked)."""
+    return run_inner(pytester, *(args if "randomly" in " ".join(args) else ("-p", "no:randomly", *args)))
+
+
+def summary_of(result: pytest.RunResult) -> list[str]:
+    """The lines of gpuclean's terminal summary section."""
+    lines = result.outlines
+    starts = [i for i, line in enumerate(lines) if line.startswith("=") and " gpuclean " in line]
+    if not starts:
+        return []
+    section: list[str] = []
+    for line in lines[starts[0] + 1:]:
+        if line.startswith("="):
+            break
+        section.append(line)
+    return section
+
+
+def report_of(pytester: pytest.Pytester) -> dict[str, Any]:
+    """The inner session's --gpuclean-report=report.json."""
+    document: dict[str, Any] = json.loads((pytester.path / "report.json").read_text())
+    return document
+
+
+def records_by_nodeid(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    found: dict[str, list[dict[str, Any]]] = {}
+    for test in report["tests"]:
+        found.setdefault(test["nodeid"], []).append(test)
+    return found
+
+
+# ---- pytest-forked ---------------------------------------------------------------------------------
+
+@needs_forked
+@pytest.mark.parametrize("reap", ["on", "off"])
+def test_forked_child_is_never_a_suspect(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                         reap: str) -> None:
+    # The forked child runs gpuclean's hooks with the checker the session built before forking: the
+    # running process and the parent pytest must be "us", not a leak (it was SIGTERMed, or with
+    # reaping off reported as leaked after the timeout).
+    inner('''
+@pytest.mark.needs_clean_gpus
+def test_marked():
+    pass
+
+def test_unmarked():
+    assert os.getpid() > 0
+''')
+    result = compat_run(pytester, "--forked", "--gpuclean-all", f"--gpuclean-reap={reap}",
+                       "--gpuclean-timeout=3")
+    result.assert_outcomes(passed=2)
+    assert "CRASHED" not in result.stdout.str()
+    assert LEAK_PREFIX not in result.stdout.str()
+    assert summary_of(result)[-1].startswith("2 checked test(s), 0 with findings")
+
+
+@needs_forked
+def test_forked_leak_is_reaped_in_the_child_and_reported_once(inner: Callable[[str], Path],
+                                                              pytester: pytest.Pytester) -> None:
+    pidfile = inner('''
+def test_leaks():
+    hold(mib=100)
+    wait_holders(1)
+
+def test_leaks_a_daemon():
+    hold("--daemonize", mib=50)
+    wait_holders(2)
+
+def test_leaks_a_cpu_daemon():
+    # No GPU memory, so no cookie scan: found only because the child adopts it (its own subreaper).
+    subprocess.run([sys.executable, "-c", DAEMON, PIDFILE], check=True)
+    wait_holders(3)
+
+def test_after():
+    pass
+
+DAEMON = """
+import os, sys, time
+if os.fork():
+    os._exit(0)
+os.setsid()
+with open(sys.argv[1], "a") as f:
+    f.write(str(os.getpid()) + chr(10))
+time.sleep(300)
+"""
+''')
+    result = compat_run(pytester, "--forked", "--gpuclean-all", "--gpuclean-report=report.json",
+                        "--junitxml=junit.xml")
+    result.assert_outcomes(passed=4, errors=3)
+    leaked = read_pids(pidfile, expected=3)
+    assert wait_dead(leaked, timeout=5) == []
+    out = result.stdout.str()
+    assert out.count(LEAK_PREFIX) == 3
+    summary = summary_of(result)
+    assert summary[-1] == "4 checked test(s), 3 with findings, 3 process(es) reaped"
+    for name in ("test_leaks", "test_leaks_a_daemon", "test_leaks_a_cpu_daemon"):
+        assert sum(1 for line in summary if line.startswith(f"test_inner.py::{name}:")) == 1
+    report = json.loads((pytester.path / "report.json").read_text())
+    records = {t["nodeid"]: t for t in report["tests"]}
+    assert len(report["tests"]) == 4 == len(records)
+    assert [p["pid"] for p in records["test_inner.py::test_leaks_a_cpu_daemon"]["leaked"]] == leaked[2:]
+    assert [p["pid"] for p in records["test_inner.py::test_leaks"]["leaked"]] == leaked[:1]
+    daemon = records["test_inner.py::test_leaks_a_daemon"]["leaked"]
+    assert leaked[1] in [p["pid"] for p in daemon]
+    assert all(p["owner"]["name"] == "test_inner.py::test_leaks_a_daemon" for p in daemon)
+    assert records["test_inner.py::test_after"]["outcome"] == "clean"
+    assert report["session_reaped"] == []
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'name="gpuclean_outcome" value="leaked"' in junit
+
+
+@needs_forked
+def test_forked_unchecked_leak_is_blamed_on_its_own_test(inner: Callable[[str], Path],
+                                                         pytester: pytest.Pytester) -> None:
+    # Each forked child starts from the session's state as it was before the fork: an unchecked
+    # test's escapee, found by the next checked test's cookie scan in another child, still names the
+    # test that spawned it, not the test that found it.
+    pidfile = inner('''
+def test_a_unchecked_leaks_a_daemon():
+    hold("--daemonize", mib=50)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+def test_b_checked():
+    pass
+''')
+    result = compat_run(pytester, "--forked", "--gpuclean-report=report.json")
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    result.assert_outcomes(passed=2)
+    report = json.loads((pytester.path / "report.json").read_text())
+    records = {t["nodeid"]: t for t in report["tests"]}
+    later = records["test_inner.py::test_a_unchecked_leaks_a_daemon"]["found_later"]
+    assert [r["process"]["pid"] for r in later] == leaked
+    assert records["test_inner.py::test_b_checked"]["leaked"] == []
+    assert alive(leaked[0]) is False
+
+
+@needs_forked
+@needs_xdist
+def test_forked_under_xdist_reports_each_leak_once(inner: Callable[[str], Path],
+                                                    pytester: pytest.Pytester) -> None:
+    # The record travels child -> worker (on the report) -> controller (in the worker's output); the
+    # controller also sees the report itself and must not count it again.
+    pidfile = inner('''
+@pytest.mark.parametrize("n", range(4))
+def test_clean(n):
+    pass
+
+def test_leaks():
+    hold(mib=100)
+    wait_holders(1)
+''')
+    result = compat_run(pytester, "-n", "2", "--forked", "--gpuclean-all", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=5, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    assert summary_of(result)[-1] == "5 checked test(s), 1 with findings, 1 process(es) reaped"
+    report = json.loads((pytester.path / "report.json").read_text())
+    assert sorted(t["nodeid"] for t in report["tests"]) == sorted(
+        [f"test_inner.py::test_clean[{n}]" for n in range(4)] + ["test_inner.py::test_leaks"])
+    assert [t["outcome"] for t in report["tests"] if t["nodeid"] == "test_inner.py::test_leaks"] == ["leaked"]
+
+
+# ---- pytest-xdist ----------------------------------------------------------------------------------
+
+@needs_xdist
+@pytest.mark.parametrize("dist", ["load", "loadgroup"])
+def test_xdist_suite_reports_only_the_leak(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                          dist: str) -> None:
+    pidfile = inner('''
+@pytest.mark.xdist_group("engine")
+@pytest.mark.parametrize("n", range(3))
+def test_grouped(n):
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+@pytest.mark.xdist_group("engine")
+def test_grouped_leaks():
+    hold(mib=100)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(3))
+def test_free(n):
+    pass
+''')
+    result = compat_run(pytester, "-n", "2", f"--dist={dist}", "--gpuclean-all",
+                        "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=7, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    assert summary_of(result)[-1] == "7 checked test(s), 1 with findings, 1 process(es) reaped"
+    records = records_by_nodeid(report_of(pytester))
+    # xdist 3.8's loadgroup renames grouped tests "...@engine" on pytest 8, and on pytest 9.2 does not
+    # (nor keeps the group on one worker: its rename no longer reaches the report), gpuclean or not.
+    renamed = dist == "loadgroup" and PYTEST_VERSION < (9, 2)
+    grouped = "test_inner.py::test_grouped_leaks" + ("@engine" if renamed else "")
+    leaker = records.pop(grouped)
+    assert [r["outcome"] for r in leaker] == ["leaked"]
+    assert [p["pid"] for p in leaker[0]["leaked"]] == leaked
+    assert len(records) == 6
+    assert all(r["outcome"] == "clean" for rs in records.values() for r in rs)
+
+
+# ---- pytest-isolate --------------------------------------------------------------------------------
+
+# pytest-isolate 0.0.17 calls _pytest.warnings.apply_warning_filters, which pytest 9.2 no longer has: every
+# isolated test fails there, gpuclean or not.
+@pytest.mark.skipif(not _installed("pytest_isolate") or PYTEST_VERSION >= (9, 2),
+                    reason="needs pytest-isolate on pytest < 9.2 (pytest-isolate 0.0.17 fails every test on "
+                           "pytest 9.2, with or without gpuclean); CI runs it in .venv-pytest8")
+def test_isolate_checks_each_child_and_reports_once(inner: Callable[[str], Path],
+                                                    pytester: pytest.Pytester) -> None:
+    pidfile = inner('''
+@pytest.mark.needs_clean_gpus
+def test_marked():
+    pass
+
+def test_leaks():
+    hold(mib=100)
+    wait_holders(1)
+
+def test_after():
+    pass
+''')
+    # pytest-isolate does nothing while pytest-timeout or pytest-forked is loaded.
+    result = compat_run(pytester, "-p", "no:timeout", "-p", "no:forked", "--isolate", "--gpuclean-all",
+                        "--gpuclean-report=report.json",
+                        "-W", "ignore::UserWarning")
+    result.assert_outcomes(passed=3, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    assert "CRASHED" not in result.stdout.str()
+    assert summary_of(result)[-1] == "3 checked test(s), 1 with findings, 1 process(es) reaped"
+    records = records_by_nodeid(report_of(pytester))
+    assert [p["pid"] for p in records["test_inner.py::test_leaks"][0]["leaked"]] == leaked
+    assert len(records) == 3 and all(len(rs) == 1 for rs in records.values())
+
+
+# ---- pytest-rerunfailures, pytest-repeat, pytest-randomly -----------------------------------------
+
+@needs("pytest_rerunfailures", "pytest-rerunfailures")
+def test_rerunfailures_each_attempt_is_checked(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                               tmp_path: Path) -> None:
+    # A flaky test leaks on its failing first attempt and passes on the rerun: the leak of the first
+    # attempt is reaped and reported, the rerun starts on clean GPUs.
+    pidfile = inner(f'''
+ATTEMPTS = {str(tmp_path / "attempts")!r}
+
+def test_flaky():
+    with open(ATTEMPTS, "a") as f:
+        f.write("x")
+    if len(open(ATTEMPTS).read()) == 1:
+        hold(mib=100)
+        wait_holders(1)
+        assert False, "first attempt fails"
+
+def test_steady():
+    pass
+''')
+    result = compat_run(pytester, "--reruns=1", "--gpuclean-all",
+                        "--gpuclean-report=report.json")
+    # rerunfailures shows the first attempt's failure and its teardown error (the leak) as two reruns.
+    assert result.parseoutcomes() == {"passed": 2, "rerun": 2}
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    records = records_by_nodeid(report_of(pytester))
+    assert [r["outcome"] for r in records["test_inner.py::test_flaky"]] == ["leaked", "clean"]
+    assert [p["pid"] for p in records["test_inner.py::test_flaky"][0]["leaked"]] == leaked
+    assert summary_of(result)[-1] == "3 checked test(s), 1 with findings, 1 process(es) reaped"
+
+
+@needs("pytest_repeat", "pytest-repeat")
+def test_repeat_blames_each_repetition(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner('''
+def test_leaks():
+    hold(mib=10)
+    time.sleep(0.1)
+''')
+    result = compat_run(pytester, "--count=3", "--gpuclean-all",
+                        "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=3, errors=3)
+    leaked = read_pids(pidfile, expected=3)
+    assert wait_dead(leaked, timeout=5) == []
+    records = records_by_nodeid(report_of(pytester))
+    assert sorted(records) == [f"test_inner.py::test_leaks[{i}-3]" for i in (1, 2, 3)]
+    assert sorted(p["pid"] for rs in records.values() for p in rs[0]["leaked"]) == sorted(leaked)
+
+
+@needs("pytest_randomly", "pytest-randomly")
+def test_randomly_any_order_blames_the_spawner(inner: Callable[[str], Path],
+                                               pytester: pytest.Pytester) -> None:
+    # Whatever the order, an unchecked test's escapee is blamed on it, found by the next checked test.
+    pidfile = inner('''
+def test_unchecked_leaks():
+    hold("--daemonize", mib=50)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(3))
+def test_checked(n):
+    pass
+''')
+    for seed in ("1", "2", "3"):
+        result = compat_run(pytester, f"--randomly-seed={seed}",
+                            "--gpuclean-report=report.json")
+        result.assert_outcomes(passed=4)
+        leaked = read_pids(pidfile)
+        assert wait_dead(leaked, timeout=5) == []
+        records = records_by_nodeid(report_of(pytester))
+        # Found by a later test's check, or by the final sweep if it ran last (with the zombies of its
+        # double fork, which only the sweep reports).
+        later = records["test_inner.py::test_unchecked_leaks"][0]["found_later"]
+        assert leaked[0] in [r["process"]["pid"] for r in later]
+        assert {r["owner"]["name"] for r in later} == {"test_inner.py::test_unchecked_leaks"}
+        assert all(r["leaked"] == [] for name, rs in records.items() if name.startswith(
+            "test_inner.py::test_checked") for r in rs)
+        pidfile.unlink()
+
+
+# ---- pytest-asyncio --------------------------------------------------------------------------------
+
+@needs("pytest_asyncio", "pytest-asyncio")
+def test_asyncio_subprocesses(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    # asyncio waits for its children in a watcher thread: the one it awaited is no leak, the one it
+    # forgot is reaped (and the watcher does not break when gpuclean collects it).
+    pidfile = inner('''
+import asyncio
+
+@pytest.mark.asyncio
+async def test_awaits_its_child():
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "print('hi')",
+                                                stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    assert out.strip() == b"hi"
+
+@pytest.mark.asyncio
+async def test_forgets_its_child():
+    await asyncio.create_subprocess_exec(sys.executable, "-m", "pytest_gpuclean.simulate", "hold",
+                                         "--dir", SIM, "--device", "0", "--mib", "100",
+                                         "--pidfile", PIDFILE)
+    wait_holders(1)
+
+@pytest.mark.asyncio
+async def test_after():
+    await asyncio.sleep(0)
+''')
+    result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=3, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    records = records_by_nodeid(report_of(pytester))
+    assert [p["pid"] for p in records["test_inner.py::test_forgets_its_child"][0]["leaked"]] == leaked
+    assert records["test_inner.py::test_awaits_its_child"][0]["outcome"] == "clean"
+    assert records["test_inner.py::test_after"][0]["outcome"] == "clean"
+
+
+# ---- pytest-timeout, junitxml ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["signal", "thread"])
+def test_timeout_that_does_not_fire_changes_nothing(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                                    method: str) -> None:
+    # (Timeouts that fire: tests/test_sharing.py, test_pytest_timeout_*.)
+    inner('''
+@pytest.mark.timeout(60)
+def test_spawns_and_waits():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_plain():
+    pass
+''')
+    result = compat_run(pytester, "-p", "timeout", "--timeout=60", f"--timeout-method={method}",
+                        "--gpuclean-all", "--junitxml=junit.xml")
+    result.assert_outcomes(passed=2)
+    assert summary_of(result)[-1] == "2 checked test(s), 0 with findings, 0 process(es) reaped"
+    junit = (pytester.path / "junit.xml").read_text()
+    assert junit.count('name="gpuclean_outcome" value="clean"') == 2
+
+
+# ---- PyTorch's MultiProcessTestCase --------------------------------------------------------------------
+
+def _torch_distributed_reason() -> str | None:
+    if not _installed("torch"):
+        return "needs torch"
+    if not _installed("expecttest"):
+        return "needs expecttest (torch.testing._internal imports it; .ci/setup installs it)"
+    return None
+
+
+needs_torch_distributed = pytest.mark.skipif(_torch_distributed_reason() is not None,
+                                             reason=_torch_distributed_reason() or "")
+
+MULTI_PROCESS = '''
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+class TestGloo(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def _init(self):
+        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", world_size=self.world_size,
+                                rank=self.rank)
+
+    def test_all_reduce(self):
+        self._init()
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        self.assertEqual(t.item(), 3.0)
+        dist.destroy_process_group()
+
+    def test_rank_leaks(self):
+        self._init()
+        if self.rank == 1:
+            hold(mib=100)
+            wait_holders(1)
+        dist.barrier()
+        dist.destroy_process_group()
+'''
+
+
+@needs_torch_distributed
+def test_multi_process_test_case(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    # Ranks are spawned (multiprocessing's resource tracker with them) and joined inside the test; a
+    # rank's child outlives the rank, is adopted by the session and is blamed on the test.
+    pidfile = inner(MULTI_PROCESS)
+    result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=2, errors=1)
+    leaked = read_pids(pidfile)
+    assert wait_dead(leaked, timeout=5) == []
+    records = records_by_nodeid(report_of(pytester))
+    assert records["test_inner.py::TestGloo::test_all_reduce"][0]["outcome"] == "clean"
+    leak = records["test_inner.py::TestGloo::test_rank_leaks"][0]
+    assert [(p["pid"], p["owner"]["name"]) for p in leak["leaked"]] == [
+        (leaked[0], "test_inner.py::TestGloo::test_rank_leaks")]
+    assert summary_of(result)[-1] == "2 checked test(s), 1 with findings, 1 process(es) reaped"
+
+
+# ---- vLLM's process helpers (the shape of vLLM's tests/utils.py, written here) ---------------------------
+
+VLLM_LIKE = '''
+"""fork/spawn-per-test decorators and a server in its own session, as vLLM's tests/utils.py has them."""
+import contextlib, functools, os, signal, subprocess, sys, time, urllib.request
+
+SPAWNED = "VLLM_LIKE_SPAWNED_CHILD"
+
+
+def fork_new_process_for_each_test(func):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        pid = os.fork()
+        if pid == 0:
+            os.setpgrp()  # its own group, so that the parent's killpg below spares pytest
+            try:
+                func(*args, **kwargs)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)  # whatever the test left in its group
+        assert os.waitstatus_to_exitcode(status) == 0, f"forked test exited with {status}"
+    return wrapper
+
+
+def spawn_new_process_for_each_test(func):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if os.environ.get(SPAWNED) == "1":
+            return func(*args, **kwargs)
+        code = (f"import importlib; getattr(importlib.import_module({func.__module__!r}), "
+                f"{func.__name__!r})()")
+        env = dict(os.environ, **{SPAWNED: "1"})
+        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    return wrapper
+
+
+def create_new_process_for_each_test(method=None):
+    return spawn_new_process_for_each_test if method == "spawn" else fork_new_process_for_each_test
+
+
+class RemoteServer:
+    """Starts fake_server.py (an API process and a spawned engine holding GPU memory) in a new session."""
+
+    def __init__(self, port_file):
+        self.proc = subprocess.Popen([sys.executable, "fake_server.py", port_file], start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            assert self.proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.port = int(open(port_file).read())
+
+    def url_for(self, *parts):
+        return f"http://127.0.0.1:{self.port}/" + "/".join(parts)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pgid = os.getpgid(self.proc.pid)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # engine processes that outlived the API process
+'''
+
+FAKE_SERVER = '''
+import http.server, multiprocessing, os, signal, sys, time
+
+from pytest_gpuclean.simulate import allocate
+
+
+def engine(sim):
+    allocate(sim, 0, 200)
+    while True:
+        time.sleep(1)
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+
+if __name__ == "__main__":
+    spawn = multiprocessing.get_context("spawn")
+    core = spawn.Process(target=engine, args=(os.environ["GPUCLEAN_SIMULATE"],), daemon=True)
+    core.start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through atexit: daemonic children end
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(str(server.server_address[1]))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    server.serve_forever()
+'''
+
+VLLM_LIKE_TESTS = '''
+import urllib.request
+from vllm_like import RemoteServer, create_new_process_for_each_test, fork_new_process_for_each_test
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with RemoteServer(str(tmp_path_factory.mktemp("server") / "port")) as remote:
+        yield remote
+
+
+@pytest.mark.needs_clean_gpus
+def test_health(server):
+    assert urllib.request.urlopen(server.url_for("health")).read() == b"ok"
+
+
+def test_health_again(server):
+    assert urllib.request.urlopen(server.url_for("health")).read() == b"ok"
+
+
+@fork_new_process_for_each_test
+def test_forked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@fork_new_process_for_each_test
+def test_forked_leaves_a_child_in_its_group():
+    hold(mib=100)  # ended by the helper's killpg, as in vLLM
+    wait_holders(1)
+
+
+@create_new_process_for_each_test("spawn")
+def test_spawned():
+    assert os.environ["VLLM_LIKE_SPAWNED_CHILD"] == "1"
+
+
+@fork_new_process_for_each_test
+def test_forked_escapee():
+    hold("--daemonize", mib=50)  # its own session: the helper's killpg misses it
+    wait_holders(2)
+'''
+
+
+def test_vllm_like_helpers(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(vllm_like=VLLM_LIKE, fake_server=FAKE_SERVER)
+    pidfile = inner(VLLM_LIKE_TESTS)
+    result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=6, errors=1)
+    grouped, escapee = read_pids(pidfile, expected=2)
+    assert wait_dead([grouped, escapee], timeout=5) == []
+    records = records_by_nodeid(report_of(pytester))
+    leak = records.pop("test_inner.py::test_forked_escapee")[0]
+    assert escapee in [p["pid"] for p in leak["leaked"]]
+    assert {p["owner"]["name"] for p in leak["leaked"]} == {"test_inner.py::test_forked_escapee"}
+    # The server and its engine were the module fixture's while it lived, and its teardown ended them.
+    assert [r["outcome"] for rs in records.values() for r in rs] == ["clean"] * 5
+    # Processes that ended by themselves (the helper's killpg, the server's teardown) are listed in the
+    # summary as collected, and are no leak.
+    assert summary_of(result)[-1] == "6 checked test(s), 2 with findings, 1 process(es) reaped"
+    assert result.stdout.str().count("ERROR at teardown of") == 1
