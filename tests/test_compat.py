@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import alive, read_pids, run_inner, wait_dead
+from helpers import alive, read_pids, run_inner, wait_dead
 
 from pytest_gpuclean.report import LEAK_PREFIX
 
