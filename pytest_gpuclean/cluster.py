@@ -1,7 +1,7 @@
 """The check across a Ray cluster (``--gpuclean-ray``): every alive node's devices and the test's Ray
 actors and processes, through Ray's own records.
 
-The pytest process never imports Ray. A helper driver (``python -m pytest_gpuclean.cluster agent``),
+The pytest process never imports Ray. A helper driver (``_agent_main``, in a Python process of its own),
 a job of its own, reads the control store's tables (no dashboard needed), runs a probe pinned to each
 node (node affinity, ``num_cpus=0`` so that a busy node still answers) and ends what the check decides
 is a test's leak. It talks to the pytest process over a pipe; every request has a deadline, and an
@@ -52,6 +52,12 @@ CONNECT_ENV = {
 }
 RAY_DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE",
                "dashboard.py", "log_monitor.py", "monitor.py", "runtime_env/agent")
+
+
+# Not ``-m``: what the agent pickles (results, the probe Ray ships to the nodes) must name this module,
+# not ``__main__``.
+AGENT_COMMAND = ("import sys; from pytest_gpuclean.cluster import _agent_main; "
+                 "sys.exit(_agent_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))")
 
 
 class ClusterError(Exception):
@@ -326,8 +332,7 @@ class RayCheck:
         if self.address.split(":")[0] in ("127.0.0.1", "localhost"):
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else loopback is rewritten to the host IP
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest_gpuclean.cluster", "agent", self.address, str(to_agent_r),
-             str(from_agent_w)], pass_fds=(to_agent_r, from_agent_w), env=env,
+            [sys.executable, "-c", AGENT_COMMAND, self.address, str(to_agent_r), str(from_agent_w)], pass_fds=(to_agent_r, from_agent_w), env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_agent_r)
         os.close(from_agent_w)
@@ -555,8 +560,3 @@ def resolve_address(value: str) -> str | None:
         return os.environ.get("RAY_ADDRESS") or None
     return value
 
-
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "agent":
-        sys.exit(_agent_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
-    sys.exit("usage: python -m pytest_gpuclean.cluster agent ADDRESS READ_FD WRITE_FD")
