@@ -332,7 +332,8 @@ class RayCheck:
         if self.address.split(":")[0] in ("127.0.0.1", "localhost"):
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else loopback is rewritten to the host IP
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", AGENT_COMMAND, self.address, str(to_agent_r), str(from_agent_w)], pass_fds=(to_agent_r, from_agent_w), env=env,
+            [sys.executable, "-c", AGENT_COMMAND, self.address, str(to_agent_r), str(from_agent_w)],
+            pass_fds=(to_agent_r, from_agent_w), env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_agent_r)
         os.close(from_agent_w)
