@@ -186,12 +186,15 @@ class GpuCleanPlugin:
         # the session, like a session-scoped fixture: protected until the final sweep.
         self.checker.ownership.active_fixtures.add(self._session_token)
         self._previous_cookie = self._set_owner_env(self._session_token)
+        self.ray = _start_ray(resolved, self.checker)
         self._swept = False
         self._terminated = False
         self._previous_sigterm: Any = None
         self._install_sigterm()
 
     def close(self) -> None:
+        if self.ray is not None:
+            self.ray.stop()
         # After every pytest_unconfigure: what the session set-up started (a conftest's server, a
         # plugin's daemon) and its owner did not stop would otherwise outlive pytest.
         try:
@@ -474,6 +477,7 @@ class GpuCleanPlugin:
             state.previous_visible = ("CUDA_VISIBLE_DEVICES" in os.environ,
                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.uuid for d in state.devices)
+        self._ray_before(state)
         result = self.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                     timeout=state.timeout)
         record.before = result
@@ -517,6 +521,11 @@ class GpuCleanPlugin:
         record = state.record
         if record is None or record.before is None or not record.before.clean:
             return None  # the test never ran on clean GPUs: its setup error already says why
+        ray_failure = self._ray_after(state)
+        local_failure = self._after_local(item, state, record)
+        return "\n\n".join(f for f in (ray_failure, local_failure) if f) or None
+
+    def _after_local(self, item: pytest.Item, state: _ItemState, record: TestRecord) -> str | None:
         result = self.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
                                     timeout=state.timeout)
         own_tokens = {state.token, *state.fixture_tokens}
@@ -546,6 +555,33 @@ class GpuCleanPlugin:
                                                                    self.checker.reap_enabled))
         if not result.clean:
             return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
+        return None
+
+    # ---- the Ray cluster (--gpuclean-ray): see cluster.py ----------------------------------------
+
+    def _ray_before(self, state: _ItemState) -> None:
+        if self.ray is None:
+            return
+        result = self.ray.check("setup", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        self._attribute_earlier(result.reaped, state, result.notes)
+        if not result.clean:
+            pytest.fail(report.check_report(result, "gpuclean: the Ray cluster is not clean before the test"),
+                        pytrace=False)
+
+    def _ray_after(self, state: _ItemState) -> str | None:
+        if self.ray is None:
+            return None
+        result = self.ray.check("teardown", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        own_tokens = {state.token, *state.fixture_tokens}
+        own = [r for r in result.reaped if r.owner is None or self._token_of(r.owner) in own_tokens]
+        self._attribute_earlier([r for r in result.reaped if r not in own], state, result.notes)
+        result = dataclasses.replace(result, reaped=tuple(own))
+        leaked = [o for o in result.offenders if o.reason == "leaked"]
+        if own or leaked:
+            return report.check_report(result, report.leak_heading(own, leaked, self.ray.reap)
+                                       + " on the Ray cluster")
+        if not result.clean:
+            return report.check_report(result, "gpuclean: the Ray cluster is not clean after the test")
         return None
 
     def _end_test(self, state: _ItemState) -> None:
@@ -709,6 +745,24 @@ def _die_of(signum: int) -> None:
     sys.stderr.flush()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def _start_ray(resolved: settings.Settings, checker: Checker) -> Any:
+    # Ray (and cluster.py, which drives it) is loaded only when the option asks for a cluster.
+    if resolved.ray == "off":
+        return None
+    from pytest_gpuclean import cluster
+
+    address = cluster.resolve_address(resolved.ray)
+    if address is None:
+        return None
+    check = cluster.RayCheck(address, checker.ownership, reap=resolved.reap == "on", grace=resolved.grace)
+    try:
+        check.start(resolved.timeout)
+    except cluster.ClusterError as exc:
+        source = resolved.sources.get("ray", "")
+        raise pytest.UsageError(f"--gpuclean-ray: {exc} ({source})") from None
+    return check
 
 
 def _restore_env(name: str, value: str | None) -> None:

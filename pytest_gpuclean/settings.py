@@ -89,6 +89,15 @@ def _existing_dir(text: str) -> str:
     return os.path.abspath(text)
 
 
+def _ray_address(text: str) -> str:
+    if text in ("off", "auto"):
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{text!r} is not host:port, auto or off")
+    return text
+
+
 def _text(text: str) -> str:
     return text
 
@@ -162,6 +171,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("lock_timeout", f"seconds to wait for another session's GPU lock (default "
            f"{DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
     Option("report", "write a JSON report of every checked test to PATH", _text, "PATH"),
+    Option("ray", "check every node of a Ray cluster too: its GCS address (host:port), auto (RAY_ADDRESS "
+           "if set) or off (default off; with off Ray is never imported)", _ray_address, "ADDRESS"),
 )
 
 
@@ -213,6 +224,7 @@ class Settings:
     lock_dir: str = DEFAULT_LOCK_DIR
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     report: str | None = None
+    ray: str = "off"
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def explicit(self, name: str) -> bool:

@@ -1,0 +1,563 @@
+"""The check across a Ray cluster (``--gpuclean-ray``): every alive node's devices and the test's Ray
+actors and processes, through Ray's own records.
+
+The pytest process never imports Ray. A helper driver (``_agent_main``, in a Python process of its own),
+a job of its own, reads the control store's tables (no dashboard needed), runs a probe pinned to each
+node (node affinity, ``num_cpus=0`` so that a busy node still answers) and ends what the check decides
+is a test's leak. It talks to the pytest process over a pipe; every request has a deadline, and an
+agent that misses it is killed and reported, so an unreachable cluster never hangs a test.
+
+Attribution: a Ray actor belongs to a test when its job's driver is this pytest process and Ray's
+record says it started inside the test's window (the same windows as the local check); a process on
+a node belongs to it through its actor's worker (ancestry), or when it carries the job's id
+(``RAY_JOB_ID``, inherited by every process a worker starts) and was born inside the window. Ray's
+daemons, idle workers (``ray::IDLE``), another job's actors and other users' processes are never
+signalled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pytest_gpuclean import procfs
+from pytest_gpuclean.model import (
+    MIB,
+    CheckResult,
+    DeviceInfo,
+    DeviceSnapshot,
+    EndedBy,
+    Offender,
+    Phase,
+    ProcessInfo,
+    Reaped,
+)
+from pytest_gpuclean.ownership import SESSION, Ownership
+
+OFF = "off"
+AUTO = "auto"
+# Without these, ray.init to a dead address retries for about 14 minutes before it gives up.
+CONNECT_ENV = {
+    "RAY_gcs_server_port_wait_time_s": "1",
+    "RAY_py_gcs_connect_timeout_s": "2",
+    "RAY_gcs_rpc_server_connect_timeout_s": "1",
+}
+RAY_DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE",
+               "dashboard.py", "log_monitor.py", "monitor.py", "runtime_env/agent")
+
+
+# Not ``-m``: what the agent pickles (results, the probe Ray ships to the nodes) must name this module,
+# not ``__main__``.
+AGENT_COMMAND = ("import sys; from pytest_gpuclean.cluster import _agent_main; "
+                 "sys.exit(_agent_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))")
+
+
+class ClusterError(Exception):
+    """The cluster cannot be reached or used (wrong address, Ray missing, another Ray version)."""
+
+
+# ---- what a node probe returns (plain data, pickled through Ray) -------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeProcess:
+    """A process on a node that matters to the check: on a device, or of a watched job."""
+
+    info: ProcessInfo
+    job_id: str
+    """``RAY_JOB_ID`` from its environment ('' when none)."""
+    start_wall: float
+    ray_worker: bool
+    """A Ray worker (its title starts with ``ray::``)."""
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One node's devices and the processes that matter, as its probe saw them."""
+
+    node_id: str
+    raylet_pid: int
+    devices: tuple[DeviceSnapshot, ...]
+    processes: tuple[NodeProcess, ...]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ActorRecord:
+    """An actor as the control store records it."""
+
+    actor_id: str
+    job_id: str
+    node_id: str
+    pid: int
+    state: str
+    start_wall: float
+    name: str
+    namespace: str
+    detached: bool
+    class_name: str
+
+
+@dataclass(frozen=True)
+class Census:
+    """The cluster at one moment: nodes, actors, which jobs are ours, and each alive node's report."""
+
+    nodes: tuple[NodeReport, ...]
+    dead_nodes: tuple[tuple[str, str], ...]
+    """(node id, why) of nodes that died since the agent connected."""
+    actors: tuple[ActorRecord, ...]
+    our_jobs: tuple[str, ...]
+    took_s: float
+
+
+# ---- node side ------------------------------------------------------------------------------------
+
+
+def probe_node(jobs: Sequence[str]) -> NodeReport:
+    """On a node (inside a Ray worker): its devices and the processes that matter, this user's only."""
+    from pytest_gpuclean import devices, processes
+
+    raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
+    node_id = _node_id()
+    snaps: tuple[DeviceSnapshot, ...] = ()
+    error = ""
+    try:
+        backend = devices.open_backend(os.environ.get("GPUCLEAN_SIMULATE") or None)
+    except devices.DeviceError:
+        backend = None  # a node without GPUs (or NVML): its processes still count
+    if backend is not None:
+        try:
+            snaps = tuple(backend.snapshot(d) for d in backend.devices())
+        except devices.DeviceError as exc:
+            error = f"devices unreadable: {exc}"
+        finally:
+            backend.close()
+    on_device = {p.pid for s in snaps for p in s.processes}
+    uid = os.getuid()
+    me = os.getpid()
+    found: list[NodeProcess] = []
+    for pid in set(procfs.pids_of_uid(uid)) | on_device:
+        if pid == me:
+            continue
+        env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
+        job = env.get("RAY_JOB_ID", "")
+        # A process of a watched job on this node (its raylet's), or anything a device lists.
+        if pid not in on_device and not (job in jobs and env.get("RAY_RAYLET_PID") == str(raylet)):
+            continue
+        info = processes.describe(pid)
+        if info is None:
+            continue
+        found.append(NodeProcess(info, job, procfs.ticks_to_wall(info.start_ticks),
+                                 info.cmdline.startswith("ray::")))
+    return NodeReport(node_id, raylet, _named(snaps, node_id), tuple(found), error)
+
+
+def terminate_on_node(targets: Sequence[tuple[int, int, str]], raylet_pid: int, grace: float
+                      ) -> list[tuple[int, str, float | None, str]]:
+    """On a node: the TERM -> grace -> KILL ladder for ``(pid, start ticks, job id)`` targets.
+
+    Each target is checked again here, where the pid means something: same start time, this user's,
+    this node's raylet, the job the check blamed; anything else is left alone.
+    """
+    from pytest_gpuclean import processes
+
+    uid = os.getuid()
+    verified: list[processes.KillTarget] = []
+    refused: list[tuple[int, str, float | None, str]] = []
+    for pid, start_ticks, job in targets:
+        stat = procfs.read_stat(pid)
+        env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
+        if stat is None or stat.start_ticks != start_ticks:
+            refused.append((pid, "already exited" if stat is None else "pid reused", None, ""))
+        elif os.stat(f"/proc/{pid}").st_uid != uid or env.get("RAY_JOB_ID") != job or \
+                env.get("RAY_RAYLET_PID") != str(raylet_pid):
+            refused.append((pid, "survived", None, "not provably the test's: left alone"))
+        else:
+            verified.append(processes.KillTarget(pid, start_ticks, 0, None))
+    outcomes = processes.terminate(verified, grace)
+    return refused + [(o.pid, o.ended_by, o.exit_s, o.state) for o in outcomes]
+
+
+def _node_id() -> str:
+    ray = _ray()
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def _ray() -> Any:
+    # Typed as Any: Ray is optional, and mypy must pass where it is not installed.
+    return importlib.import_module("ray")
+
+
+def _named(snaps: tuple[DeviceSnapshot, ...], node_id: str) -> tuple[DeviceSnapshot, ...]:
+    # Devices carry their node in the name, so that reports across nodes say where a GPU is.
+    out = []
+    for s in snaps:
+        device = DeviceInfo(s.device.index, s.device.uuid, f"node {node_id[:8]}: {s.device.name}",
+                            s.device.mig_index)
+        out.append(DeviceSnapshot(device, s.used_bytes, s.total_bytes, s.processes))
+    return tuple(out)
+
+
+# ---- the agent: a driver of its own ------------------------------------------------------------------
+
+
+class _Agent:
+    def __init__(self, address: str) -> None:
+        ray = self.ray = _ray()
+        strategies = importlib.import_module("ray.util.scheduling_strategies")
+        self.affinity = strategies.NodeAffinitySchedulingStrategy
+        self.gcs_pb2: Any = importlib.import_module("ray.core.generated.gcs_pb2")
+        self.state: Any = importlib.import_module("ray._private.state")
+        ray.init(address=address, namespace="gpuclean", log_to_driver=False, logging_level="ERROR",
+                 configure_logging=False)
+        self.probe = ray.remote(num_cpus=0, max_retries=0)(probe_node)
+        self.reaper = ray.remote(num_cpus=0, max_retries=0)(terminate_on_node)
+        self.known_alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        self.version = ray.__version__
+
+    def census(self, driver_pid: int, since: float, timeout: float) -> Census:
+        ray = self.ray
+        started = time.monotonic()
+        accessor = self.state.state._connect_and_get_accessor()
+        jobs = []
+        gcs_pb2 = self.gcs_pb2
+
+        for raw in accessor.get_job_table(skip_submission_job_info_field=True,
+                                          skip_is_running_tasks_field=True):
+            job = gcs_pb2.JobTableData.FromString(raw)
+            # Dead jobs too: a driver that called ray.shutdown() leaves its detached actors behind.
+            if job.driver_pid == driver_pid and job.start_time / 1000.0 >= since:
+                jobs.append(job.job_id.hex())
+        actors = []
+        for raw in accessor.get_actor_table(None, None):
+            a = gcs_pb2.ActorTableData.FromString(raw)
+            actors.append(ActorRecord(a.actor_id.hex(), a.job_id.hex(), a.address.node_id.hex(), a.pid,
+                                      gcs_pb2.ActorTableData.ActorState.Name(a.state), a.start_time / 1000.0,
+                                      a.name, a.ray_namespace, a.is_detached, a.class_name))
+        our_jobs = set(jobs)
+        nodes = ray.nodes()
+        dead = tuple((n["NodeID"], n.get("DeathReasonMessage") or "dead") for n in nodes
+                     if not n["Alive"] and n["NodeID"] in self.known_alive)
+        alive = [n["NodeID"] for n in nodes if n["Alive"]]
+        refs = {node: self.probe.options(scheduling_strategy=self.affinity(node, soft=False)).remote(
+            sorted(our_jobs)) for node in alive}
+        reports = []
+        deadline = started + timeout
+        for node, ref in refs.items():
+            try:
+                reports.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
+            except Exception as exc:  # a node that died or hangs: a finding, not a hang
+                ray.cancel(ref, force=True)
+                reports.append(NodeReport(node, 0, (), (), f"probe failed: {type(exc).__name__}: "
+                                          f"{str(exc).splitlines()[0] if str(exc) else ''}"))
+        took = time.monotonic() - started
+        return Census(tuple(reports), dead, tuple(actors), tuple(sorted(our_jobs)), took)
+
+    def kill_actors(self, named: Sequence[tuple[str, str]]) -> list[str]:
+        errors = []
+        for name, namespace in named:
+            try:
+                self.ray.kill(self.ray.get_actor(name, namespace=namespace), no_restart=True)
+            except Exception as exc:
+                errors.append(f"ray.kill of actor {name!r} failed: {exc}")
+        return errors
+
+    def terminate(self, node: str, raylet: int, targets: Sequence[tuple[int, int, str]], grace: float,
+                  timeout: float) -> list[tuple[int, str, float | None, str]]:
+        ref = self.reaper.options(scheduling_strategy=self.affinity(node, soft=False)).remote(
+            list(targets), raylet, grace)
+        return list(self.ray.get(ref, timeout=timeout))
+
+
+def _agent_main(address: str, read_fd: int, write_fd: int) -> int:
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    try:
+        agent = _Agent(address)
+    except BaseException as exc:  # ray missing, unreachable, another version: say so and stop
+        outbox.send(("error", f"{type(exc).__name__}: {exc}"))
+        return 1
+    outbox.send(("ready", agent.version))
+    while True:
+        try:
+            request = inbox.recv()
+        except EOFError:
+            return 0
+        op, args = request
+        try:
+            outbox.send(("ok", getattr(agent, op)(*args)))
+        except Exception as exc:
+            outbox.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+# ---- the pytest side ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Leak:
+    process: NodeProcess | None
+    actor: ActorRecord | None
+    node: str
+    token: str
+
+
+@dataclass
+class RayCheck:
+    """Drives the agent from the pytest process: census, attribution, reaping, the verdict."""
+
+    address: str
+    ownership: Ownership
+    reap: bool = True
+    grace: float = 5.0
+    _proc: subprocess.Popen[bytes] | None = None
+    _inbox: Connection | None = None
+    _outbox: Connection | None = None
+    version: str = ""
+    since: float = field(default_factory=time.time)
+    """Jobs whose driver is this process and started since then are this session's."""
+    notes: list[str] = field(default_factory=list)
+
+    def start(self, timeout: float) -> None:
+        """Start the agent and connect it; ``ClusterError`` if that fails or takes over ``timeout``."""
+        to_agent_r, to_agent_w = os.pipe()
+        from_agent_r, from_agent_w = os.pipe()
+        env = dict(os.environ, **CONNECT_ENV)
+        if self.address.split(":")[0] in ("127.0.0.1", "localhost"):
+            env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else loopback is rewritten to the host IP
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", AGENT_COMMAND, self.address, str(to_agent_r), str(from_agent_w)],
+            pass_fds=(to_agent_r, from_agent_w), env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_agent_r)
+        os.close(from_agent_w)
+        self._outbox = Connection(to_agent_w, readable=False)
+        self._inbox = Connection(from_agent_r, writable=False)
+        kind, value = self._receive(timeout, "connect")
+        if kind != "ready":
+            self.stop()
+            raise ClusterError(f"cannot use the Ray cluster at {self.address}: {value}")
+        self.version = str(value)
+
+    def _receive(self, timeout: float, what: str) -> tuple[str, Any]:
+        assert self._inbox is not None
+        try:
+            if not self._inbox.poll(timeout):
+                self.stop()
+                raise ClusterError(f"the Ray cluster at {self.address} did not answer ({what}) within "
+                                   f"{timeout:.0f}s")
+            reply: tuple[str, Any] = self._inbox.recv()
+        except (EOFError, OSError, pickle.UnpicklingError) as exc:
+            self.stop()
+            raise ClusterError(f"gpuclean's Ray agent for {self.address} died ({what}): {exc!r}") from None
+        return reply
+
+    def _call(self, op: str, *args: Any, timeout: float) -> Any:
+        if self._proc is None:
+            self.start(timeout)
+        assert self._outbox is not None
+        self._outbox.send((op, args))
+        kind, value = self._receive(timeout + 1.0, op)
+        if kind != "ok":
+            raise ClusterError(f"Ray cluster at {self.address}: {op} failed: {value}")
+        return value
+
+    def stop(self) -> None:
+        """End the agent (its driver job ends with it)."""
+        for conn in (self._inbox, self._outbox):
+            if conn is not None:
+                conn.close()
+        self._inbox = self._outbox = None
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    @property
+    def agent_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- attribution ----------------------------------------------------------------------------
+
+    def _token_at(self, wall: float) -> str:
+        """The innermost window (test or fixture) that a Ray record's start time lies in."""
+        for window in reversed(self.ownership.windows):
+            start = procfs.ticks_to_wall(window.start_tick)
+            end = procfs.ticks_to_wall(window.end_tick) if window.end_tick is not None else time.time()
+            if start <= wall <= end:
+                return window.token
+        return SESSION
+
+    def leaks(self, census: Census) -> list[_Leak]:
+        """What of ours is alive on the cluster and not protected (an active fixture's, the session's)."""
+        ours = set(census.our_jobs)
+        found: list[_Leak] = []
+        actor_by_pid: dict[tuple[str, int], _Leak] = {}
+        for actor in census.actors:
+            if actor.state != "ALIVE" or actor.job_id not in ours:
+                continue
+            token = self._token_at(actor.start_wall)
+            leak = _Leak(None, actor, actor.node_id, token)
+            actor_by_pid[(actor.node_id, actor.pid)] = leak
+            if not self.ownership.is_protected(token):
+                found.append(leak)
+        for node in census.nodes:
+            by_pid = {p.info.pid: p for p in node.processes}
+            for p in node.processes:
+                if p.job_id not in ours:
+                    continue
+                actor_leak = actor_by_pid.get((node.node_id, p.info.pid))
+                if actor_leak is not None:
+                    actor_leak.process = p
+                    continue
+                if p.ray_worker:
+                    continue  # a task worker, idle or not, is Ray's to reuse; only what it started is a leak
+                # Ancestry first: a subprocess of an actor's worker is that actor's.
+                owner_leak = None
+                parent = by_pid.get(p.info.ppid)
+                while parent is not None and owner_leak is None:
+                    owner_leak = actor_by_pid.get((node.node_id, parent.info.pid))
+                    parent = by_pid.get(parent.info.ppid)
+                token = owner_leak.token if owner_leak is not None else self._token_at(p.start_wall)
+                if not self.ownership.is_protected(token):
+                    found.append(_Leak(p, owner_leak.actor if owner_leak else None, node.node_id, token))
+        return found
+
+    # ---- the check ------------------------------------------------------------------------------
+
+    def check(self, phase: Phase, *, tolerance_mib: int, timeout: float) -> CheckResult:
+        """Check every alive node; reap the test's leaks (Ray first, then the ladder on the node)."""
+        started = time.monotonic()
+        notes: list[str] = []
+        pytest_pid = os.getpid()
+        try:
+            census: Census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
+        except ClusterError as exc:
+            return CheckResult(phase, False, (), (Offender("memory", None, None, "gpu", detail=str(exc)),),
+                               waited_s=time.monotonic() - started)
+        leaks = self.leaks(census)
+        reaped: list[Reaped] = []
+        if leaks and self.reap:
+            reaped = self._reap(leaks, census, notes, max(1.0, timeout - (time.monotonic() - started)))
+            census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
+            leaks = self.leaks(census)
+        offenders = [self._offender(leak, census) for leak in leaks]
+        offenders += self._node_findings(census, tolerance_mib)
+        devices = tuple(s for n in census.nodes for s in n.devices)
+        waited = time.monotonic() - started
+        return CheckResult(phase, not offenders, devices, tuple(offenders), tuple(reaped), waited,
+                           waited if not offenders else None, tuple(notes), tolerance_mib)
+
+    def _reap(self, leaks: list[_Leak], census: Census, notes: list[str], timeout: float) -> list[Reaped]:
+        # Named actors end through Ray (ray.kill frees their GPU through Ray's own path); anonymous ones
+        # cannot be looked up from another job, so their worker gets the ladder, which Ray sees as the
+        # actor's death.
+        named = sorted({(lk.actor.name, lk.actor.namespace) for lk in leaks
+                        if (lk.actor is not None and lk.actor.name and lk.process is None)
+                        or (lk.actor is not None and lk.actor.name and lk.process is not None
+                        and lk.process.info.pid == lk.actor.pid)})
+        killed_by_ray: set[int] = set()
+        if named:
+            errors = self._call("kill_actors", named, timeout=timeout)
+            notes.extend(errors)
+            killed_by_ray = {lk.actor.pid for lk in leaks if lk.actor is not None and
+                             (lk.actor.name, lk.actor.namespace) in named}
+        raylets = {n.node_id: n.raylet_pid for n in census.nodes}
+        results: list[Reaped] = []
+        by_node: dict[str, list[_Leak]] = {}
+        for lk in leaks:
+            if lk.process is not None:
+                by_node.setdefault(lk.node, []).append(lk)
+        for node, node_leaks in by_node.items():
+            targets = [(lk.process.info.pid, lk.process.info.start_ticks, lk.process.job_id)
+                       for lk in node_leaks if lk.process is not None]
+            begun = time.monotonic()
+            try:
+                outcomes = self._call("terminate", node, raylets.get(node, 0), targets, self.grace,
+                                      timeout, timeout=timeout)
+            except ClusterError as exc:
+                notes.append(f"node {node[:8]}: reaping failed: {exc}")
+                continue
+            took = time.monotonic() - begun
+            by_pid = {o[0]: o for o in outcomes}
+            for lk in node_leaks:
+                assert lk.process is not None
+                pid = lk.process.info.pid
+                _, ended, exit_s, state = by_pid.get(pid, (pid, "survived", None, "no answer"))
+                if pid in killed_by_ray and ended == "already exited":
+                    ended = "exited by itself"  # ray.kill ended it before the ladder got there
+                how: EndedBy = ended if ended in ("SIGTERM", "SIGKILL", "already exited", "pid reused",
+                                                  "exited by itself") else "survived"
+                results.append(Reaped(self._info(lk), self.ownership.owner(lk.token), "gpu", how,
+                                      self._held(lk, census), exit_s, None,
+                                      survived_as=state if how == "survived" else ""))
+            notes.append(f"node {node[:8]}: reaped {len(node_leaks)} process(es) in {took:.2f}s")
+        return results
+
+    def _info(self, leak: _Leak) -> ProcessInfo:
+        p = leak.process
+        if p is None:
+            a = leak.actor
+            assert a is not None
+            return ProcessInfo(a.pid, 0, 0, -1, "?", f"[node {leak.node[:8]}] ray actor {a.class_name} "
+                               f"{a.actor_id[:8]} (worker not found on the node)", "?")
+        what = f"actor {leak.actor.class_name} {leak.actor.actor_id[:8]}, " if leak.actor else ""
+        return ProcessInfo(p.info.pid, p.info.start_ticks, p.info.ppid, p.info.uid, p.info.user,
+                           f"[node {leak.node[:8]}, {what}job {p.job_id}] {p.info.cmdline}", p.info.state)
+
+    @staticmethod
+    def _held(leak: _Leak, census: Census) -> tuple[tuple[str, float], ...]:
+        if leak.process is None:
+            return ()
+        pid = leak.process.info.pid
+        return tuple((f"{s.device.name.split(':')[0]} {s.device.label}", s.bytes_of({pid}) / MIB)
+                     for n in census.nodes if n.node_id == leak.node for s in n.devices
+                     if any(gp.pid == pid for gp in s.processes))
+
+    def _offender(self, leak: _Leak, census: Census) -> Offender:
+        return Offender("leaked", self._info(leak), self.ownership.owner(leak.token), "gpu",
+                        self._held(leak, census), detail="Ray actor" if leak.actor else "")
+
+    def _node_findings(self, census: Census, tolerance_mib: int) -> list[Offender]:
+        found: list[Offender] = []
+        for node_id, why in census.dead_nodes:
+            found.append(Offender("memory", None, None, "gpu",
+                                  detail=f"Ray node {node_id[:8]} died: {why}; its workers may live on "
+                                  "as orphans that no check can reach"))
+        ours = set(census.our_jobs)
+        for node in census.nodes:
+            explained = {p.info.pid for p in node.processes if p.job_id in ours}
+            if node.error:
+                found.append(Offender("memory", None, None, "gpu",
+                                      detail=f"Ray node {node.node_id[:8]}: {node.error}"))
+            for s in node.devices:
+                listed = sum(p.used_bytes or 0 for p in s.processes)
+                for gp in s.processes:
+                    if gp.pid in explained:
+                        continue  # ours: a leak was reported above, a protected one is no finding
+                    found.append(Offender("foreign", ProcessInfo(gp.pid, 0, 0, -1, "?",
+                                                                 f"[node {node.node_id[:8]}] pid {gp.pid}",
+                                                                 "?"), None, "gpu",
+                                          ((s.device.label, (gp.used_bytes or 0) / MIB),),
+                                          detail=f"on {s.device.name}"))
+                if s.used_bytes - listed > tolerance_mib * MIB:
+                    found.append(Offender("memory", None, None, "gpu", (
+                        (s.device.label, (s.used_bytes - listed) / MIB),),
+                        detail=f"{s.device.name}: memory no process accounts for"))
+        return found
+
+
+def resolve_address(value: str) -> str | None:
+    """The address ``--gpuclean-ray`` names: None for ``off``; ``auto`` is ``RAY_ADDRESS`` if set."""
+    if value == OFF:
+        return None
+    if value == AUTO:
+        return os.environ.get("RAY_ADDRESS") or None
+    return value
+

@@ -1,0 +1,194 @@
+"""--gpuclean-ray: the check across a Ray cluster, on a local 3-node cluster (ray.cluster_utils) whose
+nodes each have their own simulated devices. Skipped without Ray; install it with
+``pip install ray==2.60.0`` and run ``python -m pytest tests/test_ray.py``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+INNER = '''
+import os, subprocess, sys
+import pytest
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from pytest_gpuclean.simulate import allocate
+
+NODE_B, NODE_C = os.environ["NODE_B"], os.environ["NODE_C"]
+KEEP = []
+
+def on(node):
+    return NodeAffinitySchedulingStrategy(node, soft=False)
+
+@ray.remote(num_cpus=0)
+class Holder:
+    def hold(self, mib):
+        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
+        return os.getpid()
+
+@ray.remote(num_cpus=0)
+def spawn_holder(pidfile):
+    proc = subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
+                             os.environ["GPUCLEAN_SIMULATE"], "--mib", "30", "--pidfile", pidfile])
+    return proc.pid
+
+def setup_module():
+    ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
+
+def teardown_module():
+    ray.shutdown()
+
+@pytest.fixture(scope="module")
+def shared_actor():
+    actor = Holder.options(scheduling_strategy=on(NODE_B)).remote()
+    pid = ray.get(actor.hold.remote(20))
+    yield actor, pid
+    ray.kill(actor)
+
+@pytest.mark.needs_clean_gpus
+def test_a_fixture_actor_is_protected(shared_actor):
+    assert ray.get(shared_actor[0].hold.remote(20)) == shared_actor[1]
+
+@pytest.mark.needs_clean_gpus
+def test_b_handle_in_global():
+    KEEP.append(Holder.options(scheduling_strategy=on(NODE_B)).remote())
+    ray.get(KEEP[-1].hold.remote(50))
+
+@pytest.mark.needs_clean_gpus
+def test_c_detached():
+    actor = Holder.options(scheduling_strategy=on(NODE_C), lifetime="detached", name="leaky",
+                           namespace="t").remote()
+    ray.get(actor.hold.remote(40))
+
+@pytest.mark.needs_clean_gpus
+def test_d_subprocess_on_other_node():
+    ray.get(spawn_holder.options(scheduling_strategy=on(NODE_C)).remote(os.environ["LEAK_PIDFILE"]))
+    import time
+    for _ in range(500):
+        if os.path.exists(os.environ["LEAK_PIDFILE"]):
+            break
+        time.sleep(0.01)
+
+@pytest.mark.needs_clean_gpus
+def test_e_fixture_actor_still_there(shared_actor):
+    assert ray.get(shared_actor[0].hold.remote(20)) == shared_actor[1]
+
+@pytest.mark.needs_clean_gpus
+def test_f_clean():
+    pass
+'''
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    # Loopback-only nodes: without this the driver rewrites 127.0.0.1 to the host's address and hangs.
+    # Read when Ray is imported, so set first; the inner session's driver inherits it.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.update({"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "2",
+                       "RAY_gcs_rpc_server_connect_timeout_s": "1"})
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    from ray.cluster_utils import Cluster
+    root = tmp_path_factory.mktemp("nodes")
+    dirs = {}
+    for name in ("head", "b", "c"):
+        (root / name / "0").mkdir(parents=True)
+        dirs[name] = root / name
+    common = dict(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        include_dashboard=False, env_vars={"GPUCLEAN_SIMULATE": str(dirs["head"])}, **common))
+    nodes = {name: cluster.add_node(env_vars={"GPUCLEAN_SIMULATE": str(dirs[name])}, **common)
+             for name in ("b", "c")}
+    cluster.wait_for_nodes()
+    # This process is another job: its actor must survive every check of the inner session.
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield {"address": cluster.address, "dirs": dirs, "node_b": nodes["b"].node_id,
+               "node_c": nodes["c"].node_id, "ray": ray}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_leaks_across_nodes_are_found_attributed_and_reaped(
+        pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        ray_cluster: dict[str, Any]) -> None:
+    ray = ray_cluster["ray"]
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class Bystander:
+        def pid(self) -> int:
+            return os.getpid()
+
+    bystander = Bystander.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray_cluster["node_b"], soft=False)).remote()
+    bystander_pid = ray.get(bystander.pid.remote())
+    pidfile = tmp_path / "leak.pids"
+    monkeypatch.setenv("LEAK_PIDFILE", str(pidfile))
+    monkeypatch.setenv("RAY_TEST_ADDRESS", ray_cluster["address"])
+    monkeypatch.setenv("NODE_B", ray_cluster["node_b"])
+    monkeypatch.setenv("NODE_C", ray_cluster["node_c"])
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-ray={ray_cluster['address']}",
+                                           "--gpuclean-grace=2", "--gpuclean-timeout=60", "-p",
+                                           "no:cacheprovider", timeout=300)
+    out = result.stdout.str()
+    b, c = ray_cluster["node_b"][:8], ray_cluster["node_c"][:8]
+    # Each leak fails the test that made it, on its node, and is reaped; the next test is clean.
+    assert result.parseoutcomes().get("errors") == 3, out
+    result.stdout.re_match_lines([
+        r".*ERROR at teardown of test_b_handle_in_global.*",
+        rf".*\[node {b}, actor Holder .*",
+        r".*ERROR at teardown of test_c_detached.*",
+        rf".*\[node {c}, actor Holder .*",
+        r".*ERROR at teardown of test_d_subprocess_on_other_node.*",
+        rf".*\[node {c}, job .*pytest_gpuclean.simulate hold.*",
+    ])
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") == 6, out  # a, e (fixture actor alive), f (clean after the reaping)
+    # Nothing of the inner job holds simulated memory any more, on any node.
+    # (The shared fixture's actor was killed by its own finalizer.)
+    from pytest_gpuclean.devices import SimulatedBackend
+
+    for node_dir in ray_cluster["dirs"].values():
+        backend = SimulatedBackend(node_dir)
+        assert [backend.snapshot(d).used_bytes for d in backend.devices()] == [0], node_dir
+    # Another job's actor was never touched.
+    assert ray.get(bystander.pid.remote()) == bystander_pid
+    ray.kill(bystander)
+
+
+def test_unreachable_cluster_is_a_usage_error(pytester: pytest.Pytester, sim: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=127.0.0.1:9",
+                                           "--gpuclean-timeout=30", timeout=120)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.re_match_lines([r".*--gpuclean-ray: cannot use the Ray cluster at 127.0.0.1:9: .*"
+                                  r"\(from the command line\)"])
+
+
+def test_off_never_imports_ray(pytester: pytest.Pytester, sim: Path) -> None:
+    pytester.makepyfile("""
+        import sys, pytest
+        @pytest.mark.needs_clean_gpus
+        def test_x():
+            assert "ray" not in sys.modules
+            assert "pytest_gpuclean.cluster" not in sys.modules
+    """)
+    result = pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_bad_address_names_the_option(pytester: pytest.Pytester, sim: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCLEAN_RAY", "nowhere")
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_subprocess("-p", "gpuclean")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--gpuclean-ray: 'nowhere' is not host:port, auto or off "
+                                 "(from environment variable GPUCLEAN_RAY)*"])
