@@ -518,7 +518,13 @@ class Checker:
         """
         self.ownership.active_fixtures.clear()
         self.ownership.session_over = include_session
-        found = self.census(scan_cookies=True)  # zombies too: collected and reported
+        found = []
+        for f in self.census(scan_cookies=True):
+            if f.live:
+                found.append(f)
+            else:
+                # Exited, holding nothing: collected (if ours to wait for), not reported as a leftover.
+                processes.reap_if_child(f.pid)
         if not include_session:
             found = [f for f in found if f.token != SESSION]
         else:
