@@ -490,6 +490,38 @@ def test_multi_process_test_case(inner: Callable[[str], Path], pytester: pytest.
     assert summary_of(result)[-1] == "2 checked test(s), 1 with findings, 1 process(es) reaped"
 
 
+# ---- multiprocessing's helpers, from the standard library and from the ``multiprocess`` package --------
+
+@pytest.mark.parametrize("module", ["multiprocessing", "multiprocess"])
+def test_resource_tracker_is_the_sessions_helper(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                                 module: str) -> None:
+    # The first test that spawns a process starts the resource tracker (and here the forkserver) of the
+    # pytest process; they live until pytest exits and serve every later test. vLLM's shm tests use the
+    # ``multiprocess`` package (dill-based), whose helpers are the same code under another name: gpuclean
+    # SIGKILLed its tracker (which ignores SIGTERM) as the first test's leak, 5 s later.
+    if not _installed(module):
+        pytest.skip(f"needs {module}")
+    inner(f'''
+import {module} as mp
+
+def work(q):
+    q.put(os.getpid())
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "spawn"])
+def test_spawns(method):
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=work, args=(q,))
+    p.start()
+    assert q.get(timeout=60) == p.pid
+    p.join()
+''')
+    result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=3)
+    assert summary_of(result)[-1] == "3 checked test(s), 0 with findings, 0 process(es) reaped"
+    assert report_of(pytester)["session_reaped"] == []
+
+
 # ---- vLLM's process helpers (the shape of vLLM's tests/utils.py, written here) ---------------------------
 
 VLLM_LIKE = '''
