@@ -9,14 +9,17 @@ reaped, blamed on its test and reported once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
-from helpers import alive, read_pids, run_inner, wait_dead
+from helpers import alive, read_pids, reap_orphans, run_inner, wait_dead
 
 from pytest_gpuclean.report import LEAK_PREFIX
 
@@ -46,7 +49,24 @@ def needs(module: str, package: str) -> pytest.MarkDecorator:
 
 def compat_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     """An inner gpuclean session in test order (pytest-randomly, where installed, only when asked)."""
-    return run_inner(pytester, *(args if "randomly" in " ".join(args) else ("-p", "no:randomly", *args)))
+    before = {child.pid for child in psutil.Process().children()}
+    try:
+        return run_inner(pytester, *(args if "randomly" in " ".join(args) else ("-p", "no:randomly", *args)))
+    finally:
+        collect_inner_helpers(before)
+
+
+def collect_inner_helpers(before: set[int]) -> None:
+    # The inner session's multiprocessing helpers (resource tracker, forkserver) exit once the inner
+    # pytest has closed their pipe, re-parented to this subreaper: wait for them and collect them.
+    helpers = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.pid not in before and (child.status() == psutil.STATUS_ZOMBIE or re.search(
+                    r"(resource_tracker|forkserver) import main", " ".join(child.cmdline()))):
+                helpers.append(child.pid)
+    wait_dead(helpers)
+    reap_orphans(helpers)
 
 
 def summary_of(result: pytest.RunResult) -> list[str]:
