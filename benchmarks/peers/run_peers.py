@@ -317,7 +317,8 @@ def main() -> int:
                                                f"no ({len(differs)}, {len(res['flaky'])} flaky)"),
                      "-" if way == "off" else str(len(res["findings"])),
                      f"{res['wall_s']:.0f}"])
-    print(f"\n{args.suite} peer suite ({' '.join(suite.targets)}, shard 1/{args.shard}), work dir {work}")
+    targets = " ".join(suite.targets) if len(suite.targets) <= 3 else f"{len(suite.targets)} files"
+    print(f"\n{args.suite} peer suite ({targets}, shard 1/{args.shard}), work dir {work}")
     print(table(rows, ["way", "tests", "passed", "failed", "error", "skipped", "same outcomes as off",
                        "findings", "wall s"]))
     off_s = results["off"]["wall_s"]
