@@ -56,14 +56,18 @@ def compat_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         collect_inner_helpers(before)
 
 
+MULTIPROCESSING_CHILD = re.compile(r"multiprocess(ing)?\.(spawn|resource_tracker|forkserver) import")
+
+
 def collect_inner_helpers(before: set[int]) -> None:
     # The inner session's multiprocessing helpers (resource tracker, forkserver) exit once the inner
-    # pytest has closed their pipe, re-parented to this subreaper: wait for them and collect them.
+    # pytest has closed their pipe, and ranks that MultiProcessTestCase terminated without joining exit
+    # a moment later: re-parented to this subreaper, wait for them and collect them.
     helpers = []
     for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error):
-            if child.pid not in before and (child.status() == psutil.STATUS_ZOMBIE or re.search(
-                    r"(resource_tracker|forkserver) import main", " ".join(child.cmdline()))):
+            if child.pid not in before and (child.status() == psutil.STATUS_ZOMBIE
+                                            or MULTIPROCESSING_CHILD.search(" ".join(child.cmdline()))):
                 helpers.append(child.pid)
     wait_dead(helpers)
     reap_orphans(helpers)
