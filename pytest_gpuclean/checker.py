@@ -49,6 +49,9 @@ MAX_REAP_ROUNDS = 4
 MAX_FREEZE_PASSES = 20
 """Census passes while freezing a respawning set: each pass stops what the previous one missed, and a
 stopped process forks no more, so this ends after as many passes as the tree is deep."""
+MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
+"""Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
+dill-based fork that vLLM's tests use)."""
 
 
 @dataclass
@@ -144,14 +147,16 @@ class Checker:
     def _helper_pids(self) -> set[int]:
         # multiprocessing's resource tracker and forkserver are long-lived helpers of the pytest
         # process itself, started lazily by whichever test first needs them; killing them breaks
-        # later tests (forkserver's own waitpid would fail). They exit with pytest.
+        # later tests (forkserver's own waitpid would fail). They exit with pytest. The
+        # ``multiprocess`` package (dill-based, used by vLLM's tests) has the same helpers.
         helpers: set[int] = set()
-        tracker = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
-        if getattr(tracker, "_pid", None):
-            helpers.add(tracker._pid)  # type: ignore[union-attr]
-        forkserver = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
-        if getattr(forkserver, "_forkserver_pid", None):
-            helpers.add(forkserver._forkserver_pid)  # type: ignore[union-attr]
+        for package in MULTIPROCESSING_PACKAGES:
+            tracker = getattr(sys.modules.get(f"{package}.resource_tracker"), "_resource_tracker", None)
+            if getattr(tracker, "_pid", None):
+                helpers.add(tracker._pid)  # type: ignore[union-attr]
+            forkserver = getattr(sys.modules.get(f"{package}.forkserver"), "_forkserver", None)
+            if getattr(forkserver, "_forkserver_pid", None):
+                helpers.add(forkserver._forkserver_pid)  # type: ignore[union-attr]
         return helpers
 
     def _walk(self) -> list[tuple[int, int, int]]:

@@ -9,14 +9,17 @@ reaped, blamed on its test and reported once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
-from helpers import alive, read_pids, run_inner, wait_dead
+from helpers import alive, read_pids, reap_orphans, run_inner, wait_dead
 
 from pytest_gpuclean.report import LEAK_PREFIX
 
@@ -46,7 +49,28 @@ def needs(module: str, package: str) -> pytest.MarkDecorator:
 
 def compat_run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     """An inner gpuclean session in test order (pytest-randomly, where installed, only when asked)."""
-    return run_inner(pytester, *(args if "randomly" in " ".join(args) else ("-p", "no:randomly", *args)))
+    before = {child.pid for child in psutil.Process().children()}
+    try:
+        return run_inner(pytester, *(args if "randomly" in " ".join(args) else ("-p", "no:randomly", *args)))
+    finally:
+        collect_inner_helpers(before)
+
+
+MULTIPROCESSING_CHILD = re.compile(r"multiprocess(ing)?\.(spawn|resource_tracker|forkserver) import")
+
+
+def collect_inner_helpers(before: set[int]) -> None:
+    # The inner session's multiprocessing helpers (resource tracker, forkserver) exit once the inner
+    # pytest has closed their pipe, and ranks that MultiProcessTestCase terminated without joining exit
+    # a moment later: re-parented to this subreaper, wait for them and collect them.
+    helpers = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.pid not in before and (child.status() == psutil.STATUS_ZOMBIE
+                                            or MULTIPROCESSING_CHILD.search(" ".join(child.cmdline()))):
+                helpers.append(child.pid)
+    wait_dead(helpers)
+    reap_orphans(helpers)
 
 
 def summary_of(result: pytest.RunResult) -> list[str]:
@@ -488,6 +512,38 @@ def test_multi_process_test_case(inner: Callable[[str], Path], pytester: pytest.
     assert [(p["pid"], p["owner"]["name"]) for p in leak["leaked"]] == [
         (leaked[0], "test_inner.py::TestGloo::test_rank_leaks")]
     assert summary_of(result)[-1] == "2 checked test(s), 1 with findings, 1 process(es) reaped"
+
+
+# ---- multiprocessing's helpers, from the standard library and from the ``multiprocess`` package --------
+
+@pytest.mark.parametrize("module", ["multiprocessing", "multiprocess"])
+def test_resource_tracker_is_the_sessions_helper(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                                 module: str) -> None:
+    # The first test that spawns a process starts the resource tracker (and here the forkserver) of the
+    # pytest process; they live until pytest exits and serve every later test. vLLM's shm tests use the
+    # ``multiprocess`` package (dill-based), whose helpers are the same code under another name: gpuclean
+    # SIGKILLed its tracker (which ignores SIGTERM) as the first test's leak, 5 s later.
+    if not _installed(module):
+        pytest.skip(f"needs {module}")
+    inner(f'''
+import {module} as mp
+
+def work(q):
+    q.put(os.getpid())
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "spawn"])
+def test_spawns(method):
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=work, args=(q,))
+    p.start()
+    assert q.get(timeout=60) == p.pid
+    p.join()
+''')
+    result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=3)
+    assert summary_of(result)[-1] == "3 checked test(s), 0 with findings, 0 process(es) reaped"
+    assert report_of(pytester)["session_reaped"] == []
 
 
 # ---- vLLM's process helpers (the shape of vLLM's tests/utils.py, written here) ---------------------------

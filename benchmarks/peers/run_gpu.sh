@@ -5,10 +5,11 @@
 #
 #   bash benchmarks/peers/run_gpu.sh torch-gloo   # distributed_test.py, gloo, 2 ranks sharing GPU 0
 #   bash benchmarks/peers/run_gpu.sh torch-nccl   # distributed_test.py, nccl, world size 1
-#   bash benchmarks/peers/run_gpu.sh vllm         # vLLM 0.20.2's model-free tests/distributed
+#   bash benchmarks/peers/run_gpu.sh vllm         # vLLM 0.20.2's model-free tests/distributed, 1 in 5
 #
 # Each runs three ways (plugin off, every test marked, --gpuclean-all) on the real GPU and writes
 # $OUT/<part>.json, $OUT/<part>.txt and the logs under $OUT/<part>/ (default OUT=benchmarks/results/peers_gpu).
+# SHARD (default 16) and VLLM_SHARD (default 5) choose the slices (benchmarks/peers/peers_select.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_gpu.sh torch-gloo|torch-nccl|vllm}
@@ -29,7 +30,7 @@ run=(python3 benchmarks/peers/run_peers.py --out "$OUT/$part.json" --keep-work "
 case "$part" in
     torch-gloo) PEERS_SHARE_GPU=1 "${run[@]}" torch --backend gloo --world-size 2 --shard "$SHARD" ;;
     torch-nccl) "${run[@]}" torch --backend nccl --world-size 1 --shard "$SHARD" ;;
-    vllm) "${run[@]}" vllm --vllm-dir .peers/vllm-0.20.2 --no-iomp ;;
+    vllm) "${run[@]}" vllm --vllm-dir .peers/vllm-0.20.2 --no-iomp --shard "${VLLM_SHARD:-5}" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
 esac 2>&1 | tee "$OUT/$part.txt"
 exit "${PIPESTATUS[0]}"

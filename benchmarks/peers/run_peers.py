@@ -64,11 +64,18 @@ def junit_outcomes(path: Path) -> dict[str, str]:
     return outcomes
 
 
+def foreign_debris(test: dict[str, Any]) -> bool:
+    """A record that only says gpuclean reaped what another, dead session left on the machine (a pytest
+    killed elsewhere): never checked here, every process of it found as a dead session's."""
+    return (test["before"] is None and bool(test["found_later"])
+            and all(r["found_by"] == "dead session" for r in test["found_later"]))
+
+
 def findings(report: dict[str, Any]) -> list[str]:
     """gpuclean's findings in one report, one paragraph each, with the processes involved."""
     found: list[str] = []
     for test in report["tests"]:
-        if test["outcome"] not in ("leaked", "not_clean"):
+        if test["outcome"] not in ("leaked", "not_clean") or foreign_debris(test):
             continue
         lines = [f"{test['nodeid']}: {test['outcome']}"]
         for leaked in test["leaked"]:
@@ -226,6 +233,8 @@ def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None) -> 
         report = json.loads(report_path.read_text())
         result["findings"] = findings(report)
         result["checked"] = report["summary"]["checked"]
+        result["debris"] = [f"{t['nodeid']}: pid {r['process']['pid']} ({r['ended_by']})"
+                            for t in report["tests"] if foreign_debris(t) for r in t["found_later"]]
     else:
         result["findings"] = []
     return result
@@ -317,7 +326,8 @@ def main() -> int:
                                                f"no ({len(differs)}, {len(res['flaky'])} flaky)"),
                      "-" if way == "off" else str(len(res["findings"])),
                      f"{res['wall_s']:.0f}"])
-    print(f"\n{args.suite} peer suite ({' '.join(suite.targets)}, shard 1/{args.shard}), work dir {work}")
+    targets = " ".join(suite.targets) if len(suite.targets) <= 3 else f"{len(suite.targets)} files"
+    print(f"\n{args.suite} peer suite ({targets}, shard 1/{args.shard}), work dir {work}")
     print(table(rows, ["way", "tests", "passed", "failed", "error", "skipped", "same outcomes as off",
                        "findings", "wall s"]))
     off_s = results["off"]["wall_s"]
@@ -326,6 +336,8 @@ def main() -> int:
         for line in results[way]["flaky"]:
             print(f"  not reproduced (the peer suite's flakiness): {line}")
     for way in ways:
+        for line in results[way].get("debris", []):
+            print(f"{way}: reaped debris of another, dead session (not this suite's): {line}")
         if results[way]["hung"]:
             print(f"{way}: {results[way]['hung']}")
         if results[way]["leftovers"]:
