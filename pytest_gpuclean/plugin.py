@@ -382,6 +382,11 @@ class GpuCleanPlugin:
             return
         if self.settings.report or any(self._should_check(item) for item in session.items):
             self.start()
+        else:
+            # Nothing to check: off the hooks that run for every test, in favour of one that notices a
+            # test that is checked after all.
+            session.config.pluginmanager.unregister(self)
+            session.config.pluginmanager.register(_IdleSession(self), PLUGIN_NAME + "-idle")
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         return self._header_lines() if self.started else []
@@ -843,6 +848,42 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
     if found is None:
         pytest.skip("gpuclean is not checking this session (xdist controller or disabled)")
     return found
+
+
+class _IdleSession:
+    """Stands in for the plugin in a session whose collection found nothing to check, so that the session
+    pays for one hook per test, not for each of the plugin's. A test that is checked after all (a marker
+    added by another plugin while the test is set up) starts the session and brings the plugin back."""
+
+    def __init__(self, plugin: GpuCleanPlugin) -> None:
+        self.plugin = plugin
+
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        plugin = self.plugin
+        if not plugin._should_check(item):
+            return (yield)
+        manager = plugin.config.pluginmanager
+        manager.unregister(self)
+        manager.register(plugin, PLUGIN_NAME)  # its hooks from the next call on; this one it joins here
+        inner = plugin.pytest_runtest_setup(item)
+        next(inner)  # starts the session and checks the GPUs (or fails the setup)
+        try:
+            result = yield
+        except BaseException as exc:
+            try:
+                inner.throw(exc)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            raise
+        try:
+            inner.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        raise RuntimeError("gpuclean: the setup wrapper did not end")
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.plugin.sweep(session)  # (nothing to sweep: what an xdist worker sends back all the same)
 
 
 class XdistHooks:

@@ -24,7 +24,9 @@ def pytest_sessionfinish(session):
         json.dump({"subreaper": subreaper.value,
                    "modules": sorted(m for m in sys.modules if m.split(".")[0] in ("psutil", "pynvml")
                                      or m.startswith("pytest_gpuclean.")),
-                   "cookie": os.environ.get("GPUCLEAN_TEST")}, f)
+                   "cookie": os.environ.get("GPUCLEAN_TEST"),
+                   "plugins": sorted(name for name, _ in session.config.pluginmanager.list_name_plugin()
+                                     if name and name.startswith("gpuclean-"))}, f)
 '''
 
 UNCHECKED = """
@@ -63,6 +65,10 @@ def test_cookie():
     assert state["modules"] == ["pytest_gpuclean.cookie", "pytest_gpuclean.plugin", "pytest_gpuclean.procfs",
                                 "pytest_gpuclean.settings"]
     assert state["cookie"].endswith(":session")
+    if not args:
+        # Of the plugin's hooks, only one per test is left: the one that notices a test checked after all.
+        assert "gpuclean-checker" not in state["plugins"]
+        assert "gpuclean-checker-idle" in state["plugins"]
     assert not lock_dir.exists()
     assert "gpuclean" not in result.stdout.str().replace("plugins: gpuclean", "")
 
@@ -105,6 +111,38 @@ def test_unmarked_leak():
     document = json.loads(report.read_text())
     assert document["session"]["backend"] == "simulated"
     assert [r["process"]["pid"] for r in document["session_reaped"]] == [leaked]
+    assert wait_dead([leaked], timeout=2) == []
+
+
+def test_a_test_checked_after_the_collection_starts_the_session(inner: Callable[[str], Path],
+                                                                pytester: pytest.Pytester) -> None:
+    # The collection found nothing to check; a conftest marks one test while it is set up.
+    pidfile = inner("""
+def test_plain():
+    pass
+
+def test_late():
+    hold(mib=2)
+    wait_holders(1)
+
+def test_plain_again():
+    pass
+""")
+    pytester.makeconftest("""
+import pytest
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.name == "test_late":
+        item.add_marker(pytest.mark.needs_clean_gpus)
+    return (yield)
+""")
+    result = run_inner(pytester, "--gpuclean-grace=2", "--gpuclean-settle=0")
+    leaked = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*_ ERROR at teardown of test_late _*",
+                                 "gpuclean: test leaked 1 process(es) (reaped)"])
+    assert f"pid {leaked} " in result.stdout.str()
     assert wait_dead([leaked], timeout=2) == []
 
 
