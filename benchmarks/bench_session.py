@@ -186,6 +186,21 @@ pytest_runtest_setup = _wrap("setup", "setup")
 pytest_runtest_teardown = _wrap("teardown", "teardown")
 
 
+def _bracket(name):
+    @pytest.hookimpl(tryfirst=True, specname="pytest_" + name)
+    def first():
+        _marks[name] = time.perf_counter()
+
+    @pytest.hookimpl(trylast=True, specname="pytest_" + name)
+    def last():
+        _spent[name] = time.perf_counter() - _marks[name]
+
+    return first, last
+
+
+pytest_load_initial_conftests_first, pytest_load_initial_conftests_last = _bracket("load_initial_conftests")
+
+
 @pytest.hookimpl(tryfirst=True, specname="pytest_configure")
 def pytest_configure_first(config):
     # Cleanups run last-registered first: this one runs after gpuclean's (its final sweep, close).
@@ -348,7 +363,7 @@ def _ppid(pid: int) -> int | None:
 # ---- main ------------------------------------------------------------------------------------------
 
 def derive(configs: dict[str, Config], trees: list[str], n: int, rounds: int, shell_label: str,
-           kinds: list[str]) -> dict[str, Any]:
+           kinds: list[str], shell_tests: int) -> dict[str, Any]:
     def med(name: str, field: str = "wall") -> float:
         return statistics.median(getattr(configs[name], field))
 
@@ -382,7 +397,7 @@ def derive(configs: dict[str, Config], trees: list[str], n: int, rounds: int, sh
         out[tree] = t
     if "shell/N" not in configs:
         return out
-    shell_per_test = (med("shell/N") - med("off/N")) / n
+    shell_per_test = (med("shell/N") - med("off/shell")) / shell_tests
     out["shell"] = {"what": shell_label, "per_test_s": shell_per_test}
     for tree in trees:
         for kind in kinds:
@@ -395,6 +410,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tests", type=int, default=100, help="N: marked tests in the small checked suite")
     parser.add_argument("--idle-tests", type=int, default=50)
+    parser.add_argument("--shell-tests", type=int, default=50,
+                        help="tests of the suite that runs the seeds' shell check around each test")
     parser.add_argument("--idle-rounds", type=int, default=25)
     parser.add_argument("--rounds", type=int, default=10, help="rounds of the checked configurations")
     parser.add_argument("--check-rounds", type=int, default=9)
@@ -428,7 +445,7 @@ def main() -> int:
     idle = write_suite(os.path.join(tmp, "idle"), args.idle_tests, marked=False)
     suite_n = write_suite(os.path.join(tmp, "n"), n, marked=True)
     suite_4n = write_suite(os.path.join(tmp, "4n"), 4 * n, marked=True)
-    shell_suite = write_suite(os.path.join(tmp, "shell"), n, marked=False, shell=shell)
+    shell_suite = write_suite(os.path.join(tmp, "shell"), args.shell_tests, marked=False, shell=shell)
     kinds = ["locks", "nolocks"] + (["nvml"] if nvml else [])
 
     idle_configs: dict[str, Config] = {}
@@ -441,6 +458,9 @@ def main() -> int:
     checked_configs["off/N"] = Config("off/N", suite_n, off, env, None)
     checked_configs["off/4N"] = Config("off/4N", suite_4n, off, env, None)
     checked_configs["shell/N"] = Config("shell/N", shell_suite, off, env, None)
+    checked_configs["off/shell"] = Config("off/shell", idle if args.shell_tests == args.idle_tests else
+                                          write_suite(os.path.join(tmp, "noshell"), args.shell_tests, False),
+                                          off, env, None)
     for rev in trees:
         for kind in kinds:
             kenv = with_tree(env, tree_dirs[rev])
@@ -471,7 +491,7 @@ def main() -> int:
         run_rounds(checked_configs, args.rounds, "checked")
     if "idle" not in skip or "checked" not in skip:
         ran = {**({} if "idle" in skip else idle_configs), **({} if "checked" in skip else checked_configs)}
-        results["whole_process"] = derive(ran, trees, n, args.rounds, shell_label, kinds)
+        results["whole_process"] = derive(ran, trees, n, args.rounds, shell_label, kinds, args.shell_tests)
     if "attribution" not in skip:
         timer_dir = os.path.join(tmp, "timer")
         os.makedirs(timer_dir)
@@ -503,8 +523,8 @@ def attributed(phases: dict[str, dict[str, float]], on: str, off: str) -> dict[s
     """gpuclean's share of each phase: the phase with the plugin minus without (medians)."""
     a, b = phases[on], phases[off]
     share = {phase: a.get(phase, 0.0) - b.get(phase, 0.0) for phase in
-             ("configure", "sessionstart", "collection_finish", "sessionfinish", "unconfigure",
-              "after_unconfigure")}
+             ("load_initial_conftests", "configure", "sessionstart", "collection_finish",
+              "sessionfinish", "unconfigure", "after_unconfigure")}
     share["per_test"] = a["other_tests"] - b["other_tests"]
     share["first_test_extra"] = (a["first_test"] - a["other_tests"]) - (b["first_test"] - b["other_tests"])
     return share
@@ -523,7 +543,8 @@ def report(results: dict[str, Any], trees: list[str], kinds: list[str]) -> None:
             attr.setdefault("derived", {})[tree] = {"idle": idle, "checked": checked,
                                                     "idle_hooks_s": idle_total,
                                                     "checked_fixed_s": checked_fixed}
-            start = checked["collection_finish"] + checked["configure"] + checked["sessionstart"]
+            start = sum(checked[p] for p in ("load_initial_conftests", "configure", "sessionstart",
+                                             "collection_finish"))
             end = checked["sessionfinish"] + checked["unconfigure"] + checked["after_unconfigure"]
             print(f"in-process [{tree}]: plugin import {ms(imp['cpu_s'])} CPU ({ms(imp['wall_s'])} wall); "
                   f"idle: hooks outside tests {ms(idle_total)}, per test {ms(idle['per_test'])}; "
