@@ -85,7 +85,8 @@ class Checker:
     def __init__(self, backend: Backend | None, *, reap: bool = True, grace: float = DEFAULT_GRACE_S,
                  ignore: Sequence[str] = (), host_scope: bool = False,
                  session_id: str | None = None, settle: float = 0.0, xdist_run: str | None = None,
-                 peer_cookie: str | None = None, dead_sessions: bool = True) -> None:
+                 peer_cookie: str | None = None, dead_sessions: bool = True,
+                 session_start_ticks: int | None = None) -> None:
         self.backend = backend
         self.reap_enabled = reap
         self.grace = grace
@@ -94,7 +95,10 @@ class Checker:
         self.host_scope = host_scope
         self.dead_sessions = dead_sessions
         self.uid = os.getuid()
-        self.session_start_ticks = procfs.boot_ticks_now()
+        self.session_start_ticks = (procfs.boot_ticks_now() if session_start_ticks is None
+                                    else session_start_ticks)
+        """When the session began (its cookie exported): a process carrying our cookie that is older is not
+        ours, its value was recycled."""
         self.ownership = Ownership(session_id or new_session_id())
         self.xdist_run = xdist_run
         self.peer_cookie = peer_cookie
@@ -108,6 +112,7 @@ class Checker:
         self._debris: dict[tuple[int, int], tuple[SessionRef, str | None]] = {}
         """Processes under us that a nested session left when it died: (that session, owner name)."""
         self._debris_checked = False
+        self._tree = procfs.DescendantWalk()
         # What already runs under us belongs to the session set-up (a conftest imported before this
         # checker existed, a plugin's pytest_configure): never a test's leak.
         for pid, _depth, _parent in self._walk():
@@ -161,22 +166,12 @@ class Checker:
 
     def _walk(self) -> list[tuple[int, int, int]]:
         """Our descendants as (pid, depth, parent pid), parents before their children."""
-        found: list[tuple[int, int, int]] = []
-        root = self.me
-        frontier = [(root, 0)]
-        seen = {root}
-        while frontier:
-            pid, depth = frontier.pop(0)
-            for child in procfs.children(pid):
-                if child not in seen:
-                    seen.add(child)
-                    found.append((child, depth + 1, pid))
-                    frontier.append((child, depth + 1))
-        return found
+        return self._tree.walk(self.me)
 
     def _pin(self, pid: int) -> tuple[processes.Handle, procfs.ProcStat] | None:
         """A pinned process and its current stat; pinned once, from the moment it is first found."""
-        stat = procfs.read_stat(pid)
+        # The walk just read it: a process is placed in the tree and pinned by the same reading.
+        stat = self._tree.stats.get(pid) or procfs.read_stat(pid)
         if stat is not None:
             handle = self._handles.get((pid, stat.start_ticks))
             if handle is not None:

@@ -255,11 +255,13 @@ class OutputHooks:
             "xdist_workers": len(plugin.worker_payloads) if plugin.controller else None,
         }
 
-    @pytest.hookimpl(wrapper=True)
+    @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
         # A wrapper, so this runs after every plain implementation, the checker's final sweep included;
         # and in ``finally``, so that a conftest's or another plugin's failing pytest_sessionfinish does
-        # not cost the reports (the sweep then runs here first).
+        # not cost the reports (the sweep then runs here first). trylast: inside the terminal reporter's
+        # wrapper, which prints the summary (our annotations) when its own ends, whenever we were
+        # registered (at the end of the collection, when the session starts checking).
         try:
             yield
         finally:

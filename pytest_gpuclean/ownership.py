@@ -10,38 +10,19 @@ never signalled.
 
 from __future__ import annotations
 
-import os
 import re
-import secrets
 from dataclasses import dataclass, field
 
 from pytest_gpuclean import procfs
+from pytest_gpuclean.cookie import COOKIE_VAR as COOKIE_VAR
+from pytest_gpuclean.cookie import OWNER_VAR as OWNER_VAR
+from pytest_gpuclean.cookie import SESSION_TOKEN, cookie
+from pytest_gpuclean.cookie import new_session_id as new_session_id
 from pytest_gpuclean.model import UNKNOWN_OWNER, Owner
-
-COOKIE_VAR = "GPUCLEAN_TEST"
-"""Set in the pytest process while a test or higher-scoped fixture runs: every process spawned then
-inherits ``<session id>:<owner token>`` and so says who started it, wherever it ends up."""
-OWNER_VAR = "GPUCLEAN_OWNER"
-"""Set next to the cookie: the owner's name (a test's node id), so that the debris of a session that died
-can still be blamed on the test that made it."""
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
 
 _SESSION_ID = re.compile(r"gc\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+$")
-
-
-def new_session_id(inherited_cookie: str | None = None) -> str:
-    """A session id that names its leader: ``gc.<pid>.<start ticks>.<pid namespace>.<random>``.
-
-    The leader's pid and start time let any later session prove that this one is dead (its pid gone,
-    or reused by a process that started later); the namespace says where that pid means something. A
-    cookie already set (a CI job's, or an outer session's test) prefixes it, so what this session spawns
-    is still recognised by the job's hooks and by the outer session as theirs.
-    """
-    me = os.getpid()
-    stat = procfs.read_stat(me)
-    own = f"gc.{me}.{stat.start_ticks if stat else 0}.{procfs.pid_namespace()}.{secrets.token_hex(4)}"
-    return f"{inherited_cookie}/{own}" if inherited_cookie else own
 
 
 @dataclass(frozen=True)
@@ -124,8 +105,12 @@ class Ownership:
         self.owners[token] = owner
         return token
 
+    def register(self, token: str, owner: Owner) -> None:
+        """Name the owner of a token made before this object (the session's: ``cookie.SESSION_TOKEN``)."""
+        self.owners[token] = owner
+
     def cookie(self, token: str) -> str:
-        return f"{self.session_id}:{token}"
+        return cookie(self.session_id, token)
 
     def token_of_cookie(self, value: str | None) -> str | None:
         if value is None or not value.startswith(self.session_id + ":"):
@@ -191,5 +176,6 @@ class Ownership:
         return token is None or (token == SESSION and not self.session_over) or token in self.active_fixtures
 
 
-SESSION = "session"
-"""Token of processes born in this session outside every test and fixture (and the session's own)."""
+SESSION = SESSION_TOKEN
+"""Token of processes born in this session outside every test and fixture (and the session's own), and
+of those whose cookie says the session set-up started them."""

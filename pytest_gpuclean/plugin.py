@@ -2,6 +2,11 @@
 
 The only module with pytest hooks. Declarations live at module level; the stateful ``GpuCleanPlugin``
 is registered in ``pytest_configure`` and undone through ``config.add_cleanup``.
+
+The plugin loads into every pytest run of an environment that has it installed, so it starts lazily: at
+``pytest_configure`` it only validates its options and exports the session's cookie; the device backend,
+the subreaper, the lock directory, the checker (and the modules they need, psutil and NVML among them)
+come at the end of the collection, and only if a collected test is to be checked.
 """
 
 from __future__ import annotations
@@ -15,18 +20,47 @@ import sys
 import threading
 import warnings
 from collections.abc import Generator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
-from pytest_gpuclean import devices as devices_mod
-from pytest_gpuclean import processes, report, settings
-from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Reaped, TestRecord
-from pytest_gpuclean.ownership import COOKIE_VAR, OWNER_VAR, new_session_id
-from pytest_gpuclean.serialize import reaped_from_dict, reaped_to_dict, record_from_dict, record_to_dict
+from pytest_gpuclean import procfs, settings
+from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN, cookie, new_session_id
+
+if TYPE_CHECKING:
+    from pytest_gpuclean import devices as devices_mod
+    from pytest_gpuclean import processes, report
+    from pytest_gpuclean.checker import Checker
+    from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout, describe_holders, take_notices
+    from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Reaped, TestRecord
+    from pytest_gpuclean.ownership import SESSION_OWNER
+    from pytest_gpuclean.serialize import reaped_from_dict, reaped_to_dict, record_from_dict, record_to_dict
+
+
+def _import_session_modules() -> None:
+    """Import what a started session runs on, into this module's namespace (once, at start).
+
+    Deferred because a session that checks no test must not pay for it (psutil, NVML bindings, the lock
+    and report code: tens of milliseconds); every name is declared above for the type checker.
+    """
+    if "Checker" in globals():
+        return
+    from pytest_gpuclean import checker, locks, model, ownership, serialize
+    from pytest_gpuclean import devices as devices_module
+    from pytest_gpuclean import processes as processes_module
+    from pytest_gpuclean import report as report_module
+
+    globals().update(
+        devices_mod=devices_module, processes=processes_module, report=report_module,
+        Checker=checker.Checker, GpuLocks=locks.GpuLocks, HeldLocks=locks.HeldLocks,
+        LockTimeout=locks.LockTimeout, describe_holders=locks.describe_holders,
+        take_notices=locks.take_notices, MIB=model.MIB, CheckResult=model.CheckResult,
+        DeviceInfo=model.DeviceInfo, Owner=model.Owner, Reaped=model.Reaped, TestRecord=model.TestRecord,
+        SESSION_OWNER=ownership.SESSION_OWNER,
+        reaped_from_dict=serialize.reaped_from_dict, reaped_to_dict=serialize.reaped_to_dict,
+        record_from_dict=serialize.record_from_dict, record_to_dict=serialize.record_to_dict)
+
 
 MARKER = "needs_clean_gpus"
 FIXTURE = "clean_gpus"
@@ -62,19 +96,25 @@ class CleanGpus:
         return tuple(d.uuid for d in self.devices)
 
 
-@dataclass
 class _ItemState:
-    token: str
-    previous_cookie: tuple[str | None, str | None]
-    checked: bool = False
-    tolerance_mib: int = 0
-    timeout: float = 0.0
-    devices: tuple[DeviceInfo, ...] = ()
-    locks: HeldLocks | None = None
-    previous_visible: tuple[bool, str | None] | None = None
-    torch_before: dict[int, int] | None = None
-    record: TestRecord | None = None
-    fixture_tokens: list[str] = field(default_factory=list)
+    """A test's state from its setup to the end of its teardown. (No dataclass: this module is imported
+    by every pytest run of the environment, and creating a dataclass costs more than it saves here.)"""
+
+    __slots__ = ("checked", "devices", "fixture_tokens", "locks", "previous_cookie", "previous_visible",
+                 "record", "timeout", "token", "tolerance_mib", "torch_before")
+
+    def __init__(self, token: str, previous_cookie: tuple[str | None, str | None]) -> None:
+        self.token = token
+        self.previous_cookie = previous_cookie
+        self.checked = False
+        self.tolerance_mib = 0
+        self.timeout = 0.0
+        self.devices: tuple[DeviceInfo, ...] = ()
+        self.locks: HeldLocks | None = None
+        self.previous_visible: tuple[bool, str | None] | None = None
+        self.torch_before: dict[int, int] | None = None
+        self.record: TestRecord | None = None
+        self.fixture_tokens: list[str] = []
 
 
 _STATE = pytest.StashKey[_ItemState]()
@@ -84,6 +124,41 @@ _SUBREAPER: dict[int, bool] = {}
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     settings.add_options(parser)
+
+
+class _Cookie(NamedTuple):
+    """The session's cookie as exported: its id, the cookie it inherited, when, and what it replaced."""
+
+    session_id: str
+    inherited: str | None
+    started_ticks: int
+    previous: tuple[str | None, str | None]
+
+
+_COOKIE = pytest.StashKey[_Cookie]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # Before any conftest is imported: what a conftest, a plugin's pytest_configure or the collection
+    # starts carries the session's cookie. A process that then leaves our tree before the session starts
+    # (a daemon's double fork: we are no subreaper yet) is still known as the session set-up's, protected
+    # while the session runs and reaped at its very end, like one that stayed in the tree.
+    _export_cookie(early_config)
+
+
+def _export_cookie(config: pytest.Config) -> _Cookie:
+    exported = config.stash.get(_COOKIE, None)
+    if exported is None:
+        # A cookie already set (a CI job's, or the test of an outer pytest session) prefixes ours, so
+        # `gpuclean reap --cookie <job>` and the outer session still recognise everything we spawn.
+        inherited = os.environ.get(COOKIE_VAR)
+        exported = _Cookie(new_session_id(inherited), inherited, procfs.boot_ticks_now(),
+                           (inherited, os.environ.get(OWNER_VAR)))
+        config.stash[_COOKIE] = exported
+        os.environ[COOKIE_VAR] = cookie(exported.session_id, SESSION_TOKEN)
+        os.environ[OWNER_VAR] = SESSION_NAME
+    return exported
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -101,9 +176,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(plugin.close)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(plugin), PLUGIN_NAME + "-xdist")
-    from pytest_gpuclean.outputs import OutputHooks  # imported here: outputs imports this module
-
-    config.pluginmanager.register(OutputHooks(plugin), PLUGIN_NAME + "-outputs")
+    if resolved.report:
+        # A report was asked for: check its path now, and write it even if no test is checked.
+        plugin.register_outputs()
 
 
 def _select_devices(backend: devices_mod.Backend, resolved: settings.Settings) -> devices_mod.Selection:
@@ -129,45 +204,15 @@ class GpuCleanPlugin:
     def __init__(self, config: pytest.Config, resolved: settings.Settings) -> None:
         self.config = config
         self.settings = resolved
-        me = os.getpid()
-        self._session_pid = me
-        if me not in _SUBREAPER:
-            _SUBREAPER[me] = processes.set_child_subreaper()
+        self._session_pid = os.getpid()
+        self.started = False
+        """Set up (backend, subreaper, locks, checker): at the end of the collection if a collected test
+        is checked; in an xdist controller, at session start."""
         self.unavailable: str | None = None
         self.backend: devices_mod.Backend | None = None
-        try:
-            self.backend = devices_mod.open_backend(resolved.simulate)
-        except devices_mod.BackendUnavailable as exc:
-            self.unavailable = str(exc)
-        except devices_mod.SimulationError as exc:
-            source = resolved.sources.get("simulate")
-            raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({source})") from None
         self.devices: tuple[DeviceInfo, ...] = ()
-        if self.backend is not None:
-            selection = _select_devices(self.backend, resolved)
-            self.devices = selection.devices
-            if not self.devices:
-                # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
-                self.unavailable = selection.none_reason(self.backend.kind)
         self.locks: GpuLocks | None = None
-        if resolved.lock == "on" and self.backend is not None:
-            try:
-                self.locks = GpuLocks(resolved.lock_dir)
-                self.locks.prepare([d.uuid for d in self.devices])
-            except OSError as exc:
-                source = resolved.sources.get("lock_dir", "the default")
-                raise pytest.UsageError(f"--gpuclean-lock-dir: {exc} ({source})") from None
-        # A cookie already set (a CI job's, or the test of an outer pytest session) prefixes ours, so
-        # `gpuclean reap --cookie <job>` and the outer session still recognise everything we spawn.
-        inherited = os.environ.get(COOKIE_VAR)
-        # Only an xdist worker has peers: otherwise the run id in our environment was inherited (we are
-        # a nested session started by a worker's test), and our siblings are no peers of ours.
-        worker = hasattr(config, "workerinput")
-        self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
-                               ignore=resolved.ignore, host_scope=resolved.scope == "host",
-                               settle=resolved.settle, session_id=new_session_id(inherited),
-                               xdist_run=os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None,
-                               peer_cookie=inherited, dead_sessions=resolved.dead_sessions == "on")
+        self.checker: Checker
         self.records: list[TestRecord] = []
         self.late_records: dict[str, TestRecord] = {}
         self.session_reaped: list[Reaped] = []
@@ -181,18 +226,89 @@ class GpuCleanPlugin:
         self._fixture_tokens: dict[int, str] = {}
         self._test_tokens: dict[str, str] = {}
         self._tearing_down: _ItemState | None = None
-        self._session_token = self.checker.ownership.new_token(Owner("session", "pytest session"))
-        # Processes started outside any test (collection, other plugins, conftest imports) belong to
-        # the session, like a session-scoped fixture: protected until the final sweep.
-        self.checker.ownership.active_fixtures.add(self._session_token)
-        self._previous_cookie = self._set_owner_env(self._session_token)
-        self.ray = _start_ray(resolved, self.checker)
+        self._outputs_registered = False
+        # Exported before the conftests were imported (unless this plugin was registered later, by a
+        # conftest's pytest_plugins: then now).
+        exported = _export_cookie(config)
+        self._inherited_cookie = exported.inherited
+        self.session_id = exported.session_id
+        self._started_ticks = exported.started_ticks
+        self._session_token = SESSION_TOKEN
+        self._previous_cookie = exported.previous
+        self.ray: Any = None
         self._swept = False
         self._terminated = False
         self._previous_sigterm: Any = None
+        if resolved.report:
+            self._install_sigterm()  # a cancelled job still gets its report
+
+    def start(self) -> None:
+        """Set up what checking needs; once. Raises ``pytest.UsageError`` for an unusable device list or
+        lock directory."""
+        if self.started:
+            return
+        _import_session_modules()
+        resolved = self.settings
+        me = os.getpid()
+        if me not in _SUBREAPER:
+            _SUBREAPER[me] = processes.set_child_subreaper()
+        try:
+            self.backend = devices_mod.open_backend(resolved.simulate)
+        except devices_mod.BackendUnavailable as exc:
+            self.unavailable = str(exc)
+        except devices_mod.SimulationError as exc:
+            source = resolved.sources.get("simulate")
+            raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({source})") from None
+        if self.backend is not None:
+            selection = _select_devices(self.backend, resolved)
+            self.devices = selection.devices
+            if not self.devices:
+                # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
+                self.unavailable = selection.none_reason(self.backend.kind)
+        if resolved.lock == "on" and self.backend is not None:
+            try:
+                self.locks = GpuLocks(resolved.lock_dir)
+                self.locks.prepare([d.uuid for d in self.devices])
+            except OSError as exc:
+                source = resolved.sources.get("lock_dir", "the default")
+                raise pytest.UsageError(f"--gpuclean-lock-dir: {exc} ({source})") from None
+        # Only an xdist worker has peers: otherwise the run id in our environment was inherited (we are
+        # a nested session started by a worker's test), and our siblings are no peers of ours.
+        worker = hasattr(self.config, "workerinput")
+        # Its start-up walk takes whatever already runs under us (a conftest's server, what the
+        # collection started) for the session set-up's.
+        self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
+                               ignore=resolved.ignore, host_scope=resolved.scope == "host",
+                               settle=resolved.settle, session_id=self.session_id,
+                               xdist_run=os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None,
+                               peer_cookie=self._inherited_cookie,
+                               dead_sessions=resolved.dead_sessions == "on",
+                               session_start_ticks=self._started_ticks)
+        # Processes started outside any test (collection, other plugins, conftest imports) carry the
+        # session's cookie: the session set-up's, protected until the very last sweep.
+        self.checker.ownership.register(self._session_token, SESSION_OWNER)
+        self.ray = _start_ray(resolved, self.checker)
+        self.started = True
         self._install_sigterm()
+        self.register_outputs()
+
+    def register_outputs(self) -> None:
+        """Register the JSON report, JUnit and GitHub outputs (checks the report path)."""
+        if self._outputs_registered:
+            return
+        self._outputs_registered = True
+        from pytest_gpuclean.outputs import OutputHooks  # imported here: outputs imports this module
+
+        self.config.pluginmanager.register(OutputHooks(self), PLUGIN_NAME + "-outputs")
 
     def close(self) -> None:
+        if not self.started:
+            _restore_env(COOKIE_VAR, self._previous_cookie[0])
+            _restore_env(OWNER_VAR, self._previous_cookie[1])
+            if self.backend is not None:  # a start that failed (a bad lock directory)
+                self.backend.close()
+            self._uninstall_sigterm()
+            return
         if self.ray is not None:
             self.ray.stop()
         # After every pytest_unconfigure: what the session set-up started (a conftest's server, a
@@ -248,10 +364,40 @@ class GpuCleanPlugin:
     # ---- session ---------------------------------------------------------------------------------
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        # The xdist controller runs no tests; its children are the workers, which check themselves.
+        # The xdist controller runs no tests; its children are the workers, which check themselves. It
+        # collects nothing either, so it starts now, before it spawns the workers: as their subreaper it
+        # adopts what a crashed worker leaves, and its start-up checks the options for all of them.
         self.controller = session.config.pluginmanager.hasplugin("dsession")
+        if self.controller:
+            self.start()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        # The end of the collection: start if anything will be checked, or if a report was asked for (the
+        # session is then watched: what its unmarked tests leave behind is reaped and reported). Not for
+        # --collect-only, nor when collection errors stop the run before any test.
+        if self.started or self.controller or session.config.option.collectonly:
+            return
+        if session.testsfailed and not session.config.option.continue_on_collection_errors:
+            return
+        if self.settings.report or any(self._should_check(item) for item in session.items):
+            self.start()
+        else:
+            # Nothing to check: off the hooks that run for every test, in favour of one that notices a
+            # test that is checked after all.
+            session.config.pluginmanager.unregister(self)
+            session.config.pluginmanager.register(_IdleSession(self), PLUGIN_NAME + "-idle")
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        return self._header_lines() if self.started else []
+
+    def pytest_report_collectionfinish(self, config: pytest.Config) -> list[str]:
+        # What the header says in an xdist controller, for a session that started at collection's end.
+        if not self.started or self.controller or config.option.no_header:
+            return []
+        return self._header_lines() if config.get_verbosity() >= 0 else []
+
+    def _header_lines(self) -> list[str]:
         if self.unavailable is not None:
             return [f"gpuclean: no GPUs checked: {self.unavailable}; tests marked {MARKER} will be "
                     + ("errors (--gpuclean-require-gpu)" if self.settings.require_gpu else "skipped")]
@@ -284,6 +430,11 @@ class GpuCleanPlugin:
         if self._swept or self.controller:
             return
         self._swept = True
+        worker_output = getattr(session.config, "workeroutput", None)
+        if not self.started:
+            if worker_output is not None:
+                worker_output[WORKER_OUTPUT_KEY] = {"records": [], "session_reaped": [], "notes": []}
+            return
         hurry = threading.Event()
         restore = _quiet_interrupts(hurry)
         self.checker.hurry = hurry.is_set
@@ -301,7 +452,6 @@ class GpuCleanPlugin:
         for reaped in self.session_reaped:
             if reaped.owner is not None and reaped.owner.kind == "test":
                 self._record_for(reaped.owner.name).found_later.append(reaped)
-        worker_output = getattr(session.config, "workeroutput", None)
         if worker_output is not None:
             worker_output[WORKER_OUTPUT_KEY] = {
                 "records": [record_to_dict(r) for r in self._all_records()],
@@ -347,7 +497,7 @@ class GpuCleanPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
                              ) -> Generator[None, Any, Any]:
-        if fixturedef.scope == "function" or self.controller:
+        if fixturedef.scope == "function" or self.controller or not self.started:
             return (yield)
         ownership = self.checker.ownership
         token = ownership.new_token(Owner("fixture", f"{fixturedef.argname} ({fixturedef.scope}-scoped)"))
@@ -379,7 +529,7 @@ class GpuCleanPlugin:
         # pytest-forked calls this in the session's process, then forks the child that runs the test:
         # a token made here is unique across children, and the session knows whose cookie a leftover
         # carries. Without a fork, setup takes it from the same process.
-        if not self.controller:
+        if self.started and not self.controller:
             self._test_tokens[nodeid] = self.checker.ownership.new_token(Owner("test", nodeid))
 
     def _follow_fork(self) -> None:
@@ -395,7 +545,7 @@ class GpuCleanPlugin:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
                                   ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         test_report = yield
-        if call.when == "teardown" and os.getpid() != self._session_pid:
+        if call.when == "teardown" and self.started and os.getpid() != self._session_pid:
             # This child's memory dies with it: its records travel on the teardown report, which
             # pytest-forked serialises (plain dicts and lists) with the report's other attributes.
             setattr(test_report, FORKED_REPORT_ATTR, {
@@ -434,6 +584,11 @@ class GpuCleanPlugin:
     # Every wrapper still runs before the function-scoped fixtures are set up.
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        if not self.started:
+            if not self._should_check(item):
+                return (yield)
+            # Checked after all, though the collection did not say so (a marker added since): start now.
+            self.start()
         self._follow_fork()
         ownership = self.checker.ownership
         token = self._test_tokens.pop(item.nodeid, None) or ownership.new_token(Owner("test", item.nodeid))
@@ -693,6 +848,42 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
     if found is None:
         pytest.skip("gpuclean is not checking this session (xdist controller or disabled)")
     return found
+
+
+class _IdleSession:
+    """Stands in for the plugin in a session whose collection found nothing to check, so that the session
+    pays for one hook per test, not for each of the plugin's. A test that is checked after all (a marker
+    added by another plugin while the test is set up) starts the session and brings the plugin back."""
+
+    def __init__(self, plugin: GpuCleanPlugin) -> None:
+        self.plugin = plugin
+
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        plugin = self.plugin
+        if not plugin._should_check(item):
+            return (yield)
+        manager = plugin.config.pluginmanager
+        manager.unregister(self)
+        manager.register(plugin, PLUGIN_NAME)  # its hooks from the next call on; this one it joins here
+        inner = plugin.pytest_runtest_setup(item)
+        next(inner)  # starts the session and checks the GPUs (or fails the setup)
+        try:
+            result = yield
+        except BaseException as exc:
+            try:
+                inner.throw(exc)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            raise
+        try:
+            inner.send(result)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        raise RuntimeError("gpuclean: the setup wrapper did not end")
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.plugin.sweep(session)  # (nothing to sweep: what an xdist worker sends back all the same)
 
 
 class XdistHooks:

@@ -2,11 +2,13 @@
 
 Everything here identifies a process by ``(pid, start_ticks)`` and re-checks that identity before it
 acts, through a pidfd where the kernel has them, so a recycled pid is never signalled.
+
+psutil (and ctypes) are imported where they are used: describing a process for a report is off the clean
+path, and a session that finds nothing to describe does not pay for the import.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pwd
 import select
@@ -15,8 +17,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-
-import psutil
 
 from pytest_gpuclean import procfs
 from pytest_gpuclean.model import ProcessInfo
@@ -31,6 +31,8 @@ def set_child_subreaper() -> bool:
     Without it an orphaned vLLM EngineCore re-parents to init and leaves our process tree, where only a
     full process-table scan would find it.
     """
+    import ctypes
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
@@ -43,6 +45,8 @@ def describe(pid: int, start_ticks: int | None = None) -> ProcessInfo | None:
     stat = procfs.read_stat(pid)
     if stat is None or (start_ticks is not None and stat.start_ticks != start_ticks):
         return None
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -24,15 +24,40 @@ class ProcStat(NamedTuple):
     sid: int
     start_ticks: int
     """Start time in clock ticks since boot: with the pid, a process's identity (pid reuse guard)."""
+    thread: bool = False
+    """A thread that is not its thread group's leader: ``/proc/<tid>/stat`` reads like a process's, and
+    shows the parent of the whole group."""
+
+
+def read_file(path: str, whole: bool = False) -> bytes:
+    """The content of a /proc file; raises OSError (FileNotFoundError for a process that is gone).
+
+    A bare descriptor, not a Python file object: half the cost, and a check reads many of these. A list
+    (children, environ) may come in several reads; ``whole``: a file of one record (stat, a sysctl), which
+    the kernel hands out in one read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, _CHUNK)
+        if whole or not data:
+            return data
+        parts = [data]
+        while True:
+            chunk = os.read(fd, _CHUNK)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+    finally:
+        os.close(fd)
+
+
+_CHUNK = 65536
 
 
 def read_stat(pid: int) -> ProcStat | None:
     """Return the stat fields of ``pid``, or None if it no longer exists."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+        data = read_file(f"/proc/{pid}/stat", whole=True)
     except OSError:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
@@ -44,6 +69,8 @@ def read_stat(pid: int) -> ProcStat | None:
         ppid=int(fields[1]),
         sid=int(fields[3]),
         start_ticks=int(fields[19]),
+        # exit_signal (field 38) is -1 only for a thread other than the group leader.
+        thread=len(fields) > 35 and fields[35] == b"-1",
     )
 
 
@@ -80,8 +107,7 @@ def last_pid() -> int | None:
     on the 10 ms resolution of its start time.
     """
     try:
-        with open("/proc/sys/kernel/ns_last_pid", "rb") as f:
-            return int(f.read())
+        return int(read_file("/proc/sys/kernel/ns_last_pid", whole=True))
     except (OSError, ValueError):
         return None
 
@@ -104,21 +130,163 @@ def pid_namespace() -> int:
 
 
 def children(pid: int) -> list[int]:
-    """Direct children of ``pid``, from ``/proc/<pid>/task/*/children`` (tens of microseconds)."""
+    """Direct children of ``pid``, from ``/proc/<pid>/task/*/children`` (a file per thread)."""
+    return _children(pid)[0]
+
+
+def _children(pid: int) -> tuple[list[int], int]:
+    """Direct children of ``pid``, and how many files that took."""
     result: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return result
+        return result, 1
     for tid in tasks:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                data = f.read()
+            data = read_file(f"/proc/{pid}/task/{tid}/children")
         except OSError:
             continue
         if data:
             result.extend(int(c) for c in data.split())
-    return result
+    return result, 1 + len(tasks)
+
+
+WALK_RANGE_LIMIT = 256
+"""Pids an incremental walk examines at most; past that (a burst of forks on the host, a long pause) a full
+walk of the children lists is cheaper."""
+WALK_LOOKBACK = 32
+"""After a full walk, the next incremental walk also examines this many pids allocated before it began: a
+fork still in progress during the full walk had its pid but was in no children list yet."""
+WALK_PENDING_S = 0.1
+"""How long a pid allocated since the last walk but not (yet) in /proc stays under watch: a fork in progress
+has its pid before its process becomes visible; a pid that is still absent after this is an exited process."""
+WALK_FULL_EVERY_S = 5.0
+"""A full walk at least this often: a process that slipped through anyway is found within seconds."""
+
+
+class DescendantWalk:
+    """The descendants of one process, at a cost that depends on neither its thread count nor the host.
+
+    ``/proc/<pid>/task/<tid>/children`` lists the children of one thread only (a child belongs to the
+    thread that forked it), so a full walk reads one file per thread of every process in the tree: a
+    pytest process that imported torch or started thread pools pays for each of its threads at every check.
+
+    The incremental walk does not look at threads: every process in the tree is either one found before
+    (its stat says whether its parent is still in the tree) or was born since, and then its pid was
+    allocated after the last walk, since pids are handed out in order (``ns_last_pid``). So it reads the
+    stat of the processes it knows and of each pid allocated since the last walk, and builds the tree from
+    their parents, whatever thread forked them. A process never moves into the tree from outside: orphans
+    are re-parented to an ancestor (our subreaper) or to init.
+
+    Each walk takes the cheaper of the two, counted in files read: the full walk for a process with few
+    threads and few children on a host that forks a lot, the incremental one for many threads. A full walk
+    also runs first, for a new root (a forked test runner), when the kernel does not say the last pid or
+    /proc shows another pid namespace, and at least every ``WALK_FULL_EVERY_S``.
+    """
+
+    def __init__(self) -> None:
+        self._root = -1
+        self._cursor: int | None = None
+        self._known: set[int] = set()
+        self._pending: dict[int, tuple[float, int]] = {}
+        """pid -> (when first found absent, times found absent): allocated, not in /proc (yet)."""
+        self._full_at = 0.0
+        self._full_cost = 0
+        """Files the last full walk read: one per process and one per thread in the tree."""
+        self._space = pid_max()
+        self.full_walks = 0
+        """How many full walks ran (for tests and benchmarks)."""
+        self.stats: dict[int, ProcStat] = {}
+        """The stat each process of the last incremental walk was placed by (empty after a full walk)."""
+
+    def walk(self, root: int) -> list[tuple[int, int, int]]:
+        """``root``'s descendants as (pid, depth, parent pid), parents before their children."""
+        clock = time.monotonic()
+        if root != self._root or clock - self._full_at >= WALK_FULL_EVERY_S or not _own_namespace():
+            return self._full(root, last_pid(), clock)
+        if self._full_cost <= 2:
+            # A lone process with one thread: its one children file is the cheapest look there is. (No
+            # cursor: were the next walk incremental, it would need one; it is full, and takes one then.)
+            return self._full(root, None, clock)
+        now = last_pid()
+        span = None if now is None or self._cursor is None else (now - self._cursor) % self._space
+        if span is None or span + len(self._pending) + len(self._known) > min(WALK_RANGE_LIMIT,
+                                                                              self._full_cost):
+            return self._full(root, now, clock)
+        assert self._cursor is not None
+        born = [(self._cursor + i) % self._space for i in range(1, span + 1)]
+        by_parent: dict[int, list[int]] = {}
+        stats: dict[int, ProcStat] = {}
+        for pid in (*self._known, *self._pending, *born):
+            if pid in stats:
+                continue
+            stat = read_stat(pid)
+            if stat is None:
+                if pid not in self._known:
+                    first, absent = self._pending.get(pid, (clock, 0))
+                    if clock - first < WALK_PENDING_S or absent < 1:
+                        self._pending[pid] = (first, absent + 1)  # watched until the next walk at least
+                    else:
+                        del self._pending[pid]
+                continue
+            self._pending.pop(pid, None)
+            stats[pid] = stat
+            if not stat.thread:
+                by_parent.setdefault(stat.ppid, []).append(pid)
+        found = _tree(root, lambda pid: by_parent.get(pid, ()))
+        self._known = {pid for pid, _depth, _parent in found}
+        self.stats = {pid: stats[pid] for pid in self._known}
+        self._cursor = now
+        return found
+
+    def _full(self, root: int, now: int | None, clock: float) -> list[tuple[int, int, int]]:
+        cost = 0
+
+        def counted(pid: int) -> list[int]:
+            nonlocal cost
+            found, reads = _children(pid)
+            cost += reads
+            return found
+
+        found = _tree(root, counted)
+        self.full_walks += 1
+        self._root = root
+        self._full_at = clock
+        self._full_cost = cost
+        self._known = {pid for pid, _depth, _parent in found}
+        self._pending.clear()
+        self.stats = {}
+        self._cursor = None if now is None else (now - WALK_LOOKBACK) % self._space
+        return found
+
+
+def _tree(root: int, children_of: Callable[[int], Iterable[int]]) -> list[tuple[int, int, int]]:
+    """Breadth first from ``root``: (pid, depth, parent pid), parents before their children."""
+    found: list[tuple[int, int, int]] = []
+    frontier = [(root, 0)]
+    seen = {root}
+    while frontier:
+        pid, depth = frontier.pop(0)
+        for child in children_of(pid):
+            if child not in seen:
+                seen.add(child)
+                found.append((child, depth + 1, pid))
+                frontier.append((child, depth + 1))
+    return found
+
+
+_NAMESPACE_OK: dict[int, bool] = {}
+
+
+def _own_namespace() -> bool:
+    """Whether /proc shows this process's pid namespace (pid numbers and ``ns_last_pid`` agree)."""
+    me = os.getpid()
+    if me not in _NAMESPACE_OK:
+        try:
+            _NAMESPACE_OK[me] = os.readlink("/proc/self") == str(me)
+        except OSError:
+            _NAMESPACE_OK[me] = False
+    return _NAMESPACE_OK[me]
 
 
 def descendants(root: int) -> list[tuple[int, int]]:
@@ -158,16 +326,23 @@ def read_environ_var(pid: int, name: str) -> str | None:
 def read_environ_vars(pid: int, names: tuple[str, ...]) -> dict[str, str]:
     """The values of those of ``names`` that are in ``pid``'s initial environment (one read)."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read()
+        data = read_file(f"/proc/{pid}/environ")
     except OSError:
         return {}
-    keys = [(name, name.encode() + b"=") for name in names]
     found: dict[str, str] = {}
-    for entry in data.split(b"\0"):
-        for name, key in keys:
-            if entry.startswith(key):
-                found[name] = entry[len(key) :].decode(errors="replace")
+    for name in names:
+        # Searched, not split into entries: the scan for cookies reads every process of this user. The
+        # last occurrence counts, should a variable be there twice.
+        key = name.encode() + b"="
+        at = data.rfind(b"\0" + key)
+        if at >= 0:
+            start = at + 1 + len(key)
+        elif data.startswith(key):
+            start = len(key)
+        else:
+            continue
+        end = data.find(b"\0", start)
+        found[name] = data[start : end if end >= 0 else len(data)].decode(errors="replace")
     return found
 
 

@@ -13,16 +13,17 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, get_args
-
-from pytest_gpuclean.devices import parse_device_list
-from pytest_gpuclean.model import OnOff, Scope
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pytest
 
-SCOPES: tuple[Scope, ...] = get_args(Scope)
-ON_OFF: tuple[OnOff, ...] = get_args(OnOff)
+    from pytest_gpuclean.model import OnOff, Scope
+
+# The values of ``model.Scope`` and ``model.OnOff`` (tests/test_settings.py checks that they agree),
+# spelt out: every pytest run with the plugin installed imports this module, and model.py is not cheap.
+SCOPES: tuple[Scope, ...] = ("session", "host")
+ON_OFF: tuple[OnOff, ...] = ("on", "off")
 MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
 
 DEFAULT_TOLERANCE_MIB = 0
@@ -77,6 +78,8 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _device_list(text: str) -> str:
+    from pytest_gpuclean.devices import parse_device_list  # only when the option is set: see SCOPES
+
     # An empty list would check nothing while looking like a choice: refuse it rather than guess.
     if not parse_device_list(text):
         raise ValueError(f"{text!r} names no device")

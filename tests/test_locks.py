@@ -220,7 +220,8 @@ def test_world_writable_directory_without_sticky_bit_is_refused(tmp_path: Path,
     assert stat.S_IMODE(open_dir.stat().st_mode) == 0o777
     sim = tmp_path / "sim"
     (sim / "0").mkdir(parents=True)
-    pytester.makepyfile("def test_x(): pass")
+    # The directory is opened when the session starts checking: a session with a checked test.
+    pytester.makepyfile("import pytest\n\n@pytest.mark.needs_clean_gpus\ndef test_x():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-simulate={sim}",
                                            f"--gpuclean-lock-dir={open_dir}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR

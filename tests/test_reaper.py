@@ -200,13 +200,17 @@ def test_module_fixture_that_leaks_is_blamed_at_its_teardown(inner: Callable[[st
 def test_session_end_sweeps_what_nothing_else_checked(inner: Callable[[str], Path],
                                                       pytester: pytest.Pytester) -> None:
     pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+def test_checked_first():
+    pass
+
 def test_unmarked_last():
     hold(mib=3)
     wait_holders(1)
 """)
     result = run_inner(pytester)
     leaked = read_pids(pidfile)[0]
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([
         f"session end: reaped 1 leftover process(es): pid {leaked} (test_inner.py::test_unmarked_last) "
         "SIGTERM",
@@ -316,7 +320,9 @@ def test_spawns_as_other_user():
         assert wait_dead(holders) == []
         reap_orphans(holders)
         shutil.rmtree(shared, ignore_errors=True)
-    assert procfs.read_stat(holder) is None, "the holder is still a zombie of this process"
+    # (Re-parented to init instead when this session is no subreaper: it checks no test of its own.)
+    stat = procfs.read_stat(holder)
+    assert stat is None or stat.ppid != os.getpid(), "the holder is still a zombie of this process"
 
 
 def test_pid_reuse_is_never_signalled() -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean import settings
+from pytest_gpuclean import model, settings
 from pytest_gpuclean.settings import (
     OPTIONS,
     SettingError,
@@ -92,6 +92,11 @@ def test_every_option_has_its_three_names_and_a_settings_field() -> None:
         "--gpuclean-grace", "gpuclean_grace", "GPUCLEAN_GRACE", "--grace")
     with pytest.raises(KeyError, match="nonesuch"):
         option("nonesuch")
+
+
+def test_the_spelt_out_choices_are_the_models_words() -> None:
+    assert get_args(model.Scope) == settings.SCOPES
+    assert get_args(model.OnOff) == settings.ON_OFF
 
 
 def test_the_marker_applies_below_command_line_environment_and_ini() -> None:

@@ -1,0 +1,589 @@
+"""Benchmark (issue 16): what gpuclean costs a whole pytest process, and what one check costs.
+
+Whole-process part: real ``python -m pytest -q`` runs of generated suites in subprocesses, timed from
+outside (wall clock of the subprocess, and its CPU time), configurations interleaved in rounds so that
+drift on a shared machine hits them all alike:
+
+* **idle**: a small suite of unmarked tests (``--idle-tests``, default 50), ``pytest -q`` and
+  ``pytest -q --co``, with the plugin loaded vs ``-p no:gpuclean``. Added cost = difference of the
+  medians (and the median of the per-round differences).
+* **checked**: N and 4N marked tests (``--tests``, default 100) on 8 simulated devices, locks on and off
+  (and real NVML, every GPU, when pynvml finds one), vs the same suites with ``-p no:gpuclean``. With
+  d(n) = T(n) - T_off(n): slope per checked test = (d(4N) - d(N)) / 3N, fixed cost = d(N) - N * slope.
+* **shell**: the seeds' check, ``ps aux | grep python3 | grep -v grep; nvidia-smi
+  --query-gpu=index,memory.used --format=csv`` before and after each of N unmarked tests (an autouse
+  fixture, ``subprocess.run(shell=True)``), ``-p no:gpuclean``; per test = (T - T_off(N)) / N. Without
+  ``nvidia-smi`` on the machine only the ``ps`` half runs (said in the output).
+
+Per-check part (``Checker.check`` in a process of its own over 8 simulated devices, default session
+scope): a check with 1 thread vs 64 threads in the process; on an idle host vs with 1000 sleeping
+processes of the same user that are not ours; and the first check of a session (its dead-session scan
+of this user's processes) in both cases.
+
+``--trees REV,...`` runs every gpuclean configuration once per tree in each round (git revisions or
+``WORKTREE``, exported as ``ab_trees.py`` does): a before/after from one run.
+
+    python benchmarks/bench_session.py --json benchmarks/results/session_cpu.json
+    python benchmarks/bench_session.py --trees ece7ae6,WORKTREE --json benchmarks/results/session_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common
+
+SHELL = "ps aux | grep python3 | grep -v grep; nvidia-smi --query-gpu=index,memory.used --format=csv"
+SHELL_PS_ONLY = "ps aux | grep python3 | grep -v grep"
+PER_MODULE = 50
+DEVICES = 8
+
+
+# ---- generated suites ------------------------------------------------------------------------------
+
+def write_suite(root: str, tests: int, marked: bool, shell: str | None = None) -> str:
+    os.makedirs(root)
+    with open(os.path.join(root, "pytest.ini"), "w") as f:
+        # Its own rootdir and ini; the marker is declared so that -p no:gpuclean warns about nothing.
+        f.write("[pytest]\nmarkers =\n    needs_clean_gpus: gpuclean's marker\n")
+    if shell is not None:
+        with open(os.path.join(root, "conftest.py"), "w") as f:
+            f.write("import subprocess\nimport pytest\n\n\n@pytest.fixture(autouse=True)\n"
+                    "def seeds_check():\n"
+                    f"    subprocess.run({shell!r}, shell=True, stdout=subprocess.DEVNULL, "
+                    "stderr=subprocess.DEVNULL)\n    yield\n"
+                    f"    subprocess.run({shell!r}, shell=True, stdout=subprocess.DEVNULL, "
+                    "stderr=subprocess.DEVNULL)\n")
+    for m in range((tests + PER_MODULE - 1) // PER_MODULE):
+        count = min(PER_MODULE, tests - m * PER_MODULE)
+        with open(os.path.join(root, f"test_gen_{m:03d}.py"), "w") as f:
+            f.write("import pytest\n\n")
+            if marked:
+                f.write("pytestmark = pytest.mark.needs_clean_gpus\n\n")
+            for i in range(count):
+                f.write(f"\ndef test_{i:03d}():\n    assert {i} + 1 == {i + 1}\n\n")
+    return root
+
+
+def make_sim(root: str, devices: int) -> str:
+    for index in range(devices):
+        os.makedirs(os.path.join(root, str(index)))
+    return root
+
+
+def has_nvml_gpu() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount()) > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
+# ---- trees -----------------------------------------------------------------------------------------
+
+def export_tree(rev: str, dest: str) -> str:
+    """A directory whose ``pytest_gpuclean`` shadows the editable install (PYTHONPATH), or '' for it."""
+    if rev == "WORKTREE":
+        return ""
+    import ab_trees
+
+    ab_trees.export(rev, dest)
+    return dest
+
+
+# ---- one timed pytest run ---------------------------------------------------------------------------
+
+def timed_run(cmd: list[str], cwd: str, env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child and its children) of one run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=900)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode not in (0, 5):
+        raise RuntimeError(f"{' '.join(cmd)} in {cwd} failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu
+
+
+class Config:
+    def __init__(self, name: str, suite: str, args: list[str], env: dict[str, str], tree: str | None) -> None:
+        self.name = name
+        self.suite = suite
+        self.args = args
+        self.env = env
+        self.tree = tree
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GPUCLEAN_", "PYTEST_")) and k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # every tree's bytecode is compiled once, before the rounds
+    return env
+
+
+def with_tree(env: dict[str, str], tree_dir: str) -> dict[str, str]:
+    return {**env, "PYTHONPATH": tree_dir} if tree_dir else dict(env)
+
+
+# ---- attribution: gpuclean's share of each phase, timed inside the pytest process ----------------------
+
+TIMER_PLUGIN = '''
+"""Times every phase of a pytest run from the outermost hook wrappers (benchmarks/bench_session.py)."""
+import atexit, json, os, time
+import pytest
+
+_spent = {}
+_tests = {"setup": [], "teardown": []}
+_marks = {}
+
+
+def _wrap(name, bucket=None):
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def hook(**kwargs):
+        start = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            took = time.perf_counter() - start
+            if bucket is not None:
+                _tests[bucket].append(took)
+            else:
+                _spent[name] = _spent.get(name, 0.0) + took
+            if name == "unconfigure":
+                _marks["unconfigured"] = time.perf_counter()
+    hook.__name__ = "pytest_" + name
+    return hook
+
+
+pytest_collection_finish = _wrap("collection_finish")
+pytest_sessionstart = _wrap("sessionstart")
+pytest_sessionfinish = _wrap("sessionfinish")
+pytest_unconfigure = _wrap("unconfigure")
+pytest_runtest_setup = _wrap("setup", "setup")
+pytest_runtest_teardown = _wrap("teardown", "teardown")
+
+
+def _bracket(name):
+    @pytest.hookimpl(tryfirst=True, specname="pytest_" + name)
+    def first():
+        _marks[name] = time.perf_counter()
+
+    @pytest.hookimpl(trylast=True, specname="pytest_" + name)
+    def last():
+        _spent[name] = time.perf_counter() - _marks[name]
+
+    return first, last
+
+
+pytest_load_initial_conftests_first, pytest_load_initial_conftests_last = _bracket("load_initial_conftests")
+
+
+@pytest.hookimpl(tryfirst=True, specname="pytest_configure")
+def pytest_configure_first(config):
+    # Cleanups run last-registered first: this one runs after gpuclean's (its final sweep, close).
+    config.add_cleanup(lambda: _spent.__setitem__("after_unconfigure",
+                                                  time.perf_counter() - _marks["unconfigured"]))
+    _marks["configure"] = time.perf_counter()
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_configure")
+def pytest_configure_last(config):
+    _spent["configure"] = time.perf_counter() - _marks["configure"]
+
+
+@atexit.register
+def _write():
+    with open(os.environ["BENCH_TIMER_OUT"], "w") as f:
+        json.dump({"spent": _spent, "tests": _tests}, f)
+'''
+
+IMPORT_PROBE = ("import time, pytest, _pytest.pytester, _pytest.tmpdir, _pytest.junitxml, _pytest.python\n"
+                "c = time.process_time(); w = time.perf_counter()\n"
+                "import pytest_gpuclean.plugin\n"
+                "print(time.process_time() - c, time.perf_counter() - w)")
+
+
+def attribution(configs: dict[str, Config], rounds: int, timer_dir: str, pytest_cmd: list[str]
+                ) -> dict[str, Any]:
+    """Per configuration: medians of each phase's time and of a test's setup+teardown hooks."""
+    found: dict[str, dict[str, list[float]]] = {name: {} for name in configs}
+    order = list(configs.values())
+    for r in range(rounds):
+        shift = r % len(order)
+        for c in order[shift:] + order[:shift]:
+            out = os.path.join(timer_dir, "timer.json")
+            env = {**c.env, "BENCH_TIMER_OUT": out,
+                   "PYTHONPATH": os.pathsep.join(filter(None, [c.env.get("PYTHONPATH"), timer_dir]))}
+            timed_run([*pytest_cmd, "-p", "gpuclean_bench_timer", *c.args], c.suite, env)
+            with open(out) as f:
+                data = json.load(f)
+            into = found[c.name]
+            for phase, spent in data["spent"].items():
+                into.setdefault(phase, []).append(spent)
+            setups, teardowns = data["tests"]["setup"], data["tests"]["teardown"]
+            if setups:
+                per_test = [a + b for a, b in zip(setups, teardowns, strict=False)]
+                into.setdefault("first_test", []).append(per_test[0])
+                into.setdefault("other_tests", []).append(statistics.median(per_test[1:] or per_test))
+        print(f"attribution: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    return {name: {phase: statistics.median(v) for phase, v in phases.items()}
+            for name, phases in found.items()}
+
+
+def import_cost(env: dict[str, str], cwd: str, runs: int = 21) -> dict[str, float]:
+    cpu: list[float] = []
+    wall: list[float] = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], env=env, cwd=cwd, capture_output=True,
+                             text=True, check=True).stdout.split()
+        cpu.append(float(out[0]))
+        wall.append(float(out[1]))
+    return {"cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall)}
+
+
+# ---- the per-check part (runs in a process of its own, per tree) -----------------------------------
+
+def per_check(rounds: int, sleepers: int) -> dict[str, Any]:
+    """Median cost of one clean ``Checker.check`` on 8 simulated devices, by situation."""
+    from pytest_gpuclean import devices as devices_mod
+    from pytest_gpuclean.checker import Checker
+
+    tmp = tempfile.mkdtemp(prefix="gpuclean-check-")
+    backend = devices_mod.SimulatedBackend(make_sim(os.path.join(tmp, "sim"), DEVICES))
+    devices = backend.devices()
+
+    def first_check() -> float:
+        checker = Checker(backend, grace=1.0, settle=0.0)
+        start = time.perf_counter()
+        checker.check("setup", devices, tolerance_mib=0, timeout=5.0)
+        elapsed = time.perf_counter() - start
+        checker.close()
+        return elapsed
+
+    checker = Checker(backend, grace=1.0, settle=0.0)
+
+    def checks(n: int = 200, repeat: int = rounds) -> float:
+        per: list[float] = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for _ in range(n):
+                result = checker.check("setup", devices, tolerance_mib=0, timeout=5.0)
+                assert result.clean, result
+            per.append((time.perf_counter() - start) / n)
+        return statistics.median(per)
+
+    out: dict[str, Any] = {"first_check_s": statistics.median(first_check() for _ in range(5))}
+    checker.check("setup", devices, tolerance_mib=0, timeout=5.0)  # the dead-session scan, once
+    # 1 vs 64 threads, alternating round by round (this box's speed drifts).
+    one: list[float] = []
+    many: list[float] = []
+    for _ in range(rounds):
+        checks(20, 1)
+        one.append(checks(200, 1))
+        stop = threading.Event()
+        threads = [threading.Thread(target=stop.wait, daemon=True) for _ in range(63)]
+        for t in threads:
+            t.start()
+        out["threads"] = threading.active_count()
+        checks(20, 1)  # the walk that sees the new thread ids
+        many.append(checks(200, 1))
+        stop.set()
+        for t in threads:
+            t.join()
+    out["check_1_thread_s"] = statistics.median(one)
+    out["check_64_threads_s"] = statistics.median(many)
+    # An idle host vs 1000 sleepers of this user, in the order idle, sleepers, sleepers, idle.
+    idle = [checks()]
+    pids = start_sleepers(sleepers)
+    try:
+        checks(20, 1)  # the walk that sees their pids once
+        busy = [checks(), checks()]
+        out["sleepers"] = len(pids)
+        out["first_check_with_sleepers_s"] = statistics.median(first_check() for _ in range(5))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        gone_by = time.monotonic() + 30  # until init has collected them: they would weigh on what follows
+        while time.monotonic() < gone_by and any(os.path.exists(f"/proc/{pid}") for pid in pids[-20:]):
+            time.sleep(0.05)
+    idle.append(checks())
+    out["check_idle_host_s"] = statistics.median(idle)
+    out["check_with_sleepers_s"] = statistics.median(busy)
+    checker.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    out["ratio_64_threads"] = out["check_64_threads_s"] / out["check_1_thread_s"]
+    out["ratio_sleepers"] = out["check_with_sleepers_s"] / out["check_idle_host_s"]
+    return out
+
+
+def start_sleepers(n: int) -> list[int]:
+    """``n`` sleeping processes of this user that are not ours: started by a shell that exits at once,
+    so they are re-parented away from us (this process is no subreaper)."""
+    script = f"for i in $(seq {n}); do sleep 600 </dev/null >/dev/null 2>&1 & echo $!; done"
+    out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
+    pids = [int(p) for p in out.split()]
+    me = os.getpid()
+    assert all(_ppid(p) not in (me, None) for p in pids[:10]), "sleepers are our children"
+    return pids
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return int(data[data.rfind(b")") + 2:].split()[1])
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+def derive(configs: dict[str, Config], trees: list[str], n: int, rounds: int, shell_label: str,
+           kinds: list[str], shell_tests: int) -> dict[str, Any]:
+    def med(name: str, field: str = "wall") -> float:
+        return statistics.median(getattr(configs[name], field))
+
+    def paired(a: str, b: str, field: str = "wall") -> dict[str, float]:
+        pa, pb = getattr(configs[a], field), getattr(configs[b], field)
+        return _common.summary([x - y for x, y in zip(pa, pb, strict=False)])
+
+    out: dict[str, Any] = {"raw": {name: {"wall": _common.summary(c.wall), "cpu": _common.summary(c.cpu)}
+                                   for name, c in configs.items()},
+                           "runs": {name: {"wall": c.wall, "cpu": c.cpu} for name, c in configs.items()}}
+    for tree in trees:
+        t: dict[str, Any] = {}
+        for mode in ("q", "co") if "off/idle/q" in configs else ():
+            t[f"idle_{mode}_added_s"] = med(f"{tree}/idle/{mode}") - med(f"off/idle/{mode}")
+            t[f"idle_{mode}_added_paired"] = paired(f"{tree}/idle/{mode}", f"off/idle/{mode}")
+            t[f"idle_{mode}_added_cpu_s"] = med(f"{tree}/idle/{mode}", "cpu") - med(f"off/idle/{mode}", "cpu")
+        for kind in kinds:
+            if f"{tree}/{kind}/N" not in configs:
+                continue
+            d1 = med(f"{tree}/{kind}/N") - med("off/N")
+            d4 = med(f"{tree}/{kind}/4N") - med("off/4N")
+            slope = (d4 - d1) / (3 * n)
+            per_round = []
+            for i in range(rounds):
+                r1 = configs[f"{tree}/{kind}/N"].wall[i] - configs["off/N"].wall[i]
+                r4 = configs[f"{tree}/{kind}/4N"].wall[i] - configs["off/4N"].wall[i]
+                per_round.append(((r4 - r1) / (3 * n), r1 - n * (r4 - r1) / (3 * n)))
+            t[kind] = {"slope_s": slope, "fixed_s": d1 - n * slope,
+                       "slope_paired": _common.summary([p[0] for p in per_round]),
+                       "fixed_paired": _common.summary([p[1] for p in per_round])}
+        out[tree] = t
+    if "shell/N" not in configs:
+        return out
+    shell_per_test = (med("shell/N") - med("off/shell")) / shell_tests
+    out["shell"] = {"what": shell_label, "per_test_s": shell_per_test}
+    for tree in trees:
+        for kind in kinds:
+            if kind in out[tree] and out[tree][kind]["slope_s"] > 0:
+                out[tree][kind]["shell_ratio"] = shell_per_test / out[tree][kind]["slope_s"]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tests", type=int, default=100, help="N: marked tests in the small checked suite")
+    parser.add_argument("--idle-tests", type=int, default=50)
+    parser.add_argument("--shell-tests", type=int, default=50,
+                        help="tests of the suite that runs the seeds' shell check around each test")
+    parser.add_argument("--idle-rounds", type=int, default=25)
+    parser.add_argument("--rounds", type=int, default=10, help="rounds of the checked configurations")
+    parser.add_argument("--check-rounds", type=int, default=9)
+    parser.add_argument("--sleepers", type=int, default=1000)
+    parser.add_argument("--trees", default="WORKTREE")
+    parser.add_argument("--attribution-rounds", type=int, default=9)
+    parser.add_argument("--skip", default="",
+                        help="comma-separated parts to skip: idle,checked,attribution,per-check")
+    parser.add_argument("--json")
+    parser.add_argument("--per-check-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.per_check_only:
+        print(json.dumps(per_check(args.check_rounds, args.sleepers)))
+        return 0
+    skip = set(filter(None, args.skip.split(",")))
+    trees = args.trees.split(",")
+    tmp = tempfile.mkdtemp(prefix="gpuclean-session-")
+    env = base_env()
+    tree_dirs = {rev: export_tree(rev, os.path.join(tmp, f"tree{i}")) for i, rev in enumerate(trees)}
+    for tree_dir in tree_dirs.values():  # compile once, outside the timed runs
+        subprocess.run([sys.executable, "-m", "compileall", "-q", tree_dir or os.path.join(_common.REPO,
+                                                                                           "pytest_gpuclean")],
+                       check=True, stdout=subprocess.DEVNULL)
+    n = args.tests
+    nvml = has_nvml_gpu()
+    shell = SHELL if shutil.which("nvidia-smi") else SHELL_PS_ONLY
+    shell_label = "ps + nvidia-smi" if shell == SHELL else "ps only (no nvidia-smi on this machine)"
+    sim = make_sim(os.path.join(tmp, "sim"), DEVICES)
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    off = ["-p", "no:gpuclean"]
+    idle = write_suite(os.path.join(tmp, "idle"), args.idle_tests, marked=False)
+    suite_n = write_suite(os.path.join(tmp, "n"), n, marked=True)
+    suite_4n = write_suite(os.path.join(tmp, "4n"), 4 * n, marked=True)
+    shell_suite = write_suite(os.path.join(tmp, "shell"), args.shell_tests, marked=False, shell=shell)
+    kinds = ["locks", "nolocks"] + (["nvml"] if nvml else [])
+
+    idle_configs: dict[str, Config] = {}
+    checked_configs: dict[str, Config] = {}
+    for mode, extra in (("q", []), ("co", ["--co"])):
+        idle_configs[f"off/idle/{mode}"] = Config(f"off/idle/{mode}", idle, off + extra, env, None)
+        for rev in trees:
+            idle_configs[f"{rev}/idle/{mode}"] = Config(f"{rev}/idle/{mode}", idle, extra,
+                                                        with_tree(env, tree_dirs[rev]), rev)
+    checked_configs["off/N"] = Config("off/N", suite_n, off, env, None)
+    checked_configs["off/4N"] = Config("off/4N", suite_4n, off, env, None)
+    checked_configs["shell/N"] = Config("shell/N", shell_suite, off, env, None)
+    checked_configs["off/shell"] = Config("off/shell", idle if args.shell_tests == args.idle_tests else
+                                          write_suite(os.path.join(tmp, "noshell"), args.shell_tests, False),
+                                          off, env, None)
+    for rev in trees:
+        for kind in kinds:
+            kenv = with_tree(env, tree_dirs[rev])
+            kenv["GPUCLEAN_LOCK_DIR"] = os.path.join(tmp, "locks")
+            if kind != "nvml":
+                kenv["GPUCLEAN_SIMULATE"] = sim
+            kenv["GPUCLEAN_LOCK"] = "off" if kind == "nolocks" else "on"
+            for size, suite in (("N", suite_n), ("4N", suite_4n)):
+                checked_configs[f"{rev}/{kind}/{size}"] = Config(f"{rev}/{kind}/{size}", suite, [], kenv, rev)
+
+    def run_rounds(configs: dict[str, Config], rounds: int, label: str) -> None:
+        order = list(configs.values())
+        for c in order:  # warm-up: caches, bytecode
+            timed_run(pytest_cmd + c.args, c.suite, c.env)
+        for r in range(rounds):
+            shift = r % len(order)
+            for c in order[shift:] + order[:shift]:
+                wall, cpu = timed_run(pytest_cmd + c.args, c.suite, c.env)
+                c.wall.append(wall)
+                c.cpu.append(cpu)
+            print(f"{label}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+
+    results: dict[str, Any] = {"machine": _common.machine(), "trees": trees, "tests": n,
+                               "idle_tests": args.idle_tests, "devices": DEVICES, "nvml_gpu": nvml}
+    if "idle" not in skip:
+        run_rounds(idle_configs, args.idle_rounds, "idle")
+    if "checked" not in skip:
+        run_rounds(checked_configs, args.rounds, "checked")
+    if "idle" not in skip or "checked" not in skip:
+        ran = {**({} if "idle" in skip else idle_configs), **({} if "checked" in skip else checked_configs)}
+        results["whole_process"] = derive(ran, trees, n, args.rounds, shell_label, kinds, args.shell_tests)
+    if "attribution" not in skip:
+        timer_dir = os.path.join(tmp, "timer")
+        os.makedirs(timer_dir)
+        with open(os.path.join(timer_dir, "gpuclean_bench_timer.py"), "w") as f:
+            f.write(TIMER_PLUGIN)
+        # Idle (the small unmarked suite) and one checked configuration per tree, against the plugin off.
+        chosen = {name: c for name, c in {**idle_configs, **checked_configs}.items()
+                  if name == "off/idle/q" or name == "off/N" or name.endswith(("/idle/q", "/locks/N"))}
+        phases = attribution(chosen, args.attribution_rounds, timer_dir, pytest_cmd)
+        results["attribution"] = {"phases": phases, "import": {
+            rev: import_cost(with_tree(env, tree_dirs[rev]), tree_dirs[rev] or tmp) for rev in trees}}
+    if "per-check" not in skip:
+        results["per_check"] = {}
+        for rev in trees:
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--per-check-only",
+                                  "--check-rounds", str(args.check_rounds), "--sleepers", str(args.sleepers)],
+                                 env=with_tree(env, tree_dirs[rev]), cwd=tree_dirs[rev] or _common.REPO,
+                                 capture_output=True, text=True, check=True).stdout
+            results["per_check"][rev] = json.loads(out.strip().splitlines()[-1])
+            print(f"per-check: {rev} done", file=sys.stderr, flush=True)
+    report(results, trees, kinds)
+    if args.json:
+        _common.write_json(args.json, results)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def attributed(phases: dict[str, dict[str, float]], on: str, off: str) -> dict[str, float]:
+    """gpuclean's share of each phase: the phase with the plugin minus without (medians)."""
+    a, b = phases[on], phases[off]
+    share = {phase: a.get(phase, 0.0) - b.get(phase, 0.0) for phase in
+             ("load_initial_conftests", "configure", "sessionstart", "collection_finish",
+              "sessionfinish", "unconfigure", "after_unconfigure")}
+    share["per_test"] = a["other_tests"] - b["other_tests"]
+    share["first_test_extra"] = (a["first_test"] - a["other_tests"]) - (b["first_test"] - b["other_tests"])
+    return share
+
+
+def report(results: dict[str, Any], trees: list[str], kinds: list[str]) -> None:
+    ms = _common.fmt_time
+    attr = results.get("attribution")
+    if attr:
+        for tree in trees:
+            imp = attr["import"][tree]
+            idle = attributed(attr["phases"], f"{tree}/idle/q", "off/idle/q")
+            checked = attributed(attr["phases"], f"{tree}/locks/N", "off/N")
+            idle_total = sum(v for k, v in idle.items() if k not in ("per_test", "first_test_extra"))
+            checked_fixed = sum(v for k, v in checked.items() if k != "per_test")
+            attr.setdefault("derived", {})[tree] = {"idle": idle, "checked": checked,
+                                                    "idle_hooks_s": idle_total,
+                                                    "checked_fixed_s": checked_fixed}
+            start = sum(checked[p] for p in ("load_initial_conftests", "configure", "sessionstart",
+                                             "collection_finish"))
+            end = checked["sessionfinish"] + checked["unconfigure"] + checked["after_unconfigure"]
+            print(f"in-process [{tree}]: plugin import {ms(imp['cpu_s'])} CPU ({ms(imp['wall_s'])} wall); "
+                  f"idle: hooks outside tests {ms(idle_total)}, per test {ms(idle['per_test'])}; "
+                  f"checked (8 sim devices, locks): fixed {ms(checked_fixed)} "
+                  f"(start {ms(start)}, first check extra {ms(checked['first_test_extra'])}, end {ms(end)}), "
+                  f"per test {ms(checked['per_test'])}")
+    whole = results.get("whole_process")
+    if whole:
+        n = results["tests"]
+        rows = []
+        for tree in trees:
+            t = whole[tree]
+            for mode, what in (("q", "pytest -q"), ("co", "pytest --co")):
+                if f"idle_{mode}_added_s" in t:
+                    spread = t[f"idle_{mode}_added_paired"]
+                    rows.append([tree, f"idle: {what}, added", ms(t[f"idle_{mode}_added_s"]),
+                                 f"paired p10..p90 {ms(spread['p10'])}..{ms(spread['p90'])}; CPU "
+                                 f"{ms(t[f'idle_{mode}_added_cpu_s'])}"])
+            for kind in kinds:
+                if kind not in t:
+                    continue
+                k = t[kind]
+                fixed, slope = k["fixed_paired"], k["slope_paired"]
+                rows.append([tree, f"{kind}: fixed (start+end)", ms(k["fixed_s"]),
+                             f"paired p10..p90 {ms(fixed['p10'])}..{ms(fixed['p90'])}"])
+                versus = f"; shell check / this = {k['shell_ratio']:.1f}x" if "shell_ratio" in k else ""
+                rows.append([tree, f"{kind}: per checked test", ms(k["slope_s"]),
+                             f"paired p10..p90 {ms(slope['p10'])}..{ms(slope['p90'])}{versus}"])
+        print(_common.table(rows, ["tree", f"whole process (N={n}, 4N={4 * n})", "median", "spread"]))
+        if "shell" in whole:
+            print(f"shell check ({whole['shell']['what']}) before+after each test: "
+                  f"{ms(whole['shell']['per_test_s'])} per test")
+    for tree, pc in results.get("per_check", {}).items():
+        print(f"per check [{tree}] 8 simulated devices: 1 thread {ms(pc['check_1_thread_s'])}, "
+              f"{pc['threads']} threads {ms(pc['check_64_threads_s'])} (ratio {pc['ratio_64_threads']:.2f}); "
+              f"idle host {ms(pc['check_idle_host_s'])}, {pc['sleepers']} sleepers "
+              f"{ms(pc['check_with_sleepers_s'])} (ratio {pc['ratio_sleepers']:.2f}); first check "
+              f"{ms(pc['first_check_s'])}, with the sleepers {ms(pc['first_check_with_sleepers_s'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The environment cookie that says which gpuclean session (and which test of it) started a process.
+
+Kept apart from ``ownership.py``, which decides what the cookie proves: the plugin exports the session's
+cookie as soon as pytest is configured, so that whatever a conftest or the collection starts carries it,
+and a session that checks nothing must not pay for importing the rest (see docs/ownership.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+from pytest_gpuclean import procfs
+
+COOKIE_VAR = "GPUCLEAN_TEST"
+"""Set in the pytest process while a test or higher-scoped fixture runs: every process spawned then
+inherits ``<session id>:<owner token>`` and so says who started it, wherever it ends up."""
+OWNER_VAR = "GPUCLEAN_OWNER"
+"""Set next to the cookie: the owner's name (a test's node id), so that the debris of a session that died
+can still be blamed on the test that made it."""
+SESSION_TOKEN = "session"
+"""The token of the session set-up itself (conftests, plugins, collection, what runs between tests):
+exported before the conftests are imported. Other tokens are a letter and a count, never this."""
+SESSION_NAME = "pytest session"
+
+
+def new_session_id(inherited_cookie: str | None = None) -> str:
+    """A session id that names its leader: ``gc.<pid>.<start ticks>.<pid namespace>.<random>``.
+
+    The leader's pid and start time let any later session prove that this one is dead (its pid gone,
+    or reused by a process that started later); the namespace says where that pid means something. A
+    cookie already set (a CI job's, or an outer session's test) prefixes it, so what this session spawns
+    is still recognised by the job's hooks and by the outer session as theirs.
+    """
+    me = os.getpid()
+    stat = procfs.read_stat(me)
+    own = f"gc.{me}.{stat.start_ticks if stat else 0}.{procfs.pid_namespace()}.{os.urandom(4).hex()}"
+    return f"{inherited_cookie}/{own}" if inherited_cookie else own
+
+
+def cookie(session_id: str, token: str) -> str:
+    """The value of ``COOKIE_VAR`` for ``token`` of session ``session_id``."""
+    return f"{session_id}:{token}"

@@ -1,0 +1,285 @@
+"""What gpuclean costs, as facts a session can observe (issue 16); the timings are in benchmarks/.
+
+A session that checks no test must get nothing from gpuclean but its options' validation and the cookie:
+no subreaper, no lock directory, no psutil, no NVML. The cheaper descendant walk must still find a child
+started from any thread, and starting lazily must not turn what the session set-up started into leaks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import read_pids, run_inner, wait_dead
+
+RECORD_STATE = '''
+import ctypes, json, os, sys
+
+def pytest_sessionfinish(session):
+    subreaper = ctypes.c_int(-1)
+    ctypes.CDLL(None, use_errno=True).prctl(37, ctypes.byref(subreaper), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+    with open(os.environ["STATE_FILE"], "w") as f:
+        json.dump({"subreaper": subreaper.value,
+                   "modules": sorted(m for m in sys.modules if m.split(".")[0] in ("psutil", "pynvml")
+                                     or m.startswith("pytest_gpuclean.")),
+                   "cookie": os.environ.get("GPUCLEAN_TEST"),
+                   "plugins": sorted(name for name, _ in session.config.pluginmanager.list_name_plugin()
+                                     if name and name.startswith("gpuclean-"))}, f)
+'''
+
+UNCHECKED = """
+def test_plain():
+    pass
+
+def test_other():
+    pass
+"""
+
+
+@pytest.mark.parametrize("args", [(), ("--co",)], ids=["run", "collect-only"])
+def test_a_session_that_checks_nothing_does_nothing(sim: Path, pytester: pytest.Pytester,
+                                                    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                    args: tuple[str, ...]) -> None:
+    pytester.makepyfile(test_inner=UNCHECKED + """
+import os
+
+def test_cookie():
+    # What a test or fixture starts carries the session's cookie even while nothing is checked.
+    assert os.environ["GPUCLEAN_TEST"].endswith(":session")
+""")
+    pytester.makeconftest(RECORD_STATE)
+    state_file = tmp_path / "state.json"
+    monkeypatch.setenv("STATE_FILE", str(state_file))
+    monkeypatch.delenv("GPUCLEAN_SIMULATE")  # were it to start, it would try NVML
+    lock_dir = tmp_path / "locks"
+    result = run_inner(pytester, *args)
+    assert result.ret == pytest.ExitCode.OK
+    if not args:
+        result.assert_outcomes(passed=3)
+    state = json.loads(state_file.read_text())
+    assert state["subreaper"] == 0
+    # No psutil, no NVML bindings, none of the checking code: only what validates the options and
+    # exports the cookie.
+    assert state["modules"] == ["pytest_gpuclean.cookie", "pytest_gpuclean.plugin", "pytest_gpuclean.procfs",
+                                "pytest_gpuclean.settings"]
+    assert state["cookie"].endswith(":session")
+    if not args:
+        # Of the plugin's hooks, only one per test is left: the one that notices a test checked after all.
+        assert "gpuclean-checker" not in state["plugins"]
+        assert "gpuclean-checker-idle" in state["plugins"]
+    assert not lock_dir.exists()
+    assert "gpuclean" not in result.stdout.str().replace("plugins: gpuclean", "")
+
+
+def test_a_collected_checked_test_starts_the_session(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The counterpart: one marked test among unmarked ones starts everything, before the first test.
+    inner(UNCHECKED + """
+@pytest.mark.needs_clean_gpus
+def test_checked():
+    pass
+""")
+    pytester.makeconftest(RECORD_STATE)
+    state_file = tmp_path / "state.json"
+    monkeypatch.setenv("STATE_FILE", str(state_file))
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=3)
+    state = json.loads(state_file.read_text())
+    assert state["subreaper"] == 1
+    assert "pytest_gpuclean.checker" in state["modules"]
+    assert (tmp_path / "locks").is_dir()
+    # The device lines come right after the collection, before any test.
+    result.stdout.fnmatch_lines(["collected 3 items", "gpuclean: simulated devices*checking 2*",
+                                 "gpuclean: GPU 0 *", "gpuclean: GPU 1 *", "test_inner.py ...*"])
+
+
+def test_a_report_asked_for_starts_the_session(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                              tmp_path: Path) -> None:
+    # No checked test, but a report: the session is watched, and the report names what was left behind
+    # (how the project's own CI checks that its tests leave nothing: .ci/test).
+    pidfile = inner("""
+def test_unmarked_leak():
+    hold(mib=1)
+    wait_holders(1)
+""")
+    report = tmp_path / "report.json"
+    result = run_inner(pytester, f"--gpuclean-report={report}")
+    result.assert_outcomes(passed=1)
+    leaked = read_pids(pidfile)[0]
+    document = json.loads(report.read_text())
+    assert document["session"]["backend"] == "simulated"
+    assert [r["process"]["pid"] for r in document["session_reaped"]] == [leaked]
+    assert wait_dead([leaked], timeout=2) == []
+
+
+def test_a_test_checked_after_the_collection_starts_the_session(inner: Callable[[str], Path],
+                                                                pytester: pytest.Pytester) -> None:
+    # The collection found nothing to check; a conftest marks one test while it is set up.
+    pidfile = inner("""
+def test_plain():
+    pass
+
+def test_late():
+    hold(mib=2)
+    wait_holders(1)
+
+def test_plain_again():
+    pass
+""")
+    pytester.makeconftest("""
+import pytest
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.name == "test_late":
+        item.add_marker(pytest.mark.needs_clean_gpus)
+    return (yield)
+""")
+    result = run_inner(pytester, "--gpuclean-grace=2", "--gpuclean-settle=0")
+    leaked = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*_ ERROR at teardown of test_late _*",
+                                 "gpuclean: test leaked 1 process(es) (reaped)"])
+    assert f"pid {leaked} " in result.stdout.str()
+    assert wait_dead([leaked], timeout=2) == []
+
+
+def test_bad_lock_directory_fails_before_the_first_checked_test(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("GPUCLEAN_LOCK_DIR", str(not_a_dir / "locks"))
+    pidfile = inner("""
+def test_unmarked_first():
+    hold(mib=1)
+
+@pytest.mark.needs_clean_gpus
+def test_checked():
+    pass
+""")
+    result = run_inner(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: --gpuclean-lock-dir: * (from environment variable GPUCLEAN_LOCK_DIR)"])
+    assert not pidfile.exists()  # no test ran
+
+
+THREAD_LEAK = """
+import threading
+
+STOP = threading.Event()
+# No GPU memory: nothing but the walk of our descendants can find these two.
+SLEEPER = (
+    "import os, sys, time\\n"
+    "os.fork()\\n"
+    "with open(sys.argv[1], 'a') as f:\\n"
+    "    f.write(f'{os.getpid()}\\\\n')\\n"
+    "time.sleep(300)\\n")
+
+# Threads as torch or OpenMP start them, from the start of the session.
+for _ in range(64):
+    threading.Thread(target=STOP.wait, daemon=True).start()
+
+@pytest.mark.needs_clean_gpus
+def test_before():
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_thread_leaks():
+    # A thread that starts a process (which forks a second) and lives on: the kernel lists a child under
+    # the thread that forked it, not under the main thread.
+    started = threading.Event()
+
+    def spawn():
+        subprocess.Popen([sys.executable, "-c", SLEEPER, PIDFILE])
+        started.set()
+        STOP.wait()
+
+    threading.Thread(target=spawn, daemon=True).start()
+    assert started.wait(30)
+    wait_holders(2)
+
+@pytest.mark.needs_clean_gpus
+def test_after():
+    STOP.set()
+"""
+
+
+def test_a_child_started_from_another_thread_is_found_and_reaped(inner: Callable[[str], Path],
+                                                                pytester: pytest.Pytester) -> None:
+    pidfile = inner(THREAD_LEAK)
+    result = run_inner(pytester, "--gpuclean-grace=2", "--gpuclean-settle=0")
+    leaked = read_pids(pidfile, 2)
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*_ ERROR at teardown of test_thread_leaks _*",
+                                 "gpuclean: test leaked 2 process(es) (reaped)"])
+    out = result.stdout.str()
+    for pid in leaked:
+        assert f"pid {pid} " in out
+    assert wait_dead(leaked, timeout=2) == []
+
+
+SET_UP_CONFTEST = '''
+import os, subprocess, sys, time
+
+SIM = os.environ["GPUCLEAN_SIMULATE"]
+PIDFILE = os.environ["LEAK_PIDFILE"]
+
+def _wait(n):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.exists(PIDFILE) and len(open(PIDFILE).read().split()) >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError("holder did not start")
+
+def pytest_configure(config):
+    # A daemon (double fork, setsid) started before gpuclean is a subreaper: it leaves the tree at once,
+    # and only its cookie says that the session set-up started it. It holds GPU memory.
+    subprocess.run([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", SIM, "--mib", "32",
+                    "--daemonize", "--pidfile", PIDFILE], check=True)
+    _wait(1)
+'''
+
+SET_UP_TESTS = """
+SERVER = hold(mib=8)  # started by the collection (module import): a child of pytest
+wait_holders(2)
+
+@pytest.fixture(scope="session")
+def service():
+    proc = hold(mib=4)
+    wait_holders(3)
+    yield proc
+    proc.terminate()
+    proc.wait(10)
+
+def test_unchecked():
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_checked(service):
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_checked_again(service):
+    pass
+"""
+
+
+def test_what_the_session_set_up_started_before_the_start_is_the_sessions(
+        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner(SET_UP_TESTS)
+    pytester.makeconftest(SET_UP_CONFTEST)
+    result = run_inner(pytester)
+    daemon, server, service = read_pids(pidfile, 3)
+    out = result.stdout.str() + result.stderr.str()
+    result.assert_outcomes(passed=3)
+    assert "leaked" not in out.replace("0 with findings", "")
+    # Nobody stopped the daemon or the collection's server: reaped at the very end, as the session's.
+    assert "gpuclean: reaped 2 process(es) of the session set-up (conftest, plugins) still alive after " \
+           "pytest_unconfigure" in out
+    assert f"pid {daemon} SIGTERM" in out and f"pid {server} SIGTERM" in out
+    assert wait_dead([daemon, server, service]) == []
