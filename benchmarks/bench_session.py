@@ -420,6 +420,9 @@ def main() -> int:
     parser.add_argument("--attribution-rounds", type=int, default=9)
     parser.add_argument("--skip", default="",
                         help="comma-separated parts to skip: idle,checked,attribution,per-check")
+    parser.add_argument("--no-autoload", action="store_true",
+                        help="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 in every run and gpuclean loaded with -p gpuclean: "
+                             "other installed plugins (a GPU image has many) stay out of both sides")
     parser.add_argument("--json")
     parser.add_argument("--per-check-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -430,6 +433,9 @@ def main() -> int:
     trees = args.trees.split(",")
     tmp = tempfile.mkdtemp(prefix="gpuclean-session-")
     env = base_env()
+    if args.no_autoload:
+        env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    on = ["-p", "gpuclean"] if args.no_autoload else []
     tree_dirs = {rev: export_tree(rev, os.path.join(tmp, f"tree{i}")) for i, rev in enumerate(trees)}
     for tree_dir in tree_dirs.values():  # compile once, outside the timed runs
         subprocess.run([sys.executable, "-m", "compileall", "-q", tree_dir or os.path.join(_common.REPO,
@@ -453,7 +459,7 @@ def main() -> int:
     for mode, extra in (("q", []), ("co", ["--co"])):
         idle_configs[f"off/idle/{mode}"] = Config(f"off/idle/{mode}", idle, off + extra, env, None)
         for rev in trees:
-            idle_configs[f"{rev}/idle/{mode}"] = Config(f"{rev}/idle/{mode}", idle, extra,
+            idle_configs[f"{rev}/idle/{mode}"] = Config(f"{rev}/idle/{mode}", idle, on + extra,
                                                         with_tree(env, tree_dirs[rev]), rev)
     checked_configs["off/N"] = Config("off/N", suite_n, off, env, None)
     checked_configs["off/4N"] = Config("off/4N", suite_4n, off, env, None)
@@ -469,7 +475,7 @@ def main() -> int:
                 kenv["GPUCLEAN_SIMULATE"] = sim
             kenv["GPUCLEAN_LOCK"] = "off" if kind == "nolocks" else "on"
             for size, suite in (("N", suite_n), ("4N", suite_4n)):
-                checked_configs[f"{rev}/{kind}/{size}"] = Config(f"{rev}/{kind}/{size}", suite, [], kenv, rev)
+                checked_configs[f"{rev}/{kind}/{size}"] = Config(f"{rev}/{kind}/{size}", suite, on, kenv, rev)
 
     def run_rounds(configs: dict[str, Config], rounds: int, label: str) -> None:
         order = list(configs.values())
@@ -484,9 +490,15 @@ def main() -> int:
             print(f"{label}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
 
     results: dict[str, Any] = {"machine": _common.machine(), "trees": trees, "tests": n,
-                               "idle_tests": args.idle_tests, "devices": DEVICES, "nvml_gpu": nvml}
+                               "idle_tests": args.idle_tests, "devices": DEVICES, "nvml_gpu": nvml,
+                               "autoload": not args.no_autoload}
     if "idle" not in skip:
         run_rounds(idle_configs, args.idle_rounds, "idle")
+        # Printed at once: a run cut short by a time limit still leaves this part behind.
+        idle_only = derive(idle_configs, trees, n, args.rounds, shell_label, [], args.shell_tests)
+        for rev in trees:
+            print(f"idle [{rev}]: pytest -q added {_common.fmt_time(idle_only[rev]['idle_q_added_s'])}, "
+                  f"--co added {_common.fmt_time(idle_only[rev]['idle_co_added_s'])}", flush=True)
     if "checked" not in skip:
         run_rounds(checked_configs, args.rounds, "checked")
     if "idle" not in skip or "checked" not in skip:
