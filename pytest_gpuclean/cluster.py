@@ -429,8 +429,9 @@ class RayCheck:
     _inbox: Connection | None = None
     _outbox: Connection | None = None
     version: str = ""
-    since: float = field(default_factory=time.time)
-    """Jobs whose driver is this process and started since then are this session's."""
+    since: float = field(default_factory=lambda: _process_start(os.getpid()))
+    """Jobs whose driver is this process and started since then are this session's: a job started before
+    this process existed had a driver of the same pid (reused)."""
     notes: list[str] = field(default_factory=list)
 
     def start(self, timeout: float) -> None:
@@ -736,6 +737,11 @@ def as_result(check: ClusterCheck, tolerance_mib: int = 0) -> CheckResult:
     return CheckResult(phase, check.clean, devices, tuple(f.offender for f in check.findings),
                        tuple(r.reaped for r in check.reaped), check.waited_s,
                        check.waited_s if check.clean else None, tuple(notes), tolerance_mib)
+
+
+def _process_start(pid: int) -> float:
+    stat = procfs.read_stat(pid)
+    return procfs.ticks_to_wall(stat.start_ticks) if stat is not None else time.time()
 
 
 def resolve_address(value: str) -> str | None:

@@ -763,9 +763,11 @@ class GpuCleanPlugin:
         if include_session and (reaped or not check.clean):
             # After the reports: say it where the user looks.
             sys.stderr.write("gpuclean: the Ray cluster at the very end: " + "; ".join(
-                [f"reaped pid {r.process.pid} {r.how_ended} ({report.one_line(r.process.cmdline, 80)})"
-                 for r in reaped] + [report.one_line(f.offender.detail or str(f.offender.process), 120)
-                                     for f in check.findings]) + "\n")
+                [f"reaped pid {r.reaped.process.pid} "
+                 f"{'by ray.kill' if r.via == 'ray.kill' else r.reaped.how_ended} "
+                 f"({report.one_line(r.reaped.process.cmdline, 80)})" for r in check.reaped]
+                + [report.one_line(f.offender.detail or str(f.offender.process), 120)
+                   for f in check.findings]) + "\n")
         return reaped
 
     def _end_test(self, state: _ItemState) -> None:

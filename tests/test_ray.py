@@ -37,7 +37,8 @@ def spawn_holder(pidfile):
     return proc.pid
 
 def setup_module():
-    ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
+    if not ray.is_initialized():  # the conftest connected already
+        ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
 
 def teardown_module():
     ray.shutdown()
@@ -80,6 +81,33 @@ def test_e_fixture_actor_still_there(shared_actor):
 @pytest.mark.needs_clean_gpus
 def test_f_clean():
     pass
+
+def test_z_unchecked_leak_found_at_session_end():
+    # Not checked, and no checked test follows: only the session-end sweep of the cluster finds it.
+    actor = Holder.options(scheduling_strategy=on(NODE_B), lifetime="detached", name="late",
+                           namespace="t").remote()
+    ray.get(actor.hold.remote(15))
+'''
+
+CONFTEST = '''
+import os
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from pytest_gpuclean.simulate import allocate
+
+@ray.remote(num_cpus=0)
+class SetupHolder:
+    def hold(self, mib):
+        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
+        return os.getpid()
+
+def pytest_configure(config):
+    # The session set-up's: protected through every test, reaped by the very last sweep (after the
+    # reports), when the driver's job is long over.
+    ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
+    actor = SetupHolder.options(lifetime="detached", name="setup-leak", namespace="t", scheduling_strategy=
+                                NodeAffinitySchedulingStrategy(os.environ["NODE_C"], soft=False)).remote()
+    ray.get(actor.hold.remote(10))
 '''
 
 
@@ -133,9 +161,12 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     monkeypatch.setenv("NODE_B", ray_cluster["node_b"])
     monkeypatch.setenv("NODE_C", ray_cluster["node_c"])
     pytester.makepyfile(test_inner=INNER)
+    pytester.makeconftest(CONFTEST)
+    report_path = tmp_path / "report.json"
     result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-ray={ray_cluster['address']}",
                                            "--gpuclean-grace=2", "--gpuclean-timeout=60", "-p",
-                                           "no:cacheprovider", timeout=300)
+                                           "no:cacheprovider", f"--gpuclean-report={report_path}",
+                                           timeout=300)
     out = result.stdout.str()
     b, c = ray_cluster["node_b"][:8], ray_cluster["node_c"][:8]
     # Each leak fails the test that made it, on its node, and is reaped; the next test is clean.
@@ -149,7 +180,21 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
         rf".*\[node {c}, job .*pytest_gpuclean.simulate hold.*",
     ])
     outcomes = result.parseoutcomes()
-    assert outcomes.get("passed") == 6, out  # a, e (fixture actor alive), f (clean after the reaping)
+    assert outcomes.get("passed") == 7, out  # a, e (fixture actor alive), f (clean after the reaping), z
+    # The terminal summary names each node, how each thing ended, and the node's release time.
+    result.stdout.re_match_lines([
+        rf"test_inner.py::test_b_handle_in_global: .*Ray teardown on node {b}: reaped pid \d+ SIG\w+, "
+        r"devices released in \d+\.\d\ds",
+        rf"test_inner.py::test_c_detached: .*Ray teardown on node {c}: reaped pid \d+ by ray.kill, "
+        r"devices released in \d+\.\d\ds",
+        rf"test_inner.py::test_d_subprocess_on_other_node: .*Ray teardown on node {c}: reaped pid \d+ SIG\w+",
+        r"test_inner.py::test_z_unchecked_leak_found_at_session_end: leaked 1 process\(es\) found by a later "
+        r"check \(pid \d+ exited by itself\)",
+    ])
+    # The very last sweep (after pytest_unconfigure) ended the session set-up's detached actor.
+    result.stderr.re_match_lines([r"gpuclean: the Ray cluster at the very end: reaped pid \d+ by ray.kill "
+                                  rf"\(\[node {c}, actor SetupHolder .*"])
+    _check_report(report_path, ray_cluster)
     # Nothing of the inner job holds simulated memory any more, on any node.
     # (The shared fixture's actor was killed by its own finalizer.)
     from pytest_gpuclean.devices import SimulatedBackend
@@ -160,6 +205,47 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     # Another job's actor was never touched.
     assert ray.get(bystander.pid.remote()) == bystander_pid
     ray.kill(bystander)
+
+
+def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
+    import json
+
+    import jsonschema
+
+    from pytest_gpuclean.jsonreport import load_schema
+
+    document = json.loads(path.read_text())
+    jsonschema.validate(document, load_schema())
+    tests = {t["nodeid"].split("::")[-1]: t for t in document["tests"]}
+    node_b, node_c = ray_cluster["node_b"], ray_cluster["node_c"]
+
+    def leaked(name: str) -> list[tuple[str, str | None]]:
+        return [(e["node_id"], e["via"]) for e in tests[name]["leaked"]]
+
+    assert leaked("test_b_handle_in_global") == [(node_b, "ladder")]  # anonymous: no ray.kill from our job
+    assert leaked("test_c_detached") == [(node_c, "ray.kill")]
+    assert leaked("test_d_subprocess_on_other_node") == [(node_c, "ladder")]
+    assert tests["test_a_fixture_actor_is_protected"]["outcome"] == "clean"
+    assert tests["test_f_clean"]["outcome"] == "clean"
+    for name, node in (("test_b_handle_in_global", node_b), ("test_c_detached", node_c)):
+        after = tests[name]["cluster_after"]
+        assert [r["node_id"] for r in after["reaped"]] == [node]
+        assert after["reaped"][0]["owner"] == {"kind": "test", "name": f"test_inner.py::{name}"}
+        (release,) = [r for r in after["releases"] if r["pids"]]
+        assert release["node_id"] == node and release["release_s"] is not None
+        # Every device of the check is named with its node.
+        assert all(d["name"].startswith(f"node {n['node_id'][:8]}: ")
+                   for n in after["nodes"] for d in n["devices"])
+        assert {n["node_id"] for n in after["nodes"]} >= {node_b, node_c}
+    assert tests["test_c_detached"]["cluster_after"]["reaped"][0]["actor_id"]
+    # The unchecked test's detached actor: found by the session-end sweep, charged to it.
+    ray = document["session"]["ray"]
+    assert ray["address"] == ray_cluster["address"]
+    (at_end,) = [c for c in ray["session_end"] if c["reaped"]]
+    assert [(r["node_id"], r["via"], r["owner"]["name"]) for r in at_end["reaped"]] == [
+        (node_b, "ray.kill", "test_inner.py::test_z_unchecked_leak_found_at_session_end")]
+    assert tests["test_z_unchecked_leak_found_at_session_end"]["outcome"] == "leaked"
+    assert document["summary"]["leaked"] == 4
 
 
 def test_unreachable_cluster_is_a_usage_error(pytester: pytest.Pytester, sim: Path) -> None:
