@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast, get_args
 
 from pytest_gpuclean import procfs
 from pytest_gpuclean.model import (
@@ -489,6 +489,19 @@ class RayCheck:
             self._proc.wait()
             self._proc = None
 
+    def census(self, timeout: float, driver_pid: int = -1) -> Census:
+        """The cluster as it is now (for the CLI: with no driver pid, no job is ours)."""
+        census: Census = self._call("census", driver_pid, time.time(), timeout, timeout=timeout)
+        return census
+
+    def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
+            targets: Sequence[tuple[int, int, str]], grace: float, release_wait: float, timeout: float
+            ) -> NodeEnd:
+        """``end_on_node`` on ``node`` (see there)."""
+        end: NodeEnd = self._call("end", node, raylet, actors, targets, grace, release_wait, timeout,
+                                  timeout=timeout)
+        return end
+
     @property
     def agent_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -623,8 +636,7 @@ class RayCheck:
                 notes.append(f"node {node[:8]}: not alive: nothing there can be reaped")
                 continue
             try:
-                end: NodeEnd = self._call("end", node, raylets[node], actors, targets, self.grace,
-                                          min(timeout, 30.0), timeout, timeout=timeout)
+                end = self.end(node, raylets[node], actors, targets, self.grace, min(timeout, 30.0), timeout)
             except ClusterError as exc:
                 notes.append(f"node {node[:8]}: reaping failed: {exc}")
                 continue
@@ -636,14 +648,7 @@ class RayCheck:
                 if outcome is None:
                     continue  # an anonymous actor whose worker was not found: still a finding
                 _, via, ended, exit_s, state = outcome
-                how: EndedBy
-                if via == "ray.kill":
-                    how = "exited by itself"  # Ray ended it; ``via`` says how
-                elif ended in ("SIGTERM", "SIGKILL", "already exited", "pid reused", "exited by itself",
-                               "reaped zombie"):
-                    how = ended  # type: ignore[assignment]
-                else:
-                    how = "survived"
+                how = ended_by(via, ended)
                 release = end.release_s if pid in end.held else None
                 reaped = Reaped(self._info(lk), self.ownership.owner(lk.token), "gpu", how,
                                 self._held(lk, census), exit_s, release,
@@ -737,6 +742,17 @@ def as_result(check: ClusterCheck, tolerance_mib: int = 0) -> CheckResult:
     return CheckResult(phase, check.clean, devices, tuple(f.offender for f in check.findings),
                        tuple(r.reaped for r in check.reaped), check.waited_s,
                        check.waited_s if check.clean else None, tuple(notes), tolerance_mib)
+
+
+def ended_by(via: str, ended: str) -> EndedBy:
+    """How a node's outcome reads in a ``Reaped``: Ray ended a ``ray.kill``-ed actor's worker by itself
+    (``via`` says how); anything the ladder cannot name survived."""
+    if via == "ray.kill":
+        return "exited by itself"
+    for word in get_args(EndedBy):
+        if word == ended:
+            return cast(EndedBy, word)
+    return "survived"
 
 
 def _process_start(pid: int) -> float:

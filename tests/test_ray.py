@@ -278,3 +278,189 @@ def test_bad_address_names_the_option(pytester: pytest.Pytester, sim: Path,
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--gpuclean-ray: 'nowhere' is not host:port, auto or off "
                                  "(from environment variable GPUCLEAN_RAY)*"])
+
+
+# ---- gpuclean status|check|reap --ray ----------------------------------------------------------------
+
+LEAKER = '''
+import os, subprocess, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+from pytest_gpuclean.simulate import allocate
+
+@ray.remote(num_cpus=0)
+class Holder:
+    def hold(self, mib):
+        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
+        return os.getpid()
+
+@ray.remote(num_cpus=0)
+def escape(pidfile):
+    # setsid -f: a new session and an orphan, which outlives its worker and its job.
+    subprocess.run(["setsid", "-f", sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
+                    os.environ["GPUCLEAN_SIMULATE"], "--mib", "10", "--pidfile", pidfile], check=True)
+    for _ in range(1000):
+        if os.path.exists(pidfile) and open(pidfile).read().strip():
+            return int(open(pidfile).read())
+        time.sleep(0.01)
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+b, c, pidfile = sys.argv[2], sys.argv[3], sys.argv[4]
+named = Holder.options(lifetime="detached", name="cli-leak", namespace="t",
+                       scheduling_strategy=On(b, soft=False)).remote()
+anonymous = Holder.options(lifetime="detached", scheduling_strategy=On(c, soft=False)).remote()
+pids = [ray.get(named.hold.remote(30)), ray.get(anonymous.hold.remote(20)),
+        ray.get(escape.options(scheduling_strategy=On(c, soft=False)).remote(pidfile))]
+print(" ".join(map(str, pids)))
+'''
+
+
+def _gpuclean(*args: str, timeout: float = 120) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pytest_gpuclean", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_status_check_reap_across_the_cluster(tmp_path: Path, ray_cluster: dict[str, Any]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray = ray_cluster["ray"]
+    address, node_b, node_c = ray_cluster["address"], ray_cluster["node_b"], ray_cluster["node_c"]
+    b, c = node_b[:8], node_c[:8]
+    clean = _gpuclean("check", "--ray", address)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "clean" in clean.stdout and f"Ray cluster at {address}" in clean.stdout
+
+    # A job that ends and leaves on B a named detached actor, on C an anonymous one and an escaped process.
+    leaker = tmp_path / "leaker.py"
+    leaker.write_text(LEAKER)
+    done = subprocess.run([sys.executable, str(leaker), address, node_b, node_c, str(tmp_path / "esc.pid")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    named_pid, anonymous_pid, escaped_pid = map(int, done.stdout.split())
+
+    # A running job's actor on a GPU (this process's job): never ended by reap.
+    @ray.remote(num_cpus=0)
+    class Busy:
+        def hold(self) -> int:
+            from pytest_gpuclean.simulate import allocate
+
+            allocate(os.environ["GPUCLEAN_SIMULATE"], 0, 5)
+            return os.getpid()
+
+    busy = Busy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_b, soft=False)).remote()
+    busy_pid = ray.get(busy.hold.remote())
+
+    status = _gpuclean("status", "--ray", address)
+    assert status.returncode == 0, status.stderr
+    for node in (node_b, node_c):
+        assert f"node {node}: 1 device(s)" in status.stdout
+    for pid in (named_pid, anonymous_pid, escaped_pid, busy_pid):
+        assert f" {pid} " in status.stdout, status.stdout
+    document = json.loads(_gpuclean("status", "--ray", address, "--json").stdout)
+    on_devices = {(n["node_id"], p["pid"]) for n in document["nodes"] for d in n["devices"]
+                  for p in d["processes"]}
+    assert on_devices == {(node_b, named_pid), (node_c, anonymous_pid), (node_c, escaped_pid),
+                          (node_b, busy_pid)}
+    assert all(d["name"].startswith(f"node {n['node_id'][:8]}: ") for n in document["nodes"]
+               for d in n["devices"])
+
+    dirty = _gpuclean("check", "--ray", address, "--json")
+    assert dirty.returncode == 1
+    verdict = json.loads(dirty.stdout)
+    assert not verdict["clean"]
+    assert {(o["node_id"], o["process"]["pid"]) for o in verdict["offenders"]} == on_devices
+    text = _gpuclean("check", "--ray", address)
+    assert text.returncode == 1 and "NOT clean" in text.stdout and f"[node {b}]" in text.stdout
+
+    dry = _gpuclean("reap", "--ray", address, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f"node {b}: pid {named_pid} " in dry.stdout and "by ray.kill" in dry.stdout
+    assert f"node {c}: pid {anonymous_pid} " in dry.stdout
+    assert f"pid {busy_pid} " in dry.stdout and "is still running" in dry.stdout
+    for pid in (named_pid, anonymous_pid, escaped_pid):
+        assert os.path.exists(f"/proc/{pid}")  # --dry-run ended nothing
+
+    reaped = _gpuclean("reap", "--ray", address, "--grace", "2")
+    assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+    out = reaped.stdout
+    assert f"left alone: node {b}: pid {busy_pid} " in out
+    assert f"pid {named_pid}" in out and "[via ray.kill]" in out
+    assert out.count("[via ladder]") == 2
+    assert f"node {b}: its devices released the memory" in out and f"node {c}: its devices released" in out
+    for pid in (named_pid, anonymous_pid, escaped_pid):
+        assert not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    # The running job's actor and Ray itself are untouched.
+    assert ray.get(busy.hold.remote()) == busy_pid
+    still = json.loads(_gpuclean("check", "--ray", address, "--json").stdout)
+    assert [o["process"]["pid"] for o in still["offenders"]] == [busy_pid]
+    ray.kill(busy)
+    after = _gpuclean("check", "--ray", address, "--wait", "10")
+    assert after.returncode == 0, after.stdout
+
+
+def test_cli_unreachable_cluster_is_a_usage_error_within_the_timeout() -> None:
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    # 127.0.0.1:9: nothing listens. Ray alone would retry for about 14 minutes.
+    result = _gpuclean("check", "--ray", "127.0.0.1:9", "--timeout", "2", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("gpuclean check: error: --ray: the Ray cluster at 127.0.0.1:9 did not "
+                                    "answer (connect) within 2s (from the command line)"), result.stderr
+
+
+def test_cli_without_ray_installed_is_a_usage_error() -> None:
+    try:
+        import ray  # noqa: F401
+        pytest.skip("Ray is installed here; this checks the venv without it")
+    except ImportError:
+        pass
+    result = _gpuclean("status", "--ray", "127.0.0.1:6379", timeout=60)
+    assert result.returncode == 2
+    assert "gpuclean status: error: --ray: cannot use the Ray cluster at 127.0.0.1:6379: Ray is not " \
+           "installed for " in result.stderr, result.stderr
+
+
+def test_cli_other_ray_version_is_a_usage_error(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    import json
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=1, include_dashboard=False, node_ip_address="127.0.0.1"))
+    address = cluster.address
+    try:
+        # What a cluster started by another Ray version records in its control store (Ray's own check
+        # compares it with the driver's version when a driver connects).
+        from ray._private import ray_constants
+        from ray._raylet import GcsClient
+
+        gcs = GcsClient(address=cluster.address)
+        key = b"CLUSTER_METADATA"
+        meta = json.loads(gcs.internal_kv_get(key, namespace=ray_constants.KV_NAMESPACE_CLUSTER))
+        meta["ray_version"] = "2.59.0"
+        gcs.internal_kv_put(key, json.dumps(meta).encode(), True,
+                            namespace=ray_constants.KV_NAMESPACE_CLUSTER)
+        result = _gpuclean("check", "--ray", address, "--timeout", "60", timeout=120)
+    finally:
+        cluster.shutdown()
+    assert result.returncode == 2
+    assert f"gpuclean check: error: --ray: cannot use the Ray cluster at {address}: RuntimeError: Version " \
+           "mismatch" in result.stderr, result.stderr
+    assert "2.59.0" in result.stderr
+
+
+def test_cli_off_never_imports_ray(sim: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from pytest_gpuclean import cli; assert cli.main(['check', '--ray', 'off']) == 0; "
+            "assert 'ray' not in sys.modules and 'pytest_gpuclean.cluster' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
