@@ -57,6 +57,9 @@ CONNECT_ENV = {
     "RAY_gcs_server_port_wait_time_s": "1",
     "RAY_py_gcs_connect_timeout_s": "2",
     "RAY_gcs_rpc_server_connect_timeout_s": "1",
+    # A GCS that goes away (the cluster shut down under a session) would hold each request of the agent
+    # for a minute (Ray's default): give up after a few seconds instead.
+    "RAY_gcs_rpc_server_reconnect_timeout_s": "3",
 }
 RAY_DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE",
                "dashboard.py", "log_monitor.py", "monitor.py", "runtime_env/agent")
@@ -433,6 +436,8 @@ class RayCheck:
     """Jobs whose driver is this process and started since then are this session's: a job started before
     this process existed had a driver of the same pid (reused)."""
     notes: list[str] = field(default_factory=list)
+    unreachable: str = ""
+    """Why the last check could not reach the cluster ('' when it could)."""
 
     def start(self, timeout: float) -> None:
         """Start the agent and connect it; ``ClusterError`` if that fails or takes over ``timeout``."""
@@ -465,7 +470,10 @@ class RayCheck:
             reply: tuple[str, Any] = self._inbox.recv()
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
             self.stop()
-            raise ClusterError(f"gpuclean's Ray agent for {self.address} died ({what}): {exc!r}") from None
+            why = ("exited: the cluster shut down, or its GCS stopped answering"
+                   if isinstance(exc, EOFError) else repr(exc))
+            raise ClusterError(f"lost the Ray cluster at {self.address} ({what}): gpuclean's agent for it "
+                               f"{why}") from None
         return reply
 
     def _call(self, op: str, *args: Any, timeout: float) -> Any:
@@ -578,6 +586,7 @@ class RayCheck:
         started = time.monotonic()
         notes: list[str] = []
         pytest_pid = os.getpid()
+        self.unreachable = ""
         try:
             census: Census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
             leaks = self.leaks(census, sweep)
@@ -589,6 +598,7 @@ class RayCheck:
                 census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
                 leaks = self.leaks(census, sweep)
         except ClusterError as exc:
+            self.unreachable = str(exc)
             finding = ClusterFinding("", Offender("memory", None, None, "gpu", detail=str(exc)))
             return ClusterCheck(self.address, phase, False, (), (finding,),
                                 waited_s=time.monotonic() - started)
@@ -608,6 +618,10 @@ class RayCheck:
         """At session end: end what the session's tests and fixtures (and, with ``include_session``, its
         set-up) left on the cluster; only what is provably the session's (its jobs' actors and the
         processes their workers started)."""
+        if include_session and self.unreachable:
+            # The sweep after the last test could not reach it: do not wait for it a second time.
+            finding = ClusterFinding("", Offender("memory", None, None, "gpu", detail=self.unreachable))
+            return ClusterCheck(self.address, "session end", False, (), (finding,))
         return self.check_cluster("session end", tolerance_mib=0, timeout=timeout,
                                   sweep="all" if include_session else "tests")
 

@@ -464,3 +464,37 @@ def test_cli_off_never_imports_ray(sim: Path) -> None:
             "assert 'ray' not in sys.modules and 'pytest_gpuclean.cluster' not in sys.modules, 'imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_cluster_that_goes_away_is_a_finding_not_a_stall(pytester: pytest.Pytester, sim: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GCS dies under the session (a cluster shut down by someone else): the check after the test and
+    # the session-end sweeps say so within seconds, instead of waiting out Ray's one-minute reconnect
+    # for every request (that took 3 x (timeout + 1) s before the agent's reconnect timeout was set).
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=1, include_dashboard=False, node_ip_address="127.0.0.1"))
+    address = cluster.address
+    try:
+        gcs = cluster.head_node.all_processes["gcs_server"][0].process.pid
+        monkeypatch.setenv("GCS_PID", str(gcs))
+        pytester.makepyfile("""
+            import os, signal, pytest
+
+            @pytest.mark.needs_clean_gpus
+            def test_gcs_dies():
+                os.kill(int(os.environ["GCS_PID"]), signal.SIGKILL)
+        """)
+        result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-ray={address}",
+                                               "--gpuclean-timeout=60", "-p", "no:cacheprovider", timeout=150)
+    finally:
+        cluster.shutdown()
+    out = result.stdout.str()
+    assert result.parseoutcomes().get("errors") == 1, out
+    result.stdout.re_match_lines([r".*gpuclean: the Ray cluster is not clean after the test.*",
+                                  rf".*lost the Ray cluster at {address} \(census\): gpuclean's agent for it "
+                                  r"exited: the cluster shut down, or its GCS stopped answering.*"])
+    result.stderr.re_match_lines([rf"gpuclean: the Ray cluster at the very end: .*{address}.*"])
