@@ -250,7 +250,8 @@ def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
 
 def test_unreachable_cluster_is_a_usage_error(pytester: pytest.Pytester, sim: Path) -> None:
     pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
-    pytester.makepyfile("def test_x(): pass")
+    # A checked test: a session that checks nothing never starts (nor contacts the cluster).
+    pytester.makepyfile("import pytest\n@pytest.mark.needs_clean_gpus\ndef test_x(): pass")
     result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=127.0.0.1:9",
                                            "--gpuclean-timeout=30", timeout=120)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
