@@ -312,10 +312,7 @@ class GpuCleanPlugin:
             self._uninstall_sigterm()
             return
         if self.ray is not None:
-            try:
-                self._ray_sweep(include_session=True)
-            except Exception as exc:  # the session is over: say what went wrong, lose nothing else
-                sys.stderr.write(f"gpuclean: the last sweep of the Ray cluster failed: {exc!r}\n")
+            self._ray_sweep(include_session=True)
             self.ray.stop()
         # After every pytest_unconfigure: what the session set-up started (a conftest's server, a
         # plugin's daemon) and its owner did not stop would otherwise outlive pytest.
@@ -757,7 +754,12 @@ class GpuCleanPlugin:
         """The cluster's part of the final sweep: what the session left on the cluster, reaped."""
         if self.ray is None:
             return []
-        check = self.ray.sweep(include_session=include_session, timeout=self.settings.timeout)
+        try:
+            check = self.ray.sweep(include_session=include_session, timeout=self.settings.timeout)
+        except Exception as exc:  # the session is over: say what went wrong, lose nothing else
+            self.notes.append(f"session end: the sweep of the Ray cluster failed: {exc!r}")
+            sys.stderr.write(f"gpuclean: the sweep of the Ray cluster failed: {exc!r}\n")
+            return []
         self.cluster_sweeps.append(check)
         reaped = [r.reaped for r in check.reaped]
         if include_session and (reaped or not check.clean):
