@@ -82,6 +82,41 @@ def _env_note(name: str) -> str:
     return f"[env {settings.option(name).env_var}]"
 
 
+# ---- a Ray cluster (--ray) -----------------------------------------------------------------------------
+
+_RAY_EXCLUSIVE = ("devices", "cookie", "dead_sessions", "all_users")
+
+
+def _ray_settings(args: argparse.Namespace, *names: str) -> tuple[str | None, settings.Settings]:
+    """The cluster ``--ray`` (or ``GPUCLEAN_RAY``) names, None for the local devices; and the options.
+
+    Ray (and the modules that drive it) is imported only when a cluster is named.
+    """
+    resolved = _settings(args, "ray", "timeout", *names)
+    if resolved.ray == "off":
+        return None, resolved
+    from pytest_gpuclean import cluster
+
+    address = cluster.resolve_address(resolved.ray)
+    if address is None:
+        return None, resolved
+    for name in _RAY_EXCLUSIVE:
+        if getattr(args, name, None):
+            flag = "--" + name.replace("_", "-")
+            raise CliError(f"{flag} cannot be combined with --ray {resolved.ray} "
+                           f"({resolved.sources.get('ray', '')}): each node's own devices are checked there")
+    return address, resolved
+
+
+def _ray_command(run: Callable[[], int]) -> int:
+    from pytest_gpuclean import cli_ray
+
+    try:
+        return run()
+    except cli_ray.RayCliError as exc:
+        raise CliError(str(exc)) from None
+
+
 # ---- devices -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -175,6 +210,12 @@ def _print_json(document: dict[str, Any], out: TextIO) -> None:
 
 def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean status``: memory and processes of each device; ``--json`` for machines."""
+    address, ray_resolved = _ray_settings(args)
+    if address is not None:
+        from pytest_gpuclean import cli_ray
+
+        return _ray_command(lambda: cli_ray.cmd_status(args, out, ray_resolved, address, status_lines,
+                                                       _print_json))
     with _open_devices(_settings(args, "simulate", "devices")) as found:
         snaps = [found.backend.snapshot(d) for d in found.chosen]
         described = _described(snaps)
@@ -247,6 +288,12 @@ def check_json(found: _Devices, result: CheckResult, checker: Checker) -> dict[s
 
 def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean check``: exit 0 if the devices are clean (waiting up to ``--wait``), 1 if not."""
+    address, ray_resolved = _ray_settings(args, "tolerance_mib", "ignore")
+    if address is not None:
+        from pytest_gpuclean import cli_ray
+
+        return _ray_command(lambda: cli_ray.cmd_check(args, out, ray_resolved, address, check_lines,
+                                                      _print_json))
     resolved = _settings(args, "simulate", "devices", "tolerance_mib", "ignore")
     with _open_devices(resolved) as found:
         if not found.chosen:
@@ -363,6 +410,11 @@ def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[i
 
 def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers)."""
+    address, ray_resolved = _ray_settings(args, "grace")
+    if address is not None:
+        from pytest_gpuclean import cli_ray
+
+        return _ray_command(lambda: cli_ray.cmd_reap(args, out, ray_resolved, address))
     resolved = _settings(args, "simulate", "devices", "grace")
     if args.cookie is not None and not args.cookie.strip():
         raise CliError("--cookie: the value is empty, and an empty prefix would match every process "
@@ -428,6 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--devices", metavar="LIST",
                         help="devices: NVML indices, GPU-/MIG- UUIDs or UUID prefixes, comma-separated "
                              f"(default: those in CUDA_VISIBLE_DEVICES, else all) {_env_note('devices')}")
+    common.add_argument("--ray", metavar="ADDRESS",
+                        help="check every alive node of this Ray cluster (host:port of its GCS, auto: "
+                             "RAY_ADDRESS, off) instead of this host's devices; reap ends only what "
+                             f"finished Ray jobs left (docs/multinode.md) {_env_note('ray')}")
+    common.add_argument("--timeout", metavar="S",
+                        help="with --ray: seconds the cluster has to answer each request (default "
+                             f"{settings.DEFAULT_TIMEOUT_S:g}) {_env_note('timeout')}")
     parser = argparse.ArgumentParser(
         prog=PROG, description="Check and clean GPUs around CI jobs (the pytest-gpuclean plugin's check "
                                "and reaper as a command).",

@@ -17,6 +17,8 @@ signalled.
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import importlib
 import os
 import pickle
@@ -26,15 +28,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast, get_args
 
 from pytest_gpuclean import procfs
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
+    ClusterCheck,
+    ClusterFinding,
+    ClusterNode,
+    ClusterPhase,
+    ClusterReaped,
     DeviceInfo,
     DeviceSnapshot,
     EndedBy,
+    NodeRelease,
     Offender,
     Phase,
     ProcessInfo,
@@ -49,6 +57,9 @@ CONNECT_ENV = {
     "RAY_gcs_server_port_wait_time_s": "1",
     "RAY_py_gcs_connect_timeout_s": "2",
     "RAY_gcs_rpc_server_connect_timeout_s": "1",
+    # A GCS that goes away (the cluster shut down under a session) would hold each request of the agent
+    # for a minute (Ray's default): give up after a few seconds instead.
+    "RAY_gcs_rpc_server_reconnect_timeout_s": "3",
 }
 RAY_DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE",
                "dashboard.py", "log_monitor.py", "monitor.py", "runtime_env/agent")
@@ -107,6 +118,29 @@ class ActorRecord:
 
 
 @dataclass(frozen=True)
+class JobRecord:
+    """A job (one driver) as the control store records it."""
+
+    job_id: str
+    driver_pid: int
+    dead: bool
+    """Its driver has disconnected (``ray.shutdown()`` or exited)."""
+
+
+@dataclass(frozen=True)
+class NodeEnd:
+    """What ``end_on_node`` did on one node."""
+
+    outcomes: tuple[tuple[int, str, str, float | None, str], ...]
+    """(pid, via, ended_by, exit_s, state): via ``ray.kill`` or ``ladder``; state when it survived."""
+    release_s: float | None
+    """Seconds from the first kill until the node's devices listed none of the ended GPU holders."""
+    held: tuple[int, ...]
+    """The targets the node's devices listed when the reaping began."""
+    errors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Census:
     """The cluster at one moment: nodes, actors, which jobs are ours, and each alive node's report."""
 
@@ -116,6 +150,8 @@ class Census:
     actors: tuple[ActorRecord, ...]
     our_jobs: tuple[str, ...]
     took_s: float
+    jobs: tuple[JobRecord, ...] = ()
+    """Every job the control store knows (for ``gpuclean reap --ray``: is a job over?)."""
 
 
 # ---- node side ------------------------------------------------------------------------------------
@@ -160,30 +196,97 @@ def probe_node(jobs: Sequence[str]) -> NodeReport:
     return NodeReport(node_id, raylet, _named(snaps, node_id), tuple(found), error)
 
 
-def terminate_on_node(targets: Sequence[tuple[int, int, str]], raylet_pid: int, grace: float
-                      ) -> list[tuple[int, str, float | None, str]]:
-    """On a node: the TERM -> grace -> KILL ladder for ``(pid, start ticks, job id)`` targets.
+def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Sequence[tuple[int, int, str]],
+                raylet_pid: int, grace: float, release_wait: float) -> NodeEnd:
+    """On a node: ``ray.kill`` of named actors ``(name, namespace, actor id, worker pid, start ticks)``,
+    then the TERM -> grace -> KILL ladder for the ``(pid, start ticks, job id)`` targets still alive,
+    then wait (up to ``release_wait``) until the node's devices list none of what was ended, timed on
+    this node from the first kill.
 
     Each target is checked again here, where the pid means something: same start time, this user's,
-    this node's raylet, the job the check blamed; anything else is left alone.
+    this node's raylet, the job the check blamed (or, for ``job id`` '', no Ray job at all); never this
+    task's own ancestors (its worker's raylet, the process that started the node). An actor is killed
+    only if its name still resolves to the same actor id.
     """
-    from pytest_gpuclean import processes
+    from pytest_gpuclean import devices, processes
 
+    begun = time.monotonic()
     uid = os.getuid()
+    never = processes.ancestors(os.getpid())
+    backend = None
+    try:
+        backend = devices.open_backend(os.environ.get("GPUCLEAN_SIMULATE") or None)
+        listed_devices = backend.devices()
+    except devices.DeviceError:
+        listed_devices = ()
+
+    def on_devices() -> set[int]:
+        if backend is None:
+            return set()
+        try:
+            return {p.pid for d in listed_devices for p in backend.snapshot(d).processes}
+        except devices.DeviceError:
+            return set()
+
+    wanted = {pid for pid, _, _ in targets} | {a[3] for a in actors}
+    held = on_devices() & wanted
+    released: list[float] = []
+
+    def watch() -> None:
+        if held and not released and not (on_devices() & held):
+            released.append(time.monotonic() - begun)
+
+    errors: list[str] = []
+    outcomes: list[tuple[int, str, str, float | None, str]] = []
+    ray = _ray()
+    by_ray: dict[int, tuple[int, float]] = {}
+    for name, namespace, actor_id, pid, start_ticks in actors:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+            if handle._actor_id.hex() != actor_id:
+                errors.append(f"actor {name!r} is now another actor: left alone")
+                continue
+            sent = time.monotonic()
+            ray.kill(handle, no_restart=True)
+            by_ray[pid] = (start_ticks, sent)
+        except Exception as exc:
+            errors.append(f"ray.kill of actor {name!r} failed: {type(exc).__name__}: {exc}")
+    # Ray ends a killed actor's worker at once (about 10 ms); the ladder takes what is still there after
+    # the grace period.
+    deadline = time.monotonic() + grace
+    pending = dict(by_ray)
+    while pending and time.monotonic() < deadline:
+        for pid, (start_ticks, sent) in list(pending.items()):
+            stat = procfs.read_stat(pid)
+            if stat is None or stat.start_ticks != start_ticks or stat.state == "Z":
+                outcomes.append((pid, "ray.kill", "ray.kill", time.monotonic() - sent, ""))
+                del pending[pid]
+        watch()
+        time.sleep(0.005)
+    done = {o[0] for o in outcomes}
     verified: list[processes.KillTarget] = []
-    refused: list[tuple[int, str, float | None, str]] = []
     for pid, start_ticks, job in targets:
+        if pid in done:
+            continue
         stat = procfs.read_stat(pid)
         env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
         if stat is None or stat.start_ticks != start_ticks:
-            refused.append((pid, "already exited" if stat is None else "pid reused", None, ""))
-        elif os.stat(f"/proc/{pid}").st_uid != uid or env.get("RAY_JOB_ID") != job or \
-                env.get("RAY_RAYLET_PID") != str(raylet_pid):
-            refused.append((pid, "survived", None, "not provably the test's: left alone"))
+            outcomes.append((pid, "ladder", "already exited" if stat is None else "pid reused", None, ""))
+        elif pid in never or os.stat(f"/proc/{pid}").st_uid != uid or env.get("RAY_JOB_ID", "") != job or (
+                job and env.get("RAY_RAYLET_PID") != str(raylet_pid)):
+            outcomes.append((pid, "ladder", "survived", None, "not provably the test's: left alone"))
         else:
             verified.append(processes.KillTarget(pid, start_ticks, 0, None))
-    outcomes = processes.terminate(verified, grace)
-    return refused + [(o.pid, o.ended_by, o.exit_s, o.state) for o in outcomes]
+    for o in processes.terminate(verified, grace, watch=watch):
+        outcomes.append((o.pid, "ladder", o.ended_by, o.exit_s, o.state))
+    limit = time.monotonic() + release_wait
+    while held and not released and time.monotonic() < limit:
+        watch()
+        if not released:
+            time.sleep(0.01)
+    if backend is not None:
+        backend.close()
+    return NodeEnd(tuple(outcomes), released[0] if released else None, tuple(sorted(held)), tuple(errors))
 
 
 def _node_id() -> str:
@@ -219,7 +322,7 @@ class _Agent:
         ray.init(address=address, namespace="gpuclean", log_to_driver=False, logging_level="ERROR",
                  configure_logging=False)
         self.probe = ray.remote(num_cpus=0, max_retries=0)(probe_node)
-        self.reaper = ray.remote(num_cpus=0, max_retries=0)(terminate_on_node)
+        self.ender = ray.remote(num_cpus=0, max_retries=0)(end_on_node)
         self.known_alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         self.version = ray.__version__
 
@@ -228,11 +331,13 @@ class _Agent:
         started = time.monotonic()
         accessor = self.state.state._connect_and_get_accessor()
         jobs = []
+        all_jobs: list[JobRecord] = []
         gcs_pb2 = self.gcs_pb2
 
         for raw in accessor.get_job_table(skip_submission_job_info_field=True,
                                           skip_is_running_tasks_field=True):
             job = gcs_pb2.JobTableData.FromString(raw)
+            all_jobs.append(JobRecord(job.job_id.hex(), job.driver_pid, job.is_dead))
             # Dead jobs too: a driver that called ray.shutdown() leaves its detached actors behind.
             if job.driver_pid == driver_pid and job.start_time / 1000.0 >= since:
                 jobs.append(job.job_id.hex())
@@ -259,7 +364,7 @@ class _Agent:
                 reports.append(NodeReport(node, 0, (), (), f"probe failed: {type(exc).__name__}: "
                                           f"{str(exc).splitlines()[0] if str(exc) else ''}"))
         took = time.monotonic() - started
-        return Census(tuple(reports), dead, tuple(actors), tuple(sorted(our_jobs)), took)
+        return Census(tuple(reports), dead, tuple(actors), tuple(sorted(our_jobs)), took, tuple(all_jobs))
 
     def kill_actors(self, named: Sequence[tuple[str, str]]) -> list[str]:
         errors = []
@@ -270,18 +375,25 @@ class _Agent:
                 errors.append(f"ray.kill of actor {name!r} failed: {exc}")
         return errors
 
-    def terminate(self, node: str, raylet: int, targets: Sequence[tuple[int, int, str]], grace: float,
-                  timeout: float) -> list[tuple[int, str, float | None, str]]:
-        ref = self.reaper.options(scheduling_strategy=self.affinity(node, soft=False)).remote(
-            list(targets), raylet, grace)
-        return list(self.ray.get(ref, timeout=timeout))
+    def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
+            targets: Sequence[tuple[int, int, str]], grace: float, release_wait: float, timeout: float
+            ) -> NodeEnd:
+        ref = self.ender.options(scheduling_strategy=self.affinity(node, soft=False)).remote(
+            list(actors), list(targets), raylet, grace, release_wait)
+        end: NodeEnd = self.ray.get(ref, timeout=timeout)
+        return end
 
 
 def _agent_main(address: str, read_fd: int, write_fd: int) -> int:
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     try:
         agent = _Agent(address)
-    except BaseException as exc:  # ray missing, unreachable, another version: say so and stop
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+        outbox.send(("error", f"Ray is not installed for {sys.executable} (pip install ray)"))
+        return 1
+    except BaseException as exc:  # unreachable, another version: say so and stop
         outbox.send(("error", f"{type(exc).__name__}: {exc}"))
         return 1
     outbox.send(("ready", agent.version))
@@ -320,9 +432,12 @@ class RayCheck:
     _inbox: Connection | None = None
     _outbox: Connection | None = None
     version: str = ""
-    since: float = field(default_factory=time.time)
-    """Jobs whose driver is this process and started since then are this session's."""
+    since: float = field(default_factory=lambda: _process_start(os.getpid()))
+    """Jobs whose driver is this process and started since then are this session's: a job started before
+    this process existed had a driver of the same pid (reused)."""
     notes: list[str] = field(default_factory=list)
+    unreachable: str = ""
+    """Why the last check could not reach the cluster ('' when it could)."""
 
     def start(self, timeout: float) -> None:
         """Start the agent and connect it; ``ClusterError`` if that fails or takes over ``timeout``."""
@@ -355,7 +470,10 @@ class RayCheck:
             reply: tuple[str, Any] = self._inbox.recv()
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
             self.stop()
-            raise ClusterError(f"gpuclean's Ray agent for {self.address} died ({what}): {exc!r}") from None
+            why = ("exited: the cluster shut down, or its GCS stopped answering"
+                   if isinstance(exc, EOFError) else repr(exc))
+            raise ClusterError(f"lost the Ray cluster at {self.address} ({what}): gpuclean's agent for it "
+                               f"{why}") from None
         return reply
 
     def _call(self, op: str, *args: Any, timeout: float) -> Any:
@@ -379,6 +497,19 @@ class RayCheck:
             self._proc.wait()
             self._proc = None
 
+    def census(self, timeout: float, driver_pid: int = -1) -> Census:
+        """The cluster as it is now (for the CLI: with no driver pid, no job is ours)."""
+        census: Census = self._call("census", driver_pid, time.time(), timeout, timeout=timeout)
+        return census
+
+    def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
+            targets: Sequence[tuple[int, int, str]], grace: float, release_wait: float, timeout: float
+            ) -> NodeEnd:
+        """``end_on_node`` on ``node`` (see there)."""
+        end: NodeEnd = self._call("end", node, raylet, actors, targets, grace, release_wait, timeout,
+                                  timeout=timeout)
+        return end
+
     @property
     def agent_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -394,8 +525,19 @@ class RayCheck:
                 return window.token
         return SESSION
 
-    def leaks(self, census: Census) -> list[_Leak]:
-        """What of ours is alive on the cluster and not protected (an active fixture's, the session's)."""
+    def leaks(self, census: Census, sweep: str = "") -> list[_Leak]:
+        """What of ours is alive on the cluster and not protected (an active fixture's, the session's).
+
+        ``sweep``: at session end, ``"tests"`` takes everything of the tests and fixtures (whose windows
+        are all closed), ``"all"`` the session set-up's too.
+        """
+        def protected(token: str) -> bool:
+            if sweep == "all":
+                return False
+            if sweep == "tests":
+                return token == SESSION
+            return self.ownership.is_protected(token)
+
         ours = set(census.our_jobs)
         found: list[_Leak] = []
         actor_by_pid: dict[tuple[str, int], _Leak] = {}
@@ -405,7 +547,7 @@ class RayCheck:
             token = self._token_at(actor.start_wall)
             leak = _Leak(None, actor, actor.node_id, token)
             actor_by_pid[(actor.node_id, actor.pid)] = leak
-            if not self.ownership.is_protected(token):
+            if not protected(token):
                 found.append(leak)
         for node in census.nodes:
             by_pid = {p.info.pid: p for p in node.processes}
@@ -425,80 +567,112 @@ class RayCheck:
                     owner_leak = actor_by_pid.get((node.node_id, parent.info.pid))
                     parent = by_pid.get(parent.info.ppid)
                 token = owner_leak.token if owner_leak is not None else self._token_at(p.start_wall)
-                if not self.ownership.is_protected(token):
+                if not protected(token):
                     found.append(_Leak(p, owner_leak.actor if owner_leak else None, node.node_id, token))
         return found
 
     # ---- the check ------------------------------------------------------------------------------
 
     def check(self, phase: Phase, *, tolerance_mib: int, timeout: float) -> CheckResult:
-        """Check every alive node; reap the test's leaks (Ray first, then the ladder on the node)."""
+        """``check_cluster`` as a plain check result (what the failure text is made from)."""
+        return as_result(self.check_cluster(phase, tolerance_mib=tolerance_mib, timeout=timeout))
+
+    def check_cluster(self, phase: ClusterPhase, *, tolerance_mib: int, timeout: float, sweep: str = ""
+                      ) -> ClusterCheck:
+        """Check every alive node; reap the test's leaks (Ray first, then the ladder on the node).
+
+        ``sweep`` (session end): only the session's leftovers matter, not the devices' state.
+        """
         started = time.monotonic()
         notes: list[str] = []
         pytest_pid = os.getpid()
+        self.unreachable = ""
         try:
             census: Census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
+            leaks = self.leaks(census, sweep)
+            reaped: list[ClusterReaped] = []
+            releases: list[NodeRelease] = []
+            if leaks and self.reap:
+                reaped, releases = self._reap(leaks, census, notes,
+                                              max(1.0, timeout - (time.monotonic() - started)))
+                census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
+                leaks = self.leaks(census, sweep)
         except ClusterError as exc:
-            return CheckResult(phase, False, (), (Offender("memory", None, None, "gpu", detail=str(exc)),),
-                               waited_s=time.monotonic() - started)
-        leaks = self.leaks(census)
-        reaped: list[Reaped] = []
-        if leaks and self.reap:
-            reaped = self._reap(leaks, census, notes, max(1.0, timeout - (time.monotonic() - started)))
-            census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
-            leaks = self.leaks(census)
-        offenders = [self._offender(leak, census) for leak in leaks]
-        offenders += self._node_findings(census, tolerance_mib)
-        devices = tuple(s for n in census.nodes for s in n.devices)
-        waited = time.monotonic() - started
-        return CheckResult(phase, not offenders, devices, tuple(offenders), tuple(reaped), waited,
-                           waited if not offenders else None, tuple(notes), tolerance_mib)
+            self.unreachable = str(exc)
+            finding = ClusterFinding("", Offender("memory", None, None, "gpu", detail=str(exc)))
+            return ClusterCheck(self.address, phase, False, (), (finding,),
+                                waited_s=time.monotonic() - started)
+        findings = [ClusterFinding(leak.node, self._offender(leak, census)) for leak in leaks]
+        if not sweep:
+            findings += self._node_findings(census, tolerance_mib)
+        nodes = tuple(ClusterNode(n.node_id, n.devices, n.error) for n in census.nodes)
+        return ClusterCheck(self.address, phase, not findings, nodes, tuple(findings), tuple(reaped),
+                            tuple(releases), time.monotonic() - started, tuple(notes))
 
-    def _reap(self, leaks: list[_Leak], census: Census, notes: list[str], timeout: float) -> list[Reaped]:
+    @staticmethod
+    def result(check: ClusterCheck) -> CheckResult:
+        """``as_result``, for callers that hold only this object (the plugin never imports this module)."""
+        return as_result(check)
+
+    def sweep(self, *, include_session: bool, timeout: float) -> ClusterCheck:
+        """At session end: end what the session's tests and fixtures (and, with ``include_session``, its
+        set-up) left on the cluster; only what is provably the session's (its jobs' actors and the
+        processes their workers started)."""
+        if include_session and self.unreachable:
+            # The sweep after the last test could not reach it: do not wait for it a second time.
+            finding = ClusterFinding("", Offender("memory", None, None, "gpu", detail=self.unreachable))
+            return ClusterCheck(self.address, "session end", False, (), (finding,))
+        return self.check_cluster("session end", tolerance_mib=0, timeout=timeout,
+                                  sweep="all" if include_session else "tests")
+
+    def _reap(self, leaks: list[_Leak], census: Census, notes: list[str], timeout: float
+              ) -> tuple[list[ClusterReaped], list[NodeRelease]]:
         # Named actors end through Ray (ray.kill frees their GPU through Ray's own path); anonymous ones
         # cannot be looked up from another job, so their worker gets the ladder, which Ray sees as the
-        # actor's death.
-        named = sorted({(lk.actor.name, lk.actor.namespace) for lk in leaks
-                        if (lk.actor is not None and lk.actor.name and lk.process is None)
-                        or (lk.actor is not None and lk.actor.name and lk.process is not None
-                        and lk.process.info.pid == lk.actor.pid)})
-        killed_by_ray: set[int] = set()
-        if named:
-            errors = self._call("kill_actors", named, timeout=timeout)
-            notes.extend(errors)
-            killed_by_ray = {lk.actor.pid for lk in leaks if lk.actor is not None and
-                             (lk.actor.name, lk.actor.namespace) in named}
+        # actor's death. Each node's reaping runs on that node, which times its devices' release.
         raylets = {n.node_id: n.raylet_pid for n in census.nodes}
-        results: list[Reaped] = []
         by_node: dict[str, list[_Leak]] = {}
         for lk in leaks:
-            if lk.process is not None:
-                by_node.setdefault(lk.node, []).append(lk)
+            by_node.setdefault(lk.node, []).append(lk)
+        results: list[ClusterReaped] = []
+        releases: list[NodeRelease] = []
         for node, node_leaks in by_node.items():
-            targets = [(lk.process.info.pid, lk.process.info.start_ticks, lk.process.job_id)
-                       for lk in node_leaks if lk.process is not None]
-            begun = time.monotonic()
+            actors = []
+            targets = []
+            for lk in node_leaks:
+                a, p = lk.actor, lk.process
+                is_worker = a is not None and p is not None and p.info.pid == a.pid
+                if a is not None and a.name and (p is None or is_worker):
+                    actors.append((a.name, a.namespace, a.actor_id, a.pid, p.info.start_ticks if p else 0))
+                if p is not None:
+                    targets.append((p.info.pid, p.info.start_ticks, p.job_id))
+            if node not in raylets:
+                notes.append(f"node {node[:8]}: not alive: nothing there can be reaped")
+                continue
             try:
-                outcomes = self._call("terminate", node, raylets.get(node, 0), targets, self.grace,
-                                      timeout, timeout=timeout)
+                end = self.end(node, raylets[node], actors, targets, self.grace, min(timeout, 30.0), timeout)
             except ClusterError as exc:
                 notes.append(f"node {node[:8]}: reaping failed: {exc}")
                 continue
-            took = time.monotonic() - begun
-            by_pid = {o[0]: o for o in outcomes}
+            notes.extend(f"node {node[:8]}: {e}" for e in end.errors)
+            by_pid = {o[0]: o for o in end.outcomes}
             for lk in node_leaks:
-                assert lk.process is not None
-                pid = lk.process.info.pid
-                _, ended, exit_s, state = by_pid.get(pid, (pid, "survived", None, "no answer"))
-                if pid in killed_by_ray and ended == "already exited":
-                    ended = "exited by itself"  # ray.kill ended it before the ladder got there
-                how: EndedBy = ended if ended in ("SIGTERM", "SIGKILL", "already exited", "pid reused",
-                                                  "exited by itself") else "survived"
-                results.append(Reaped(self._info(lk), self.ownership.owner(lk.token), "gpu", how,
-                                      self._held(lk, census), exit_s, None,
-                                      survived_as=state if how == "survived" else ""))
-            notes.append(f"node {node[:8]}: reaped {len(node_leaks)} process(es) in {took:.2f}s")
-        return results
+                pid = lk.process.info.pid if lk.process is not None else lk.actor.pid if lk.actor else 0
+                outcome = by_pid.get(pid)
+                if outcome is None:
+                    continue  # an anonymous actor whose worker was not found: still a finding
+                _, via, ended, exit_s, state = outcome
+                how = ended_by(via, ended)
+                release = end.release_s if pid in end.held else None
+                reaped = Reaped(self._info(lk), self.ownership.owner(lk.token), "gpu", how,
+                                self._held(lk, census), exit_s, release,
+                                survived_as=state if how == "survived" else "")
+                results.append(ClusterReaped(node, "ray.kill" if via == "ray.kill" else "ladder", reaped,
+                                             lk.actor.actor_id if lk.actor else "",
+                                             lk.process.job_id if lk.process else lk.actor.job_id
+                                             if lk.actor else ""))
+            releases.append(NodeRelease(node, end.release_s, end.held))
+        return results, releases
 
     def _info(self, leak: _Leak) -> ProcessInfo:
         p = leak.process
@@ -524,33 +698,80 @@ class RayCheck:
         return Offender("leaked", self._info(leak), self.ownership.owner(leak.token), "gpu",
                         self._held(leak, census), detail="Ray actor" if leak.actor else "")
 
-    def _node_findings(self, census: Census, tolerance_mib: int) -> list[Offender]:
-        found: list[Offender] = []
-        for node_id, why in census.dead_nodes:
-            found.append(Offender("memory", None, None, "gpu",
-                                  detail=f"Ray node {node_id[:8]} died: {why}; its workers may live on "
-                                  "as orphans that no check can reach"))
-        ours = set(census.our_jobs)
-        for node in census.nodes:
-            explained = {p.info.pid for p in node.processes if p.job_id in ours}
-            if node.error:
-                found.append(Offender("memory", None, None, "gpu",
-                                      detail=f"Ray node {node.node_id[:8]}: {node.error}"))
-            for s in node.devices:
-                listed = sum(p.used_bytes or 0 for p in s.processes)
-                for gp in s.processes:
-                    if gp.pid in explained:
-                        continue  # ours: a leak was reported above, a protected one is no finding
-                    found.append(Offender("foreign", ProcessInfo(gp.pid, 0, 0, -1, "?",
-                                                                 f"[node {node.node_id[:8]}] pid {gp.pid}",
-                                                                 "?"), None, "gpu",
-                                          ((s.device.label, (gp.used_bytes or 0) / MIB),),
-                                          detail=f"on {s.device.name}"))
-                if s.used_bytes - listed > tolerance_mib * MIB:
-                    found.append(Offender("memory", None, None, "gpu", (
-                        (s.device.label, (s.used_bytes - listed) / MIB),),
-                        detail=f"{s.device.name}: memory no process accounts for"))
-        return found
+    def _node_findings(self, census: Census, tolerance_mib: int) -> list[ClusterFinding]:
+        return node_findings(census, tolerance_mib, set(census.our_jobs))
+
+
+def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
+                  ignore: Sequence[str] = ()) -> list[ClusterFinding]:
+    """Dead nodes, unreadable nodes, processes on a device that no explained job accounts for (foreign),
+    and memory no process accounts for beyond the tolerance."""
+    found: list[ClusterFinding] = []
+    for node_id, why in census.dead_nodes:
+        found.append(ClusterFinding(node_id, Offender(
+            "memory", None, None, "gpu", detail=f"Ray node {node_id[:8]} died: {why}; its workers may live "
+            "on as orphans that no check can reach")))
+    for node in census.nodes:
+        known = {p.info.pid: p for p in node.processes}
+        explained = {pid for pid, p in known.items() if p.job_id in explained_jobs}
+        if node.error:
+            found.append(ClusterFinding(node.node_id, Offender(
+                "memory", None, None, "gpu", detail=f"Ray node {node.node_id[:8]}: {node.error}")))
+        for s in node.devices:
+            listed = sum(p.used_bytes or 0 for p in s.processes)
+            for gp in s.processes:
+                if gp.pid in explained:
+                    continue  # ours: a leak was reported above, a protected one is no finding
+                proc = known.get(gp.pid)
+                if proc is not None and any(fnmatch.fnmatchcase(proc.info.cmdline, g) for g in ignore):
+                    continue
+                where = f"[node {node.node_id[:8]}]"
+                info = (dataclasses.replace(proc.info, cmdline=f"{where} {proc.info.cmdline}")
+                        if proc is not None else
+                        ProcessInfo(gp.pid, 0, 0, -1, "?", f"[node {node.node_id[:8]}] pid {gp.pid} (not "
+                                    "visible on its node)", "?"))
+                found.append(ClusterFinding(node.node_id, Offender(
+                    "foreign", info, None, "gpu", ((s.device.label, (gp.used_bytes or 0) / MIB),),
+                    detail=f"on {s.device.name}")))
+            if s.used_bytes - listed > tolerance_mib * MIB:
+                found.append(ClusterFinding(node.node_id, Offender("memory", None, None, "gpu", (
+                    (s.device.label, (s.used_bytes - listed) / MIB),),
+                    detail=f"{s.device.name}: memory no process accounts for")))
+    return found
+
+
+def as_result(check: ClusterCheck, tolerance_mib: int = 0) -> CheckResult:
+    """A cluster check as the plain check result the text reports are made from."""
+    phase: Phase = "check" if check.phase == "session end" else check.phase
+    devices = tuple(s for n in check.nodes for s in n.devices)
+    notes = [*check.notes]
+    for r in check.releases:
+        if r.pids:
+            notes.append(f"node {r.node_id[:8]}: devices released in {r.release_s:.2f}s" if r.release_s
+                         is not None else f"node {r.node_id[:8]}: devices still list pid(s) "
+                         f"{', '.join(map(str, r.pids))} at the deadline")
+    via = [f"pid {r.reaped.process.pid} by ray.kill" for r in check.reaped if r.via == "ray.kill"]
+    if via:
+        notes.append("ended through Ray: " + ", ".join(via))
+    return CheckResult(phase, check.clean, devices, tuple(f.offender for f in check.findings),
+                       tuple(r.reaped for r in check.reaped), check.waited_s,
+                       check.waited_s if check.clean else None, tuple(notes), tolerance_mib)
+
+
+def ended_by(via: str, ended: str) -> EndedBy:
+    """How a node's outcome reads in a ``Reaped``: Ray ended a ``ray.kill``-ed actor's worker by itself
+    (``via`` says how); anything the ladder cannot name survived."""
+    if via == "ray.kill":
+        return "exited by itself"
+    for word in get_args(EndedBy):
+        if word == ended:
+            return cast(EndedBy, word)
+    return "survived"
+
+
+def _process_start(pid: int) -> float:
+    stat = procfs.read_stat(pid)
+    return procfs.ticks_to_wall(stat.start_ticks) if stat is not None else time.time()
 
 
 def resolve_address(value: str) -> str | None:

@@ -21,6 +21,8 @@ from typing import Any
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
+    ClusterCheck,
+    ClusterReaped,
     DeviceInfo,
     DeviceSnapshot,
     Offender,
@@ -109,6 +111,32 @@ def check_json(check: CheckResult) -> JsonDict:
             "self_mib": mib_pairs_json(check.self_mib)}
 
 
+def cluster_reaped_json(item: ClusterReaped) -> JsonDict:
+    """Something the cluster check ended on a Ray node: the reaped shape plus node, actor, job and how."""
+    return {**reaped_json(item.reaped), "node_id": item.node_id, "via": item.via, "actor_id": item.actor_id,
+            "job_id": item.job_id}
+
+
+def cluster_check_json(check: ClusterCheck) -> JsonDict:
+    """One check of a Ray cluster: each alive node with its devices, the findings (with their node), what
+    was ended (``via`` ``ray.kill`` or ``ladder``) and how long each node's devices took to let go."""
+    return {"address": check.address, "phase": check.phase, "clean": check.clean,
+            "waited_s": _seconds(check.waited_s),
+            "nodes": [{"node_id": n.node_id, "error": n.error,
+                       "devices": [snapshot_json(s) for s in n.devices]} for n in check.nodes],
+            "findings": [{**offender_json(f.offender), "node_id": f.node_id} for f in check.findings],
+            "reaped": [cluster_reaped_json(r) for r in check.reaped],
+            "releases": [{"node_id": r.node_id, "release_s": _seconds(r.release_s), "pids": list(r.pids)}
+                         for r in check.releases],
+            "notes": list(check.notes)}
+
+
+def ray_json(address: str, version: str, sweeps: Sequence[ClusterCheck]) -> JsonDict:
+    """The session's Ray cluster (``--gpuclean-ray``) and its session-end sweeps."""
+    return {"address": address, "ray_version": version,
+            "session_end": [cluster_check_json(c) for c in sweeps]}
+
+
 def _owned_by_other_test(owner: Owner | None, nodeid: str) -> bool:
     return owner is not None and owner.kind == "test" and owner.name != nodeid
 
@@ -144,6 +172,28 @@ def leaked_json(record: TestRecord) -> list[JsonDict]:
                 leaked.append({"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline,
                                "owner": owner_json(offender.owner), "found": "teardown",
                                "ended_by": ended_by, "release_s": None})
+    leaked.extend(cluster_leaked_json(record))
+    return leaked
+
+
+def cluster_leaked_json(record: TestRecord) -> list[JsonDict]:
+    """What this test left on a Ray cluster (``--gpuclean-ray``): ended after it, or still there; each
+    entry names its node and, when ended, whether through ``ray.kill`` or the ladder (``via``)."""
+    check = record.cluster_after
+    if check is None:
+        return []
+    leaked: list[JsonDict] = []
+    for item in check.reaped:
+        r = item.reaped
+        leaked.append({"pid": r.process.pid, "user": r.process.user, "cmdline": r.process.cmdline,
+                       "owner": owner_json(r.owner), "found": "teardown", "ended_by": r.how_ended,
+                       "release_s": _seconds(r.release_s), "node_id": item.node_id, "via": item.via})
+    for finding in check.findings:
+        proc = finding.offender.process
+        if finding.offender.reason == "leaked" and proc is not None:
+            leaked.append({"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline,
+                           "owner": owner_json(finding.offender.owner), "found": "teardown", "ended_by": None,
+                           "release_s": None, "node_id": finding.node_id, "via": None})
     return leaked
 
 
@@ -153,7 +203,8 @@ def outcome(record: TestRecord) -> str:
     if leaked_json(record):
         return "leaked"
     checks = [c for c in (record.before, record.after) if c is not None]
-    if any(not c.clean for c in checks):
+    if any(not c.clean for c in checks) or any(
+            c is not None and not c.clean for c in (record.cluster_before, record.cluster_after)):
         return "not_clean"
     return "clean" if record.before is not None else "unchecked"
 
@@ -174,13 +225,24 @@ def record_json(record: TestRecord) -> JsonDict:
         "lock_timeout": record.lock_timeout,
         "timings": {"lock_wait_s": _seconds(record.lock_wait_s), "before_s": _seconds(record.before_s),
                     "after_s": _seconds(record.after_s)},
+        **_cluster_keys(record),
     }
+
+
+def _cluster_keys(record: TestRecord) -> JsonDict:
+    # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
+    if record.cluster_before is None and record.cluster_after is None:
+        return {}
+    before, after = record.cluster_before, record.cluster_after
+    return {"cluster_before": None if before is None else cluster_check_json(before),
+            "cluster_after": None if after is None else cluster_check_json(after)}
 
 
 def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> JsonDict:
     """Counts over the whole session."""
     outcomes = [outcome(r) for r in records]
-    reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after) if c) + len(session_reaped)
+    reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after, r.cluster_before,
+                                                          r.cluster_after) if c) + len(session_reaped)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
             "not_clean": outcomes.count("not_clean"), "reaped": reaped,

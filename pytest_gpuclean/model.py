@@ -191,6 +191,73 @@ class CheckResult:
     """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
 
 
+ClusterVia = Literal["ray.kill", "ladder"]
+"""How the cluster check ended something on a Ray node: ``ray.kill`` of a named actor (Ray frees its GPU
+through its own path), or the TERM -> grace -> KILL ladder in a task pinned to the node."""
+ClusterPhase = Literal["setup", "teardown", "check", "session end"]
+
+
+@dataclass(frozen=True)
+class ClusterReaped:
+    """One process (or actor) on a Ray node that the cluster check ended."""
+
+    node_id: str
+    via: ClusterVia
+    reaped: Reaped
+    actor_id: str = ""
+    """The Ray actor whose worker it was ('' for a process a worker started)."""
+    job_id: str = ""
+
+
+@dataclass(frozen=True)
+class NodeRelease:
+    """How long one node's devices took to let go of what was ended there."""
+
+    node_id: str
+    release_s: float | None
+    """Seconds from the first kill on the node (``ray.kill`` or SIGTERM) until its devices listed none of
+    the ended processes; None if none of them was on a device, or they were still listed at the deadline."""
+    pids: tuple[int, ...] = ()
+    """The ended processes that were on the node's devices."""
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One alive node as its probe saw it; its devices are named with the node."""
+
+    node_id: str
+    devices: tuple[DeviceSnapshot, ...]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterFinding:
+    """Something on the cluster that made a check fail, with the node it is on ('' for the whole cluster)."""
+
+    node_id: str
+    offender: Offender
+
+
+@dataclass(frozen=True)
+class ClusterCheck:
+    """One check of a Ray cluster (``--gpuclean-ray``, ``gpuclean ... --ray``): nodes, findings, reaping."""
+
+    address: str
+    phase: ClusterPhase
+    clean: bool
+    nodes: tuple[ClusterNode, ...] = ()
+    findings: tuple[ClusterFinding, ...] = ()
+    reaped: tuple[ClusterReaped, ...] = ()
+    releases: tuple[NodeRelease, ...] = ()
+    waited_s: float = 0.0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def leaked(self) -> bool:
+        """Something of the session's was ended here, or is still there."""
+        return bool(self.reaped) or any(f.offender.reason == "leaked" for f in self.findings)
+
+
 @dataclass
 class TestRecord:
     """Everything gpuclean saw for one checked test; feeds the summary, JSON and JUnit output."""
@@ -210,17 +277,22 @@ class TestRecord:
     """Why the test never got its GPU locks (it waited ``lock_wait_s``); None if it got them."""
     before_s: float = 0.0
     after_s: float = 0.0
+    cluster_before: ClusterCheck | None = None
+    """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
+    cluster_after: ClusterCheck | None = None
 
     @property
     def leaked(self) -> bool:
         """True if this test left processes behind (found by its own teardown check or later)."""
         after = self.after
         return bool(self.found_later) or (after is not None and bool(
-            after.reaped or after.lingered or any(o.reason == "leaked" for o in after.offenders)))
+            after.reaped or after.lingered or any(o.reason == "leaked" for o in after.offenders))) or (
+            self.cluster_after is not None and self.cluster_after.leaked)
 
     @property
     def dirty(self) -> bool:
         """True if any check around this test failed or found something."""
         return self.leaked or bool(self.in_process_mib) or self.lock_timeout is not None or any(
             c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
-            for c in (self.before, self.after))
+            for c in (self.before, self.after)) or any(
+            c is not None and not c.clean for c in (self.cluster_before, self.cluster_after))

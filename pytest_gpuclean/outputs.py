@@ -184,6 +184,13 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 
 # ---- the hooks ---------------------------------------------------------------------------------------
 
+def _ray_session_json(plugin: GpuCleanPlugin) -> jsonreport.JsonDict:
+    # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
+    if plugin.ray is None:
+        return {}
+    return {"ray": jsonreport.ray_json(plugin.ray.address, plugin.ray.version, plugin.cluster_sweeps)}
+
+
 def _report_path(value: str, source: str, base: Path) -> Path:
     # Checked at startup so that a typo fails in a second, not after an hour of GPU tests.
     path = (base / Path(value).expanduser()).absolute()
@@ -253,6 +260,7 @@ class OutputHooks:
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
                          "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu},
             "xdist_workers": len(plugin.worker_payloads) if plugin.controller else None,
+            **_ray_session_json(plugin),
         }
 
     @pytest.hookimpl(wrapper=True, trylast=True)

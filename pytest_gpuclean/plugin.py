@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from pytest_gpuclean import processes, report
     from pytest_gpuclean.checker import Checker
     from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout, describe_holders, take_notices
-    from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Reaped, TestRecord
+    from pytest_gpuclean.model import MIB, CheckResult, ClusterCheck, DeviceInfo, Owner, Reaped, TestRecord
     from pytest_gpuclean.ownership import SESSION_OWNER
     from pytest_gpuclean.serialize import reaped_from_dict, reaped_to_dict, record_from_dict, record_to_dict
 
@@ -236,6 +236,8 @@ class GpuCleanPlugin:
         self._session_token = SESSION_TOKEN
         self._previous_cookie = exported.previous
         self.ray: Any = None
+        self.cluster_sweeps: list[ClusterCheck] = []
+        """The Ray cluster's session-end sweeps (``--gpuclean-ray``)."""
         self._swept = False
         self._terminated = False
         self._previous_sigterm: Any = None
@@ -310,6 +312,7 @@ class GpuCleanPlugin:
             self._uninstall_sigterm()
             return
         if self.ray is not None:
+            self._ray_sweep(include_session=True)
             self.ray.stop()
         # After every pytest_unconfigure: what the session set-up started (a conftest's server, a
         # plugin's daemon) and its owner did not stop would otherwise outlive pytest.
@@ -440,6 +443,7 @@ class GpuCleanPlugin:
         self.checker.hurry = hurry.is_set
         try:
             self.session_reaped = self.checker.final_sweep(self.devices)
+            self.session_reaped += self._ray_sweep(include_session=False)
         finally:
             self.checker.hurry = None
             restore()
@@ -717,7 +721,10 @@ class GpuCleanPlugin:
     def _ray_before(self, state: _ItemState) -> None:
         if self.ray is None:
             return
-        result = self.ray.check("setup", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        check = self.ray.check_cluster("setup", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        if state.record is not None:
+            state.record.cluster_before = check
+        result = self.ray.result(check)
         self._attribute_earlier(result.reaped, state, result.notes)
         if not result.clean:
             pytest.fail(report.check_report(result, "gpuclean: the Ray cluster is not clean before the test"),
@@ -726,11 +733,15 @@ class GpuCleanPlugin:
     def _ray_after(self, state: _ItemState) -> str | None:
         if self.ray is None:
             return None
-        result = self.ray.check("teardown", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        check = self.ray.check_cluster("teardown", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        result = self.ray.result(check)
         own_tokens = {state.token, *state.fixture_tokens}
         own = [r for r in result.reaped if r.owner is None or self._token_of(r.owner) in own_tokens]
         self._attribute_earlier([r for r in result.reaped if r not in own], state, result.notes)
         result = dataclasses.replace(result, reaped=tuple(own))
+        if state.record is not None:
+            state.record.cluster_after = dataclasses.replace(
+                check, reaped=tuple(r for r in check.reaped if r.reaped in own))
         leaked = [o for o in result.offenders if o.reason == "leaked"]
         if own or leaked:
             return report.check_report(result, report.leak_heading(own, leaked, self.ray.reap)
@@ -738,6 +749,28 @@ class GpuCleanPlugin:
         if not result.clean:
             return report.check_report(result, "gpuclean: the Ray cluster is not clean after the test")
         return None
+
+    def _ray_sweep(self, *, include_session: bool) -> list[Reaped]:
+        """The cluster's part of the final sweep: what the session left on the cluster, reaped."""
+        if self.ray is None:
+            return []
+        try:
+            check = self.ray.sweep(include_session=include_session, timeout=self.settings.timeout)
+        except Exception as exc:  # the session is over: say what went wrong, lose nothing else
+            self.notes.append(f"session end: the sweep of the Ray cluster failed: {exc!r}")
+            sys.stderr.write(f"gpuclean: the sweep of the Ray cluster failed: {exc!r}\n")
+            return []
+        self.cluster_sweeps.append(check)
+        reaped = [r.reaped for r in check.reaped]
+        if include_session and (reaped or not check.clean):
+            # After the reports: say it where the user looks.
+            sys.stderr.write("gpuclean: the Ray cluster at the very end: " + "; ".join(
+                [f"reaped pid {r.reaped.process.pid} "
+                 f"{'by ray.kill' if r.via == 'ray.kill' else r.reaped.how_ended} "
+                 f"({report.one_line(r.reaped.process.cmdline, 80)})" for r in check.reaped]
+                + [report.one_line(f.offender.detail or str(f.offender.process), 120)
+                   for f in check.findings]) + "\n")
+        return reaped
 
     def _end_test(self, state: _ItemState) -> None:
         ownership = self.checker.ownership

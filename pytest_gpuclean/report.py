@@ -151,6 +151,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             parts.append("torch memory grew in-process: " + _held(record.in_process_mib))
         if record.lock_timeout is not None:
             parts.append(f"never got its GPU locks: {record.lock_timeout}")
+        parts.extend(cluster_parts(record))
         lines.append(f"{record.nodeid}: " + "; ".join(parts))
     if session_reaped:
         lines.append(f"session end: reaped {len(session_reaped)} leftover process(es): "
@@ -158,6 +159,33 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
     lines.extend(notes)
     lines.append(totals_line(records, session_reaped))
     return lines
+
+
+def cluster_parts(record: TestRecord) -> list[str]:
+    """The Ray cluster's part of a test's summary line: per node, what was ended and how (``ray.kill`` or
+    the signal ladder), what is still there, and how long the node's devices took to let go."""
+    parts: list[str] = []
+    for check in (record.cluster_before, record.cluster_after):
+        if check is None or (check.clean and not check.reaped):
+            continue
+        nodes = sorted({r.node_id for r in check.reaped} | {f.node_id for f in check.findings})
+        for node in nodes:
+            where = f"node {node[:8]}" if node else "the cluster"
+            ended = [r for r in check.reaped if r.node_id == node]
+            bits = []
+            if ended:
+                bits.append("reaped " + ", ".join(
+                    f"pid {r.reaped.process.pid} "
+                    + ("by ray.kill" if r.via == "ray.kill" else r.reaped.how_ended) for r in ended))
+            release = next((x for x in check.releases if x.node_id == node and x.pids), None)
+            if release is not None:
+                bits.append(f"devices released in {release.release_s:.2f}s" if release.release_s is not None
+                            else "devices did NOT let go")
+            left = [f for f in check.findings if f.node_id == node]
+            if left:
+                bits.append("not clean (" + ", ".join(_short(f.offender) for f in left) + ")")
+            parts.append(f"Ray {check.phase} on {where}: " + ", ".join(bits))
+    return parts
 
 
 def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
@@ -169,7 +197,8 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped])
     checked = [r for r in records if r.before is not None]
     unchecked_leakers = sum(1 for r in records if r.before is None and r.leaked)
     timeouts = sum(1 for r in records if r.lock_timeout is not None)
-    total_reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after) if c) + len(session_reaped)
+    total_reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after, r.cluster_before,
+                                                                r.cluster_after) if c) + len(session_reaped)
     parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if r.dirty)} with findings"]
     if unchecked_leakers:
         parts.append(f"{unchecked_leakers} unchecked test(s) that leaked processes")

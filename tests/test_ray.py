@@ -37,7 +37,8 @@ def spawn_holder(pidfile):
     return proc.pid
 
 def setup_module():
-    ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
+    if not ray.is_initialized():  # the conftest connected already
+        ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
 
 def teardown_module():
     ray.shutdown()
@@ -80,6 +81,33 @@ def test_e_fixture_actor_still_there(shared_actor):
 @pytest.mark.needs_clean_gpus
 def test_f_clean():
     pass
+
+def test_z_unchecked_leak_found_at_session_end():
+    # Not checked, and no checked test follows: only the session-end sweep of the cluster finds it.
+    actor = Holder.options(scheduling_strategy=on(NODE_B), lifetime="detached", name="late",
+                           namespace="t").remote()
+    ray.get(actor.hold.remote(15))
+'''
+
+CONFTEST = '''
+import os
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from pytest_gpuclean.simulate import allocate
+
+@ray.remote(num_cpus=0)
+class SetupHolder:
+    def hold(self, mib):
+        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
+        return os.getpid()
+
+def pytest_configure(config):
+    # The session set-up's: protected through every test, reaped by the very last sweep (after the
+    # reports), when the driver's job is long over.
+    ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
+    actor = SetupHolder.options(lifetime="detached", name="setup-leak", namespace="t", scheduling_strategy=
+                                NodeAffinitySchedulingStrategy(os.environ["NODE_C"], soft=False)).remote()
+    ray.get(actor.hold.remote(10))
 '''
 
 
@@ -133,9 +161,12 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     monkeypatch.setenv("NODE_B", ray_cluster["node_b"])
     monkeypatch.setenv("NODE_C", ray_cluster["node_c"])
     pytester.makepyfile(test_inner=INNER)
+    pytester.makeconftest(CONFTEST)
+    report_path = tmp_path / "report.json"
     result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-ray={ray_cluster['address']}",
                                            "--gpuclean-grace=2", "--gpuclean-timeout=60", "-p",
-                                           "no:cacheprovider", timeout=300)
+                                           "no:cacheprovider", f"--gpuclean-report={report_path}",
+                                           timeout=300)
     out = result.stdout.str()
     b, c = ray_cluster["node_b"][:8], ray_cluster["node_c"][:8]
     # Each leak fails the test that made it, on its node, and is reaped; the next test is clean.
@@ -149,7 +180,21 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
         rf".*\[node {c}, job .*pytest_gpuclean.simulate hold.*",
     ])
     outcomes = result.parseoutcomes()
-    assert outcomes.get("passed") == 6, out  # a, e (fixture actor alive), f (clean after the reaping)
+    assert outcomes.get("passed") == 7, out  # a, e (fixture actor alive), f (clean after the reaping), z
+    # The terminal summary names each node, how each thing ended, and the node's release time.
+    result.stdout.re_match_lines([
+        rf"test_inner.py::test_b_handle_in_global: .*Ray teardown on node {b}: reaped pid \d+ SIG\w+, "
+        r"devices released in \d+\.\d\ds",
+        rf"test_inner.py::test_c_detached: .*Ray teardown on node {c}: reaped pid \d+ by ray.kill, "
+        r"devices released in \d+\.\d\ds",
+        rf"test_inner.py::test_d_subprocess_on_other_node: .*Ray teardown on node {c}: reaped pid \d+ SIG\w+",
+        r"test_inner.py::test_z_unchecked_leak_found_at_session_end: leaked 1 process\(es\) found by a later "
+        r"check \(pid \d+ exited by itself\)",
+    ])
+    # The very last sweep (after pytest_unconfigure) ended the session set-up's detached actor.
+    result.stderr.re_match_lines([r"gpuclean: the Ray cluster at the very end: reaped pid \d+ by ray.kill "
+                                  rf"\(\[node {c}, actor SetupHolder .*"])
+    _check_report(report_path, ray_cluster)
     # Nothing of the inner job holds simulated memory any more, on any node.
     # (The shared fixture's actor was killed by its own finalizer.)
     from pytest_gpuclean.devices import SimulatedBackend
@@ -162,9 +207,51 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     ray.kill(bystander)
 
 
+def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
+    import json
+
+    import jsonschema
+
+    from pytest_gpuclean.jsonreport import load_schema
+
+    document = json.loads(path.read_text())
+    jsonschema.validate(document, load_schema())
+    tests = {t["nodeid"].split("::")[-1]: t for t in document["tests"]}
+    node_b, node_c = ray_cluster["node_b"], ray_cluster["node_c"]
+
+    def leaked(name: str) -> list[tuple[str, str | None]]:
+        return [(e["node_id"], e["via"]) for e in tests[name]["leaked"]]
+
+    assert leaked("test_b_handle_in_global") == [(node_b, "ladder")]  # anonymous: no ray.kill from our job
+    assert leaked("test_c_detached") == [(node_c, "ray.kill")]
+    assert leaked("test_d_subprocess_on_other_node") == [(node_c, "ladder")]
+    assert tests["test_a_fixture_actor_is_protected"]["outcome"] == "clean"
+    assert tests["test_f_clean"]["outcome"] == "clean"
+    for name, node in (("test_b_handle_in_global", node_b), ("test_c_detached", node_c)):
+        after = tests[name]["cluster_after"]
+        assert [r["node_id"] for r in after["reaped"]] == [node]
+        assert after["reaped"][0]["owner"] == {"kind": "test", "name": f"test_inner.py::{name}"}
+        (release,) = [r for r in after["releases"] if r["pids"]]
+        assert release["node_id"] == node and release["release_s"] is not None
+        # Every device of the check is named with its node.
+        assert all(d["name"].startswith(f"node {n['node_id'][:8]}: ")
+                   for n in after["nodes"] for d in n["devices"])
+        assert {n["node_id"] for n in after["nodes"]} >= {node_b, node_c}
+    assert tests["test_c_detached"]["cluster_after"]["reaped"][0]["actor_id"]
+    # The unchecked test's detached actor: found by the session-end sweep, charged to it.
+    ray = document["session"]["ray"]
+    assert ray["address"] == ray_cluster["address"]
+    (at_end,) = [c for c in ray["session_end"] if c["reaped"]]
+    assert [(r["node_id"], r["via"], r["owner"]["name"]) for r in at_end["reaped"]] == [
+        (node_b, "ray.kill", "test_inner.py::test_z_unchecked_leak_found_at_session_end")]
+    assert tests["test_z_unchecked_leak_found_at_session_end"]["outcome"] == "leaked"
+    assert document["summary"]["leaked"] == 4
+
+
 def test_unreachable_cluster_is_a_usage_error(pytester: pytest.Pytester, sim: Path) -> None:
     pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
-    pytester.makepyfile("def test_x(): pass")
+    # A checked test: a session that checks nothing never starts (nor contacts the cluster).
+    pytester.makepyfile("import pytest\n@pytest.mark.needs_clean_gpus\ndef test_x(): pass")
     result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=127.0.0.1:9",
                                            "--gpuclean-timeout=30", timeout=120)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -192,3 +279,223 @@ def test_bad_address_names_the_option(pytester: pytest.Pytester, sim: Path,
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--gpuclean-ray: 'nowhere' is not host:port, auto or off "
                                  "(from environment variable GPUCLEAN_RAY)*"])
+
+
+# ---- gpuclean status|check|reap --ray ----------------------------------------------------------------
+
+LEAKER = '''
+import os, subprocess, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+from pytest_gpuclean.simulate import allocate
+
+@ray.remote(num_cpus=0)
+class Holder:
+    def hold(self, mib):
+        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
+        return os.getpid()
+
+@ray.remote(num_cpus=0)
+def escape(pidfile):
+    # setsid -f: a new session and an orphan, which outlives its worker and its job.
+    subprocess.run(["setsid", "-f", sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
+                    os.environ["GPUCLEAN_SIMULATE"], "--mib", "10", "--pidfile", pidfile], check=True)
+    for _ in range(1000):
+        if os.path.exists(pidfile) and open(pidfile).read().strip():
+            return int(open(pidfile).read())
+        time.sleep(0.01)
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+b, c, pidfile = sys.argv[2], sys.argv[3], sys.argv[4]
+named = Holder.options(lifetime="detached", name="cli-leak", namespace="t",
+                       scheduling_strategy=On(b, soft=False)).remote()
+anonymous = Holder.options(lifetime="detached", scheduling_strategy=On(c, soft=False)).remote()
+pids = [ray.get(named.hold.remote(30)), ray.get(anonymous.hold.remote(20)),
+        ray.get(escape.options(scheduling_strategy=On(c, soft=False)).remote(pidfile))]
+print(" ".join(map(str, pids)))
+'''
+
+
+def _gpuclean(*args: str, timeout: float = 120) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "pytest_gpuclean", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_status_check_reap_across_the_cluster(tmp_path: Path, ray_cluster: dict[str, Any]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray = ray_cluster["ray"]
+    address, node_b, node_c = ray_cluster["address"], ray_cluster["node_b"], ray_cluster["node_c"]
+    b, c = node_b[:8], node_c[:8]
+    clean = _gpuclean("check", "--ray", address)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "clean" in clean.stdout and f"Ray cluster at {address}" in clean.stdout
+
+    # A job that ends and leaves on B a named detached actor, on C an anonymous one and an escaped process.
+    leaker = tmp_path / "leaker.py"
+    leaker.write_text(LEAKER)
+    done = subprocess.run([sys.executable, str(leaker), address, node_b, node_c, str(tmp_path / "esc.pid")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    named_pid, anonymous_pid, escaped_pid = map(int, done.stdout.split())
+
+    # A running job's actor on a GPU (this process's job): never ended by reap.
+    @ray.remote(num_cpus=0)
+    class Busy:
+        def hold(self) -> int:
+            from pytest_gpuclean.simulate import allocate
+
+            allocate(os.environ["GPUCLEAN_SIMULATE"], 0, 5)
+            return os.getpid()
+
+    busy = Busy.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_b, soft=False)).remote()
+    busy_pid = ray.get(busy.hold.remote())
+
+    status = _gpuclean("status", "--ray", address)
+    assert status.returncode == 0, status.stderr
+    for node in (node_b, node_c):
+        assert f"node {node}: 1 device(s)" in status.stdout
+    for pid in (named_pid, anonymous_pid, escaped_pid, busy_pid):
+        assert f" {pid} " in status.stdout, status.stdout
+    document = json.loads(_gpuclean("status", "--ray", address, "--json").stdout)
+    on_devices = {(n["node_id"], p["pid"]) for n in document["nodes"] for d in n["devices"]
+                  for p in d["processes"]}
+    assert on_devices == {(node_b, named_pid), (node_c, anonymous_pid), (node_c, escaped_pid),
+                          (node_b, busy_pid)}
+    assert all(d["name"].startswith(f"node {n['node_id'][:8]}: ") for n in document["nodes"]
+               for d in n["devices"])
+
+    dirty = _gpuclean("check", "--ray", address, "--json")
+    assert dirty.returncode == 1
+    verdict = json.loads(dirty.stdout)
+    assert not verdict["clean"]
+    assert {(o["node_id"], o["process"]["pid"]) for o in verdict["offenders"]} == on_devices
+    text = _gpuclean("check", "--ray", address)
+    assert text.returncode == 1 and "NOT clean" in text.stdout and f"[node {b}]" in text.stdout
+
+    dry = _gpuclean("reap", "--ray", address, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f"node {b}: pid {named_pid} " in dry.stdout and "by ray.kill" in dry.stdout
+    assert f"node {c}: pid {anonymous_pid} " in dry.stdout
+    assert f"pid {busy_pid} " in dry.stdout and "is still running" in dry.stdout
+    for pid in (named_pid, anonymous_pid, escaped_pid):
+        assert os.path.exists(f"/proc/{pid}")  # --dry-run ended nothing
+
+    reaped = _gpuclean("reap", "--ray", address, "--grace", "2")
+    assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+    out = reaped.stdout
+    assert f"left alone: node {b}: pid {busy_pid} " in out
+    assert f"pid {named_pid}" in out and "[via ray.kill]" in out
+    assert out.count("[via ladder]") == 2
+    assert f"node {b}: its devices released the memory" in out and f"node {c}: its devices released" in out
+    for pid in (named_pid, anonymous_pid, escaped_pid):
+        assert not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    # The running job's actor and Ray itself are untouched.
+    assert ray.get(busy.hold.remote()) == busy_pid
+    still = json.loads(_gpuclean("check", "--ray", address, "--json").stdout)
+    assert [o["process"]["pid"] for o in still["offenders"]] == [busy_pid]
+    ray.kill(busy)
+    after = _gpuclean("check", "--ray", address, "--wait", "10")
+    assert after.returncode == 0, after.stdout
+
+
+def test_cli_unreachable_cluster_is_a_usage_error_within_the_timeout() -> None:
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    # 127.0.0.1:9: nothing listens. Ray alone would retry for about 14 minutes.
+    result = _gpuclean("check", "--ray", "127.0.0.1:9", "--timeout", "2", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("gpuclean check: error: --ray: the Ray cluster at 127.0.0.1:9 did not "
+                                    "answer (connect) within 2s (from the command line)"), result.stderr
+
+
+def test_cli_without_ray_installed_is_a_usage_error() -> None:
+    try:
+        import ray  # noqa: F401
+        pytest.skip("Ray is installed here; this checks the venv without it")
+    except ImportError:
+        pass
+    result = _gpuclean("status", "--ray", "127.0.0.1:6379", timeout=60)
+    assert result.returncode == 2
+    assert "gpuclean status: error: --ray: cannot use the Ray cluster at 127.0.0.1:6379: Ray is not " \
+           "installed for " in result.stderr, result.stderr
+
+
+def test_cli_other_ray_version_is_a_usage_error(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    import json
+
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=1, include_dashboard=False, node_ip_address="127.0.0.1"))
+    address = cluster.address
+    try:
+        # What a cluster started by another Ray version records in its control store (Ray's own check
+        # compares it with the driver's version when a driver connects).
+        from ray._private import ray_constants
+        from ray._raylet import GcsClient
+
+        gcs = GcsClient(address=cluster.address)
+        key = b"CLUSTER_METADATA"
+        meta = json.loads(gcs.internal_kv_get(key, namespace=ray_constants.KV_NAMESPACE_CLUSTER))
+        meta["ray_version"] = "2.59.0"
+        gcs.internal_kv_put(key, json.dumps(meta).encode(), True,
+                            namespace=ray_constants.KV_NAMESPACE_CLUSTER)
+        result = _gpuclean("check", "--ray", address, "--timeout", "60", timeout=120)
+    finally:
+        cluster.shutdown()
+    assert result.returncode == 2
+    assert f"gpuclean check: error: --ray: cannot use the Ray cluster at {address}: RuntimeError: Version " \
+           "mismatch" in result.stderr, result.stderr
+    assert "2.59.0" in result.stderr
+
+
+def test_cli_off_never_imports_ray(sim: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from pytest_gpuclean import cli; assert cli.main(['check', '--ray', 'off']) == 0; "
+            "assert 'ray' not in sys.modules and 'pytest_gpuclean.cluster' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_cluster_that_goes_away_is_a_finding_not_a_stall(pytester: pytest.Pytester, sim: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GCS dies under the session (a cluster shut down by someone else): the check after the test and
+    # the session-end sweeps say so within seconds, instead of waiting out Ray's one-minute reconnect
+    # for every request (that took 3 x (timeout + 1) s before the agent's reconnect timeout was set).
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=1, include_dashboard=False, node_ip_address="127.0.0.1"))
+    address = cluster.address
+    try:
+        gcs = cluster.head_node.all_processes["gcs_server"][0].process.pid
+        monkeypatch.setenv("GCS_PID", str(gcs))
+        pytester.makepyfile("""
+            import os, signal, pytest
+
+            @pytest.mark.needs_clean_gpus
+            def test_gcs_dies():
+                os.kill(int(os.environ["GCS_PID"]), signal.SIGKILL)
+        """)
+        result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-ray={address}",
+                                               "--gpuclean-timeout=60", "-p", "no:cacheprovider", timeout=150)
+    finally:
+        cluster.shutdown()
+    out = result.stdout.str()
+    assert result.parseoutcomes().get("errors") == 1, out
+    result.stdout.re_match_lines([r".*gpuclean: the Ray cluster is not clean after the test.*",
+                                  rf".*lost the Ray cluster at {address} \(census\): gpuclean's agent for it "
+                                  r"exited: the cluster shut down, or its GCS stopped answering.*"])
+    result.stderr.re_match_lines([rf"gpuclean: the Ray cluster at the very end: .*{address}.*"])

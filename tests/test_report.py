@@ -13,9 +13,14 @@ from pytest_gpuclean import jsonreport, model, report
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
+    ClusterCheck,
+    ClusterFinding,
+    ClusterNode,
+    ClusterReaped,
     DeviceInfo,
     DeviceSnapshot,
     GpuProcess,
+    NodeRelease,
     Offender,
     Owner,
     ProcessInfo,
@@ -44,9 +49,52 @@ RECORD = Record("t.py::test_leaks", ("t.py", 12), BEFORE, AFTER, [SURVIVED], [("
 NO_LOCKS = Record("t.py::test_waits", ("t.py", 20), lock_wait_s=600.0,
                   lock_timeout="waited 600s for 1 of 1 GPU lock(s); held by: GPU-0000: pid 1")
 
+NODE = "3f2a9c1b" + "0" * 48
+RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
+                          (GpuProcess(4242, 512 * MIB),))
+RAY_REAPED = ClusterReaped(NODE, "ray.kill", dataclasses.replace(REAPED, ended_by="exited by itself"),
+                           actor_id="a" * 32, job_id="01000000")
+RAY_LADDER = ClusterReaped(NODE, "ladder", REAPED, job_id="01000000")
+RAY_RELEASE = NodeRelease(NODE, 0.41, (4242,))
+RAY_AFTER = ClusterCheck("127.0.0.1:6379", "teardown", False, (ClusterNode(NODE, (RAY_SNAP,), ""),),
+                         (ClusterFinding(NODE, LEAKED),), (RAY_REAPED, RAY_LADDER), (RAY_RELEASE,), 0.5,
+                         ("a note",))
+RAY_BEFORE = ClusterCheck("127.0.0.1:6379", "setup", True, (ClusterNode(NODE, (), "devices unreadable"),))
+RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_before=RAY_BEFORE,
+                    cluster_after=RAY_AFTER)
+
 # One fully populated instance of every dataclass in model: each must survive a round trip.
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
-                       AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked")]
+                       AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
+                       RAY_RELEASE, ClusterNode(NODE, (RAY_SNAP,), "x"), ClusterFinding("", MEMORY),
+                       RAY_AFTER, RAY_RECORD]
+
+
+def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
+    import jsonschema
+
+    lines = report.summary_lines([RAY_RECORD], [], [])
+    assert lines[0] == (f"t.py::test_ray: Ray teardown on node {NODE[:8]}: reaped pid 4242 by ray.kill, "
+                        "pid 4242 SIGTERM, devices released in 0.41s, not clean (leaked pid 4242)")
+    assert lines[-1] == "1 checked test(s), 1 with findings, 2 process(es) reaped"
+    document = jsonreport.report_document(records=[RAY_RECORD], session_reaped=[], notes=[], session={
+        "start": "2026-12-01T00:00:00.000+00:00", "end": "2026-12-01T00:00:01.000+00:00", "duration_s": 1.0,
+        "exitstatus": 1, "host": "h", "backend": "simulated", "driver": "simulated", "unavailable": None,
+        "devices": [], "settings": {"all": False, "tolerance_mib": 0, "timeout": 60.0, "scope": "session",
+                                    "reap": "on", "grace": 5.0, "lock": "on", "require_gpu": False},
+        "xdist_workers": None, "ray": jsonreport.ray_json("127.0.0.1:6379", "2.60.0", [RAY_AFTER])})
+    jsonschema.validate(document, jsonreport.load_schema())
+    (test,) = document["tests"]
+    assert test["outcome"] == "leaked" and document["summary"]["reaped"] == 2
+    assert [(e["node_id"], e["via"], e["ended_by"]) for e in test["leaked"]] == [
+        (NODE, "ray.kill", "exited by itself"), (NODE, "ladder", "SIGTERM"), (NODE, None, None)]
+    after = test["cluster_after"]
+    assert after["releases"] == [{"node_id": NODE, "release_s": 0.41, "pids": [4242]}]
+    assert after["nodes"][0]["devices"][0]["name"] == f"node {NODE[:8]}: H200"
+    assert after["findings"][0]["node_id"] == NODE
+    assert test["cluster_before"]["nodes"][0]["error"] == "devices unreadable"
+    # Without a cluster, a test's record keeps its old keys only.
+    assert "cluster_after" not in jsonreport.record_json(RECORD)
 
 
 def test_every_model_dataclass_has_a_round_trip_example() -> None:

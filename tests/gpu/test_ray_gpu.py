@@ -1,0 +1,119 @@
+"""--gpuclean-ray on a real GPU (one H200): a one-node Ray cluster that owns the GPU; a test leaks a named
+Ray actor holding CUDA memory (reaped through ``ray.kill``), another an anonymous one (reaped by the signal
+ladder on the node); each is found on its node, attributed to its test, the GPU is back to what it was, the
+release time is reported per node, and the next test is clean. Run by tests/gpu/ray_gpu.sh (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpuclean.devices import NvmlBackend
+from pytest_gpuclean.model import MIB
+
+INNER = '''
+import os
+import pytest
+import ray
+
+KEEP = []
+
+@ray.remote(num_gpus=1, num_cpus=0)
+class CudaHolder:
+    def hold(self, mib):
+        import torch
+        self.block = torch.empty(mib * 1024 * 1024, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        return os.getpid()
+
+def setup_module():
+    ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
+
+def teardown_module():
+    ray.shutdown()
+
+@pytest.mark.needs_clean_gpus
+def test_a_named_actor_in_a_global():
+    KEEP.append(CudaHolder.options(name="cuda-leak", namespace="gpuclean-gpu").remote())
+    print("LEAKED_PID", ray.get(KEEP[-1].hold.remote(2048)))
+
+@pytest.mark.needs_clean_gpus
+def test_b_anonymous_actor_in_a_global():
+    KEEP.append(CudaHolder.remote())
+    print("LEAKED_PID", ray.get(KEEP[-1].hold.remote(1024)))
+
+@pytest.mark.needs_clean_gpus
+def test_c_clean():
+    pass
+'''
+
+
+def _used_mib(backend: NvmlBackend) -> list[float]:
+    return [backend.snapshot(d).used_bytes / MIB for d in backend.devices()]
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster() -> Iterator[dict[str, Any]]:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.update({"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "2",
+                       "RAY_gcs_rpc_server_connect_timeout_s": "1"})
+    pytest.importorskip("ray", reason="Ray is not installed: tests/gpu/ray_gpu.sh installs it offline")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=2, num_gpus=1, include_dashboard=False, node_ip_address="127.0.0.1"))
+    cluster.wait_for_nodes()
+    try:
+        yield {"address": cluster.address, "node": cluster.head_node.node_id}
+    finally:
+        cluster.shutdown()
+
+
+def test_cuda_actors_leaked_on_the_ray_node_are_found_attributed_and_reaped(
+        pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        gpu_cluster: dict[str, Any]) -> None:
+    monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)
+    monkeypatch.setenv("GPUCLEAN_LOCK_DIR", str(tmp_path / "locks"))
+    monkeypatch.setenv("RAY_TEST_ADDRESS", gpu_cluster["address"])
+    backend = NvmlBackend()
+    try:
+        before = _used_mib(backend)
+        pytester.makepyfile(test_inner=INNER)
+        report_path = tmp_path / "report.json"
+        result = pytester.runpytest_subprocess(
+            "-p", "gpuclean", f"--gpuclean-ray={gpu_cluster['address']}", "--gpuclean-grace=5",
+            "--gpuclean-timeout=120", "-p", "no:cacheprovider", "-s", "-rA",
+            f"--gpuclean-report={report_path}", timeout=600)
+        after = _used_mib(backend)
+    finally:
+        backend.close()
+    out = result.stdout.str()
+    print(out)
+    node = gpu_cluster["node"]
+    document = json.loads(report_path.read_text())
+    tests = {t["nodeid"].split("::")[-1]: t for t in document["tests"]}
+    for name in tests:
+        after_check = tests[name]["cluster_after"]
+        print(f"FIGURES {name}: outcome {tests[name]['outcome']}, reaped "
+              + json.dumps([{k: r[k] for k in ("node_id", "via", "ended_by", "exit_s", "release_s")}
+                            | {"pid": r["process"]["pid"], "mib": r["mib_per_device"]}
+                            for r in after_check["reaped"]])
+              + f", releases {json.dumps(after_check['releases'])}, check {after_check['waited_s']:.3f}s")
+    print(f"FIGURES GPU used MiB before the inner session {before}, after it {after}")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("errors") == 2 and outcomes.get("passed") == 3, out
+    named = tests["test_a_named_actor_in_a_global"]["cluster_after"]["reaped"]
+    anonymous = tests["test_b_anonymous_actor_in_a_global"]["cluster_after"]["reaped"]
+    assert [(r["node_id"], r["via"]) for r in named] == [(node, "ray.kill")]
+    assert [(r["node_id"], r["via"]) for r in anonymous] == [(node, "ladder")]
+    for reaped in (named, anonymous):
+        assert reaped[0]["mib_per_device"] and reaped[0]["mib_per_device"][0]["mib"] >= 1024
+        assert reaped[0]["release_s"] is not None
+    assert tests["test_c_clean"]["outcome"] == "clean"
+    # The GPU is back to what it held before (within what a CUDA context costs: none is left).
+    assert all(a <= b + 64 for a, b in zip(after, before, strict=True)), (before, after)
