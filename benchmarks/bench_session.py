@@ -421,8 +421,9 @@ def main() -> int:
     parser.add_argument("--skip", default="",
                         help="comma-separated parts to skip: idle,checked,attribution,per-check")
     parser.add_argument("--no-autoload", action="store_true",
-                        help="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 in every run and gpuclean loaded with -p gpuclean: "
-                             "other installed plugins (a GPU image has many) stay out of both sides")
+                        help="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 in every run and gpuclean loaded with "
+                             "-p gpuclean: other installed plugins (a GPU image has many) stay out of both "
+                             "sides")
     parser.add_argument("--json")
     parser.add_argument("--per-check-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
