@@ -157,21 +157,27 @@ class Census:
 # ---- node side ------------------------------------------------------------------------------------
 
 
-def probe_node(jobs: Sequence[str]) -> NodeReport:
-    """On a node (inside a Ray worker): its devices and the processes that matter, this user's only."""
+def probe_node(jobs: Sequence[str], gpus: float | None = None) -> NodeReport:
+    """On a node (inside a Ray worker): its devices and the processes that matter, this user's only.
+
+    ``gpus`` is the node's "GPU" resource as the control store has it (see ``node_devices``).
+    """
     from pytest_gpuclean import devices, processes
 
     raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
     node_id = _node_id()
     snaps: tuple[DeviceSnapshot, ...] = ()
     error = ""
+    simulated = os.environ.get("GPUCLEAN_SIMULATE") or None
     try:
-        backend = devices.open_backend(os.environ.get("GPUCLEAN_SIMULATE") or None)
+        backend = devices.open_backend(simulated)
     except devices.DeviceError:
         backend = None  # a node without GPUs (or NVML): its processes still count
     if backend is not None:
         try:
-            snaps = tuple(backend.snapshot(d) for d in backend.devices())
+            listed = backend.devices()
+            owned = listed if simulated else node_devices(listed, raylet, gpus)
+            snaps = tuple(backend.snapshot(d) for d in owned)
         except devices.DeviceError as exc:
             error = f"devices unreadable: {exc}"
         finally:
@@ -194,6 +200,30 @@ def probe_node(jobs: Sequence[str]) -> NodeReport:
         found.append(NodeProcess(info, job, procfs.ticks_to_wall(info.start_ticks),
                                  info.cmdline.startswith("ray::")))
     return NodeReport(node_id, raylet, _named(snaps, node_id), tuple(found), error)
+
+
+def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | None) -> tuple[DeviceInfo, ...]:
+    """The GPUs of the host that belong to this Ray node.
+
+    Several raylets can share a host (a test cluster, or one raylet per GPU): NVML shows each of them
+    every GPU, and a GPU seen by two nodes would be checked, and its holders blamed, twice. A raylet owns
+    what its ``CUDA_VISIBLE_DEVICES`` lists (Ray schedules GPU tasks within it); without the variable Ray
+    numbers the node's ``GPU`` resource from the first device on, and a node with no ``GPU`` resource
+    owns none.
+    """
+    from pytest_gpuclean import devices
+
+    visible = procfs.read_environ_vars(raylet_pid, ("CUDA_VISIBLE_DEVICES",)).get("CUDA_VISIBLE_DEVICES") \
+        if raylet_pid > 0 else None
+    if visible is not None:
+        try:
+            return devices.select_devices(listed, visible, cuda_ordinals=True,
+                                          ordinal_uuids=devices.cuda_ordinal_uuids())
+        except devices.DeviceSelectionError:
+            return tuple(listed)  # not ours to judge: check them all rather than none
+    if gpus is None:
+        return tuple(listed)
+    return tuple(sorted(listed, key=lambda d: d.index))[:int(gpus)]
 
 
 def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Sequence[tuple[int, int, str]],
@@ -325,21 +355,27 @@ class _Agent:
         self.ender = ray.remote(num_cpus=0, max_retries=0)(end_on_node)
         self.known_alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         self.version = ray.__version__
+        # This host as the control store names drivers' hosts: the address of this agent's own job.
+        self.job_id = str(ray.get_runtime_context().get_job_id())
 
-    def census(self, driver_pid: int, since: float, timeout: float) -> Census:
+    def census(self, drivers: dict[int, float], timeout: float) -> Census:
+        """``drivers``: pids on this host whose jobs are ours, each with the earliest start such a job
+        may have (a job older than its driver's process belongs to an earlier process of that pid)."""
         ray = self.ray
         started = time.monotonic()
         accessor = self.state.state._connect_and_get_accessor()
         jobs = []
         all_jobs: list[JobRecord] = []
         gcs_pb2 = self.gcs_pb2
-
-        for raw in accessor.get_job_table(skip_submission_job_info_field=True,
-                                          skip_is_running_tasks_field=True):
-            job = gcs_pb2.JobTableData.FromString(raw)
+        table = [gcs_pb2.JobTableData.FromString(raw) for raw in accessor.get_job_table(
+            skip_submission_job_info_field=True, skip_is_running_tasks_field=True)]
+        here = next((j.driver_ip_address for j in table if j.job_id.hex() == self.job_id), None)
+        for job in table:
             all_jobs.append(JobRecord(job.job_id.hex(), job.driver_pid, job.is_dead))
-            # Dead jobs too: a driver that called ray.shutdown() leaves its detached actors behind.
-            if job.driver_pid == driver_pid and job.start_time / 1000.0 >= since:
+            # Dead jobs too: a driver that called ray.shutdown() leaves its detached actors behind. A pid
+            # means something only on its own host: the driver must run where this agent does.
+            since = drivers.get(job.driver_pid)
+            if since is not None and job.start_time / 1000.0 >= since and job.driver_ip_address == here:
                 jobs.append(job.job_id.hex())
         actors = []
         for raw in accessor.get_actor_table(None, None):
@@ -352,8 +388,9 @@ class _Agent:
         dead = tuple((n["NodeID"], n.get("DeathReasonMessage") or "dead") for n in nodes
                      if not n["Alive"] and n["NodeID"] in self.known_alive)
         alive = [n["NodeID"] for n in nodes if n["Alive"]]
+        gpus = {n["NodeID"]: float(n.get("Resources", {}).get("GPU", 0.0)) for n in nodes if n["Alive"]}
         refs = {node: self.probe.options(scheduling_strategy=self.affinity(node, soft=False)).remote(
-            sorted(our_jobs)) for node in alive}
+            sorted(our_jobs), gpus[node]) for node in alive}
         reports = []
         deadline = started + timeout
         for node, ref in refs.items():
@@ -497,9 +534,9 @@ class RayCheck:
             self._proc.wait()
             self._proc = None
 
-    def census(self, timeout: float, driver_pid: int = -1) -> Census:
-        """The cluster as it is now (for the CLI: with no driver pid, no job is ours)."""
-        census: Census = self._call("census", driver_pid, time.time(), timeout, timeout=timeout)
+    def census(self, timeout: float) -> Census:
+        """The cluster as it is now (for the CLI: no job is ours)."""
+        census: Census = self._call("census", {}, timeout, timeout=timeout)
         return census
 
     def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
@@ -577,6 +614,17 @@ class RayCheck:
         """``check_cluster`` as a plain check result (what the failure text is made from)."""
         return as_result(self.check_cluster(phase, tolerance_mib=tolerance_mib, timeout=timeout))
 
+    def _drivers(self) -> dict[int, float]:
+        """This process and its live descendants, as drivers of Ray jobs: a test's job is started by pytest
+        itself or by a process the test started (vLLM's engine process connects to Ray as a driver of its
+        own and places its workers there)."""
+        drivers = {os.getpid(): self.since}
+        for pid, _ in procfs.descendants(os.getpid()):
+            stat = procfs.read_stat(pid)
+            if stat is not None:
+                drivers[pid] = max(self.since, procfs.ticks_to_wall(stat.start_ticks) - 0.5)
+        return drivers
+
     def check_cluster(self, phase: ClusterPhase, *, tolerance_mib: int, timeout: float, sweep: str = ""
                       ) -> ClusterCheck:
         """Check every alive node; reap the test's leaks (Ray first, then the ladder on the node).
@@ -585,17 +633,16 @@ class RayCheck:
         """
         started = time.monotonic()
         notes: list[str] = []
-        pytest_pid = os.getpid()
         self.unreachable = ""
         try:
-            census: Census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
+            census: Census = self._call("census", self._drivers(), timeout, timeout=timeout)
             leaks = self.leaks(census, sweep)
             reaped: list[ClusterReaped] = []
             releases: list[NodeRelease] = []
             if leaks and self.reap:
                 reaped, releases = self._reap(leaks, census, notes,
                                               max(1.0, timeout - (time.monotonic() - started)))
-                census = self._call("census", pytest_pid, self.since, timeout, timeout=timeout)
+                census = self._call("census", self._drivers(), timeout, timeout=timeout)
                 leaks = self.leaks(census, sweep)
         except ClusterError as exc:
             self.unreachable = str(exc)

@@ -74,6 +74,38 @@ def test_d_subprocess_on_other_node():
             break
         time.sleep(0.01)
 
+ENGINE = """
+import os, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from pytest_gpuclean.simulate import allocate
+
+@ray.remote(num_cpus=0)
+class Worker:
+    def hold(self, mib):
+        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
+        return os.getpid()
+
+ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
+worker = Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(sys.argv[2], soft=False)).remote()
+pid = ray.get(worker.hold.remote(25))
+with open(sys.argv[1], "w") as f:
+    f.write(str(pid))
+time.sleep(600)
+"""
+
+@pytest.mark.needs_clean_gpus
+def test_d2_engine_process_drives_its_own_job():
+    # As vLLM's engine process does with distributed_executor_backend="ray": a child of the test connects
+    # to the cluster as a driver of its own and places its GPU worker on another node.
+    import time
+    pidfile = os.environ["LEAK_PIDFILE"] + ".engine"
+    subprocess.Popen([sys.executable, "-c", ENGINE, pidfile, NODE_B])
+    for _ in range(3000):
+        if os.path.exists(pidfile) and open(pidfile).read():
+            break
+        time.sleep(0.01)
+
 @pytest.mark.needs_clean_gpus
 def test_e_fixture_actor_still_there(shared_actor):
     assert ray.get(shared_actor[0].hold.remote(20)) == shared_actor[1]
@@ -170,7 +202,7 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     out = result.stdout.str()
     b, c = ray_cluster["node_b"][:8], ray_cluster["node_c"][:8]
     # Each leak fails the test that made it, on its node, and is reaped; the next test is clean.
-    assert result.parseoutcomes().get("errors") == 3, out
+    assert result.parseoutcomes().get("errors") == 4, out
     result.stdout.re_match_lines([
         r".*ERROR at teardown of test_b_handle_in_global.*",
         rf".*\[node {b}, actor Holder .*",
@@ -178,9 +210,11 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
         rf".*\[node {c}, actor Holder .*",
         r".*ERROR at teardown of test_d_subprocess_on_other_node.*",
         rf".*\[node {c}, job .*pytest_gpuclean.simulate hold.*",
+        r".*ERROR at teardown of test_d2_engine_process_drives_its_own_job.*",
+        rf".*\[node {b}, actor Worker .*",
     ])
     outcomes = result.parseoutcomes()
-    assert outcomes.get("passed") == 7, out  # a, e (fixture actor alive), f (clean after the reaping), z
+    assert outcomes.get("passed") == 8, out  # a, e (fixture actor alive), f (clean after the reaping), z
     # The terminal summary names each node, how each thing ended, and the node's release time.
     result.stdout.re_match_lines([
         rf"test_inner.py::test_b_handle_in_global: .*Ray teardown on node {b}: reaped pid \d+ SIG\w+, "
@@ -220,11 +254,13 @@ def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
     node_b, node_c = ray_cluster["node_b"], ray_cluster["node_c"]
 
     def leaked(name: str) -> list[tuple[str, str | None]]:
-        return [(e["node_id"], e["via"]) for e in tests[name]["leaked"]]
+        return [(e.get("node_id"), e.get("via")) for e in tests[name]["leaked"]]
 
     assert leaked("test_b_handle_in_global") == [(node_b, "ladder")]  # anonymous: no ray.kill from our job
     assert leaked("test_c_detached") == [(node_c, "ray.kill")]
     assert leaked("test_d_subprocess_on_other_node") == [(node_c, "ladder")]
+    # The engine-like child: its worker on node B through Ray's records, the child itself on this host.
+    assert (node_b, "ladder") in leaked("test_d2_engine_process_drives_its_own_job")
     assert tests["test_a_fixture_actor_is_protected"]["outcome"] == "clean"
     assert tests["test_f_clean"]["outcome"] == "clean"
     for name, node in (("test_b_handle_in_global", node_b), ("test_c_detached", node_c)):
@@ -245,7 +281,7 @@ def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
     assert [(r["node_id"], r["via"], r["owner"]["name"]) for r in at_end["reaped"]] == [
         (node_b, "ray.kill", "test_inner.py::test_z_unchecked_leak_found_at_session_end")]
     assert tests["test_z_unchecked_leak_found_at_session_end"]["outcome"] == "leaked"
-    assert document["summary"]["leaked"] == 4
+    assert document["summary"]["leaked"] == 5  # b, c, d, d2 and z
 
 
 def test_unreachable_cluster_is_a_usage_error(pytester: pytest.Pytester, sim: Path) -> None:
