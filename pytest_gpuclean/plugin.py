@@ -532,7 +532,7 @@ class GpuCleanPlugin:
         # were re-parented to this process: exited, they hold nothing; collect them now rather than
         # report them as leftovers at session end.
         for found in self.checker.census():
-            if found.state in ("Z", "X") and not self.checker.ownership.is_protected(found.token):
+            if not found.live and not self.checker.ownership.is_protected(found.token):
                 processes.reap_if_child(found.pid)
 
     # ---- around each test -------------------------------------------------------------------------
