@@ -108,12 +108,7 @@ def _zombie_leader(pid: int, stat: procfs.ProcStat) -> ProcessInfo | None:
 
 def ancestors(pid: int) -> set[int]:
     """``pid`` and all its ancestors: processes gpuclean must never touch."""
-    chain = {pid}
-    stat = procfs.read_stat(pid)
-    while stat is not None and stat.ppid > 0 and stat.ppid not in chain:
-        chain.add(stat.ppid)
-        stat = procfs.read_stat(stat.ppid)
-    return chain
+    return {pid, *procfs.ancestry(pid)}
 
 
 def cookie_holders(variable: str, prefix: str, uid: int) -> list[tuple[int, str]]:
@@ -186,9 +181,7 @@ class Handle:
             poller = select.poll()
             poller.register(self.pidfd, select.POLLIN)
             return bool(poller.poll(0))
-        stat = procfs.read_stat(self.pid)
-        return stat is None or stat.start_ticks != self.start_ticks or not procfs.live_state(self.pid,
-                                                                                           stat.state)
+        return not procfs.is_live(self.pid, self.start_ticks)
 
     def signal(self, sig: int) -> bool:
         """Send ``sig``; False if the process is gone."""

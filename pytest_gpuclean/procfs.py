@@ -80,10 +80,12 @@ def read_stat(pid: int) -> ProcStat | None:
     )
 
 
-def is_live(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie or dead (the driver frees memory at exit)."""
+def is_live(pid: int, start_ticks: int | None = None) -> bool:
+    """True if ``pid`` exists (as the process that started at ``start_ticks``, if given: not a pid reused
+    since) and is not a zombie or dead (the driver frees memory at exit)."""
     st = read_stat(pid)
-    return st is not None and live_state(pid, st.state)
+    return st is not None and (start_ticks is None or st.start_ticks == start_ticks) and live_state(
+        pid, st.state)
 
 
 def live_state(pid: int, state: KernelState) -> bool:
@@ -95,6 +97,17 @@ def live_state(pid: int, state: KernelState) -> bool:
     if state not in EXITED:
         return True
     return any(tid != pid for tid in thread_ids(pid))
+
+
+def ancestry(pid: int) -> dict[int, int]:
+    """pid -> start ticks of each ancestor of ``pid`` (its parent, the parent's parent, ...)."""
+    found: dict[int, int] = {}
+    current = read_stat(pid)
+    while current is not None and current.ppid > 0 and current.ppid not in found:
+        current = read_stat(current.ppid)
+        if current is not None:
+            found[current.pid] = current.start_ticks
+    return found
 
 
 def thread_ids(pid: int) -> list[int]:
