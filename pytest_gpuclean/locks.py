@@ -547,10 +547,9 @@ class GpuLocks:
         while True:
             fd = state.lock_fds.get(name)
             if fd is None:
-                fd = _open_lock(state, name)
-                if fd == _MISSING:
+                fd = _cache_lock(state, name)
+                if fd is None:
                     return _MISSING
-                state.lock_fds[name] = fd
             elif fd in state.held:
                 # Held by this process already (another acquire still open): a second POSIX lock of the
                 # same process would just succeed, so refuse here as another process would be refused.
