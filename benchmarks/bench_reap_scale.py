@@ -124,9 +124,9 @@ def one_round(checker: Checker, backend: SimulatedBackend, sim: str, tmp: str, c
         profile.disable()
 
     stats = {p: st for p in pids if (st := procfs.read_stat(p)) is not None and st.start_ticks == born.get(p)}
-    survivors = [p for p, st in stats.items() if st.state not in ("Z", "X")]
+    survivors = [p for p, st in stats.items() if st.state not in procfs.EXITED]
     # A zombie holds nothing but a pid; note whose child it is (ours: not yet collected).
-    zombies_left = [(p, st.ppid) for p, st in stats.items() if st.state in ("Z", "X")]
+    zombies_left = [(p, st.ppid) for p, st in stats.items() if st.state in procfs.EXITED]
     for proc in procs:
         proc.poll()
     ended: dict[str, int] = {}

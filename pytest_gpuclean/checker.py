@@ -63,7 +63,8 @@ class Found:
     depth: int
     found_by: FoundBy
     token: str | None
-    state: str
+    state: procfs.KernelState
+    """``R`` for a zombie leader whose other threads still run."""
     handle: processes.Handle | None = None
     debris_of: SessionRef | None = None
     """For debris of a dead session: that session."""
@@ -76,7 +77,7 @@ class Found:
 
     @property
     def live(self) -> bool:
-        return self.state not in ("Z", "X")
+        return self.state not in procfs.EXITED
 
 
 class Checker:

@@ -393,15 +393,15 @@ def _kill_targets(targets: dict[int, _Target]) -> list[processes.KillTarget]:
             for pid, t in targets.items()]
 
 
-def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[int, _Target],
-                 grace: float) -> tuple[list[Reaped], float | None]:
-    """End ``targets`` with the kill ladder; returns what happened and when the devices let go.
+def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[int, _Target]
+                 ) -> tuple[list[Reaped], float | None]:
+    """End ``targets`` with the kill ladder (and the checker's grace); returns what happened and when the
+    devices let go.
 
     The second value is the seconds from the first signal until the driver listed none of the GPU
     holders among ``targets`` any more (None if none held a GPU or they never disappeared).
     """
     holders = {pid for pid, t in targets.items() if t.mib}
-    checker.grace = grace
     ended, all_released = checker.kill_and_confirm(_kill_targets(targets), chosen, holders)
     reaped = [reaped_record(target.info, pid, None, target.found_by, ended[pid], target.mib)
               for pid, target in sorted(targets.items())]
@@ -454,7 +454,7 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
                       f"{report.mib_list(target.mib) or 'no GPU memory'}", file=out)
                 print(f"      cmd: {_cmd(target.info.cmdline)}", file=out)
             return EXIT_CLEAN
-        reaped, released_s = reap_targets(checker, found.chosen, targets, resolved.grace)
+        reaped, released_s = reap_targets(checker, found.chosen, targets)
         print(f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {resolved.grace:g}s):",
               file=out)
         for item in reaped:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast, get_args
 
-from pytest_gpuclean import procfs
+from pytest_gpuclean import procfs, settings
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
@@ -168,7 +168,7 @@ def probe_node(jobs: Sequence[str], gpus: float | None = None) -> NodeReport:
     node_id = _node_id()
     snaps: tuple[DeviceSnapshot, ...] = ()
     error = ""
-    simulated = os.environ.get("GPUCLEAN_SIMULATE") or None
+    simulated = os.environ.get(settings.option("simulate").env_var) or None
     try:
         backend = devices.open_backend(simulated)
     except devices.DeviceError:
@@ -245,7 +245,7 @@ def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Seque
     never = processes.ancestors(os.getpid())
     backend = None
     try:
-        backend = devices.open_backend(os.environ.get("GPUCLEAN_SIMULATE") or None)
+        backend = devices.open_backend(os.environ.get(settings.option("simulate").env_var) or None)
         listed_devices = backend.devices()
     except devices.DeviceError:
         listed_devices = ()
@@ -464,7 +464,7 @@ class RayCheck:
     address: str
     ownership: Ownership
     reap: bool = True
-    grace: float = 5.0
+    grace: float = settings.DEFAULT_GRACE_S
     _proc: subprocess.Popen[bytes] | None = None
     _inbox: Connection | None = None
     _outbox: Connection | None = None

@@ -109,37 +109,52 @@ class _Dir:
         self.parked.clear()
 
 
-# Files stay open for the whole session: opening and closing them for every test cost more than the
-# clean check itself. Keyed by the directory's inode, so that two spellings of one directory share one
-# descriptor per file: closing a second descriptor of a file would drop this process's POSIX lock on it.
-_dirs: dict[tuple[int, int], _Dir] = {}
-_owner_pid = os.getpid()
-_notices: list[str] = []
-_me: tuple[int, int] | None = None
-"""(pid, start ticks) of this process, read once (again after a fork: the pid differs)."""
+class _ProcessCache:
+    """What this process keeps of the lock directories: a forked child starts with none of it."""
+
+    __slots__ = ("dirs", "me", "notices", "owner_pid")
+
+    def __init__(self) -> None:
+        self.dirs: dict[tuple[int, int], _Dir] = {}
+        """Files stay open for the whole session: opening and closing them for every test cost more than
+        the clean check itself. Keyed by the directory's inode, so that two spellings of one directory
+        share one descriptor per file: closing a second descriptor of a file would drop this process's
+        POSIX lock on it."""
+        self.notices: list[str] = []
+        """What was noticed about the lock directories, until ``take_notices``."""
+        self.owner_pid = os.getpid()
+        self.me: tuple[int, int] | None = None
+        """(pid, start ticks) of this process, read once."""
+
+    def forget_inherited(self) -> None:
+        # In a child of a fork, every descriptor here is a copy of the parent's. The child holds none of
+        # the parent's POSIX locks, and closing its copies drops none of them (they are the parent's); the
+        # directory's BSD lock stays with the parent's open file. Forgotten, so the child opens its own.
+        for state in self.dirs.values():
+            state.close_all()
+        self.dirs.clear()
+        self.notices.clear()
+        self.owner_pid = os.getpid()
+        self.me = None
+
+    def me_now(self) -> tuple[int, int] | None:
+        me = self.me
+        if me is None or me[0] != os.getpid():
+            found = procfs.read_stat(os.getpid())
+            me = self.me = None if found is None else (found.pid, found.start_ticks)
+        return me
 
 
-def _forget_inherited() -> None:
-    # In a child of a fork, every descriptor here is a copy of the parent's. The child holds none of the
-    # parent's POSIX locks, and closing its copies drops none of them (they are the parent's); the
-    # directory's BSD lock stays with the parent's open file. Forgotten, so the child opens its own.
-    global _owner_pid
-    for state in _dirs.values():
-        state.close_all()
-    _dirs.clear()
-    _notices.clear()
-    _owner_pid = os.getpid()
-
-
+_cache = _ProcessCache()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_inherited)
+    os.register_at_fork(after_in_child=_cache.forget_inherited)
 
 
 def take_notices() -> list[str]:
     """Things noticed about the lock directory since the last call (a lock file deleted while held, the
     directory replaced), for the session's notes."""
-    found = list(_notices)
-    _notices.clear()
+    found = list(_cache.notices)
+    _cache.notices.clear()
     return found
 
 
@@ -264,7 +279,7 @@ class HeldLocks:
         self.holder_fds = []
         state = self._dir
         self._dir = None
-        if state is not None and _dirs.get(state.ident) is state:  # (not in a forked child)
+        if state is not None and _cache.dirs.get(state.ident) is state:  # (not in a forked child)
             try:
                 changed = os.fstat(state.fd).st_mtime_ns != self._mtime_ns
             except OSError:
@@ -296,7 +311,7 @@ def _check_still_named(state: _Dir, fd: int) -> None:
     except OSError:
         same = False
     if not same:
-        _notices.append(
+        _cache.notices.append(
             f"gpuclean: lock file {state.path}/{name} was deleted or replaced while this session held it (by "
             "hand or by a tmp cleaner); no other session could take the GPU meanwhile, but exclude the lock "
             "directory from tmp cleaning (docs/sharing.md)")
@@ -426,9 +441,9 @@ class GpuLocks:
         self._ident = _open_dir_once(self.directory).ident
 
     def _state(self) -> _Dir:
-        if os.getpid() != _owner_pid:
-            _forget_inherited()  # a raw fork() skipped the at-fork hook: nothing here is ours
-        state = _dirs.get(self._ident)
+        if os.getpid() != _cache.owner_pid:
+            _cache.forget_inherited()  # a raw fork() skipped the at-fork hook: nothing here is ours
+        state = _cache.dirs.get(self._ident)
         if state is not None:
             info = os.fstat(state.fd)
             state.mtime_ns = info.st_mtime_ns
@@ -446,7 +461,7 @@ class GpuLocks:
         if state is not None and same:
             return state
         if state is not None:
-            _notices.append(
+            _cache.notices.append(
                 f"gpuclean: the GPU lock directory {self.directory} was removed or replaced while this "
                 "session ran; the new one is used from now on (sessions still in the old one don't see its "
                 "locks until their next test)")
@@ -532,10 +547,9 @@ class GpuLocks:
         while True:
             fd = state.lock_fds.get(name)
             if fd is None:
-                fd = _open_lock(state, name)
-                if fd == _MISSING:
+                fd = _cache_lock(state, name)
+                if fd is None:
                     return _MISSING
-                state.lock_fds[name] = fd
             elif fd in state.held:
                 # Held by this process already (another acquire still open): a second POSIX lock of the
                 # same process would just succeed, so refuse here as another process would be refused.
@@ -637,7 +651,7 @@ class GpuLocks:
             return {}
         if not holders:
             return {}
-        ancestors = _ancestors()
+        ancestors = procfs.ancestry(os.getpid())
         records = _read_records(self._state(), list(holders))
         return {u: (pid, start) for u, (pid, start) in holders.items()
                 if ancestors.get(pid) == start and records.get(u, {}).get("pid") == pid}
@@ -647,7 +661,7 @@ class GpuLocks:
         held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], [], waited_s,
                          inherited={u: inherited[u] for u, fd in taken if fd is None}, _dir=state,
                          _mtime_ns=state.mtime_ns)
-        me = _me_now()
+        me = _cache.me_now()
         if me is not None:
             previous = os.environ.get(HELD_VAR)
             holders = {u: list(held.inherited.get(u, me)) for u in held.uuids}
@@ -671,11 +685,11 @@ class GpuLocks:
 
 def _open_dir_once(path: str) -> _Dir:
     opened = _open_dir(path)
-    known = _dirs.get(opened.ident)
+    known = _cache.dirs.get(opened.ident)
     if known is not None:
         os.close(opened.fd)  # (a directory: no POSIX lock of ours to lose)
         return known
-    _dirs[opened.ident] = opened
+    _cache.dirs[opened.ident] = opened
     return opened
 
 
@@ -703,26 +717,6 @@ def _unlock_all(state: _Dir, taken: list[tuple[str, int | None]]) -> None:
     for _uuid, fd in taken:
         if fd is not None:
             _unlock(state, fd)
-
-
-def _me_now() -> tuple[int, int] | None:
-    global _me
-    pid = os.getpid()
-    if _me is None or _me[0] != pid:
-        found = procfs.read_stat(pid)
-        _me = None if found is None else (found.pid, found.start_ticks)
-    return _me
-
-
-def _ancestors() -> dict[int, int]:
-    """pid -> start ticks of every ancestor of this process."""
-    found: dict[int, int] = {}
-    current = procfs.read_stat(os.getpid())
-    while current is not None and current.ppid > 0 and current.ppid not in found:
-        current = procfs.read_stat(current.ppid)
-        if current is not None:
-            found[current.pid] = current.start_ticks
-    return found
 
 
 # ---- holder records: written by us, read as untrusted input ------------------------------------------
@@ -960,11 +954,8 @@ def _record_alive(holder: dict[str, object]) -> bool | None:
     pid = holder.get("pid")
     if not isinstance(pid, int) or holder.get("host") != _HOST:
         return None
-    found = procfs.read_stat(pid)
-    if found is None:
-        return False
     start = holder.get("start")
-    return not isinstance(start, int) or found.start_ticks == start
+    return procfs.is_live(pid, start if isinstance(start, int) else None)
 
 
 def _recorded(holder: dict[str, object]) -> str:

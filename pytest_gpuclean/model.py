@@ -28,6 +28,11 @@ OwnerKind = Literal["test", "fixture", "session", "unknown"]
 """``session`` is gpuclean's own session, outside any test."""
 Phase = Literal["setup", "teardown", "check"]
 """Before a test, after it, or a ``gpuclean check``."""
+ProcessState = Literal["running", "sleeping", "disk-sleep", "stopped", "tracing-stop", "zombie", "dead",
+                       "wake-kill", "waking", "parked", "idle", "running (main thread exited)", "gone", "?"]
+"""A process's state as reported: psutil's names of the kernel's states; ``running (main thread exited)``
+for a leader whose other threads still run; ``gone`` for one that ended before it could be described;
+``?`` where nobody could tell (another node's process)."""
 OnOff = Literal["on", "off"]
 Scope = Literal["session", "host"]
 
@@ -96,8 +101,7 @@ class ProcessInfo:
     uid: int
     user: str
     cmdline: str
-    state: str
-    """psutil status, e.g. ``running``, ``sleeping``, ``zombie``, ``disk-sleep``."""
+    state: ProcessState
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Machine-readable outputs of a gpuclean session, for CI: the JSON report (``--gpuclean-report``), JUnit
 ``user_properties`` and, on GitHub Actions, ``::error`` annotations plus a job-summary table.
 
-``OutputHooks`` reads the checker plugin's records; it never checks or reaps anything itself. Under
+``OutputHooks`` reads the session's records (``records.py``); it never checks or reaps anything itself. Under
 pytest-xdist the workers add JUnit properties to their own reports (xdist ships them to the
 controller's junitxml) and the controller writes everything else from the records the workers sent.
 """
@@ -14,14 +14,17 @@ import socket
 import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean import jsonreport, report
-from pytest_gpuclean.model import Reaped, TestRecord
-from pytest_gpuclean.plugin import _STATE, GpuCleanPlugin
-from pytest_gpuclean.serialize import record_from_dict, record_to_dict
+from pytest_gpuclean import jsonreport, records, report
+from pytest_gpuclean.model import DeviceInfo, Reaped, TestRecord
+from pytest_gpuclean.serialize import record_to_dict
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.devices import Backend
+    from pytest_gpuclean.settings import Settings
 
 TITLE_LEAK = "GPU leak"
 TITLE_NOT_CLEAN = "GPU not clean"
@@ -184,11 +187,11 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 
 # ---- the hooks ---------------------------------------------------------------------------------------
 
-def _ray_session_json(plugin: GpuCleanPlugin) -> jsonreport.JsonDict:
+def _ray_session_json(plugin: CheckingSession, found: records.SessionRecords) -> jsonreport.JsonDict:
     # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
     if plugin.ray is None:
         return {}
-    return {"ray": jsonreport.ray_json(plugin.ray.address, plugin.ray.version, plugin.cluster_sweeps)}
+    return {"ray": jsonreport.ray_json(plugin.ray.address, plugin.ray.version, found.cluster_sweeps)}
 
 
 def _report_path(value: str, source: str, base: Path) -> Path:
@@ -205,12 +208,28 @@ def _report_path(value: str, source: str, base: Path) -> Path:
     return path
 
 
-class OutputHooks:
-    """Turns the checker plugin's records into the JSON report, JUnit properties and GitHub output."""
+class CheckingSession(Protocol):
+    """What the outputs need of the plugin that checks the session: its set-up and its final sweep."""
 
-    def __init__(self, plugin: GpuCleanPlugin) -> None:
+    config: pytest.Config
+    settings: Settings
+    backend: Backend | None
+    devices: tuple[DeviceInfo, ...]
+    unavailable: str | None
+    controller: bool
+    ray: Any
+    """The Ray cluster's check (``cluster.RayCheck``) with ``--gpuclean-ray``, else None."""
+
+    def sweep(self, session: pytest.Session) -> None: ...
+
+
+class OutputHooks:
+    """Turns the session's records into the JSON report, JUnit properties and GitHub output."""
+
+    def __init__(self, plugin: CheckingSession) -> None:
         self.plugin = plugin
         config = plugin.config
+        self.found = records.of(config)
         self.worker = hasattr(config, "workerinput")
         self.report_path: Path | None = None
         if plugin.settings.report and not self.worker:
@@ -218,28 +237,28 @@ class OutputHooks:
             self.report_path = _report_path(plugin.settings.report, source, config.invocation_params.dir)
         self.github = os.environ.get("GITHUB_ACTIONS") == "true" and not self.worker
         self.started = time.time()
-        self._merged: tuple[list[TestRecord], list[Reaped], list[str]] | None = None
+        self._merged: records.Merged | None = None
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
                                   ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         test_report = yield
         if call.when == "teardown":
-            state = item.stash.get(_STATE, None)
-            if state is not None and state.record is not None:
+            record = item.stash.get(records.TEST, None)
+            if record is not None:
                 # On the report, not the item: junitxml and xdist take them from the teardown report.
-                test_report.user_properties.extend(junit_properties(state.record))
+                test_report.user_properties.extend(junit_properties(record))
                 if self.worker:
                     # xdist ships a report's attributes to the controller as each test ends: if the run is
                     # interrupted, the controller still knows what the finished tests found (the worker's
                     # session-end payload never comes).
-                    setattr(test_report, RECORD_ATTRIBUTE, record_to_dict(state.record))
+                    setattr(test_report, RECORD_ATTRIBUTE, record_to_dict(record))
         return test_report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = getattr(report, RECORD_ATTRIBUTE, None)
         if record is not None and not self.worker and report.when == "teardown":
-            self.plugin.streamed_records[report.nodeid] = record_from_dict(record)
+            self.found.stream(report.nodeid, record)
 
     def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
         plugin = self.plugin
@@ -259,8 +278,8 @@ class OutputHooks:
             "settings": {"all": settings.all, "tolerance_mib": settings.tolerance_mib,
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
                          "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu},
-            "xdist_workers": len(plugin.worker_payloads) if plugin.controller else None,
-            **_ray_session_json(plugin),
+            "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
+            **_ray_session_json(plugin, self.found),
         }
 
     @pytest.hookimpl(wrapper=True, trylast=True)
@@ -278,20 +297,20 @@ class OutputHooks:
                 self._write(session)
 
     def _write(self, session: pytest.Session) -> None:
-        self._merged = records, session_reaped, notes = self.plugin.merged()
+        self._merged = merged = self.found.merged()
         if self.report_path is not None:
             document = jsonreport.report_document(
-                records=records, session_reaped=session_reaped, notes=notes,
+                records=merged.records, session_reaped=merged.session_reaped, notes=merged.notes,
                 session=self._session_json(session.exitstatus))
             try:
                 jsonreport.write_atomic(self.report_path, document)
             except OSError as exc:
                 self._complain(session, f"gpuclean: could not write the report {self.report_path}: {exc}")
         summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
-        if self.github and summary_file and (records or session_reaped):
+        if self.github and summary_file and (merged.records or merged.session_reaped):
             try:
                 with open(summary_file, "a", encoding="utf-8") as f:
-                    f.write(step_summary(records, session_reaped))
+                    f.write(step_summary(merged.records, merged.session_reaped))
             except OSError as exc:
                 self._complain(session, f"gpuclean: could not append to GITHUB_STEP_SUMMARY "
                                         f"{summary_file}: {exc}")
@@ -321,6 +340,5 @@ class OutputHooks:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.github or self._merged is None:
             return
-        records, session_reaped, _notes = self._merged
-        for line in annotation_lines(records, session_reaped, self._github_path):
+        for line in annotation_lines(self._merged.records, self._merged.session_reaped, self._github_path):
             terminalreporter.write_line(line)

@@ -38,10 +38,8 @@ class SessionRef:
         """True only when provably dead: same pid namespace, and its pid gone or now another process."""
         if self.pid_namespace != procfs.pid_namespace():
             return False  # its pid means nothing here: no proof either way
-        stat = procfs.read_stat(self.pid)
         # An exited leader nobody has waited for yet (an xdist worker that crashed) is dead too.
-        return stat is None or stat.start_ticks != self.start_ticks or not procfs.live_state(self.pid,
-                                                                                           stat.state)
+        return not procfs.is_live(self.pid, self.start_ticks)
 
     def describe(self) -> str:
         started = procfs.ticks_to_wall(self.start_ticks)

@@ -30,12 +30,11 @@ from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_
 
 if TYPE_CHECKING:
     from pytest_gpuclean import devices as devices_mod
-    from pytest_gpuclean import processes, report
+    from pytest_gpuclean import processes, records, report
     from pytest_gpuclean.checker import Checker
     from pytest_gpuclean.locks import GpuLocks, HeldLocks, LockTimeout, describe_holders, take_notices
-    from pytest_gpuclean.model import MIB, CheckResult, ClusterCheck, DeviceInfo, Owner, Reaped, TestRecord
+    from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Reaped, TestRecord
     from pytest_gpuclean.ownership import SESSION_OWNER
-    from pytest_gpuclean.serialize import reaped_from_dict, reaped_to_dict, record_from_dict, record_to_dict
 
 
 def _import_session_modules() -> None:
@@ -46,20 +45,19 @@ def _import_session_modules() -> None:
     """
     if "Checker" in globals():
         return
-    from pytest_gpuclean import checker, locks, model, ownership, serialize
+    from pytest_gpuclean import checker, locks, model, ownership
     from pytest_gpuclean import devices as devices_module
     from pytest_gpuclean import processes as processes_module
+    from pytest_gpuclean import records as records_module
     from pytest_gpuclean import report as report_module
 
     globals().update(
-        devices_mod=devices_module, processes=processes_module, report=report_module,
+        devices_mod=devices_module, processes=processes_module, records=records_module, report=report_module,
         Checker=checker.Checker, GpuLocks=locks.GpuLocks, HeldLocks=locks.HeldLocks,
         LockTimeout=locks.LockTimeout, describe_holders=locks.describe_holders,
         take_notices=locks.take_notices, MIB=model.MIB, CheckResult=model.CheckResult,
         DeviceInfo=model.DeviceInfo, Owner=model.Owner, Reaped=model.Reaped, TestRecord=model.TestRecord,
-        SESSION_OWNER=ownership.SESSION_OWNER,
-        reaped_from_dict=serialize.reaped_from_dict, reaped_to_dict=serialize.reaped_to_dict,
-        record_from_dict=serialize.record_from_dict, record_to_dict=serialize.record_to_dict)
+        SESSION_OWNER=ownership.SESSION_OWNER)
 
 
 MARKER = "needs_clean_gpus"
@@ -100,10 +98,11 @@ class _ItemState:
     """A test's state from its setup to the end of its teardown. (No dataclass: this module is imported
     by every pytest run of the environment, and creating a dataclass costs more than it saves here.)"""
 
-    __slots__ = ("checked", "devices", "fixture_tokens", "locks", "previous_cookie", "previous_visible",
-                 "record", "timeout", "token", "tolerance_mib", "torch_before")
+    __slots__ = ("checked", "devices", "fixture_tokens", "locks", "nodeid", "previous_cookie",
+                 "previous_visible", "timeout", "token", "tolerance_mib", "torch_before")
 
-    def __init__(self, token: str, previous_cookie: tuple[str | None, str | None]) -> None:
+    def __init__(self, nodeid: str, token: str, previous_cookie: tuple[str | None, str | None]) -> None:
+        self.nodeid = nodeid
         self.token = token
         self.previous_cookie = previous_cookie
         self.checked = False
@@ -113,7 +112,6 @@ class _ItemState:
         self.locks: HeldLocks | None = None
         self.previous_visible: tuple[bool, str | None] | None = None
         self.torch_before: dict[int, int] | None = None
-        self.record: TestRecord | None = None
         self.fixture_tokens: list[str] = []
 
 
@@ -199,7 +197,8 @@ def _torch_allocated() -> dict[int, int] | None:
 
 
 class GpuCleanPlugin:
-    """Per-session state: the device backend, the checker, the records; hooks that drive them."""
+    """Per-session state: the device backend, the checker; hooks that drive them and keep the session's
+    records (``records.SessionRecords``, in ``config.stash``)."""
 
     def __init__(self, config: pytest.Config, resolved: settings.Settings) -> None:
         self.config = config
@@ -213,16 +212,10 @@ class GpuCleanPlugin:
         self.devices: tuple[DeviceInfo, ...] = ()
         self.locks: GpuLocks | None = None
         self.checker: Checker
-        self.records: list[TestRecord] = []
-        self.late_records: dict[str, TestRecord] = {}
-        self.session_reaped: list[Reaped] = []
-        self.notes: list[str] = []
+        self.found: records.SessionRecords
         self.warned_own_context = False
         self.warned_own_cuda = False
         self.controller = False
-        self.worker_payloads: list[dict[str, Any]] = []
-        self.streamed_records: dict[str, TestRecord] = {}
-        """xdist controller: each worker's records as its tests ended (see outputs.RECORD_ATTRIBUTE)."""
         self._fixture_tokens: dict[int, str] = {}
         self._test_tokens: dict[str, str] = {}
         self._tearing_down: _ItemState | None = None
@@ -236,8 +229,6 @@ class GpuCleanPlugin:
         self._session_token = SESSION_TOKEN
         self._previous_cookie = exported.previous
         self.ray: Any = None
-        self.cluster_sweeps: list[ClusterCheck] = []
-        """The Ray cluster's session-end sweeps (``--gpuclean-ray``)."""
         self._swept = False
         self._terminated = False
         self._previous_sigterm: Any = None
@@ -250,6 +241,7 @@ class GpuCleanPlugin:
         if self.started:
             return
         _import_session_modules()
+        self.found = records.of(self.config)
         resolved = self.settings
         me = os.getpid()
         if me not in _SUBREAPER:
@@ -299,7 +291,7 @@ class GpuCleanPlugin:
         if self._outputs_registered:
             return
         self._outputs_registered = True
-        from pytest_gpuclean.outputs import OutputHooks  # imported here: outputs imports this module
+        from pytest_gpuclean.outputs import OutputHooks  # (a session that writes none does not load them)
 
         self.config.pluginmanager.register(OutputHooks(self), PLUGIN_NAME + "-outputs")
 
@@ -436,64 +428,39 @@ class GpuCleanPlugin:
         worker_output = getattr(session.config, "workeroutput", None)
         if not self.started:
             if worker_output is not None:
-                worker_output[WORKER_OUTPUT_KEY] = {"records": [], "session_reaped": [], "notes": []}
+                from pytest_gpuclean.records import EMPTY_PAYLOAD
+
+                worker_output[WORKER_OUTPUT_KEY] = dict(EMPTY_PAYLOAD)
             return
         hurry = threading.Event()
         restore = _quiet_interrupts(hurry)
         self.checker.hurry = hurry.is_set
+        found = self.found
         try:
-            self.session_reaped = self.checker.final_sweep(self.devices)
-            self.session_reaped += self._ray_sweep(include_session=False)
+            found.session_reaped = self.checker.final_sweep(self.devices)
+            found.session_reaped += self._ray_sweep(include_session=False)
         finally:
             self.checker.hurry = None
             restore()
         if not self.checker.reap_enabled:
             left = self.checker.survivors()
             if left:
-                self.notes.append(f"session end: {len(left)} process(es) spawned by this session still "
-                                  f"alive (reaping is off): "
-                                  + ", ".join(f"pid {p.pid} {report.one_line(p.cmdline, 60)}" for p in left))
-        for reaped in self.session_reaped:
-            if reaped.owner is not None and reaped.owner.kind == "test":
-                self._record_for(reaped.owner.name).found_later.append(reaped)
+                found.note(f"session end: {len(left)} process(es) spawned by this session still alive "
+                           "(reaping is off): "
+                           + ", ".join(f"pid {p.pid} {report.one_line(p.cmdline, 60)}" for p in left))
+        for reaped in found.session_reaped:
+            found.found_later(reaped)
         if worker_output is not None:
-            worker_output[WORKER_OUTPUT_KEY] = {
-                "records": [record_to_dict(r) for r in self._all_records()],
-                "session_reaped": [reaped_to_dict(r) for r in self.session_reaped],
-                "notes": self.notes,
-            }
-
-    def _all_records(self) -> list[TestRecord]:
-        known = {id(r) for r in self.records}
-        return self.records + [r for r in self.late_records.values() if id(r) not in known]
-
-    def _record_for(self, nodeid: str) -> TestRecord:
-        for record in self.records:
-            if record.nodeid == nodeid:
-                return record
-        return self.late_records.setdefault(nodeid, TestRecord(nodeid))
-
-    def merged(self) -> tuple[list[TestRecord], list[Reaped], list[str]]:
-        """Records, session-end reaps and notes of this process and (in the xdist controller) the workers."""
-        records = self._all_records()
-        session_reaped = list(self.session_reaped)
-        notes = list(self.notes)
-        for payload in self.worker_payloads:
-            records.extend(record_from_dict(r) for r in payload["records"])
-            session_reaped.extend(reaped_from_dict(r) for r in payload["session_reaped"])
-            notes.extend(payload["notes"])
-        # A worker's session-end payload has everything; its tests' records as they ended stand in for it
-        # when it never came (the run was interrupted, the worker crashed).
-        known = {r.nodeid for r in records}
-        records.extend(r for nodeid, r in self.streamed_records.items() if nodeid not in known)
-        return records, session_reaped, notes
+            worker_output[WORKER_OUTPUT_KEY] = found.payload()
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        records, session_reaped, notes = self.merged()
-        if not records and not session_reaped and not notes:
+        if not self.started:
+            return  # (nothing found: what a report shows of such a session comes from the outputs)
+        merged = self.found.merged()
+        if not merged.records and not merged.session_reaped and not merged.notes:
             return
         terminalreporter.write_sep("=", report.SUMMARY_TITLE)
-        for line in report.summary_lines(records, session_reaped, notes):
+        for line in report.summary_lines(*merged):
             terminalreporter.write_line(line)
 
     # ---- fixtures owned by a scope wider than a test ----------------------------------------------
@@ -543,7 +510,7 @@ class GpuCleanPlugin:
         # A forked child: the subreaper setting is not inherited, and the records it inherited are the
         # session's, which keeps its own; this child ships only what it records itself.
         _SUBREAPER[pid] = processes.set_child_subreaper()
-        self.records, self.late_records = [], {}
+        self.found.forget()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
@@ -552,12 +519,7 @@ class GpuCleanPlugin:
         if call.when == "teardown" and self.started and os.getpid() != self._session_pid:
             # This child's memory dies with it: its records travel on the teardown report, which
             # pytest-forked serialises (plain dicts and lists) with the report's other attributes.
-            setattr(test_report, FORKED_REPORT_ATTR, {
-                "records": [record_to_dict(r) for r in self.records],
-                "found_later": {nodeid: [reaped_to_dict(r) for r in record.found_later]
-                                for nodeid, record in self.late_records.items()},
-            })
-            self.records, self.late_records = [], {}
+            setattr(test_report, FORKED_REPORT_ATTR, self.found.ship())
         return test_report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -565,14 +527,12 @@ class GpuCleanPlugin:
         # The xdist controller gets the same report from a worker, which already merged it.
         if shipped is None or self.controller or os.getpid() != self._session_pid:
             return
-        self.records.extend(record_from_dict(r) for r in shipped["records"])
-        for nodeid, reaped in shipped["found_later"].items():
-            self._record_for(nodeid).found_later.extend(reaped_from_dict(r) for r in reaped)
+        self.found.receive(shipped)
         # Orphans of the child that ended there (killed by its check, a double fork's middle process)
         # were re-parented to this process: exited, they hold nothing; collect them now rather than
         # report them as leftovers at session end.
         for found in self.checker.census():
-            if found.state in ("Z", "X") and not self.checker.ownership.is_protected(found.token):
+            if not found.live and not self.checker.ownership.is_protected(found.token):
                 processes.reap_if_child(found.pid)
 
     # ---- around each test -------------------------------------------------------------------------
@@ -596,8 +556,10 @@ class GpuCleanPlugin:
         self._follow_fork()
         ownership = self.checker.ownership
         token = self._test_tokens.pop(item.nodeid, None) or ownership.new_token(Owner("test", item.nodeid))
-        state = _ItemState(token=token, previous_cookie=self._set_owner_env(token))
+        state = _ItemState(item.nodeid, token, self._set_owner_env(token))
         item.stash[_STATE] = state
+        if records.TEST in item.stash:
+            del item.stash[records.TEST]  # a test run again (a rerun plugin) starts a new record
         ownership.open_window(token)
         if self._should_check(item):
             state.checked = True
@@ -622,9 +584,8 @@ class GpuCleanPlugin:
         if applied.count is not None and applied.count > len(self.devices):
             pytest.skip(f"gpuclean: test needs {applied.count} GPU(s), found {len(self.devices)}")
         state.tolerance_mib, state.timeout = applied.tolerance_mib, applied.timeout
-        record = TestRecord(item.nodeid, location=(item.location[0], (item.location[1] or 0) + 1))
-        state.record = record
-        self.records.append(record)
+        record = self.found.new(item.nodeid, (item.location[0], (item.location[1] or 0) + 1))
+        item.stash[records.TEST] = record
         state.devices = self.devices
         if self.locks is not None and self.devices:
             state.locks = self._lock_gpus(item, record, applied.count or len(self.devices))
@@ -636,7 +597,7 @@ class GpuCleanPlugin:
             state.previous_visible = ("CUDA_VISIBLE_DEVICES" in os.environ,
                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.uuid for d in state.devices)
-        self._ray_before(state)
+        self._ray_before(state, record)
         result = self.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                     timeout=state.timeout)
         record.before = result
@@ -664,7 +625,8 @@ class GpuCleanPlugin:
                 yield
             except BaseException as exc:  # keep the fixture's own teardown error; ours is added to it
                 outcome = exc
-            failure = self._after(item, state) if state is not None and state.checked else None
+            record = item.stash.get(records.TEST, None) if state is not None and state.checked else None
+            failure = self._after(item, state, record) if state is not None and record is not None else None
         finally:
             self._tearing_down = None
             if state is not None:
@@ -676,11 +638,10 @@ class GpuCleanPlugin:
         if failure:
             pytest.fail(failure, pytrace=False)
 
-    def _after(self, item: pytest.Item, state: _ItemState) -> str | None:
-        record = state.record
-        if record is None or record.before is None or not record.before.clean:
+    def _after(self, item: pytest.Item, state: _ItemState, record: TestRecord) -> str | None:
+        if record.before is None or not record.before.clean:
             return None  # the test never ran on clean GPUs: its setup error already says why
-        ray_failure = self._ray_after(state)
+        ray_failure = self._ray_after(state, record)
         local_failure = self._after_local(item, state, record)
         return "\n\n".join(f for f in (ray_failure, local_failure) if f) or None
 
@@ -718,19 +679,18 @@ class GpuCleanPlugin:
 
     # ---- the Ray cluster (--gpuclean-ray): see cluster.py ----------------------------------------
 
-    def _ray_before(self, state: _ItemState) -> None:
+    def _ray_before(self, state: _ItemState, record: TestRecord) -> None:
         if self.ray is None:
             return
         check = self.ray.check_cluster("setup", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
-        if state.record is not None:
-            state.record.cluster_before = check
+        record.cluster_before = check
         result = self.ray.result(check)
         self._attribute_earlier(result.reaped, state, result.notes)
         if not result.clean:
             pytest.fail(report.check_report(result, "gpuclean: the Ray cluster is not clean before the test"),
                         pytrace=False)
 
-    def _ray_after(self, state: _ItemState) -> str | None:
+    def _ray_after(self, state: _ItemState, record: TestRecord) -> str | None:
         if self.ray is None:
             return None
         check = self.ray.check_cluster("teardown", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
@@ -739,9 +699,8 @@ class GpuCleanPlugin:
         own = [r for r in result.reaped if r.owner is None or self._token_of(r.owner) in own_tokens]
         self._attribute_earlier([r for r in result.reaped if r not in own], state, result.notes)
         result = dataclasses.replace(result, reaped=tuple(own))
-        if state.record is not None:
-            state.record.cluster_after = dataclasses.replace(
-                check, reaped=tuple(r for r in check.reaped if r.reaped in own))
+        record.cluster_after = dataclasses.replace(check, reaped=tuple(r for r in check.reaped
+                                                                       if r.reaped in own))
         leaked = [o for o in result.offenders if o.reason == "leaked"]
         if own or leaked:
             return report.check_report(result, report.leak_heading(own, leaked, self.ray.reap)
@@ -757,10 +716,10 @@ class GpuCleanPlugin:
         try:
             check = self.ray.sweep(include_session=include_session, timeout=self.settings.timeout)
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
-            self.notes.append(f"session end: the sweep of the Ray cluster failed: {exc!r}")
+            self.found.note(f"session end: the sweep of the Ray cluster failed: {exc!r}")
             sys.stderr.write(f"gpuclean: the sweep of the Ray cluster failed: {exc!r}\n")
             return []
-        self.cluster_sweeps.append(check)
+        self.found.cluster_sweeps.append(check)
         reaped = [r.reaped for r in check.reaped]
         if include_session and (reaped or not check.clean):
             # After the reports: say it where the user looks.
@@ -783,7 +742,8 @@ class GpuCleanPlugin:
         if state.locks is not None:
             state.locks.release()
             state.locks = None
-            self.notes.extend(n for n in take_notices() if n not in self.notes)
+            for notice in take_notices():
+                self.found.note(notice, once=True)
 
     def _lock_gpus(self, item: pytest.Item, record: TestRecord, wanted: int) -> HeldLocks:
         assert self.locks is not None
@@ -816,9 +776,9 @@ class GpuCleanPlugin:
         """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran."""
         reaped, notes = self.checker.reap_dead_sessions(self.devices)
         for r in reaped:
-            owner = r.owner.name if r.owner is not None and r.owner.kind == "test" else nodeid
-            self._record_for(owner).found_later.append(r)
-        self.notes.extend(f"gpuclean: {note} (crashed while running {nodeid})" for note in notes)
+            self.found.found_later(r, otherwise=nodeid)
+        for note in notes:
+            self.found.note(f"gpuclean: {note} (crashed while running {nodeid})")
 
     def _say(self, line: str) -> None:
         # Shown while the session waits (a lock can take minutes), not only in the final report: past
@@ -841,15 +801,13 @@ class GpuCleanPlugin:
         # A leak of an earlier (e.g. unmarked) test, or of a session that died, found now: blame the test
         # that spawned it, and let the finder go on if reaping made things clean.
         for r in reaped:
-            if r.owner is not None and r.owner.kind == "test":
-                self._record_for(r.owner.name).found_later.append(r)
+            self.found.found_later(r)
             origin = next((n for n in notes if n.startswith(f"pid {r.process.pid}: left by ")), None)
             if origin is not None:
-                self.notes.append(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended})")
+                self.found.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended})")
             warnings.warn(GpuCleanWarning(
                 f"gpuclean: pid {r.process.pid} ({report.one_line(r.process.cmdline, 80)}) was leaked by "
-                f"{r.owner} and reaped ({r.how_ended}) before "
-                f"{state.record.nodeid if state.record else 'this test'}"
+                f"{r.owner} and reaped ({r.how_ended}) before {state.nodeid}"
                 + (f"; {origin}" if origin else "")),
                 stacklevel=1)
 
@@ -864,7 +822,7 @@ class GpuCleanPlugin:
 
     def _note_own(self, what: str) -> None:
         message = f"gpuclean: this pytest process (pid {os.getpid()}) {what}; it is not counted as a leak"
-        self.notes.append(message)
+        self.found.note(message)
         warnings.warn(GpuCleanWarning(message), stacklevel=1)
 
 
@@ -936,7 +894,9 @@ class XdistHooks:
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         payload = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
         if payload:
-            self.plugin.worker_payloads.append(payload)
+            from pytest_gpuclean.records import of
+
+            of(self.plugin.config).add_worker(payload)
 
 
 def _quiet_interrupts(hurry: threading.Event) -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from pytest_gpuclean import procfs
-from pytest_gpuclean.model import ProcessInfo
+from pytest_gpuclean.model import ProcessInfo, ProcessState
 
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.005
@@ -59,7 +59,6 @@ def describe(pid: int, start_ticks: int | None = None) -> ProcessInfo | None:
                 cmdline = " ".join(proc.cmdline()) or f"[{proc.name()}]"
             except psutil.AccessDenied:
                 cmdline = f"[{proc.name()}]"
-            status = proc.status()
     except psutil.ZombieProcess:
         if not procfs.live_state(pid, stat.state):
             return None
@@ -67,9 +66,20 @@ def describe(pid: int, start_ticks: int | None = None) -> ProcessInfo | None:
     except psutil.NoSuchProcess:
         return None
     except psutil.Error:
-        return ProcessInfo(pid, stat.start_ticks, stat.ppid, -1, "?", "?", stat.state)
+        return ProcessInfo(pid, stat.start_ticks, stat.ppid, -1, "?", "?", state_name(stat.state))
     return ProcessInfo(pid=pid, start_ticks=stat.start_ticks, ppid=stat.ppid, uid=uid, user=user,
-                       cmdline=cmdline, state=str(status))
+                       cmdline=cmdline, state=state_name(stat.state))
+
+
+def state_name(state: procfs.KernelState) -> ProcessState:
+    """The reported name of a kernel state letter (psutil's, whichever way the process was read)."""
+    return _PSUTIL_NAMES.get(state, "?")
+
+
+_PSUTIL_NAMES: dict[procfs.KernelState, ProcessState] = {
+    "R": "running", "S": "sleeping", "D": "disk-sleep", "T": "stopped", "t": "tracing-stop", "Z": "zombie",
+    "X": "dead", "x": "dead", "K": "wake-kill", "W": "waking", "P": "parked", "I": "idle",
+}
 
 
 def _zombie_leader(pid: int, stat: procfs.ProcStat) -> ProcessInfo | None:
@@ -98,12 +108,7 @@ def _zombie_leader(pid: int, stat: procfs.ProcStat) -> ProcessInfo | None:
 
 def ancestors(pid: int) -> set[int]:
     """``pid`` and all its ancestors: processes gpuclean must never touch."""
-    chain = {pid}
-    stat = procfs.read_stat(pid)
-    while stat is not None and stat.ppid > 0 and stat.ppid not in chain:
-        chain.add(stat.ppid)
-        stat = procfs.read_stat(stat.ppid)
-    return chain
+    return {pid, *procfs.ancestry(pid)}
 
 
 def cookie_holders(variable: str, prefix: str, uid: int) -> list[tuple[int, str]]:
@@ -176,9 +181,7 @@ class Handle:
             poller = select.poll()
             poller.register(self.pidfd, select.POLLIN)
             return bool(poller.poll(0))
-        stat = procfs.read_stat(self.pid)
-        return stat is None or stat.start_ticks != self.start_ticks or not procfs.live_state(self.pid,
-                                                                                           stat.state)
+        return not procfs.is_live(self.pid, self.start_ticks)
 
     def signal(self, sig: int) -> bool:
         """Send ``sig``; False if the process is gone."""
@@ -222,7 +225,7 @@ def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcSt
     stat = procfs.read_stat(pid)
     handle = Handle(pid, stat.start_ticks if stat else -1, pidfd)
     if stat is None or (start_ticks is not None and stat.start_ticks != start_ticks) or (
-            pidfd is not None and handle.exited() and stat.state not in ("Z", "X")):
+            pidfd is not None and handle.exited() and stat.state not in procfs.EXITED):
         handle.close()
         return None
     return handle, stat
@@ -368,7 +371,7 @@ def terminate(targets: Sequence[KillTarget], grace: float, kill_wait: float = 5.
     return outcomes
 
 
-_STATE_NAMES = {
+_STATE_NAMES: dict[procfs.KernelState, str] = {
     "R": "running",
     "S": "sleeping",
     "D": "uninterruptible sleep (D)",

@@ -10,16 +10,22 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from typing import Literal, NamedTuple, cast
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+KernelState = Literal["R", "S", "D", "T", "t", "Z", "X", "x", "K", "W", "P", "I"]
+"""The state letter of ``/proc/<pid>/stat`` (proc(5)), as a type so that ``mypy --strict`` catches a
+misspelt one."""
+EXITED: frozenset[KernelState] = frozenset({"Z", "X"})
+"""Zombie or dead: the process (its thread-group leader, at least) has exited."""
 
 
 class ProcStat(NamedTuple):
     """The fields of ``/proc/<pid>/stat`` that gpuclean uses."""
 
     pid: int
-    state: str
+    state: KernelState
     ppid: int
     sid: int
     start_ticks: int
@@ -65,7 +71,7 @@ def read_stat(pid: int) -> ProcStat | None:
     fields = data[close + 2 :].split()
     return ProcStat(
         pid=pid,
-        state=fields[0].decode(),
+        state=cast(KernelState, fields[0].decode()),  # (the kernel's word: a check per read costs)
         ppid=int(fields[1]),
         sid=int(fields[3]),
         start_ticks=int(fields[19]),
@@ -74,21 +80,34 @@ def read_stat(pid: int) -> ProcStat | None:
     )
 
 
-def is_live(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie or dead (the driver frees memory at exit)."""
+def is_live(pid: int, start_ticks: int | None = None) -> bool:
+    """True if ``pid`` exists (as the process that started at ``start_ticks``, if given: not a pid reused
+    since) and is not a zombie or dead (the driver frees memory at exit)."""
     st = read_stat(pid)
-    return st is not None and live_state(pid, st.state)
+    return st is not None and (start_ticks is None or st.start_ticks == start_ticks) and live_state(
+        pid, st.state)
 
 
-def live_state(pid: int, state: str) -> bool:
+def live_state(pid: int, state: KernelState) -> bool:
     """Whether a process whose stat says ``state`` still runs code.
 
     A thread-group leader that called ``pthread_exit`` shows state Z while its other threads run on
     (and, on a GPU, keep its memory): such a "zombie" is alive until its last thread ends.
     """
-    if state not in ("Z", "X"):
+    if state not in EXITED:
         return True
     return any(tid != pid for tid in thread_ids(pid))
+
+
+def ancestry(pid: int) -> dict[int, int]:
+    """pid -> start ticks of each ancestor of ``pid`` (its parent, the parent's parent, ...)."""
+    found: dict[int, int] = {}
+    current = read_stat(pid)
+    while current is not None and current.ppid > 0 and current.ppid not in found:
+        current = read_stat(current.ppid)
+        if current is not None:
+            found[current.pid] = current.start_ticks
+    return found
 
 
 def thread_ids(pid: int) -> list[int]:

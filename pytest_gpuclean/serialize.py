@@ -10,14 +10,20 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin
 
 from pytest_gpuclean.model import Reaped, TestRecord
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-def to_dict(obj: Any) -> Any:
+T = TypeVar("T", bound="DataclassInstance")
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
     """A dataclass (tree) as dicts, lists and scalars."""
-    return _plain(dataclasses.asdict(obj))
+    plain: dict[str, Any] = _plain(dataclasses.asdict(obj))
+    return plain
 
 
 def _plain(value: Any) -> Any:
@@ -29,7 +35,7 @@ def _plain(value: Any) -> Any:
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
@@ -53,30 +59,25 @@ def _build(hint: Any, value: Any) -> Any:
     return value  # scalars, Literal words, Mapping of scalars
 
 
-def from_dict(cls: type, data: Any) -> Any:
+def from_dict(cls: type[T], data: Any) -> T:
     """Rebuild ``cls`` from ``to_dict`` output (sequences come back as tuples or lists as declared)."""
-    if data is None:
-        return None
     hints = _hints(cls)
-    kwargs = {f.name: _build(hints[f.name], data[f.name]) for f in dataclasses.fields(cls) if f.name in data}
+    kwargs = {f.name: _build(hints[f.name], data[f.name]) for f in dataclasses.fields(cls)
+              if f.name in data}
     return cls(**kwargs)
 
 
 def record_to_dict(record: TestRecord) -> dict[str, Any]:
-    data: dict[str, Any] = to_dict(record)
-    return data
+    return to_dict(record)
 
 
 def record_from_dict(data: dict[str, Any]) -> TestRecord:
-    record: TestRecord = from_dict(TestRecord, data)
-    return record
+    return from_dict(TestRecord, data)
 
 
 def reaped_to_dict(reaped: Reaped) -> dict[str, Any]:
-    data: dict[str, Any] = to_dict(reaped)
-    return data
+    return to_dict(reaped)
 
 
 def reaped_from_dict(data: dict[str, Any]) -> Reaped:
-    reaped: Reaped = from_dict(Reaped, data)
-    return reaped
+    return from_dict(Reaped, data)

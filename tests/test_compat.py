@@ -1,4 +1,4 @@
-"""The plugin inside suites written elsewhere (issue 13): process-per-test runners and helpers.
+"""The plugin inside suites written elsewhere: process-per-test runners and helpers.
 
 Each case runs an inner session under ``-p gpuclean --gpuclean-all`` over simulated devices, with the
 helper as its users have it: pytest-forked, pytest-xdist, PyTorch's ``MultiProcessTestCase``, vLLM's

@@ -1,4 +1,4 @@
-"""What gpuclean costs, as facts a session can observe (issue 16); the timings are in benchmarks/.
+"""What gpuclean costs, as facts a session can observe; the timings are in benchmarks/.
 
 A session that checks no test must get nothing from gpuclean but its options' validation and the cookie:
 no subreaper, no lock directory, no psutil, no NVML. The cheaper descendant walk must still find a child

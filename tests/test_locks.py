@@ -380,12 +380,18 @@ os.waitpid(child, 0)
         proc.wait()
 
 
-def test_waiting_names_the_real_holder_not_a_stale_record(tmp_path: Path) -> None:
+@pytest.mark.parametrize("unreaped", [False, True], ids=["reaped", "zombie"])
+def test_waiting_names_the_real_holder_not_a_stale_record(tmp_path: Path, unreaped: bool) -> None:
     lock_dir = str(tmp_path / "locks")
-    # A session records itself and is killed: its record stays.
-    dead = subprocess.run([sys.executable, "-c", holder_script(lock_dir, "GPU-a", "os.kill(os.getpid(), 9)")],
-                          stdout=subprocess.PIPE, text=True, timeout=60)
-    dead_pid = int(dead.stdout.split()[1])
+    # A session records itself and is killed: its record stays. A zombie (its parent has not waited for
+    # it yet) holds no lock either: it is as gone as a reaped one.
+    script = holder_script(lock_dir, "GPU-a", "os.kill(os.getpid(), 9)")
+    dead = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert dead.stdout is not None
+    with dead.stdout:
+        dead_pid = int(dead.stdout.read().split()[1])  # (read to its end: it is a zombie now)
+    if not unreaped:
+        dead.wait(timeout=60)
     # Then some other process takes the lock without recording itself.
     lock_file = tmp_path / "locks" / "GPU-a.lock"
     taker = subprocess.Popen([sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'r+'); "
@@ -406,6 +412,7 @@ def test_waiting_names_the_real_holder_not_a_stale_record(tmp_path: Path) -> Non
     finally:
         taker.kill()
         taker.wait()
+        dead.wait(timeout=60)
 
 
 # ---- 4. holder records are untrusted input ---------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -411,3 +412,39 @@ def test_leaves_a_short_lived_helper():
             f"test_inner.py::test_leaves_a_short_lived_helper: collected 1 process(es) that exited by "
             f"themselves (pid {helper} spawned by test_inner.py::test_leaves_a_short_lived_helper)"])
     assert not alive(helper)
+
+
+@pytest.fixture
+def stopped_child() -> Iterator[int]:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        for _ in range(500):  # SIGSTOP takes effect asynchronously
+            stat = procfs.read_stat(child.pid)
+            if stat is not None and stat.state == "T":
+                break
+            time.sleep(0.01)
+        yield child.pid
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("psutil_denied", [False, True], ids=["psutil", "psutil-denied"])
+def test_a_described_process_state_is_named_the_same_whatever_could_be_read(
+        stopped_child: int, monkeypatch: pytest.MonkeyPatch, psutil_denied: bool) -> None:
+    # The report's ``state`` is psutil's word (``stopped``), also when psutil could not read the process
+    # and only /proc/<pid>/stat was left: never the kernel's bare letter ``T``.
+    import psutil
+
+    if psutil_denied:
+        def denied(self: object) -> None:
+            raise psutil.AccessDenied(stopped_child)
+
+        # Below psutil's caches: its Linux implementation, as if /proc/<pid>/status were unreadable.
+        monkeypatch.setattr(psutil._psplatform.Process, "uids", denied)
+    info = processes.describe(stopped_child)
+    assert info is not None
+    assert info.state == "stopped"
+    assert (info.user, info.uid) == (("?", -1) if psutil_denied else (pwd.getpwuid(os.getuid()).pw_name,
+                                                                      os.getuid()))

@@ -1,0 +1,160 @@
+"""What a gpuclean session found, test by test: the bookkeeping that the summary and the CI outputs read.
+
+One ``SessionRecords`` per pytest session, kept in ``config.stash[SESSION]``; the record of the test being
+run in ``item.stash[TEST]``. Records travel between processes as plain dicts: from an xdist worker to the
+controller (each test's record as it ends, and the worker's whole payload at session end) and from a
+forked child (pytest-forked) back to the session's process.
+
+Imported only by a session that checks something, and then cheaply: the model and its (de)serialisation
+load where a record is first made or shipped.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import pytest
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.model import ClusterCheck, Reaped, TestRecord
+
+Payload = dict[str, Any]
+"""A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""
+
+
+class Merged(NamedTuple):
+    """Everything a session and (in the xdist controller) its workers found."""
+
+    records: list[TestRecord]
+    session_reaped: list[Reaped]
+    notes: list[str]
+
+
+class SessionRecords:
+    """The records of one session's tests, what its last sweep reaped, its notes, and what workers sent."""
+
+    def __init__(self) -> None:
+        self.records: list[TestRecord] = []
+        """Records of the tests this process checked, in order."""
+        self.late: dict[str, TestRecord] = {}
+        """Records of tests that were not checked, made when a later check found what they leaked."""
+        self.session_reaped: list[Reaped] = []
+        self.notes: list[str] = []
+        self.worker_payloads: list[Payload] = []
+        """xdist controller: each worker's payload, sent when the worker ends."""
+        self.streamed: dict[str, TestRecord] = {}
+        """xdist controller: each worker's records as its tests ended (stand-ins for a lost payload)."""
+        self.cluster_sweeps: list[ClusterCheck] = []
+        """The Ray cluster's session-end sweeps (``--gpuclean-ray``)."""
+
+    def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord:
+        """A record for a test that is checked now."""
+        from pytest_gpuclean.model import TestRecord
+
+        record = TestRecord(nodeid, location=location)
+        self.records.append(record)
+        return record
+
+    def record_for(self, nodeid: str) -> TestRecord:
+        """The record of ``nodeid``: its own if it was checked, a late one otherwise."""
+        for record in self.records:
+            if record.nodeid == nodeid:
+                return record
+        found = self.late.get(nodeid)
+        if found is None:
+            from pytest_gpuclean.model import TestRecord
+
+            found = self.late[nodeid] = TestRecord(nodeid)
+        return found
+
+    def found_later(self, reaped: Reaped, otherwise: str | None = None) -> None:
+        """Put ``reaped`` in the record of the test that leaked it: its owner if a test, else ``otherwise``
+        (a node id; None: no test's)."""
+        owner = reaped.owner
+        nodeid = owner.name if owner is not None and owner.kind == "test" else otherwise
+        if nodeid is not None:
+            self.record_for(nodeid).found_later.append(reaped)
+
+    def note(self, message: str, once: bool = False) -> None:
+        """Add a line to the session's notes (``once``: unless it is there already)."""
+        if not once or message not in self.notes:
+            self.notes.append(message)
+
+    def own(self) -> list[TestRecord]:
+        """This process's records: the checked tests', then the late ones."""
+        known = {id(r) for r in self.records}
+        return self.records + [r for r in self.late.values() if id(r) not in known]
+
+    # ---- between processes ---------------------------------------------------------------------------
+
+    def payload(self) -> Payload:
+        """This process's findings, for an xdist worker's ``workeroutput``."""
+        from pytest_gpuclean.serialize import reaped_to_dict, record_to_dict
+
+        return {"records": [record_to_dict(r) for r in self.own()],
+                "session_reaped": [reaped_to_dict(r) for r in self.session_reaped],
+                "notes": list(self.notes)}
+
+    def add_worker(self, payload: Payload) -> None:
+        self.worker_payloads.append(payload)
+
+    def stream(self, nodeid: str, record: dict[str, Any]) -> None:
+        """A worker's record of ``nodeid`` as the test ended."""
+        from pytest_gpuclean.serialize import record_from_dict
+
+        self.streamed[nodeid] = record_from_dict(record)
+
+    def ship(self) -> Payload:
+        """What a forked child found, for the session's process; forgotten here (the child ends)."""
+        from pytest_gpuclean.serialize import reaped_to_dict, record_to_dict
+
+        shipped = {"records": [record_to_dict(r) for r in self.records],
+                   "found_later": {nodeid: [reaped_to_dict(r) for r in record.found_later]
+                                   for nodeid, record in self.late.items()}}
+        self.forget()
+        return shipped
+
+    def receive(self, shipped: Payload) -> None:
+        """Take in what a forked child shipped (``ship``)."""
+        from pytest_gpuclean.serialize import reaped_from_dict, record_from_dict
+
+        self.records.extend(record_from_dict(r) for r in shipped["records"])
+        for nodeid, reaped in shipped["found_later"].items():
+            self.record_for(nodeid).found_later.extend(reaped_from_dict(r) for r in reaped)
+
+    def forget(self) -> None:
+        """Drop the records (a forked child's copy of its parent's: the parent keeps its own)."""
+        self.records, self.late = [], {}
+
+    def merged(self) -> Merged:
+        """Records, session-end reaps and notes of this process and of the workers."""
+        from pytest_gpuclean.serialize import reaped_from_dict, record_from_dict
+
+        records = self.own()
+        session_reaped = list(self.session_reaped)
+        notes = list(self.notes)
+        for payload in self.worker_payloads:
+            records.extend(record_from_dict(r) for r in payload["records"])
+            session_reaped.extend(reaped_from_dict(r) for r in payload["session_reaped"])
+            notes.extend(payload["notes"])
+        # A worker's session-end payload has everything; its tests' records as they ended stand in for it
+        # when it never came (the run was interrupted, the worker crashed).
+        known = {r.nodeid for r in records}
+        records.extend(r for nodeid, r in self.streamed.items() if nodeid not in known)
+        return Merged(records, session_reaped, notes)
+
+
+SESSION = pytest.StashKey[SessionRecords]()
+TEST = pytest.StashKey["TestRecord"]()
+"""In ``item.stash``: the record of a checked test, from its setup check on."""
+
+EMPTY_PAYLOAD: Payload = {"records": [], "session_reaped": [], "notes": []}
+"""The payload of a worker that checked nothing."""
+
+
+def of(config: pytest.Config) -> SessionRecords:
+    """The session's records (made on first use)."""
+    found = config.stash.get(SESSION, None)
+    if found is None:
+        found = config.stash[SESSION] = SessionRecords()
+    return found
