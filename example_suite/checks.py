@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from example_suite.reaping import wait_and_reap
+from example_suite.samples import Prompt, read_sample
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 600  # an offline run starts an engine: 15-60 s on 2 busy CPU cores, ~70 s on an H200
@@ -133,6 +134,13 @@ class HfReference:
             self._states[key] = torch.stack([h[0] for h in out.hidden_states], dim=1)
         return self._states[key]
 
+    def checkpoint_embeddings(self, token_ids: Sequence[int]) -> Any:
+        """The embedding rows of ``token_ids`` read from the checkpoint file itself (not through HF)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.model_dir / "model.safetensors"), framework="pt") as f:
+            return f.get_tensor("model.embed_tokens.weight")[list(token_ids)]
+
     def final_norm(self, hidden: Any) -> Any:
         """HF's final RMSNorm (``model.model.norm``) applied to ``hidden``, on the CPU in fp32."""
         import torch
@@ -180,6 +188,44 @@ def assert_matches_hf(
         label = f"id {layer_id}" + (" (normed)" if layer_id == NUM_LAYERS else "")
         diff = assert_close(actual, expected[:, layer_id], tol, f"{what}, layer {label} vs HF")
         largest[label] = max(largest.get(label, 0.0), diff)
+
+
+def assert_files_match_hf(
+    paths: Sequence[Path],
+    layer_ids: Sequence[int],
+    hf: HfReference,
+    tol: Tolerance,
+    prompts: Sequence[Prompt] | None = None,
+) -> dict[str, float]:
+    """Output files (prompt i's at place i) against HF at every id; returns the largest |diff| per id.
+
+    With ``prompts``, each file's token ids must be its prompt's (a text's: as the tokenizer encodes it).
+    """
+    largest: dict[str, float] = {}
+    for index, path in enumerate(paths):
+        sample = read_sample(path)
+        assert sample.layer_ids == list(layer_ids), (index, sample.layer_ids)
+        if prompts is not None:
+            prompt = prompts[index]
+            expected_ids = hf.token_ids(prompt) if isinstance(prompt, str) else prompt
+            assert sample.token_ids == expected_ids, (index, sample.token_ids)
+        assert_matches_hf(
+            sample.hidden_states, sample.token_ids, layer_ids, hf, tol, f"prompt {index}", largest
+        )
+    return largest
+
+
+def assert_files_match(
+    paths: Sequence[Path], expected: Sequence[Any], tol: Tolerance, what: str
+) -> dict[str, float]:
+    """Output files against other states of the same prompts (``expected[i]`` for prompt i); returns the
+    largest |diff| per prompt."""
+    return {
+        f"prompt {index}": assert_close(
+            read_sample(path).hidden_states, states, tol, f"prompt {index}: {what}"
+        )
+        for index, (path, states) in enumerate(zip(paths, expected, strict=True))
+    }
 
 
 def report_margins(node: pytest.Item, what: str, largest: dict[str, float], tol: Tolerance) -> None:
