@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from example_suite.reaping import wait_and_reap
+from example_suite.runtime import VllmRuntime
 from example_suite.samples import Prompt, read_sample
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -306,6 +308,77 @@ def run_inner_session(pytester: pytest.Pytester) -> pytest.RunResult:
             printed = [(pytester.path / name) for name in ("stdout", "stderr")]
             tails = "\n".join(p.read_text(errors="replace")[-6000:] for p in printed if p.exists())
             pytest.fail(f"inner session still running after {INNER_TIMEOUT_S}s; it printed:\n{tails}")
+
+
+# An inner test file that leaves an engine behind (test_abandoned_engine.py, test_server_crash.py): this
+# prelude, the file's own first test (which writes ``{"engine": [{"pid", "cmdline", ...}], ...}`` to
+# PIDS_FILE), then INNER_NEXT_TEST.
+INNER_PRELUDE = """
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, {repo!r})
+PIDS_FILE = Path({pids_file!r})
+"""
+
+INNER_NEXT_TEST = """
+
+@pytest.mark.needs_clean_gpus
+def test_next_test_passes():
+    # Still the same session: only the plugin can have ended them by now.
+    engine = json.loads(PIDS_FILE.read_text())["engine"]
+    alive = [p for p in engine if psutil.pid_exists(p["pid"])
+             and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive
+"""
+
+
+@dataclass(frozen=True)
+class InnerSession:
+    """An inner session whose first test left an engine behind: its result, output and PIDS_FILE."""
+
+    result: pytest.RunResult
+    output: str
+    pids_file: Path
+
+    def recorded(self) -> dict[str, Any]:
+        """What the first inner test wrote to PIDS_FILE (fails the test, with the output, if nothing)."""
+        import json
+
+        assert self.pids_file.exists(), self.output[-6000:]
+        return dict(json.loads(self.pids_file.read_text()))
+
+
+def leaving_tp(runtime: VllmRuntime) -> int:
+    """TP size of the engine an inner test leaves behind: 2 (orphaned workers too) unless only one GPU."""
+    return 1 if runtime.device == "cuda" and runtime.gpus < 2 else 2
+
+
+def run_leaving_session(pytester: pytest.Pytester, first_test: str, **fields: Any) -> InnerSession:
+    """Run INNER_PRELUDE + ``first_test`` (formatted with ``fields``) + INNER_NEXT_TEST under gpuclean."""
+    pids_file = pytester.path / "engine-pids.json"
+    prelude = INNER_PRELUDE.format(repo=str(REPO_ROOT), pids_file=str(pids_file))
+    pytester.makepyfile(test_inner=prelude + first_test.format(**fields) + INNER_NEXT_TEST)
+    result = run_inner_session(pytester)
+    return InnerSession(result, result.stdout.str() + "\n" + result.stderr.str(), pids_file)
+
+
+def assert_engine_reaped_and_blamed(
+    session: InnerSession, test_name: str, engine: list[dict[str, Any]]
+) -> None:
+    """:func:`assert_leak_reaped_and_blamed`, and every process of ``engine`` gone by now."""
+    assert_leak_reaped_and_blamed(session.result, test_name, engine)
+    # Nothing of the engine is left running now (pids are not reused that fast).
+    deadline = time.monotonic() + 10
+    while not all(gone(p["pid"]) for p in engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(gone(p["pid"]) for p in engine), (engine, session.output[-3000:])
 
 
 def report_section(output: str, title: str) -> str:

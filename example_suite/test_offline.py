@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +24,18 @@ from example_suite.checks import (
     report_margins,
     tolerance,
 )
-from example_suite.hidden_states import ExtractionError, default_layer_ids, normalize_layer_ids
+from example_suite.hidden_states import (
+    ExtractionError,
+    default_layer_ids,
+    engine_configs,
+    exact_embeddings_configs,
+    normalize_layer_ids,
+)
 from example_suite.offline import OfflineExtractor
 from example_suite.reaping import descendants
 from example_suite.runtime import VllmRuntime
 from example_suite.samples import Prompt, read_sample
+from example_suite.server import VllmServer
 
 pytestmark = pytest.mark.needs_clean_gpus
 
@@ -139,3 +147,30 @@ def test_bad_prompts_are_clear_errors(offline_tp1: OfflineExtractor, tmp_path: P
     with pytest.raises(ExtractionError, match=r"prompt 1: expected a non-empty list of token ids"):
         offline_tp1.extract([[1, 2], []], tmp_path)
     assert not list(tmp_path.iterdir())  # checked before anything ran
+
+
+def test_id_0_turns_vllms_in_place_norm_off_and_vllm_accepts_that(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Where vLLM's norm runs in place (CUDA), id 0 would come back as id L; the engines of this suite request
+    # id 0, so on CPU they start with these settings too, and the comparisons above show they change nothing.
+    from vllm.config.compilation import CompilationConfig
+    from vllm.config.kernel import KernelConfig
+
+    with_0, without = engine_configs([0, 4], tmp_path, cpu=True), engine_configs([1, 4], tmp_path, cpu=True)
+    extra = exact_embeddings_configs()
+    assert set(with_0) - set(without) == set(extra) and "compilation_config" in extra
+    assert "-rms_norm" in CompilationConfig(**with_0["compilation_config"]).custom_ops
+    if "kernel_config" in extra:  # vLLM versions that choose the fused residual-add norm by IR op priority
+        assert KernelConfig(**with_0["kernel_config"]).ir_op_priority.fused_add_rms_norm == ["native"]
+    # Both forms pass them, and refuse a caller's value that would replace them.
+    server = VllmServer(tiny_model_dir, layer_ids=[0, 4])
+    try:
+        at = server.argv.index("--compilation-config")
+        assert json.loads(server.argv[at + 1]) == extra["compilation_config"]
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match=r"\['--compilation-config'\] are set by the server"):
+        VllmServer(tiny_model_dir, layer_ids=[0], extra_args=["--compilation-config={}"])
+    with pytest.raises(ValueError, match=r"\['compilation_config'\] are set by the extractor"):
+        OfflineExtractor(tiny_model_dir, layer_ids=[0], compilation_config={})
