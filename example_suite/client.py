@@ -79,18 +79,16 @@ class HiddenStatesClient:
         With ``resume``, prompts whose file is already good are skipped. Up to ``concurrency`` requests are
         in flight at once. The first failure stops the run (requests already sent still finish).
         """
-        with ExtractionRun(prompts, out_dir, self.layer_ids, resume=resume, progress=progress) as run:
-            model = self.model or self.served_model()
-            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="hidden-states") as pool:
-                futures: list[Future[Path]] = [
-                    pool.submit(self._extract_one, model, i, run) for i in run.todo
-                ]
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                failed = [f for f in done if f.exception() is not None]
-                if failed:
-                    for future in futures:
-                        future.cancel()
-                    raise failed[0].exception()  # type: ignore[misc]
+        run = ExtractionRun(prompts, out_dir, self.layer_ids, resume=resume, progress=progress)
+        model = self.model or self.served_model()
+        with run, ThreadPoolExecutor(self.concurrency, thread_name_prefix="hidden-states") as pool:
+            futures: list[Future[Path]] = [pool.submit(self._extract_one, model, i, run) for i in run.todo]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                for future in futures:
+                    future.cancel()
+                raise failed[0].exception()  # type: ignore[misc]
         return run.paths()
 
     def _extract_one(self, model: str, index: int, run: ExtractionRun) -> Path:

@@ -193,7 +193,8 @@ class ExtractionRun:
 
     ``todo`` holds the indices to send to vLLM (with ``resume``, those without a good file). :meth:`save`
     checks vLLM's tensors against the prompt and the layer ids and writes ``hs_<i>.safetensors``; it may be
-    called from several threads. Use it with ``with``, which closes the progress bar.
+    called from several threads, inside ``with``, which shows the progress bar (from ``__enter__``, so that an
+    error before it prints no bar) and closes it.
     """
 
     def __init__(
@@ -210,8 +211,8 @@ class ExtractionRun:
         self.out.mkdir(parents=True, exist_ok=True)
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         self.todo = pending_indices(self.out, self.prompts, self.layer_ids, resume=resume)
-        kept = len(self.prompts) - len(self.todo)
-        self._bar = Progress(len(self.prompts), enabled=progress, initial=kept)
+        self._progress = progress
+        self._bar = Progress(0, enabled=False)
         self._bar_lock = threading.Lock()
 
     def save(self, index: int, tensors: dict[str, Any]) -> Path:
@@ -232,6 +233,8 @@ class ExtractionRun:
         return [sample_path(self.out, i) for i in range(len(self.prompts))]
 
     def __enter__(self) -> ExtractionRun:
+        kept = len(self.prompts) - len(self.todo)
+        self._bar = Progress(len(self.prompts), enabled=self._progress, initial=kept)
         return self
 
     def __exit__(
