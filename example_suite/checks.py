@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ import psutil
 import pytest
 
 from example_suite.reaping import wait_and_reap
+from example_suite.runtime import VllmRuntime
+from example_suite.samples import Prompt, read_sample
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 600  # an offline run starts an engine: 15-60 s on 2 busy CPU cores, ~70 s on an H200
@@ -133,6 +136,13 @@ class HfReference:
             self._states[key] = torch.stack([h[0] for h in out.hidden_states], dim=1)
         return self._states[key]
 
+    def checkpoint_embeddings(self, token_ids: Sequence[int]) -> Any:
+        """The embedding rows of ``token_ids`` read from the checkpoint file itself (not through HF)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.model_dir / "model.safetensors"), framework="pt") as f:
+            return f.get_tensor("model.embed_tokens.weight")[list(token_ids)]
+
     def final_norm(self, hidden: Any) -> Any:
         """HF's final RMSNorm (``model.model.norm``) applied to ``hidden``, on the CPU in fp32."""
         import torch
@@ -180,6 +190,44 @@ def assert_matches_hf(
         label = f"id {layer_id}" + (" (normed)" if layer_id == NUM_LAYERS else "")
         diff = assert_close(actual, expected[:, layer_id], tol, f"{what}, layer {label} vs HF")
         largest[label] = max(largest.get(label, 0.0), diff)
+
+
+def assert_files_match_hf(
+    paths: Sequence[Path],
+    layer_ids: Sequence[int],
+    hf: HfReference,
+    tol: Tolerance,
+    prompts: Sequence[Prompt] | None = None,
+) -> dict[str, float]:
+    """Output files (prompt i's at place i) against HF at every id; returns the largest |diff| per id.
+
+    With ``prompts``, each file's token ids must be its prompt's (a text's: as the tokenizer encodes it).
+    """
+    largest: dict[str, float] = {}
+    for index, path in enumerate(paths):
+        sample = read_sample(path)
+        assert sample.layer_ids == list(layer_ids), (index, sample.layer_ids)
+        if prompts is not None:
+            prompt = prompts[index]
+            expected_ids = hf.token_ids(prompt) if isinstance(prompt, str) else prompt
+            assert sample.token_ids == expected_ids, (index, sample.token_ids)
+        assert_matches_hf(
+            sample.hidden_states, sample.token_ids, layer_ids, hf, tol, f"prompt {index}", largest
+        )
+    return largest
+
+
+def assert_files_match(
+    paths: Sequence[Path], expected: Sequence[Any], tol: Tolerance, what: str
+) -> dict[str, float]:
+    """Output files against other states of the same prompts (``expected[i]`` for prompt i); returns the
+    largest |diff| per prompt."""
+    return {
+        f"prompt {index}": assert_close(
+            read_sample(path).hidden_states, states, tol, f"prompt {index}: {what}"
+        )
+        for index, (path, states) in enumerate(zip(paths, expected, strict=True))
+    }
 
 
 def report_margins(node: pytest.Item, what: str, largest: dict[str, float], tol: Tolerance) -> None:
@@ -260,6 +308,77 @@ def run_inner_session(pytester: pytest.Pytester) -> pytest.RunResult:
             printed = [(pytester.path / name) for name in ("stdout", "stderr")]
             tails = "\n".join(p.read_text(errors="replace")[-6000:] for p in printed if p.exists())
             pytest.fail(f"inner session still running after {INNER_TIMEOUT_S}s; it printed:\n{tails}")
+
+
+# An inner test file that leaves an engine behind (test_abandoned_engine.py, test_server_crash.py): this
+# prelude, the file's own first test (which writes ``{"engine": [{"pid", "cmdline", ...}], ...}`` to
+# PIDS_FILE), then INNER_NEXT_TEST.
+INNER_PRELUDE = """
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+sys.path.insert(0, {repo!r})
+PIDS_FILE = Path({pids_file!r})
+"""
+
+INNER_NEXT_TEST = """
+
+@pytest.mark.needs_clean_gpus
+def test_next_test_passes():
+    # Still the same session: only the plugin can have ended them by now.
+    engine = json.loads(PIDS_FILE.read_text())["engine"]
+    alive = [p for p in engine if psutil.pid_exists(p["pid"])
+             and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive
+"""
+
+
+@dataclass(frozen=True)
+class InnerSession:
+    """An inner session whose first test left an engine behind: its result, output and PIDS_FILE."""
+
+    result: pytest.RunResult
+    output: str
+    pids_file: Path
+
+    def recorded(self) -> dict[str, Any]:
+        """What the first inner test wrote to PIDS_FILE (fails the test, with the output, if nothing)."""
+        import json
+
+        assert self.pids_file.exists(), self.output[-6000:]
+        return dict(json.loads(self.pids_file.read_text()))
+
+
+def leaving_tp(runtime: VllmRuntime) -> int:
+    """TP size of the engine an inner test leaves behind: 2 (orphaned workers too) unless only one GPU."""
+    return 1 if runtime.device == "cuda" and runtime.gpus < 2 else 2
+
+
+def run_leaving_session(pytester: pytest.Pytester, first_test: str, **fields: Any) -> InnerSession:
+    """Run INNER_PRELUDE + ``first_test`` (formatted with ``fields``) + INNER_NEXT_TEST under gpuclean."""
+    pids_file = pytester.path / "engine-pids.json"
+    prelude = INNER_PRELUDE.format(repo=str(REPO_ROOT), pids_file=str(pids_file))
+    pytester.makepyfile(test_inner=prelude + first_test.format(**fields) + INNER_NEXT_TEST)
+    result = run_inner_session(pytester)
+    return InnerSession(result, result.stdout.str() + "\n" + result.stderr.str(), pids_file)
+
+
+def assert_engine_reaped_and_blamed(
+    session: InnerSession, test_name: str, engine: list[dict[str, Any]]
+) -> None:
+    """:func:`assert_leak_reaped_and_blamed`, and every process of ``engine`` gone by now."""
+    assert_leak_reaped_and_blamed(session.result, test_name, engine)
+    # Nothing of the engine is left running now (pids are not reused that fast).
+    deadline = time.monotonic() + 10
+    while not all(gone(p["pid"]) for p in engine) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(gone(p["pid"]) for p in engine), (engine, session.output[-3000:])
 
 
 def report_section(output: str, title: str) -> str:

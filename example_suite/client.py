@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -25,15 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from example_suite.hidden_states import ExtractionError, hidden_states_path, take_vllm_file
-from example_suite.samples import (
-    Progress,
-    Prompt,
-    check_prompts,
-    check_token_ids,
-    pending_indices,
-    sample_path,
-    write_sample,
-)
+from example_suite.samples import ExtractionRun, Prompt
 
 DEFAULT_CONCURRENCY = 8
 REQUEST_TIMEOUT_S = 600.0
@@ -88,34 +79,20 @@ class HiddenStatesClient:
         With ``resume``, prompts whose file is already good are skipped. Up to ``concurrency`` requests are
         in flight at once. The first failure stops the run (requests already sent still finish).
         """
-        checked = check_prompts(prompts)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        run = ExtractionRun(prompts, out_dir, self.layer_ids, resume=resume, progress=progress)
         model = self.model or self.served_model()
-        todo = pending_indices(out, checked, self.layer_ids, resume=resume)
-        bar = Progress(len(checked), enabled=progress, initial=len(checked) - len(todo))
-        bar_lock = threading.Lock()
+        with run, ThreadPoolExecutor(self.concurrency, thread_name_prefix="hidden-states") as pool:
+            futures: list[Future[Path]] = [pool.submit(self._extract_one, model, i, run) for i in run.todo]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                for future in futures:
+                    future.cancel()
+                raise failed[0].exception()  # type: ignore[misc]
+        return run.paths()
 
-        def one(index: int) -> None:
-            self._extract_one(model, index, checked[index], out)
-            with bar_lock:
-                bar.update()
-
-        try:
-            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="hidden-states") as pool:
-                futures: list[Future[None]] = [pool.submit(one, i) for i in todo]
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                failed = [f for f in done if f.exception() is not None]
-                if failed:
-                    for future in futures:
-                        future.cancel()
-                    raise failed[0].exception()  # type: ignore[misc]
-        finally:
-            bar.close()
-        return [sample_path(out, i) for i in range(len(checked))]
-
-    def _extract_one(self, model: str, index: int, prompt: Prompt, out: Path) -> Path:
-        request = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    def _extract_one(self, model: str, index: int, run: ExtractionRun) -> Path:
+        request = {"model": model, "prompt": run.prompts[index], "max_tokens": 1, "temperature": 0.0}
         status, body = self._call("POST", "/v1/completions", request, index=index)
         if status != 200:
             raise ExtractionError(f"prompt {index}: the server answered {status}: {_error_message(body)}")
@@ -125,15 +102,7 @@ class HiddenStatesClient:
             raise ExtractionError(
                 f"prompt {index}: the server's answer is not JSON: {body[:200]!r}"
             ) from None
-        tensors = take_vllm_file(hidden_states_path(response.get("kv_transfer_params")))
-        check_token_ids(index, prompt, tensors["token_ids"].tolist())
-        layers = tensors["hidden_states"].shape[1]
-        if self.layer_ids is not None and layers != len(self.layer_ids):
-            raise ExtractionError(
-                f"prompt {index}: the server returns {layers} layers, but the layer ids given "
-                f"are {self.layer_ids}"
-            )
-        return write_sample(out, index, tensors["hidden_states"], tensors["token_ids"], self.layer_ids)
+        return run.save(index, take_vllm_file(hidden_states_path(response.get("kv_transfer_params"))))
 
     def _call(self, method: str, path: str, payload: Any, *, index: int | None) -> tuple[int, str]:
         connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)

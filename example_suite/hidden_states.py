@@ -14,11 +14,13 @@ That file holds ``hidden_states`` [prompt tokens, layers, hidden] in the model's
 
 Layer ids (measured against HF transformers, see docs/example_suite.md): vLLM sorts and de-duplicates them;
 id ``k < L`` (L = number of decoder layers) is HF's ``hidden_states[k]`` (0 = the embeddings); id ``L`` is the
-last decoder layer's output *before* the final norm, while HF's last entry is after it.
+last decoder layer's output *before* the final norm, while HF's last entry is after it. Id 0 is right only
+with the norm settings of :func:`exact_embeddings_configs`, which :func:`engine_configs` adds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -107,6 +109,47 @@ def kv_transfer_config(storage_dir: str | Path, *, cpu: bool) -> dict[str, Any]:
     if cpu:
         config["kv_connector_module_path"] = CPU_CONNECTOR_MODULE
     return config
+
+
+def exact_embeddings_configs() -> dict[str, dict[str, Any]]:
+    """Engine configs that keep id 0 the embeddings: vLLM's RMSNorm computed out of place.
+
+    Why: vLLM records id 0 as the embeddings tensor itself, without a copy, and the first decoder layer
+    takes that same tensor as its residual. Where the fused residual-add RMSNorm runs as an in-place kernel
+    (CUDA's ``_C.fused_add_rms_norm``, used whenever the ``rms_norm`` custom op is on, as with
+    ``enforce_eager``), every later norm adds into that tensor, so id 0 comes back equal to id L (measured on
+    an H200 with vLLM 0.20.2: max |diff| 8.48 against HF's embeddings). PyTorch's own norm computes out of
+    place. vLLM 0.20 picks the kernel through the ``rms_norm`` custom op; later versions through the IR op
+    priority of ``fused_add_rms_norm``, which this returns too where the installed vLLM has it. CPU vLLM
+    has only the out-of-place norm: there these change nothing, and the CPU suite checks vLLM accepts them.
+    """
+    configs: dict[str, dict[str, Any]] = {"compilation_config": {"custom_ops": ["-rms_norm"]}}
+    from vllm.config.kernel import IrOpPriorityConfig
+
+    if "fused_add_rms_norm" in {field.name for field in dataclasses.fields(IrOpPriorityConfig)}:
+        configs["kernel_config"] = {"ir_op_priority": {"fused_add_rms_norm": ["native"]}}
+    return configs
+
+
+def engine_configs(layer_ids: Sequence[int], storage_dir: str | Path, *, cpu: bool) -> dict[str, Any]:
+    """Every engine config extraction at ``layer_ids`` needs, by ``vllm.LLM`` keyword.
+
+    ``vllm serve`` takes the same as ``--name-with-dashes JSON`` (:func:`server_arguments`).
+    """
+    configs: dict[str, Any] = {
+        "speculative_config": speculative_config(layer_ids),
+        "kv_transfer_config": kv_transfer_config(storage_dir, cpu=cpu),
+    }
+    if 0 in layer_ids:
+        configs.update(exact_embeddings_configs())
+    return configs
+
+
+def server_arguments(configs: dict[str, Any]) -> list[str]:
+    """:func:`engine_configs` as ``vllm serve`` arguments."""
+    return [
+        part for name, value in configs.items() for part in (f"--{name.replace('_', '-')}", json.dumps(value))
+    ]
 
 
 def hidden_states_path(kv_transfer_params: Any) -> str:

@@ -21,24 +21,15 @@ from typing import Any
 
 from example_suite.hidden_states import (
     ExtractionError,
+    engine_configs,
     hidden_states_path,
-    kv_transfer_config,
     normalize_layer_ids,
     num_decoder_layers,
-    speculative_config,
     take_vllm_file,
 )
 from example_suite.reaping import descendants, wait_and_reap
 from example_suite.runtime import detect_runtime, openmp_registrations, vllm_environment_applied
-from example_suite.samples import (
-    Progress,
-    Prompt,
-    check_prompts,
-    check_token_ids,
-    pending_indices,
-    sample_path,
-    write_sample,
-)
+from example_suite.samples import ExtractionRun, Prompt
 
 # vLLM's default grace for EngineCore is 5 s, shorter than a TP=2 engine needs to stop on 2 busy CPU cores.
 SHUTDOWN_TIMEOUT_S = 15.0
@@ -60,21 +51,23 @@ class OfflineExtractor:
     ) -> None:
         self.num_layers = num_decoder_layers(model)
         self.layer_ids = normalize_layer_ids(layer_ids, self.num_layers)
-        fixed = {"speculative_config", "kv_transfer_config"} & set(engine_args)
+        # vLLM writes one file per request here; extract() moves each into place.
+        staging_dir = Path(tempfile.mkdtemp(prefix="vllm-hidden-states-"))
+        configs = engine_configs(self.layer_ids, staging_dir, cpu=detect_runtime().device == "cpu")
+        fixed = set(configs) & set(engine_args)
         if fixed:
+            staging_dir.rmdir()
             raise ValueError(f"engine arguments {sorted(fixed)} are set by the extractor")
         from vllm import LLM
 
-        # vLLM writes one file per request here; extract() moves each into place.
-        self.staging_dir = Path(tempfile.mkdtemp(prefix="vllm-hidden-states-"))
+        self.staging_dir = staging_dir
         args: dict[str, Any] = {
             "model": str(model),
             "tensor_parallel_size": tensor_parallel_size,
             "dtype": dtype,
             "max_model_len": max_model_len,
             **engine_args,
-            "speculative_config": speculative_config(self.layer_ids),
-            "kv_transfer_config": kv_transfer_config(self.staging_dir, cpu=detect_runtime().device == "cpu"),
+            **configs,
         }
         before = {p.pid for p in descendants()}
         self._llm: Any = None
@@ -110,27 +103,17 @@ class OfflineExtractor:
         """
         from vllm import SamplingParams
 
-        checked = check_prompts(prompts)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        todo = pending_indices(out, checked, self.layer_ids, resume=resume)
-        bar = Progress(len(checked), enabled=progress, initial=len(checked) - len(todo))
-        try:
-            for start in range(0, len(todo), batch_size):
-                batch = todo[start : start + batch_size]
+        with ExtractionRun(prompts, out_dir, self.layer_ids, resume=resume, progress=progress) as run:
+            for start in range(0, len(run.todo), batch_size):
+                batch = run.todo[start : start + batch_size]
                 outputs = self.llm.generate(
-                    [_engine_prompt(checked[i]) for i in batch],
+                    [_engine_prompt(run.prompts[i]) for i in batch],
                     SamplingParams(max_tokens=1, temperature=0.0),
                     use_tqdm=False,
                 )
                 for index, output in zip(batch, outputs, strict=True):
-                    tensors = take_vllm_file(hidden_states_path(output.kv_transfer_params))
-                    check_token_ids(index, checked[index], tensors["token_ids"].tolist())
-                    write_sample(out, index, tensors["hidden_states"], tensors["token_ids"], self.layer_ids)
-                    bar.update()
-        finally:
-            bar.close()
-        return [sample_path(out, i) for i in range(len(checked))]
+                    run.save(index, take_vllm_file(hidden_states_path(output.kv_transfer_params)))
+        return run.paths()
 
     def close(self) -> None:
         """Shut the engine down and wait for its processes to exit."""

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from example_suite.hidden_states import ExtractionError
@@ -184,3 +186,58 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class ExtractionRun:
+    """One pass of an extractor over ``prompts``: which still need a file, and saving vLLM's result for each.
+
+    ``todo`` holds the indices to send to vLLM (with ``resume``, those without a good file). :meth:`save`
+    checks vLLM's tensors against the prompt and the layer ids and writes ``hs_<i>.safetensors``; it may be
+    called from several threads, inside ``with``, which shows the progress bar (from ``__enter__``, so that an
+    error before it prints no bar) and closes it.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        out_dir: str | Path,
+        layer_ids: Sequence[int] | None,
+        *,
+        resume: bool,
+        progress: bool,
+    ) -> None:
+        self.prompts = check_prompts(prompts)
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.layer_ids = list(layer_ids) if layer_ids is not None else None
+        self.todo = pending_indices(self.out, self.prompts, self.layer_ids, resume=resume)
+        self._progress = progress
+        self._bar = Progress(0, enabled=False)
+        self._bar_lock = threading.Lock()
+
+    def save(self, index: int, tensors: dict[str, Any]) -> Path:
+        """Check what vLLM returned for prompt ``index`` (its file's tensors) and write the prompt's file."""
+        check_token_ids(index, self.prompts[index], tensors["token_ids"].tolist())
+        layers, wanted = tensors["hidden_states"].shape[1], self.layer_ids
+        if wanted is not None and layers != len(wanted):
+            raise ExtractionError(
+                f"prompt {index}: vLLM returned {layers} layers, but the layer ids given are {wanted}"
+            )
+        path = write_sample(self.out, index, tensors["hidden_states"], tensors["token_ids"], self.layer_ids)
+        with self._bar_lock:
+            self._bar.update()
+        return path
+
+    def paths(self) -> list[Path]:
+        """Every prompt's output file, in prompt order."""
+        return [sample_path(self.out, i) for i in range(len(self.prompts))]
+
+    def __enter__(self) -> ExtractionRun:
+        kept = len(self.prompts) - len(self.todo)
+        self._bar = Progress(len(self.prompts), enabled=self._progress, initial=kept)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._bar.close()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import json
 import os
 import shutil
 import signal
@@ -40,10 +39,10 @@ import psutil
 
 from example_suite.hidden_states import (
     ExtractionError,
-    kv_transfer_config,
+    engine_configs,
     normalize_layer_ids,
     num_decoder_layers,
-    speculative_config,
+    server_arguments,
 )
 from example_suite.reaping import wait_and_reap
 from example_suite.runtime import (
@@ -114,9 +113,14 @@ class VllmServer:
             "--tensor-parallel-size", str(tensor_parallel_size),
             "--dtype", dtype,
             "--max-model-len", str(max_model_len),
-            "--speculative-config", json.dumps(speculative_config(self.layer_ids)),
-            "--kv-transfer-config", json.dumps(kv_transfer_config(self.storage_dir, cpu=self.cpu)),
+            *server_arguments(engine_configs(self.layer_ids, self.storage_dir, cpu=self.cpu)),
         ]  # fmt: skip
+        # vLLM would let a repeated option silently replace ours.
+        ours = {a for a in self.argv if a.startswith("--")}
+        clash = sorted(ours & {a.split("=", 1)[0] for a in extra_args})
+        if clash:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
+            raise ValueError(f"vllm serve arguments {clash} are set by the server")
         if shutdown_timeout_s is not None:
             self.argv += ["--shutdown-timeout", str(shutdown_timeout_s)]
         self.argv += list(extra_args)

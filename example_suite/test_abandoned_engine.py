@@ -9,8 +9,6 @@ gone (so they were reaped in the first test's teardown, not by vLLM's own clean-
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import pytest
@@ -20,28 +18,17 @@ from example_suite.runtime import VLLM_MISSING, VllmRuntime
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from example_suite.checks import (
-    REPO_ROOT,
     EngineSettings,
-    assert_leak_reaped_and_blamed,
-    gone,
+    assert_engine_reaped_and_blamed,
+    leaving_tp,
     remove_engine_debris,
-    run_inner_session,
+    run_leaving_session,
 )
 
 pytestmark = pytest.mark.needs_clean_gpus
 
-INNER_TESTS = """
-import json
-import sys
-from pathlib import Path
-
-import psutil
-import pytest
-
-sys.path.insert(0, {repo!r})
+FIRST_TEST = """
 from example_suite.offline import OfflineExtractor
-
-PIDS_FILE = Path({pids_file!r})
 
 # A global reference: the engine is never garbage-collected, so vLLM never shuts it down before exit.
 _abandoned = []
@@ -71,15 +58,6 @@ def engine_processes():
             if "resource_tracker" not in worker_cmdline:
                 engine.append({{"pid": worker.pid, "role": "worker", "cmdline": worker_cmdline}})
     return engine
-
-
-@pytest.mark.needs_clean_gpus
-def test_next_test_passes():
-    # Still the same session: only the plugin can have ended them by now.
-    engine = json.loads(PIDS_FILE.read_text())["engine"]
-    alive = [p for p in engine if psutil.pid_exists(p["pid"])
-             and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, alive
 """
 
 
@@ -91,32 +69,15 @@ def test_abandoned_engine_is_reaped_and_blamed(
 ) -> None:
     # TP=2 shows orphaned workers too; a one-GPU runner still shows the abandoned EngineCore (the case
     # measured on the H200 in GPU-FACTS: 14.8 GB held until killed).
-    tp = 1 if vllm_runtime.device == "cuda" and vllm_runtime.gpus < 2 else 2
-    pids_file = pytester.path / "engine-pids.json"
-    pytester.makepyfile(
-        test_inner=INNER_TESTS.format(
-            repo=str(REPO_ROOT),
-            model=str(tiny_model_dir),
-            pids_file=str(pids_file),
-            engine_args=engine_settings.offline(),
-            tp=tp,
-        )
+    tp = leaving_tp(vllm_runtime)
+    session = run_leaving_session(
+        pytester, FIRST_TEST, model=str(tiny_model_dir), engine_args=engine_settings.offline(), tp=tp
     )
-    result = run_inner_session(pytester)
-    output = result.stdout.str() + "\n" + result.stderr.str()
-
-    assert pids_file.exists(), output[-6000:]
-    recorded = json.loads(pids_file.read_text())
+    recorded = session.recorded()
     engine = recorded["engine"]
     assert sum(p["role"] == "EngineCore" for p in engine) == 1, engine
     # On a GPU at TP=1 the model runs inside EngineCore; CPU vLLM and TP=2 run it in worker processes.
     assert sum(p["role"] == "worker" for p in engine) >= (tp if tp > 1 else 0), engine
-
-    assert_leak_reaped_and_blamed(result, "test_abandons_engine", engine)
-    # And nothing of the engine is left running now (pids are not reused that fast).
-    deadline = time.monotonic() + 10
-    while not all(gone(p["pid"]) for p in engine) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert all(gone(p["pid"]) for p in engine), (engine, output[-3000:])
+    assert_engine_reaped_and_blamed(session, "test_abandons_engine", engine)
     # What the abandoned engine could not clean up itself (its staging directory, /dev/shm on CPU).
     remove_engine_debris({p["pid"] for p in engine}, [recorded["staging_dir"]])

@@ -15,14 +15,14 @@ from example_suite.checks import (
     ALL_LAYERS,
     EngineSettings,
     HfReference,
-    assert_close,
-    assert_matches_hf,
+    assert_files_match,
+    assert_files_match_hf,
     report_margins,
     tolerance,
 )
 from example_suite.offline import OfflineExtractor
 from example_suite.runtime import VllmRuntime
-from example_suite.samples import Prompt, read_sample
+from example_suite.samples import Prompt
 
 pytestmark = pytest.mark.needs_clean_gpus
 
@@ -50,32 +50,16 @@ def tp2_files(
 
 
 def test_tp2_matches_hf(
-    tp2_files: list[Path],
-    hf: HfReference,
-    vllm_runtime: VllmRuntime,
-    request: pytest.FixtureRequest,
+    tp2_files: list[Path], hf: HfReference, vllm_runtime: VllmRuntime, request: pytest.FixtureRequest
 ) -> None:
     tol = tolerance(vllm_runtime.device)
-    largest: dict[str, float] = {}
-    for index, path in enumerate(tp2_files):
-        sample = read_sample(path)
-        assert sample.layer_ids == ALL_LAYERS
-        assert_matches_hf(
-            sample.hidden_states, sample.token_ids, ALL_LAYERS, hf, tol, f"prompt {index}", largest
-        )
+    largest = assert_files_match_hf(tp2_files, ALL_LAYERS, hf, tol)
     report_margins(request.node, f"offline TP=2 vs HF on {vllm_runtime.device}", largest, tol)
 
 
 def test_tp2_matches_tp1(
-    tp2_files: list[Path],
-    tp1_reference: list[Any],
-    vllm_runtime: VllmRuntime,
-    request: pytest.FixtureRequest,
+    tp2_files: list[Path], tp1_reference: list[Any], vllm_runtime: VllmRuntime, request: pytest.FixtureRequest
 ) -> None:
     tol = tolerance(vllm_runtime.device)
-    largest: dict[str, float] = {}
-    for index, (path, expected) in enumerate(zip(tp2_files, tp1_reference, strict=True)):
-        largest[f"prompt {index}"] = assert_close(
-            read_sample(path).hidden_states, expected, tol, f"prompt {index}: TP=2 vs TP=1"
-        )
+    largest = assert_files_match(tp2_files, tp1_reference, tol, "TP=2 vs TP=1")
     report_margins(request.node, f"offline TP=2 vs TP=1 on {vllm_runtime.device}", largest, tol)

@@ -28,6 +28,8 @@ from example_suite.checks import (
     EngineSettings,
     HfReference,
     assert_close,
+    assert_files_match,
+    assert_files_match_hf,
     assert_matches_hf,
     report_margins,
     run_cli,
@@ -82,14 +84,7 @@ def test_concurrent_requests_match_hf(
     paths = client.extract(prompts, tmp_path)
     assert [p.name for p in paths] == [f"hs_{i}.safetensors" for i in range(len(prompts))]
     tol = tolerance(vllm_runtime.device)
-    largest: dict[str, float] = {}
-    for index, (path, prompt) in enumerate(zip(paths, prompts, strict=True)):
-        sample = read_sample(path)
-        assert sample.layer_ids == ALL_LAYERS
-        assert sample.token_ids == (hf.token_ids(prompt) if isinstance(prompt, str) else prompt)
-        assert_matches_hf(
-            sample.hidden_states, sample.token_ids, ALL_LAYERS, hf, tol, f"prompt {index}", largest
-        )
+    largest = assert_files_match_hf(paths, ALL_LAYERS, hf, tol, prompts)
     report_margins(request.node, f"server TP=1 vs HF on {vllm_runtime.device}", largest, tol)
 
 
@@ -160,10 +155,8 @@ def test_server_matches_offline_tp1(
     vllm_runtime: VllmRuntime,
     tmp_path: Path,
 ) -> None:
-    samples = read_both(server_tp1, prompts, tmp_path)
-    tol = tolerance(vllm_runtime.device)
-    for index, (sample, expected) in enumerate(zip(samples, tp1_reference, strict=True)):
-        assert_close(sample.hidden_states, expected, tol, f"prompt {index}: server vs offline")
+    paths = HiddenStatesClient(server_tp1.url).extract(prompts, tmp_path)
+    assert_files_match(paths, tp1_reference, tolerance(vllm_runtime.device), "server vs offline")
 
 
 def test_bad_request_is_a_clear_error(server_tp1: VllmServer, tmp_path: Path) -> None:

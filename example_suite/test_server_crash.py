@@ -8,8 +8,6 @@ teardown, reap them, blame that test, and the next test must pass.
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import pytest
@@ -19,31 +17,18 @@ from example_suite.runtime import VLLM_MISSING, VllmRuntime
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
 from example_suite.checks import (
-    REPO_ROOT,
     EngineSettings,
-    assert_leak_reaped_and_blamed,
-    gone,
+    assert_engine_reaped_and_blamed,
+    leaving_tp,
     remove_engine_debris,
-    run_inner_session,
+    run_leaving_session,
 )
 
 pytestmark = pytest.mark.needs_clean_gpus
 
-INNER_TESTS = """
-import json
-import os
-import signal
-import sys
-from pathlib import Path
-
-import psutil
-import pytest
-
-sys.path.insert(0, {repo!r})
+FIRST_TEST = """
 from example_suite.client import HiddenStatesClient
 from example_suite.server import VllmServer
-
-PIDS_FILE = Path({pids_file!r})
 
 
 @pytest.mark.needs_clean_gpus
@@ -59,14 +44,6 @@ def test_api_server_killed(tmp_path):
     os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait()
     # The test ends as one whose server crashed would: nobody stops EngineCore and the workers.
-
-
-@pytest.mark.needs_clean_gpus
-def test_next_test_passes():
-    engine = json.loads(PIDS_FILE.read_text())["engine"]
-    alive = [p for p in engine if psutil.pid_exists(p["pid"])
-             and psutil.Process(p["pid"]).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, alive
 """
 
 
@@ -76,37 +53,27 @@ def test_orphans_of_a_killed_api_server_are_reaped_and_blamed(
     engine_settings: EngineSettings,
     vllm_runtime: VllmRuntime,
 ) -> None:
-    tp = 1 if vllm_runtime.device == "cuda" and vllm_runtime.gpus < 2 else 2
-    pids_file = pytester.path / "server-pids.json"
+    tp = leaving_tp(vllm_runtime)
     log = pytester.path / "server.log"
-    pytester.makepyfile(
-        test_inner=INNER_TESTS.format(
-            repo=str(REPO_ROOT),
-            model=str(tiny_model_dir),
-            pids_file=str(pids_file),
-            log=str(log),
-            server_args=engine_settings.server(),
-            tp=tp,
-        )
+    session = run_leaving_session(
+        pytester,
+        FIRST_TEST,
+        model=str(tiny_model_dir),
+        log=str(log),
+        server_args=engine_settings.server(),
+        tp=tp,
     )
     try:
-        result = run_inner_session(pytester)
-        output = result.stdout.str() + "\n" + result.stderr.str()
-        assert pids_file.exists(), output[-6000:] + _tail(log)
-        recorded = json.loads(pids_file.read_text())
-        engine = recorded["engine"]
+        assert session.pids_file.exists(), session.output[-6000:] + _tail(log)
+        engine = session.recorded()["engine"]
         # EngineCore, and the workers where vLLM runs the model in its own processes (CPU, or TP=2).
         assert any("EngineCore" in p["cmdline"] or "spawn_main" in p["cmdline"] for p in engine), engine
         assert len(engine) >= (1 + tp if tp > 1 else 1), engine
-        assert_leak_reaped_and_blamed(result, "test_api_server_killed", engine)
-        deadline = time.monotonic() + 10
-        while not all(gone(p["pid"]) for p in engine) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert all(gone(p["pid"]) for p in engine), (engine, output[-3000:])
+        assert_engine_reaped_and_blamed(session, "test_api_server_killed", engine)
     finally:
-        if pids_file.exists():
+        if session.pids_file.exists():
             # The killed server could not clean up after itself (IPC sockets, TMPDIR, /dev/shm).
-            recorded = json.loads(pids_file.read_text())
+            recorded = session.recorded()
             remove_engine_debris(set(recorded["tree"]), [recorded["private_dir"]])
 
 

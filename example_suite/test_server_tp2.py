@@ -17,7 +17,8 @@ from example_suite.checks import (
     EngineSettings,
     HfReference,
     assert_close,
-    assert_matches_hf,
+    assert_files_match,
+    assert_files_match_hf,
     report_margins,
     tolerance,
 )
@@ -67,31 +68,16 @@ def test_tp2_server_matches_hf(
     tp2_files: list[Path], hf: HfReference, vllm_runtime: VllmRuntime, request: pytest.FixtureRequest
 ) -> None:
     tol = tolerance(vllm_runtime.device)
-    largest: dict[str, float] = {}
-    for index, path in enumerate(tp2_files):
-        sample = read_sample(path)
-        assert sample.layer_ids == DEFAULT_LAYERS
-        assert_matches_hf(
-            sample.hidden_states, sample.token_ids, DEFAULT_LAYERS, hf, tol, f"prompt {index}", largest
-        )
+    largest = assert_files_match_hf(tp2_files, DEFAULT_LAYERS, hf, tol)
     report_margins(request.node, f"server TP=2 vs HF on {vllm_runtime.device}", largest, tol)
 
 
 def test_tp2_server_matches_tp1(
-    tp2_files: list[Path],
-    tp1_reference: list[Any],
-    vllm_runtime: VllmRuntime,
-    request: pytest.FixtureRequest,
+    tp2_files: list[Path], tp1_reference: list[Any], vllm_runtime: VllmRuntime, request: pytest.FixtureRequest
 ) -> None:
     tol = tolerance(vllm_runtime.device)
-    largest: dict[str, float] = {}
-    for index, (path, expected) in enumerate(zip(tp2_files, tp1_reference, strict=True)):
-        largest[f"prompt {index}"] = assert_close(
-            read_sample(path).hidden_states,
-            expected[:, DEFAULT_LAYERS],  # the TP=1 reference has every layer id 0..4
-            tol,
-            f"prompt {index}: server TP=2 vs TP=1",
-        )
+    expected = [states[:, DEFAULT_LAYERS] for states in tp1_reference]  # the TP=1 reference has ids 0..4
+    largest = assert_files_match(tp2_files, expected, tol, "server TP=2 vs TP=1")
     report_margins(request.node, f"server TP=2 vs TP=1 on {vllm_runtime.device}", largest, tol)
 
 
