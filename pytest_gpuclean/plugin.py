@@ -1,12 +1,14 @@
 """pytest-gpuclean: a clean-GPU gate before and after each marked test; reaps what a test leaked.
 
-The only module with pytest hooks. Declarations live at module level; the stateful ``GpuCleanPlugin``
-is registered in ``pytest_configure`` and undone through ``config.add_cleanup``.
+Declarations live at module level; the stateful ``GpuCleanPlugin`` is registered in ``pytest_configure``
+and undone through ``config.add_cleanup``. Its hooks delegate: to the started session (``session.py``:
+device backend, locks, checker, final sweep), to each test's check (``testcheck.py``), to the Ray
+cluster's checks (``cluster_checks.py``) and to the signal handling (``signals.py``).
 
 The plugin loads into every pytest run of an environment that has it installed, so it starts lazily: at
-``pytest_configure`` it only validates its options and exports the session's cookie; the device backend,
-the subreaper, the lock directory, the checker (and the modules they need, psutil and NVML among them)
-come at the end of the collection, and only if a collected test is to be checked.
+``pytest_configure`` it only validates its options and exports the session's cookie; ``session.py`` (and
+what it needs: the subreaper, the lock directory, the checker, psutil and NVML among them) comes at the
+end of the collection, and only if a collected test is to be checked.
 """
 
 from __future__ import annotations
@@ -374,21 +376,8 @@ class _IdleSession:
         manager = plugin.config.pluginmanager
         manager.unregister(self)
         manager.register(plugin, PLUGIN_NAME)  # its hooks from the next call on; this one it joins here
-        inner = plugin.pytest_runtest_setup(item)
-        next(inner)  # starts the session and checks the GPUs (or fails the setup)
-        try:
-            result = yield
-        except BaseException as exc:
-            try:
-                inner.throw(exc)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            raise
-        try:
-            inner.send(result)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        raise RuntimeError("gpuclean: the setup wrapper did not end")
+        # Starts the session and checks the GPUs (or fails the setup), then goes on as the plugin's wrapper.
+        return (yield from plugin.pytest_runtest_setup(item))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.plugin.sweep(session)  # (nothing to sweep: what an xdist worker sends back all the same)
