@@ -26,7 +26,7 @@ from pytest_gpuclean.model import MIB, DeviceInfo, Owner, Reaped
 from pytest_gpuclean.ownership import SESSION_OWNER
 from pytest_gpuclean.plugin import MARKER, GpuCleanWarning
 from pytest_gpuclean.signals import quiet_interrupts
-from pytest_gpuclean.testcheck import TestChecks
+from pytest_gpuclean.testcheck import ItemChecks
 
 if TYPE_CHECKING:
     from pytest_gpuclean.plugin import ExportedCookie
@@ -68,7 +68,7 @@ class CheckedSession:
             if self.backend is not None:
                 self.backend.close()
             raise
-        self.tests = TestChecks(self)
+        self.tests = ItemChecks(self)
 
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings

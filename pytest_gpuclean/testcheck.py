@@ -50,10 +50,8 @@ class ItemState:
 _STATE = pytest.StashKey[ItemState]()
 
 
-class TestChecks:
+class ItemChecks:
     """The checks around each test of a started session."""
-
-    __test__ = False  # (not a test class, whatever its name)
 
     def __init__(self, session: CheckedSession) -> None:
         self.session = session
