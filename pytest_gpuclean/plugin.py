@@ -101,7 +101,7 @@ def _export_cookie(config: pytest.Config) -> ExportedCookie:
         # `gpuclean reap --cookie <job>` and the outer session still recognise everything we spawn.
         inherited = os.environ.get(COOKIE_VAR)
         exported = ExportedCookie(new_session_id(inherited), inherited, procfs.boot_ticks_now(),
-                           (inherited, os.environ.get(OWNER_VAR)))
+                                  (inherited, os.environ.get(OWNER_VAR)))
         config.stash[_COOKIE] = exported
         os.environ[COOKIE_VAR] = cookie(exported.session_id, SESSION_TOKEN)
         os.environ[OWNER_VAR] = SESSION_NAME
