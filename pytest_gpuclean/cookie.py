@@ -40,3 +40,11 @@ def new_session_id(inherited_cookie: str | None = None) -> str:
 def cookie(session_id: str, token: str) -> str:
     """The value of ``COOKIE_VAR`` for ``token`` of session ``session_id``."""
     return f"{session_id}:{token}"
+
+
+def restore_env(name: str, value: str | None) -> None:
+    """Put environment variable ``name`` back as it was (``None``: unset)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

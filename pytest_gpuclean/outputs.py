@@ -187,11 +187,12 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 
 # ---- the hooks ---------------------------------------------------------------------------------------
 
-def _ray_session_json(plugin: CheckingSession, found: records.SessionRecords) -> jsonreport.JsonDict:
+def _ray_session_json(started: StartedSession | None, found: records.SessionRecords) -> jsonreport.JsonDict:
     # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
-    if plugin.ray is None:
+    if started is None or started.cluster is None:
         return {}
-    return {"ray": jsonreport.ray_json(plugin.ray.address, plugin.ray.version, found.cluster_sweeps)}
+    ray = started.cluster.ray
+    return {"ray": jsonreport.ray_json(ray.address, ray.version, found.cluster_sweeps)}
 
 
 def _report_path(value: str, source: str, base: Path) -> Path:
@@ -208,17 +209,25 @@ def _report_path(value: str, source: str, base: Path) -> Path:
     return path
 
 
+class StartedSession(Protocol):
+    """What the outputs need of a session that started checking: its set-up."""
+
+    backend: Backend | None
+    devices: tuple[DeviceInfo, ...]
+    unavailable: str | None
+    cluster: Any
+    """The Ray cluster's checks (``cluster_checks.ClusterChecks``) with ``--gpuclean-ray``, else None."""
+
+
 class CheckingSession(Protocol):
     """What the outputs need of the plugin that checks the session: its set-up and its final sweep."""
 
     config: pytest.Config
     settings: Settings
-    backend: Backend | None
-    devices: tuple[DeviceInfo, ...]
-    unavailable: str | None
     controller: bool
-    ray: Any
-    """The Ray cluster's check (``cluster.RayCheck``) with ``--gpuclean-ray``, else None."""
+
+    @property
+    def session(self) -> StartedSession | None: ...
 
     def sweep(self, session: pytest.Session) -> None: ...
 
@@ -262,7 +271,8 @@ class OutputHooks:
 
     def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
         plugin = self.plugin
-        backend = plugin.backend
+        started = plugin.session
+        backend = started.backend if started is not None else None
         settings = plugin.settings
         ended = time.time()
         return {
@@ -273,13 +283,13 @@ class OutputHooks:
             "host": socket.gethostname(),
             "backend": backend.kind if backend is not None else None,
             "driver": backend.driver_version() if backend is not None else None,
-            "unavailable": plugin.unavailable,
-            "devices": [jsonreport.device_json(d) for d in plugin.devices],
+            "unavailable": started.unavailable if started is not None else None,
+            "devices": [jsonreport.device_json(d) for d in (started.devices if started is not None else ())],
             "settings": {"all": settings.all, "tolerance_mib": settings.tolerance_mib,
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
                          "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu},
             "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
-            **_ray_session_json(plugin, self.found),
+            **_ray_session_json(started, self.found),
         }
 
     @pytest.hookimpl(wrapper=True, trylast=True)

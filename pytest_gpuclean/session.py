@@ -1,0 +1,270 @@
+"""A gpuclean session that checks: its device backend, locks, checker and records, set up once.
+
+Imported when the session starts (at the end of the collection if a collected test is to be checked),
+never by a session that checks nothing: psutil, NVML and the checking code come with it. The plugin's
+hooks (``plugin.py``) delegate here, and to ``testcheck.py`` for each test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_gpuclean import devices, processes, records, report, settings
+from pytest_gpuclean.checker import Checker
+from pytest_gpuclean.cluster_checks import ClusterChecks, open_cluster
+from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, restore_env
+from pytest_gpuclean.locks import GpuLocks
+from pytest_gpuclean.model import MIB, DeviceInfo, Owner, Reaped
+from pytest_gpuclean.ownership import SESSION_OWNER
+from pytest_gpuclean.plugin import MARKER, GpuCleanWarning
+from pytest_gpuclean.signals import quiet_interrupts
+from pytest_gpuclean.testcheck import ItemChecks
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.plugin import ExportedCookie
+
+_SUBREAPER: dict[int, bool] = {}
+"""pid -> whether PR_SET_CHILD_SUBREAPER took; once per process (xdist workers are processes too)."""
+
+
+class CheckedSession:
+    """What checking needs, set up at once: raises ``pytest.UsageError`` for an unusable device list,
+    lock directory or Ray cluster."""
+
+    def __init__(self, config: pytest.Config, resolved: settings.Settings, exported: ExportedCookie,
+                 pid: int) -> None:
+        self.config = config
+        self.settings = resolved
+        self.pid = pid
+        """The session's own process (a forked child of it runs one test)."""
+        self.found = records.of(config)
+        self.unavailable: str | None = None
+        self.backend: devices.Backend | None = None
+        self.devices: tuple[DeviceInfo, ...] = ()
+        self.locks: GpuLocks | None = None
+        self.cluster: ClusterChecks | None = None
+        self._test_tokens: dict[str, str] = {}
+        me = os.getpid()
+        if me not in _SUBREAPER:
+            _SUBREAPER[me] = processes.set_child_subreaper()
+        try:
+            self.backend = devices.open_backend(resolved.simulate)
+        except devices.BackendUnavailable as exc:
+            self.unavailable = str(exc)
+        except devices.SimulationError as exc:
+            source = resolved.sources.get("simulate")
+            raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({source})") from None
+        try:
+            self._open(exported)
+        except BaseException:
+            if self.backend is not None:
+                self.backend.close()
+            raise
+        self.tests = ItemChecks(self)
+
+    def _open(self, exported: ExportedCookie) -> None:
+        resolved = self.settings
+        if self.backend is not None:
+            selection = _select_devices(self.backend, resolved)
+            self.devices = selection.devices
+            if not self.devices:
+                # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
+                self.unavailable = selection.none_reason(self.backend.kind)
+        if resolved.lock == "on" and self.backend is not None:
+            try:
+                self.locks = GpuLocks(resolved.lock_dir)
+                self.locks.prepare([d.uuid for d in self.devices])
+            except OSError as exc:
+                source = resolved.sources.get("lock_dir", "the default")
+                raise pytest.UsageError(f"--gpuclean-lock-dir: {exc} ({source})") from None
+        # Only an xdist worker has peers: otherwise the run id in our environment was inherited (we are
+        # a nested session started by a worker's test), and our siblings are no peers of ours.
+        worker = hasattr(self.config, "workerinput")
+        # Its start-up walk takes whatever already runs under us (a conftest's server, what the
+        # collection started) for the session set-up's.
+        self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
+                               ignore=resolved.ignore, host_scope=resolved.scope == "host",
+                               settle=resolved.settle, session_id=exported.session_id,
+                               xdist_run=os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None,
+                               peer_cookie=exported.inherited,
+                               dead_sessions=resolved.dead_sessions == "on",
+                               session_start_ticks=exported.started_ticks)
+        # Processes started outside any test (collection, other plugins, conftest imports) carry the
+        # session's cookie: the session set-up's, protected until the very last sweep.
+        self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
+        ray = open_cluster(resolved, self.checker)
+        if ray is not None:
+            self.cluster = ClusterChecks(ray, self)
+
+    def header_lines(self) -> list[str]:
+        """What the session checks, for the header: the backend, the devices and what they hold."""
+        if self.unavailable is not None:
+            return [f"gpuclean: no GPUs checked: {self.unavailable}; tests marked {MARKER} will be "
+                    + ("errors (--gpuclean-require-gpu)" if self.settings.require_gpu else "skipped")]
+        assert self.backend is not None
+        lines = [f"gpuclean: {self.backend.kind} devices (driver {self.backend.driver_version()}), "
+                 f"checking {len(self.devices)}, scope {self.settings.scope}, reap {self.settings.reap}, "
+                 f"subreaper {'on' if _SUBREAPER.get(os.getpid()) else 'OFF'}"]
+        for snap in self.checker.snapshot(self.devices):
+            mine = snap.bytes_of({os.getpid()})
+            holders = f"this pytest process holds {mine / MIB:.0f} MiB (not counted)" if mine else ""
+            lines.append("gpuclean: " + report.device_line(snap, holders))
+        return lines
+
+    # ---- the session's end -----------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """The final sweep: what the session's tests left behind; a second interrupt only makes it
+        quicker."""
+        hurry = threading.Event()
+        restore = quiet_interrupts(hurry)
+        self.checker.hurry = hurry.is_set
+        found = self.found
+        try:
+            found.session_reaped = self.checker.final_sweep(self.devices)
+            if self.cluster is not None:
+                found.session_reaped += self.cluster.sweep(include_session=False,
+                                                           timeout=self.settings.timeout)
+        finally:
+            self.checker.hurry = None
+            restore()
+        if not self.checker.reap_enabled:
+            left = self.checker.survivors()
+            if left:
+                found.note(f"session end: {len(left)} process(es) spawned by this session still alive "
+                           "(reaping is off): "
+                           + ", ".join(f"pid {p.pid} {report.one_line(p.cmdline, 60)}" for p in left))
+        for reaped in found.session_reaped:
+            found.found_later(reaped)
+
+    def close(self, *, controller: bool) -> None:
+        """After every pytest_unconfigure: reap what the session set-up started (a conftest's server, a
+        plugin's daemon) and its owner did not stop, which would otherwise outlive pytest."""
+        if self.cluster is not None:
+            self.cluster.stop()
+        try:
+            late = self.checker.final_sweep(self.devices, include_session=True) if not controller else []
+        except Exception as exc:  # the session is over: say what went wrong, lose nothing else
+            late = []
+            sys.stderr.write(f"gpuclean: the last sweep failed: {exc!r}\n")
+        if late:
+            sys.stderr.write(f"gpuclean: reaped {len(late)} process(es) of the session set-up (conftest, "
+                             "plugins) still alive after pytest_unconfigure: "
+                             + ", ".join(f"pid {r.process.pid} {r.how_ended} "
+                                         f"({report.one_line(r.process.cmdline, 60)})" for r in late) + "\n")
+
+    def close_backend(self) -> None:
+        """Stop the checker and close the device backend (after the environment is restored)."""
+        self.checker.close()
+        if self.backend is not None:
+            self.backend.close()
+
+    def reap_crashed(self, nodeid: str) -> None:
+        """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran."""
+        reaped, notes = self.checker.reap_dead_sessions(self.devices)
+        for r in reaped:
+            self.found.found_later(r, otherwise=nodeid)
+        for note in notes:
+            self.found.note(f"gpuclean: {note} (crashed while running {nodeid})")
+
+    # ---- whose process is it ---------------------------------------------------------------------
+
+    def set_owner_env(self, token: str) -> tuple[str | None, str | None]:
+        """Export ``token``'s cookie and owner to what the pytest process spawns; return the previous."""
+        ownership = self.checker.ownership
+        previous = os.environ.get(COOKIE_VAR), os.environ.get(OWNER_VAR)
+        os.environ[COOKIE_VAR] = ownership.cookie(token)
+        os.environ[OWNER_VAR] = ownership.owners[token].name
+        return previous
+
+    @contextlib.contextmanager
+    def owned_by(self, token: str) -> Iterator[None]:
+        """While the block runs, what the pytest process spawns is ``token``'s."""
+        previous = self.set_owner_env(token)
+        self.checker.ownership.open_window(token)
+        try:
+            yield
+        finally:
+            self.checker.ownership.close_window(token)
+            restore_env(COOKIE_VAR, previous[0])
+            restore_env(OWNER_VAR, previous[1])
+
+    def token_of(self, owner: Owner) -> str | None:
+        """The token ``owner`` was registered under."""
+        for token, candidate in self.checker.ownership.owners.items():
+            if candidate is owner:
+                return token
+        return None
+
+    def announce(self, nodeid: str) -> None:
+        """A test is about to run: pytest-forked calls this in the session's process, then forks the
+        child that runs the test. A token made here is unique across children, and the session knows
+        whose cookie a leftover carries. Without a fork, setup takes it from the same process."""
+        self._test_tokens[nodeid] = self.checker.ownership.new_token(Owner("test", nodeid))
+
+    def test_token(self, nodeid: str) -> str:
+        """The token of the test that is set up now."""
+        return self._test_tokens.pop(nodeid, None) or self.checker.ownership.new_token(Owner("test", nodeid))
+
+    def follow_fork(self) -> None:
+        """In a child forked to run one test (pytest-forked): that child's own subreaper and records."""
+        pid = os.getpid()
+        if pid == self.pid or pid in _SUBREAPER:
+            return
+        # The subreaper setting is not inherited, and the records the child inherited are the session's,
+        # which keeps its own; this child ships only what it records itself.
+        _SUBREAPER[pid] = processes.set_child_subreaper()
+        self.found.forget()
+
+    def receive_forked(self, shipped: Any) -> None:
+        """Take what a forked child recorded, and collect that child's exited orphans."""
+        self.found.receive(shipped)
+        # Orphans of the child that ended (killed by its check, a double fork's middle process) were
+        # re-parented to this process: exited, they hold nothing; collect them now rather than report
+        # them as leftovers at session end.
+        for found in self.checker.census():
+            if not found.live and not self.checker.ownership.is_protected(found.token):
+                processes.reap_if_child(found.pid)
+
+    # ---- what the session says -------------------------------------------------------------------
+
+    def attribute_earlier(self, reaped: list[Reaped] | tuple[Reaped, ...], nodeid: str,
+                          notes: tuple[str, ...] = ()) -> None:
+        """Blame a leak of an earlier (e.g. unmarked) test, or of a session that died, found now in
+        ``nodeid``'s check on the test that spawned it; the finder goes on if reaping made things clean."""
+        for r in reaped:
+            self.found.found_later(r)
+            origin = next((n for n in notes if n.startswith(f"pid {r.process.pid}: left by ")), None)
+            if origin is not None:
+                self.found.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended})")
+            warnings.warn(GpuCleanWarning(
+                f"gpuclean: pid {r.process.pid} ({report.one_line(r.process.cmdline, 80)}) was leaked by "
+                f"{r.owner} and reaped ({r.how_ended}) before {nodeid}"
+                + (f"; {origin}" if origin else "")),
+                stacklevel=1)
+
+    def say(self, line: str) -> None:
+        """Show ``line`` now, while the session waits (a lock can take minutes), not only in the final
+        report: past the output capture, which would otherwise file it under the test's output."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None:
+            return
+        capture = self.config.pluginmanager.get_plugin("capturemanager")
+        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+            reporter.write_line(line)
+
+
+def _select_devices(backend: devices.Backend, resolved: settings.Settings) -> devices.Selection:
+    try:
+        return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
+                                      option=settings.option("devices").cli)
+    except devices.DeviceSelectionError as exc:
+        raise pytest.UsageError(str(exc)) from None
