@@ -297,6 +297,29 @@ def per_check(rounds: int, sleepers: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"first_check_s": statistics.median(first_check() for _ in range(5))}
     checker.check("setup", devices, tolerance_mib=0, timeout=5.0)  # the dead-session scan, once
+    # An idle host vs 1000 sleepers of this user, in the order idle, sleepers, sleepers, idle. Before the
+    # threads: the walk picks its method from the thread count it last saw (DescendantWalk), and both
+    # sides of this comparison must be walked alike.
+    idle = [checks()]
+    out["files_per_check_idle_host"] = files_touched(lambda: checks(50, 1), 50)
+    pids = start_sleepers(sleepers)
+    try:
+        checks(20, 1)  # the walk that sees their pids once
+        busy = [checks(), checks()]
+        # What the timings cannot show on a noisy machine: whether a check touches more of /proc.
+        out["files_per_check_with_sleepers"] = files_touched(lambda: checks(50, 1), 50)
+        out["sleepers"] = len(pids)
+        out["first_check_with_sleepers_s"] = statistics.median(first_check() for _ in range(5))
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        gone_by = time.monotonic() + 30  # until init has collected them: they would weigh on what follows
+        while time.monotonic() < gone_by and any(os.path.exists(f"/proc/{pid}") for pid in pids[-20:]):
+            time.sleep(0.05)
+    idle.append(checks())
+    out["check_idle_host_s"] = statistics.median(idle)
+    out["check_with_sleepers_s"] = statistics.median(busy)
     # 1 vs 64 threads, alternating round by round (this box's speed drifts).
     one: list[float] = []
     many: list[float] = []
@@ -315,29 +338,33 @@ def per_check(rounds: int, sleepers: int) -> dict[str, Any]:
             t.join()
     out["check_1_thread_s"] = statistics.median(one)
     out["check_64_threads_s"] = statistics.median(many)
-    # An idle host vs 1000 sleepers of this user, in the order idle, sleepers, sleepers, idle.
-    idle = [checks()]
-    pids = start_sleepers(sleepers)
-    try:
-        checks(20, 1)  # the walk that sees their pids once
-        busy = [checks(), checks()]
-        out["sleepers"] = len(pids)
-        out["first_check_with_sleepers_s"] = statistics.median(first_check() for _ in range(5))
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        gone_by = time.monotonic() + 30  # until init has collected them: they would weigh on what follows
-        while time.monotonic() < gone_by and any(os.path.exists(f"/proc/{pid}") for pid in pids[-20:]):
-            time.sleep(0.05)
-    idle.append(checks())
-    out["check_idle_host_s"] = statistics.median(idle)
-    out["check_with_sleepers_s"] = statistics.median(busy)
     checker.close()
     shutil.rmtree(tmp, ignore_errors=True)
     out["ratio_64_threads"] = out["check_64_threads_s"] / out["check_1_thread_s"]
     out["ratio_sleepers"] = out["check_with_sleepers_s"] / out["check_idle_host_s"]
     return out
+
+
+def files_touched(run: Any, n: int) -> dict[str, float]:
+    """Calls per check of the os functions that reach /proc and the devices, counted while ``run`` runs."""
+    counts: dict[str, int] = {}
+    names = ("open", "listdir", "scandir", "stat", "readlink")
+    real = {name: getattr(os, name) for name in names}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(os, name, counting(name))
+    try:
+        run()
+    finally:
+        for name in names:
+            setattr(os, name, real[name])
+    return {name: count / n for name, count in sorted(counts.items())}
 
 
 def start_sleepers(n: int) -> list[int]:
@@ -449,6 +476,18 @@ def main() -> int:
     sim = make_sim(os.path.join(tmp, "sim"), DEVICES)
     pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     off = ["-p", "no:gpuclean"]
+    off_env = env
+    if args.no_autoload:
+        # `-p gpuclean` makes pytest look the name up among every installed distribution's entry points
+        # (importlib.metadata, tens of ms in an image with many packages), which an autoload run does
+        # with or without the plugin: the plugin-off side pays that lookup too, through `-p` of an
+        # empty module, so the difference is the plugin's own cost.
+        noop_dir = os.path.join(tmp, "noop")
+        os.makedirs(noop_dir)
+        with open(os.path.join(noop_dir, "gpuclean_bench_noop.py"), "w") as f:
+            f.write('"""An empty pytest plugin (bench_session.py --no-autoload)."""\n')
+        off = [*off, "-p", "gpuclean_bench_noop"]
+        off_env = {**env, "PYTHONPATH": noop_dir}
     idle = write_suite(os.path.join(tmp, "idle"), args.idle_tests, marked=False)
     suite_n = write_suite(os.path.join(tmp, "n"), n, marked=True)
     suite_4n = write_suite(os.path.join(tmp, "4n"), 4 * n, marked=True)
@@ -458,16 +497,16 @@ def main() -> int:
     idle_configs: dict[str, Config] = {}
     checked_configs: dict[str, Config] = {}
     for mode, extra in (("q", []), ("co", ["--co"])):
-        idle_configs[f"off/idle/{mode}"] = Config(f"off/idle/{mode}", idle, off + extra, env, None)
+        idle_configs[f"off/idle/{mode}"] = Config(f"off/idle/{mode}", idle, off + extra, off_env, None)
         for rev in trees:
             idle_configs[f"{rev}/idle/{mode}"] = Config(f"{rev}/idle/{mode}", idle, on + extra,
                                                         with_tree(env, tree_dirs[rev]), rev)
-    checked_configs["off/N"] = Config("off/N", suite_n, off, env, None)
-    checked_configs["off/4N"] = Config("off/4N", suite_4n, off, env, None)
-    checked_configs["shell/N"] = Config("shell/N", shell_suite, off, env, None)
+    checked_configs["off/N"] = Config("off/N", suite_n, off, off_env, None)
+    checked_configs["off/4N"] = Config("off/4N", suite_4n, off, off_env, None)
+    checked_configs["shell/N"] = Config("shell/N", shell_suite, off, off_env, None)
     checked_configs["off/shell"] = Config("off/shell", idle if args.shell_tests == args.idle_tests else
                                           write_suite(os.path.join(tmp, "noshell"), args.shell_tests, False),
-                                          off, env, None)
+                                          off, off_env, None)
     for rev in trees:
         for kind in kinds:
             kenv = with_tree(env, tree_dirs[rev])
@@ -596,6 +635,9 @@ def report(results: dict[str, Any], trees: list[str], kinds: list[str]) -> None:
               f"idle host {ms(pc['check_idle_host_s'])}, {pc['sleepers']} sleepers "
               f"{ms(pc['check_with_sleepers_s'])} (ratio {pc['ratio_sleepers']:.2f}); first check "
               f"{ms(pc['first_check_s'])}, with the sleepers {ms(pc['first_check_with_sleepers_s'])}")
+        if "files_per_check_idle_host" in pc:
+            print(f"per check [{tree}] os calls per check: idle host {pc['files_per_check_idle_host']}, "
+                  f"{pc['sleepers']} sleepers {pc['files_per_check_with_sleepers']}")
 
 
 if __name__ == "__main__":

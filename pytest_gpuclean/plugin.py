@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
@@ -47,19 +46,31 @@ class GpuCleanWarning(pytest.PytestWarning):
     """Something gpuclean noticed that is not a test failure (``-W error`` makes it one)."""
 
 
-@dataclass(frozen=True)
 class DeviceState:
-    """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check)."""
+    """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check). (No
+    dataclass, nor a NamedTuple, whose ``index`` is a method: see ``_ItemState``.)"""
 
-    index: int
-    uuid: str
-    name: str
-    used_bytes: int
-    total_bytes: int
+    __slots__ = ("index", "name", "total_bytes", "used_bytes", "uuid")
+
+    def __init__(self, index: int, uuid: str, name: str, used_bytes: int, total_bytes: int) -> None:
+        self.index, self.uuid, self.name = index, uuid, name
+        self.used_bytes, self.total_bytes = used_bytes, total_bytes
+
+    def _key(self) -> tuple[int, str, str, int, int]:
+        return self.index, self.uuid, self.name, self.used_bytes, self.total_bytes
+
+    def __eq__(self, other: object) -> bool:
+        return self._key() == other._key() if isinstance(other, DeviceState) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return ("DeviceState(index={}, uuid={!r}, name={!r}, used_bytes={}, total_bytes={})"
+                .format(*self._key()))
 
 
-@dataclass(frozen=True)
-class CleanGpus:
+class CleanGpus(NamedTuple):
     """What the ``clean_gpus`` fixture yields: the devices this test checks (and holds locks of)."""
 
     devices: tuple[DeviceState, ...]

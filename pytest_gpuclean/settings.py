@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import pytest
@@ -30,8 +29,17 @@ DEFAULT_TOLERANCE_MIB = 0
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_GRACE_S = 5.0
 DEFAULT_SETTLE_S = 1.0
-DEFAULT_LOCK_DIR = os.path.join(tempfile.gettempdir(), "gpuclean-locks")
 DEFAULT_LOCK_TIMEOUT_S = 600.0
+# No dataclasses in this module: every pytest run of an environment that has the plugin imports it, and
+# creating a dataclass (a compile per generated method) costs more than the rest of the module.
+
+
+def default_lock_dir() -> str:
+    """``<tmp>/gpuclean-locks``. Asked for only when a session takes locks: finding the temporary
+    directory writes a probe file there, and a session that checks nothing must not depend on it."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "gpuclean-locks")
 
 
 class SettingError(ValueError):
@@ -109,8 +117,7 @@ def _patterns(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.replace("\n", ",").split(",") if p.strip())
 
 
-@dataclass(frozen=True)
-class Option:
+class Option(NamedTuple):
     """One option: its CLI flag, ini key and environment variable all derive from ``name``."""
 
     name: str
@@ -207,9 +214,11 @@ def add_options(parser: pytest.Parser) -> None:
             parser.addini(option.ini, option.help, type="string")
 
 
-@dataclass(frozen=True)
 class Settings:
-    """Resolved options; ``sources`` says where each explicitly set value came from."""
+    """Resolved options (immutable); ``sources`` says where each explicitly set value came from.
+
+    A value not given keeps its default; ``lock_dir``'s, ``default_lock_dir()``, is found when first read.
+    """
 
     all: bool = False
     tolerance_mib: int = DEFAULT_TOLERANCE_MIB
@@ -224,15 +233,48 @@ class Settings:
     reap: OnOff = "on"
     dead_sessions: OnOff = "on"
     lock: OnOff = "on"
-    lock_dir: str = DEFAULT_LOCK_DIR
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     report: str | None = None
     ray: str = "off"
-    sources: Mapping[str, str] = field(default_factory=dict)
+    sources: Mapping[str, str]
+
+    def __init__(self, sources: Mapping[str, str] | None = None, **values: Any) -> None:
+        unknown = set(values) - set(SETTINGS_FIELDS)
+        if unknown:
+            raise TypeError(f"Settings got unknown field(s): {', '.join(sorted(unknown))}")
+        values["_lock_dir"] = values.pop("lock_dir", None)
+        self.__dict__.update(values, sources=MappingProxyType(dict(sources or {})))
+
+    @property
+    def lock_dir(self) -> str:
+        given: str | None = self.__dict__["_lock_dir"]
+        return given if given is not None else default_lock_dir()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Settings are immutable (cannot set {name})")
+
+    def _key(self) -> tuple[Any, ...]:
+        return (*(getattr(self, name) for name in SETTINGS_FIELDS if name != "lock_dir"),
+                self.__dict__["_lock_dir"], dict(self.sources))
+
+    def __eq__(self, other: object) -> bool:
+        return self._key() == other._key() if isinstance(other, Settings) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        given = [f"{name}={self.__dict__[name]!r}" for name in SETTINGS_FIELDS if name in self.__dict__]
+        given += [f"lock_dir={self.__dict__['_lock_dir']!r}", f"sources={dict(self.sources)!r}"]
+        return f"Settings({', '.join(given)})"
 
     def explicit(self, name: str) -> bool:
         """True if ``name`` was set on the command line, in the environment or in the ini file."""
         return name in self.sources
+
+
+SETTINGS_FIELDS: tuple[str, ...] = (*(name for name in Settings.__annotations__ if name != "sources"),
+                                    "lock_dir")
+"""The fields of ``Settings``: one per option."""
 
 
 def _describe_source(kind: str, option: Option, inifile: str | None) -> str:
@@ -298,13 +340,16 @@ def resolve(
         raise pytest.UsageError(str(exc)) from None
 
 
-@dataclass(frozen=True)
 class TestSettings:
     """What applies to one test once its marker is taken into account."""
 
-    tolerance_mib: int
-    timeout: float
-    count: int | None
+    __slots__ = ("count", "timeout", "tolerance_mib")
+
+    def __init__(self, tolerance_mib: int, timeout: float, count: int | None) -> None:
+        self.tolerance_mib, self.timeout, self.count = tolerance_mib, timeout, count
+
+    def __repr__(self) -> str:
+        return f"TestSettings(tolerance_mib={self.tolerance_mib}, timeout={self.timeout}, count={self.count})"
 
 
 def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: Sequence[Any] = ()

@@ -8,6 +8,9 @@ started from any thread, and starting lazily must not turn what the session set-
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +74,40 @@ def test_cookie():
         assert "gpuclean-checker-idle" in state["plugins"]
     assert not lock_dir.exists()
     assert "gpuclean" not in result.stdout.str().replace("plugins: gpuclean", "")
+
+
+NO_TEMP_DIR = """
+import sys, tempfile
+# Every candidate of the temporary directory unusable (a full or read-only /tmp): only what needs it fails.
+tempfile._candidate_tempdir_list = lambda: ["/nonexistent/gpuclean-test"]
+import pytest
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def test_a_session_that_checks_nothing_needs_no_temporary_directory(pytester: pytest.Pytester) -> None:
+    # Finding the temporary directory writes a probe file there; only the default lock directory needs it.
+    pytester.makepyfile(test_inner=UNCHECKED)
+    script = pytester.makepyfile(run_without_tmp=NO_TEMP_DIR)
+    result = pytester.run(sys.executable, str(script), "-p", "gpuclean", "-p", "no:cacheprovider",
+                          "--capture=sys", "-q", "test_inner.py", timeout=120)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str() + result.stderr.str()
+    result.stdout.fnmatch_lines(["2 passed*"])
+
+
+def test_the_default_lock_directory_is_found_when_first_read() -> None:
+    script = """
+import os, tempfile
+import pytest_gpuclean.plugin
+from pytest_gpuclean import settings
+resolved = settings.Settings()
+assert tempfile.tempdir is None, "the temporary directory was looked up on import"
+assert resolved.lock_dir == os.path.join(tempfile.gettempdir(), "gpuclean-locks")
+assert settings.Settings(lock_dir="/x").lock_dir == "/x"
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("TMPDIR", "TEMP", "TMP")})
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_collected_checked_test_starts_the_session(inner: Callable[[str], Path], pytester: pytest.Pytester,
