@@ -157,10 +157,12 @@ class Census:
 # ---- node side ------------------------------------------------------------------------------------
 
 
-def probe_node(jobs: Sequence[str], gpus: float | None = None) -> NodeReport:
+def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Sequence[int] = ()) -> NodeReport:
     """On a node (inside a Ray worker): its devices and the processes that matter, this user's only.
 
-    ``gpus`` is the node's "GPU" resource as the control store has it (see ``node_devices``).
+    ``gpus`` is the node's "GPU" resource as the control store has it (see ``node_devices``);
+    ``actor_pids`` the workers the control store names for the watched jobs' actors on this node: a worker
+    Ray started before the job asked for it has no ``RAY_JOB_ID`` in its environment.
     """
     from pytest_gpuclean import devices, processes
 
@@ -186,13 +188,17 @@ def probe_node(jobs: Sequence[str], gpus: float | None = None) -> NodeReport:
     uid = os.getuid()
     me = os.getpid()
     found: list[NodeProcess] = []
+    named = set(actor_pids)
+    for pid in actor_pids:  # and what those workers started
+        named.update(child for child, _ in procfs.descendants(pid))
     for pid in set(procfs.pids_of_uid(uid)) | on_device:
         if pid == me:
             continue
         env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
         job = env.get("RAY_JOB_ID", "")
         # A process of a watched job on this node (its raylet's), or anything a device lists.
-        if pid not in on_device and not (job in jobs and env.get("RAY_RAYLET_PID") == str(raylet)):
+        if pid not in on_device and pid not in named and not (
+                job in jobs and env.get("RAY_RAYLET_PID") == str(raylet)):
             continue
         info = processes.describe(pid)
         if info is None:
@@ -389,8 +395,10 @@ class _Agent:
                      if not n["Alive"] and n["NodeID"] in self.known_alive)
         alive = [n["NodeID"] for n in nodes if n["Alive"]]
         gpus = {n["NodeID"]: float(n.get("Resources", {}).get("GPU", 0.0)) for n in nodes if n["Alive"]}
+        workers = {node: sorted(a.pid for a in actors if a.node_id == node and a.job_id in our_jobs
+                                and a.state == "ALIVE" and a.pid) for node in alive}
         refs = {node: self.probe.options(scheduling_strategy=self.affinity(node, soft=False)).remote(
-            sorted(our_jobs), gpus[node]) for node in alive}
+            sorted(our_jobs), gpus[node], workers[node]) for node in alive}
         reports = []
         deadline = started + timeout
         for node, ref in refs.items():
@@ -589,20 +597,24 @@ class RayCheck:
         for node in census.nodes:
             by_pid = {p.info.pid: p for p in node.processes}
             for p in node.processes:
-                if p.job_id not in ours:
-                    continue
+                # The control store's record decides whose worker this is, whatever its environment says
+                # (a prestarted worker has no RAY_JOB_ID): unless it started after the actor did.
                 actor_leak = actor_by_pid.get((node.node_id, p.info.pid))
-                if actor_leak is not None:
+                if actor_leak is not None and actor_leak.actor is not None and \
+                        p.start_wall <= actor_leak.actor.start_wall + 1.0:
                     actor_leak.process = p
                     continue
                 if p.ray_worker:
                     continue  # a task worker, idle or not, is Ray's to reuse; only what it started is a leak
-                # Ancestry first: a subprocess of an actor's worker is that actor's.
+                # Ancestry first: a subprocess of an actor's worker is that actor's (its environment may
+                # name no job either).
                 owner_leak = None
                 parent = by_pid.get(p.info.ppid)
                 while parent is not None and owner_leak is None:
                     owner_leak = actor_by_pid.get((node.node_id, parent.info.pid))
                     parent = by_pid.get(parent.info.ppid)
+                if owner_leak is None and p.job_id not in ours:
+                    continue
                 token = owner_leak.token if owner_leak is not None else self._token_at(p.start_wall)
                 if not protected(token):
                     found.append(_Leak(p, owner_leak.actor if owner_leak else None, node.node_id, token))

@@ -60,6 +60,13 @@ def test_b_handle_in_global():
     ray.get(KEEP[-1].hold.remote(50))
 
 @pytest.mark.needs_clean_gpus
+def test_b2_actor_on_the_drivers_node():
+    # Ray prestarts workers on the driver's node before the job asks: their environment names no job
+    # (RAY_JOB_ID=ffffffff), only the control store says whose actor they run.
+    KEEP.append(Holder.options(scheduling_strategy=on(os.environ["NODE_HEAD"])).remote())
+    ray.get(KEEP[-1].hold.remote(35))
+
+@pytest.mark.needs_clean_gpus
 def test_c_detached():
     actor = Holder.options(scheduling_strategy=on(NODE_C), lifetime="detached", name="leaky",
                            namespace="t").remote()
@@ -167,6 +174,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         yield {"address": cluster.address, "dirs": dirs, "node_b": nodes["b"].node_id,
+               "node_head": cluster.head_node.node_id,
                "node_c": nodes["c"].node_id, "ray": ray}
     finally:
         ray.shutdown()
@@ -192,6 +200,7 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     monkeypatch.setenv("RAY_TEST_ADDRESS", ray_cluster["address"])
     monkeypatch.setenv("NODE_B", ray_cluster["node_b"])
     monkeypatch.setenv("NODE_C", ray_cluster["node_c"])
+    monkeypatch.setenv("NODE_HEAD", ray_cluster["node_head"])
     pytester.makepyfile(test_inner=INNER)
     pytester.makeconftest(CONFTEST)
     report_path = tmp_path / "report.json"
@@ -202,10 +211,12 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     out = result.stdout.str()
     b, c = ray_cluster["node_b"][:8], ray_cluster["node_c"][:8]
     # Each leak fails the test that made it, on its node, and is reaped; the next test is clean.
-    assert result.parseoutcomes().get("errors") == 4, out
+    assert result.parseoutcomes().get("errors") == 5, out
     result.stdout.re_match_lines([
         r".*ERROR at teardown of test_b_handle_in_global.*",
         rf".*\[node {b}, actor Holder .*",
+        r".*ERROR at teardown of test_b2_actor_on_the_drivers_node.*",
+        rf".*\[node {ray_cluster['node_head'][:8]}, actor Holder .*ray::Holder.*",
         r".*ERROR at teardown of test_c_detached.*",
         rf".*\[node {c}, actor Holder .*",
         r".*ERROR at teardown of test_d_subprocess_on_other_node.*",
@@ -214,7 +225,7 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
         rf".*\[node {b}, actor Worker .*",
     ])
     outcomes = result.parseoutcomes()
-    assert outcomes.get("passed") == 8, out  # a, e (fixture actor alive), f (clean after the reaping), z
+    assert outcomes.get("passed") == 9, out  # a, e (fixture actor alive), f (clean after the reaping), z
     # The terminal summary names each node, how each thing ended, and the node's release time.
     result.stdout.re_match_lines([
         rf"test_inner.py::test_b_handle_in_global: .*Ray teardown on node {b}: reaped pid \d+ SIG\w+, "
@@ -259,6 +270,10 @@ def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
     assert leaked("test_b_handle_in_global") == [(node_b, "ladder")]  # anonymous: no ray.kill from our job
     assert leaked("test_c_detached") == [(node_c, "ray.kill")]
     assert leaked("test_d_subprocess_on_other_node") == [(node_c, "ladder")]
+    head = ray_cluster["node_head"]
+    assert leaked("test_b2_actor_on_the_drivers_node") == [(head, "ladder")]
+    (on_head,) = tests["test_b2_actor_on_the_drivers_node"]["cluster_after"]["reaped"]
+    assert "Holder" in on_head["process"]["cmdline"] and on_head["mib_per_device"], on_head
     # The engine-like child: its worker on node B through Ray's records, the child itself on this host.
     assert (node_b, "ladder") in leaked("test_d2_engine_process_drives_its_own_job")
     assert tests["test_a_fixture_actor_is_protected"]["outcome"] == "clean"
@@ -281,7 +296,7 @@ def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
     assert [(r["node_id"], r["via"], r["owner"]["name"]) for r in at_end["reaped"]] == [
         (node_b, "ray.kill", "test_inner.py::test_z_unchecked_leak_found_at_session_end")]
     assert tests["test_z_unchecked_leak_found_at_session_end"]["outcome"] == "leaked"
-    assert document["summary"]["leaked"] == 5  # b, c, d, d2 and z
+    assert document["summary"]["leaked"] == 6  # b, b2, c, d, d2 and z
 
 
 def test_unreachable_cluster_is_a_usage_error(pytester: pytest.Pytester, sim: Path) -> None:
