@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from pytest_gpuclean import __version__, cluster, jsonreport, report, settings
-from pytest_gpuclean.model import MIB, CheckResult, ClusterFinding, ProcessInfo, Reaped
+from pytest_gpuclean.model import MIB, CheckResult, ClusterFinding, ProcessInfo
 from pytest_gpuclean.ownership import Ownership
 
 
@@ -222,14 +222,12 @@ def _end(agent: cluster.RayCheck, targets: list[_Target], resolved: settings.Set
         print(f"gpuclean reap: node {node_id}: ended {len(node_targets)} process(es):", file=out)
         outcomes = {o[0]: o for o in end.outcomes}
         for t in node_targets:
-            _, via, ended, exit_s, state = outcomes.get(t.process.info.pid, (0, "ladder", "survived", None,
-                                                                               "no answer"))
-            survived = survived or ended == "survived"
-            release = end.release_s if t.process.info.pid in end.held else None
-            item = Reaped(t.process.info, None, "gpu", cluster.ended_by(via, ended), t.mib, exit_s, release,
-                          survived_as=state if ended == "survived" else "")
+            outcome = outcomes.get(t.process.info.pid, (t.process.info.pid, "ladder", "survived", None,
+                                                        "no answer"))
+            item = cluster.node_reaped(t.process.info, None, outcome, t.mib, end)
+            survived = survived or item.ended_by == "survived"
             lines = report.reaped_lines(item)
-            lines[0] += f" [via {via}]"
+            lines[0] += f" [via {outcome[1]}]"
             for line in lines:
                 print(line, file=out)
         for error in end.errors:

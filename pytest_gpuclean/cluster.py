@@ -44,6 +44,7 @@ from pytest_gpuclean.model import (
     EndedBy,
     NodeRelease,
     Offender,
+    Owner,
     Phase,
     ProcessInfo,
     Reaped,
@@ -720,12 +721,9 @@ class RayCheck:
                 outcome = by_pid.get(pid)
                 if outcome is None:
                     continue  # an anonymous actor whose worker was not found: still a finding
-                _, via, ended, exit_s, state = outcome
-                how = ended_by(via, ended)
-                release = end.release_s if pid in end.held else None
-                reaped = Reaped(self._info(lk), self.ownership.owner(lk.token), "gpu", how,
-                                self._held(lk, census), exit_s, release,
-                                survived_as=state if how == "survived" else "")
+                via = outcome[1]
+                reaped = node_reaped(self._info(lk), self.ownership.owner(lk.token), outcome,
+                                     self._held(lk, census), end)
                 results.append(ClusterReaped(node, "ray.kill" if via == "ray.kill" else "ladder", reaped,
                                              lk.actor.actor_id if lk.actor else "",
                                              lk.process.job_id if lk.process else lk.actor.job_id
@@ -815,6 +813,15 @@ def as_result(check: ClusterCheck, tolerance_mib: int = 0) -> CheckResult:
     return CheckResult(phase, check.clean, devices, tuple(f.offender for f in check.findings),
                        tuple(r.reaped for r in check.reaped), check.waited_s,
                        check.waited_s if check.clean else None, tuple(notes), tolerance_mib)
+
+
+def node_reaped(info: ProcessInfo, owner: Owner | None, outcome: tuple[int, str, str, float | None, str],
+                held: tuple[tuple[str, float], ...], end: NodeEnd) -> Reaped:
+    """A node's answer ``(pid, via, ended_by, exit_s, state)`` for one process, as a ``Reaped``."""
+    pid, via, ended, exit_s, state = outcome
+    how = ended_by(via, ended)
+    return Reaped(info, owner, "gpu", how, held, exit_s, end.release_s if pid in end.held else None,
+                  survived_as=state if how == "survived" else "")
 
 
 def ended_by(via: str, ended: str) -> EndedBy:
