@@ -11,6 +11,15 @@ from typing import Any
 
 import pytest
 
+# A Ray actor that "holds" simulated GPU memory on its node; each inner file defines it under its own name.
+HOLDER = '''
+@ray.remote(num_cpus=0)
+class {name}:
+    def hold(self, mib):
+        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
+        return os.getpid()
+'''
+
 INNER = '''
 import os, subprocess, sys
 import pytest
@@ -24,12 +33,7 @@ KEEP = []
 def on(node):
     return NodeAffinitySchedulingStrategy(node, soft=False)
 
-@ray.remote(num_cpus=0)
-class Holder:
-    def hold(self, mib):
-        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
-        return os.getpid()
-
+''' + HOLDER.format(name="Holder") + '''
 @ray.remote(num_cpus=0)
 def spawn_holder(pidfile):
     proc = subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
@@ -87,12 +91,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pytest_gpuclean.simulate import allocate
 
-@ray.remote(num_cpus=0)
-class Worker:
-    def hold(self, mib):
-        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
-        return os.getpid()
-
+""" + ''' + repr(HOLDER.format(name="Worker")) + ''' + """
 ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
 worker = Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(sys.argv[2], soft=False)).remote()
 pid = ray.get(worker.hold.remote(25))
@@ -134,12 +133,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pytest_gpuclean.simulate import allocate
 
-@ray.remote(num_cpus=0)
-class SetupHolder:
-    def hold(self, mib):
-        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
-        return os.getpid()
-
+''' + HOLDER.format(name="SetupHolder") + '''
 def pytest_configure(config):
     # The session set-up's: protected through every test, reaped by the very last sweep (after the
     # reports), when the driver's job is long over.

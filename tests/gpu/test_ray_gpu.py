@@ -57,6 +57,30 @@ def _used_mib(backend: NvmlBackend) -> list[float]:
     return [backend.snapshot(d).used_bytes / MIB for d in backend.devices()]
 
 
+def _inner_session(pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, address: str,
+                   source: str, grace: int, timeout: int) -> tuple[pytest.RunResult, dict[str, Any],
+                                                                  list[float], list[float]]:
+    """Run ``source`` as an inner session checked across the cluster on the real GPU; return its result, its
+    JSON report's tests by name, and the GPU's used MiB before and after it."""
+    monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)
+    monkeypatch.setenv("GPUCLEAN_LOCK_DIR", str(tmp_path / "locks"))
+    backend = NvmlBackend()
+    try:
+        before = _used_mib(backend)
+        pytester.makepyfile(test_inner=source)
+        report_path = tmp_path / "report.json"
+        result = pytester.runpytest_subprocess(
+            "-p", "gpuclean", f"--gpuclean-ray={address}", f"--gpuclean-grace={grace}",
+            "--gpuclean-timeout=120", "-p", "no:cacheprovider", "-s", "-rA",
+            f"--gpuclean-report={report_path}", timeout=timeout)
+        after = _used_mib(backend)
+    finally:
+        backend.close()
+    print(result.stdout.str())
+    document = json.loads(report_path.read_text())
+    return result, {t["nodeid"].split("::")[-1]: t for t in document["tests"]}, before, after
+
+
 @pytest.fixture(scope="module")
 def gpu_cluster() -> Iterator[dict[str, Any]]:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -81,26 +105,11 @@ def gpu_cluster() -> Iterator[dict[str, Any]]:
 def test_cuda_actors_leaked_on_the_ray_node_are_found_attributed_and_reaped(
         pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         gpu_cluster: dict[str, Any]) -> None:
-    monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)
-    monkeypatch.setenv("GPUCLEAN_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.setenv("RAY_TEST_ADDRESS", gpu_cluster["address"])
-    backend = NvmlBackend()
-    try:
-        before = _used_mib(backend)
-        pytester.makepyfile(test_inner=INNER)
-        report_path = tmp_path / "report.json"
-        result = pytester.runpytest_subprocess(
-            "-p", "gpuclean", f"--gpuclean-ray={gpu_cluster['address']}", "--gpuclean-grace=5",
-            "--gpuclean-timeout=120", "-p", "no:cacheprovider", "-s", "-rA",
-            f"--gpuclean-report={report_path}", timeout=600)
-        after = _used_mib(backend)
-    finally:
-        backend.close()
+    result, tests, before, after = _inner_session(pytester, tmp_path, monkeypatch, gpu_cluster["address"],
+                                                  INNER, grace=5, timeout=600)
     out = result.stdout.str()
-    print(out)
     node = gpu_cluster["node"]
-    document = json.loads(report_path.read_text())
-    tests = {t["nodeid"].split("::")[-1]: t for t in document["tests"]}
     for name in tests:
         after_check = tests[name]["cluster_after"]
         print(f"FIGURES {name}: outcome {tests[name]['outcome']}, reaped "
@@ -157,26 +166,11 @@ def test_vllm_engine_on_ray_kept_alive_is_found_on_its_node_and_reaped(
     from example_suite.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "tiny")
-    monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)
-    monkeypatch.setenv("GPUCLEAN_LOCK_DIR", str(tmp_path / "locks"))
     monkeypatch.setenv("TINY_MODEL", str(model))
     monkeypatch.setenv("RAY_ADDRESS", gpu_cluster["address"])  # vLLM's engine process connects here
-    backend = NvmlBackend()
-    try:
-        before = _used_mib(backend)
-        pytester.makepyfile(test_inner=ENGINE_INNER)
-        report_path = tmp_path / "report.json"
-        result = pytester.runpytest_subprocess(
-            "-p", "gpuclean", f"--gpuclean-ray={gpu_cluster['address']}", "--gpuclean-grace=10",
-            "--gpuclean-timeout=120", "-p", "no:cacheprovider", "-s", "-rA",
-            f"--gpuclean-report={report_path}", timeout=540)
-        after = _used_mib(backend)
-    finally:
-        backend.close()
+    result, tests, before, after = _inner_session(pytester, tmp_path, monkeypatch, gpu_cluster["address"],
+                                                  ENGINE_INNER, grace=10, timeout=540)
     out = result.stdout.str()
-    print(out)
-    document = json.loads(report_path.read_text())
-    tests = {t["nodeid"].split("::")[-1]: t for t in document["tests"]}
     engine = tests["test_a_engine_on_ray_kept_in_a_global"]
     ray_reaped = engine["cluster_after"]["reaped"]
     print("FIGURES vLLM on Ray: cluster reaped " + json.dumps(
