@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from pytest_gpuclean import __version__, cluster, jsonreport, report, settings
-from pytest_gpuclean.model import MIB, CheckResult, ClusterFinding, ProcessInfo
+from pytest_gpuclean.model import MIB, CheckResult, ProcessInfo
 from pytest_gpuclean.ownership import Ownership
+from pytest_gpuclean.ray_model import ClusterFinding
 
 
 class RayCliError(Exception):

@@ -34,15 +34,9 @@ from pytest_gpuclean import procfs, settings
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
-    ClusterCheck,
-    ClusterFinding,
-    ClusterNode,
-    ClusterPhase,
-    ClusterReaped,
     DeviceInfo,
     DeviceSnapshot,
     EndedBy,
-    NodeRelease,
     Offender,
     Owner,
     Phase,
@@ -50,6 +44,14 @@ from pytest_gpuclean.model import (
     Reaped,
 )
 from pytest_gpuclean.ownership import SESSION, Ownership
+from pytest_gpuclean.ray_model import (
+    ClusterCheck,
+    ClusterFinding,
+    ClusterNode,
+    ClusterPhase,
+    ClusterReaped,
+    NodeRelease,
+)
 
 OFF = "off"
 AUTO = "auto"

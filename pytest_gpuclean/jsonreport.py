@@ -16,13 +16,11 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
-    ClusterCheck,
-    ClusterReaped,
     DeviceInfo,
     DeviceSnapshot,
     Offender,
@@ -31,6 +29,9 @@ from pytest_gpuclean.model import (
     Reaped,
     TestRecord,
 )
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.ray_model import ClusterCheck, ClusterReaped
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report_schema.json")

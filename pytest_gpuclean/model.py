@@ -6,7 +6,11 @@ Only ``devices.py`` knows NVML and only ``processes.py`` knows psutil; everythin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, cast, get_args
+from typing import TYPE_CHECKING, Literal, Protocol, cast, get_args
+
+if TYPE_CHECKING:
+    # Only with --gpuclean-ray: its record types load with the cluster code, not with every checked session.
+    from pytest_gpuclean.ray_model import ClusterCheck
 
 MIB = 1024 * 1024
 
@@ -193,73 +197,6 @@ class CheckResult:
     """This process's own memory per device (a CUDA context of the pytest process): not a leak."""
     self_cuda_only: tuple[str, ...] = ()
     """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
-
-
-ClusterVia = Literal["ray.kill", "ladder"]
-"""How the cluster check ended something on a Ray node: ``ray.kill`` of a named actor (Ray frees its GPU
-through its own path), or the TERM -> grace -> KILL ladder in a task pinned to the node."""
-ClusterPhase = Literal["setup", "teardown", "check", "session end"]
-
-
-@dataclass(frozen=True)
-class ClusterReaped:
-    """One process (or actor) on a Ray node that the cluster check ended."""
-
-    node_id: str
-    via: ClusterVia
-    reaped: Reaped
-    actor_id: str = ""
-    """The Ray actor whose worker it was ('' for a process a worker started)."""
-    job_id: str = ""
-
-
-@dataclass(frozen=True)
-class NodeRelease:
-    """How long one node's devices took to let go of what was ended there."""
-
-    node_id: str
-    release_s: float | None
-    """Seconds from the first kill on the node (``ray.kill`` or SIGTERM) until its devices listed none of
-    the ended processes; None if none of them was on a device, or they were still listed at the deadline."""
-    pids: tuple[int, ...] = ()
-    """The ended processes that were on the node's devices."""
-
-
-@dataclass(frozen=True)
-class ClusterNode:
-    """One alive node as its probe saw it; its devices are named with the node."""
-
-    node_id: str
-    devices: tuple[DeviceSnapshot, ...]
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class ClusterFinding:
-    """Something on the cluster that made a check fail, with the node it is on ('' for the whole cluster)."""
-
-    node_id: str
-    offender: Offender
-
-
-@dataclass(frozen=True)
-class ClusterCheck:
-    """One check of a Ray cluster (``--gpuclean-ray``, ``gpuclean ... --ray``): nodes, findings, reaping."""
-
-    address: str
-    phase: ClusterPhase
-    clean: bool
-    nodes: tuple[ClusterNode, ...] = ()
-    findings: tuple[ClusterFinding, ...] = ()
-    reaped: tuple[ClusterReaped, ...] = ()
-    releases: tuple[NodeRelease, ...] = ()
-    waited_s: float = 0.0
-    notes: tuple[str, ...] = ()
-
-    @property
-    def leaked(self) -> bool:
-        """Something of the session's was ended here, or is still there."""
-        return bool(self.reaped) or any(f.offender.reason == "leaked" for f in self.findings)
 
 
 @dataclass

@@ -245,6 +245,9 @@ class OutputHooks:
             source = plugin.settings.sources.get("report", "from the command line")
             self.report_path = _report_path(plugin.settings.report, source, config.invocation_params.dir)
         self.github = os.environ.get("GITHUB_ACTIONS") == "true" and not self.worker
+        # The properties are for junitxml alone: building them for every test of a run without it is waste.
+        # xdist workers and forked children see the controller's options, so they know too.
+        self.junit = bool(config.getoption("xmlpath", None))
         self.started = time.time()
         self._merged: records.Merged | None = None
 
@@ -255,8 +258,9 @@ class OutputHooks:
         if call.when == "teardown":
             record = item.stash.get(records.TEST, None)
             if record is not None:
-                # On the report, not the item: junitxml and xdist take them from the teardown report.
-                test_report.user_properties.extend(junit_properties(record))
+                if self.junit:
+                    # On the report, not the item: junitxml and xdist take them from the teardown report.
+                    test_report.user_properties.extend(junit_properties(record))
                 if self.worker:
                     # xdist ships a report's attributes to the controller as each test ends: if the run is
                     # interrupted, the controller still knows what the finished tests found (the worker's

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.model import ClusterCheck, Reaped, TestRecord
+    from pytest_gpuclean.model import Reaped, TestRecord
+    from pytest_gpuclean.ray_model import ClusterCheck
 
 Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""

@@ -1,15 +1,18 @@
 """Dataclasses to plain JSON-able dicts and back: for xdist's workeroutput and the JSON report.
 
 ``from_dict`` rebuilds nested dataclasses, tuples and lists from the classes' own type hints, so a
-field added to ``model`` round-trips without a change here.
+field added to ``model`` round-trips without a change here. A field's hint is resolved only when a value
+needs building: ``TestRecord``'s cluster checks name ``ray_model``'s classes, which a record without a
+cluster (every one outside ``--gpuclean-ray``) never loads.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import functools
+import sys
 import types
-import typing
 from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin
 
 from pytest_gpuclean.model import Reaped, TestRecord
@@ -34,9 +37,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class _Names(dict[str, Any]):
+    """A module's names, plus ``ray_model``'s loaded on first use (``model`` imports them for typing only)."""
+
+    def __missing__(self, name: str) -> Any:
+        if hasattr(builtins, name):
+            raise KeyError(name)  # eval looks in here first: builtins are not a reason to load the cluster's
+        from pytest_gpuclean import ray_model
+
+        try:
+            return getattr(ray_model, name)
+        except AttributeError:
+            raise KeyError(name) from None
+
+
 @functools.cache
-def _hints(cls: Any) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _hint(cls: Any, name: str) -> Any:
+    annotation = next(f.type for f in dataclasses.fields(cls) if f.name == name)
+    if not isinstance(annotation, str):
+        return annotation
+    # What typing.get_type_hints does for one annotation, without resolving the class's other fields.
+    return eval(annotation, _Names(vars(sys.modules[cls.__module__])))
 
 
 def _build(hint: Any, value: Any) -> Any:
@@ -61,9 +82,8 @@ def _build(hint: Any, value: Any) -> Any:
 
 def from_dict(cls: type[T], data: Any) -> T:
     """Rebuild ``cls`` from ``to_dict`` output (sequences come back as tuples or lists as declared)."""
-    hints = _hints(cls)
-    kwargs = {f.name: _build(hints[f.name], data[f.name]) for f in dataclasses.fields(cls)
-              if f.name in data}
+    kwargs = {f.name: None if data[f.name] is None else _build(_hint(cls, f.name), data[f.name])
+              for f in dataclasses.fields(cls) if f.name in data}
     return cls(**kwargs)
 
 

@@ -247,6 +247,21 @@ def test_junitxml_carries_gpuclean_properties(inner: Callable[[str], Path],
     assert properties["test_unchecked"] == {}
 
 
+
+def test_without_junitxml_no_properties_are_built(inner: Callable[[str], Path],
+                                                  pytester: pytest.Pytester) -> None:
+    # They are for junitxml alone: a run without it must not pay for them on every checked test.
+    inner(LEAKS_AND_CLEAN)
+    pytester.makeconftest("""
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        print("PROPS", report.nodeid.split("::")[-1], sorted(name for name, _ in report.user_properties))
+""")
+    result = run_inner(pytester, "-s", "--gpuclean-grace=2")
+    result.assert_outcomes(passed=3, errors=1)
+    props = [line[line.index("PROPS"):] for line in result.outlines if "PROPS" in line]
+    assert sorted(props) == ["PROPS test_clean []", "PROPS test_leaks []", "PROPS test_unchecked []"]
+
 # ---- GitHub ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("text", "data", "prop"), [
