@@ -486,6 +486,8 @@ class RayCheck:
     notes: list[str] = field(default_factory=list)
     unreachable: str = ""
     """Why the last check could not reach the cluster ('' when it could)."""
+    _tree: procfs.DescendantWalk = field(default_factory=procfs.DescendantWalk, repr=False)
+    """This process's descendants, walked at a cost independent of its thread count (as the checker's)."""
 
     def start(self, timeout: float) -> None:
         """Start the agent and connect it; ``ClusterError`` if that fails or takes over ``timeout``."""
@@ -634,7 +636,7 @@ class RayCheck:
         itself or by a process the test started (vLLM's engine process connects to Ray as a driver of its
         own and places its workers there)."""
         drivers = {os.getpid(): self.since}
-        for pid, _ in procfs.descendants(os.getpid()):
+        for pid, _, _ in self._tree.walk(os.getpid()):
             stat = procfs.read_stat(pid)
             if stat is not None:
                 drivers[pid] = max(self.since, procfs.ticks_to_wall(stat.start_ticks) - 0.5)
@@ -649,15 +651,18 @@ class RayCheck:
         started = time.monotonic()
         notes: list[str] = []
         self.unreachable = ""
+        # Once per check: the reaping below ends processes on the nodes, and a driver it took with it still
+        # names the jobs whose leftovers the second census must see as ours.
+        drivers = self._drivers()
         try:
-            census: Census = self._call("census", self._drivers(), timeout, timeout=timeout)
+            census: Census = self._call("census", drivers, timeout, timeout=timeout)
             leaks = self.leaks(census, sweep)
             reaped: list[ClusterReaped] = []
             releases: list[NodeRelease] = []
             if leaks and self.reap:
                 reaped, releases = self._reap(leaks, census, notes,
                                               max(1.0, timeout - (time.monotonic() - started)))
-                census = self._call("census", self._drivers(), timeout, timeout=timeout)
+                census = self._call("census", drivers, timeout, timeout=timeout)
                 leaks = self.leaks(census, sweep)
         except ClusterError as exc:
             self.unreachable = str(exc)
