@@ -114,6 +114,7 @@ class Checker:
         """Processes under us that a nested session left when it died: (that session, owner name)."""
         self._debris_checked = False
         self._tree = procfs.DescendantWalk()
+        self._last_readings: dict[str, DeviceSnapshot] = {}
         # What already runs under us belongs to the session set-up (a conftest imported before this
         # checker existed, a plugin's pytest_configure): never a test's leak.
         for pid, _depth, _parent in self._walk():
@@ -312,7 +313,20 @@ class Checker:
     def snapshot(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
         if self.backend is None or not devices:
             return ()
-        return tuple(self.backend.snapshot(d) for d in devices)
+        # A reading equal to the device's previous one is that object: the records of clean tests then
+        # share their readings instead of each keeping two per device (the session keeps every record
+        # for its report, and every full garbage collection, pytest's last ones included, walks them).
+        last = self._last_readings
+        readings = []
+        for device in devices:
+            reading = self.backend.snapshot(device)
+            previous = last.get(device.uuid)
+            if previous is not None and previous == reading:
+                reading = previous
+            else:
+                last[device.uuid] = reading
+            readings.append(reading)
+        return tuple(readings)
 
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
               scan_cookies: bool = False, reap: bool | None = None) -> CheckResult:

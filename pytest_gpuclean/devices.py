@@ -212,6 +212,7 @@ class SimulatedBackend:
         self.root = Path(root)
         if not self.root.is_dir():
             raise BackendUnavailable(f"simulated device directory {str(self.root)!r} does not exist")
+        self._idle: dict[DeviceInfo, DeviceSnapshot] = {}
         self._devices = self._enumerate()
         for device in self._devices:
             self.snapshot(device)  # a corrupt file is a set-up mistake: say so now, not in the first test
@@ -238,7 +239,13 @@ class SimulatedBackend:
             names = os.listdir(where)
         except OSError as exc:
             raise DeviceError(f"simulated {device.label} ({where}) unreadable: {exc}") from exc
-        folder = Path(where) if names else self.root  # (not used when the device is empty)
+        if not names:
+            # An idle device, the clean path's every check: its reading is always the same.
+            idle = self._idle.get(device)
+            if idle is None:
+                idle = self._idle[device] = DeviceSnapshot(device, 0, DEFAULT_SIM_TOTAL, ())
+            return idle
+        folder = Path(where)
         processes: list[GpuProcess] = []
         total = DEFAULT_SIM_TOTAL
         overhead = 0

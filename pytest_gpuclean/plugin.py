@@ -31,6 +31,7 @@ from pytest_gpuclean.cookie import (
 )
 
 if TYPE_CHECKING:
+    from pytest_gpuclean.model import DeviceSnapshot
     from pytest_gpuclean.session import CheckedSession
     from pytest_gpuclean.signals import SigtermAsInterrupt
 
@@ -336,9 +337,9 @@ class GpuCleanPlugin:
         assert self.session is not None
         result = self.session.tests.setup(item, checked=self._should_check(item))
         if result is not None:
-            item.stash[_CLEAN_GPUS] = CleanGpus(tuple(
-                DeviceState(s.device.index, s.device.uuid, s.device.name, s.used_bytes, s.total_bytes)
-                for s in result.devices))
+            # The readings, not the fixture's value: that is built only for a test that asks for it (every
+            # item lives to the end of the session, and so does what its stash holds).
+            item.stash[_CLEAN_GPUS] = result.devices
         return (yield)
 
     # tryfirst: the outermost wrapper, so the check after ``yield`` runs after every fixture (and every
@@ -356,7 +357,7 @@ class GpuCleanPlugin:
             self.session.reap_crashed(nodeid)
 
 
-_CLEAN_GPUS = pytest.StashKey[CleanGpus]()
+_CLEAN_GPUS: pytest.StashKey[tuple[DeviceSnapshot, ...]] = pytest.StashKey()
 
 
 @pytest.fixture
@@ -365,10 +366,11 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
 
     Requesting this fixture checks the test like the ``needs_clean_gpus`` marker does.
     """
-    found: CleanGpus | None = request.node.stash.get(_CLEAN_GPUS, None)
+    found = request.node.stash.get(_CLEAN_GPUS, None)
     if found is None:
         pytest.skip("gpuclean is not checking this session (xdist controller or disabled)")
-    return found
+    return CleanGpus(tuple(DeviceState(s.device.index, s.device.uuid, s.device.name, s.used_bytes,
+                                       s.total_bytes) for s in found))
 
 
 class _IdleSession:

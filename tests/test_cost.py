@@ -322,3 +322,33 @@ def test_what_the_session_set_up_started_before_the_start_is_the_sessions(
            "pytest_unconfigure" in out
     assert f"pid {daemon} SIGTERM" in out and f"pid {server} SIGTERM" in out
     assert wait_dead([daemon, server, service]) == []
+
+
+COUNT_READINGS = '''
+import gc, json, os
+
+def pytest_unconfigure(config):
+    from pytest_gpuclean.model import DeviceSnapshot
+    from pytest_gpuclean.plugin import DeviceState
+    alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (DeviceSnapshot, DeviceState))]
+    with open(os.environ["STATE_FILE"], "w") as f:
+        json.dump({name: alive.count(name) for name in ("DeviceSnapshot", "DeviceState")}, f)
+'''
+
+
+def test_clean_tests_share_their_device_readings(inner: Callable[[str], Path], pytester: pytest.Pytester,
+                                                 monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The session keeps every test's record to the end (for its report), and every full garbage collection
+    # walks what it keeps, pytest's last ones included: readings equal to the device's previous one are
+    # shared, and the clean_gpus fixture's value is built only for a test that asks for it.
+    inner("pytestmark = pytest.mark.needs_clean_gpus\n"
+          + "".join(f"\ndef test_{i}():\n    pass\n" for i in range(40))
+          + "\ndef test_fixture(clean_gpus):\n    assert [d.used_bytes for d in clean_gpus.devices] == [0, 0]\n")
+    pytester.makeconftest(COUNT_READINGS)
+    state_file = tmp_path / "state.json"
+    monkeypatch.setenv("STATE_FILE", str(state_file))
+    run_inner(pytester).assert_outcomes(passed=41)
+    alive = json.loads(state_file.read_text())
+    # Two simulated devices: their readings (two before they were first shared, at most), not 41 x 2 x 2.
+    assert alive["DeviceSnapshot"] <= 4, alive
+    assert alive["DeviceState"] == 0, alive

@@ -8,6 +8,6 @@ venv=${VENV:-.venv}
 bash benchmarks/peers/fetch_vllm_tests.sh "$venv" .peers/vllm-0.20.2 0.20.2
 rm -rf .peers/wheels && mkdir -p .peers/wheels
 "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    -d .peers/wheels tblib multiprocess expecttest
+    -d .peers/wheels tblib multiprocess expecttest pytest-timeout
 ls .peers/wheels
 du -sh .peers

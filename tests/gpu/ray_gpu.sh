@@ -28,7 +28,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 { date -u; nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.used,memory.total --format=csv; \
   python3 -c "import ray, torch, pytest; print('ray', ray.__version__, 'torch', torch.__version__, 'pytest', pytest.__version__, 'cuda', torch.cuda.is_available())"; \
   } | tee "$out/device.txt"
-PYTHONUNBUFFERED=1 python3 -m pytest tests/gpu/test_ray_gpu.py -v -s -p no:cacheprovider \
+# RAY_GPU_K selects tests (pytest -k), e.g. RAY_GPU_K=vllm for the engine-on-Ray test alone.
+PYTHONUNBUFFERED=1 python3 -m pytest tests/gpu/test_ray_gpu.py -v -s -p no:cacheprovider ${RAY_GPU_K:+-k "$RAY_GPU_K"} \
   --junitxml="$out/ray-gpu-junit.xml" 2>&1 | tee "$out/ray-gpu-tests.log"
 status=${PIPESTATUS[0]}
 nvidia-smi --query-gpu=index,memory.used --format=csv | tee -a "$out/device.txt"

@@ -69,10 +69,19 @@ def _inner_session(pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytes
         before = _used_mib(backend)
         pytester.makepyfile(test_inner=source)
         report_path = tmp_path / "report.json"
-        result = pytester.runpytest_subprocess(
-            "-p", "gpuclean", f"--gpuclean-ray={address}", f"--gpuclean-grace={grace}",
-            "--gpuclean-timeout=120", "-p", "no:cacheprovider", "-s", "-rA",
-            f"--gpuclean-report={report_path}", timeout=timeout)
+        try:
+            # faulthandler: an inner session that hangs prints every thread's stack before the timeout
+            # kills it (run 19 lost a hung session's output with the timeout).
+            result = pytester.runpytest_subprocess(
+                "-p", "gpuclean", f"--gpuclean-ray={address}", f"--gpuclean-grace={grace}",
+                "--gpuclean-timeout=120", "-p", "no:cacheprovider", "-s", "-rA",
+                "-o", f"faulthandler_timeout={max(30, timeout - 60)}",
+                f"--gpuclean-report={report_path}", timeout=timeout)
+        except pytester.TimeoutExpired:
+            for name in ("stdout", "stderr"):
+                text = (pytester.path / name).read_text(errors="replace")
+                print(f"---- the inner session's {name}, cut off by the timeout ----\n{text[-30000:]}")
+            raise
         after = _used_mib(backend)
     finally:
         backend.close()
@@ -168,8 +177,13 @@ def test_vllm_engine_on_ray_kept_alive_is_found_on_its_node_and_reaped(
     model = build_tiny_llama(tmp_path / "tiny")
     monkeypatch.setenv("TINY_MODEL", str(model))
     monkeypatch.setenv("RAY_ADDRESS", gpu_cluster["address"])  # vLLM's engine process connects here
+    # vLLM asks for its first bundle on the resource "node:<its IP>", its IP taken from the route to the
+    # internet unless VLLM_HOST_IP says otherwise: the cluster's nodes are 127.0.0.1, so without this the
+    # placement group can never be placed and vLLM waits 1800 s for it (a likely cause of run 19's hang).
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    timeout = int(os.environ.get("RAY_GPU_ENGINE_TIMEOUT", "540"))
     result, tests, before, after = _inner_session(pytester, tmp_path, monkeypatch, gpu_cluster["address"],
-                                                  ENGINE_INNER, grace=10, timeout=540)
+                                                  ENGINE_INNER, grace=10, timeout=timeout)
     out = result.stdout.str()
     engine = tests["test_a_engine_on_ray_kept_in_a_global"]
     ray_reaped = engine["cluster_after"]["reaped"]
