@@ -10,7 +10,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from pytest_gpuclean import pools, processes, procfs
 from pytest_gpuclean.devices import Backend, DeviceError
@@ -54,22 +53,28 @@ MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
 dill-based fork that vLLM's tests use)."""
 
 
-@dataclass
 class Found:
-    """A process that is ours (a descendant, or carrying a cookie of ours or of a dead session)."""
+    """A process that is ours (a descendant, or carrying a cookie of ours or of a dead session). (A plain
+    class: see ``ownership.Window``.)"""
 
-    pid: int
-    start_ticks: int
-    depth: int
-    found_by: FoundBy
-    token: str | None
-    state: procfs.KernelState
-    """``R`` for a zombie leader whose other threads still run."""
-    handle: processes.Handle | None = None
-    debris_of: SessionRef | None = None
-    """For debris of a dead session: that session."""
-    owner_name: str | None = None
-    """For debris: the owner its ``OWNER_VAR`` names."""
+    __slots__ = ("debris_of", "depth", "found_by", "handle", "owner_name", "pid", "start_ticks", "state",
+                 "token")
+
+    def __init__(self, pid: int, start_ticks: int, depth: int, found_by: FoundBy, token: str | None,
+                 state: procfs.KernelState, handle: processes.Handle | None = None,
+                 debris_of: SessionRef | None = None, owner_name: str | None = None) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.depth = depth
+        self.found_by = found_by
+        self.token = token
+        self.state = state
+        """``R`` for a zombie leader whose other threads still run."""
+        self.handle = handle
+        self.debris_of = debris_of
+        """For debris of a dead session: that session."""
+        self.owner_name = owner_name
+        """For debris: the owner its ``OWNER_VAR`` names."""
 
     @property
     def key(self) -> tuple[int, int]:

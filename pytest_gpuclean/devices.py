@@ -13,9 +13,8 @@ import sys
 import threading
 import uuid as uuid_mod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pytest_gpuclean import procfs
 from pytest_gpuclean.model import DeviceInfo, DeviceSnapshot, GpuProcess
@@ -351,9 +350,9 @@ def open_backend(simulate_dir: str | None) -> Backend:
     return NvmlBackend()
 
 
-@dataclass(frozen=True)
-class Selection:
-    """The devices to check, and where that choice came from (for headers and error messages)."""
+class Selection(NamedTuple):
+    """The devices to check, and where that choice came from (for headers and error messages). (A
+    NamedTuple: see ``ownership.SessionRef``.)"""
 
     devices: tuple[DeviceInfo, ...]
     source: str

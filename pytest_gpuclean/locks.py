@@ -28,7 +28,6 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from pytest_gpuclean import procfs
 
@@ -76,26 +75,28 @@ class LockTimeout(Exception):
         self.waited_s = waited_s
 
 
-@dataclass(eq=False)
 class _Dir:
-    """One lock directory as this process has it open: the directory and the files in it, by name."""
+    """One lock directory as this process has it open: the directory and the files in it, by name. (A
+    plain class: see ``ownership.Window``.)"""
 
-    path: str
-    fd: int
-    ident: tuple[int, int]
-    shared: int = 0
-    """Acquires of this process that hold the directory's shared lock (one BSD lock, counted here)."""
-    lock_fds: dict[str, int] = field(default_factory=dict)
-    lock_idents: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """(st_dev, st_ino) of each open lock file, taken at open: compared with the name's after each lock."""
-    lock_names: dict[int, str] = field(default_factory=dict)
-    held: set[int] = field(default_factory=set)
-    holder_fds: dict[str, int] = field(default_factory=dict)
-    parked: list[int] = field(default_factory=list)
-    """Descriptors kept open only because closing them would drop a POSIX lock this process holds."""
-    ctime_ns: int = 0
-    mtime_ns: int = 0
-    """The directory's times when an acquire last looked (see ``GpuLocks._state``)."""
+    def __init__(self, path: str, fd: int, ident: tuple[int, int]) -> None:
+        self.path = path
+        self.fd = fd
+        self.ident = ident
+        self.shared = 0
+        """Acquires of this process that hold the directory's shared lock (one BSD lock, counted here)."""
+        self.lock_fds: dict[str, int] = {}
+        self.lock_idents: dict[int, tuple[int, int]] = {}
+        """(st_dev, st_ino) of each open lock file, taken at open: compared with the name's after each
+        lock."""
+        self.lock_names: dict[int, str] = {}
+        self.held: set[int] = set()
+        self.holder_fds: dict[str, int] = {}
+        self.parked: list[int] = []
+        """Descriptors kept open only because closing them would drop a POSIX lock this process holds."""
+        self.ctime_ns = 0
+        self.mtime_ns = 0
+        """The directory's times when an acquire last looked (see ``GpuLocks._state``)."""
 
     def close_all(self) -> None:
         for fd in (*self.lock_fds.values(), *self.holder_fds.values(), *self.parked, self.fd):
@@ -245,25 +246,28 @@ def _file_name(uuid: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in uuid)
 
 
-@dataclass
 class HeldLocks:
-    """Locks held by this process for one test; release them in ``release``."""
+    """Locks held by this process for one test; release them in ``release``. (A plain class: see
+    ``ownership.Window``.)"""
 
-    uuids: tuple[str, ...]
-    locks: list[int]
-    """Open descriptors of the locked files."""
-    holder_fds: list[tuple[int, bool]]
-    """This user's holder files of the locked GPUs, blanked at release; True if padded (see _write_holder)."""
-    waited_s: float
-    inherited: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """GPUs an ancestor process holds, with its (pid, start ticks): not locked again, not released."""
-    _env: tuple[str | None, str | None] = (None, None)
-    """(value of ``HELD_VAR`` before us, the value we set)."""
-    _dir: _Dir | None = None
-    """The directory whose shared lock this acquire holds (None: it holds none)."""
-    _mtime_ns: int = 0
-    """The directory's mtime when the acquire began: if it changed by release, an entry was removed or
-    added, maybe a held lock file."""
+    def __init__(self, uuids: tuple[str, ...], locks: list[int], waited_s: float,
+                 inherited: dict[str, tuple[int, int]], state: _Dir | None) -> None:
+        self.uuids = uuids
+        self.locks = locks
+        """Open descriptors of the locked files."""
+        self.holder_fds: list[tuple[int, bool]] = []
+        """This user's holder files of the locked GPUs, blanked at release; True if padded (see
+        _write_holder)."""
+        self.waited_s = waited_s
+        self.inherited = inherited
+        """GPUs an ancestor process holds, with its (pid, start ticks): not locked again, not released."""
+        self._env: tuple[str | None, str | None] = (None, None)
+        """(value of ``HELD_VAR`` before us, the value we set)."""
+        self._dir = state
+        """The directory whose shared lock this acquire holds (None: it holds none)."""
+        self._mtime_ns = state.mtime_ns if state is not None else 0
+        """The directory's mtime when the acquire began: if it changed by release, an entry was removed or
+        added, maybe a held lock file."""
 
     def release(self) -> None:
         # Holder record first: once the lock is free, the next holder writes its own. A blank file is
@@ -658,9 +662,8 @@ class GpuLocks:
 
     def _record(self, state: _Dir, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
                 inherited: dict[str, tuple[int, int]]) -> HeldLocks:
-        held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], [], waited_s,
-                         inherited={u: inherited[u] for u, fd in taken if fd is None}, _dir=state,
-                         _mtime_ns=state.mtime_ns)
+        held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], waited_s,
+                         {u: inherited[u] for u, fd in taken if fd is None}, state)
         me = _cache.me_now()
         if me is not None:
             previous = os.environ.get(HELD_VAR)

@@ -15,8 +15,8 @@ import select
 import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from typing import NamedTuple
 
 from pytest_gpuclean import procfs
 from pytest_gpuclean.model import ProcessInfo, ProcessState
@@ -231,9 +231,9 @@ def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcSt
     return handle, stat
 
 
-@dataclass(frozen=True)
-class KillTarget:
-    """A process to end; ``depth`` orders children before their parents.
+class KillTarget(NamedTuple):
+    """A process to end; ``depth`` orders children before their parents. (A NamedTuple: see
+    ``ownership.SessionRef``.)
 
     With a ``handle`` (pinned when the process was found) signals go through it and the caller keeps it
     open; without one, ``terminate`` pins the process by ``(pid, start_ticks)`` itself.
@@ -245,8 +245,7 @@ class KillTarget:
     handle: Handle | None = None
 
 
-@dataclass(frozen=True)
-class KillOutcome:
+class KillOutcome(NamedTuple):
     """How one target ended."""
 
     pid: int

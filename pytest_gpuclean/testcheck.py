@@ -206,7 +206,8 @@ class ItemChecks:
             or session.token_of(r.owner) in own_tokens)]
         session.attribute_earlier([r for r in result.reaped if r not in own], state.nodeid, result.notes)
         # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
-        result = dataclasses.replace(result, reaped=tuple(own))
+        if len(own) != len(result.reaped):
+            result = dataclasses.replace(result, reaped=tuple(own))
         record.after = result
         record.after_s = result.waited_s
         self._note_torch_growth(item, state, record)

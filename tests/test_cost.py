@@ -343,7 +343,8 @@ def test_clean_tests_share_their_device_readings(inner: Callable[[str], Path], p
     # shared, and the clean_gpus fixture's value is built only for a test that asks for it.
     inner("pytestmark = pytest.mark.needs_clean_gpus\n"
           + "".join(f"\ndef test_{i}():\n    pass\n" for i in range(40))
-          + "\ndef test_fixture(clean_gpus):\n    assert [d.used_bytes for d in clean_gpus.devices] == [0, 0]\n")
+          + "\ndef test_fixture(clean_gpus):\n"
+            "    assert [d.used_bytes for d in clean_gpus.devices] == [0, 0]\n")
     pytester.makeconftest(COUNT_READINGS)
     state_file = tmp_path / "state.json"
     monkeypatch.setenv("STATE_FILE", str(state_file))
