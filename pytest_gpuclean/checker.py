@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from pytest_gpuclean import pools, processes, procfs
 from pytest_gpuclean.devices import Backend, DeviceError
@@ -21,11 +22,8 @@ from pytest_gpuclean.model import (
     DeviceSnapshot,
     EndedBy,
     FoundBy,
-    Offender,
     Owner,
     Phase,
-    ProcessInfo,
-    Reaped,
 )
 from pytest_gpuclean.ownership import (
     COOKIE_VAR,
@@ -38,6 +36,9 @@ from pytest_gpuclean.ownership import (
 )
 from pytest_gpuclean.report import one_line
 from pytest_gpuclean.settings import DEFAULT_GRACE_S
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 POLL_S = 0.02
@@ -414,6 +415,7 @@ class Checker:
             if info is not None and self.ignore and processes.matches_any(info.cmdline, self.ignore):
                 ignored.add(pid)
                 continue
+            from pytest_gpuclean.findings import Offender  # (only on a finding)
             offenders.append(Offender("foreign", info or vanished(pid), None, "gpu", mib_of(pid, snaps),
                                       detail="not started by this session: waited for, never killed"))
         for f in ours:
@@ -426,6 +428,7 @@ class Checker:
                 detail = "reaping is off"
             else:
                 detail = f"could not be reaped ({info.state})"
+            from pytest_gpuclean.findings import Offender  # (only on a finding)
             offenders.append(Offender("leaked", info, self.owner_of(f), f.found_by,
                                       mib_of(f.pid, snaps), detail=detail))
         # Memory of allowlisted processes still counts against the tolerance; only their presence is
@@ -436,6 +439,7 @@ class Checker:
             if extra > tolerance and not blamed & {p.pid for p in snap.processes}:
                 holders = sorted(ignored & {p.pid for p in snap.processes})
                 by = f"allowlisted pid(s) {holders}" if holders else "no process we can see"
+                from pytest_gpuclean.findings import Offender  # (only on a finding)
                 offenders.append(Offender(
                     "memory", None, None, "gpu", ((snap.device.label, extra / MIB),),
                     detail=f"{extra / MIB:.0f} MiB used on {snap.device.label} beyond the tolerance "
@@ -446,6 +450,7 @@ class Checker:
             for pid in sorted(set(strays) - self._peer_pids(strays)):
                 info = processes.describe(pid)
                 if info is not None:
+                    from pytest_gpuclean.findings import Offender  # (only on a finding)
                     offenders.append(Offender(
                         "host", info, None, "host", (),
                         detail="Python process of this user (host scope): never killed"))
@@ -456,6 +461,7 @@ class Checker:
         for f in unknown:
             info = processes.describe(f.pid, f.start_ticks)
             if info is not None:
+                from pytest_gpuclean.findings import Offender  # (only on a finding)
                 offenders.append(Offender(
                     "leaked", info, UNKNOWN_OWNER, f.found_by, mib_of(f.pid, snaps),
                     detail="no evidence of which test or fixture started it: left alone, never signalled"))
@@ -759,6 +765,7 @@ class _Check:
     def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
+        from pytest_gpuclean.findings import Reaped  # (only on a finding)
         self.collected.append(Reaped(info or vanished(f.pid), self.c.owner_of(f), f.found_by, how, (), None))
 
 
@@ -799,6 +806,7 @@ def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float]
 
 def vanished(pid: int) -> ProcessInfo:
     """A stand-in for a process that ended before it could be described."""
+    from pytest_gpuclean.findings import ProcessInfo  # (only on a finding)
     return ProcessInfo(pid, 0, 0, -1, "?", "(exited)", "gone")
 
 
@@ -807,4 +815,5 @@ def reaped_record(info: ProcessInfo | None, pid: int, owner: Owner | None, found
                   held: tuple[tuple[str, float], ...]) -> Reaped:
     """What the kill ladder did to one process, as reported."""
     outcome, release = ended
+    from pytest_gpuclean.findings import Reaped  # (only on a finding)
     return Reaped.after_kill(info or vanished(pid), owner, found_by, held, outcome, release)

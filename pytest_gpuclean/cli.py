@@ -25,15 +25,8 @@ from typing import Any, TextIO
 
 from pytest_gpuclean import __version__, devices, jsonreport, processes, procfs, report, settings
 from pytest_gpuclean.checker import Checker, mib_of, reaped_record
-from pytest_gpuclean.model import (
-    MIB,
-    CheckResult,
-    DeviceInfo,
-    DeviceSnapshot,
-    FoundBy,
-    ProcessInfo,
-    Reaped,
-)
+from pytest_gpuclean.findings import ProcessInfo, Reaped
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, FoundBy
 from pytest_gpuclean.ownership import COOKIE_VAR
 
 EXIT_CLEAN = 0

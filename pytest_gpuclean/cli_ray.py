@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from pytest_gpuclean import __version__, cluster, jsonreport, report, settings
-from pytest_gpuclean.model import MIB, CheckResult, ProcessInfo
+from pytest_gpuclean.findings import ProcessInfo
+from pytest_gpuclean.model import MIB, CheckResult
 from pytest_gpuclean.ownership import Ownership
 from pytest_gpuclean.ray_model import ClusterFinding
 

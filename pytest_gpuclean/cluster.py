@@ -31,18 +31,8 @@ from multiprocessing.connection import Connection
 from typing import Any, cast, get_args
 
 from pytest_gpuclean import procfs, settings
-from pytest_gpuclean.model import (
-    MIB,
-    CheckResult,
-    DeviceInfo,
-    DeviceSnapshot,
-    EndedBy,
-    Offender,
-    Owner,
-    Phase,
-    ProcessInfo,
-    Reaped,
-)
+from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, EndedBy, Owner, Phase
 from pytest_gpuclean.ownership import SESSION, Ownership
 from pytest_gpuclean.ray_model import (
     ClusterCheck,

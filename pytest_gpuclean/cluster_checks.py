@@ -16,7 +16,8 @@ from pytest_gpuclean import report
 
 if TYPE_CHECKING:
     from pytest_gpuclean.checker import Checker
-    from pytest_gpuclean.model import Reaped, TestRecord
+    from pytest_gpuclean.findings import Reaped
+    from pytest_gpuclean.model import TestRecord
     from pytest_gpuclean.session import CheckedSession
     from pytest_gpuclean.settings import Settings
     from pytest_gpuclean.testcheck import ItemState

@@ -18,19 +18,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpuclean.model import (
-    MIB,
-    CheckResult,
-    DeviceInfo,
-    DeviceSnapshot,
-    Offender,
-    Owner,
-    ProcessInfo,
-    Reaped,
-    TestRecord,
-)
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, Owner, TestRecord
 
 if TYPE_CHECKING:
+    from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
     from pytest_gpuclean.ray_model import ClusterCheck, ClusterReaped
 
 SCHEMA_VERSION = 1

@@ -6,10 +6,12 @@ Only ``devices.py`` knows NVML and only ``processes.py`` knows psutil; everythin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, cast, get_args
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
-    # Only with --gpuclean-ray: its record types load with the cluster code, not with every checked session.
+    # What a check found loads at the first finding (findings.py says why); the Ray cluster's records load
+    # with the cluster code, only with --gpuclean-ray.
+    from pytest_gpuclean.findings import Offender, Reaped
     from pytest_gpuclean.ray_model import ClusterCheck
 
 MIB = 1024 * 1024
@@ -95,69 +97,6 @@ class Owner:
 UNKNOWN_OWNER = Owner("unknown", "unknown (spawned outside any test)")
 
 
-@dataclass(frozen=True)
-class ProcessInfo:
-    """A process as reported to the user; ``(pid, start_ticks)`` is its identity."""
-
-    pid: int
-    start_ticks: int
-    ppid: int
-    uid: int
-    user: str
-    cmdline: str
-    state: ProcessState
-
-
-@dataclass(frozen=True)
-class Offender:
-    """Something that makes a check fail: a process, or memory nobody accounts for."""
-
-    reason: Reason
-    process: ProcessInfo | None
-    owner: Owner | None
-    found_by: FoundBy
-    mib_per_device: tuple[tuple[str, float], ...] = ()
-    """(device label, MiB) pairs for devices this process holds memory on."""
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class Reaped:
-    """What happened to one leaked process during reaping."""
-
-    process: ProcessInfo
-    owner: Owner | None
-    found_by: FoundBy
-    ended_by: EndedBy
-    mib_per_device: tuple[tuple[str, float], ...]
-    exit_s: float | None
-    """Seconds from the first signal to the process being gone."""
-    release_s: float | None = None
-    """Seconds from the signal that ended the process to the driver no longer listing it (GPU holders
-    only): how long the driver took to give the memory back."""
-    survived_as: str = ""
-    """The process's state when it outlived SIGKILL (``ended_by == "survived"``), e.g. ``stopped``."""
-
-    @property
-    def how_ended(self) -> str:
-        """``ended_by`` as the reports show it: ``survived (<state>)`` names the state."""
-        return f"survived ({self.survived_as})" if self.ended_by == "survived" else self.ended_by
-
-    @classmethod
-    def after_kill(cls, process: ProcessInfo, owner: Owner | None, found_by: FoundBy,
-                   mib_per_device: tuple[tuple[str, float], ...], outcome: KillResult,
-                   release_s: float | None) -> Reaped:
-        """What the kill ladder did to ``process`` (``outcome``), as a report entry."""
-        if outcome.state:
-            return cls(process, owner, found_by, "survived", mib_per_device, outcome.exit_s, release_s,
-                       survived_as=outcome.state)
-        if outcome.ended_by not in _ENDED_BY:
-            raise ValueError(f"unknown way for a process to end: {outcome.ended_by!r}")
-        return cls(process, owner, found_by, cast(EndedBy, outcome.ended_by), mib_per_device, outcome.exit_s,
-                   release_s)
-
-
-_ENDED_BY = frozenset(get_args(EndedBy))
 
 
 class KillResult(Protocol):

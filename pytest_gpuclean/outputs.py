@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pytest
 
 from pytest_gpuclean import jsonreport, records, report
-from pytest_gpuclean.model import DeviceInfo, Reaped, TestRecord
+from pytest_gpuclean.model import DeviceInfo, TestRecord
 from pytest_gpuclean.serialize import record_to_dict
 
 if TYPE_CHECKING:
     from pytest_gpuclean.devices import Backend
+    from pytest_gpuclean.findings import Reaped
     from pytest_gpuclean.settings import Settings
 
 TITLE_LEAK = "GPU leak"

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.model import Reaped, TestRecord
+    from pytest_gpuclean.findings import Reaped
+    from pytest_gpuclean.model import TestRecord
     from pytest_gpuclean.ray_model import ClusterCheck
 
 Payload = dict[str, Any]

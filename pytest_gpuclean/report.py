@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from pytest_gpuclean.model import MIB, CheckResult, DeviceSnapshot, Offender, Reaped, TestRecord
+from pytest_gpuclean.model import MIB, CheckResult, DeviceSnapshot, TestRecord
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.findings import Offender, Reaped
 
 LEAK_PREFIX = "gpuclean: test leaked"
 NOT_CLEAN_PREFIX = "gpuclean: GPUs not clean"

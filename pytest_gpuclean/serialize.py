@@ -3,7 +3,7 @@
 ``from_dict`` rebuilds nested dataclasses, tuples and lists from the classes' own type hints, so a
 field added to ``model`` round-trips without a change here. A field's hint is resolved only when a value
 needs building: ``TestRecord``'s cluster checks name ``ray_model``'s classes, which a record without a
-cluster (every one outside ``--gpuclean-ray``) never loads.
+cluster (every one outside ``--gpuclean-ray``) never loads, and its findings ``findings``' classes.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin
 
-from pytest_gpuclean.model import Reaped, TestRecord
+from pytest_gpuclean.model import TestRecord
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+    from pytest_gpuclean.findings import Reaped
 
 T = TypeVar("T", bound="DataclassInstance")
 
@@ -38,11 +40,16 @@ def _plain(value: Any) -> Any:
 
 
 class _Names(dict[str, Any]):
-    """A module's names, plus ``ray_model``'s loaded on first use (``model`` imports them for typing only)."""
+    """A module's names, plus those of ``findings`` and ``ray_model``, loaded on first use (``model``
+    imports them for typing only)."""
 
     def __missing__(self, name: str) -> Any:
         if hasattr(builtins, name):
-            raise KeyError(name)  # eval looks in here first: builtins are not a reason to load the cluster's
+            raise KeyError(name)  # eval looks in here first: builtins are not a reason to load the others
+        from pytest_gpuclean import findings
+
+        if hasattr(findings, name):
+            return getattr(findings, name)
         from pytest_gpuclean import ray_model
 
         try:

@@ -22,13 +22,14 @@ from pytest_gpuclean.checker import Checker
 from pytest_gpuclean.cluster_checks import ClusterChecks, open_cluster
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, restore_env
 from pytest_gpuclean.locks import GpuLocks
-from pytest_gpuclean.model import MIB, DeviceInfo, Owner, Reaped
+from pytest_gpuclean.model import MIB, DeviceInfo, Owner
 from pytest_gpuclean.ownership import SESSION_OWNER
 from pytest_gpuclean.plugin import MARKER, GpuCleanWarning
 from pytest_gpuclean.signals import quiet_interrupts
 from pytest_gpuclean.testcheck import ItemChecks
 
 if TYPE_CHECKING:
+    from pytest_gpuclean.findings import Reaped
     from pytest_gpuclean.plugin import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}

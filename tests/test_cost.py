@@ -126,8 +126,10 @@ def test_checked():
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 1
     assert "pytest_gpuclean.checker" in state["modules"]
-    # The Ray cluster's code and record types load with --gpuclean-ray only.
-    assert not {"pytest_gpuclean.ray_model", "pytest_gpuclean.cluster"} & set(state["modules"])
+    # The Ray cluster's code and record types load with --gpuclean-ray only, and what a check found at
+    # the first finding (this session's checks are all clean).
+    assert not {"pytest_gpuclean.ray_model", "pytest_gpuclean.cluster", "pytest_gpuclean.findings"} & set(
+        state["modules"])
     assert (tmp_path / "locks").is_dir()
     # The device lines come right after the collection, before any test.
     result.stdout.fnmatch_lines(["collected 3 items", "gpuclean: simulated devices*checking 2*",

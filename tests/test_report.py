@@ -9,17 +9,15 @@ from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean import jsonreport, model, ray_model, report
+from pytest_gpuclean import findings, jsonreport, model, ray_model, report
+from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     GpuProcess,
-    Offender,
     Owner,
-    ProcessInfo,
-    Reaped,
 )
 from pytest_gpuclean.model import TestRecord as Record  # (a Test* name would be collected)
 from pytest_gpuclean.ray_model import ClusterCheck, ClusterFinding, ClusterNode, ClusterReaped, NodeRelease
@@ -59,7 +57,8 @@ RAY_BEFORE = ClusterCheck("127.0.0.1:6379", "setup", True, (ClusterNode(NODE, ()
 RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_before=RAY_BEFORE,
                     cluster_after=RAY_AFTER)
 
-# One fully populated instance of every dataclass in model and ray_model: each must survive a round trip.
+# One fully populated instance of every dataclass in model, findings and ray_model: each must survive a
+# round trip.
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
                        RAY_RELEASE, ClusterNode(NODE, (RAY_SNAP,), "x"), ClusterFinding("", MEMORY),
@@ -94,7 +93,8 @@ def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
 
 
 def test_every_model_dataclass_has_a_round_trip_example() -> None:
-    classes = {cls for module in (model, ray_model) for _, cls in inspect.getmembers(module, inspect.isclass)
+    classes = {cls for module in (model, findings, ray_model)
+               for _, cls in inspect.getmembers(module, inspect.isclass)
                if dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__}
     assert classes == {type(e) for e in EXAMPLES}
 

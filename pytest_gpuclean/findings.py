@@ -1,0 +1,81 @@
+"""What a check found: a process described for the user, an offender, a reaped process.
+
+Plain data like ``model``'s, in a module of its own because a clean check makes none of it: it loads at
+the first finding, not with every checked session (creating a dataclass costs about a millisecond at
+import; docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast, get_args
+
+from pytest_gpuclean.model import EndedBy, FoundBy, Owner, ProcessState, Reason
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.model import KillResult
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A process as reported to the user; ``(pid, start_ticks)`` is its identity."""
+
+    pid: int
+    start_ticks: int
+    ppid: int
+    uid: int
+    user: str
+    cmdline: str
+    state: ProcessState
+
+
+@dataclass(frozen=True)
+class Offender:
+    """Something that makes a check fail: a process, or memory nobody accounts for."""
+
+    reason: Reason
+    process: ProcessInfo | None
+    owner: Owner | None
+    found_by: FoundBy
+    mib_per_device: tuple[tuple[str, float], ...] = ()
+    """(device label, MiB) pairs for devices this process holds memory on."""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Reaped:
+    """What happened to one leaked process during reaping."""
+
+    process: ProcessInfo
+    owner: Owner | None
+    found_by: FoundBy
+    ended_by: EndedBy
+    mib_per_device: tuple[tuple[str, float], ...]
+    exit_s: float | None
+    """Seconds from the first signal to the process being gone."""
+    release_s: float | None = None
+    """Seconds from the signal that ended the process to the driver no longer listing it (GPU holders
+    only): how long the driver took to give the memory back."""
+    survived_as: str = ""
+    """The process's state when it outlived SIGKILL (``ended_by == "survived"``), e.g. ``stopped``."""
+
+    @property
+    def how_ended(self) -> str:
+        """``ended_by`` as the reports show it: ``survived (<state>)`` names the state."""
+        return f"survived ({self.survived_as})" if self.ended_by == "survived" else self.ended_by
+
+    @classmethod
+    def after_kill(cls, process: ProcessInfo, owner: Owner | None, found_by: FoundBy,
+                   mib_per_device: tuple[tuple[str, float], ...], outcome: KillResult,
+                   release_s: float | None) -> Reaped:
+        """What the kill ladder did to ``process`` (``outcome``), as a report entry."""
+        if outcome.state:
+            return cls(process, owner, found_by, "survived", mib_per_device, outcome.exit_s, release_s,
+                       survived_as=outcome.state)
+        if outcome.ended_by not in _ENDED_BY:
+            raise ValueError(f"unknown way for a process to end: {outcome.ended_by!r}")
+        return cls(process, owner, found_by, cast(EndedBy, outcome.ended_by), mib_per_device, outcome.exit_s,
+                   release_s)
+
+
+_ENDED_BY = frozenset(get_args(EndedBy))
