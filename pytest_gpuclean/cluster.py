@@ -572,7 +572,10 @@ class RayCheck:
         """The innermost window (test or fixture) that a Ray record's start time lies in."""
         for window in reversed(self.ownership.windows):
             start = procfs.ticks_to_wall(window.start_tick)
-            end = procfs.ticks_to_wall(window.end_tick) if window.end_tick is not None else time.time()
+            # A window's ticks are truncated (1/CLOCK_TICKS s), the control store's times are not: a window
+            # ends up to one tick after its end tick. An actor a fixture waited for before it returned
+            # started before the fixture's window closed, often in that last tick.
+            end = procfs.ticks_to_wall(window.end_tick + 1) if window.end_tick is not None else time.time()
             if start <= wall <= end:
                 return window.token
         return SESSION

@@ -745,6 +745,7 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
     # on port 0 publishes the port it bound in its session directory, once it listens.
     import subprocess
     import sys
+    import time
 
     from pytest_gpuclean.cluster_checks import GCS_SERVER, gcs_address
 
@@ -754,7 +755,11 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
     session.mkdir()
 
     def started(*args: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([str(fake), "-c", "import time; time.sleep(60)", *args])
+        proc = subprocess.Popen([str(fake), "-c", "import time; time.sleep(60)", *args])
+        # Popen returns as the exec begins; the command line shows once the exec is through.
+        while proc.poll() is None and not Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+            time.sleep(0.01)
+        return proc
 
     fixed = started("--gcs_server_port=6390", "--node-ip-address=10.1.2.3")
     picked = started("--gcs_server_port=0", "--node-ip-address=127.0.0.1", f"--session-dir={session}",
@@ -769,3 +774,25 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert gcs_address(fixed.pid) is None
+
+
+def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
+    # Windows are read in clock ticks, truncated; the control store's start times in milliseconds. An
+    # actor a fixture waits for before it returns (its start time comes a few ms before the first call
+    # returns) often starts in the fixture's last tick, after its truncated end: still the fixture's.
+    from pytest_gpuclean import procfs
+    from pytest_gpuclean.cluster import RayCheck
+    from pytest_gpuclean.model import Owner
+    from pytest_gpuclean.ownership import Ownership, Window
+
+    ownership = Ownership("gc.test")
+    test = ownership.new_token(Owner("test", "t"))
+    fixture = ownership.new_token(Owner("fixture", "f (module-scoped)"))
+    now = procfs.boot_ticks_now()
+    ownership.windows += [Window(test, None, now - 500), Window(fixture, None, now - 400, None, now - 100)]
+    check = RayCheck("127.0.0.1:1", ownership)
+    tick = 1 / procfs.CLOCK_TICKS
+    end = procfs.ticks_to_wall(now - 100)
+    assert check._token_at(end + 0.6 * tick) == fixture
+    assert check._token_at(end + 2 * tick) == test
+    assert check._token_at(procfs.ticks_to_wall(now - 450)) == test
