@@ -125,10 +125,10 @@ class ClusterChecks:
 
     # ---- a cluster the session started (``auto``) ---------------------------------------------------
 
-    def discover(self, when: str) -> bool:
-        """Watching: whether the census of the local check that just ran shows a GCS server among the
-        session's processes that now listens; if so, its cluster is checked from now on (``when``: which
-        check found it, for the note)."""
+    def discover(self, phase: str, nodeid: str) -> bool:
+        """Watching: whether the census of the local check that just ran (``phase`` the test ``nodeid``)
+        shows a GCS server among the session's processes that now listens; if so, its cluster is checked
+        from now on."""
         if not self.watch or self.ray is not None:
             return False
         looked: dict[tuple[int, int], bool] = {}
@@ -157,13 +157,14 @@ class ClusterChecks:
         except cluster.ClusterError as exc:
             self._refused.add(found.key)
             self.session.found.note(f"gpuclean: --gpuclean-ray=auto: found the Ray cluster at {address} that "
-                                    f"this session started (GCS server pid {found.pid}) at the check {when}, "
-                                    f"but cannot check it: {exc}")
+                                    f"this session started (GCS server pid {found.pid}) at the check {phase} "
+                                    f"{nodeid}, but cannot check it: {exc}")
             return False
         self.ray, self.gcs = check, found.key
         self.address, self.version = address, check.version
         self.session.found.note(f"gpuclean: --gpuclean-ray=auto: checking the Ray cluster at {address} (GCS "
-                                f"server pid {found.pid}, started by this session) from the check {when} on")
+                                f"server pid {found.pid}, started by this session) from the check {phase} "
+                                f"{nodeid} on")
         return True
 
     def _active(self) -> bool:

@@ -95,7 +95,7 @@ class ItemChecks:
         if not result.clean:
             pytest.fail(report.check_report(result, report.not_clean_heading("setup", result, state.timeout)),
                         pytrace=False)
-        if session.cluster is not None and session.cluster.discover(f"before {state.nodeid}"):
+        if session.cluster is not None and session.cluster.discover("before", state.nodeid):
             session.cluster.before(state, record)
         return result
 
@@ -195,7 +195,7 @@ class ItemChecks:
         cluster = self.session.cluster
         ray_failure = cluster.after(state, record) if cluster is not None else None
         local_failure = self._after_local(item, state, record)
-        if cluster is not None and cluster.discover(f"after {state.nodeid}"):
+        if cluster is not None and cluster.discover("after", state.nodeid):
             # Started during the test: checked from now on, this test's own leftovers there included.
             ray_failure = cluster.after(state, record, appeared=True)
         return "\n\n".join(f for f in (ray_failure, local_failure) if f) or None
