@@ -121,6 +121,9 @@ class Checker:
         self._debris_checked = False
         self._tree = procfs.DescendantWalk()
         self._last_readings: dict[str, DeviceSnapshot] = {}
+        self.last_census: list[Found] = []
+        """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
+        started)."""
         # What already runs under us belongs to the session set-up (a conftest imported before this
         # checker existed, a plugin's pytest_configure): never a test's leak.
         for pid, _depth, _parent in self._walk():
@@ -255,6 +258,7 @@ class Checker:
         if scan_cookies or dead_sessions:
             found.extend(self._cookie_carriers(by_pid, helpers, dead_sessions, seen_keys))
         self._forget_gone(seen_keys)
+        self.last_census = found
         return found
 
     def _cookie_carriers(self, known: dict[int, Found], helpers: set[int], dead_sessions: bool,

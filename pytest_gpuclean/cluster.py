@@ -466,6 +466,8 @@ class RayCheck:
     ownership: Ownership
     reap: bool = True
     grace: float = settings.DEFAULT_GRACE_S
+    agent_env: dict[str, str] = field(default_factory=dict)
+    """Set in the agent's environment (the session's cookie: the agent is the session's helper)."""
     _proc: subprocess.Popen[bytes] | None = None
     _inbox: Connection | None = None
     _outbox: Connection | None = None
@@ -483,7 +485,7 @@ class RayCheck:
         """Start the agent and connect it; ``ClusterError`` if that fails or takes over ``timeout``."""
         to_agent_r, to_agent_w = os.pipe()
         from_agent_r, from_agent_w = os.pipe()
-        env = dict(os.environ, **CONNECT_ENV)
+        env = dict(os.environ, **CONNECT_ENV, **self.agent_env)
         if self.address.split(":")[0] in ("127.0.0.1", "localhost"):
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else loopback is rewritten to the host IP
         self._proc = subprocess.Popen(
@@ -560,7 +562,10 @@ class RayCheck:
         """The innermost window (test or fixture) that a Ray record's start time lies in."""
         for window in reversed(self.ownership.windows):
             start = procfs.ticks_to_wall(window.start_tick)
-            end = procfs.ticks_to_wall(window.end_tick) if window.end_tick is not None else time.time()
+            # A window's ticks are truncated (1/CLOCK_TICKS s), the control store's times are not: a window
+            # ends up to one tick after its end tick. An actor a fixture waited for before it returned
+            # started before the fixture's window closed, often in that last tick.
+            end = procfs.ticks_to_wall(window.end_tick + 1) if window.end_tick is not None else time.time()
             if start <= wall <= end:
                 return window.token
         return SESSION
@@ -838,7 +843,8 @@ def _process_start(pid: int) -> float:
 
 
 def resolve_address(value: str) -> str | None:
-    """The address ``--gpuclean-ray`` names: None for ``off``; ``auto`` is ``RAY_ADDRESS`` if set."""
+    """The address ``--gpuclean-ray`` names: None for ``off``; ``auto`` is ``RAY_ADDRESS`` if set (a cluster
+    the session starts itself is found by ``cluster_checks.ClusterChecks.discover``)."""
     if value == OFF:
         return None
     if value == AUTO:

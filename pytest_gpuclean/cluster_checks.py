@@ -1,18 +1,22 @@
 """The Ray cluster's part of a session's checks (``--gpuclean-ray``): before and after each test, and the
 cluster's sweep at the session's end.
 
-``cluster.py`` (and Ray, which it drives) is imported only when the option names a cluster.
+``cluster.py`` (and Ray, which it drives) is imported only when the option names a cluster, or, with
+``auto`` and no ``RAY_ADDRESS``, once the session's own processes include a Ray GCS server: a cluster the
+session's tests or fixtures started (``ClusterChecks.discover``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean import report
+from pytest_gpuclean import procfs, report
+from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
 
 if TYPE_CHECKING:
     from pytest_gpuclean.checker import Checker
@@ -23,17 +27,27 @@ if TYPE_CHECKING:
     from pytest_gpuclean.testcheck import ItemState
 
 
+GCS_SERVER = "gcs_server"
+"""The command name (``/proc/<pid>/comm``) of Ray's control store, the GCS server: one per cluster."""
+
+
+def watches(resolved: Settings) -> bool:
+    """``auto`` without ``RAY_ADDRESS``: the session looks for a cluster its own tests start."""
+    return resolved.ray == "auto" and not os.environ.get("RAY_ADDRESS")
+
+
 def open_cluster(resolved: Settings, checker: Checker) -> Any:
-    """The cluster's check (``cluster.RayCheck``, started), or None when the option names no cluster.
-    Raises ``pytest.UsageError`` for a cluster that cannot be reached."""
-    if resolved.ray == "off":
+    """The cluster's check (``cluster.RayCheck``, started), or None when the option names no cluster (or,
+    with ``auto`` and no ``RAY_ADDRESS``, none yet). Raises ``pytest.UsageError`` for a cluster that
+    cannot be reached."""
+    if resolved.ray == "off" or watches(resolved):
         return None
     from pytest_gpuclean import cluster
 
     address = cluster.resolve_address(resolved.ray)
     if address is None:
         return None
-    check = cluster.RayCheck(address, checker.ownership, reap=resolved.reap == "on", grace=resolved.grace)
+    check = _new_check(address, resolved, checker)
     try:
         check.start(resolved.timeout)
     except cluster.ClusterError as exc:
@@ -42,16 +56,151 @@ def open_cluster(resolved: Settings, checker: Checker) -> Any:
     return check
 
 
-class ClusterChecks:
-    """Checks the cluster around each checked test, and sweeps it at the end (``ray``: a ``RayCheck``)."""
+def _new_check(address: str, resolved: Settings, checker: Checker) -> Any:
+    from pytest_gpuclean import cluster
 
-    def __init__(self, ray: Any, session: CheckedSession) -> None:
+    # The agent is the session's own helper, whenever it starts (a cluster found during a test, an agent
+    # started again after a lost connection): never a test's leak.
+    return cluster.RayCheck(address, checker.ownership, reap=resolved.reap == "on", grace=resolved.grace,
+                            agent_env={COOKIE_VAR: checker.ownership.cookie(SESSION_TOKEN),
+                                       OWNER_VAR: SESSION_NAME})
+
+
+def gcs_address(pid: int) -> str | None:
+    """The address of the Ray GCS server ``pid``, None while it does not listen yet (or it is gone).
+
+    Ray 2.60 starts it with ``--node-ip-address=IP`` and ``--gcs_server_port=PORT``; a port of 0 (what
+    ``ray.init()`` and ``ray.cluster_utils.Cluster`` ask for) lets the system pick, and the server writes
+    the port it bound to ``<--session-dir>/gcs_server_port_<--node-id>`` once it listens.
+    """
+    try:
+        raw = procfs.read_file(f"/proc/{pid}/cmdline")
+    except OSError:
+        return None
+    options: dict[str, str] = {}
+    for arg in raw.decode(errors="replace").split("\0")[1:]:
+        key, sep, value = arg.partition("=")
+        if sep and key.startswith("--"):
+            options[key[2:].replace("-", "_")] = value
+    ip, port = options.get("node_ip_address", ""), options.get("gcs_server_port", "0")
+    if port == "0" and options.get("session_dir") and options.get("node_id"):
+        try:
+            with open(os.path.join(options["session_dir"], f"gcs_server_port_{options['node_id']}")) as f:
+                port = f.read().strip()
+        except OSError:
+            return None  # not listening yet: the next check looks again
+    if not ip or not port.isdigit() or port == "0":
+        return None
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _command_name(pid: int) -> str:
+    try:
+        return procfs.read_file(f"/proc/{pid}/comm", whole=True).decode(errors="replace").rstrip("\n")
+    except OSError:
+        return ""
+
+
+class ClusterChecks:
+    """Checks the cluster around each checked test, and sweeps it at the end (``ray``: a ``RayCheck``).
+
+    With ``watch`` (``auto`` and no ``RAY_ADDRESS``) there is no cluster to begin with: each check's
+    census of the session's processes (the local check's descendant walk) is looked at for a Ray GCS
+    server, and once one listens its cluster is checked like a named one, until that GCS server exits
+    (the fixture that started the cluster shut it down): then the session watches again.
+    """
+
+    def __init__(self, ray: Any, session: CheckedSession, *, watch: bool = False) -> None:
         self.ray = ray
         self.session = session
+        self.watch = watch
+        self.gcs: tuple[int, int] | None = None
+        """The discovered cluster's GCS server (pid, start ticks), while its cluster is checked."""
+        self._looked: dict[tuple[int, int], bool] = {}
+        """The session's processes looked at so far (pid, start ticks): whether each is a GCS server."""
+        self._refused: set[tuple[int, int]] = set()
+        """GCS servers whose cluster could not be used: not tried again."""
+        self.address = ray.address if ray is not None else ""
+        self.version = ray.version if ray is not None else ""
+        """The (last) cluster checked, for the report."""
+
+    # ---- a cluster the session started (``auto``) ---------------------------------------------------
+
+    def discover(self, phase: str, nodeid: str) -> bool:
+        """Watching: whether the census of the local check that just ran (``phase`` the test ``nodeid``)
+        shows a GCS server among the session's processes that now listens; if so, its cluster is checked
+        from now on."""
+        if not self.watch or self.ray is not None:
+            return False
+        looked: dict[tuple[int, int], bool] = {}
+        found = None
+        for f in self.session.checker.last_census:
+            if f.debris_of is not None or not f.live:
+                continue
+            is_gcs = self._looked.get(f.key)
+            if is_gcs is None:
+                is_gcs = _command_name(f.pid) == GCS_SERVER
+            looked[f.key] = is_gcs
+            if is_gcs and found is None and f.key not in self._refused:
+                found = f
+        self._looked = looked
+        if found is None:
+            return False
+        address = gcs_address(found.pid)
+        if address is None:
+            return False
+        from pytest_gpuclean import cluster
+
+        resolved = self.session.settings
+        check = _new_check(address, resolved, self.session.checker)
+        try:
+            check.start(resolved.timeout)
+        except cluster.ClusterError as exc:
+            self._refused.add(found.key)
+            self.session.found.note(f"gpuclean: --gpuclean-ray=auto: found the Ray cluster at {address} that "
+                                    f"this session started (GCS server pid {found.pid}) at the check {phase} "
+                                    f"{nodeid}, but cannot check it: {exc}")
+            return False
+        self.ray, self.gcs = check, found.key
+        self.address, self.version = address, check.version
+        self.session.found.note(f"gpuclean: --gpuclean-ray=auto: checking the Ray cluster at {address} (GCS "
+                                f"server pid {found.pid}, started by this session) from the check {phase} "
+                                f"{nodeid} on")
+        return True
+
+    def _active(self) -> bool:
+        """Whether there is a cluster to check; a discovered one whose GCS server exited is let go."""
+        if self.ray is None:
+            return False
+        if self.gcs is not None and not procfs.is_live(*self.gcs):
+            self._let_go()
+            return False
+        return True
+
+    def _gone(self) -> bool:
+        """After a check that could not reach the cluster: whether that is because the session's own
+        cluster shut down meanwhile (no finding: the session watches again)."""
+        if self.gcs is None or not self.ray.unreachable or procfs.is_live(*self.gcs):
+            return False
+        self._let_go()
+        return True
+
+    def _let_go(self) -> None:
+        self.session.found.note(f"gpuclean: --gpuclean-ray=auto: the Ray cluster at {self.address} shut down "
+                                "(its GCS server exited); watching for another")
+        self.ray.stop()
+        self.ray = None
+        self.gcs = None
+
+    # ---- the checks ---------------------------------------------------------------------------------
 
     def before(self, state: ItemState, record: TestRecord) -> None:
         """Check the cluster before the test; fails the setup if it is not clean."""
+        if not self._active():
+            return
         check = self.ray.check_cluster("setup", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        if self._gone():
+            return
         record.cluster_before = check
         result = self.ray.result(check)
         self.session.attribute_earlier(result.reaped, state.nodeid, result.notes)
@@ -59,9 +208,19 @@ class ClusterChecks:
             pytest.fail(report.check_report(result, "gpuclean: the Ray cluster is not clean before the test"),
                         pytrace=False)
 
-    def after(self, state: ItemState, record: TestRecord) -> str | None:
-        """Check the cluster after the test; the failure to report, if any."""
+    def after(self, state: ItemState, record: TestRecord, *, appeared: bool = False) -> str | None:
+        """Check the cluster after the test; the failure to report, if any.
+
+        ``appeared``: the cluster was found only now (started during the test, by it or by a fixture it
+        set up), so no check before the test saw it: the test answers for what of its own it left there
+        (its actors and their processes, found by Ray's records as always), but not for the state of the
+        nodes' devices, which the next test's check before it judges.
+        """
+        if not self._active():
+            return None
         check = self.ray.check_cluster("teardown", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        if self._gone():
+            return None
         result = self.ray.result(check)
         own_tokens = {state.token, *state.fixture_tokens}
         own = [r for r in result.reaped if r.owner is None or self.session.token_of(r.owner) in own_tokens]
@@ -73,18 +232,22 @@ class ClusterChecks:
         if own or leaked:
             return report.check_report(result, report.leak_heading(own, leaked, self.ray.reap)
                                        + " on the Ray cluster")
-        if not result.clean:
+        if not result.clean and not appeared:
             return report.check_report(result, "gpuclean: the Ray cluster is not clean after the test")
         return None
 
     def sweep(self, *, include_session: bool, timeout: float) -> list[Reaped]:
         """The cluster's part of the final sweep: what the session left on the cluster, reaped."""
         found = self.session.found
+        if not self._active():
+            return []
         try:
             check = self.ray.sweep(include_session=include_session, timeout=timeout)
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
             found.note(f"session end: the sweep of the Ray cluster failed: {exc!r}")
             sys.stderr.write(f"gpuclean: the sweep of the Ray cluster failed: {exc!r}\n")
+            return []
+        if self._gone():
             return []
         found.cluster_sweeps.append(check)
         reaped = [r.reaped for r in check.reaped]
@@ -101,4 +264,5 @@ class ClusterChecks:
     def stop(self) -> None:
         """The last sweep (the session set-up's leftovers too), then the cluster's agent stops."""
         self.sweep(include_session=True, timeout=self.session.settings.timeout)
-        self.ray.stop()
+        if self.ray is not None:
+            self.ray.stop()

@@ -190,10 +190,10 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 
 def _ray_session_json(started: StartedSession | None, found: records.SessionRecords) -> jsonreport.JsonDict:
     # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
-    if started is None or started.cluster is None:
-        return {}
-    ray = started.cluster.ray
-    return {"ray": jsonreport.ray_json(ray.address, ray.version, found.cluster_sweeps)}
+    if started is None or started.cluster is None or not started.cluster.address:
+        return {}  # (with auto: no cluster found)
+    cluster = started.cluster
+    return {"ray": jsonreport.ray_json(cluster.address, cluster.version, found.cluster_sweeps)}
 
 
 def _report_path(value: str, source: str, base: Path) -> Path:

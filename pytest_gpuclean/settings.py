@@ -181,8 +181,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("lock_timeout", f"seconds to wait for another session's GPU lock (default "
            f"{DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
     Option("report", "write a JSON report of every checked test to PATH", _text, "PATH"),
-    Option("ray", "check every node of a Ray cluster too: its GCS address (host:port), auto (RAY_ADDRESS "
-           "if set) or off (default off; with off Ray is never imported)", _ray_address, "ADDRESS"),
+    Option("ray", "check every node of a Ray cluster too: its GCS address (host:port); auto (RAY_ADDRESS if "
+           "set, else a cluster the session's tests or fixtures start, found at the next check once its GCS "
+           "server runs under pytest); or off (default off; with off, or auto before a cluster is found, "
+           "Ray is never imported)", _ray_address, "ADDRESS"),
 )
 
 

@@ -95,6 +95,8 @@ class ItemChecks:
         if not result.clean:
             pytest.fail(report.check_report(result, report.not_clean_heading("setup", result, state.timeout)),
                         pytrace=False)
+        if session.cluster is not None and session.cluster.discover("before", state.nodeid):
+            session.cluster.before(state, record)
         return result
 
     def _applied(self, item: pytest.Item) -> settings.TestSettings:
@@ -193,6 +195,9 @@ class ItemChecks:
         cluster = self.session.cluster
         ray_failure = cluster.after(state, record) if cluster is not None else None
         local_failure = self._after_local(item, state, record)
+        if cluster is not None and cluster.discover("after", state.nodeid):
+            # Started during the test: checked from now on, this test's own leftovers there included.
+            ray_failure = cluster.after(state, record, appeared=True)
         return "\n\n".join(f for f in (ray_failure, local_failure) if f) or None
 
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:

@@ -544,3 +544,255 @@ def test_a_cluster_that_goes_away_is_a_finding_not_a_stall(pytester: pytest.Pyte
                                   rf".*lost the Ray cluster at {address} \(census\): gpuclean's agent for it "
                                   r"exited: the cluster shut down, or its GCS stopped answering.*"])
     result.stderr.re_match_lines([rf"gpuclean: the Ray cluster at the very end: .*{address}.*"])
+
+
+# ---- --gpuclean-ray=auto: a cluster the session's own fixtures start ------------------------------------
+
+AUTO_CONFTEST = '''
+import os, time
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from pytest_gpuclean.simulate import allocate
+
+''' + HOLDER.format(name="Holder") + '''
+def on(node):
+    return NodeAffinitySchedulingStrategy(node, soft=False)
+
+def publish(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.rename(path + ".tmp", path)
+
+def started_cluster(name):
+    # A head and a second node, each with its own simulated devices; this process is a driver of it, and
+    # the fixture that calls this owns an actor holding memory on the second node.
+    root = os.path.join(os.environ["NODE_DIRS"], name)
+    dirs = {n: os.path.join(root, n) for n in ("head", "b")}
+    for d in dirs.values():
+        os.makedirs(os.path.join(d, "0"))
+    common = dict(num_cpus=1, node_ip_address="127.0.0.1")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        include_dashboard=False, env_vars={"GPUCLEAN_SIMULATE": dirs["head"]}, **common))
+    b = cluster.add_node(env_vars={"GPUCLEAN_SIMULATE": dirs["b"]}, **common)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    owned = Holder.options(scheduling_strategy=on(b.node_id)).remote()
+    pid = ray.get(owned.hold.remote(20))
+    publish(os.path.join(root, "node_b"), b.node_id)
+    publish(os.path.join(root, "address"), cluster.address)
+    return cluster, b.node_id, owned, pid
+
+def shut_down(cluster, owned, pid):
+    # The fixture's actor lived through every check until its fixture ends.
+    assert ray.get(owned.hold.remote(20)) == pid
+    ray.shutdown()
+    cluster.shutdown()
+
+@pytest.fixture(scope="session")
+def second():
+    cluster, node_b, owned, pid = started_cluster("second")
+    # Another job's actor (the driver is no process of this session), on the same cluster.
+    bystander = os.path.join(os.environ["NODE_DIRS"], "second", "bystander")
+    for _ in range(6000):
+        if os.path.exists(bystander):
+            break
+        time.sleep(0.01)
+    other = int(open(bystander).read())
+    yield node_b
+    assert os.path.exists(f"/proc/{other}") and open(f"/proc/{other}/stat").read().split()[2] != "Z"
+    shut_down(cluster, owned, pid)
+'''
+
+AUTO_FIRST = '''
+import pytest, ray
+from conftest import Holder, on, started_cluster, shut_down
+
+KEEP = []
+
+@pytest.fixture(scope="module")
+def first():
+    cluster, node_b, owned, pid = started_cluster("first")
+    yield node_b
+    shut_down(cluster, owned, pid)  # during the next test's teardown: the session watches again
+
+@pytest.mark.needs_clean_gpus
+def test_a_leaks_while_the_cluster_appears(first):
+    # The cluster appears during this test's set-up: found at the check after it, with the actor the test
+    # leaves (its handle in a global).
+    KEEP.append(Holder.options(scheduling_strategy=on(first)).remote())
+    ray.get(KEEP[-1].hold.remote(30))
+
+@pytest.mark.needs_clean_gpus
+def test_b_next_test_is_clean(first):
+    pass
+'''
+
+AUTO_SECOND = '''
+import pytest, ray
+from conftest import Holder, on
+
+@pytest.mark.needs_clean_gpus
+def test_c_leaks_on_a_second_cluster(second):
+    actor = Holder.options(scheduling_strategy=on(second), lifetime="detached", name="leaky",
+                           namespace="t").remote()
+    ray.get(actor.hold.remote(40))
+
+@pytest.mark.needs_clean_gpus
+def test_d_next_test_is_clean(second):
+    pass
+'''
+
+AUTO_BYSTANDER = '''
+import os, sys, time
+import ray
+address_file, pid_file = sys.argv[1], sys.argv[2]
+while not os.path.exists(address_file):
+    time.sleep(0.02)
+ray.init(address=open(address_file).read(), log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+class Bystander:
+    def pid(self):
+        return os.getpid()
+
+actor = Bystander.remote()
+with open(pid_file + ".tmp", "w") as f:
+    f.write(str(ray.get(actor.pid.remote())))
+os.rename(pid_file + ".tmp", pid_file)
+time.sleep(600)
+'''
+
+
+def test_auto_finds_the_clusters_the_session_starts(pytester: pytest.Pytester, sim: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # --gpuclean-ray=auto without RAY_ADDRESS: a cluster a module fixture starts during a test's set-up is
+    # found at the check after that test (whose leaked actor is blamed on it), goes away with its fixture
+    # (no finding), and a second one, started later by a session fixture, is found the same way; each
+    # fixture's own actor and another job's actor live on; the session ends without a finding or a stall.
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback-only nodes
+    nodes = tmp_path / "nodes"
+    nodes.mkdir()
+    monkeypatch.setenv("NODE_DIRS", str(nodes))
+    pytester.makeconftest(AUTO_CONFTEST)
+    pytester.makepyfile(test_1=AUTO_FIRST, test_2=AUTO_SECOND)
+    (nodes / "second").mkdir()
+    bystander = subprocess.Popen([sys.executable, "-c", AUTO_BYSTANDER, str(nodes / "second" / "address"),
+                                  str(nodes / "second" / "bystander")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto", "--gpuclean-grace=2",
+                                               "--gpuclean-timeout=60", "-p", "no:cacheprovider", timeout=300)
+    finally:
+        bystander.kill()
+        bystander.wait()
+    out = result.stdout.str()
+    first_b, second_b = ((nodes / name / "node_b").read_text()[:8] for name in ("first", "second"))
+    first_at, second_at = ((nodes / name / "address").read_text() for name in ("first", "second"))
+    # Two leaks, each on its cluster's node, blamed on the test that made it; every other test passes,
+    # the fixtures' teardowns (their actors alive, the bystander alive) included.
+    assert result.parseoutcomes() == {"passed": 4, "errors": 2}, out
+    result.stdout.re_match_lines([
+        r".*ERROR at teardown of test_a_leaks_while_the_cluster_appears.*",
+        r".*leaked.* on the Ray cluster.*",
+        rf".*\[node {first_b}, actor Holder .*",
+        r".*ERROR at teardown of test_c_leaks_on_a_second_cluster.*",
+        r".*leaked.* on the Ray cluster.*",
+        rf".*\[node {second_b}, actor Holder .*",
+    ])
+    result.stdout.re_match_lines([
+        rf"test_1.py::test_a_leaks_while_the_cluster_appears: .*Ray teardown on node {first_b}: "
+        r"reaped pid \d+ SIG\w+",
+        rf"test_2.py::test_c_leaks_on_a_second_cluster: .*Ray teardown on node {second_b}: reaped pid \d+ "
+        r"by ray.kill",
+    ])
+    result.stdout.re_match_lines([
+        rf".*checking the Ray cluster at {first_at} .* from the check after "
+        r"test_1.py::test_a_leaks_while_the_cluster_appears on",
+        rf".*the Ray cluster at {first_at} shut down .*watching for another",
+        rf".*checking the Ray cluster at {second_at} .* from the check after "
+        r"test_2.py::test_c_leaks_on_a_second_cluster on",
+    ])
+    assert "not clean" not in out and "lost the Ray cluster" not in out + result.stderr.str(), out
+
+
+def test_auto_without_a_cluster_never_imports_ray(pytester: pytest.Pytester, sim: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # auto, no RAY_ADDRESS, no cluster started: the checks only look at the session's own processes.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pytester.makepyfile("""
+        import sys, pytest
+        @pytest.mark.needs_clean_gpus
+        def test_x():
+            pass
+        @pytest.mark.needs_clean_gpus
+        def test_y():
+            assert "ray" not in sys.modules
+            assert "pytest_gpuclean.cluster" not in sys.modules
+    """)
+    result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+
+
+def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
+    # A GCS server started on a fixed port (`ray start --head --port=N`) names it on its command line; one
+    # on port 0 publishes the port it bound in its session directory, once it listens.
+    import subprocess
+    import sys
+    import time
+
+    from pytest_gpuclean.cluster_checks import GCS_SERVER, gcs_address
+
+    fake = tmp_path / GCS_SERVER  # a Python named like Ray's GCS server
+    fake.symlink_to(sys.executable)
+    session = tmp_path / "session_x"
+    session.mkdir()
+
+    def started(*args: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([str(fake), "-c", "import time; time.sleep(60)", *args])
+        # Popen returns as the exec begins; the command line shows once the exec is through.
+        while proc.poll() is None and not Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+            time.sleep(0.01)
+        return proc
+
+    fixed = started("--gcs_server_port=6390", "--node-ip-address=10.1.2.3")
+    picked = started("--gcs_server_port=0", "--node-ip-address=127.0.0.1", f"--session-dir={session}",
+                     "--node-id=abc123")
+    try:
+        assert gcs_address(fixed.pid) == "10.1.2.3:6390"
+        assert gcs_address(picked.pid) is None  # not listening yet
+        (session / "gcs_server_port_abc123").write_text("41234")
+        assert gcs_address(picked.pid) == "127.0.0.1:41234"
+    finally:
+        for proc in (fixed, picked):
+            proc.kill()
+            proc.wait()
+    assert gcs_address(fixed.pid) is None
+
+
+def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
+    # Windows are read in clock ticks, truncated; the control store's start times in milliseconds. An
+    # actor a fixture waits for before it returns (its start time comes a few ms before the first call
+    # returns) often starts in the fixture's last tick, after its truncated end: still the fixture's.
+    from pytest_gpuclean import procfs
+    from pytest_gpuclean.cluster import RayCheck
+    from pytest_gpuclean.model import Owner
+    from pytest_gpuclean.ownership import Ownership, Window
+
+    ownership = Ownership("gc.test")
+    test = ownership.new_token(Owner("test", "t"))
+    fixture = ownership.new_token(Owner("fixture", "f (module-scoped)"))
+    now = procfs.boot_ticks_now()
+    ownership.windows += [Window(test, None, now - 500), Window(fixture, None, now - 400, None, now - 100)]
+    check = RayCheck("127.0.0.1:1", ownership)
+    tick = 1 / procfs.CLOCK_TICKS
+    end = procfs.ticks_to_wall(now - 100)
+    assert check._token_at(end + 0.6 * tick) == fixture
+    assert check._token_at(end + 2 * tick) == test
+    assert check._token_at(procfs.ticks_to_wall(now - 450)) == test
