@@ -19,6 +19,9 @@ part=${1:?usage: run_gpu.sh torch-gloo|torch-nccl|vllm}
 OUT=${OUT:-benchmarks/results/peers_gpu}
 SHARD=${SHARD:-16}
 mkdir -p "$OUT"
+# One archive of the logs, written however the run ends (the device tool brings back only a few files; run 23
+# lost the plugin-off way's log that way when its time limit ended the run).
+trap 'tar czf "$OUT/$part-logs.tgz" -C "$OUT" "$part" 2>/dev/null && rm -rf "${OUT:?}/$part"' EXIT
 if [ ! -d /tmp/peers-site ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/peers-site .peers/wheels/*.whl
 fi
