@@ -107,4 +107,6 @@ def reaped_to_dict(reaped: Reaped) -> dict[str, Any]:
 
 
 def reaped_from_dict(data: dict[str, Any]) -> Reaped:
+    from pytest_gpuclean.findings import Reaped  # (as model: loaded at the first finding)
+
     return from_dict(Reaped, data)

@@ -21,7 +21,14 @@ from pytest_gpuclean.model import (
 )
 from pytest_gpuclean.model import TestRecord as Record  # (a Test* name would be collected)
 from pytest_gpuclean.ray_model import ClusterCheck, ClusterFinding, ClusterNode, ClusterReaped, NodeRelease
-from pytest_gpuclean.serialize import from_dict, record_from_dict, record_to_dict, to_dict
+from pytest_gpuclean.serialize import (
+    from_dict,
+    reaped_from_dict,
+    reaped_to_dict,
+    record_from_dict,
+    record_to_dict,
+    to_dict,
+)
 
 GPU0 = DeviceInfo(0, "GPU-0000", "H200")
 MIG = DeviceInfo(1, "MIG-1111", "A100", mig_index=2)
@@ -110,6 +117,12 @@ def test_a_record_keeps_its_sequence_types() -> None:
     assert isinstance(back.in_process_mib, list) and back.in_process_mib[0] == ("cuda:0", 1.5)
     assert isinstance(back.found_later, list) and isinstance(back.devices, tuple)
     assert back.after is not None and isinstance(back.after.offenders[0].mib_per_device[0], tuple)
+
+
+def test_a_reaped_process_round_trips_alone() -> None:
+    # How a forked child ships what a later check found (records.SessionRecords.receive): the one path
+    # that names Reaped at run time in serialize (CI's pytest-8 forked run caught it unloaded).
+    assert reaped_from_dict(json.loads(json.dumps(reaped_to_dict(REAPED)))) == REAPED
 
 
 def test_reaped_lines_show_how_and_when() -> None:
