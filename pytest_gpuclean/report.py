@@ -61,14 +61,26 @@ def offender_lines(offender: Offender) -> list[str]:
     ]
 
 
+_HOW = {"already exited": "had already exited", "reaped zombie": "had exited (a zombie: collected)",
+        "exited by itself": "exited by itself", "pid reused": "was gone, its pid reused (left alone)"}
+"""How a process that no signal of ours ended reads in a sentence ("ended by" names a signal)."""
+
+
 def reaped_lines(reaped: Reaped) -> list[str]:
     proc = reaped.process
     timing = f" after {reaped.exit_s:.2f}s" if reaped.exit_s is not None else ""
-    release = (f"; the driver released it {reaped.release_s:.2f}s after the {reaped.ended_by}"
+    signalled = reaped.ended_by in ("SIGTERM", "SIGKILL")
+    if signalled:
+        how, since = f"ended by {reaped.ended_by}", f"the {reaped.ended_by}"
+    elif reaped.ended_by == "survived":
+        how, since = f"survived SIGKILL ({reaped.survived_as})", "the SIGKILL"
+    else:
+        how, since = _HOW.get(reaped.ended_by, reaped.ended_by), "it ended"
+    release = (f"; the driver released it {reaped.release_s:.2f}s after {since}"
                if reaped.release_s is not None else "")
     owner = f", spawned by {reaped.owner}" if reaped.owner else ""
     return [
-        f"  pid {proc.pid} ended by {reaped.how_ended}{timing} (found as {reaped.found_by}{owner}): "
+        f"  pid {proc.pid} {how}{timing} (found as {reaped.found_by}{owner}): "
         f"held {_held(reaped.mib_per_device)}{release}",
         f"      cmd: {one_line(proc.cmdline)}",
     ]

@@ -131,8 +131,19 @@ def test_reaped_lines_show_how_and_when() -> None:
         "GPU 0 512 MiB; the driver released it 0.12s after the SIGTERM",
         "      cmd: python -c 'hold()'"]
     assert report.reaped_lines(SURVIVED)[0] == (
-        "  pid 4242 ended by survived (uninterruptible sleep (D)) (found as adopted, spawned by "
+        "  pid 4242 survived SIGKILL (uninterruptible sleep (D)) (found as adopted, spawned by "
         "t.py::test_leaks): held no GPU memory")
+
+
+def test_a_process_no_signal_ended_reads_as_such() -> None:
+    # A Ray actor's worker ended through ray.kill, or a leak that exited while the check waited: "ended by"
+    # names a signal, and there was none (H200 run 21 printed "ended by exited by itself").
+    gone = dataclasses.replace(REAPED, ended_by="exited by itself", exit_s=0.01, release_s=0.15)
+    assert report.reaped_lines(gone)[0] == (
+        "  pid 4242 exited by itself after 0.01s (found as descendant, spawned by t.py::test_leaks): held "
+        "GPU 0 512 MiB; the driver released it 0.15s after it ended")
+    zombie = dataclasses.replace(REAPED, ended_by="reaped zombie", exit_s=None, release_s=None)
+    assert report.reaped_lines(zombie)[0].startswith("  pid 4242 had exited (a zombie: collected) (found as")
 
 
 def test_check_report_lists_every_finding_then_the_devices() -> None:
