@@ -4,6 +4,7 @@ nodes each have their own simulated devices. Skipped without Ray; install it wit
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -512,6 +513,35 @@ def test_cli_off_never_imports_ray(sim: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def _node_processes(cluster: Any) -> list[Any]:
+    """The head node's processes with their children: the agents a raylet starts (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``) carry neither a session path nor a Ray variable to find them by later."""
+    import time
+
+    import psutil
+
+    raylet = psutil.Process(cluster.head_node.all_processes["raylet"][0].process.pid)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and len([c for c in raylet.children() if "Agent" in c.name()]) < 2:
+        time.sleep(0.1)
+    procs = [psutil.Process(info.process.pid) for infos in cluster.head_node.all_processes.values()
+             for info in infos]
+    return procs + raylet.children(recursive=True)
+
+
+def _end_stragglers(procs: list[Any]) -> None:
+    """End what is left of a cluster whose GCS was killed: its agents outlive the raylet for minutes
+    (RAY-FACTS.md), and the next gpuclean session on this box reaped them as this session's debris (CI saw
+    it). ``psutil.Process`` remembers each one's start time, so a reused pid is never signalled."""
+    import psutil
+
+    _gone, alive = psutil.wait_procs(procs, timeout=10)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
 def test_a_cluster_that_goes_away_is_a_finding_not_a_stall(pytester: pytest.Pytester, sim: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # The GCS dies under the session (a cluster shut down by someone else): the check after the test and
@@ -524,6 +554,7 @@ def test_a_cluster_that_goes_away_is_a_finding_not_a_stall(pytester: pytest.Pyte
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=1, include_dashboard=False, node_ip_address="127.0.0.1"))
     address = cluster.address
+    node_processes = _node_processes(cluster)
     try:
         gcs = cluster.head_node.all_processes["gcs_server"][0].process.pid
         monkeypatch.setenv("GCS_PID", str(gcs))
@@ -538,6 +569,7 @@ def test_a_cluster_that_goes_away_is_a_finding_not_a_stall(pytester: pytest.Pyte
                                                "--gpuclean-timeout=60", "-p", "no:cacheprovider", timeout=150)
     finally:
         cluster.shutdown()
+        _end_stragglers(node_processes)
     out = result.stdout.str()
     assert result.parseoutcomes().get("errors") == 1, out
     result.stdout.re_match_lines([r".*gpuclean: the Ray cluster is not clean after the test.*",
