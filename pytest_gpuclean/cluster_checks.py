@@ -225,7 +225,7 @@ class ClusterChecks:
         own_tokens = {state.token, *state.fixture_tokens}
         own = [r for r in result.reaped if r.owner is None or self.session.token_of(r.owner) in own_tokens]
         self.session.attribute_earlier([r for r in result.reaped if r not in own], state.nodeid, result.notes)
-        result = dataclasses.replace(result, reaped=tuple(own))
+        result = result.replace(reaped=tuple(own))
         record.cluster_after = dataclasses.replace(check, reaped=tuple(r for r in check.reaped
                                                                        if r.reaped in own))
         leaked = [o for o in result.offenders if o.reason == "leaked"]

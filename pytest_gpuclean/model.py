@@ -5,8 +5,7 @@ Only ``devices.py`` knows NVML and only ``processes.py`` knows psutil; everythin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeVar
 
 if TYPE_CHECKING:
     # What a check found loads at the first finding (findings.py says why); the Ray cluster's records load
@@ -43,15 +42,59 @@ OnOff = Literal["on", "off"]
 Scope = Literal["session", "host"]
 
 
-@dataclass(frozen=True)
-class DeviceInfo:
+_F = TypeVar("_F", bound="Fields")
+
+
+class Fields:
+    """The records below: equality, hash, ``repr`` and ``replace`` from the fields in ``__slots__``.
+
+    Not dataclasses: every checked session imports this module, and creating a dataclass compiles each of
+    its generated methods (0.3-1.8 ms a class on the CPU box; the six here took ~8 ms, a quarter of a
+    checked session's start). A subclass lists its fields in ``__slots__`` (in ``__init__``'s order) and
+    annotates them; ``Final`` makes ``mypy --strict`` refuse an assignment, as ``frozen=True`` did at run
+    time (a reading is shared by the records of every clean test). ``serialize`` walks the fields.
+    """
+
+    __slots__: tuple[str, ...] = ()
+
+    def _values(self) -> tuple[object, ...]:
+        return tuple([getattr(self, name) for name in self.__slots__])
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        return isinstance(other, Fields) and type(other) is type(self) and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(" + ", ".join(
+            f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
+
+    def replace(self: _F, **changes: Any) -> _F:
+        """A copy with ``changes`` (``dataclasses.replace``)."""
+        values = {name: getattr(self, name) for name in self.__slots__}
+        values.update(changes)
+        return type(self)(**values)  # (each subclass's __init__ takes its fields)
+
+
+
+class DeviceInfo(Fields):
     """A device under check: a whole GPU or a MIG instance."""
 
-    index: int
+    __slots__ = ("index", "mig_index", "name", "uuid")
+    index: Final[int]
     """NVML index of the physical GPU (what nvidia-smi shows)."""
-    uuid: str
-    name: str
-    mig_index: int | None = None
+    uuid: Final[str]
+    name: Final[str]
+    mig_index: Final[int | None]
+
+    def __init__(self, index: int, uuid: str, name: str, mig_index: int | None = None) -> None:
+        self.index = index
+        self.uuid = uuid
+        self.name = name
+        self.mig_index = mig_index
 
     @property
     def label(self) -> str:
@@ -59,22 +102,33 @@ class DeviceInfo:
         return f"GPU {self.index}" if self.mig_index is None else f"GPU {self.index}/MIG {self.mig_index}"
 
 
-@dataclass(frozen=True)
-class GpuProcess:
+class GpuProcess(Fields):
     """A process the driver lists on a device, with its memory (None when the driver can't tell)."""
 
-    pid: int
-    used_bytes: int | None
+    __slots__ = ("pid", "used_bytes")
+    pid: Final[int]
+    used_bytes: Final[int | None]
+
+    def __init__(self, pid: int, used_bytes: int | None) -> None:
+        self.pid = pid
+        self.used_bytes = used_bytes
 
 
-@dataclass(frozen=True)
-class DeviceSnapshot:
+class DeviceSnapshot(Fields):
     """One reading of a device: memory (NVML v2 ``used``) and the processes on it."""
 
-    device: DeviceInfo
-    used_bytes: int
-    total_bytes: int
-    processes: tuple[GpuProcess, ...]
+    __slots__ = ("device", "processes", "total_bytes", "used_bytes")
+    device: Final[DeviceInfo]
+    used_bytes: Final[int]
+    total_bytes: Final[int]
+    processes: Final[tuple[GpuProcess, ...]]
+
+    def __init__(self, device: DeviceInfo, used_bytes: int, total_bytes: int,
+                 processes: tuple[GpuProcess, ...]) -> None:
+        self.device = device
+        self.used_bytes = used_bytes
+        self.total_bytes = total_bytes
+        self.processes = processes
 
     def bytes_of(self, pids: frozenset[int] | set[int]) -> int:
         """Memory the driver attributes to ``pids`` on this device."""
@@ -83,12 +137,16 @@ class DeviceSnapshot:
         return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
 
 
-@dataclass(frozen=True)
-class Owner:
+class Owner(Fields):
     """Who a process belongs to: the test or higher-scoped fixture that was running when it was spawned."""
 
-    kind: OwnerKind
-    name: str
+    __slots__ = ("kind", "name")
+    kind: Final[OwnerKind]
+    name: Final[str]
+
+    def __init__(self, kind: OwnerKind, name: str) -> None:
+        self.kind = kind
+        self.name = name
 
     def __str__(self) -> str:
         return self.name if self.kind == "test" else f"{self.kind} {self.name}"
@@ -112,54 +170,122 @@ class KillResult(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class CheckResult:
+class CheckResult(Fields):
     """The verdict of one check of the devices and processes."""
 
-    phase: Phase
-    clean: bool
-    devices: tuple[DeviceSnapshot, ...]
-    offenders: tuple[Offender, ...]
-    reaped: tuple[Reaped, ...] = ()
-    waited_s: float = 0.0
-    clean_after_s: float | None = None
+    __slots__ = (
+        "clean",
+        "clean_after_s",
+        "collected",
+        "devices",
+        "lingered",
+        "notes",
+        "offenders",
+        "phase",
+        "reaped",
+        "self_cuda_only",
+        "self_mib",
+        "tolerance_mib",
+        "waited_s",
+    )
+    phase: Final[Phase]
+    clean: Final[bool]
+    devices: Final[tuple[DeviceSnapshot, ...]]
+    offenders: Final[tuple[Offender, ...]]
+    reaped: Final[tuple[Reaped, ...]]
+    waited_s: Final[float]
+    clean_after_s: Final[float | None]
     """Seconds from the start of this check to confirmed clean (None if it never got clean)."""
-    notes: tuple[str, ...] = ()
-    tolerance_mib: int = 0
-    collected: tuple[Reaped, ...] = ()
+    notes: Final[tuple[str, ...]]
+    tolerance_mib: Final[int]
+    collected: Final[tuple[Reaped, ...]]
     """Processes of ours that had exited without anybody waiting for them (zombies), or that exited by
     themselves within the settle time: collected and reported, not counted as leaks."""
-    lingered: tuple[Offender, ...] = ()
+    lingered: Final[tuple[Offender, ...]]
     """Our processes that were alive when the check started and ended by themselves while it waited
     (reaping off): not dirty any more, but still leaked by whoever spawned them."""
-    self_mib: tuple[tuple[str, float], ...] = ()
+    self_mib: Final[tuple[tuple[str, float], ...]]
     """This process's own memory per device (a CUDA context of the pytest process): not a leak."""
-    self_cuda_only: tuple[str, ...] = ()
+    self_cuda_only: Final[tuple[str, ...]]
     """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
 
+    def __init__(self, phase: Phase, clean: bool, devices: tuple[DeviceSnapshot, ...],
+                 offenders: tuple[Offender, ...], reaped: tuple[Reaped, ...] = (), waited_s: float = 0.0,
+                 clean_after_s: float | None = None, notes: tuple[str, ...] = (), tolerance_mib: int = 0,
+                 collected: tuple[Reaped, ...] = (), lingered: tuple[Offender, ...] = (),
+                 self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = ()) -> None:
+        self.phase = phase
+        self.clean = clean
+        self.devices = devices
+        self.offenders = offenders
+        self.reaped = reaped
+        self.waited_s = waited_s
+        self.clean_after_s = clean_after_s
+        self.notes = notes
+        self.tolerance_mib = tolerance_mib
+        self.collected = collected
+        self.lingered = lingered
+        self.self_mib = self_mib
+        self.self_cuda_only = self_cuda_only
 
-@dataclass
-class TestRecord:
+
+class TestRecord(Fields):
     """Everything gpuclean saw for one checked test; feeds the summary, JSON and JUnit output."""
 
+    __slots__ = (
+        "after",
+        "after_s",
+        "before",
+        "before_s",
+        "cluster_after",
+        "cluster_before",
+        "devices",
+        "found_later",
+        "in_process_mib",
+        "location",
+        "lock_timeout",
+        "lock_wait_s",
+        "nodeid",
+    )
+    __hash__ = None  # type: ignore[assignment]  # (filled in as the test runs)
     nodeid: str
-    location: tuple[str, int] = ("", 0)
-    before: CheckResult | None = None
-    after: CheckResult | None = None
-    found_later: list[Reaped] = field(default_factory=list)
+    location: tuple[str, int]
+    before: CheckResult | None
+    after: CheckResult | None
+    found_later: list[Reaped]
     """Processes this test leaked that a later check found (e.g. the test was not checked)."""
-    in_process_mib: list[tuple[str, float]] = field(default_factory=list)
+    in_process_mib: list[tuple[str, float]]
     """Growth of ``torch.cuda.memory_allocated`` during the test, per device."""
-    devices: tuple[str, ...] = ()
+    devices: tuple[str, ...]
     """UUIDs the test held the locks of."""
-    lock_wait_s: float = 0.0
-    lock_timeout: str | None = None
+    lock_wait_s: float
+    lock_timeout: str | None
     """Why the test never got its GPU locks (it waited ``lock_wait_s``); None if it got them."""
-    before_s: float = 0.0
-    after_s: float = 0.0
-    cluster_before: ClusterCheck | None = None
+    before_s: float
+    after_s: float
+    cluster_before: ClusterCheck | None
     """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
-    cluster_after: ClusterCheck | None = None
+    cluster_after: ClusterCheck | None
+
+    def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
+                 after: CheckResult | None = None, found_later: list[Reaped] | None = None,
+                 in_process_mib: list[tuple[str, float]] | None = None, devices: tuple[str, ...] = (),
+                 lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
+                 after_s: float = 0.0, cluster_before: ClusterCheck | None = None,
+                 cluster_after: ClusterCheck | None = None) -> None:
+        self.nodeid = nodeid
+        self.location = location
+        self.before = before
+        self.after = after
+        self.found_later = [] if found_later is None else found_later
+        self.in_process_mib = [] if in_process_mib is None else in_process_mib
+        self.devices = devices
+        self.lock_wait_s = lock_wait_s
+        self.lock_timeout = lock_timeout
+        self.before_s = before_s
+        self.after_s = after_s
+        self.cluster_before = cluster_before
+        self.cluster_after = cluster_after
 
     @property
     def leaked(self) -> bool:

@@ -1,7 +1,8 @@
-"""Dataclasses to plain JSON-able dicts and back: for xdist's workeroutput and the JSON report.
+"""Records to plain JSON-able dicts and back: for xdist's workeroutput and the JSON report.
 
-``from_dict`` rebuilds nested dataclasses, tuples and lists from the classes' own type hints, so a
-field added to ``model`` round-trips without a change here. A field's hint is resolved only when a value
+A record is one of ``model``'s ``Fields`` classes or a dataclass (``findings``, ``ray_model``).
+``from_dict`` rebuilds nested records, tuples and lists from the classes' own annotations, so a field
+added to a record round-trips without a change here. A field's hint is resolved only when a value
 needs building: ``TestRecord``'s cluster checks name ``ray_model``'s classes, which a record without a
 cluster (every one outside ``--gpuclean-ray``) never loads, and its findings ``findings``' classes.
 """
@@ -13,25 +14,39 @@ import dataclasses
 import functools
 import sys
 import types
-from typing import TYPE_CHECKING, Any, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Final, TypeVar, Union, get_args, get_origin
 
-from pytest_gpuclean.model import TestRecord
+from pytest_gpuclean.model import Fields, TestRecord
 
 if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
     from pytest_gpuclean.findings import Reaped
 
-T = TypeVar("T", bound="DataclassInstance")
+T = TypeVar("T")
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
-    """A dataclass (tree) as dicts, lists and scalars."""
-    plain: dict[str, Any] = _plain(dataclasses.asdict(obj))
+    """A record (tree) as dicts, lists and scalars."""
+    plain: dict[str, Any] = _plain(obj)
     return plain
 
 
+def _names(cls: Any) -> tuple[str, ...]:
+    """A record class's fields, in order."""
+    if issubclass(cls, Fields):
+        names: tuple[str, ...] = cls.__slots__
+        return names
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _is_record(value: Any) -> bool:
+    return isinstance(value, type) and (issubclass(value, Fields) or dataclasses.is_dataclass(value))
+
+
 def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if _is_record(type(value)):
+        return {name: _plain(getattr(value, name)) for name in _names(type(value))}
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -60,11 +75,14 @@ class _Names(dict[str, Any]):
 
 @functools.cache
 def _hint(cls: Any, name: str) -> Any:
-    annotation = next(f.type for f in dataclasses.fields(cls) if f.name == name)
-    if not isinstance(annotation, str):
-        return annotation
-    # What typing.get_type_hints does for one annotation, without resolving the class's other fields.
-    return eval(annotation, _Names(vars(sys.modules[cls.__module__])))
+    if issubclass(cls, Fields):
+        annotation = cls.__annotations__[name]
+    else:
+        annotation = next(f.type for f in dataclasses.fields(cls) if f.name == name)
+    if isinstance(annotation, str):
+        # What typing.get_type_hints does for one annotation, without resolving the class's other fields.
+        annotation = eval(annotation, _Names(vars(sys.modules[cls.__module__])))
+    return get_args(annotation)[0] if get_origin(annotation) is Final else annotation
 
 
 def _build(hint: Any, value: Any) -> Any:
@@ -74,7 +92,7 @@ def _build(hint: Any, value: Any) -> Any:
     if origin is Union or origin is types.UnionType:
         inner = [a for a in get_args(hint) if a is not type(None)]
         return _build(inner[0], value) if len(inner) == 1 else value
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+    if _is_record(hint):
         return from_dict(hint, value)
     if origin is tuple:
         args = get_args(hint)
@@ -87,10 +105,11 @@ def _build(hint: Any, value: Any) -> Any:
     return value  # scalars, Literal words, Mapping of scalars
 
 
-def from_dict(cls: type[T], data: Any) -> T:
+def from_dict(cls: type[T], data: Any) -> T:  # (cls: a record class)
     """Rebuild ``cls`` from ``to_dict`` output (sequences come back as tuples or lists as declared)."""
-    kwargs = {f.name: None if data[f.name] is None else _build(_hint(cls, f.name), data[f.name])
-              for f in dataclasses.fields(cls) if f.name in data}
+    record: Any = cls
+    kwargs = {name: None if data[name] is None else _build(_hint(record, name), data[name])
+              for name in _names(cls) if name in data}
     return cls(**kwargs)
 
 

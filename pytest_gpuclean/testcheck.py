@@ -7,7 +7,6 @@ Part of a started session (``session.py``); the plugin's setup and teardown hook
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 import warnings
@@ -212,7 +211,7 @@ class ItemChecks:
         session.attribute_earlier([r for r in result.reaped if r not in own], state.nodeid, result.notes)
         # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
         if len(own) != len(result.reaped):
-            result = dataclasses.replace(result, reaped=tuple(own))
+            result = result.replace(reaped=tuple(own))
         record.after = result
         record.after_s = result.waited_s
         self._note_torch_growth(item, state, record)

@@ -99,10 +99,11 @@ def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
     assert "cluster_after" not in jsonreport.record_json(RECORD)
 
 
-def test_every_model_dataclass_has_a_round_trip_example() -> None:
+def test_every_record_class_has_a_round_trip_example() -> None:
     classes = {cls for module in (model, findings, ray_model)
                for _, cls in inspect.getmembers(module, inspect.isclass)
-               if dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__}
+               if (dataclasses.is_dataclass(cls) or issubclass(cls, model.Fields))
+               and cls.__module__ == module.__name__ and cls is not model.Fields}
     assert classes == {type(e) for e in EXAMPLES}
 
 
@@ -181,7 +182,7 @@ def test_leak_heading_counts_live_processes_and_zombies_apart(
 
 def test_totals_count_unchecked_leakers_apart_from_checked_tests() -> None:
     # An unchecked test has a record only because a later check found what it leaked.
-    clean = Record("t.py::test_clean", before=BEFORE, after=dataclasses.replace(BEFORE, phase="teardown"))
+    clean = Record("t.py::test_clean", before=BEFORE, after=BEFORE.replace(phase="teardown"))
     unchecked = Record("t.py::test_unmarked", found_later=[REAPED])
     assert report.totals_line([clean, unchecked], [REAPED]) == (
         "1 checked test(s), 0 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped")
