@@ -107,6 +107,18 @@ def test_every_record_class_has_a_round_trip_example() -> None:
     assert classes == {type(e) for e in EXAMPLES}
 
 
+def test_records_compare_hash_and_copy_by_their_fields() -> None:
+    device = model.DeviceInfo(0, "GPU-a", "H200")
+    same = model.DeviceInfo(0, "GPU-a", "H200")
+    assert device == same and hash(device) == hash(same) and device is not same
+    assert device != device.replace(mig_index=1) and device != model.GpuProcess(0, None)
+    assert {device: 1}[same] == 1
+    assert repr(device) == "DeviceInfo(index=0, uuid='GPU-a', name='H200', mig_index=None)"
+    assert model.Owner("test", "t").replace(kind="fixture") == model.Owner("fixture", "t")
+    with pytest.raises(TypeError):
+        hash(Record("t.py::test"))  # filled in as the test runs: no hash, as a mutable dataclass
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda e: type(e).__name__)
 def test_round_trip_through_json_gives_an_equal_object(example: Any) -> None:
     data = json.loads(json.dumps(to_dict(example)))
