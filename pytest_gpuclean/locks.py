@@ -113,7 +113,7 @@ class _Dir:
 class _ProcessCache:
     """What this process keeps of the lock directories: a forked child starts with none of it."""
 
-    __slots__ = ("dirs", "me", "notices", "owner_pid")
+    __slots__ = ("dirs", "encoded", "held_values", "me", "notices", "owner_pid")
 
     def __init__(self) -> None:
         self.dirs: dict[tuple[int, int], _Dir] = {}
@@ -126,6 +126,11 @@ class _ProcessCache:
         self.owner_pid = os.getpid()
         self.me: tuple[int, int] | None = None
         """(pid, start ticks) of this process, read once."""
+        self.encoded: dict[str, str] = {}
+        """Holder records' fixed parts as JSON: ``""``, this process's (up to its ``test``), and per UUID
+        the end of its record."""
+        self.held_values: dict[tuple[str, tuple[str, ...], tuple[tuple[str, tuple[int, int]], ...]], str] = {}
+        """``HELD_VAR``'s value per directory, set of GPUs held and GPUs inherited."""
 
     def forget_inherited(self) -> None:
         # In a child of a fork, every descriptor here is a copy of the parent's. The child holds none of
@@ -137,6 +142,8 @@ class _ProcessCache:
         self.notices.clear()
         self.owner_pid = os.getpid()
         self.me = None
+        self.encoded.clear()  # (they name the parent's pid)
+        self.held_values.clear()
 
     def me_now(self) -> tuple[int, int] | None:
         me = self.me
@@ -660,6 +667,15 @@ class GpuLocks:
         return {u: (pid, start) for u, (pid, start) in holders.items()
                 if ancestors.get(pid) == start and records.get(u, {}).get("pid") == pid}
 
+    def _held_value(self, held: HeldLocks, me: tuple[int, int]) -> str:
+        """``HELD_VAR``'s value while ``held`` is held: the same from test to test, so encoded once."""
+        key = (self.directory, held.uuids, tuple(sorted(held.inherited.items())))
+        value = _cache.held_values.get(key)
+        if value is None:
+            holders = {u: list(held.inherited.get(u, me)) for u in held.uuids}
+            value = _cache.held_values[key] = json.dumps({"dir": self.directory, "holders": holders})
+        return value
+
     def _record(self, state: _Dir, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
                 inherited: dict[str, tuple[int, int]]) -> HeldLocks:
         held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], waited_s,
@@ -667,18 +683,24 @@ class GpuLocks:
         me = _cache.me_now()
         if me is not None:
             previous = os.environ.get(HELD_VAR)
-            holders = {u: list(held.inherited.get(u, me)) for u in held.uuids}
-            ours = json.dumps({"dir": self.directory, "holders": holders})
-            os.environ[HELD_VAR] = ours
+            os.environ[HELD_VAR] = ours = self._held_value(held, me)
             held._env = (previous, ours)
-        # The records differ only in the UUID: encode the rest once, not a json.dumps per GPU.
-        common = json.dumps({"pid": os.getpid(), "start": me[1] if me else None, "host": _HOST,
-                             "uid": os.geteuid(), "test": holder_id, "since": time.time()})
+        # Only the test and the time change from one record to the next: the rest is encoded once per
+        # process and GPU (the json.dumps calls of a record cost as much as writing it).
+        encoded = _cache.encoded
+        head = encoded.get("")
+        if head is None:
+            head = encoded[""] = json.dumps({"pid": os.getpid(), "start": me[1] if me else None,
+                                             "host": _HOST, "uid": os.geteuid()})[:-1]
+        common = f'{head}, "test": {json.dumps(holder_id)}, "since": {time.time()!r}'
         uid = os.geteuid()
         for uuid, fd in taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
-            record = f'{common[:-1]}, "uuid": {json.dumps(uuid)}}}'.encode()
+            tail = encoded.get(uuid)
+            if tail is None:
+                tail = encoded[uuid] = f', "uuid": {json.dumps(uuid)}}}'
+            record = (common + tail).encode()
             try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
                 held.holder_fds.append(_write_holder(state, _holder_name(uuid, uid), record))
             except OSError:
