@@ -34,6 +34,9 @@ from pytest_gpuclean import procfs
 _HOST = socket.gethostname()
 _RECORD_BYTES = 512
 _BLANK = b" " * _RECORD_BYTES
+_SETTLED_NS = 50_000_000
+"""A directory ctime this old (50 ms: five ticks of the coarsest kernel clock) is settled
+(``_still_named``)."""
 _READ_LIMIT = 4096
 """A holder record is well under 1 KiB: a bigger file is not one, and is not read further."""
 _RETRY_S = (0.02, 0.1)
@@ -90,6 +93,9 @@ class _Dir:
         """(st_dev, st_ino) of each open lock file, taken at open: compared with the name's after each
         lock."""
         self.lock_names: dict[int, str] = {}
+        self.verified: dict[int, int] = {}
+        """Per open lock file, the directory's ctime when its name was last seen to be that file, if that
+        ctime was settled then (see ``_still_named``)."""
         self.held: set[int] = set()
         self.holder_fds: dict[str, int] = {}
         self.parked: list[int] = []
@@ -105,6 +111,7 @@ class _Dir:
         self.lock_fds.clear()
         self.lock_idents.clear()
         self.lock_names.clear()
+        self.verified.clear()
         self.held.clear()
         self.holder_fds.clear()
         self.parked.clear()
@@ -571,12 +578,7 @@ class GpuLocks:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     return None
                 raise _dir_error(state.path, f"cannot lock {name}", exc) from None
-            try:
-                now = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
-                same = (now.st_dev, now.st_ino) == state.lock_idents.get(fd)
-            except FileNotFoundError:
-                same = False
-            if same:
+            if _still_named(state, name, fd):
                 state.held.add(fd)
                 return fd
             # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
@@ -728,12 +730,39 @@ def _cache_lock(state: _Dir, name: str) -> int | None:
     return fd
 
 
+def _still_named(state: _Dir, name: str, fd: int) -> bool:
+    """Whether ``name`` in the directory is still the file open as ``fd`` (just locked).
+
+    A lock on a file that was deleted (or replaced) since it was opened locks nothing. Looking the name
+    up costs a path stat per GPU and test; the directory's ctime says more cheaply that no entry was
+    added or removed since the name was last looked up, provided that ctime was settled then: the kernel
+    stamps changes with a coarse clock (one tick, up to 10 ms), so a change in the same tick as the one
+    seen would leave the ctime as it was. Once the ctime is ``_SETTLED_NS`` old, any later change moves it.
+    """
+    try:
+        ctime = os.fstat(state.fd).st_ctime_ns
+    except OSError:
+        ctime = None
+    if ctime is not None and state.verified.get(fd) == ctime:
+        return True
+    try:
+        now = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if (now.st_dev, now.st_ino) != state.lock_idents.get(fd):
+        return False
+    if ctime is not None and time.time_ns() - ctime > _SETTLED_NS:
+        state.verified[fd] = ctime
+    return True
+
+
 def _forget(state: _Dir, name: str) -> None:
     fd = state.lock_fds.pop(name, None)
     if fd is not None:
         state.held.discard(fd)
         state.lock_idents.pop(fd, None)
         state.lock_names.pop(fd, None)
+        state.verified.pop(fd, None)
         with contextlib.suppress(OSError):
             os.close(fd)
 

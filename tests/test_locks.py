@@ -278,6 +278,39 @@ def test_deleted_held_lock_file_lets_nobody_in(tmp_path: Path) -> None:
     assert (tmp_path / "locks" / "GPU-a.lock").exists()
 
 
+def test_lock_file_replaced_between_tests_is_seen_though_names_are_not_looked_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once the directory has been unchanged for a while, a test's locks skip looking their names up
+    # (locks._still_named): its ctime says no entry was added or removed. Replacing a lock file changes it.
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    locks.prepare(["GPU-a"])
+    locks.acquire(["GPU-a"], 1, 5, "first::test").release()  # (the holder record is created: a change)
+    time.sleep(locks_mod._SETTLED_NS / 1e9 + 0.02)
+    locks.acquire(["GPU-a"], 1, 5, "second::test").release()  # looks the name up, and trusts the ctime
+    lookups: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if kwargs.get("dir_fd") is not None:
+            lookups.append(str(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    locks.acquire(["GPU-a"], 1, 5, "third::test").release()
+    assert lookups == []  # the fast path is taken
+    # Another session (or a hand) replaces the lock file and holds the new one: this session must not lock
+    # the old file, which nobody else would see.
+    os.unlink(tmp_path / "locks" / "GPU-a.lock")
+    with holding(lock_dir) as holder:
+        with pytest.raises(LockTimeout, match="GPU-a"):
+            locks.acquire(["GPU-a"], 1, 0.5, "fourth::test")
+        assert "GPU-a.lock" in lookups
+        assert holder.stdin is not None
+        holder.stdin.close()
+    locks.acquire(["GPU-a"], 1, 5, "fifth::test").release()
+
+
 def test_tmp_cleaner_leaves_a_lock_directory_alone_while_a_lock_is_held(tmp_path: Path) -> None:
     tmpfiles = shutil.which("systemd-tmpfiles")
     if tmpfiles is None:
