@@ -34,9 +34,6 @@ from pytest_gpuclean import procfs
 _HOST = socket.gethostname()
 _RECORD_BYTES = 512
 _BLANK = b" " * _RECORD_BYTES
-_SETTLED_NS = 50_000_000
-"""A directory ctime this old (50 ms: five ticks of the coarsest kernel clock) is settled
-(``_still_named``)."""
 _READ_LIMIT = 4096
 """A holder record is well under 1 KiB: a bigger file is not one, and is not read further."""
 _RETRY_S = (0.02, 0.1)
@@ -735,9 +732,8 @@ def _still_named(state: _Dir, name: str, fd: int) -> bool:
 
     A lock on a file that was deleted (or replaced) since it was opened locks nothing. Looking the name
     up costs a path stat per GPU and test; the directory's ctime says more cheaply that no entry was
-    added or removed since the name was last looked up, provided that ctime was settled then: the kernel
-    stamps changes with a coarse clock (one tick, up to 10 ms), so a change in the same tick as the one
-    seen would leave the ctime as it was. Once the ctime is ``_SETTLED_NS`` old, any later change moves it.
+    added or removed since the name was last looked up, provided that ctime was settled then
+    (``procfs.SETTLED_NS``).
     """
     try:
         ctime = os.fstat(state.fd).st_ctime_ns
@@ -751,7 +747,7 @@ def _still_named(state: _Dir, name: str, fd: int) -> bool:
         return False
     if (now.st_dev, now.st_ino) != state.lock_idents.get(fd):
         return False
-    if ctime is not None and time.time_ns() - ctime > _SETTLED_NS:
+    if ctime is not None and time.time_ns() - ctime > procfs.SETTLED_NS:
         state.verified[fd] = ctime
     return True
 

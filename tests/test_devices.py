@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from pytest_gpuclean.devices import (
     select_devices,
     simulated_uuid,
 )
-from pytest_gpuclean.model import DeviceInfo
+from pytest_gpuclean.model import MIB, DeviceInfo
+from pytest_gpuclean.simulate import allocate
 
 GPU0 = DeviceInfo(0, "GPU-1a2b3c4d-0000-4000-8000-000000000000", "H200")
 GPU1 = DeviceInfo(1, "GPU-1a2b9999-1111-4000-8000-000000000001", "H200")
@@ -145,6 +147,26 @@ def test_a_file_corrupted_later_fails_the_reading_that_meets_it(tmp_path: Path) 
     (tmp_path / "0" / "total").write_text("1e9")
     with pytest.raises(SimulationError, match="holds '1e9', not a number of bytes"):
         backend.snapshot(backend.devices()[0])
+
+
+def test_an_idle_folder_read_by_its_ctime_still_sees_memory_come_and_go(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An idle simulated device whose folder has not changed for a while is read with a stat, not a
+    # listdir (SimulatedBackend._settled): a file added or removed must still show at once.
+    (tmp_path / "0").mkdir()
+    backend = SimulatedBackend(tmp_path)
+    device = backend.devices()[0]
+    time.sleep(procfs.SETTLED_NS / 1e9 + 0.02)
+    assert backend.snapshot(device).used_bytes == 0  # (a listdir: the ctime is recorded)
+    listed: list[str] = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path: listed.append(str(path)) or real_listdir(path))
+    assert backend.snapshot(device).used_bytes == 0
+    assert listed == []  # the fast path is taken
+    held = allocate(str(tmp_path), 0, 64)  # this very process "allocates": it is alive
+    assert backend.snapshot(device).used_bytes == 64 * MIB
+    held.unlink()
+    assert backend.snapshot(device).used_bytes == 0
 
 
 class _Devices:

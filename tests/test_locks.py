@@ -26,6 +26,7 @@ import pytest
 from helpers import alive
 
 from pytest_gpuclean import locks as locks_mod
+from pytest_gpuclean import procfs
 from pytest_gpuclean.locks import GpuLocks, LockDirError, LockTimeout
 
 ROOT = os.geteuid() == 0
@@ -286,7 +287,7 @@ def test_lock_file_replaced_between_tests_is_seen_though_names_are_not_looked_up
     locks = GpuLocks(lock_dir)
     locks.prepare(["GPU-a"])
     locks.acquire(["GPU-a"], 1, 5, "first::test").release()  # (the holder record is created: a change)
-    time.sleep(locks_mod._SETTLED_NS / 1e9 + 0.02)
+    time.sleep(procfs.SETTLED_NS / 1e9 + 0.02)
     locks.acquire(["GPU-a"], 1, 5, "second::test").release()  # looks the name up, and trusts the ctime
     lookups: list[str] = []
     real_stat = os.stat
