@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean import jsonreport, records, report
+from pytest_gpuclean import records, report
 from pytest_gpuclean.model import DeviceInfo, TestRecord
-from pytest_gpuclean.serialize import record_to_dict
 
 if TYPE_CHECKING:
+    from pytest_gpuclean import jsonreport
     from pytest_gpuclean.devices import Backend
     from pytest_gpuclean.findings import Reaped
     from pytest_gpuclean.settings import Settings
@@ -63,6 +63,8 @@ def _process_line(pid: int, cmdline: str, ended_by: str | None, release_s: float
 
 def annotation_message(record: TestRecord) -> tuple[str, str] | None:
     """(title, message) of the annotation for a test with findings; None for a clean test."""
+    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+
     if record.lock_timeout is not None:
         return TITLE_LOCK_TIMEOUT, f"{record.nodeid} never got its GPU locks: {record.lock_timeout}"
     verdict = jsonreport.outcome(record)
@@ -125,6 +127,8 @@ def _cell(text: str) -> str:
 
 def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
     """Markdown for ``$GITHUB_STEP_SUMMARY``: totals, then a row per test with findings."""
+    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+
     totals = jsonreport.summary_json(records, session_reaped)
     timeouts = f", {totals['lock_timeouts']} gave up waiting for GPU locks" if totals["lock_timeouts"] else ""
     lines = [f"### gpuclean: {totals['checked']} checked test(s), {totals['leaked']} leaked, "
@@ -170,6 +174,8 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
 
 def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
     """``user_properties`` of a checked test, as known at the end of its teardown."""
+    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+
     own = jsonreport.own_reaped(record)
     leaked = jsonreport.leaked_json(record)
     releases = [r.release_s for r in own if r.release_s is not None]
@@ -189,6 +195,8 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 # ---- the hooks ---------------------------------------------------------------------------------------
 
 def _ray_session_json(started: StartedSession | None, found: records.SessionRecords) -> jsonreport.JsonDict:
+    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+
     # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
     if started is None or started.cluster is None or not started.cluster.address:
         return {}  # (with auto: no cluster found)
@@ -233,6 +241,38 @@ class CheckingSession(Protocol):
     def sweep(self, session: pytest.Session) -> None: ...
 
 
+class PerTestOutputs:
+    """The outputs' hooks that run for every test report: registered only where they have work (JUnit
+    properties, an xdist worker's or controller's records in flight)."""
+
+    def __init__(self, outputs: OutputHooks) -> None:
+        self.outputs = outputs
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
+                                  ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        test_report = yield
+        if call.when == "teardown":
+            record = item.stash.get(records.TEST, None)
+            if record is not None:
+                if self.outputs.junit:
+                    # On the report, not the item: junitxml and xdist take them from the teardown report.
+                    test_report.user_properties.extend(junit_properties(record))
+                if self.outputs.worker:
+                    # xdist ships a report's attributes to the controller as each test ends: if the run is
+                    # interrupted, the controller still knows what the finished tests found (the worker's
+                    # session-end payload never comes).
+                    from pytest_gpuclean.serialize import record_to_dict
+
+                    setattr(test_report, RECORD_ATTRIBUTE, record_to_dict(record))
+        return test_report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        record = getattr(report, RECORD_ATTRIBUTE, None)
+        if record is not None and not self.outputs.worker and report.when == "teardown":
+            self.outputs.found.stream(report.nodeid, record)
+
+
 class OutputHooks:
     """Turns the session's records into the JSON report, JUnit properties and GitHub output."""
 
@@ -252,29 +292,14 @@ class OutputHooks:
         self.started = time.time()
         self._merged: records.Merged | None = None
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
-                                  ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        test_report = yield
-        if call.when == "teardown":
-            record = item.stash.get(records.TEST, None)
-            if record is not None:
-                if self.junit:
-                    # On the report, not the item: junitxml and xdist take them from the teardown report.
-                    test_report.user_properties.extend(junit_properties(record))
-                if self.worker:
-                    # xdist ships a report's attributes to the controller as each test ends: if the run is
-                    # interrupted, the controller still knows what the finished tests found (the worker's
-                    # session-end payload never comes).
-                    setattr(test_report, RECORD_ATTRIBUTE, record_to_dict(record))
-        return test_report
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        record = getattr(report, RECORD_ATTRIBUTE, None)
-        if record is not None and not self.worker and report.when == "teardown":
-            self.found.stream(report.nodeid, record)
+    def per_test(self) -> bool:
+        """Whether ``PerTestOutputs`` has work (an xdist controller is known to be one at its session's
+        start)."""
+        return self.junit or self.worker or self.plugin.controller
 
     def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
+        from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+
         plugin = self.plugin
         started = plugin.session
         backend = started.backend if started is not None else None
@@ -314,6 +339,8 @@ class OutputHooks:
     def _write(self, session: pytest.Session) -> None:
         self._merged = merged = self.found.merged()
         if self.report_path is not None:
+            from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+
             document = jsonreport.report_document(
                 records=merged.records, session_reaped=merged.session_reaped, notes=merged.notes,
                 session=self._session_json(session.exitstatus))

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 MARKER = "needs_clean_gpus"
 FIXTURE = "clean_gpus"
 PLUGIN_NAME = "gpuclean-checker"
+FORKING_PLUGINS = {"pytest_forked", "pytest_isolate.plugin"}
+"""Modules of the plugins that run each test in a forked child (by module: entry point or ``-p``)."""
 WORKER_OUTPUT_KEY = "gpuclean"
 FORKED_REPORT_ATTR = "gpuclean_forked"
 """Attribute of a teardown report made in a forked child (pytest-forked): that child's records."""
@@ -147,12 +149,12 @@ class GpuCleanPlugin:
     def __init__(self, config: pytest.Config, resolved: settings.Settings) -> None:
         self.config = config
         self.settings = resolved
-        self._pid = os.getpid()
+        self.pid = os.getpid()
+        """The session's own process (a forked child of it runs one test)."""
         self.session: CheckedSession | None = None
         """Set up at the end of the collection if a collected test is checked; in an xdist controller, at
         session start."""
         self.controller = False
-        self._outputs_registered = False
         self._swept = False
         self._sigterm: SigtermAsInterrupt | None = None
         # Exported before the conftests were imported (unless this plugin was registered later, by a
@@ -172,18 +174,27 @@ class GpuCleanPlugin:
             return
         from pytest_gpuclean.session import CheckedSession  # psutil, NVML and the checking code
 
-        self.session = CheckedSession(self.config, self.settings, self._cookie, self._pid)
+        self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid)
         self._install_sigterm()
         self.register_outputs()
+        manager = self.config.pluginmanager
+        if {getattr(p, "__name__", None) for p in manager.get_plugins()} & FORKING_PLUGINS:
+            manager.register(ForkedHooks(self), PLUGIN_NAME + "-forked")
 
     def register_outputs(self) -> None:
         """Register the JSON report, JUnit and GitHub outputs (checks the report path)."""
-        if self._outputs_registered:
-            return
-        self._outputs_registered = True
-        from pytest_gpuclean.outputs import OutputHooks  # (a session that writes none does not load them)
+        from pytest_gpuclean.outputs import OutputHooks, PerTestOutputs
 
-        self.config.pluginmanager.register(OutputHooks(self), PLUGIN_NAME + "-outputs")
+        manager = self.config.pluginmanager
+        outputs = manager.get_plugin(PLUGIN_NAME + "-outputs")
+        if outputs is None:
+            outputs = OutputHooks(self)
+            manager.register(outputs, PLUGIN_NAME + "-outputs")
+        # Again at the start of an xdist controller's session (it is known to be one only then), if the
+        # report had them registered at configure.
+        per_test = PLUGIN_NAME + "-outputs-tests"
+        if outputs.per_test() and manager.get_plugin(per_test) is None:
+            manager.register(PerTestOutputs(outputs), per_test)
 
     def _install_sigterm(self) -> None:
         if self._sigterm is None:
@@ -293,29 +304,6 @@ class GpuCleanPlugin:
         if self.session is not None:
             self.session.tests.fixture_finalized(fixturedef)
 
-    # ---- tests run in a forked child (pytest-forked) ------------------------------------------------
-
-    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
-        if self.session is not None and not self.controller:
-            self.session.announce(nodeid)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
-                                  ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-        test_report = yield
-        if call.when == "teardown" and self.session is not None and os.getpid() != self._pid:
-            # This child's memory dies with it: its records travel on the teardown report, which
-            # pytest-forked serialises (plain dicts and lists) with the report's other attributes.
-            setattr(test_report, FORKED_REPORT_ATTR, self.session.found.ship())
-        return test_report
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        shipped = getattr(report, FORKED_REPORT_ATTR, None)
-        # The xdist controller gets the same report from a worker, which already merged it.
-        if shipped is not None and self.session is not None and not self.controller \
-                and os.getpid() == self._pid:
-            self.session.receive_forked(shipped)
-
     # ---- around each test -------------------------------------------------------------------------
 
     def _should_check(self, item: pytest.Item) -> bool:
@@ -394,6 +382,38 @@ class _IdleSession:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.plugin.sweep(session)  # (nothing to sweep: what an xdist worker sends back all the same)
+
+
+class ForkedHooks:
+    """Hooks for tests run in a forked child (pytest-forked, pytest-isolate): registered only where one of
+    those is loaded, as they run for every test (three reports each)."""
+
+    def __init__(self, plugin: GpuCleanPlugin) -> None:
+        self.plugin = plugin
+
+    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
+        session = self.plugin.session
+        if session is not None and not self.plugin.controller:
+            session.announce(nodeid)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
+                                  ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        test_report = yield
+        session = self.plugin.session
+        if call.when == "teardown" and session is not None and os.getpid() != self.plugin.pid:
+            # This child's memory dies with it: its records travel on the teardown report, which
+            # pytest-forked serialises (plain dicts and lists) with the report's other attributes.
+            setattr(test_report, FORKED_REPORT_ATTR, session.found.ship())
+        return test_report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        shipped = getattr(report, FORKED_REPORT_ATTR, None)
+        session = self.plugin.session
+        # The xdist controller gets the same report from a worker, which already merged it.
+        if shipped is not None and session is not None and not self.plugin.controller \
+                and os.getpid() == self.plugin.pid:
+            session.receive_forked(shipped)
 
 
 class XdistHooks:

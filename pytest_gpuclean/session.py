@@ -19,7 +19,6 @@ import pytest
 
 from pytest_gpuclean import devices, processes, records, report, settings
 from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.cluster_checks import ClusterChecks, open_cluster, watches
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, restore_env
 from pytest_gpuclean.locks import GpuLocks
 from pytest_gpuclean.model import MIB, DeviceInfo, Owner
@@ -29,6 +28,7 @@ from pytest_gpuclean.signals import quiet_interrupts
 from pytest_gpuclean.testcheck import ItemChecks
 
 if TYPE_CHECKING:
+    from pytest_gpuclean.cluster_checks import ClusterChecks
     from pytest_gpuclean.findings import Reaped
     from pytest_gpuclean.plugin import ExportedCookie
 
@@ -101,9 +101,12 @@ class CheckedSession:
         # Processes started outside any test (collection, other plugins, conftest imports) carry the
         # session's cookie: the session set-up's, protected until the very last sweep.
         self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
-        ray = open_cluster(resolved, self.checker)
-        if ray is not None or watches(resolved):
-            self.cluster = ClusterChecks(ray, self, watch=ray is None)
+        if resolved.ray != "off":
+            from pytest_gpuclean.cluster_checks import ClusterChecks, open_cluster, watches
+
+            ray = open_cluster(resolved, self.checker)
+            if ray is not None or watches(resolved):
+                self.cluster = ClusterChecks(ray, self, watch=ray is None)
 
     def header_lines(self) -> list[str]:
         """What the session checks, for the header: the backend, the devices and what they hold."""

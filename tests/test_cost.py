@@ -20,17 +20,22 @@ from helpers import read_pids, run_inner, wait_dead
 RECORD_STATE = '''
 import json, os, sys
 
+CTYPES_BEFORE = "ctypes" in sys.modules  # (another plugin's, e.g. pytest-isolate's pynvml)
+
 def pytest_sessionfinish(session):
-    # What the session loaded, before this probe loads ctypes itself.
-    modules = sorted(m for m in sys.modules if m.split(".")[0] in ("psutil", "pynvml", "ctypes")
+    modules = sorted(m for m in sys.modules if m.split(".")[0] in ("psutil", "pynvml")
                      or m.startswith("pytest_gpuclean."))
+    ctypes_loaded = "ctypes" in sys.modules and not CTYPES_BEFORE  # before this probe loads it itself
     import ctypes
     subreaper = ctypes.c_int(-1)
     ctypes.CDLL(None, use_errno=True).prctl(37, ctypes.byref(subreaper), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
     with open(os.environ["STATE_FILE"], "w") as f:
         json.dump({"subreaper": subreaper.value,
                    "modules": modules,
+                   "ctypes_loaded": ctypes_loaded,
                    "cookie": os.environ.get("GPUCLEAN_TEST"),
+                   "forked": any(getattr(p, "__name__", None) in ("pytest_forked", "pytest_isolate.plugin")
+                                 for p in session.config.pluginmanager.get_plugins()),
                    "plugins": sorted(name for name, _ in session.config.pluginmanager.list_name_plugin()
                                      if name and name.startswith("gpuclean-"))}, f)
 '''
@@ -130,11 +135,17 @@ def test_checked():
     assert state["subreaper"] == 1
     assert "pytest_gpuclean.checker" in state["modules"]
     # The subreaper is set through _ctypes (processes._prctl says why): ctypes itself stays unloaded.
-    assert "ctypes" not in state["modules"]
+    assert not state["ctypes_loaded"]
     # The Ray cluster's code and record types load with --gpuclean-ray only, and what a check found at
     # the first finding (this session's checks are all clean).
-    assert not {"pytest_gpuclean.ray_model", "pytest_gpuclean.cluster", "pytest_gpuclean.findings"} & set(
-        state["modules"])
+    assert not {"pytest_gpuclean.ray_model", "pytest_gpuclean.cluster", "pytest_gpuclean.cluster_checks",
+                "pytest_gpuclean.findings"} & set(state["modules"])
+    # Nor the report's and shipping code, without a report, JUnit XML or xdist; and the hooks that run
+    # for every test report are those of the outputs asked for (none here) and of pytest-forked (absent).
+    assert not {"pytest_gpuclean.jsonreport", "pytest_gpuclean.serialize"} & set(state["modules"])
+    assert "gpuclean-checker-outputs" in state["plugins"]
+    assert "gpuclean-checker-outputs-tests" not in state["plugins"]
+    assert ("gpuclean-checker-forked" in state["plugins"]) == state["forked"]
     assert (tmp_path / "locks").is_dir()
     # The device lines come right after the collection, before any test.
     result.stdout.fnmatch_lines(["collected 3 items", "gpuclean: simulated devices*checking 2*",
