@@ -249,8 +249,28 @@ def attribution(configs: dict[str, Config], rounds: int, timer_dir: str, pytest_
                 into.setdefault("first_test", []).append(per_test[0])
                 into.setdefault("other_tests", []).append(statistics.median(per_test[1:] or per_test))
         print(f"attribution: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-    return {name: {phase: statistics.median(v) for phase, v in phases.items()}
-            for name, phases in found.items()}
+    medians: dict[str, Any] = {name: {phase: statistics.median(v) for phase, v in phases.items()}
+                               for name, phases in found.items()}
+    medians["rounds"] = found  # every round's figures, for paired (same-round) differences
+    return medians
+
+
+PHASES = ("load_initial_conftests", "configure", "sessionstart", "collection_finish", "sessionfinish",
+          "unconfigure", "after_unconfigure")
+
+
+def paired_fixed(rounds: dict[str, dict[str, list[float]]], on: str, off: str) -> tuple[float, float, float]:
+    """The fixed cost as the median of per-round differences of the whole session outside tests (all
+    phases summed, with the first test's extra, then on minus off in the same round): the phases' own
+    noise (pytest's final garbage collections vary by milliseconds) is not summed eight times over.
+    (median, p10, p90)."""
+    def totals(name: str) -> list[float]:
+        series = [rounds[name][p] for p in PHASES] + [rounds[name]["first_test"]]
+        minus = rounds[name]["other_tests"]
+        return [sum(values) - m for *values, m in zip(*series, minus, strict=True)]
+
+    diffs = sorted(a - b for a, b in zip(totals(on), totals(off), strict=True))
+    return (statistics.median(diffs), diffs[int(0.1 * (len(diffs) - 1))], diffs[int(0.9 * (len(diffs) - 1))])
 
 
 def import_cost(env: dict[str, str], cwd: str, runs: int = 21) -> dict[str, float]:
@@ -574,9 +594,7 @@ def main() -> int:
 def attributed(phases: dict[str, dict[str, float]], on: str, off: str) -> dict[str, float]:
     """gpuclean's share of each phase: the phase with the plugin minus without (medians)."""
     a, b = phases[on], phases[off]
-    share = {phase: a.get(phase, 0.0) - b.get(phase, 0.0) for phase in
-             ("load_initial_conftests", "configure", "sessionstart", "collection_finish",
-              "sessionfinish", "unconfigure", "after_unconfigure")}
+    share = {phase: a.get(phase, 0.0) - b.get(phase, 0.0) for phase in PHASES}
     share["per_test"] = a["other_tests"] - b["other_tests"]
     share["first_test_extra"] = (a["first_test"] - a["other_tests"]) - (b["first_test"] - b["other_tests"])
     return share
@@ -592,9 +610,11 @@ def report(results: dict[str, Any], trees: list[str], kinds: list[str]) -> None:
             checked = attributed(attr["phases"], f"{tree}/locks/N", "off/N")
             idle_total = sum(v for k, v in idle.items() if k not in ("per_test", "first_test_extra"))
             checked_fixed = sum(v for k, v in checked.items() if k != "per_test")
+            paired = paired_fixed(attr["phases"]["rounds"], f"{tree}/locks/N", "off/N")
             attr.setdefault("derived", {})[tree] = {"idle": idle, "checked": checked,
                                                     "idle_hooks_s": idle_total,
-                                                    "checked_fixed_s": checked_fixed}
+                                                    "checked_fixed_s": checked_fixed,
+                                                    "checked_fixed_paired_s": paired}
             start = sum(checked[p] for p in ("load_initial_conftests", "configure", "sessionstart",
                                              "collection_finish"))
             end = checked["sessionfinish"] + checked["unconfigure"] + checked["after_unconfigure"]
@@ -602,7 +622,8 @@ def report(results: dict[str, Any], trees: list[str], kinds: list[str]) -> None:
                   f"idle: hooks outside tests {ms(idle_total)}, per test {ms(idle['per_test'])}; "
                   f"checked (8 sim devices, locks): fixed {ms(checked_fixed)} "
                   f"(start {ms(start)}, first check extra {ms(checked['first_test_extra'])}, end {ms(end)}), "
-                  f"per test {ms(checked['per_test'])}")
+                  f"per test {ms(checked['per_test'])}; fixed, paired per round: {ms(paired[0])} "
+                  f"(p10..p90 {ms(paired[1])}..{ms(paired[2])})")
     whole = results.get("whole_process")
     if whole:
         n = results["tests"]
