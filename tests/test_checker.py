@@ -8,12 +8,14 @@ process's real children; the project's tests leave none behind, so there are non
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pytest
 
-from pytest_gpuclean.checker import Checker
+from pytest_gpuclean.checker import Checker, _Check
 from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
@@ -78,6 +80,40 @@ def test_idle_devices_are_clean(backend: FakeBackend) -> None:
     assert (result.clean, result.offenders, result.phase, result.tolerance_mib) == (True, (), "check", 0)
     assert [s.device for s in result.devices] == [GPU0, GPU1]
     assert result.clean_after_s is not None
+
+
+def test_an_idle_check_takes_the_short_way_to_the_same_result(backend: FakeBackend,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing of ours alive and every device idle: _Check.quiet answers without the rounds' bookkeeping.
+    # Its result must be the one a full round gives, and anything there must take the full round.
+    checker = Checker(backend, reap=False)
+    devices = (GPU0, GPU1)
+    checker.check("setup", devices, tolerance_mib=5, timeout=0)  # (the first looks for dead sessions)
+    rounds: list[int] = []
+    observe = _Check.observe
+    monkeypatch.setattr(_Check, "observe", lambda self: rounds.append(1) or observe(self))
+    quiet = checker.check("setup", devices, tolerance_mib=5, timeout=0)
+    assert rounds == []
+    full = checker.check("setup", devices, tolerance_mib=5, timeout=0, scan_cookies=True)
+    assert rounds == [1]
+    same = [name for name in CheckResult.__slots__ if name not in ("waited_s", "clean_after_s")]
+    assert [getattr(quiet, n) for n in same] == [getattr(full, n) for n in same]
+    assert quiet.clean and quiet.clean_after_s is not None
+    # Memory charged to no process (within the tolerance): the full round, which looks at whose it is.
+    backend.readings[GPU1.uuid] = (1, ())
+    assert checker.check("setup", devices, tolerance_mib=5, timeout=0).clean
+    assert rounds == [1, 1]
+    backend.readings.clear()
+    # A process of ours alive, holding no GPU memory: the full round, which weighs it (started outside
+    # any test, it is the session set-up's here: protected, and the check is clean).
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert checker.check("teardown", devices, tolerance_mib=5, timeout=0).clean
+        assert rounds == [1, 1, 1]
+        assert child.pid in {f.pid for f in checker.last_census}
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.parametrize(("used_mib", "tolerance_mib", "clean"), [(16, 16, True), (17, 16, False),
