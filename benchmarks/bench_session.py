@@ -586,8 +586,10 @@ def main() -> int:
         with open(os.path.join(timer_dir, "gpuclean_bench_timer.py"), "w") as f:
             f.write(TIMER_PLUGIN)
         # Idle (the small unmarked suite) and one checked configuration per tree, against the plugin off.
+        # With a GPU, the checked suite on real NVML too (every GPU, locks on).
         chosen = {name: c for name, c in {**idle_configs, **checked_configs}.items()
-                  if name == "off/idle/q" or name == "off/N" or name.endswith(("/idle/q", "/locks/N"))}
+                  if name == "off/idle/q" or name == "off/N"
+                  or name.endswith(("/idle/q", "/locks/N", "/nvml/N"))}
         phases = attribution(chosen, args.attribution_rounds, timer_dir, pytest_cmd)
         results["attribution"] = {"phases": phases, "import": {
             rev: import_cost(with_tree(env, tree_dirs[rev]), tree_dirs[rev] or tmp) for rev in trees}}
@@ -643,6 +645,15 @@ def report(results: dict[str, Any], trees: list[str], kinds: list[str]) -> None:
                   f"per test {ms(checked['per_test'])}; paired per round: fixed {ms(paired[0])} "
                   f"(p10..p90 {ms(paired[1])}..{ms(paired[2])}), per test {ms(paired_test[0])} "
                   f"(p10..p90 {ms(paired_test[1])}..{ms(paired_test[2])})")
+            if f"{tree}/nvml/N" in attr["phases"]:
+                nvml = attributed(attr["phases"], f"{tree}/nvml/N", "off/N")
+                nvml_fixed = paired_fixed(attr["phases"]["rounds"], f"{tree}/nvml/N", "off/N")
+                nvml_test = paired_per_test(attr["phases"]["rounds"], f"{tree}/nvml/N", "off/N")
+                attr["derived"][tree].update({"nvml": nvml, "nvml_fixed_paired_s": nvml_fixed,
+                                              "nvml_per_test_paired_s": nvml_test})
+                print(f"in-process [{tree}]: checked (real NVML, every GPU, locks): paired per round: fixed "
+                      f"{ms(nvml_fixed[0])} (p10..p90 {ms(nvml_fixed[1])}..{ms(nvml_fixed[2])}), per test "
+                      f"{ms(nvml_test[0])} (p10..p90 {ms(nvml_test[1])}..{ms(nvml_test[2])})")
     whole = results.get("whole_process")
     if whole:
         n = results["tests"]
