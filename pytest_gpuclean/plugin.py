@@ -172,9 +172,13 @@ class GpuCleanPlugin:
         lock directory."""
         if self.session is not None:
             return
-        from pytest_gpuclean.session import CheckedSession  # psutil, NVML and the checking code
+        from pytest_gpuclean import devices
 
-        self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid)
+        # NVML starts first, in a thread, while the checking code is imported (devices.NvmlOpening).
+        opening = None if self.settings.simulate else devices.NvmlOpening()
+        from pytest_gpuclean.session import CheckedSession  # psutil and the checking code
+
+        self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening)
         self._install_sigterm()
         self.register_outputs()
         manager = self.config.pluginmanager

@@ -41,7 +41,7 @@ class CheckedSession:
     lock directory or Ray cluster."""
 
     def __init__(self, config: pytest.Config, resolved: settings.Settings, exported: ExportedCookie,
-                 pid: int) -> None:
+                 pid: int, opening: devices.NvmlOpening | None = None) -> None:
         self.config = config
         self.settings = resolved
         self.pid = pid
@@ -57,7 +57,7 @@ class CheckedSession:
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
         try:
-            self.backend = devices.open_backend(resolved.simulate)
+            self.backend = devices.open_backend(resolved.simulate, opening)
         except devices.BackendUnavailable as exc:
             self.unavailable = str(exc)
         except devices.SimulationError as exc:
