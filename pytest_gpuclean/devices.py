@@ -75,14 +75,14 @@ class Backend(Protocol):
 class NvmlOpening:
     """``import pynvml``, ``nvmlInit`` and the GPUs' handles, by default in a thread of their own.
 
-    A checked session's start waits for NVML more than for anything else: on an H200, 11 ms in
-    ``nvmlInit`` and 7 ms for the first handle, both C calls that let go of the GIL. Started before the
+    A checked session's start waits for NVML more than for anything else: on an H200, 9-11 ms in
+    ``nvmlInit`` and 7-13 ms for the first handle, both C calls that let go of the GIL. Started before the
     session imports the rest of its code, they run meanwhile; ``NvmlBackend`` takes the result.
     """
 
     def __init__(self, *, thread: bool = True) -> None:
         self._opened: tuple[Any, list[Any]] | None = None
-        self._error: BackendUnavailable | None = None
+        self._error: Exception | None = None
         self._thread: threading.Thread | None = None
         if thread:
             self._thread = threading.Thread(target=self._open, name="gpuclean-nvml-open", daemon=True)
@@ -102,8 +102,8 @@ class NvmlOpening:
                                     for i in range(pynvml.nvmlDeviceGetCount())]
         except pynvml.NVMLError as exc:
             self._error = BackendUnavailable(f"NVML init failed: {exc}")
-        except Exception as exc:  # (in the thread: whatever it was, the session hears of it)
-            self._error = BackendUnavailable(f"NVML init failed: {exc!r}")
+        except Exception as exc:  # raised again in the session's thread, as it would have been there
+            self._error = exc
 
     def result(self) -> tuple[Any, list[Any]]:
         """The pynvml module (initialised) and a handle per GPU; raises ``BackendUnavailable``."""

@@ -14,7 +14,9 @@ from helpers import run_inner
 from pytest_gpuclean import procfs
 from pytest_gpuclean.devices import (
     DEFAULT_SIM_TOTAL,
+    BackendUnavailable,
     DeviceSelectionError,
+    NvmlOpening,
     Selection,
     SimulatedBackend,
     SimulationError,
@@ -167,6 +169,32 @@ def test_an_idle_folder_read_by_its_ctime_still_sees_memory_come_and_go(
     assert backend.snapshot(device).used_bytes == 64 * MIB
     held.unlink()
     assert backend.snapshot(device).used_bytes == 0
+
+
+@pytest.mark.parametrize("thread", [True, False])
+def test_nvml_started_in_a_thread_reports_as_if_started_here(monkeypatch: pytest.MonkeyPatch,
+                                                           thread: bool) -> None:
+    # NvmlOpening runs nvmlInit in a thread of its own (the session's start imports its code meanwhile):
+    # what goes wrong there reaches the session as it would have without the thread.
+    pynvml = pytest.importorskip("pynvml")
+
+    def no_driver() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    with pytest.raises(BackendUnavailable, match="NVML init failed"):
+        NvmlOpening(thread=thread).result()
+
+    def broken() -> None:
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(pynvml, "nvmlInit", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        NvmlOpening(thread=thread).result()
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 2)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: f"handle {i}")
+    assert NvmlOpening(thread=thread).result() == (pynvml, ["handle 0", "handle 1"])
 
 
 class _Devices:
