@@ -321,8 +321,7 @@ def _check_still_named(state: _Dir, fd: int) -> None:
     if name is None:
         return
     try:
-        now = os.stat(name, dir_fd=state.fd, follow_symlinks=False)
-        same = (now.st_dev, now.st_ino) == state.lock_idents.get(fd)
+        same = _still_named(state, name, fd)
     except OSError:
         same = False
     if not same:
