@@ -182,9 +182,17 @@ def set_child_subreaper() -> bool:
         return False
 
 
+SETTLE_S = 5.0
+"""How long a process below a finished pytest may take to end on its own before it counts as left behind.
+multiprocessing's resource tracker (and ``multiprocess``'s) ends when it reads EOF on the pipe from the
+pytest process it served, so it outlives pytest by the time it takes to exit: a few ms, more on a loaded
+box. CI once caught two trackers still exiting (state running) the instant pytest was reaped."""
+
+
 def end_leftovers() -> list[str]:
-    """End every process still below us (a way's pytest is done): TERM, 5 s, KILL; describe each."""
-    left = psutil.Process().children(recursive=True)
+    """End every process still below us SETTLE_S after a way's pytest is done: TERM, 5 s, KILL; describe
+    each."""
+    _gone, left = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=SETTLE_S)
     described = []
     for proc in left:
         with contextlib.suppress(psutil.Error):
