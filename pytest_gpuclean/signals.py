@@ -49,11 +49,14 @@ def quiet_interrupts(hurry: threading.Event) -> Callable[[], None]:
     """Make SIGINT/SIGTERM set ``hurry`` instead of raising, until the returned function is called.
 
     During the final sweep a second Ctrl-C (or the job runner's SIGTERM) must shorten the grace, not
-    abandon the leaks and the reports.
+    abandon the leaks and the reports. A signal the process was started ignoring stays ignored: a shell
+    starts a background job (``cmd &``, ``nohup``) with SIGINT ignored, so that a Ctrl-C to the terminal's
+    group leaves it alone.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: handler for sig in (signal.SIGINT, signal.SIGTERM)
+                if (handler := signal.getsignal(sig)) is not signal.SIG_IGN}
 
     def on_signal(signum: int, frame: Any) -> None:
         hurry.set()

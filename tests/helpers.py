@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -70,6 +71,20 @@ def reap_orphans(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+@contextlib.contextmanager
+def children_sigint(ignored: bool = False) -> Iterator[None]:
+    """Processes started inside get SIGINT at its default, as a pytest run from a terminal has it (or
+    ignored, with ``ignored``), whatever this session inherited. A shell starts a background job (``cmd &``,
+    ``nohup``) with SIGINT ignored; an ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler: an inner pytest would shrug off the Ctrl-C a test sends it. (Main thread only;
+    this process's own SIGINT is set for the few microseconds of the spawn.)"""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
 def run_inner(pytester: pytest.Pytester, *args: str, timeout: float = INNER_TIMEOUT) -> pytest.RunResult:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import alive, kill_all, read_pids, run_inner, wait_dead
+from helpers import alive, children_sigint, kill_all, read_pids, run_inner, wait_dead
 
 from pytest_gpuclean import processes, procfs
 from pytest_gpuclean.report import LEAK_PREFIX
@@ -348,11 +348,38 @@ def test_leak_and_hang():
 """
 
 
-def _start_inner(pytester: pytest.Pytester, tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
+def _start_inner(pytester: pytest.Pytester, tmp_path: Path, *args: str,
+                 sigint_ignored: bool = False) -> subprocess.Popen[bytes]:
     # Not runpytest_subprocess: this test signals the inner pytest while it runs.
-    with open(tmp_path / "inner.out", "wb") as out:  # a file, not a pipe: a leak could hold a pipe open
+    with open(tmp_path / "inner.out", "wb") as out, children_sigint(ignored=sigint_ignored):
+        # (a file, not a pipe: a leak could hold a pipe open)
         return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider",
                                  "-rA", *args], cwd=pytester.path, stdout=out, stderr=subprocess.STDOUT)
+
+
+# A leak that notes each SIGTERM in $LEAK_TERMED and lives on: the note says that the final sweep is in
+# its grace (the inner pytest's own output, buffered in a file, says nothing until the session ends).
+TERM_NOTING_LEAK = r"""
+NOTE_TERM = '''
+import os, signal, time
+signal.signal(signal.SIGTERM, lambda *_: open(os.environ["LEAK_TERMED"], "a").write("SIGTERM "))
+open(os.environ["LEAK_PIDFILE"], "a").write(f"{os.getpid()} ")
+while True:
+    time.sleep(3600)
+'''
+
+def test_leak_and_hang():
+    subprocess.Popen([sys.executable, "-c", NOTE_TERM])
+    wait_holders(1)
+    time.sleep(120)
+"""
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "inner.out").read_text()
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -381,8 +408,10 @@ def test_signal_to_pytest_runs_the_sweep_and_writes_the_reports(
 
 
 def test_second_interrupt_shortens_the_grace_and_keeps_the_sweep(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
-    pidfile = inner(SLEEPER_LEAK.format(extra="'--ignore-sigterm', "))
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pidfile, termed = inner(TERM_NOTING_LEAK), tmp_path / "termed"
+    monkeypatch.setenv("LEAK_TERMED", str(termed))
     report = tmp_path / "report.json"
     proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "--gpuclean-grace=60",
                         f"--gpuclean-report={report}")
@@ -390,11 +419,8 @@ def test_second_interrupt_shortens_the_grace_and_keeps_the_sweep(
         leaked = read_pids(pidfile, timeout=60)[0]
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)
-        # The final sweep now waits out a 60 s grace for a process that ignores SIGTERM...
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "inner.out").read_text().count("KeyboardInterrupt") and \
-                time.monotonic() < deadline:
-            time.sleep(0.1)
+        # The final sweep now waits out a 60 s grace for a process that survives SIGTERM...
+        _wait_file(termed, proc, tmp_path)
         time.sleep(1)
         assert proc.poll() is None and alive(leaked)
         proc.send_signal(signal.SIGINT)  # ...until a second Ctrl-C says: be quick
@@ -404,6 +430,38 @@ def test_second_interrupt_shortens_the_grace_and_keeps_the_sweep(
             proc.kill()
     out = (tmp_path / "inner.out").read_text()
     assert wait_dead([leaked], timeout=2) == [], out
+    document = json.loads(report.read_text())
+    assert [(r["process"]["pid"], r["ended_by"]) for r in document["session_reaped"]] == [
+        (leaked, "SIGKILL")], out
+
+
+def test_ignored_sigint_stays_ignored_in_the_final_sweep(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # pytest run as a background job (``cmd &`` in a script, nohup) starts with SIGINT ignored: whoever
+    # started it chose that a Ctrl-C to the group must not touch it. The sweep's "hurry" handler must not
+    # take SIGINT over; SIGTERM (a cancelled job) still interrupts and still hurries.
+    pidfile, termed = inner(TERM_NOTING_LEAK), tmp_path / "termed"
+    monkeypatch.setenv("LEAK_TERMED", str(termed))
+    report = tmp_path / "report.json"
+    proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "--gpuclean-grace=60",
+                        f"--gpuclean-report={report}", sigint_ignored=True)
+    try:
+        leaked = read_pids(pidfile, timeout=60)[0]
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        _wait_file(termed, proc, tmp_path)  # the sweep is in its 60 s grace
+        proc.send_signal(signal.SIGINT)
+        time.sleep(2)
+        assert proc.poll() is None and alive(leaked), "SIGINT, ignored by the session's starter, hurried it"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)  # far less than the grace
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "inner.out").read_text()
+    assert wait_dead([leaked], timeout=2) == [], out
+    assert code == -signal.SIGTERM, out
     document = json.loads(report.read_text())
     assert [(r["process"]["pid"], r["ended_by"]) for r in document["session_reaped"]] == [
         (leaked, "SIGKILL")], out

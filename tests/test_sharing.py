@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import alive, read_pids, run_inner, wait_dead
+from helpers import alive, children_sigint, read_pids, run_inner, wait_dead
 
 from pytest_gpuclean.devices import SimulatedBackend
 from pytest_gpuclean.locks import HELD_VAR, GpuLocks, LockTimeout
@@ -91,10 +91,11 @@ class Sessions:
         environ = {k: v for k, v in os.environ.items()
                    if not k.startswith(("PYTEST_", "GPUCLEAN_")) and k != "CUDA_VISIBLE_DEVICES"}
         environ.update(env, PYTHONDONTWRITEBYTECODE="1")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider", "-rA",
-             f"--gpuclean-simulate={self.sim}", f"--gpuclean-lock-dir={self.lock_dir}", *args],
-            cwd=self.suite, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with children_sigint():  # a test interrupts a session with SIGINT
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider", "-rA",
+                 f"--gpuclean-simulate={self.sim}", f"--gpuclean-lock-dir={self.lock_dir}", *args],
+                cwd=self.suite, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.started.append(proc)
         return proc
 
