@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -71,6 +73,21 @@ def reap_orphans(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen[Any], timeout: float = 30, *, empty_ok: bool = False,
+                  output: Callable[[], str] | None = None) -> str:
+    """The text of ``path`` once it exists and (unless ``empty_ok``) holds something. Fails at once, with what
+    ``proc`` printed (``output``, by default its stdout pipe), if that process ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and ((text := path.read_text()) or empty_ok):
+            return text
+        if proc.poll() is not None:
+            printed = output() if output is not None else proc.communicate()[0]
+            pytest.fail(f"session ended before writing {path.name}:\n{printed}")
+        time.sleep(0.02)
+    raise AssertionError(f"{path} not written after {timeout}s")
 
 
 @contextlib.contextmanager

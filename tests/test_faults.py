@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import alive, children_sigint, kill_all, read_pids, run_inner, wait_dead
+from helpers import alive, children_sigint, kill_all, read_pids, run_inner, wait_dead, wait_for_file
 
 from pytest_gpuclean import processes, procfs
 from pytest_gpuclean.report import LEAK_PREFIX
@@ -350,9 +350,9 @@ def test_leak_and_hang():
 
 def _start_inner(pytester: pytest.Pytester, tmp_path: Path, *args: str,
                  sigint_ignored: bool = False) -> subprocess.Popen[bytes]:
-    # Not runpytest_subprocess: this test signals the inner pytest while it runs.
+    # Not runpytest_subprocess: this test signals the inner pytest while it runs. Its output goes to a
+    # file, not a pipe: a leak could hold a pipe open.
     with open(tmp_path / "inner.out", "wb") as out, children_sigint(ignored=sigint_ignored):
-        # (a file, not a pipe: a leak could hold a pipe open)
         return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider",
                                  "-rA", *args], cwd=pytester.path, stdout=out, stderr=subprocess.STDOUT)
 
@@ -375,11 +375,31 @@ def test_leak_and_hang():
 """
 
 
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], tmp_path: Path) -> None:
-    deadline = time.monotonic() + 30
-    while not path.exists():
-        assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "inner.out").read_text()
-        time.sleep(0.05)
+@contextlib.contextmanager
+def _in_final_sweep(inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
+                    monkeypatch: pytest.MonkeyPatch, interrupt: int,
+                    sigint_ignored: bool = False) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """An inner session (``--gpuclean-all``, 60 s grace) whose leak survives SIGTERM, interrupted with
+    ``interrupt``: yields (pytest, the leak) while the final sweep waits out its grace. Afterwards the leak
+    must be dead, and reported as reaped by SIGKILL (the sweep's SIGTERM did not end it)."""
+    pidfile, termed = inner(TERM_NOTING_LEAK), tmp_path / "termed"
+    monkeypatch.setenv("LEAK_TERMED", str(termed))
+    report, out = tmp_path / "report.json", tmp_path / "inner.out"
+    proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "--gpuclean-grace=60",
+                        f"--gpuclean-report={report}", sigint_ignored=sigint_ignored)
+    try:
+        leaked = read_pids(pidfile, timeout=60)[0]
+        time.sleep(0.3)
+        proc.send_signal(interrupt)
+        wait_for_file(termed, proc, timeout=30, output=out.read_text)  # the sweep is in its grace
+        yield proc, leaked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert wait_dead([leaked], timeout=2) == [], out.read_text()
+    document = json.loads(report.read_text())
+    assert [(r["process"]["pid"], r["ended_by"]) for r in document["session_reaped"]] == [
+        (leaked, "SIGKILL")], out.read_text()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -410,29 +430,12 @@ def test_signal_to_pytest_runs_the_sweep_and_writes_the_reports(
 def test_second_interrupt_shortens_the_grace_and_keeps_the_sweep(
         inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    pidfile, termed = inner(TERM_NOTING_LEAK), tmp_path / "termed"
-    monkeypatch.setenv("LEAK_TERMED", str(termed))
-    report = tmp_path / "report.json"
-    proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "--gpuclean-grace=60",
-                        f"--gpuclean-report={report}")
-    try:
-        leaked = read_pids(pidfile, timeout=60)[0]
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGINT)
-        # The final sweep now waits out a 60 s grace for a process that survives SIGTERM...
-        _wait_file(termed, proc, tmp_path)
+    # The final sweep waits out a 60 s grace for a process that survives SIGTERM...
+    with _in_final_sweep(inner, pytester, tmp_path, monkeypatch, signal.SIGINT) as (proc, leaked):
         time.sleep(1)
         assert proc.poll() is None and alive(leaked)
         proc.send_signal(signal.SIGINT)  # ...until a second Ctrl-C says: be quick
         proc.wait(30)  # far less than the grace
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = (tmp_path / "inner.out").read_text()
-    assert wait_dead([leaked], timeout=2) == [], out
-    document = json.loads(report.read_text())
-    assert [(r["process"]["pid"], r["ended_by"]) for r in document["session_reaped"]] == [
-        (leaked, "SIGKILL")], out
 
 
 def test_ignored_sigint_stays_ignored_in_the_final_sweep(
@@ -441,30 +444,14 @@ def test_ignored_sigint_stays_ignored_in_the_final_sweep(
     # pytest run as a background job (``cmd &`` in a script, nohup) starts with SIGINT ignored: whoever
     # started it chose that a Ctrl-C to the group must not touch it. The sweep's "hurry" handler must not
     # take SIGINT over; SIGTERM (a cancelled job) still interrupts and still hurries.
-    pidfile, termed = inner(TERM_NOTING_LEAK), tmp_path / "termed"
-    monkeypatch.setenv("LEAK_TERMED", str(termed))
-    report = tmp_path / "report.json"
-    proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "--gpuclean-grace=60",
-                        f"--gpuclean-report={report}", sigint_ignored=True)
-    try:
-        leaked = read_pids(pidfile, timeout=60)[0]
-        time.sleep(0.3)
-        proc.send_signal(signal.SIGTERM)
-        _wait_file(termed, proc, tmp_path)  # the sweep is in its 60 s grace
+    with _in_final_sweep(inner, pytester, tmp_path, monkeypatch, signal.SIGTERM,
+                         sigint_ignored=True) as (proc, leaked):
         proc.send_signal(signal.SIGINT)
         time.sleep(2)
         assert proc.poll() is None and alive(leaked), "SIGINT, ignored by the session's starter, hurried it"
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)  # far less than the grace
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = (tmp_path / "inner.out").read_text()
-    assert wait_dead([leaked], timeout=2) == [], out
-    assert code == -signal.SIGTERM, out
-    document = json.loads(report.read_text())
-    assert [(r["process"]["pid"], r["ended_by"]) for r in document["session_reaped"]] == [
-        (leaked, "SIGKILL")], out
+    assert code == -signal.SIGTERM, (tmp_path / "inner.out").read_text()
 
 
 def test_failing_sessionfinish_of_a_conftest_does_not_skip_the_sweep(

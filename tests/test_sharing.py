@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import alive, children_sigint, read_pids, run_inner, wait_dead
+from helpers import alive, children_sigint, read_pids, run_inner, wait_dead, wait_for_file
 
 from pytest_gpuclean.devices import SimulatedBackend
 from pytest_gpuclean.locks import HELD_VAR, GpuLocks, LockTimeout
@@ -148,17 +148,6 @@ def overlaps(events: list[dict[str, Any]]) -> list[str]:
             if start < end:
                 found.append(f"{uuid}: {first} and {second}")
     return found
-
-
-def wait_for_file(path: Path, proc: subprocess.Popen[str], timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text():
-            return path.read_text()
-        if proc.poll() is not None:
-            pytest.fail(f"session ended before writing {path.name}:\n{proc.communicate()[0]}")
-        time.sleep(0.02)
-    raise AssertionError(f"{path} not written after {timeout}s")
 
 
 def collect(pid: int) -> None:
@@ -496,8 +485,8 @@ def test_runs_until_interrupted():
                                 LEAK_PIDFILE=str(pidfile), SIM=str(sim), STARTED=str(started), SEEN=str(seen),
                                 RELEASE=str(release))
     try:
-        wait_for_file_created(started, controller)
-        wait_for_file_created(seen, controller)
+        wait_for_file(started, controller, timeout=60, empty_ok=True)
+        wait_for_file(seen, controller, timeout=60, empty_ok=True)
         controller.send_signal(signal.SIGINT)
         rc, out = sessions.finish(controller)
     finally:
@@ -510,15 +499,6 @@ def test_runs_until_interrupted():
     assert [p["pid"] for p in tests["test_x.py::test_leaks"]["leaked"]] == [leaked], document
     assert tests["test_x.py::test_leaks"]["outcome"] == "leaked"
     assert document["summary"]["leaked"] == 1
-
-
-def wait_for_file_created(path: Path, proc: subprocess.Popen[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            pytest.fail(f"session ended before {path.name} appeared:\n{proc.communicate()[0]}")
-        assert time.monotonic() < deadline, f"{path} not created after {timeout}s"
-        time.sleep(0.02)
 
 
 # ---- pytest-timeout -------------------------------------------------------------------------------
