@@ -11,6 +11,8 @@
 # $OUT/<part>.json, $OUT/<part>.txt and the logs under $OUT/<part>/ (default OUT=benchmarks/results/peers_gpu).
 # SHARD (default 16) and VLLM_SHARD (default 5) choose the slices (benchmarks/peers/peers_select.py);
 # WAYS (default off,marked,all) the ways run, WAY_TIMEOUT (default 3600) the seconds each may take; each
+# BASELINE=<an earlier run's $OUT/<part>.json> compares with that run's plugin-off way instead of running it
+# (each way in a call of its own: WAYS=off, then WAYS=marked BASELINE=..., then WAYS=all BASELINE=...). Each
 # test gets --timeout=PEER_TEST_TIMEOUT (default 120; pytest-timeout, staged with the wheels): a stuck
 # test costs that long, the same in every way.
 set -uo pipefail
@@ -33,7 +35,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv
 python3 -c 'import torch, pytest; print("torch", torch.__version__, "pytest", pytest.__version__)'
 run=(python3 benchmarks/peers/run_peers.py --out "$OUT/$part.json" --keep-work "$OUT/$part"
-     --ways "${WAYS:-off,marked,all}" --way-timeout "${WAY_TIMEOUT:-3600}"
+     --ways "${WAYS:-off,marked,all}" --way-timeout "${WAY_TIMEOUT:-3600}" ${BASELINE:+--baseline "$BASELINE"}
      --pytest-args="--timeout=${PEER_TEST_TIMEOUT:-120} --durations=15")
 case "$part" in
     torch-gloo) PEERS_SHARE_GPU=1 "${run[@]}" torch --backend gloo --world-size 2 --shard "$SHARD" ;;

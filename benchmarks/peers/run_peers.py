@@ -283,19 +283,30 @@ def main() -> int:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--keep-work", help="keep logs, JUnit XML and reports in this folder")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments (one string)")
+    parser.add_argument("--baseline", help="the --out JSON of an earlier run whose plugin-off way stands in "
+                        "for this run's (each way in a call of its own on the GPU machine: one call is "
+                        "too short for three ways); --ways then need not start with off")
     args = parser.parse_args()
     args.pytest_args = args.pytest_args.split()
     if args.suite == "vllm" and not args.vllm_dir:
         parser.error("vllm needs --vllm-dir")
     ways = [w for w in args.ways.split(",") if w]
-    if ways[0] != "off" or any(w not in WAYS for w in ways):
-        parser.error(f"--ways: start with off, then any of {WAYS}")
+    if any(w not in WAYS for w in ways) or (ways[0] != "off" and not args.baseline):
+        parser.error(f"--ways: start with off (or give --baseline), then any of {WAYS}")
+    baseline = None
+    if args.baseline:
+        with open(args.baseline, encoding="utf-8") as f:
+            baseline = json.load(f)["results"]["off"]
+        ways = [w for w in ways if w != "off"]
 
     set_child_subreaper()
     work = Path(args.keep_work or tempfile.mkdtemp(prefix=f"peers-{args.suite}-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     suite = Suite(args, work)
     results = {way: run_way(suite, way, way) for way in ways}
+    if baseline is not None:
+        results = {"off": baseline, **results}
+        ways = ["off", *ways]
     base = results["off"]["outcomes"]
     failures: list[str] = []
     if not base:
