@@ -10,7 +10,7 @@
 # Each runs three ways (plugin off, every test marked, --gpuclean-all) on the real GPU and writes
 # $OUT/<part>.json, $OUT/<part>.txt and the logs under $OUT/<part>/ (default OUT=benchmarks/results/peers_gpu).
 # SHARD (default 16) and VLLM_SHARD (default 5) choose the slices (benchmarks/peers/peers_select.py);
-# WAYS (default off,marked,all) the ways run, WAY_TIMEOUT (default 3600) the seconds each may take; each
+# WAYS (default off,marked,all) the ways run, WAY_TIMEOUT (default 3600) the seconds each may take.
 # BASELINE=<an earlier run's $OUT/<part>.json> compares with that run's plugin-off way instead of running it
 # (each way in a call of its own: WAYS=off, then WAYS=marked BASELINE=..., then WAYS=all BASELINE=...). Each
 # test gets --timeout=PEER_TEST_TIMEOUT (default 120; pytest-timeout, staged with the wheels): a stuck
