@@ -1,8 +1,10 @@
-"""Simulated GPU memory holders: ``python -m pytest_gpuclean.simulate hold --dir DIR --device N --mib M``.
+"""Simulated GPUs: ``python -m pytest_gpuclean.simulate init DIR --devices N`` makes the devices,
+``python -m pytest_gpuclean.simulate hold --dir DIR --device N --mib M`` holds memory on one.
 
-A holder "allocates" by writing ``DIR/<device>/<pid>`` and keeps the memory until it is killed, like a
-CUDA process: the simulated backend stops counting it the moment the process dies. Tests use it to make
-realistic leakers: children, SIGTERM-ignoring processes and setsid daemons.
+``init`` makes ``DIR/<index>/`` with a ``total`` capacity file for each device (devices.SimulatedBackend
+reads the layout). A holder "allocates" by writing ``DIR/<device>/<pid>`` and keeps the memory until it is
+killed, like a CUDA process: the simulated backend stops counting it the moment the process dies. Tests
+use it to make realistic leakers: children, SIGTERM-ignoring processes and setsid daemons.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import time
 from pathlib import Path
 
 MIB = 1024 * 1024
+# devices.DEFAULT_SIM_TOTAL, what a device without a ``total`` file has; not imported from there: a holder
+# starts in every leak test, and this module imports nothing of the plugin to start quickly.
+DEFAULT_TOTAL_MIB = 80 * 1024
 
 
 def allocate(root: str, device: int, mib: float, pid: int | None = None) -> Path:
@@ -57,6 +62,56 @@ def _hold(args: argparse.Namespace) -> None:
         time.sleep(3600)
 
 
+def init(root: str, count: int, total_mib: int) -> list[Path]:
+    """Make simulated devices ``0..count-1`` of ``total_mib`` MiB in ``root``; returns their folders.
+
+    Idempotent: devices already there keep what they hold (a live holder's allocation stays counted), only
+    their capacity is set. Raises ``ValueError`` (naming the entry) if ``root`` holds anything but device
+    folders, or devices beyond ``count``: that is someone else's directory, or a layout this call would
+    not describe, and either way the devices the plugin then finds would not be the ones asked for.
+    """
+    base = Path(root)
+    if base.exists() and not base.is_dir():
+        raise ValueError(f"{root!r} exists and is not a directory")
+    if base.is_dir():
+        for entry in sorted(base.iterdir()):
+            if not (entry.name.isdigit() and entry.is_dir()):
+                raise ValueError(f"{root!r} holds {entry.name!r}, which is not a simulated device folder "
+                                 "(DIR/<index>/); give a new or empty directory")
+            if int(entry.name) >= count:
+                raise ValueError(f"{root!r} already holds device {entry.name}; --devices {count} would leave "
+                                 "it there (give a new directory, or remove it)")
+    folders = []
+    for index in range(count):
+        folder = base / str(index)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / ".total.tmp"
+        tmp.write_text(str(total_mib * MIB))
+        os.replace(tmp, folder / "total")  # a running session reads it at any time
+        folders.append(folder)
+    return folders
+
+
+def _init(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        init(args.dir, args.devices, args.total_mib)
+    except (ValueError, OSError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    where = os.path.abspath(args.dir)
+    print(f"{args.devices} simulated GPU(s) of {args.total_mib} MiB in {where}; use them with "
+          f"--gpuclean-simulate={where} or GPUCLEAN_SIMULATE={where}")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
 def _daemonize() -> None:
     # The classic double fork: the first child starts a new session and exits, so the holder is an
     # orphan in another session; without a subreaper it would be re-parented to PID 1.
@@ -70,6 +125,11 @@ def _daemonize() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pytest_gpuclean.simulate")
     commands = parser.add_subparsers(dest="command", required=True)
+    make = commands.add_parser("init", help="make simulated devices DIR/0, DIR/1, ... (idempotent)")
+    make.add_argument("dir", metavar="DIR", help="directory of the devices, created if missing")
+    make.add_argument("--devices", type=_positive, default=1, metavar="N", help="how many (default 1)")
+    make.add_argument("--total-mib", type=_positive, default=DEFAULT_TOTAL_MIB, metavar="MIB",
+                      help=f"capacity of each (default {DEFAULT_TOTAL_MIB}, an 80 GB GPU)")
     hold = commands.add_parser("hold", help="hold simulated GPU memory until killed")
     hold.add_argument("--dir", required=True, help="simulated devices directory (GPUCLEAN_SIMULATE)")
     hold.add_argument("--device", type=int, default=0)
@@ -80,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     hold.add_argument("--pidfile", help="append each holder's pid to this file once it holds memory")
     hold.add_argument("--seconds", type=float, help="exit by itself after this many seconds")
     args = parser.parse_args(argv)
+    if args.command == "init":
+        _init(args, make)
+        return 0
     if args.daemonize:
         _daemonize()
     _hold(args)
