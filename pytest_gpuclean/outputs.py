@@ -8,6 +8,7 @@ controller's junitxml) and the controller writes everything else from the record
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import socket
@@ -210,12 +211,41 @@ def _report_path(value: str, source: str, base: Path) -> Path:
     if path.is_dir():
         raise pytest.UsageError(f"{REPORT_OPTION}: {value!r} is a directory; give a file path ({source})")
     if not path.parent.is_dir():
-        raise pytest.UsageError(
-            f"{REPORT_OPTION}: directory {str(path.parent)!r} does not exist ({source})")
+        _make_report_dir(path.parent, source)
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise pytest.UsageError(
             f"{REPORT_OPTION}: directory {str(path.parent)!r} is not writable ({source})")
     return path
+
+
+def _make_report_dir(directory: Path, source: str) -> None:
+    # As --junitxml does: CI's documented command names a reports/ directory a fresh checkout lacks. Made
+    # now, not when the report is written, so that a directory that cannot be made fails at start-up; and
+    # one level at a time, so that a failure half-way removes what this made and leaves nothing behind.
+    missing: list[Path] = []
+    for candidate in (directory, *directory.parents):
+        if candidate.is_dir():
+            break
+        if candidate.exists() or candidate.is_symlink():
+            raise pytest.UsageError(f"{REPORT_OPTION}: cannot create directory {str(directory)!r}: "
+                                    f"{str(candidate)!r} is not a directory ({source})")
+        missing.append(candidate)
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                if not folder.is_dir():
+                    raise
+                continue  # made by someone else meanwhile: theirs, not ours to remove
+            made.append(folder)
+    except OSError as exc:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise pytest.UsageError(f"{REPORT_OPTION}: cannot create directory {str(directory)!r}: "
+                                f"{exc.strerror or exc} ({source})") from None
 
 
 class StartedSession(Protocol):

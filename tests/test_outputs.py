@@ -199,25 +199,44 @@ def test_removes_the_report_directory():
     result.stdout.fnmatch_lines(["gpuclean: could not write the report */out/report.json: *"])
 
 
+def test_the_report_directory_is_made_as_junitxml_makes_its_own(inner: Callable[[str], Path],
+                                                                 pytester: pytest.Pytester) -> None:
+    # The CI command docs/ci.md gives, on a fresh checkout that has no reports/ directory.
+    inner(LEAKS_AND_CLEAN)
+    result = run_inner(pytester, "--gpuclean-report=reports/gpu/gpuclean.json",
+                       "--junitxml=reports/junit.xml", "--gpuclean-grace=2")
+    result.assert_outcomes(passed=3, errors=1)
+    document = json.loads((pytester.path / "reports" / "gpu" / "gpuclean.json").read_text())
+    validate(document)
+    assert document["summary"]["leaked"] == 1
+    assert (pytester.path / "reports" / "junit.xml").is_file()
+
+
+LONG_NAME = "x" * 300  # over NAME_MAX: its mkdir fails after reports/ was made
+
+
 @pytest.mark.parametrize(("args", "env", "message"), [
-    (["--gpuclean-report=missing/report.json"], {},
-     "ERROR: --gpuclean-report: directory '*/missing' does not exist (from the command line)"),
     (["--gpuclean-report=."], {},
      "ERROR: --gpuclean-report: '.' is a directory; give a file path (from the command line)"),
-    ([], {"GPUCLEAN_REPORT": "missing/r.json"},
-     "ERROR: --gpuclean-report: directory '*/missing' does not exist (from environment variable "
-     "GPUCLEAN_REPORT)"),
+    (["--gpuclean-report=afile/sub/report.json"], {},
+     "ERROR: --gpuclean-report: cannot create directory '*/afile/sub': '*/afile' is not a directory "
+     "(from the command line)"),
+    ([], {"GPUCLEAN_REPORT": f"reports/{LONG_NAME}/r.json"},
+     "ERROR: --gpuclean-report: cannot create directory '*/reports/xxx*': File name too long (from "
+     "environment variable GPUCLEAN_REPORT)"),
 ])
 def test_a_bad_report_path_is_a_usage_error_at_startup(
         inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
         args: list[str], env: dict[str, str], message: str) -> None:
     inner(LEAKS_AND_CLEAN)
+    (pytester.path / "afile").write_text("")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     result = run_inner(pytester, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
-    assert not (pytester.path / "missing").exists()
+    assert (pytester.path / "afile").read_text() == ""
+    assert not (pytester.path / "reports").exists()  # what it made before the failure is gone again
     assert not (pytester.path / "leak.pids").exists()  # no test ran
 
 
