@@ -86,11 +86,19 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _device_list(text: str) -> str:
-    from pytest_gpuclean.devices import parse_device_list  # only when the option is set: see SCOPES
+    from pytest_gpuclean.devices import parse_device_list, repeated_tokens  # only when set: see SCOPES
 
     # An empty list would check nothing while looking like a choice: refuse it rather than guess.
-    if not parse_device_list(text):
+    tokens = parse_device_list(text)
+    if not tokens:
         raise ValueError(f"{text!r} names no device")
+    # A device listed twice is a slip (which one was meant?); this much is plain without the devices, an
+    # index and the same GPU's UUID only once they are read (devices.select_devices).
+    repeated = repeated_tokens(tokens)
+    if repeated is not None:
+        first, second = repeated
+        raise ValueError(f"{text!r} lists {first!r} twice" if first == second
+                         else f"{text!r} names one device twice ({first!r} and {second!r})")
     return text
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import alive, run_inner, wait_dead
 
+from pytest_gpuclean.devices import simulated_uuid
 from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda
 
@@ -389,6 +390,41 @@ def test_a():
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert alive(bystander)  # no stray kill on the way out
+
+
+@pytest.mark.parametrize(("args", "env", "ini", "message"), [
+    (["--gpuclean-devices=99"], {}, "",
+     "ERROR: --gpuclean-devices: device 99 does not exist (2 device(s) found) (from the command line)"),
+    (["--co"], {"GPUCLEAN_DEVICES": "GPU-nope"}, "",
+     "ERROR: --gpuclean-devices: no device has a UUID starting with 'GPU-nope' (from environment variable "
+     "GPUCLEAN_DEVICES)"),
+    ([], {"GPUCLEAN_DEVICES": "0,0"}, "",
+     "ERROR: --gpuclean-devices: '0,0' lists '0' twice (from environment variable GPUCLEAN_DEVICES)"),
+    ([], {}, "gpuclean_devices = 1,{uuid1}",
+     "ERROR: --gpuclean-devices: '1' and 'GPU-*' name the same device (GPU 1, GPU-*); list each device "
+     "once (from ini option gpuclean_devices in *tox.ini)"),
+])
+def test_a_bad_device_list_stops_a_session_that_checks_nothing(
+        pytester: pytest.Pytester, sim: Path, monkeypatch: pytest.MonkeyPatch, args: list[str],
+        env: dict[str, str], ini: str, message: str) -> None:
+    # README: a bad value stops pytest at start-up, whether or not a selected test is checked.
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini.format(uuid1=simulated_uuid(sim, 1))}\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = run_inner(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    result.stdout.no_fnmatch_line("*passed*")
+
+
+def test_a_good_device_list_in_a_session_that_checks_nothing_starts_nothing(
+        pytester: pytest.Pytester, sim: Path) -> None:
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = run_inner(pytester, f"--gpuclean-devices=1,{simulated_uuid(sim, 0)}")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("gpuclean:*")  # checked, but not started: no header
 
 
 def test_bad_marker_argument_errors_that_test(inner: Callable[[str], Path],

@@ -62,6 +62,11 @@ def test_repeated_and_multi_line_patterns_are_joined() -> None:
     ({}, {"GPUCLEAN_REAP": "maybe"},
      "--gpuclean-reap: 'maybe' is not one of on, off (from environment variable GPUCLEAN_REAP)"),
     ({"gpuclean_devices": ","}, {}, "--gpuclean-devices: ',' names no device (from the command line)"),
+    ({"gpuclean_devices": "0,1,0"}, {},
+     "--gpuclean-devices: '0,1,0' lists '0' twice (from the command line)"),
+    ({}, {"GPUCLEAN_DEVICES": "GPU-ab,gpu-abc"},
+     "--gpuclean-devices: 'GPU-ab,gpu-abc' names one device twice ('GPU-ab' and 'gpu-abc') (from "
+     "environment variable GPUCLEAN_DEVICES)"),
     ({"gpuclean_all": "sometimes"}, {},
      "--gpuclean-all: 'sometimes' is not a boolean (use true/false, 1/0, yes/no) (from the command line)"),
 ])
