@@ -14,6 +14,7 @@ end of the collection, and only if a collected test is to be checked.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -32,6 +33,7 @@ from pytest_gpuclean.cookie import (
 
 if TYPE_CHECKING:
     from pytest_gpuclean.devices import Backend, NvmlOpening, Selection
+    from pytest_gpuclean.findings import Reaped
     from pytest_gpuclean.model import DeviceSnapshot
     from pytest_gpuclean.session import CheckedSession
     from pytest_gpuclean.signals import SigtermAsInterrupt
@@ -252,8 +254,32 @@ class GpuCleanPlugin:
         self._sigterm.install()
 
     def close(self) -> None:
-        if self.session is not None:
-            self.session.close(controller=self.controller)
+        try:
+            late = self.session.close(controller=self.controller) if self.session is not None else []
+            if late:
+                self._report_late(late)
+        finally:
+            self._close_rest()
+
+    def _report_late(self, late: list[Reaped]) -> None:
+        # The very last sweep runs after the terminal summary and the report (a plugin's or conftest's
+        # pytest_unconfigure may still stop what it started): its line comes last, and the report is
+        # written again, whole, with it in ``session_reaped``.
+        from pytest_gpuclean.report import set_up_reaped_line
+
+        line = set_up_reaped_line(late)
+        # An xdist worker's terminal goes nowhere: its stderr reaches the controller's.
+        reporter = (None if hasattr(self.config, "workerinput")
+                    else self.config.pluginmanager.get_plugin("terminalreporter"))
+        if reporter is not None:
+            reporter.write_line(line)  # on a line of its own, after the summary
+        else:
+            sys.stderr.write(line + "\n")
+        outputs = self.config.pluginmanager.get_plugin(PLUGIN_NAME + "-outputs")
+        if outputs is not None:
+            outputs.add_late(late)
+
+    def _close_rest(self) -> None:
         restore_env(COOKIE_VAR, self._cookie.previous[0])
         restore_env(OWNER_VAR, self._cookie.previous[1])
         if self.session is not None:

@@ -146,9 +146,10 @@ class CheckedSession:
         for reaped in found.session_reaped:
             found.found_later(reaped)
 
-    def close(self, *, controller: bool) -> None:
+    def close(self, *, controller: bool) -> list[Reaped]:
         """After every pytest_unconfigure: reap what the session set-up started (a conftest's server, a
-        plugin's daemon) and its owner did not stop, which would otherwise outlive pytest."""
+        plugin's daemon) and its owner did not stop, which would otherwise outlive pytest. What it reaped
+        joins the session's ``session_reaped``; the plugin says so and has the report written again."""
         if self.cluster is not None:
             self.cluster.stop()
         try:
@@ -156,11 +157,8 @@ class CheckedSession:
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
             late = []
             sys.stderr.write(f"gpuclean: the last sweep failed: {exc!r}\n")
-        if late:
-            sys.stderr.write(f"gpuclean: reaped {len(late)} process(es) of the session set-up (conftest, "
-                             "plugins) still alive after pytest_unconfigure: "
-                             + ", ".join(f"pid {r.process.pid} {r.how_ended} "
-                                         f"({report.one_line(r.process.cmdline, 60)})" for r in late) + "\n")
+        self.found.session_reaped.extend(late)
+        return late
 
     def close_backend(self) -> None:
         """Stop the checker and close the device backend (after the environment is restored)."""
