@@ -427,6 +427,26 @@ def test_a_good_device_list_in_a_session_that_checks_nothing_starts_nothing(
     result.stdout.no_fnmatch_line("gpuclean:*")  # checked, but not started: no header
 
 
+def test_path_options_expand_a_tilde(pytester: pytest.Pytester, sim: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The command line, the environment and the ini file alike: no shell expands ``~`` after ``=``.
+    home = tmp_path / "home"
+    home.mkdir()
+    sim.rename(home / "sim")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("GPUCLEAN_LOCK_DIR", "~/locks")
+    monkeypatch.delenv("GPUCLEAN_SIMULATE")
+    pytester.makeini("[pytest]\ngpuclean_report = ~/reports/gpuclean.json\n")
+    pytester.makepyfile(test_marked="import pytest\n\n@pytest.mark.needs_clean_gpus\ndef test_gpu():\n"
+                                    "    pass\n")
+    result = run_inner(pytester, "--gpuclean-simulate=~/sim")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpuclean: simulated devices *checking 2*"])
+    assert (home / "reports" / "gpuclean.json").is_file()
+    assert any((home / "locks").iterdir())
+    assert not (pytester.path / "~").exists()
+
+
 def test_bad_marker_argument_errors_that_test(inner: Callable[[str], Path],
                                               pytester: pytest.Pytester) -> None:
     inner("""
