@@ -317,6 +317,9 @@ class GpuCleanPlugin:
             session.config.pluginmanager.unregister(self)
             session.config.pluginmanager.register(_IdleSession(self), PLUGIN_NAME + "-idle")
 
+    # tryfirst: pytest prints the header hooks' lines in the reverse of their call order, and this plugin
+    # was registered before the terminal reporter; called first, its lines come after rootdir: and plugins:.
+    @pytest.hookimpl(tryfirst=True)
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         return self.session.header_lines() if self.session is not None else []
 

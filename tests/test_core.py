@@ -447,6 +447,21 @@ def test_path_options_expand_a_tilde(pytester: pytest.Pytester, sim: Path, tmp_p
     assert not (pytester.path / "~").exists()
 
 
+@pytest.mark.parametrize("xdist", [(), ("-n", "1")], ids=["plain", "xdist"])
+def test_the_device_header_comes_after_pytests_own(pytester: pytest.Pytester, sim: Path,
+                                                   xdist: tuple[str, ...]) -> None:
+    pytester.makepyfile(test_marked="import pytest\n\n@pytest.mark.needs_clean_gpus\ndef test_gpu():\n"
+                                    "    pass\n")
+    result = run_inner(pytester, *xdist)
+    result.assert_outcomes(passed=1)
+    lines = result.stdout.lines
+    rootdir = next(i for i, line in enumerate(lines) if line.startswith("rootdir: "))
+    plugins = next(i for i, line in enumerate(lines) if line.startswith("plugins: "))
+    header = [i for i, line in enumerate(lines) if line.startswith("gpuclean: simulated devices")]
+    assert len(header) == 1
+    assert rootdir < plugins < header[0], "\n".join(lines)
+
+
 def test_bad_marker_argument_errors_that_test(inner: Callable[[str], Path],
                                               pytester: pytest.Pytester) -> None:
     inner("""
