@@ -301,7 +301,8 @@ class GpuCleanPlugin:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         # The end of the collection: start if anything will be checked, or if a report was asked for (the
         # session is then watched: what its unmarked tests leave behind is reaped and reported). Not for
-        # --collect-only, nor when collection errors stop the run before any test.
+        # --collect-only, nor when collection errors stop the run before any test. A session that does not
+        # start still holds an explicit device list against the devices (check_device_list).
         if self.started or self.controller:
             return
         if session.config.option.collectonly or (
