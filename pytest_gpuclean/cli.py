@@ -3,7 +3,7 @@
 * ``gpuclean status [--json]``: what each GPU holds, and who.
 * ``gpuclean check [--wait S] [--json]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or
   driver error.
-* ``gpuclean reap [--dry-run]``: post-job cleanup of the invoking user's GPU processes (and of the
+* ``gpuclean reap [--dry-run] [--json]``: post-job cleanup of the invoking user's GPU processes (and of the
   processes carrying a ``--cookie``), with the plugin's TERM -> grace -> KILL ladder.
 
 Nothing here talks to NVML or signals a process itself: devices come from ``devices.open_backend``,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import sys
@@ -401,10 +402,31 @@ def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[i
     return reaped, all_released
 
 
+def reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str | None, dry_run: bool,
+              targets: dict[int, _Target], left_alone: Sequence[str], notes: Sequence[str],
+              reaped: Sequence[Reaped], released_s: float | None) -> dict[str, Any]:
+    """``gpuclean reap --json``: the ``status --json`` document of the devices as last read (after the
+    reaping; before it with ``--dry-run`` or nothing to end), what it set out to end (``targets``: with
+    ``--dry-run``, what it would end), how each one ended, what it left alone and why."""
+    return {**_status_json(found, snaps, _described(snaps)), "cookie": cookie, "dry_run": dry_run,
+            "targets": [{"process": jsonreport.process_json(t.info), "found_by": t.found_by,
+                         "mib_per_device": jsonreport.mib_pairs_json(t.mib)}
+                        for _pid, t in sorted(targets.items())],
+            "reaped": [jsonreport.reaped_json(r) for r in reaped],
+            "survived": [r.process.pid for r in reaped if r.ended_by == "survived"],
+            "release_s": None if released_s is None else round(released_s, 6),
+            "left_alone": list(left_alone), "notes": list(notes)}
+
+
 def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
-    """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers)."""
+    """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers); ``--json``
+    for machines."""
     address, ray_resolved = _ray_settings(args, "grace")
     if address is not None:
+        if args.json:
+            # Not built for a cluster yet: a hook that asked for JSON must not get text it cannot parse.
+            raise CliError(f"--json is not available with --ray {ray_resolved.ray} "
+                           f"({ray_resolved.sources.get('ray', '')}) yet; use the text output")
         from pytest_gpuclean import cli_ray
 
         return _ray_command(lambda: cli_ray.cmd_reap(args, out, ray_resolved, address))
@@ -431,33 +453,46 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
                 targets[debris.pid] = _Target(info, "dead session", mib_of(debris.pid, snaps))
                 debris_notes.append(f"pid {debris.pid}: left by {debris.debris_of.describe()}"
                                     + (f", spawned by {debris.owner_name}" if debris.owner_name else ""))
+        text: TextIO = io.StringIO() if args.json else out  # with --json, the document alone, at the end
+
+        def account(now: Sequence[DeviceSnapshot], reaped: Sequence[Reaped] = (),
+                    released_s: float | None = None) -> None:
+            if args.json:
+                _print_json(reap_json(found, now, cookie=args.cookie, dry_run=args.dry_run, targets=targets,
+                                      left_alone=left_alone, notes=debris_notes, reaped=reaped,
+                                      released_s=released_s), out)
+
         print(f"{PROG} reap: {_header(found)}" + (f"; cookie {args.cookie!r}" if args.cookie else ""),
-              file=out)
+              file=text)
         for line in left_alone:
-            print(f"  left alone: {line}", file=out)
+            print(f"  left alone: {line}", file=text)
         for line in debris_notes:
-            print(f"  dead session: {line}", file=out)
+            print(f"  dead session: {line}", file=text)
         if not targets:
-            print(f"{PROG} reap: nothing to end", file=out)
+            print(f"{PROG} reap: nothing to end", file=text)
+            account(snaps)
             return EXIT_CLEAN
         if args.dry_run:
-            print(f"{PROG} reap: --dry-run: would end {len(targets)} process(es):", file=out)
+            print(f"{PROG} reap: --dry-run: would end {len(targets)} process(es):", file=text)
             for pid, target in sorted(targets.items()):
                 print(f"  pid {pid} (user {target.info.user}, found as {target.found_by}): held "
-                      f"{report.mib_list(target.mib) or 'no GPU memory'}", file=out)
-                print(f"      cmd: {_cmd(target.info.cmdline)}", file=out)
+                      f"{report.mib_list(target.mib) or 'no GPU memory'}", file=text)
+                print(f"      cmd: {_cmd(target.info.cmdline)}", file=text)
+            account(snaps)
             return EXIT_CLEAN
         reaped, released_s = reap_targets(checker, found.chosen, targets)
         print(f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {resolved.grace:g}s):",
-              file=out)
+              file=text)
         for item in reaped:
             for line in report.reaped_lines(item):
-                print(line, file=out)
+                print(line, file=text)
         if released_s is not None:
             print(f"{PROG} reap: the driver released their GPU memory {released_s:.2f}s after the first "
-                  "signal", file=out)
-        for snap in checker.snapshot(found.chosen):
-            print("  now: " + report.device_line(snap), file=out)
+                  "signal", file=text)
+        now = checker.snapshot(found.chosen)
+        for snap in now:
+            print("  now: " + report.device_line(snap), file=text)
+        account(now, reaped, released_s)
     survived = [r for r in reaped if r.ended_by == "survived"]
     return EXIT_DIRTY if survived else EXIT_CLEAN
 
@@ -520,6 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "killed) left behind, on a GPU or not; each names its session")
     reap.add_argument("--all-users", action="store_true",
                       help="root only: also end other users' processes on the devices")
+    reap.add_argument("--json", action="store_true",
+                      help="print what it ended (or, with --dry-run, would end) as JSON: the status --json "
+                           "document of the devices afterwards plus targets, reaped, survived, release_s, "
+                           "left_alone, notes")
     return parser
 
 

@@ -473,6 +473,7 @@ def select_devices(
     """
     by_uuid = {d.uuid.lower(): d for d in available}
     chosen: list[DeviceInfo] = []
+    named_by: list[str] = []
     for token in parse_device_list(spec):
         device: DeviceInfo | None
         if token.isdigit():
@@ -493,9 +494,31 @@ def select_devices(
             if len(matches) > 1:
                 raise DeviceSelectionError(f"UUID prefix {token!r} is ambiguous ({len(matches)} devices)")
             device = matches[0]
-        if device not in chosen:
-            chosen.append(device)
+        if device in chosen:
+            if not cuda_ordinals:
+                # An explicit list means one check per device: a device named twice (an index and its
+                # UUID) is a slip in the list, and guessing which one was meant would hide it.
+                earlier = named_by[chosen.index(device)]
+                raise DeviceSelectionError(f"{earlier!r} and {token!r} name the same device ({device.label}, "
+                                           f"{device.uuid}); list each device once")
+            continue  # CUDA_VISIBLE_DEVICES is the environment's, not ours to correct: one device
+        chosen.append(device)
+        named_by.append(token)
     return tuple(chosen)
+
+
+def repeated_tokens(tokens: Sequence[str]) -> tuple[str, str] | None:
+    """Two tokens of a device list that name the same device whatever the devices are, or None: the same
+    index (``0,00``), or the same UUID or one a prefix of the other, case aside (a UUID prefix names a
+    single device or is an error). Needs no backend."""
+    for i, later in enumerate(tokens):
+        for earlier in tokens[:i]:
+            if earlier.isdigit() != later.isdigit():
+                continue  # an index and a UUID: only the devices can tell
+            a, b = earlier.lower(), later.lower()
+            if int(a) == int(b) if a.isdigit() else a.startswith(b) or b.startswith(a):
+                return earlier, later
+    return None
 
 
 def cuda_order_matches_nvml(available: Sequence[DeviceInfo]) -> bool:

@@ -8,6 +8,7 @@ controller's junitxml) and the controller writes everything else from the record
 
 from __future__ import annotations
 
+import contextlib
 import html
 import os
 import socket
@@ -210,12 +211,41 @@ def _report_path(value: str, source: str, base: Path) -> Path:
     if path.is_dir():
         raise pytest.UsageError(f"{REPORT_OPTION}: {value!r} is a directory; give a file path ({source})")
     if not path.parent.is_dir():
-        raise pytest.UsageError(
-            f"{REPORT_OPTION}: directory {str(path.parent)!r} does not exist ({source})")
+        _make_report_dir(path.parent, source)
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise pytest.UsageError(
             f"{REPORT_OPTION}: directory {str(path.parent)!r} is not writable ({source})")
     return path
+
+
+def _make_report_dir(directory: Path, source: str) -> None:
+    # As --junitxml does: CI's documented command names a reports/ directory a fresh checkout lacks. Made
+    # now, not when the report is written, so that a directory that cannot be made fails at start-up; and
+    # one level at a time, so that a failure half-way removes what this made and leaves nothing behind.
+    missing: list[Path] = []
+    for candidate in (directory, *directory.parents):
+        if candidate.is_dir():
+            break
+        if candidate.exists() or candidate.is_symlink():
+            raise pytest.UsageError(f"{REPORT_OPTION}: cannot create directory {str(directory)!r}: "
+                                    f"{str(candidate)!r} is not a directory ({source})")
+        missing.append(candidate)
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            try:
+                folder.mkdir()
+            except FileExistsError:
+                if not folder.is_dir():
+                    raise
+                continue  # made by someone else meanwhile: theirs, not ours to remove
+            made.append(folder)
+    except OSError as exc:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise pytest.UsageError(f"{REPORT_OPTION}: cannot create directory {str(directory)!r}: "
+                                f"{exc.strerror or exc} ({source})") from None
 
 
 class StartedSession(Protocol):
@@ -291,6 +321,9 @@ class OutputHooks:
         self.junit = bool(config.getoption("xmlpath", None))
         self.started = time.time()
         self._merged: records.Merged | None = None
+        self._session: pytest.Session | None = None
+        """Set once the outputs were written at the session's end."""
+        self._ray: jsonreport.JsonDict | None = None
 
     def per_test(self) -> bool:
         """Whether ``PerTestOutputs`` has work (an xdist controller is known to be one at its session's
@@ -319,8 +352,15 @@ class OutputHooks:
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
                          "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu},
             "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
-            **_ray_session_json(started, self.found),
+            **self._ray_part(started),
         }
+
+    def _ray_part(self, started: StartedSession | None) -> jsonreport.JsonDict:
+        # As at the first write: the Ray cluster's very last sweep, after pytest_unconfigure, is printed on
+        # stderr (docs/multinode.md), and a report written again for the local one does not take it in.
+        if self._ray is None:
+            self._ray = _ray_session_json(started, self.found)
+        return self._ray
 
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
@@ -337,25 +377,56 @@ class OutputHooks:
                 self._write(session)
 
     def _write(self, session: pytest.Session) -> None:
+        self._session = session
         self._merged = merged = self.found.merged()
-        if self.report_path is not None:
-            from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+        self._write_report(session, merged)
+        if self.github and (merged.records or merged.session_reaped):
+            self._append_step_summary(session, step_summary(merged.records, merged.session_reaped))
 
-            document = jsonreport.report_document(
-                records=merged.records, session_reaped=merged.session_reaped, notes=merged.notes,
-                session=self._session_json(session.exitstatus))
-            try:
-                jsonreport.write_atomic(self.report_path, document)
-            except OSError as exc:
-                self._complain(session, f"gpuclean: could not write the report {self.report_path}: {exc}")
+    def _write_report(self, session: pytest.Session, merged: records.Merged) -> None:
+        if self.report_path is None:
+            return
+        from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+
+        document = jsonreport.report_document(
+            records=merged.records, session_reaped=merged.session_reaped, notes=merged.notes,
+            session=self._session_json(session.exitstatus))
+        try:
+            jsonreport.write_atomic(self.report_path, document)
+        except OSError as exc:
+            self._complain(session, f"gpuclean: could not write the report {self.report_path}: {exc}")
+
+    def _append_step_summary(self, session: pytest.Session, text: str) -> None:
         summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
-        if self.github and summary_file and (merged.records or merged.session_reaped):
-            try:
-                with open(summary_file, "a", encoding="utf-8") as f:
-                    f.write(step_summary(merged.records, merged.session_reaped))
-            except OSError as exc:
-                self._complain(session, f"gpuclean: could not append to GITHUB_STEP_SUMMARY "
-                                        f"{summary_file}: {exc}")
+        if not summary_file:
+            return
+        try:
+            with open(summary_file, "a", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            self._complain(session, f"gpuclean: could not append to GITHUB_STEP_SUMMARY "
+                                    f"{summary_file}: {exc}")
+
+    def add_late(self, late: Sequence[Reaped]) -> None:
+        """The very last sweep (after every pytest_unconfigure) reaped ``late``, already in the session's
+        ``session_reaped``: write the report again with them, whole and atomically as before (a reader
+        sees the first report or this one), and tell GitHub. Only after the outputs were written once; an
+        xdist worker's last sweep comes after it sent its findings, and is only printed."""
+        session = self._session
+        if self.worker or session is None:
+            return
+        self._merged = merged = self.found.merged()
+        self._write_report(session, merged)
+        if self.github:
+            writer = session.config.pluginmanager.get_plugin("terminalreporter")
+            for line in annotation_lines((), late, self._github_path):
+                if writer is not None:
+                    writer.write_line(line)
+                else:
+                    print(line)
+            self._append_step_summary(session, "\nReaped after pytest_unconfigure (the session set-up's): "
+                                      + _cell(", ".join(f"pid {r.process.pid} {r.how_ended}" for r in late))
+                                      + "\n")
 
     def _complain(self, session: pytest.Session, message: str) -> None:
         # The tests ran, but CI would miss the output it relies on: fail the run, loudly.

@@ -14,6 +14,7 @@ end of the collection, and only if a collected test is to be checked.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -31,6 +32,8 @@ from pytest_gpuclean.cookie import (
 )
 
 if TYPE_CHECKING:
+    from pytest_gpuclean.devices import Backend, NvmlOpening, Selection
+    from pytest_gpuclean.findings import Reaped
     from pytest_gpuclean.model import DeviceSnapshot
     from pytest_gpuclean.session import CheckedSession
     from pytest_gpuclean.signals import SigtermAsInterrupt
@@ -142,6 +145,49 @@ def pytest_configure(config: pytest.Config) -> None:
         plugin.register_outputs()
 
 
+def open_devices(resolved: settings.Settings, opening: NvmlOpening | None = None) -> Backend:
+    """The device backend the options name (``opening``: NVML's start, begun earlier). Raises
+    ``devices.BackendUnavailable`` (no driver), or ``pytest.UsageError`` for unusable simulated devices."""
+    from pytest_gpuclean import devices
+
+    try:
+        return devices.open_backend(resolved.simulate, opening)
+    except devices.SimulationError as exc:
+        raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({resolved.sources.get('simulate')})") from None
+
+
+def select_devices(backend: Backend, resolved: settings.Settings) -> Selection:
+    """The devices to check; ``pytest.UsageError`` for a list that names a device the backend lacks, or one
+    device twice."""
+    from pytest_gpuclean import devices
+
+    try:
+        return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
+                                      option=settings.option("devices").cli)
+    except devices.DeviceSelectionError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def check_device_list(config: pytest.Config, resolved: settings.Settings) -> None:
+    """An explicit ``--gpuclean-devices`` (command line, environment or ini) is checked against the
+    devices in every session, not only in one that starts checking: a bad list stops pytest before its
+    first test, as README says. That costs this session one opening of the backend (NVML: ~40 ms on an
+    H200, docs/gpu.md run 32); a session without the option opens nothing. An xdist worker leaves it to
+    its controller, which checked the list when it started."""
+    if not resolved.explicit("devices") or hasattr(config, "workerinput"):
+        return
+    from pytest_gpuclean import devices
+
+    try:
+        backend = open_devices(resolved)
+    except devices.BackendUnavailable:
+        return  # no driver: nothing to hold the list against (a checked test would be skipped)
+    try:
+        select_devices(backend, resolved)
+    finally:
+        backend.close()
+
+
 class GpuCleanPlugin:
     """The session's hooks. They delegate to the started session (``session.CheckedSession``, made at
     ``start``), which keeps the records in ``config.stash`` (``records.SessionRecords``)."""
@@ -208,8 +254,32 @@ class GpuCleanPlugin:
         self._sigterm.install()
 
     def close(self) -> None:
-        if self.session is not None:
-            self.session.close(controller=self.controller)
+        try:
+            late = self.session.close(controller=self.controller) if self.session is not None else []
+            if late:
+                self._report_late(late)
+        finally:
+            self._close_rest()
+
+    def _report_late(self, late: list[Reaped]) -> None:
+        # The very last sweep runs after the terminal summary and the report (a plugin's or conftest's
+        # pytest_unconfigure may still stop what it started): its line comes last, and the report is
+        # written again, whole, with it in ``session_reaped``.
+        from pytest_gpuclean.report import set_up_reaped_line
+
+        line = set_up_reaped_line(late)
+        # An xdist worker's terminal goes nowhere: its stderr reaches the controller's.
+        reporter = (None if hasattr(self.config, "workerinput")
+                    else self.config.pluginmanager.get_plugin("terminalreporter"))
+        if reporter is not None:
+            reporter.write_line(line)  # on a line of its own, after the summary
+        else:
+            sys.stderr.write(line + "\n")
+        outputs = self.config.pluginmanager.get_plugin(PLUGIN_NAME + "-outputs")
+        if outputs is not None:
+            outputs.add_late(late)
+
+    def _close_rest(self) -> None:
         restore_env(COOKIE_VAR, self._cookie.previous[0])
         restore_env(OWNER_VAR, self._cookie.previous[1])
         if self.session is not None:
@@ -231,19 +301,26 @@ class GpuCleanPlugin:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         # The end of the collection: start if anything will be checked, or if a report was asked for (the
         # session is then watched: what its unmarked tests leave behind is reaped and reported). Not for
-        # --collect-only, nor when collection errors stop the run before any test.
-        if self.started or self.controller or session.config.option.collectonly:
+        # --collect-only, nor when collection errors stop the run before any test. A session that does not
+        # start still holds an explicit device list against the devices (check_device_list).
+        if self.started or self.controller:
             return
-        if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        if session.config.option.collectonly or (
+                session.testsfailed and not session.config.option.continue_on_collection_errors):
+            check_device_list(self.config, self.settings)
             return
         if self.settings.report or any(self._should_check(item) for item in session.items):
             self.start()
         else:
+            check_device_list(self.config, self.settings)
             # Nothing to check: off the hooks that run for every test, in favour of one that notices a
             # test that is checked after all.
             session.config.pluginmanager.unregister(self)
             session.config.pluginmanager.register(_IdleSession(self), PLUGIN_NAME + "-idle")
 
+    # tryfirst: pytest prints the header hooks' lines in the reverse of their call order, and this plugin
+    # was registered before the terminal reporter; called first, its lines come after rootdir: and plugins:.
+    @pytest.hookimpl(tryfirst=True)
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         return self.session.header_lines() if self.session is not None else []
 

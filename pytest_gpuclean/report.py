@@ -177,6 +177,14 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
     return lines
 
 
+def set_up_reaped_line(late: Sequence[Reaped]) -> str:
+    """What the very last sweep (after every pytest_unconfigure) reaped of the session set-up."""
+    return (f"gpuclean: reaped {len(late)} process(es) of the session set-up (conftest, plugins) still alive "
+            "after pytest_unconfigure: "
+            + ", ".join(f"pid {r.process.pid} {r.how_ended} ({one_line(r.process.cmdline, 60)})"
+                        for r in late))
+
+
 def cluster_parts(record: TestRecord) -> list[str]:
     """The Ray cluster's part of a test's summary line: per node, what was ended and how (``ray.kill`` or
     the signal ladder), what is still there, and how long the node's devices took to let go."""

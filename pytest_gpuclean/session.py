@@ -23,7 +23,7 @@ from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, restore
 from pytest_gpuclean.locks import GpuLocks
 from pytest_gpuclean.model import MIB, DeviceInfo, Owner
 from pytest_gpuclean.ownership import SESSION_OWNER
-from pytest_gpuclean.plugin import MARKER, GpuCleanWarning
+from pytest_gpuclean.plugin import MARKER, GpuCleanWarning, open_devices, select_devices
 from pytest_gpuclean.signals import quiet_interrupts
 from pytest_gpuclean.testcheck import ItemChecks
 
@@ -57,12 +57,9 @@ class CheckedSession:
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
         try:
-            self.backend = devices.open_backend(resolved.simulate, opening)
+            self.backend = open_devices(resolved, opening)
         except devices.BackendUnavailable as exc:
             self.unavailable = str(exc)
-        except devices.SimulationError as exc:
-            source = resolved.sources.get("simulate")
-            raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({source})") from None
         try:
             self._open(exported)
         except BaseException:
@@ -74,7 +71,7 @@ class CheckedSession:
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings
         if self.backend is not None:
-            selection = _select_devices(self.backend, resolved)
+            selection = select_devices(self.backend, resolved)
             self.devices = selection.devices
             if not self.devices:
                 # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
@@ -149,9 +146,10 @@ class CheckedSession:
         for reaped in found.session_reaped:
             found.found_later(reaped)
 
-    def close(self, *, controller: bool) -> None:
+    def close(self, *, controller: bool) -> list[Reaped]:
         """After every pytest_unconfigure: reap what the session set-up started (a conftest's server, a
-        plugin's daemon) and its owner did not stop, which would otherwise outlive pytest."""
+        plugin's daemon) and its owner did not stop, which would otherwise outlive pytest. What it reaped
+        joins the session's ``session_reaped``; the plugin says so and has the report written again."""
         if self.cluster is not None:
             self.cluster.stop()
         try:
@@ -159,11 +157,8 @@ class CheckedSession:
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
             late = []
             sys.stderr.write(f"gpuclean: the last sweep failed: {exc!r}\n")
-        if late:
-            sys.stderr.write(f"gpuclean: reaped {len(late)} process(es) of the session set-up (conftest, "
-                             "plugins) still alive after pytest_unconfigure: "
-                             + ", ".join(f"pid {r.process.pid} {r.how_ended} "
-                                         f"({report.one_line(r.process.cmdline, 60)})" for r in late) + "\n")
+        self.found.session_reaped.extend(late)
+        return late
 
     def close_backend(self) -> None:
         """Stop the checker and close the device backend (after the environment is restored)."""
@@ -265,10 +260,3 @@ class CheckedSession:
         with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
             reporter.write_line(line)
 
-
-def _select_devices(backend: devices.Backend, resolved: settings.Settings) -> devices.Selection:
-    try:
-        return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
-                                      option=settings.option("devices").cli)
-    except devices.DeviceSelectionError as exc:
-        raise pytest.UsageError(str(exc)) from None

@@ -86,18 +86,34 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _device_list(text: str) -> str:
-    from pytest_gpuclean.devices import parse_device_list  # only when the option is set: see SCOPES
+    from pytest_gpuclean.devices import parse_device_list, repeated_tokens  # only when set: see SCOPES
 
     # An empty list would check nothing while looking like a choice: refuse it rather than guess.
-    if not parse_device_list(text):
+    tokens = parse_device_list(text)
+    if not tokens:
         raise ValueError(f"{text!r} names no device")
+    # A device listed twice is a slip (which one was meant?); this much is plain without the devices, an
+    # index and the same GPU's UUID only once they are read (devices.select_devices).
+    repeated = repeated_tokens(tokens)
+    if repeated is not None:
+        first, second = repeated
+        raise ValueError(f"{text!r} lists {first!r} twice" if first == second
+                         else f"{text!r} names one device twice ({first!r} and {second!r})")
     return text
 
 
+def _path(text: str) -> str:
+    # ``--gpuclean-simulate=~/sim``: no shell expands ``~`` after ``=``, nor in an ini file or a variable
+    # quoted in a CI config.
+    return os.path.expanduser(text)
+
+
 def _existing_dir(text: str) -> str:
-    if not os.path.isdir(text):
-        raise ValueError(f"{text!r} is not an existing directory")
-    return os.path.abspath(text)
+    path = _path(text)
+    if not os.path.isdir(path):
+        shown = repr(text) if path == text else f"{text!r} ({path!r})"
+        raise ValueError(f"{shown} is not an existing directory")
+    return os.path.abspath(path)
 
 
 def _ray_address(text: str) -> str:
@@ -106,10 +122,6 @@ def _ray_address(text: str) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"{text!r} is not host:port, auto or off")
-    return text
-
-
-def _text(text: str) -> str:
     return text
 
 
@@ -177,10 +189,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("lock", "on: hold a cross-process lock per GPU while a checked test runs (default on)",
            _choice(ON_OFF), "MODE"),
     Option("lock_dir", "directory of the per-GPU lock files shared by all sessions on this host "
-           "(default: <tmp>/gpuclean-locks)", _text, "DIR"),
+           "(default: <tmp>/gpuclean-locks)", _path, "DIR"),
     Option("lock_timeout", f"seconds to wait for another session's GPU lock (default "
            f"{DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
-    Option("report", "write a JSON report of every checked test to PATH", _text, "PATH"),
+    Option("report", "write a JSON report of every checked test to PATH", _path, "PATH"),
     Option("ray", "check every node of a Ray cluster too: its GCS address (host:port); auto (RAY_ADDRESS if "
            "set, else a cluster the session's tests or fixtures start, found at the next check once its GCS "
            "server runs under pytest); or off (default off; with off, or auto before a cluster is found, "

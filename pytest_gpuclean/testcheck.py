@@ -114,9 +114,9 @@ class ItemChecks:
             message = f"gpuclean: no GPU to check: {session.unavailable}"
             if session.settings.require_gpu:
                 pytest.fail(message + " (--gpuclean-require-gpu)", pytrace=False)
-            pytest.skip(message)
+            raise _skip(message)
         if applied.count is not None and applied.count > len(session.devices):
-            pytest.skip(f"gpuclean: test needs {applied.count} GPU(s), found {len(session.devices)}")
+            raise _skip(f"gpuclean: test needs {applied.count} GPU(s), found {len(session.devices)}")
         return applied
 
     def _choose_devices(self, item: pytest.Item, state: ItemState, record: TestRecord,
@@ -288,6 +288,12 @@ class ItemChecks:
             warnings.warn(GpuCleanWarning(
                 f"{item.nodeid}: torch.cuda.memory_allocated grew during the test in the pytest process "
                 f"({growth}): tensors kept alive after the test"), stacklevel=1)
+
+
+def _skip(reason: str) -> BaseException:
+    # Reported at the test's own file:line (``-rs``), as pytest's skip markers and a skipping fixture are,
+    # not at this line of the plugin.
+    return pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def _torch_allocated() -> dict[int, int] | None:

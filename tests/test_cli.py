@@ -303,6 +303,49 @@ def test_reap_dry_run_ends_nothing(sim: Path, holder: Callable[..., int]) -> Non
     assert gpuclean("check").returncode == 1
 
 
+def test_reap_json_accounts_for_what_it_ended(
+        sim: Path, holder: Callable[..., int], spawn: Callable[..., subprocess.Popen[bytes]]) -> None:
+    # A runner's job-completed hook reads what the reap ended, as it reads check --json.
+    stubborn = holder("--ignore-sigterm", device=0, mib=128)
+    ours = spawn(["sleep", "600"], env={**os.environ, "GPUCLEAN_TEST": "job-42:step-3"})
+    result = gpuclean("reap", "--json", "--cookie", "job-42:", "--grace", "0.5")
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads(result.stdout)  # the document alone: no text around it
+    status = json.loads(gpuclean("status", "--json").stdout)
+    assert {k: document[k] for k in status} == status  # the devices as they are now: clean
+    assert (document["cookie"], document["dry_run"], document["survived"]) == ("job-42:", False, [])
+    assert [(t["process"]["pid"], t["found_by"]) for t in document["targets"]] == sorted(
+        [(stubborn, "gpu"), (ours.pid, "cookie")])
+    ended = {r["process"]["pid"]: r for r in document["reaped"]}
+    assert (ended[stubborn]["ended_by"], ended[ours.pid]["ended_by"]) == ("SIGKILL", "SIGTERM")
+    assert ended[stubborn]["mib_per_device"] == [{"device": "GPU 0", "mib": 128.0}]
+    assert ended[stubborn]["release_s"] is not None and document["release_s"] is not None
+    assert wait_dead([stubborn, ours.pid]) == []
+
+
+def test_reap_json_dry_run_lists_what_it_would_end(sim: Path, holder: Callable[..., int]) -> None:
+    pid = holder(device=1, mib=200)
+    result = gpuclean("reap", "--json", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["dry_run"] is True and document["reaped"] == [] and document["release_s"] is None
+    [target] = document["targets"]
+    assert (target["process"]["pid"], target["process"]["user"], target["found_by"],
+            target["mib_per_device"]) == (pid, ME, "gpu", [{"device": "GPU 1", "mib": 200.0}])
+    assert [p["pid"] for p in document["devices"][1]["processes"]] == [pid]  # as read: still there
+    assert alive(pid)
+    nothing = json.loads(gpuclean("reap", "--json", "--devices", "0").stdout)
+    assert (nothing["targets"], nothing["reaped"], nothing["left_alone"]) == ([], [], [])
+
+
+def test_reap_json_is_refused_with_ray_rather_than_answered_in_text(sim: Path) -> None:
+    result = gpuclean("reap", "--json", "--ray", "127.0.0.1:1")
+    assert result.returncode == cli.EXIT_ERROR
+    assert result.stderr == ("gpuclean reap: error: --json is not available with --ray 127.0.0.1:1 (from the "
+                             "command line) yet; use the text output\n")
+    assert result.stdout == ""
+
+
 def test_reap_with_nothing_to_do(sim: Path) -> None:
     result = gpuclean("reap")
     assert result.returncode == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import alive, run_inner, wait_dead
 
+from pytest_gpuclean.devices import simulated_uuid
 from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda
 
@@ -247,6 +248,15 @@ def test_after():
                                  "held by no process we can see"])
 
 
+def marked_line(path: Path, function: str) -> int:
+    """The 1-based line pytest reports for ``function``: its first decorator's."""
+    lines = path.read_text().splitlines()
+    index = lines.index(f"def {function}():")
+    while index > 0 and lines[index - 1].startswith("@"):
+        index -= 1
+    return index + 1
+
+
 def test_count_larger_than_devices_skips_with_reason(inner: Callable[[str], Path],
                                                      pytester: pytest.Pytester) -> None:
     inner("""
@@ -256,7 +266,10 @@ def test_three():
 """)
     result = run_inner(pytester)
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED [[]1[]] *gpuclean: test needs 3 GPU(s), found 2"])
+    # At the test's own line, as a skip marker's reason is, not in the plugin.
+    line = marked_line(pytester.path / "test_inner.py", "test_three")
+    result.stdout.fnmatch_lines([f"SKIPPED [[]1[]] test_inner.py:{line}: gpuclean: test needs 3 GPU(s), "
+                                 "found 2"])
 
 
 def test_no_driver_skips_marked_tests_or_errors_with_require_gpu(
@@ -313,9 +326,11 @@ def test_cpu():
 """)
     result = run_inner(pytester)
     result.assert_outcomes(passed=1, skipped=1)
+    line = marked_line(pytester.path / "test_inner.py", "test_gpu")
     result.stdout.fnmatch_lines([f"gpuclean: no GPUs checked: {reason}; tests marked needs_clean_gpus will "
                                  "be skipped",
-                                 f"SKIPPED [[]1[]] *: gpuclean: no GPU to check: {reason}"])
+                                 f"SKIPPED [[]1[]] test_inner.py:{line}: gpuclean: no GPU to check: "
+                                 f"{reason}"])
     result = run_inner(pytester, "--gpuclean-require-gpu")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines([f"gpuclean: no GPU to check: {reason} (--gpuclean-require-gpu)"])
@@ -375,6 +390,76 @@ def test_a():
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert alive(bystander)  # no stray kill on the way out
+
+
+@pytest.mark.parametrize(("args", "env", "ini", "message"), [
+    (["--gpuclean-devices=99"], {}, "",
+     "ERROR: --gpuclean-devices: device 99 does not exist (2 device(s) found) (from the command line)"),
+    (["--co"], {"GPUCLEAN_DEVICES": "GPU-nope"}, "",
+     "ERROR: --gpuclean-devices: no device has a UUID starting with 'GPU-nope' (from environment variable "
+     "GPUCLEAN_DEVICES)"),
+    ([], {"GPUCLEAN_DEVICES": "0,0"}, "",
+     "ERROR: --gpuclean-devices: '0,0' lists '0' twice (from environment variable GPUCLEAN_DEVICES)"),
+    ([], {}, "gpuclean_devices = 1,{uuid1}",
+     "ERROR: --gpuclean-devices: '1' and 'GPU-*' name the same device (GPU 1, GPU-*); list each device "
+     "once (from ini option gpuclean_devices in *tox.ini)"),
+])
+def test_a_bad_device_list_stops_a_session_that_checks_nothing(
+        pytester: pytest.Pytester, sim: Path, monkeypatch: pytest.MonkeyPatch, args: list[str],
+        env: dict[str, str], ini: str, message: str) -> None:
+    # README: a bad value stops pytest at start-up, whether or not a selected test is checked.
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini.format(uuid1=simulated_uuid(sim, 1))}\n")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = run_inner(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    result.stdout.no_fnmatch_line("*passed*")
+
+
+def test_a_good_device_list_in_a_session_that_checks_nothing_starts_nothing(
+        pytester: pytest.Pytester, sim: Path) -> None:
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = run_inner(pytester, f"--gpuclean-devices=1,{simulated_uuid(sim, 0)}")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("gpuclean:*")  # checked, but not started: no header
+
+
+def test_path_options_expand_a_tilde(pytester: pytest.Pytester, sim: Path, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The command line, the environment and the ini file alike: no shell expands ``~`` after ``=``.
+    home = tmp_path / "home"
+    home.mkdir()
+    sim.rename(home / "sim")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("GPUCLEAN_LOCK_DIR", "~/locks")
+    monkeypatch.delenv("GPUCLEAN_SIMULATE")
+    pytester.makeini("[pytest]\ngpuclean_report = ~/reports/gpuclean.json\n")
+    pytester.makepyfile(test_marked="import pytest\n\n@pytest.mark.needs_clean_gpus\ndef test_gpu():\n"
+                                    "    pass\n")
+    result = run_inner(pytester, "--gpuclean-simulate=~/sim")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpuclean: simulated devices *checking 2*"])
+    assert (home / "reports" / "gpuclean.json").is_file()
+    assert any((home / "locks").iterdir())
+    assert not (pytester.path / "~").exists()
+
+
+@pytest.mark.parametrize("xdist", [(), ("-n", "1")], ids=["plain", "xdist"])
+def test_the_device_header_comes_after_pytests_own(pytester: pytest.Pytester, sim: Path,
+                                                   xdist: tuple[str, ...]) -> None:
+    pytester.makepyfile(test_marked="import pytest\n\n@pytest.mark.needs_clean_gpus\ndef test_gpu():\n"
+                                    "    pass\n")
+    result = run_inner(pytester, *xdist)
+    result.assert_outcomes(passed=1)
+    lines = result.stdout.lines
+    rootdir = next(i for i, line in enumerate(lines) if line.startswith("rootdir: "))
+    plugins = next(i for i, line in enumerate(lines) if line.startswith("plugins: "))
+    header = [i for i, line in enumerate(lines) if line.startswith("gpuclean: simulated devices")]
+    assert len(header) == 1
+    assert rootdir < plugins < header[0], "\n".join(lines)
 
 
 def test_bad_marker_argument_errors_that_test(inner: Callable[[str], Path],

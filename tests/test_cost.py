@@ -84,6 +84,25 @@ def test_cookie():
     assert "gpuclean" not in result.stdout.str().replace("plugins: gpuclean", "")
 
 
+def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
+        sim: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The explicit list is held against the devices (README): the backend is opened for that and closed;
+    # nothing else of a started session comes with it.
+    pytester.makepyfile(test_inner=UNCHECKED)
+    pytester.makeconftest(RECORD_STATE)
+    state_file = tmp_path / "state.json"
+    monkeypatch.setenv("STATE_FILE", str(state_file))
+    result = run_inner(pytester, "--gpuclean-devices=1,0")
+    result.assert_outcomes(passed=2)
+    state = json.loads(state_file.read_text())
+    assert state["subreaper"] == 0
+    assert state["modules"] == ["pytest_gpuclean.cookie", "pytest_gpuclean.devices", "pytest_gpuclean.model",
+                                "pytest_gpuclean.plugin", "pytest_gpuclean.procfs",
+                                "pytest_gpuclean.settings"]
+    assert "gpuclean-checker-idle" in state["plugins"]
+    assert not (tmp_path / "locks").exists()
+
+
 NO_TEMP_DIR = """
 import sys, tempfile
 # Every candidate of the temporary directory unusable (a full or read-only /tmp): only what needs it fails.

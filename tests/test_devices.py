@@ -22,6 +22,7 @@ from pytest_gpuclean.devices import (
     SimulationError,
     choose_devices,
     parse_device_list,
+    repeated_tokens,
     select_devices,
     simulated_uuid,
 )
@@ -53,6 +54,26 @@ def test_cuda_ordinals_are_positions_among_the_devices() -> None:
     gpus = (GPU0, GPU1, GPU2)
     assert select_devices(gpus, "2,0", cuda_ordinals=True) == (GPU2, GPU0)
     assert select_devices(gpus, "1,1", cuda_ordinals=True) == (GPU1,)  # listed twice, one device
+
+
+def test_an_explicit_list_naming_one_device_twice_is_an_error() -> None:
+    # An index and the same GPU's UUID (prefix): only the devices can tell; CUDA_VISIBLE_DEVICES is the
+    # environment's and keeps one device (above).
+    with pytest.raises(DeviceSelectionError, match="^" + re.escape(
+            f"'0' and 'GPU-1a2b3c' name the same device (GPU 0, {GPU0.uuid}); list each device once") + "$"):
+        select_devices(ALL, "0,GPU-1a2b3c", cuda_ordinals=False)
+    assert select_devices(ALL, "0,GPU-1a2b3c", cuda_ordinals=True) == (GPU0,)
+
+
+@pytest.mark.parametrize(("tokens", "repeated"), [
+    (["0", "1", "00"], ("0", "00")),
+    (["GPU-1a2b", "1", "gpu-1A2B3C"], ("GPU-1a2b", "gpu-1A2B3C")),
+    (["gpu-1a2b3c", "GPU-1A2B"], ("gpu-1a2b3c", "GPU-1A2B")),
+    (["0", "GPU-1a2b3c"], None),  # an index and a UUID: the devices decide
+    (["0", "1", "GPU-1a2b3c", "GPU-1a2b9", "MIG-5e"], None),
+])
+def test_repeated_tokens_need_no_devices(tokens: list[str], repeated: tuple[str, str] | None) -> None:
+    assert repeated_tokens(tokens) == repeated
 
 
 def test_cuda_ordinals_follow_cudas_own_order_when_given() -> None:

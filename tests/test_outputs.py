@@ -13,7 +13,7 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from helpers import alive, run_inner
+from helpers import alive, read_pids, run_inner
 
 from pytest_gpuclean import jsonreport, outputs
 from pytest_gpuclean.devices import simulated_uuid
@@ -199,25 +199,81 @@ def test_removes_the_report_directory():
     result.stdout.fnmatch_lines(["gpuclean: could not write the report */out/report.json: *"])
 
 
+CONFTEST_SLEEPER = """
+import os, subprocess
+
+# Started by the session set-up, stopped by nobody: reaped by the very last sweep, after pytest_unconfigure.
+SLEEPER = subprocess.Popen(["sleep", "600"])
+with open(os.environ["LEAK_PIDFILE"], "a") as f:
+    f.write(f"{SLEEPER.pid}\\n")
+"""
+
+
+def test_the_last_sweep_of_the_session_set_up_is_in_the_report_and_on_its_own_line(
+        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+    pidfile = inner(LEAKS_AND_CLEAN)
+    pytester.makeconftest(CONFTEST_SLEEPER)
+    result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-grace=2")
+    result.assert_outcomes(passed=3, errors=1)
+    sleeper, leak = read_pids(pidfile, 2)
+    assert not alive(sleeper)
+    document = json.loads((pytester.path / "report.json").read_text())
+    validate(document)
+    reaped = {r["process"]["pid"]: r for r in document["session_reaped"]}
+    assert set(reaped) == {sleeper}
+    assert reaped[sleeper]["owner"]["kind"] == "session"
+    assert reaped[sleeper]["ended_by"] == "SIGTERM"
+    assert reaped[sleeper]["process"]["cmdline"] == "sleep 600"
+    assert document["summary"]["reaped"] == 2  # the test's leak and the sleeper
+    assert [p["pid"] for t in document["tests"] for p in t["leaked"]] == [leak]
+    # Through the terminal reporter, on a line of its own after the summary; not glued to stderr.
+    lines = result.stdout.lines
+    last = [i for i, line in enumerate(lines) if "of the session set-up" in line]
+    assert len(last) == 1
+    assert lines[last[0]].startswith("gpuclean: reaped 1 process(es) of the session set-up (conftest, "
+                                     f"plugins) still alive after pytest_unconfigure: pid {sleeper} SIGTERM")
+    assert last[0] > next(i for i, line in enumerate(lines) if "1 error" in line)
+    assert "session set-up" not in result.stderr.str()
+
+
+def test_the_report_directory_is_made_as_junitxml_makes_its_own(inner: Callable[[str], Path],
+                                                                 pytester: pytest.Pytester) -> None:
+    # The CI command docs/ci.md gives, on a fresh checkout that has no reports/ directory.
+    inner(LEAKS_AND_CLEAN)
+    result = run_inner(pytester, "--gpuclean-report=reports/gpu/gpuclean.json",
+                       "--junitxml=reports/junit.xml", "--gpuclean-grace=2")
+    result.assert_outcomes(passed=3, errors=1)
+    document = json.loads((pytester.path / "reports" / "gpu" / "gpuclean.json").read_text())
+    validate(document)
+    assert document["summary"]["leaked"] == 1
+    assert (pytester.path / "reports" / "junit.xml").is_file()
+
+
+LONG_NAME = "x" * 300  # over NAME_MAX: its mkdir fails after reports/ was made
+
+
 @pytest.mark.parametrize(("args", "env", "message"), [
-    (["--gpuclean-report=missing/report.json"], {},
-     "ERROR: --gpuclean-report: directory '*/missing' does not exist (from the command line)"),
     (["--gpuclean-report=."], {},
      "ERROR: --gpuclean-report: '.' is a directory; give a file path (from the command line)"),
-    ([], {"GPUCLEAN_REPORT": "missing/r.json"},
-     "ERROR: --gpuclean-report: directory '*/missing' does not exist (from environment variable "
-     "GPUCLEAN_REPORT)"),
+    (["--gpuclean-report=afile/sub/report.json"], {},
+     "ERROR: --gpuclean-report: cannot create directory '*/afile/sub': '*/afile' is not a directory "
+     "(from the command line)"),
+    ([], {"GPUCLEAN_REPORT": f"reports/{LONG_NAME}/r.json"},
+     "ERROR: --gpuclean-report: cannot create directory '*/reports/xxx*': File name too long (from "
+     "environment variable GPUCLEAN_REPORT)"),
 ])
 def test_a_bad_report_path_is_a_usage_error_at_startup(
         inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
         args: list[str], env: dict[str, str], message: str) -> None:
     inner(LEAKS_AND_CLEAN)
+    (pytester.path / "afile").write_text("")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     result = run_inner(pytester, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
-    assert not (pytester.path / "missing").exists()
+    assert (pytester.path / "afile").read_text() == ""
+    assert not (pytester.path / "reports").exists()  # what it made before the failure is gone again
     assert not (pytester.path / "leak.pids").exists()  # no test ran
 
 
@@ -320,6 +376,29 @@ def test_clean():
     assert "| Test | Verdict | Processes | Driver release | Before check | After check |" in text
     assert f"| `test_inner.py::test_weird[50%:a\\nb,c]` | leaked | pid {pid} SIGTERM |" in text
     assert "test_clean" not in text
+
+
+def test_github_hears_of_the_last_sweep_of_the_session_set_up(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    summary = tmp_path / "step_summary.md"
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    pidfile = inner("""
+@pytest.mark.needs_clean_gpus
+def test_clean():
+    pass
+""")
+    pytester.makeconftest(CONFTEST_SLEEPER)
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=1)
+    [sleeper] = read_pids(pidfile)
+    annotations = [text for text in result.stdout.lines if text.startswith("::")]
+    assert annotations == [f"::error title=GPU leak::gpuclean reaped 1 leftover process(es) at session end%0A"
+                           f"pid {sleeper} ended by SIGTERM: (session pytest session (conftest, plugins, "
+                           "collection)) sleep 600"]
+    assert summary.read_text().endswith(
+        f"\nReaped after pytest_unconfigure (the session set-up's): pid {sleeper} SIGTERM\n")
 
 
 def test_github_annotation_for_gpus_that_were_not_clean(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, get_args
 
 import pytest
@@ -62,6 +63,11 @@ def test_repeated_and_multi_line_patterns_are_joined() -> None:
     ({}, {"GPUCLEAN_REAP": "maybe"},
      "--gpuclean-reap: 'maybe' is not one of on, off (from environment variable GPUCLEAN_REAP)"),
     ({"gpuclean_devices": ","}, {}, "--gpuclean-devices: ',' names no device (from the command line)"),
+    ({"gpuclean_devices": "0,1,0"}, {},
+     "--gpuclean-devices: '0,1,0' lists '0' twice (from the command line)"),
+    ({}, {"GPUCLEAN_DEVICES": "GPU-ab,gpu-abc"},
+     "--gpuclean-devices: 'GPU-ab,gpu-abc' names one device twice ('GPU-ab' and 'gpu-abc') (from "
+     "environment variable GPUCLEAN_DEVICES)"),
     ({"gpuclean_all": "sometimes"}, {},
      "--gpuclean-all: 'sometimes' is not a boolean (use true/false, 1/0, yes/no) (from the command line)"),
 ])
@@ -69,6 +75,30 @@ def test_a_bad_value_is_a_usage_error_naming_option_and_source(cli: dict[str, st
                                                                message: str) -> None:
     with pytest.raises(pytest.UsageError, match="^" + re.escape(message) + "$"):
         resolve(cli, env, ini_of({}))
+
+
+@pytest.mark.parametrize("where", ["cli", "env", "ini"])
+def test_a_tilde_in_a_path_option_is_the_home_directory(where: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # No shell expands ``~`` after ``=`` (``--gpuclean-simulate=~/sim``), in an ini file or a quoted variable.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "sim").mkdir()
+    given = {"simulate": "~/sim", "lock_dir": "~/locks", "report": "~/reports/gpuclean.json"}
+    cli = {f"gpuclean_{name}": value for name, value in given.items()} if where == "cli" else {}
+    env = {f"GPUCLEAN_{name.upper()}": value for name, value in given.items()} if where == "env" else {}
+    ini = ini_of({f"gpuclean_{name}": value for name, value in given.items()} if where == "ini" else {})
+    resolved = resolve(cli, env, ini)
+    assert (resolved.simulate, resolved.lock_dir, resolved.report) == (
+        str(tmp_path / "sim"), str(tmp_path / "locks"), str(tmp_path / "reports" / "gpuclean.json"))
+
+
+def test_a_missing_simulated_directory_names_what_its_tilde_became(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    message = (f"--gpuclean-simulate: '~/nope' ('{tmp_path}/nope') is not an existing directory (from the "
+               "command line)")
+    with pytest.raises(pytest.UsageError, match="^" + re.escape(message) + "$"):
+        resolve({"gpuclean_simulate": "~/nope"}, {}, ini_of({}))
 
 
 def test_the_command_resolves_a_subset_under_its_own_flag_names() -> None:
