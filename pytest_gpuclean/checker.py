@@ -841,7 +841,8 @@ class _Check:
             phase=self.phase, clean=False, devices=tuple(snaps), offenders=tuple(offenders),
             collected=tuple(self.collected), reaped=tuple(self.reaped),
             waited_s=time.monotonic() - self.started, notes=tuple(self.notes),
-            tolerance_mib=self.tolerance_mib, error=str(error), device_lost=isinstance(error, DeviceLost))
+            tolerance_mib=self.tolerance_mib, error=error.describe(),
+            device_lost=isinstance(error, DeviceLost))
 
     def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.

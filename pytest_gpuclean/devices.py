@@ -27,6 +27,13 @@ SIM_NAME = "Simulated GPU"
 class DeviceError(Exception):
     """The driver (or the simulated directory) could not be read."""
 
+    device: DeviceInfo | None = None
+    """The device whose reading failed, where the message does not name it (a simulated device's file)."""
+
+    def describe(self) -> str:
+        """The message, naming the device first: the one line of a check that could not read it."""
+        return str(self) if self.device is None else f"{self.device.label} ({self.device.uuid}): {self}"
+
 
 class DeviceLost(DeviceError):
     """The device is gone: NVML's GPU_IS_LOST (fallen off the bus, needs a reset), or a simulated device
@@ -303,8 +310,8 @@ class SimulatedBackend:
         try:
             return self._read(device, Path(where), names)
         except SimulationError as exc:
-            # The file names the folder; the check's one line should name the device too.
-            raise SimulationError(f"{device.label} ({device.uuid}): {exc}") from None
+            exc.device = device  # the file names the folder; a failed check's line names the device too
+            raise
 
     def _read(self, device: DeviceInfo, folder: Path, names: list[str]) -> DeviceSnapshot:
         processes: list[GpuProcess] = []
@@ -347,7 +354,8 @@ class SimulatedBackend:
                 on_device = self._live_cuda_users(where / "cuda") & wanted
                 on_device |= {pid for pid in listed if _counted_allocation(where / str(pid), pid) is not None}
             except SimulationError as exc:
-                raise SimulationError(f"{device.label} ({device.uuid}): {exc}") from None
+                exc.device = device
+                raise
             for pid in on_device:
                 users.setdefault(pid, set()).add(device.uuid)
         return {pid: frozenset(uuids) for pid, uuids in users.items()}

@@ -532,7 +532,7 @@ def test_garbage():
 def test_later(n):
     pass
 """)
-    result = run_inner(pytester, "--gpuclean-report=report.json")
+    result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-dead-sessions=off")
     writer = read_pids(pidfile)[0]
     result.assert_outcomes(passed=4, errors=1)
     device = sim / "0" / str(writer)
@@ -595,7 +595,7 @@ def test_a_device_that_stays_unreadable_fails_each_later_check_in_one_line_or_st
     # (NVMLError_GpuIsLost: the session stops, in one line). Either way the leak is reaped at its test.
     monkeypatch.setenv("HOW", how)
     pidfile = inner(BREAKS_GPU_1)
-    result = run_inner(pytester, "--gpuclean-report=report.json")
+    result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-dead-sessions=off")
     leaked = read_pids(pidfile)[0]
     where = sim / "1"
     cause = (f"simulated GPU 1 ({where}) unreadable: [Errno 20] Not a directory: '{where}'"

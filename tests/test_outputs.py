@@ -396,8 +396,10 @@ def test_a_session_fixture_leak_is_the_fixtures_not_the_last_tests(
     conftest = pytester.makeconftest(INNER_PRELUDE + ENGINE_CONFTEST)
     pytester.makepyfile(**ENGINE_TESTS)
     line = first_line(conftest, "engine")
+    # (dead-sessions off: what other sessions of this user on the machine left is not this test's matter)
     result = run_inner(pytester, "--gpuclean-report=report.json", "--junitxml=junit.xml",
-                       f"--gpuclean-reap={reap}", "--gpuclean-timeout=0.5", "--gpuclean-grace=2")
+                       f"--gpuclean-reap={reap}", "--gpuclean-timeout=0.5", "--gpuclean-grace=2",
+                       "--gpuclean-dead-sessions=off")
     server = read_pids(pytester.path / "server.pid")[0]
     workers = sorted(set(read_pids(pidfile, 3)) - {server})
     result.assert_outcomes(passed=4, errors=1)
