@@ -299,9 +299,10 @@ class TestRecord(Fields):
     cluster_before: ClusterCheck | None
     """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
     cluster_after: ClusterCheck | None
-    fixture_leaks: list[FixtureLeak]
+    fixture_leaks: tuple[FixtureLeak, ...]
     """Leaks of fixtures wider than a test that ended at this test's teardown: found by its check, but
-    the fixtures' findings (its ``after`` keeps only what is this test's own)."""
+    the fixtures' findings (its ``after`` keeps only what is this test's own). A tuple: the empty one is
+    shared by every record (the session keeps them all, and the garbage collector walks them)."""
 
     def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
                  after: CheckResult | None = None, found_later: list[Reaped] | None = None,
@@ -309,7 +310,7 @@ class TestRecord(Fields):
                  lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
                  after_s: float = 0.0, cluster_before: ClusterCheck | None = None,
                  cluster_after: ClusterCheck | None = None,
-                 fixture_leaks: list[FixtureLeak] | None = None) -> None:
+                 fixture_leaks: tuple[FixtureLeak, ...] = ()) -> None:
         self.nodeid = nodeid
         self.location = location
         self.before = before
@@ -323,7 +324,7 @@ class TestRecord(Fields):
         self.after_s = after_s
         self.cluster_before = cluster_before
         self.cluster_after = cluster_after
-        self.fixture_leaks = [] if fixture_leaks is None else fixture_leaks
+        self.fixture_leaks = fixture_leaks
 
     @property
     def leaked(self) -> bool:

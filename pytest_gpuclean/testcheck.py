@@ -223,8 +223,10 @@ class ItemChecks:
         # What a fixture that ended with this test left is that fixture's finding: pytest reports the
         # fixture's teardown here, but the test may not even use it.
         fixtures = self._fixture_leaks(item, state, result)
-        record.fixture_leaks.extend(fixtures)
-        mine = _without(result, fixtures) if fixtures else result
+        mine = result
+        if fixtures:
+            record.fixture_leaks += tuple(fixtures)
+            mine = _without(result, fixtures)
         record.after = mine
         record.after_s = result.waited_s
         self._note_torch_growth(item, state, record)

@@ -58,7 +58,7 @@ ENGINE_LEAK = FixtureLeak("engine", "session", ("conftest.py", 12), "t2.py::test
 UNREADABLE = CheckResult("teardown", False, (), (), reaped=(REAPED,), waited_s=0.01,
                          error="GPU 1 (GPU-1111): simulated device file '/s/1/7' holds 'x'", device_lost=True)
 FIXTURE_RECORD = Record("t2.py::test_d", ("t2.py", 4), BEFORE, BEFORE.replace(phase="teardown"),
-                        fixture_leaks=[ENGINE_LEAK])
+                        fixture_leaks=(ENGINE_LEAK,))
 
 NODE = "3f2a9c1b" + "0" * 48
 RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
