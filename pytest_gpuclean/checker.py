@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from pytest_gpuclean import pools, processes, procfs
-from pytest_gpuclean.devices import Backend, DeviceError
+from pytest_gpuclean.devices import Backend, DeviceError, DeviceLost
 from pytest_gpuclean.model import (
     MIB,
     UNKNOWN_OWNER,
@@ -339,12 +339,23 @@ class Checker:
         return tuple(readings)
 
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
-              scan_cookies: bool = False, reap: bool | None = None) -> CheckResult:
-        """Check until clean or ``timeout``; reap what is ours first (if enabled)."""
+              scan_cookies: bool = False, reap: bool | None = None,
+              device_errors: bool = False) -> CheckResult:
+        """Check until clean or ``timeout``; reap what is ours first (if enabled).
+
+        A device that cannot be read raises ``DeviceError``; with ``device_errors`` it ends the check
+        instead, not clean, with the error (``CheckResult.error``) and what was reaped without readings.
+        """
         dead_sessions = self.dead_sessions and not self._debris_checked
         self._debris_checked = True  # at start-up once; later only when something is unexplained
-        return _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                      self.reap_enabled if reap is None else reap).run()
+        check = _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
+                       self.reap_enabled if reap is None else reap)
+        if not device_errors:
+            return check.run()
+        try:
+            return check.run()
+        except DeviceError as exc:
+            return check.unreadable(exc)
 
     def _may_kill(self, f: Found, info: ProcessInfo | None) -> bool:
         if info is None:
@@ -792,6 +803,47 @@ class _Check:
                 s.device.label for s in self.snaps if s.device.label in self.self_cuda),
         )
 
+    def unreadable(self, error: DeviceError) -> CheckResult:
+        """The result of a check that could not read a device: not clean, at once (no reading can say when
+        the devices are clean), with the error. What is provably ours is reaped all the same: ownership
+        needs no device reading (the final sweep copes the same way), and a test's leftovers must not
+        wait for the session's end, nor make every later check fail."""
+        c = self.c
+        # The devices that can still be read tell what the reaped held there, and when it was released.
+        readable: list[DeviceInfo] = []
+        snaps: list[DeviceSnapshot] = []
+        for device in self.devices:
+            try:
+                snaps.extend(c.snapshot((device,)))
+                readable.append(device)
+            except DeviceError:
+                continue
+        # No reading says whether something outside our tree holds a GPU: look for our cookie everywhere.
+        self.found = c.census(scan_cookies=True)
+        self.ours = [f for f in self.found if not c.is_protected(f)]
+        self.unknown = [f for f in self.found if f.token is None and f.debris_of is None and f.live]
+        self.collect_zombies()
+        fresh = [f for f in self.ours if f.key not in self.attempted]
+        if self.settle(fresh):  # what exits by itself within the settle time is no leak here either
+            fresh = [f for f in fresh if f.key not in self.collected_ids]
+            self.ours = [f for f in self.ours if f.key not in self.collected_ids]
+        if self.reap_enabled and fresh:
+            self.attempted.update(f.key for f in fresh)
+            self.reaped.extend(c.reap(fresh, snaps, readable, self.notes, everyone=self.found))
+            left = {f.key for f in c.census(scan_cookies=True) if f.live}
+            self.ours = [f for f in self.ours if f.key in left]
+        # Only what is ours is judged: without every reading, nothing else can be (no foreign holder; each
+        # device's whole use passed as excused overhead, so no memory offender either).
+        offenders = c._offenders(snaps, self.ours, set(), set(), self.tolerance,
+                                 {s.device.uuid: s.used_bytes for s in snaps}, self.reap_enabled)
+        offenders.extend(c._unknown_offenders(self.unknown, snaps))
+        return CheckResult(
+            phase=self.phase, clean=False, devices=tuple(snaps), offenders=tuple(offenders),
+            collected=tuple(self.collected), reaped=tuple(self.reaped),
+            waited_s=time.monotonic() - self.started, notes=tuple(self.notes),
+            tolerance_mib=self.tolerance_mib, error=error.describe(),
+            device_lost=isinstance(error, DeviceLost))
+
     def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
@@ -811,7 +863,12 @@ class ReleaseWatch:
     def poll(self) -> None:
         if len(self.gone_at) == len(self.holders):
             return
-        listed = {p.pid for s in self.checker.snapshot(self.devices) for p in s.processes}
+        try:
+            listed = {p.pid for s in self.checker.snapshot(self.devices) for p in s.processes}
+        except DeviceError:
+            # The killing goes on without timing the release; the check's next reading meets the error.
+            self.holders = set(self.gone_at)
+            return
         now = time.monotonic()
         for pid in self.holders - listed - self.gone_at.keys():
             self.gone_at[pid] = now

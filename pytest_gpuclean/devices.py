@@ -27,6 +27,18 @@ SIM_NAME = "Simulated GPU"
 class DeviceError(Exception):
     """The driver (or the simulated directory) could not be read."""
 
+    device: DeviceInfo | None = None
+    """The device whose reading failed, where the message does not name it (a simulated device's file)."""
+
+    def describe(self) -> str:
+        """The message, naming the device first: the one line of a check that could not read it."""
+        return str(self) if self.device is None else f"{self.device.label} ({self.device.uuid}): {self}"
+
+
+class DeviceLost(DeviceError):
+    """The device is gone: NVML's GPU_IS_LOST (fallen off the bus, needs a reset), or a simulated device
+    whose folder was removed. Unlike other errors, no later reading can succeed."""
+
 
 class BackendUnavailable(DeviceError):
     """No usable device backend: no NVML library, no driver, or no such simulate directory."""
@@ -191,7 +203,9 @@ class NvmlBackend:
                         # A process with a compute and a graphics context is listed twice.
                         processes[proc.pid] = used if previous is None else previous + (used or 0)
             except nvml.NVMLError as exc:
-                raise DeviceError(f"NVML query of {device.label} ({device.uuid}) failed: {exc}") from exc
+                lost = isinstance(exc, getattr(nvml, "NVMLError_GpuIsLost", ()))  # off the bus, needs a reset
+                message = f"NVML query of {device.label} ({device.uuid}) failed: {exc}"
+                raise (DeviceLost(message) if lost else DeviceError(message)) from exc
         return DeviceSnapshot(
             device=device,
             used_bytes=int(memory.used),
@@ -278,6 +292,9 @@ class SimulatedBackend:
             if self._settled.get(device.index) == (info.st_ino, info.st_ctime_ns):
                 return self._idle[device.index]
             names = os.listdir(where)
+        except FileNotFoundError as exc:
+            # The folder is the device: removed, it is lost, as NVML's GPU_IS_LOST says of a real one.
+            raise DeviceLost(f"simulated {device.label} ({where}) is gone: {exc}") from exc
         except OSError as exc:
             raise DeviceError(f"simulated {device.label} ({where}) unreadable: {exc}") from exc
         if not names:
@@ -290,7 +307,13 @@ class SimulatedBackend:
                 idle = self._idle[device.index] = DeviceSnapshot(device, 0, DEFAULT_SIM_TOTAL, ())
             return idle
         self._settled.pop(device.index, None)
-        folder = Path(where)
+        try:
+            return self._read(device, Path(where), names)
+        except SimulationError as exc:
+            exc.device = device  # the file names the folder; a failed check's line names the device too
+            raise
+
+    def _read(self, device: DeviceInfo, folder: Path, names: list[str]) -> DeviceSnapshot:
         processes: list[GpuProcess] = []
         total = DEFAULT_SIM_TOTAL
         overhead = 0
@@ -327,8 +350,12 @@ class SimulatedBackend:
             listed: set[int] = set()
             with contextlib.suppress(OSError):
                 listed = {int(n) for n in os.listdir(where) if n.isdigit()} & wanted
-            on_device = self._live_cuda_users(where / "cuda") & wanted
-            on_device |= {pid for pid in listed if _counted_allocation(where / str(pid), pid) is not None}
+            try:
+                on_device = self._live_cuda_users(where / "cuda") & wanted
+                on_device |= {pid for pid in listed if _counted_allocation(where / str(pid), pid) is not None}
+            except SimulationError as exc:
+                exc.device = device
+                raise
             for pid in on_device:
                 users.setdefault(pid, set()).add(device.uuid)
         return {pid: frozenset(uuids) for pid, uuids in users.items()}

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, Owner, TestRecord
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, FixtureLeak, Owner, TestRecord
 
 if TYPE_CHECKING:
     from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
@@ -100,7 +100,7 @@ def check_json(check: CheckResult) -> JsonDict:
             "offenders": [offender_json(o) for o in check.offenders],
             "reaped": [reaped_json(r) for r in check.reaped],
             "lingered": [offender_json(o) for o in check.lingered], "notes": list(check.notes),
-            "self_mib": mib_pairs_json(check.self_mib)}
+            "self_mib": mib_pairs_json(check.self_mib), "error": check.error}
 
 
 def cluster_reaped_json(item: ClusterReaped) -> JsonDict:
@@ -144,28 +144,49 @@ def own_reaped(record: TestRecord) -> list[Reaped]:
     return [r for r in record.after.reaped if not _owned_by_other_test(r.owner, record.nodeid)]
 
 
+def _reaped_leak_json(reaped: Reaped, found: str) -> JsonDict:
+    return {"pid": reaped.process.pid, "user": reaped.process.user, "cmdline": reaped.process.cmdline,
+            "owner": owner_json(reaped.owner), "found": found, "ended_by": reaped.how_ended,
+            "release_s": _seconds(reaped.release_s)}
+
+
+def _offender_leak_json(offender: Offender, ended_by: str | None) -> JsonDict | None:
+    proc = offender.process
+    if offender.reason != "leaked" or proc is None:
+        return None
+    return {"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline, "owner": owner_json(offender.owner),
+            "found": "teardown", "ended_by": ended_by, "release_s": None}
+
+
 def leaked_json(record: TestRecord) -> list[JsonDict]:
     """Every process this test left behind: reaped after it, found by a later check, or not reapable."""
-    leaked: list[JsonDict] = []
-    for reaped, when in [*((r, "teardown") for r in own_reaped(record)),
-                         *((r, "later") for r in record.found_later)]:
-        leaked.append({"pid": reaped.process.pid, "user": reaped.process.user,
-                       "cmdline": reaped.process.cmdline, "owner": owner_json(reaped.owner), "found": when,
-                       "ended_by": reaped.how_ended, "release_s": _seconds(reaped.release_s)})
+    leaked: list[JsonDict] = [*(_reaped_leak_json(r, "teardown") for r in own_reaped(record)),
+                              *(_reaped_leak_json(r, "later") for r in record.found_later)]
     if record.after is not None:
         # Still running (reaping off, or it survived), or gone by itself while the check waited.
         for offenders, ended_by in ((record.after.offenders, None),
                                     (record.after.lingered, "exited by itself")):
             for offender in offenders:
-                proc = offender.process
-                if (offender.reason != "leaked" or proc is None
-                        or _owned_by_other_test(offender.owner, record.nodeid)):
-                    continue
-                leaked.append({"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline,
-                               "owner": owner_json(offender.owner), "found": "teardown",
-                               "ended_by": ended_by, "release_s": None})
+                entry = _offender_leak_json(offender, ended_by)
+                if entry is not None and not _owned_by_other_test(offender.owner, record.nodeid):
+                    leaked.append(entry)
     leaked.extend(cluster_leaked_json(record))
     return leaked
+
+
+def fixture_leaked_json(leak: FixtureLeak) -> list[JsonDict]:
+    """Every process a fixture left behind, in the shape of a test's ``leaked``."""
+    entries = [_reaped_leak_json(r, "teardown") for r in leak.reaped]
+    for offenders, ended_by in ((leak.leaked, None), (leak.lingered, "exited by itself")):
+        entries.extend(e for o in offenders if (e := _offender_leak_json(o, ended_by)) is not None)
+    return entries
+
+
+def fixture_json(leak: FixtureLeak) -> JsonDict:
+    """A fixture wider than a test that left processes behind, found at the teardown of ``reported_on``."""
+    return {"name": leak.name, "scope": leak.scope, "file": leak.location[0], "line": leak.location[1],
+            "reported_on": leak.reported_on, "leaked": fixture_leaked_json(leak),
+            "reaped": [reaped_json(r) for r in leak.reaped]}
 
 
 def cluster_leaked_json(record: TestRecord) -> list[JsonDict]:
@@ -232,13 +253,16 @@ def _cluster_keys(record: TestRecord) -> JsonDict:
 
 def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> JsonDict:
     """Counts over the whole session."""
+    from pytest_gpuclean.report import reaped_count
+
     outcomes = [outcome(r) for r in records]
-    reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after, r.cluster_before,
-                                                          r.cluster_after) if c) + len(session_reaped)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
-            "not_clean": outcomes.count("not_clean"), "reaped": reaped,
-            "lock_timeouts": sum(1 for r in records if r.lock_timeout is not None)}
+            "not_clean": outcomes.count("not_clean"), "reaped": reaped_count(records, session_reaped),
+            "lock_timeouts": sum(1 for r in records if r.lock_timeout is not None),
+            "fixture_leaks": sum(len(r.fixture_leaks) for r in records),
+            "device_errors": sum(1 for r in records if any(
+                c is not None and c.error is not None for c in (r.before, r.after)))}
 
 
 def versions() -> dict[str, str | None]:
@@ -270,6 +294,7 @@ def report_document(*, records: Sequence[TestRecord], session_reaped: Sequence[R
         "session": session,
         "summary": summary_json(records, session_reaped),
         "tests": [record_json(r) for r in records],
+        "fixtures": [fixture_json(f) for r in records for f in r.fixture_leaks],
         "session_reaped": [reaped_json(r) for r in session_reaped],
         "notes": list(notes),
     }

@@ -181,7 +181,7 @@ class CheckResult(Fields):
 
     __slots__ = (
         "phase", "clean", "devices", "offenders", "reaped", "waited_s", "clean_after_s", "notes",
-        "tolerance_mib", "collected", "lingered", "self_mib", "self_cuda_only",
+        "tolerance_mib", "collected", "lingered", "self_mib", "self_cuda_only", "error", "device_lost",
     )
     phase: Final[Phase]
     clean: Final[bool]
@@ -203,12 +203,20 @@ class CheckResult(Fields):
     """This process's own memory per device (a CUDA context of the pytest process): not a leak."""
     self_cuda_only: Final[tuple[str, ...]]
     """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
+    error: Final[str | None]
+    """Why a device could not be read (naming it), which ended the check at once, not clean: what was
+    provably ours was still reaped, as process ownership needs no device reading. None if every read
+    succeeded."""
+    device_lost: Final[bool]
+    """The device that could not be read is gone (NVML's GPU_IS_LOST, a simulated device's folder removed):
+    no later check can succeed."""
 
     def __init__(self, phase: Phase, clean: bool, devices: tuple[DeviceSnapshot, ...],
                  offenders: tuple[Offender, ...], reaped: tuple[Reaped, ...] = (), waited_s: float = 0.0,
                  clean_after_s: float | None = None, notes: tuple[str, ...] = (), tolerance_mib: int = 0,
                  collected: tuple[Reaped, ...] = (), lingered: tuple[Offender, ...] = (),
-                 self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = ()) -> None:
+                 self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = (),
+                 error: str | None = None, device_lost: bool = False) -> None:
         self.phase = phase
         self.clean = clean
         self.devices = devices
@@ -222,6 +230,47 @@ class CheckResult(Fields):
         self.lingered = lingered
         self.self_mib = self_mib
         self.self_cuda_only = self_cuda_only
+        self.error = error
+        self.device_lost = device_lost
+
+
+class FixtureLeak(Fields):
+    """What a fixture wider than a test (module, class, package or session scope) left behind, found at the
+    teardown of the test that finalized it: the fixture's finding, not that test's."""
+
+    __slots__ = ("name", "scope", "location", "reported_on", "reaped", "leaked", "lingered")
+    name: Final[str]
+    scope: Final[str]
+    location: Final[tuple[str, int]]
+    """Where the fixture is defined: file (relative to rootdir where it is under it) and 1-based line of its
+    first decorator (pytest's convention for a test); ("", 0) if unknown."""
+    reported_on: Final[str]
+    """The node id of the test at whose teardown the fixture ended and its leftovers were found."""
+    reaped: Final[tuple[Reaped, ...]]
+    leaked: Final[tuple[Offender, ...]]
+    """Its processes still there after the check: not reaped (reaping off, or they could not be ended)."""
+    lingered: Final[tuple[Offender, ...]]
+    """Its processes that ended by themselves while the check waited (reaping off)."""
+
+    def __init__(self, name: str, scope: str, location: tuple[str, int], reported_on: str,
+                 reaped: tuple[Reaped, ...] = (), leaked: tuple[Offender, ...] = (),
+                 lingered: tuple[Offender, ...] = ()) -> None:
+        self.name = name
+        self.scope = scope
+        self.location = location
+        self.reported_on = reported_on
+        self.reaped = reaped
+        self.leaked = leaked
+        self.lingered = lingered
+
+    @property
+    def where(self) -> str:
+        """``conftest.py:12``, or "" if unknown."""
+        return f"{self.location[0]}:{self.location[1]}" if self.location[0] else ""
+
+    def __str__(self) -> str:
+        """``fixture engine (session-scoped, conftest.py:12)``."""
+        return f"fixture {self.name} ({self.scope}-scoped" + (f", {self.where})" if self.where else ")")
 
 
 class TestRecord(Fields):
@@ -229,7 +278,7 @@ class TestRecord(Fields):
 
     __slots__ = (
         "nodeid", "location", "before", "after", "found_later", "in_process_mib", "devices", "lock_wait_s",
-        "lock_timeout", "before_s", "after_s", "cluster_before", "cluster_after",
+        "lock_timeout", "before_s", "after_s", "cluster_before", "cluster_after", "fixture_leaks",
     )
     __hash__ = None  # type: ignore[assignment]  # (filled in as the test runs)
     nodeid: str
@@ -250,13 +299,18 @@ class TestRecord(Fields):
     cluster_before: ClusterCheck | None
     """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
     cluster_after: ClusterCheck | None
+    fixture_leaks: tuple[FixtureLeak, ...]
+    """Leaks of fixtures wider than a test that ended at this test's teardown: found by its check, but
+    the fixtures' findings (its ``after`` keeps only what is this test's own). A tuple: the empty one is
+    shared by every record (the session keeps them all, and the garbage collector walks them)."""
 
     def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
                  after: CheckResult | None = None, found_later: list[Reaped] | None = None,
                  in_process_mib: list[tuple[str, float]] | None = None, devices: tuple[str, ...] = (),
                  lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
                  after_s: float = 0.0, cluster_before: ClusterCheck | None = None,
-                 cluster_after: ClusterCheck | None = None) -> None:
+                 cluster_after: ClusterCheck | None = None,
+                 fixture_leaks: tuple[FixtureLeak, ...] = ()) -> None:
         self.nodeid = nodeid
         self.location = location
         self.before = before
@@ -270,6 +324,7 @@ class TestRecord(Fields):
         self.after_s = after_s
         self.cluster_before = cluster_before
         self.cluster_after = cluster_after
+        self.fixture_leaks = fixture_leaks
 
     @property
     def leaked(self) -> bool:

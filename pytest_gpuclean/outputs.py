@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pytest
 
 from pytest_gpuclean import records, report
-from pytest_gpuclean.model import DeviceInfo, TestRecord
+from pytest_gpuclean.model import DeviceInfo, FixtureLeak, TestRecord
 
 if TYPE_CHECKING:
     from pytest_gpuclean import jsonreport
@@ -56,7 +56,9 @@ def workflow_command(command: str, message: str, properties: Sequence[tuple[str,
 
 
 def _process_line(pid: int, cmdline: str, ended_by: str | None, release_s: float | None) -> str:
-    what = f"ended by {ended_by}" if ended_by else "NOT reaped, still running"
+    # ("ended by" names a signal: a process that ended without one says how, "exited by itself".)
+    what = (f"ended by {ended_by}" if ended_by in ("SIGTERM", "SIGKILL") else ended_by) if ended_by \
+        else "NOT reaped, still running"
     release = (f", GPU memory released {release_s:.2f}s after the {ended_by}"
                if release_s is not None and ended_by else "")
     return f"pid {pid} {what}{release}: {report.one_line(cmdline)}"
@@ -80,7 +82,10 @@ def annotation_message(record: TestRecord) -> tuple[str, str] | None:
             if check is None or check.clean:
                 continue
             when = "before" if check.phase == "setup" else "after"
-            lines.append(f"GPUs not clean {when} {record.nodeid} (waited {check.waited_s:.1f}s)")
+            if check.error is not None:
+                lines.append(f"could not check the GPUs {when} {record.nodeid}: {check.error}")
+            else:
+                lines.append(f"GPUs not clean {when} {record.nodeid} (waited {check.waited_s:.1f}s)")
             for offender in check.offenders:
                 proc = offender.process
                 held = report.mib_list(offender.mib_per_device)
@@ -91,27 +96,41 @@ def annotation_message(record: TestRecord) -> tuple[str, str] | None:
     return None
 
 
+def fixture_annotation_message(leak: FixtureLeak) -> str:
+    """The annotation of a fixture that leaked, shown at its definition."""
+    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+
+    leaked = jsonreport.fixture_leaked_json(leak)
+    return "\n".join([f"{leak} leaked {len(leaked)} process(es), found at the teardown of {leak.reported_on}"]
+                     + [_process_line(p["pid"], p["cmdline"], p["ended_by"], p["release_s"]) for p in leaked])
+
+
 def annotation_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
                      file_of: Any = None) -> list[str]:
-    """``::error`` lines: one per test with findings, one for leftovers reaped at session end.
+    """``::error`` lines: one per test with findings (at the test), one per fixture that leaked (at the
+    fixture's definition), one for leftovers reaped at session end.
 
     ``file_of`` maps a record's file (relative to rootdir) to the path GitHub expects (relative to
     the workspace); identity by default.
     """
     lines: list[str] = []
+
+    def at(location: tuple[str, int], title: str) -> list[tuple[str, str]]:
+        properties: list[tuple[str, str]] = []
+        if location[0]:
+            properties.append(("file", file_of(location[0]) if file_of else location[0]))
+            if location[1]:
+                properties.append(("line", str(location[1])))
+        return [*properties, ("title", title)]
+
     for record in records:
         found = annotation_message(record)
-        if found is None:
-            continue
-        title, message = found
-        properties: list[tuple[str, str]] = []
-        if record.location[0]:
-            path = file_of(record.location[0]) if file_of else record.location[0]
-            properties.append(("file", path))
-            if record.location[1]:
-                properties.append(("line", str(record.location[1])))
-        properties.append(("title", title))
-        lines.append(workflow_command("error", message, properties))
+        if found is not None:
+            title, message = found
+            lines.append(workflow_command("error", message, at(record.location, title)))
+        for leak in record.fixture_leaks:  # at the fixture's definition, not at the test
+            lines.append(workflow_command("error", fixture_annotation_message(leak),
+                                          at(leak.location, TITLE_LEAK)))
     # Leftovers of a test are already in that test's annotation (its found_later).
     unowned = [r for r in session_reaped if r.owner is None or r.owner.kind != "test"]
     if unowned:
@@ -132,7 +151,8 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
 
     totals = jsonreport.summary_json(records, session_reaped)
     timeouts = f", {totals['lock_timeouts']} gave up waiting for GPU locks" if totals["lock_timeouts"] else ""
-    lines = [f"### gpuclean: {totals['checked']} checked test(s), {totals['leaked']} leaked, "
+    fixtures = f", {totals['fixture_leaks']} fixture(s) leaked" if totals["fixture_leaks"] else ""
+    lines = [f"### gpuclean: {totals['checked']} checked test(s), {totals['leaked']} leaked{fixtures}, "
              f"{totals['not_clean']} met GPUs that were not clean, {totals['reaped']} process(es) reaped"
              f"{timeouts}", ""]
     rows: list[str] = []
@@ -149,8 +169,9 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
         processes = ", ".join(f"pid {p['pid']} {p['ended_by'] or 'NOT reaped'}" for p in leaked)
         if verdict == "not_clean":
             processes = ", ".join(
-                f"{o.reason} pid {o.process.pid}" if o.process else o.reason
-                for c in (record.before, record.after) if c is not None for o in c.offenders)
+                [c.error for c in (record.before, record.after) if c is not None and c.error is not None]
+                + [f"{o.reason} pid {o.process.pid}" if o.process else o.reason
+                   for c in (record.before, record.after) if c is not None for o in c.offenders])
         releases = [p["release_s"] for p in leaked if p["release_s"] is not None]
         rows.append("| " + " | ".join([
             f"`{_cell(record.nodeid)}`" if "`" not in record.nodeid else _cell(record.nodeid),
@@ -160,6 +181,13 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
             f"{record.before_s:.2f} s",
             f"{record.after_s:.2f} s",
         ]) + " |")
+    for leak in (f for r in records for f in r.fixture_leaks):
+        leaked = jsonreport.fixture_leaked_json(leak)
+        releases = [p["release_s"] for p in leaked if p["release_s"] is not None]
+        rows.append("| " + " | ".join([
+            _cell(f"{leak} (at the teardown of {leak.reported_on})"), "fixture leaked",
+            _cell(", ".join(f"pid {p['pid']} {p['ended_by'] or 'NOT reaped'}" for p in leaked)) or "-",
+            f"{max(releases):.2f} s" if releases else "-", "-", "-"]) + " |")
     if rows:
         lines += ["| Test | Verdict | Processes | Driver release | Before check | After check |",
                   "|---|---|---|---|---|---|", *rows]
@@ -189,6 +217,11 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         ("after_s", f"{record.after_s:.6f}"),
         ("lock_wait_s", f"{record.lock_wait_s:.6f}"),
         ("lock_timeout", record.lock_timeout or ""),
+        ("device_error", "; ".join(c.error for c in (record.before, record.after)
+                                   if c is not None and c.error is not None)),
+        # A fixture that ended at this test's teardown and left processes: its finding, not this test's.
+        ("fixture_leaks", "; ".join(f"{leak} leaked {len(jsonreport.fixture_leaked_json(leak))} process(es)"
+                                    for leak in record.fixture_leaks)),
     ]
     return [(PROPERTY_PREFIX + name, value) for name, value in props]
 

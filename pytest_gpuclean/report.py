@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pytest_gpuclean.model import MIB, CheckResult, DeviceSnapshot, TestRecord
+from pytest_gpuclean.model import MIB, CheckResult, DeviceSnapshot, FixtureLeak, TestRecord
 
 if TYPE_CHECKING:
     from pytest_gpuclean.findings import Offender, Reaped
 
 LEAK_PREFIX = "gpuclean: test leaked"
+FIXTURE_LEAK_PREFIX = "gpuclean: fixture"
 NOT_CLEAN_PREFIX = "gpuclean: GPUs not clean"
+UNREADABLE_PREFIX = "gpuclean: could not check the GPUs"
 SUMMARY_TITLE = "gpuclean"
 
 
@@ -97,14 +99,18 @@ def check_report(result: CheckResult, heading: str) -> str:
         lines.append("outlived the test, then ended by themselves:")
         for offender in result.lingered:
             lines.extend(offender_lines(offender))
-    if result.offenders:
+    if result.offenders and result.error is not None:
+        lines.append("still there, not reaped:")  # (no reading, no wait: the check ended at the error)
+        for offender in result.offenders:
+            lines.extend(offender_lines(offender))
+    elif result.offenders:
         lines.append(f"still dirty after {result.waited_s:.2f}s:")
         for offender in result.offenders:
             lines.extend(offender_lines(offender))
     elif result.clean_after_s is not None and result.reaped:
         lines.append(f"GPUs and processes clean again {result.clean_after_s:.2f}s after the check started")
     lines.extend(f"note: {n}" for n in result.notes)
-    if result.devices:
+    if result.devices and result.error is None:  # (after an error, some devices only: its line says it)
         lines.append(f"devices (tolerance {result.tolerance_mib} MiB):")
         lines.extend("  " + device_line(s) for s in result.devices)
     return "\n".join(lines)
@@ -116,6 +122,17 @@ def leak_heading(reaped: Sequence[Reaped], leaked: Sequence[Offender], reap_enab
     Exited children nobody waited for (zombies) are counted apart: they held no memory, and the
     intermediate parents of a double fork become such zombies once our subreaper adopts them.
     """
+    return f"{LEAK_PREFIX} {_leak_count(reaped, leaked, reap_enabled)}"
+
+
+def fixture_leak_heading(leak: FixtureLeak, reap_enabled: bool) -> str:
+    """``gpuclean: fixture engine (session-scoped, conftest.py:12) leaked N process(es) (reaped), found at
+    the teardown of test_2.py::test_d``: the fixture's finding, reported where pytest tore it down."""
+    count = _leak_count(leak.reaped, (*leak.leaked, *leak.lingered), reap_enabled)
+    return f"gpuclean: {leak} leaked {count}, found at the teardown of {leak.reported_on}"
+
+
+def _leak_count(reaped: Sequence[Reaped], leaked: Sequence[Offender], reap_enabled: bool) -> str:
     if not reap_enabled:
         state = "reaping is off: reported only"
     elif leaked:
@@ -126,12 +143,19 @@ def leak_heading(reaped: Sequence[Reaped], leaked: Sequence[Offender], reap_enab
     live = len(reaped) - zombies + len(leaked)
     extra = f" and {zombies} exited child(ren) nobody waited for" if zombies and live else ""
     count = f"{live} process(es){extra}" if live else f"{zombies} exited child(ren) nobody waited for"
-    return f"{LEAK_PREFIX} {count} ({state})"
+    return f"{count} ({state})"
 
 
 def not_clean_heading(phase: str, result: CheckResult, timeout: float) -> str:
     when = "before the test" if phase == "setup" else "after the test"
     return f"{NOT_CLEAN_PREFIX} {when} (waited {result.waited_s:.1f}s of a {timeout:g}s timeout)"
+
+
+def unreadable_heading(result: CheckResult) -> str:
+    """``gpuclean: could not check the GPUs after the test: GPU 0 (GPU-...): <cause>``: one line, the
+    device and the cause (what was reaped all the same is listed below it)."""
+    when = "before the test" if result.phase == "setup" else "after the test"
+    return f"{UNREADABLE_PREFIX} {when}: {result.error}"
 
 
 def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
@@ -144,6 +168,8 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
         for check in (record.before, record.after):
             if check is None:
                 continue
+            if check.error is not None:
+                parts.append(f"{check.phase}: could not read the devices: {check.error}")
             if check.reaped:
                 releases = [r.release_s for r in check.reaped if r.release_s is not None]
                 parts.append(f"{check.phase}: reaped {len(check.reaped)} "
@@ -169,6 +195,9 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             parts.append(f"never got its GPU locks: {record.lock_timeout}")
         parts.extend(cluster_parts(record))
         lines.append(f"{record.nodeid}: " + "; ".join(parts))
+    for record in records:
+        for leak in record.fixture_leaks:
+            lines.append(f"{leak}, found at the teardown of {leak.reported_on}: " + fixture_part(leak))
     if session_reaped:
         lines.append(f"session end: reaped {len(session_reaped)} leftover process(es): "
                      + ", ".join(f"pid {r.process.pid} ({r.owner}) {r.how_ended}" for r in session_reaped))
@@ -183,6 +212,14 @@ def set_up_reaped_line(late: Sequence[Reaped]) -> str:
             "after pytest_unconfigure: "
             + ", ".join(f"pid {r.process.pid} {r.how_ended} ({one_line(r.process.cmdline, 60)})"
                         for r in late))
+
+
+def fixture_part(leak: FixtureLeak) -> str:
+    """``leaked 2 process(es) (pid 6886 SIGTERM, pid 6887 SIGTERM)``."""
+    ended = [f"pid {r.process.pid} {r.how_ended}" for r in leak.reaped]
+    ended += [f"pid {o.process.pid} NOT reaped" for o in leak.leaked if o.process is not None]
+    ended += [f"pid {o.process.pid} exited by itself" for o in leak.lingered if o.process is not None]
+    return f"leaked {len(ended)} process(es) ({', '.join(ended)})"
 
 
 def cluster_parts(record: TestRecord) -> list[str]:
@@ -217,19 +254,34 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped])
 
     A test that was not checked has a record only when a later check found processes it leaked, or when
     it gave up waiting for its GPU locks: each is counted on its own, not as a checked test with findings.
+    A check that could not read a device counts (its test was checked, with a finding), and so does a
+    fixture that leaked (apart from the test at whose teardown it was found).
     """
     checked = [r for r in records if r.before is not None]
     unchecked_leakers = sum(1 for r in records if r.before is None and r.leaked)
     timeouts = sum(1 for r in records if r.lock_timeout is not None)
-    total_reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after, r.cluster_before,
-                                                                r.cluster_after) if c) + len(session_reaped)
+    fixtures = sum(len(r.fixture_leaks) for r in records)
+    unreadable = sum(1 for r in records if any(c is not None and c.error is not None
+                                               for c in (r.before, r.after)))
     parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if r.dirty)} with findings"]
+    if fixtures:
+        parts.append(f"{fixtures} fixture(s) that leaked processes")
     if unchecked_leakers:
         parts.append(f"{unchecked_leakers} unchecked test(s) that leaked processes")
-    parts.append(f"{total_reaped} process(es) reaped")
+    parts.append(f"{reaped_count(records, session_reaped)} process(es) reaped")
     if timeouts:
         parts.append(f"{timeouts} gave up waiting for GPU locks")
+    if unreadable:
+        parts.append(f"{unreadable} could not read a device")
     return ", ".join(parts)
+
+
+def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:
+    """Processes ended by any check (a fixture's included, which its test's record no longer holds) and at
+    session end."""
+    return sum(len(c.reaped) for r in records for c in (r.before, r.after, r.cluster_before,
+                                                        r.cluster_after) if c) + sum(
+        len(f.reaped) for r in records for f in r.fixture_leaks) + len(session_reaped)
 
 
 def _short(offender: Offender) -> str:

@@ -7,10 +7,12 @@ Part of a started session (``session.py``); the plugin's setup and teardown hook
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import warnings
 from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from pytest_gpuclean import records, report, settings
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.locks import LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, TestRecord
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, FixtureLeak, Owner, TestRecord
 from pytest_gpuclean.plugin import FIXTURE, MARKER, GpuCleanWarning
 
 if TYPE_CHECKING:
@@ -55,6 +57,9 @@ class ItemChecks:
     def __init__(self, session: CheckedSession) -> None:
         self.session = session
         self._fixture_tokens: dict[int, str] = {}
+        self._fixture_defs: dict[str, pytest.FixtureDef[Any]] = {}
+        """Token -> the fixture it was made for, until the check after the fixture ended (its name, scope
+        and, on a finding, where it is defined)."""
         self._tearing_down: ItemState | None = None
         self._warned_own_context = False
         self._warned_own_cuda = False
@@ -85,12 +90,15 @@ class ItemChecks:
         if session.cluster is not None:
             session.cluster.before(state, record)
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
-                                       timeout=state.timeout)
+                                       timeout=state.timeout, device_errors=True)
         record.before = result
         record.before_s = result.waited_s
         self._note_own_context(result)
         session.attribute_earlier(result.reaped, state.nodeid, result.notes)
         state.torch_before = _torch_allocated()
+        if result.error is not None:
+            self._stop_if_lost(item, result)
+            pytest.fail(report.check_report(result, report.unreadable_heading(result)), pytrace=False)
         if not result.clean:
             pytest.fail(report.check_report(result, report.not_clean_heading("setup", result, state.timeout)),
                         pytrace=False)
@@ -202,7 +210,7 @@ class ItemChecks:
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         session = self.session
         result = session.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
-                                       timeout=state.timeout)
+                                       timeout=state.timeout, device_errors=True)
         own_tokens = {state.token, *state.fixture_tokens}
         # A dead session's debris is that session's leak, never this test's.
         own = [r for r in result.reaped if r.found_by != "dead session" and (
@@ -212,19 +220,61 @@ class ItemChecks:
         # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
         if len(own) != len(result.reaped):
             result = result.replace(reaped=tuple(own))
-        record.after = result
+        # What a fixture that ended with this test left is that fixture's finding: pytest reports the
+        # fixture's teardown here, but the test may not even use it.
+        fixtures = self._fixture_leaks(item, state, result)
+        mine = result
+        if fixtures:
+            record.fixture_leaks += tuple(fixtures)
+            mine = _without(result, fixtures)
+        record.after = mine
         record.after_s = result.waited_s
         self._note_torch_growth(item, state, record)
-        leaked_offenders = [o for o in (*result.offenders, *result.lingered) if o.reason == "leaked"]
-        if own or leaked_offenders:
+        headings: list[str] = []
+        if result.error is not None:
+            self._stop_if_lost(item, result)
+            headings.append(report.unreadable_heading(result))
+        leaked_offenders = [o for o in (*mine.offenders, *mine.lingered) if o.reason == "leaked"]
+        if mine.reaped or leaked_offenders:
             # The processes are reported even if reaping made everything clean: the test leaked them.
-            return report.check_report(result, report.leak_heading(own, leaked_offenders,
-                                                                   session.checker.reap_enabled))
+            headings.append(report.leak_heading(mine.reaped, leaked_offenders, session.checker.reap_enabled))
+        headings.extend(report.fixture_leak_heading(f, session.checker.reap_enabled) for f in fixtures)
+        if headings:
+            # The body lists every process, each with who spawned it (the test or the fixture).
+            return report.check_report(result, "\n".join(headings))
         if not result.clean:
             return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
         return None
 
+    def _fixture_leaks(self, item: pytest.Item, state: ItemState, result: CheckResult) -> list[FixtureLeak]:
+        """What each fixture that ended at this teardown left behind, as that fixture's findings."""
+        leaks: list[FixtureLeak] = []
+        owners = self.session.checker.ownership.owners
+        for token in state.fixture_tokens:
+            owner, fixturedef = owners.get(token), self._fixture_defs.get(token)
+            if owner is None or fixturedef is None:
+                continue
+            reaped = tuple(r for r in result.reaped if r.owner is owner)
+            leaked = tuple(o for o in result.offenders if o.reason == "leaked" and o.owner is owner)
+            lingered = tuple(o for o in result.lingered if o.reason == "leaked" and o.owner is owner)
+            if not (reaped or leaked or lingered):
+                continue
+            # Only now, on a finding: where the fixture is defined (inspect reads its code object).
+            leaks.append(FixtureLeak(fixturedef.argname, fixturedef.scope,
+                                     fixture_location(fixturedef, item.config.rootpath), state.nodeid,
+                                     reaped, leaked, lingered))
+        return leaks
+
+    def _stop_if_lost(self, item: pytest.Item, result: CheckResult) -> None:
+        # A lost GPU fails every later check and runs every later test on a GPU that is gone: one line,
+        # once, instead of an error per test.
+        if result.device_lost and not item.session.shouldstop:
+            item.session.shouldstop = (f"gpuclean: {result.error}: the GPU is lost, the session stops "
+                                       "(every later check would fail)")
+
     def _end(self, state: ItemState) -> None:
+        for token in state.fixture_tokens:
+            self._fixture_defs.pop(token, None)
         self.session.checker.ownership.close_window(state.token)
         restore_env(COOKIE_VAR, state.previous_cookie[0])
         restore_env(OWNER_VAR, state.previous_cookie[1])
@@ -246,6 +296,7 @@ class ItemChecks:
         ownership = self.session.checker.ownership
         token = ownership.new_token(Owner("fixture", f"{fixturedef.argname} ({fixturedef.scope}-scoped)"))
         self._fixture_tokens[id(fixturedef)] = token
+        self._fixture_defs[token] = fixturedef
         ownership.active_fixtures.add(token)
         with self.session.owned_by(token):
             yield
@@ -256,9 +307,12 @@ class ItemChecks:
         token = self._fixture_tokens.pop(id(fixturedef), None)
         if token is not None:
             self.session.checker.ownership.active_fixtures.discard(token)
-            # The test whose teardown finalizes it (not the fixture's own node) is the one that blames it.
+            # The test whose teardown finalizes it (not the fixture's own node) is the one that finds its
+            # leaks, and names the fixture for them.
             if self._tearing_down is not None:
                 self._tearing_down.fixture_tokens.append(token)
+            else:
+                self._fixture_defs.pop(token, None)  # ended outside any test: the final sweep names it
 
     # ---- what the pytest process itself holds -----------------------------------------------------
 
@@ -294,6 +348,33 @@ def _skip(reason: str) -> BaseException:
     # Reported at the test's own file:line (``-rs``), as pytest's skip markers and a skipping fixture are,
     # not at this line of the plugin.
     return pytest.skip.Exception(reason, _use_item_location=True)
+
+
+def _without(result: CheckResult, fixtures: list[FixtureLeak]) -> CheckResult:
+    """``result`` as the test's own: less what ``fixtures`` left (theirs, in their own records)."""
+    theirs = {id(x) for f in fixtures for x in (*f.reaped, *f.leaked, *f.lingered)}
+    offenders = tuple(o for o in result.offenders if id(o) not in theirs)
+    clean = result.error is None and not offenders
+    return result.replace(
+        reaped=tuple(r for r in result.reaped if id(r) not in theirs), offenders=offenders,
+        lingered=tuple(o for o in result.lingered if id(o) not in theirs), clean=clean,
+        clean_after_s=result.clean_after_s if result.clean or not clean else result.waited_s)
+
+
+def fixture_location(fixturedef: pytest.FixtureDef[Any], rootpath: Path) -> tuple[str, int]:
+    """Where a fixture is defined: (file relative to ``rootpath`` if under it, 1-based line of its first
+    decorator, as pytest locates a test); ("", 0) if its code cannot be found."""
+    func = getattr(fixturedef.func, "__func__", fixturedef.func)  # a method fixture of a test class
+    try:
+        func = inspect.unwrap(func)
+        code = func.__code__
+        path = Path(inspect.getsourcefile(func) or code.co_filename).absolute()
+    except (AttributeError, TypeError, ValueError):
+        return "", 0
+    try:
+        return path.relative_to(rootpath).as_posix(), code.co_firstlineno
+    except ValueError:
+        return str(path), code.co_firstlineno
 
 
 def _torch_allocated() -> dict[int, int] | None:

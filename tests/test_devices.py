@@ -15,7 +15,10 @@ from pytest_gpuclean import procfs
 from pytest_gpuclean.devices import (
     DEFAULT_SIM_TOTAL,
     BackendUnavailable,
+    DeviceError,
+    DeviceLost,
     DeviceSelectionError,
+    NvmlBackend,
     NvmlOpening,
     Selection,
     SimulatedBackend,
@@ -158,8 +161,10 @@ def test_a_corrupt_simulated_file_is_refused_when_the_backend_opens(tmp_path: Pa
     path.write_text(content)
     message = (f"simulated device file {str(path)!r} holds {shown}, not a number of bytes (a whole number "
                ">= 0)")
-    with pytest.raises(SimulationError, match="^" + re.escape(message) + "$"):
+    with pytest.raises(SimulationError, match="^" + re.escape(message) + "$") as error:
         SimulatedBackend(tmp_path)
+    # A failed check's one line names the device first.
+    assert error.value.describe() == f"GPU 0 ({simulated_uuid(tmp_path, 0)}): {message}"
 
 
 def test_a_file_corrupted_later_fails_the_reading_that_meets_it(tmp_path: Path) -> None:
@@ -170,6 +175,52 @@ def test_a_file_corrupted_later_fails_the_reading_that_meets_it(tmp_path: Path) 
     (tmp_path / "0" / "total").write_text("1e9")
     with pytest.raises(SimulationError, match="holds '1e9', not a number of bytes"):
         backend.snapshot(backend.devices()[0])
+
+
+def test_a_simulated_device_whose_folder_is_removed_is_lost_one_that_cannot_be_listed_is_an_error(
+        tmp_path: Path) -> None:
+    # What the simulated devices make of NVML's errors: GPU_IS_LOST is a folder removed; any other error,
+    # a folder that cannot be read (here a file in its place: root reads any folder).
+    for index in (0, 1):
+        (tmp_path / str(index)).mkdir()
+    backend = SimulatedBackend(tmp_path)
+    gpu0, gpu1 = backend.devices()
+    (tmp_path / "0").rmdir()
+    with pytest.raises(DeviceLost, match=re.escape(f"simulated GPU 0 ({tmp_path / '0'}) is gone: ")):
+        backend.snapshot(gpu0)
+    (tmp_path / "1").rmdir()
+    (tmp_path / "1").write_text("not a folder")
+    unreadable = re.escape(f"simulated GPU 1 ({tmp_path / '1'}) unreadable: ")
+    with pytest.raises(DeviceError, match=unreadable) as error:
+        backend.snapshot(gpu1)
+    assert not isinstance(error.value, DeviceLost)
+
+
+@pytest.mark.parametrize(("code", "lost"), [("NVML_ERROR_GPU_IS_LOST", True), ("NVML_ERROR_UNKNOWN", False),
+                                            ("NVML_ERROR_TIMEOUT", False)])
+def test_nvml_gpu_is_lost_is_a_lost_device_other_errors_are_read_errors(
+        monkeypatch: pytest.MonkeyPatch, code: str, lost: bool) -> None:
+    # No driver here: pynvml's calls are replaced, its error classes are the real ones.
+    pynvml = pytest.importorskip("pynvml")
+
+    def fails(*args: Any, **kwargs: Any) -> None:
+        raise pynvml.NVMLError(getattr(pynvml, code))
+
+    def not_mig(handle: Any) -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    for name, value in (("nvmlInit", lambda: None), ("nvmlDeviceGetCount", lambda: 1),
+                        ("nvmlDeviceGetHandleByIndex", lambda i: f"handle {i}"),
+                        ("nvmlDeviceGetName", lambda h: "NVIDIA H200"),
+                        ("nvmlDeviceGetMinorNumber", lambda h: 0),
+                        ("nvmlDeviceGetMigMode", not_mig), ("nvmlDeviceGetUUID", lambda h: GPU0.uuid),
+                        ("nvmlDeviceGetMemoryInfo", fails)):
+        monkeypatch.setattr(pynvml, name, value)
+    backend = NvmlBackend(NvmlOpening(thread=False))
+    [device] = backend.devices()
+    with pytest.raises(DeviceError, match=re.escape(f"NVML query of GPU 0 ({GPU0.uuid}) failed: ")) as error:
+        backend.snapshot(device)
+    assert isinstance(error.value, DeviceLost) == lost
 
 
 def test_an_idle_folder_read_by_its_ctime_still_sees_memory_come_and_go(

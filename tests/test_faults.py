@@ -502,6 +502,137 @@ def test_checked():
         p["pid"] for t in document["tests"] for p in t.get("leaked", [])]
 
 
+# ---- a device that cannot be read mid-session -------------------------------------------------------
+
+GARBAGE_WRITER = r"""
+import os, sys, time
+with open(os.path.join(sys.argv[1], str(os.getpid())), "w") as f:
+    f.write("garbage")  # no driver reports this: the simulated backend's reading of GPU 0 fails
+with open(sys.argv[2], "a") as f:
+    f.write(f"{os.getpid()}\n")
+time.sleep(600)
+"""
+
+
+def test_a_device_read_error_is_one_line_and_the_tests_leak_is_still_reaped(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path) -> None:
+    # The test's child writes garbage into its own device file and stays: the teardown check cannot read
+    # GPU 0. It says so in one line, reaps the child all the same (ownership needs no reading), and the
+    # later tests, whose GPUs the reaping made readable again, pass.
+    pidfile = inner(f"""
+GARBAGE_WRITER = {GARBAGE_WRITER!r}
+
+@pytest.mark.needs_clean_gpus
+def test_garbage():
+    subprocess.Popen([sys.executable, "-c", GARBAGE_WRITER, os.path.join(SIM, "0"), PIDFILE])
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(3))
+def test_later(n):
+    pass
+""")
+    result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-dead-sessions=off")
+    writer = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=4, errors=1)
+    device = sim / "0" / str(writer)
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_garbage*",
+        f"gpuclean: could not check the GPUs after the test: GPU 0 (GPU-*): simulated device file "
+        f"'{device}' holds 'garbage', not a number of bytes (a whole number >= 0)",
+        f"{LEAK_PREFIX} 1 process(es) (reaped)",
+        "reaped 1 process(es):",
+        f"  pid {writer} ended by SIGTERM*(found as descendant, spawned by test_inner.py::test_garbage)*",
+        "*= gpuclean =*",
+        "4 checked test(s), 1 with findings, 1 process(es) reaped, 1 could not read a device",
+    ])
+    out = result.stdout.str()
+    assert "Traceback" not in out and "checker.py" not in out and "SimulationError" not in out
+    assert not alive(writer)
+    document = json.loads((pytester.path / "report.json").read_text())
+    tests = {t["nodeid"]: t for t in document["tests"]}
+    garbage = tests["test_inner.py::test_garbage"]
+    assert garbage["outcome"] == "leaked" and "holds 'garbage'" in garbage["after"]["error"]
+    assert [(p["pid"], p["found"]) for p in garbage["leaked"]] == [(writer, "teardown")]
+    assert document["session_reaped"] == []  # reaped at its test's teardown, not at the session's end
+    assert {n: t["outcome"] for n, t in tests.items() if n != "test_inner.py::test_garbage"} == {
+        f"test_inner.py::test_later[{n}]": "clean" for n in range(3)}
+    summary = document["summary"]
+    assert (summary["checked"], summary["leaked"], summary["device_errors"]) == (4, 1, 1)
+
+
+BREAKS_GPU_1 = """
+import shutil
+
+@pytest.mark.needs_clean_gpus
+def test_breaks_gpu_1():
+    hold(mib=8)  # on GPU 0, which stays readable
+    wait_holders(1)
+    shutil.rmtree(os.path.join(SIM, "1"))
+    if os.environ["HOW"] == "unreadable":
+        with open(os.path.join(SIM, "1"), "w") as f:
+            f.write("a file where the device's folder was")
+
+@pytest.mark.needs_clean_gpus
+def test_2():
+    pass
+
+def test_3_unchecked():
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_4():
+    pass
+"""
+
+
+@pytest.mark.parametrize("how", ["unreadable", "gone"])
+def test_a_device_that_stays_unreadable_fails_each_later_check_in_one_line_or_stops_when_gone(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path,
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    # What NVML's errors map to on simulated devices: a device folder that is not a folder is a read error
+    # (NVMLError: each later check tries again and fails in one line); a folder removed is a lost GPU
+    # (NVMLError_GpuIsLost: the session stops, in one line). Either way the leak is reaped at its test.
+    monkeypatch.setenv("HOW", how)
+    pidfile = inner(BREAKS_GPU_1)
+    result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-dead-sessions=off")
+    leaked = read_pids(pidfile)[0]
+    where = sim / "1"
+    cause = (f"simulated GPU 1 ({where}) unreadable: [Errno 20] Not a directory: '{where}'"
+             if how == "unreadable"
+             else f"simulated GPU 1 ({where}) is gone: [Errno 2] No such file or directory: '{where}'")
+    lines = result.stdout.lines
+    start = lines.index(next(text for text in lines if "ERROR at teardown of test_breaks_gpu_1" in text))
+    assert lines[start + 1:start + 4] == [
+        f"gpuclean: could not check the GPUs after the test: {cause}",
+        f"{LEAK_PREFIX} 1 process(es) (reaped)",
+        "reaped 1 process(es):",
+    ]
+    # GPU 0 could still be read: what the leak held there is known.
+    assert re.match(rf"  pid {leaked} ended by SIGTERM.*: held GPU 0 8 MiB", lines[start + 4])
+    assert not alive(leaked)
+    document = json.loads((pytester.path / "report.json").read_text())
+    summary = document["summary"]
+    if how == "unreadable":
+        result.assert_outcomes(passed=2, errors=3)
+        for name in ("test_2", "test_4"):
+            at = lines.index(next(text for text in lines if f"ERROR at setup of {name} " in text))
+            # One line each, no traceback: the next line is the next section.
+            assert lines[at + 1] == f"gpuclean: could not check the GPUs before the test: {cause}"
+            assert lines[at + 2].startswith(("_", "="))
+        result.stdout.fnmatch_lines([
+            "*= gpuclean =*",
+            "3 checked test(s), 3 with findings, 1 process(es) reaped, 3 could not read a device"])
+        assert (summary["checked"], summary["device_errors"], summary["not_clean"]) == (3, 3, 2)
+    else:
+        result.assert_outcomes(passed=1, errors=1)  # nothing ran on the lost GPU
+        # (Not fnmatch: the cause's "[Errno 2]" reads as a character class.)
+        assert any(f"Interrupted: gpuclean: {cause}: the GPU is lost, the session stops (every later check "
+                   "would fail)" in text for text in lines)
+        assert (summary["checked"], summary["device_errors"], summary["leaked"]) == (1, 1, 1)
+    assert "Traceback" not in result.stdout.str()
+
+
 XDIST_CRASH = """
 @pytest.mark.needs_clean_gpus
 def test_crash_after_leaking():

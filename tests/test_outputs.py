@@ -13,7 +13,7 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from helpers import alive, read_pids, run_inner
+from helpers import INNER_PRELUDE, alive, read_pids, run_inner, wait_dead
 
 from pytest_gpuclean import jsonreport, outputs
 from pytest_gpuclean.devices import simulated_uuid
@@ -85,7 +85,7 @@ def test_report_has_a_record_per_checked_test_and_matches_its_schema(
     assert session["exitstatus"] == 1 and session["settings"]["grace"] == 2
     assert document["versions"]["pytest_gpuclean"] == "0.1.0"
     assert document["summary"] == {"tests": 2, "checked": 2, "clean": 1, "leaked": 1, "not_clean": 0,
-                                   "reaped": 1, "lock_timeouts": 0}
+                                   "reaped": 1, "lock_timeouts": 0, "fixture_leaks": 0, "device_errors": 0}
 
     tests = by_nodeid(document)
     assert set(tests) == {"test_inner.py::test_leaks", "test_inner.py::test_clean"}
@@ -420,3 +420,111 @@ def test_meets_a_busy_gpu():
         f"::error file=test_inner.py,line={line},title=GPU not clean::GPUs not clean before "
         "test_inner.py::test_meets_a_busy_gpu (waited ")
     assert f"%0Aforeign pid {foreign} (user " in annotations[0]
+
+
+# ---- a fixture wider than a test leaks ---------------------------------------------------------------
+
+ENGINE_CONFTEST = """
+@pytest.fixture(scope="session")
+def engine():
+    server = hold("--children", "2", mib=8)  # a server that forks two workers, each on GPU 0
+    wait_holders(3)
+    with open("server.pid", "w") as f:
+        f.write(str(server.pid))
+    yield server
+    server.terminate()  # the server stops; its two workers do not
+    server.wait()
+"""
+
+ENGINE_TESTS = {
+    "test_1": """
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_a(engine):
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_b():
+    pass
+""",
+    "test_2": """
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_c():
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_d():
+    pass
+""",
+}
+
+
+@pytest.mark.parametrize("reap", ["on", "off"])
+def test_a_session_fixture_leak_is_the_fixtures_not_the_last_tests(
+        pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        reap: str) -> None:
+    # pytest tears a session fixture down at the teardown of the session's last test (test_d, which does
+    # not use it): the finding is the fixture's in the headline, the summary, the JSON report, the JUnit
+    # properties and the GitHub annotation (at the fixture's definition), never test_d's leak.
+    pidfile = tmp_path / "leak.pids"
+    monkeypatch.setenv("LEAK_PIDFILE", str(pidfile))
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    conftest = pytester.makeconftest(INNER_PRELUDE + ENGINE_CONFTEST)
+    pytester.makepyfile(**ENGINE_TESTS)
+    line = first_line(conftest, "engine")
+    # (dead-sessions off: what other sessions of this user on the machine left is not this test's matter)
+    result = run_inner(pytester, "--gpuclean-report=report.json", "--junitxml=junit.xml",
+                       f"--gpuclean-reap={reap}", "--gpuclean-timeout=0.5", "--gpuclean-grace=2",
+                       "--gpuclean-dead-sessions=off")
+    server = read_pids(pytester.path / "server.pid")[0]
+    workers = sorted(set(read_pids(pidfile, 3)) - {server})
+    result.assert_outcomes(passed=4, errors=1)
+    fixture = f"fixture engine (session-scoped, conftest.py:{line})"
+    state = "reaped" if reap == "on" else "reaping is off: reported only"
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_d*",
+        f"gpuclean: {fixture} leaked 2 process(es) ({state}), found at the teardown of test_2.py::test_d",
+    ])
+    if reap == "on":
+        result.stdout.fnmatch_lines([
+            "*= gpuclean =*",
+            f"{fixture}, found at the teardown of test_2.py::test_d: leaked 2 process(es) (pid * SIGTERM, "
+            "pid * SIGTERM)",
+            "4 checked test(s), 0 with findings, 1 fixture(s) that leaked processes, 2 process(es) reaped",
+        ])
+        assert wait_dead(workers, timeout=2) == []
+    # No line blames test_d: neither the headline nor test_d's own line in the summary.
+    assert "test leaked" not in result.stdout.str()
+    assert not [text for text in result.stdout.lines if text.startswith("test_2.py::test_d:")]
+
+    document = json.loads((pytester.path / "report.json").read_text())
+    validate(document)
+    assert {t["nodeid"]: t["outcome"] for t in document["tests"]} == {
+        f"test_{f}.py::test_{t}": "clean" for f, t in (("1", "a"), ("1", "b"), ("2", "c"), ("2", "d"))}
+    test_d = by_nodeid(document)["test_2.py::test_d"]
+    assert test_d["leaked"] == [] and test_d["after"]["reaped"] == [] and test_d["after"]["offenders"] == []
+    [leak] = document["fixtures"]
+    assert {k: leak[k] for k in ("name", "scope", "file", "line", "reported_on")} == {
+        "name": "engine", "scope": "session", "file": "conftest.py", "line": line,
+        "reported_on": "test_2.py::test_d"}
+    ended = "SIGTERM" if reap == "on" else None
+    assert sorted((p["pid"], p["ended_by"], p["owner"]["kind"]) for p in leak["leaked"]) == [
+        (pid, ended, "fixture") for pid in workers]
+    assert sorted(r["process"]["pid"] for r in leak["reaped"]) == (workers if reap == "on" else [])
+    summary = document["summary"]
+    assert (summary["leaked"], summary["fixture_leaks"], summary["clean"]) == (0, 1, 4)
+    assert summary["reaped"] == (2 if reap == "on" else 0)
+
+    properties = junit_properties(pytester.path / "junit.xml")["test_d"]
+    assert (properties["gpuclean_outcome"], properties["gpuclean_leaked"]) == ("clean", "0")
+    assert properties["gpuclean_fixture_leaks"] == f"{fixture} leaked 2 process(es)"
+
+    annotations = [text for text in result.stdout.lines if text.startswith("::")]
+    assert len(annotations) == 1, annotations
+    assert annotations[0].startswith(
+        f"::error file=conftest.py,line={line},title=GPU leak::{fixture} leaked 2 process(es), found at "
+        "the teardown of test_2.py::test_d%0Apid ")
+    assert not alive(server)

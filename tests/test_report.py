@@ -9,13 +9,14 @@ from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean import findings, jsonreport, model, ray_model, report
+from pytest_gpuclean import findings, jsonreport, model, outputs, ray_model, report
 from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
     DeviceInfo,
     DeviceSnapshot,
+    FixtureLeak,
     GpuProcess,
     Owner,
 )
@@ -49,6 +50,15 @@ RECORD = Record("t.py::test_leaks", ("t.py", 12), BEFORE, AFTER, [SURVIVED], [("
                 ("GPU-0000",), lock_wait_s=0.5, before_s=0.01, after_s=1.5)
 NO_LOCKS = Record("t.py::test_waits", ("t.py", 20), lock_wait_s=600.0,
                   lock_timeout="waited 600s for 1 of 1 GPU lock(s); held by: GPU-0000: pid 1")
+ENGINE = Owner("fixture", "engine (session-scoped)")
+ENGINE_LEAK = FixtureLeak("engine", "session", ("conftest.py", 12), "t2.py::test_d",
+                          (dataclasses.replace(REAPED, owner=ENGINE),),
+                          (dataclasses.replace(LEAKED, owner=ENGINE),),
+                          (dataclasses.replace(LEAKED, owner=ENGINE),))
+UNREADABLE = CheckResult("teardown", False, (), (), reaped=(REAPED,), waited_s=0.01,
+                         error="GPU 1 (GPU-1111): simulated device file '/s/1/7' holds 'x'", device_lost=True)
+FIXTURE_RECORD = Record("t2.py::test_d", ("t2.py", 4), BEFORE, BEFORE.replace(phase="teardown"),
+                        fixture_leaks=(ENGINE_LEAK,))
 
 NODE = "3f2a9c1b" + "0" * 48
 RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
@@ -69,7 +79,7 @@ RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_befo
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
                        RAY_RELEASE, ClusterNode(NODE, (RAY_SNAP,), "x"), ClusterFinding("", MEMORY),
-                       RAY_AFTER, RAY_RECORD]
+                       RAY_AFTER, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
@@ -221,7 +231,50 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
         "process": None, "owner": None, "mib_per_device": [{"device": "GPU 0", "mib": 88.0}]}
     assert jsonreport.snapshot_json(SNAP)["processes"][1] == {"pid": 7, "used_bytes": None, "used_mib": None}
     assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")], [REAPED]) == {
-        "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "reaped": 2, "lock_timeouts": 1}
+        "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "reaped": 2, "lock_timeouts": 1,
+        "fixture_leaks": 0, "device_errors": 0}
+
+
+def test_a_fixtures_leak_is_the_fixtures_in_every_output() -> None:
+    # Found at test_d's teardown, which only pytest's order ties to it: the headline, the summary, the
+    # JSON report, the JUnit properties and the annotation name the fixture; test_d stays clean.
+    assert report.fixture_leak_heading(ENGINE_LEAK, True) == (
+        "gpuclean: fixture engine (session-scoped, conftest.py:12) leaked 3 process(es) (NOT all reaped), "
+        "found at the teardown of t2.py::test_d")
+    assert report.summary_lines([FIXTURE_RECORD], [], []) == [
+        "fixture engine (session-scoped, conftest.py:12), found at the teardown of t2.py::test_d: leaked 3 "
+        "process(es) (pid 4242 SIGTERM, pid 4242 NOT reaped, pid 4242 exited by itself)",
+        "1 checked test(s), 0 with findings, 1 fixture(s) that leaked processes, 1 process(es) reaped"]
+    record = jsonreport.record_json(FIXTURE_RECORD)
+    assert (record["outcome"], record["leaked"]) == ("clean", [])
+    fixture = jsonreport.fixture_json(ENGINE_LEAK)
+    assert {k: fixture[k] for k in ("name", "scope", "file", "line", "reported_on")} == {
+        "name": "engine", "scope": "session", "file": "conftest.py", "line": 12,
+        "reported_on": "t2.py::test_d"}
+    assert [p["ended_by"] for p in fixture["leaked"]] == ["SIGTERM", None, "exited by itself"]
+    summary = jsonreport.summary_json([FIXTURE_RECORD], [])
+    assert (summary["leaked"], summary["fixture_leaks"], summary["reaped"]) == (0, 1, 1)
+    properties = dict(outputs.junit_properties(FIXTURE_RECORD))
+    assert (properties["gpuclean_outcome"], properties["gpuclean_fixture_leaks"]) == (
+        "clean", "fixture engine (session-scoped, conftest.py:12) leaked 3 process(es)")
+    [annotation] = outputs.annotation_lines([FIXTURE_RECORD], [])
+    assert annotation.startswith("::error file=conftest.py,line=12,title=GPU leak::fixture engine "
+                                 "(session-scoped, conftest.py:12) leaked 3 process(es), found at the "
+                                 "teardown of t2.py::test_d%0Apid 4242 ended by SIGTERM")
+    assert annotation.endswith("%0Apid 4242 exited by itself: python -c 'hold()'")
+
+
+def test_a_check_that_could_not_read_a_device_is_counted_and_said_in_one_line() -> None:
+    record = Record("t.py::test_leaks", ("t.py", 3), BEFORE, UNREADABLE)
+    assert report.unreadable_heading(UNREADABLE) == (
+        "gpuclean: could not check the GPUs after the test: GPU 1 (GPU-1111): simulated device file "
+        "'/s/1/7' holds 'x'")
+    assert report.totals_line([record], []) == (
+        "1 checked test(s), 1 with findings, 1 process(es) reaped, 1 could not read a device")
+    assert jsonreport.check_json(UNREADABLE)["error"] == UNREADABLE.error
+    summary = jsonreport.summary_json([record], [])
+    assert (summary["checked"], summary["leaked"], summary["device_errors"]) == (1, 1, 1)
+    assert dict(outputs.junit_properties(record))["gpuclean_device_error"] == UNREADABLE.error
 
 
 def _enum(schema: dict[str, Any], *path: str) -> set[Any]:
