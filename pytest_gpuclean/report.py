@@ -167,6 +167,10 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             parts.append("torch memory grew in-process: " + _held(record.in_process_mib))
         if record.lock_timeout is not None:
             parts.append(f"never got its GPU locks: {record.lock_timeout}")
+        if record.gpu_without_lock:
+            parts.append("used a GPU whose lock another xdist worker's test held: " + ", ".join(
+                f"pid {u.process.pid} {_held(u.mib_per_device)} while {u.seen_worker or 'a worker'}'s "
+                f"{u.seen_by} held it" for u in record.gpu_without_lock))
         parts.extend(cluster_parts(record))
         lines.append(f"{record.nodeid}: " + "; ".join(parts))
     if session_reaped:
@@ -207,12 +211,14 @@ def cluster_parts(record: TestRecord) -> list[str]:
 def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
     """``3 checked test(s), 1 with findings, 2 process(es) reaped``.
 
-    A test that was not checked has a record only when a later check found processes it leaked, or when
-    it gave up waiting for its GPU locks: each is counted on its own, not as a checked test with findings.
+    A test that was not checked has a record only when a later check found processes it leaked, when it
+    gave up waiting for its GPU locks, or when another xdist worker found its process on a GPU whose lock
+    that worker held: each is counted on its own, not as a checked test with findings.
     """
     checked = [r for r in records if r.before is not None]
     unchecked_leakers = sum(1 for r in records if r.before is None and r.leaked)
     timeouts = sum(1 for r in records if r.lock_timeout is not None)
+    without_lock = sum(1 for r in records if r.gpu_without_lock)
     total_reaped = sum(len(c.reaped) for r in records for c in (r.before, r.after, r.cluster_before,
                                                                 r.cluster_after) if c) + len(session_reaped)
     parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if r.dirty)} with findings"]
@@ -221,6 +227,8 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped])
     parts.append(f"{total_reaped} process(es) reaped")
     if timeouts:
         parts.append(f"{timeouts} gave up waiting for GPU locks")
+    if without_lock:
+        parts.append(f"{without_lock} used a GPU another xdist worker held the lock of")
     return ", ".join(parts)
 
 

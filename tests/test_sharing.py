@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from helpers import alive, children_sigint, read_pids, run_inner, wait_dead, wait_for_file
 
+from pytest_gpuclean import jsonreport
 from pytest_gpuclean.devices import SimulatedBackend
 from pytest_gpuclean.locks import HELD_VAR, GpuLocks, LockTimeout
 from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
@@ -148,6 +149,12 @@ def overlaps(events: list[dict[str, Any]]) -> list[str]:
             if start < end:
                 found.append(f"{uuid}: {first} and {second}")
     return found
+
+
+def validate_report(document: Any) -> None:
+    import jsonschema  # type: ignore[import-untyped]
+
+    jsonschema.Draft202012Validator(jsonreport.load_schema()).validate(document)
 
 
 def collect(pid: int) -> None:
@@ -499,6 +506,122 @@ def test_runs_until_interrupted():
     assert [p["pid"] for p in tests["test_x.py::test_leaks"]["leaked"]] == [leaked], document
     assert tests["test_x.py::test_leaks"]["outcome"] == "leaked"
     assert document["summary"]["leaked"] == 1
+
+
+SIBLING_LEAKER = """
+import os, subprocess, sys, time
+from pathlib import Path
+import pytest
+
+
+def wait_for(name):
+    deadline = time.monotonic() + 60
+    while not (Path(os.environ[name]).exists() and Path(os.environ[name]).read_text()):
+        assert time.monotonic() < deadline, name
+        time.sleep(0.01)
+
+
+def test_unmarked_leak():
+    # Not checked, so it takes no lock: it puts memory on GPU 0 while another worker's test holds it.
+    wait_for("VICTIM_STARTED")
+    if os.environ["HOW"] == "child":
+        subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
+                          "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]])
+    else:  # in this (worker) process, as torch in the test itself would
+        from pytest_gpuclean.simulate import allocate
+
+        allocate(os.environ["SIM"], 0, 64)
+        Path(os.environ["LEAK_PIDFILE"]).write_text(f"{os.getpid()}\\n")
+    wait_for("LEAK_PIDFILE")
+    time.sleep(0.5)
+
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("i", range(2))
+def test_after(i):
+    time.sleep(0.2)
+"""
+
+SIBLING_VICTIM = """
+import os, time
+from pathlib import Path
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("i", range(2))
+def test_victim(i):
+    # Holding every GPU's lock: the first one here waits until the other worker's test has put its memory
+    # on GPU 0, so that this test's teardown check meets it.
+    Path(os.environ["VICTIM_STARTED"]).write_text(os.environ["PYTEST_XDIST_WORKER"])
+    pidfile, deadline = Path(os.environ["LEAK_PIDFILE"]), time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+"""
+
+
+@pytest.mark.parametrize(("workers", "how"), [(2, "child"), (4, "child"), (2, "in-process")])
+def test_xdist_sibling_gpu_use_is_not_a_victims_finding(sessions: Sessions, sim: Path, tmp_path: Path,
+                                                        workers: int, how: str) -> None:
+    """A process of another worker of the run is neither waited for nor a failure of the test that meets
+    it; it is named, and the test that started it has the finding (issue 27, item 1)."""
+    pidfile, started, report_file = tmp_path / "leak.pids", tmp_path / "victim_started", tmp_path / "r.json"
+    (sessions.suite / "test_a.py").write_text(SIBLING_LEAKER)
+    victims = ("test_b.py", "test_c.py", "test_d.py")
+    for name in victims:
+        (sessions.suite / name).write_text(SIBLING_VICTIM)
+    # A short timeout: a victim that waits for the sibling's process fails in seconds, not minutes.
+    rc, out = sessions.finish(sessions.start(
+        "-n", str(workers), "--dist", "loadfile", "--gpuclean-timeout=5", f"--gpuclean-report={report_file}",
+        SIM=str(sim), LEAK_PIDFILE=str(pidfile), VICTIM_STARTED=str(started), HOW=how))
+    holder = read_pids(pidfile)[0]
+    assert rc == pytest.ExitCode.OK, out
+    assert "9 passed" in out.splitlines()[-1], out
+    document = json.loads(report_file.read_text())
+    validate_report(document)
+    tests = {t["nodeid"]: t for t in document["tests"]}
+    victim_tests = [t for nodeid, t in tests.items() if nodeid.startswith(victims)]
+    assert len(victim_tests) == 6
+    assert all(t["outcome"] == "clean" for t in victim_tests), document
+    assert document["summary"]["not_clean"] == 0
+    notes = [n for t in victim_tests for c in (t["before"], t["after"]) for n in c["notes"]]
+    leaker = tests.get("test_a.py::test_unmarked_leak")
+    if how == "in-process":
+        # The worker itself holds it (its test used the GPU in-process): excused like a peer's context.
+        assert any(n.startswith(f"pid {holder}: another worker of this xdist run, its pytest process itself")
+                   for n in notes), notes
+        assert leaker is None and "gpu_without_lock" not in document["summary"], document
+        return
+    # Named as what it is in the victim's check that met it...
+    assert leaker is not None, document
+    worker = leaker["gpu_without_lock"][0]["worker"]
+    assert worker.startswith("gw"), leaker
+    assert any(n.startswith(f"pid {holder}: in use by {worker}'s test test_a.py::test_unmarked_leak (GPU 0 64 "
+                            "MiB); another worker of this xdist run: not waited for, never signalled")
+               for n in notes), notes
+    # ... reaped by its own worker (never by a victim), blamed on the test that started it ...
+    reapers = [nodeid for nodeid, t in tests.items() for c in (t["before"], t["after"]) if c
+               for r in c["reaped"] if r["process"]["pid"] == holder]
+    assert all(nodeid.startswith("test_a.py::") for nodeid in reapers), reapers
+    assert reapers or [r["process"]["pid"] for r in document["session_reaped"]] == [holder]
+    assert leaker["outcome"] == "leaked" and [p["pid"] for p in leaker["leaked"]] == [holder]
+    # ... which also has the finding of its own: it used a GPU whose lock another worker's test held.
+    (use,) = leaker["gpu_without_lock"]
+    assert use["process"]["pid"] == holder and use["worker"] == worker
+    assert use["owner"] == {"kind": "test", "name": "test_a.py::test_unmarked_leak"}
+    assert use["mib_per_device"] == [{"device": "GPU 0", "mib": 64.0}]
+    assert use["lock_held_by"]["nodeid"].startswith(victims) and use["lock_held_by"]["worker"] != worker
+    assert document["summary"]["leaked"] == 1 and document["summary"]["gpu_without_lock"] == 1
+    pytest.LineMatcher(out.splitlines()).fnmatch_lines([
+        "*= gpuclean =*",
+        f"test_a.py::test_unmarked_leak: leaked 1 process(es) found by a later check (pid {holder} SIG*); "
+        f"used a GPU whose lock another xdist worker's test held: pid {holder} GPU 0 64 MiB while gw*'s "
+        "test_*.py::test_victim* held it",
+        "8 checked test(s), * with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped, "
+        "1 used a GPU another xdist worker held the lock of",
+    ])
+    assert not alive(holder)
 
 
 # ---- pytest-timeout -------------------------------------------------------------------------------
