@@ -33,6 +33,7 @@ from pytest_gpuclean.ownership import (
     Ownership,
     SessionRef,
     innermost_session,
+    live_outer_session,
     new_session_id,
 )
 from pytest_gpuclean.report import mib_list as report_mib
@@ -233,7 +234,8 @@ class Checker:
                     # xdist worker that crashed, adopted by us, its controller): that session's debris.
                     inner = innermost_session(cookie)
                     if (inner is not None and inner.session_id != self.ownership.session_id
-                            and inner.is_dead()):
+                            and inner.is_dead()
+                            and live_outer_session(cookie, self.ownership.session_id) is None):
                         self._debris[key] = (inner, values.get(OWNER_VAR))
             self._tokens[key] = token
         return self._tokens[key]
@@ -289,8 +291,11 @@ class Checker:
             debris = None
             if token is None:
                 debris = innermost_session(value) if dead_sessions else None
-                if debris is None or not debris.is_dead():
-                    continue  # a live session's, or no session's: never ours
+                if (debris is None or not debris.is_dead()
+                        or live_outer_session(value, self.ownership.session_id) is not None):
+                    # A live session's (also when a nested session that one's test ran died: an xdist
+                    # sibling's), or no session's: never ours.
+                    continue
             pinned = self._pin(pid)
             if pinned is None:
                 continue

@@ -525,8 +525,9 @@ def test_unmarked_leak():
     # Not checked, so it takes no lock: it puts memory on GPU 0 while another worker's test holds it.
     wait_for("VICTIM_STARTED")
     if os.environ["HOW"] == "child":
-        subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
-                          "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]])
+        subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
+                          os.environ["SIM"], "--device", "0", "--mib", "64", "--pidfile",
+                          os.environ["LEAK_PIDFILE"]])
     else:  # in this (worker) process, as torch in the test itself would
         from pytest_gpuclean.simulate import allocate
 
@@ -581,6 +582,7 @@ def test_xdist_sibling_gpu_use_is_not_a_victims_finding(sessions: Sessions, sim:
     document = json.loads(report_file.read_text())
     validate_report(document)
     tests = {t["nodeid"]: t for t in document["tests"]}
+    assert len(tests) == len(document["tests"]), document  # one record per test, whoever found what
     victim_tests = [t for nodeid, t in tests.items() if nodeid.startswith(victims)]
     assert len(victim_tests) == 6
     assert all(t["outcome"] == "clean" for t in victim_tests), document
@@ -597,9 +599,9 @@ def test_xdist_sibling_gpu_use_is_not_a_victims_finding(sessions: Sessions, sim:
     assert leaker is not None, document
     worker = leaker["gpu_without_lock"][0]["worker"]
     assert worker.startswith("gw"), leaker
-    assert any(n.startswith(f"pid {holder}: in use by {worker}'s test test_a.py::test_unmarked_leak (GPU 0 64 "
-                            "MiB); another worker of this xdist run: not waited for, never signalled")
-               for n in notes), notes
+    assert any(n.startswith(f"pid {holder}: in use by {worker}'s test test_a.py::test_unmarked_leak "
+                            "(GPU 0 64 MiB); another worker of this xdist run: not waited for, never "
+                            "signalled") for n in notes), notes
     # ... reaped by its own worker (never by a victim), blamed on the test that started it ...
     reapers = [nodeid for nodeid, t in tests.items() for c in (t["before"], t["after"]) if c
                for r in c["reaped"] if r["process"]["pid"] == holder]
@@ -618,10 +620,87 @@ def test_xdist_sibling_gpu_use_is_not_a_victims_finding(sessions: Sessions, sim:
         f"test_a.py::test_unmarked_leak: leaked 1 process(es) found by a later check (pid {holder} SIG*); "
         f"used a GPU whose lock another xdist worker's test held: pid {holder} GPU 0 64 MiB while gw*'s "
         "test_*.py::test_victim* held it",
-        "8 checked test(s), * with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped, "
-        "1 used a GPU another xdist worker held the lock of",
+        "8 checked test(s), * with findings, 1 unchecked test(s) that leaked processes, 1 process(es) "
+        "reaped, 1 used a GPU another xdist worker held the lock of",
     ])
     assert not alive(holder)
+
+
+NESTED_DEBRIS = """
+import os, subprocess, sys, time
+from pathlib import Path
+import pytest
+from pytest_gpuclean import procfs
+
+
+def wait_for(name):
+    deadline = time.monotonic() + 60
+    while not Path(os.environ[name]).exists():
+        assert time.monotonic() < deadline, name
+        time.sleep(0.01)
+
+
+def test_nested_session_died():
+    # What a nested gpuclean session of this test left when it died (SIGKILL): its cookie names that dead
+    # session inside this live worker's test.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    cookie = f"{os.environ['GPUCLEAN_TEST']}/gc.{dead.pid}.1.{procfs.pid_namespace()}.0badc0de:t1"
+    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
+                      "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]],
+                     env={**os.environ, "GPUCLEAN_TEST": cookie})
+    while not (Path(os.environ["LEAK_PIDFILE"]).exists() and Path(os.environ["LEAK_PIDFILE"]).read_text()):
+        time.sleep(0.01)
+    Path(os.environ["NESTED_DEAD"]).touch()
+    wait_for("VICTIM_CHECKED")
+
+
+@pytest.mark.needs_clean_gpus
+def test_after():
+    pass
+"""
+
+NESTED_DEBRIS_VICTIM = """
+import os, time
+from pathlib import Path
+import pytest
+
+
+def test_first():
+    deadline = time.monotonic() + 60
+    while not Path(os.environ["NESTED_DEAD"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.needs_clean_gpus
+def test_victim():
+    # This worker's first check (it scans for dead sessions' debris) has run.
+    Path(os.environ["VICTIM_CHECKED"]).touch()
+"""
+
+
+def test_xdist_sibling_keeps_what_its_dead_nested_session_left(sessions: Sessions, sim: Path,
+                                                               tmp_path: Path) -> None:
+    """A dead nested session's debris inside a live sibling worker's test is that worker's to reap, never
+    another worker's (which signalled it as a dead session's debris)."""
+    pidfile, report_file = tmp_path / "leak.pids", tmp_path / "r.json"
+    (sessions.suite / "test_a.py").write_text(NESTED_DEBRIS)
+    (sessions.suite / "test_b.py").write_text(NESTED_DEBRIS_VICTIM)
+    rc, out = sessions.finish(sessions.start(
+        "-n", "2", "--dist", "loadfile", "--gpuclean-timeout=5", f"--gpuclean-report={report_file}",
+        SIM=str(sim), LEAK_PIDFILE=str(pidfile), NESTED_DEAD=str(tmp_path / "nested_dead"),
+        VICTIM_CHECKED=str(tmp_path / "victim_checked")))
+    holder = read_pids(pidfile)[0]
+    assert rc == pytest.ExitCode.OK, out
+    tests = {t["nodeid"]: t for t in json.loads(report_file.read_text())["tests"]}
+    victim = tests["test_b.py::test_victim"]
+    assert victim["outcome"] == "clean", victim
+    assert not [r for c in (victim["before"], victim["after"]) for r in c["reaped"]], victim
+    leaker = "test_a.py::test_nested_session_died"
+    assert any(n.startswith(f"pid {holder}: in use by ") and f"'s test {leaker} " in n
+               for n in victim["before"]["notes"]), victim
+    assert [u["process"]["pid"] for u in tests[leaker]["gpu_without_lock"]] == [holder]
+    assert wait_dead([holder]) == []
 
 
 # ---- pytest-timeout -------------------------------------------------------------------------------
