@@ -522,8 +522,10 @@ class Checker:
                            f"of {tolerance / MIB:.0f} MiB, held by {by}"))
         if self.host_scope:
             exclude = self.never_touch | excused | ignored | foreign | blamed | {f.pid for f in ours}
-            strays = processes.stray_python_processes(self.uid, exclude, self.ignore)
-            for pid in sorted(set(strays) - self._peer_pids(strays)):
+            strays = set(processes.stray_python_processes(self.uid, exclude, self.ignore))
+            strays -= self._peer_pids(strays)
+            # What our xdist siblings run is theirs, as on the GPUs (``_siblings``).
+            for pid in sorted(strays - self._siblings(strays).keys()):
                 info = processes.describe(pid)
                 if info is not None:
                     from pytest_gpuclean.findings import Offender  # (only on a finding)

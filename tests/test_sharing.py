@@ -626,6 +626,80 @@ def test_xdist_sibling_gpu_use_is_not_a_victims_finding(sessions: Sessions, sim:
     assert not alive(holder)
 
 
+HOST_SCOPE_CONFTEST = """
+import os, time
+from pathlib import Path
+import pytest
+
+
+def wait_for(name):
+    deadline = time.monotonic() + 60
+    while not (Path(os.environ[name]).exists() and Path(os.environ[name]).read_text()):
+        assert time.monotonic() < deadline, name
+        time.sleep(0.01)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.nodeid.startswith("test_b.py"):  # before its check: once the other worker's process runs
+        Path(os.environ["VICTIM_PID"]).write_text(str(os.getpid()))
+        wait_for("LEAK_PIDFILE")
+    return (yield)
+
+
+def pytest_runtest_logreport(report):
+    worker = "PYTEST_XDIST_WORKER" in os.environ
+    if worker and report.when == "setup" and report.nodeid.startswith("test_b.py"):
+        Path(os.environ["VICTIM_CHECKED"]).write_text("1")
+"""
+
+HOST_SCOPE_LEAKER = """
+import os, subprocess, sys
+from pathlib import Path
+from conftest import wait_for
+
+
+def test_unmarked_leak():
+    Path(os.environ["LEAKER_PID"]).write_text(str(os.getpid()))
+    wait_for("VICTIM_PID")
+    # A Python process on no GPU, and one holding GPU memory (it says when it runs).
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
+                      "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]])
+    wait_for("VICTIM_CHECKED")
+"""
+
+
+def test_xdist_host_scope_names_no_sibling_worker_nor_what_it_runs(sessions: Sessions, sim: Path,
+                                                                     tmp_path: Path) -> None:
+    """``--gpuclean-scope=host``: the other workers and what their tests run are no stray Python processes
+    of this user. (Other Python processes of the user may run beside this test and be named: the outcome
+    is not asserted, only that no process of the run is named.)"""
+    files = {name: tmp_path / name for name in ("leak.pids", "leaker", "victim", "checked", "r.json")}
+    (sessions.suite / "conftest.py").write_text(HOST_SCOPE_CONFTEST)
+    (sessions.suite / "test_a.py").write_text(HOST_SCOPE_LEAKER)
+    (sessions.suite / "test_b.py").write_text("import pytest\n\n\n@pytest.mark.needs_clean_gpus\n"
+                                              "def test_victim():\n    pass\n")
+    _, out = sessions.finish(sessions.start(
+        "-n", "2", "--dist", "loadfile", "--gpuclean-scope=host", "--gpuclean-timeout=1",
+        f"--gpuclean-report={files['r.json']}", SIM=str(sim), LEAK_PIDFILE=str(files["leak.pids"]),
+        LEAKER_PID=str(files["leaker"]), VICTIM_PID=str(files["victim"]),
+        VICTIM_CHECKED=str(files["checked"])))
+    holder = read_pids(files["leak.pids"])[0]
+    document = json.loads(files["r.json"].read_text())
+    (leaker,) = [t for t in document["tests"] if t["nodeid"] == "test_a.py::test_unmarked_leak"]
+    # Its worker reaped both when its session ended.
+    run = {holder, int(files["leaker"].read_text()), *(p["pid"] for p in leaker["leaked"])}
+    assert len(run) == 3, (leaker, out)
+    (victim,) = [t for t in document["tests"] if t["nodeid"] == "test_b.py::test_victim"]
+    # The check met the other worker's process (and named it as what it is)...
+    assert any(n.startswith(f"pid {holder}: in use by gw") for n in victim["before"]["notes"]), victim
+    # ... and named no process of the run as a stray: not the other worker, nor what its test runs.
+    named = {o["process"]["pid"] for c in (victim["before"], victim["after"]) if c for o in c["offenders"]
+             if o["process"]}
+    assert not run & named, (run, victim, out)
+
+
 NESTED_DEBRIS = """
 import os, subprocess, sys, time
 from pathlib import Path
