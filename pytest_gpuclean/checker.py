@@ -780,14 +780,19 @@ class _Check:
         self.overhead = c._unlisted_overhead(self.snaps, excused, self.self_cuda)
 
     def _saw_sibling(self, pid: int, sibling: Sibling) -> None:
-        info = processes.describe(pid)
-        if info is None:
-            return
+        # Described once per check (the check polls while something else keeps it dirty); what it held
+        # is the most it was seen with.
         held = mib_of(pid, self.snaps)
-        key = (info.pid, info.start_ticks)
-        known = self.siblings.get(key)
-        if known is None or sum(m for _, m in held) > sum(m for _, m in known.mib_per_device):
+        known = next((u for u in self.siblings.values() if u.process.pid == pid), None)
+        if known is not None:
+            if sum(m for _, m in held) > sum(m for _, m in known.mib_per_device):
+                key = (pid, known.process.start_ticks)
+                self.siblings[key] = dataclasses.replace(known, mib_per_device=held)
+            return
+        info = processes.describe(pid)
+        if info is not None:
             from pytest_gpuclean.findings import SiblingUse  # (only on a finding)
+            key = (info.pid, info.start_ticks)
             self.siblings[key] = SiblingUse(info, sibling.owner, sibling.worker, held)
 
     def needs_cookie_scan(self) -> bool:
