@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pytest_gpuclean import pools, processes, procfs
 from pytest_gpuclean.devices import Backend, DeviceError, DeviceLost
@@ -23,6 +23,7 @@ from pytest_gpuclean.model import (
     EndedBy,
     FoundBy,
     Owner,
+    OwnerKind,
     Phase,
 )
 from pytest_gpuclean.ownership import (
@@ -32,15 +33,18 @@ from pytest_gpuclean.ownership import (
     Ownership,
     SessionRef,
     innermost_session,
+    live_outer_session,
     new_session_id,
 )
+from pytest_gpuclean.report import mib_list as report_mib
 from pytest_gpuclean.report import one_line
 from pytest_gpuclean.settings import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
+    from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped, SiblingUse
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
+XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
 POLL_S = 0.02
 """Polling interval while waiting for a device to come clean."""
 RELEASE_POLL_S = 0.005
@@ -86,6 +90,17 @@ class Found:
         return self.state not in procfs.EXITED
 
 
+class Sibling(NamedTuple):
+    """Who in a live sibling xdist worker started a process: the worker and the owner its cookie names."""
+
+    worker: str
+    owner: Owner
+
+
+_OWNER_KINDS: dict[str, OwnerKind] = {"t": "test", "f": "fixture"}
+"""A cookie token's first letter: the kind of owner (``Ownership.new_token``)."""
+
+
 class Checker:
     """Checks devices and processes; reaps leaks that are provably this session's."""
 
@@ -93,7 +108,7 @@ class Checker:
                  ignore: Sequence[str] = (), host_scope: bool = False,
                  session_id: str | None = None, settle: float = 0.0, xdist_run: str | None = None,
                  peer_cookie: str | None = None, dead_sessions: bool = True,
-                 session_start_ticks: int | None = None) -> None:
+                 session_start_ticks: int | None = None, peers_since: int | None = None) -> None:
         self.backend = backend
         self.reap_enabled = reap
         self.grace = grace
@@ -110,6 +125,8 @@ class Checker:
         self.xdist_run = xdist_run
         self.peer_cookie = peer_cookie
         """The cookie our xdist siblings started with (the controller's): theirs, not a leak's."""
+        self.peers_since = peers_since
+        """When the controller started its workers (boot ticks; ``cookie.WORKERS_SINCE_VAR``)."""
         self.hurry: Callable[[], bool] | None = None
         """Set while an interrupt asks the reaping to be quick: the grace ends at once."""
         self._me = -1
@@ -217,7 +234,8 @@ class Checker:
                     # xdist worker that crashed, adopted by us, its controller): that session's debris.
                     inner = innermost_session(cookie)
                     if (inner is not None and inner.session_id != self.ownership.session_id
-                            and inner.is_dead()):
+                            and inner.is_dead()
+                            and live_outer_session(cookie, self.ownership.session_id) is None):
                         self._debris[key] = (inner, values.get(OWNER_VAR))
             self._tokens[key] = token
         return self._tokens[key]
@@ -273,8 +291,11 @@ class Checker:
             debris = None
             if token is None:
                 debris = innermost_session(value) if dead_sessions else None
-                if debris is None or not debris.is_dead():
-                    continue  # a live session's, or no session's: never ours
+                if (debris is None or not debris.is_dead()
+                        or live_outer_session(value, self.ownership.session_id) is not None):
+                    # A live session's (also when a nested session that one's test ran died: an xdist
+                    # sibling's), or no session's: never ours.
+                    continue
             pinned = self._pin(pid)
             if pinned is None:
                 continue
@@ -304,8 +325,11 @@ class Checker:
         # Sibling pytest-xdist workers of the same run hold their own CUDA contexts, like we do. A peer
         # is a direct child of the controller that started with the controller's own cookie: what a
         # worker's test starts (even an orphan of a crashed worker, adopted by the controller) carries
-        # that worker's longer cookie, and is a leak, never a peer.
-        if not self.xdist_run:
+        # that worker's longer cookie, and is a leak, never a peer. xdist exports the run id in a worker
+        # only once it runs, so its initial environment (all that others can read) lacks it: it was
+        # started when the controller started its workers, not before (a process that a conftest started
+        # while the controller was configured carries the controller's cookie too).
+        if not self.xdist_run or not self.peer_cookie:
             return set()
         parent = os.getppid()
         peers: set[int] = set()
@@ -314,9 +338,57 @@ class Checker:
             if stat is None or stat.ppid != parent:
                 continue
             values = procfs.read_environ_vars(pid, (XDIST_RUN_VAR, COOKIE_VAR))
-            if values.get(XDIST_RUN_VAR) == self.xdist_run and values.get(COOKIE_VAR) == self.peer_cookie:
+            if values.get(COOKIE_VAR) == self.peer_cookie and (
+                    values.get(XDIST_RUN_VAR) == self.xdist_run
+                    or (self.peers_since is not None and stat.start_ticks >= self.peers_since)):
                 peers.add(pid)
         return peers
+
+    def _siblings(self, pids: Iterable[int]) -> dict[int, Sibling]:
+        """Of ``pids``, those that a live sibling worker of our xdist run started, and who there did.
+
+        The proof is the run's cookie: a worker's session id extends the controller's cookie (our
+        ``peer_cookie``) by its own ``gc.<pid>.<start>.<namespace>.<random>``, and what its tests, fixtures
+        and set-up start carry that id and a token, however deeply nested. The worker the cookie names
+        must be alive and a peer of ours (``_peer_pids``); the process must carry our run's id (xdist
+        exports it in a worker before any test runs) and be born after that worker. Such a process
+        belongs to that live session: never ours to wait for or to signal; the sibling reaps it at its
+        own next check if it leaked. A sibling that died is not one: what it left is a dead session's
+        debris, as before.
+        """
+        if not self.xdist_run or not self.peer_cookie:
+            return {}
+        prefix = self.peer_cookie + "/"
+        found: dict[int, Sibling] = {}
+        peers: dict[int, bool] = {}
+        for pid in pids:
+            values = procfs.read_environ_vars(pid, (COOKIE_VAR, OWNER_VAR, XDIST_RUN_VAR, XDIST_WORKER_VAR))
+            value = values.get(COOKIE_VAR, "")
+            if not value.startswith(prefix) or values.get(XDIST_RUN_VAR) != self.xdist_run:
+                continue
+            own_id, sep, rest = value[len(prefix):].partition(":")
+            token = rest.split("/", 1)[0]
+            ref = innermost_session(f"{prefix}{own_id}:{token}") if sep and "/" not in own_id else None
+            if ref is None or ref.session_id == self.ownership.session_id or not token:
+                continue
+            stat = procfs.read_stat(pid)
+            if stat is None or stat.start_ticks < ref.start_ticks:
+                continue  # older than the worker its cookie names: a recycled value, proves nothing
+            if ref.pid not in peers:
+                peers[ref.pid] = self._is_sibling_worker(ref)
+            if not peers[ref.pid]:
+                continue
+            worker = values.get(XDIST_WORKER_VAR) or f"xdist worker pid {ref.pid}"
+            name = values.get(OWNER_VAR, "?")
+            kind: OwnerKind = "session" if token == SESSION else _OWNER_KINDS.get(token[0], "unknown")
+            found[pid] = Sibling(worker, Owner(kind, name))
+        return found
+
+    def _is_sibling_worker(self, ref: SessionRef) -> bool:
+        """Whether the session leader ``ref`` names is a live sibling worker: the very process (pid and start
+        time, in our pid namespace), and a peer."""
+        return (ref.pid_namespace == procfs.pid_namespace() and procfs.is_live(ref.pid, ref.start_ticks)
+                and bool(self._peer_pids((ref.pid,))))
 
     # ---- the check -----------------------------------------------------------------------------
 
@@ -461,8 +533,10 @@ class Checker:
                            f"of {tolerance / MIB:.0f} MiB, held by {by}"))
         if self.host_scope:
             exclude = self.never_touch | excused | ignored | foreign | blamed | {f.pid for f in ours}
-            strays = processes.stray_python_processes(self.uid, exclude, self.ignore)
-            for pid in sorted(set(strays) - self._peer_pids(strays)):
+            strays = set(processes.stray_python_processes(self.uid, exclude, self.ignore))
+            strays -= self._peer_pids(strays)
+            # What our xdist siblings run is theirs, as on the GPUs (``_siblings``).
+            for pid in sorted(strays - self._siblings(strays).keys()):
                 info = processes.describe(pid)
                 if info is not None:
                     from pytest_gpuclean.findings import Offender  # (only on a finding)
@@ -639,6 +713,10 @@ class _Check:
         self.self_cuda: set[str] = set()
         self._first: tuple[tuple[DeviceSnapshot, ...], list[Found] | None] | None = None
         """The readings ``quiet`` took, for the first round."""
+        self.siblings: dict[tuple[int, int], SiblingUse] = {}
+        """Processes of live sibling xdist workers seen on these devices, by identity."""
+        self.peers: set[int] = set()
+        """Sibling xdist workers themselves seen on these devices (their own CUDA contexts)."""
 
     def run(self) -> CheckResult:
         quiet = self.quiet()
@@ -696,12 +774,37 @@ class _Check:
                                                       if c.is_protected(f) and f.token is not None}
         listed = {p.pid for s in self.snaps for p in s.processes}
         unexplained = listed - excused - {f.pid for f in self.ours} - {f.pid for f in self.unknown}
-        excused |= c._peer_pids(unexplained)
+        peers = c._peer_pids(unexplained)
+        self.peers |= peers
+        excused |= peers
+        # What a live sibling worker's test (or fixture) started is that worker's to reap: waiting for it
+        # here, while this test holds the GPU locks that the sibling needs for its next check, would only
+        # stall both. Named in the notes, and a finding of the test that started it (testcheck.py).
+        siblings = c._siblings(unexplained - excused)
+        for pid, sibling in siblings.items():
+            self._saw_sibling(pid, sibling)
+        excused |= siblings.keys()
         self.unexplained = unexplained - excused
         self.excused = excused
         # Our own CUDA context's unlisted overhead must not trigger the cookie scan on every check of a
         # pytest process that uses the GPU itself.
         self.overhead = c._unlisted_overhead(self.snaps, excused, self.self_cuda)
+
+    def _saw_sibling(self, pid: int, sibling: Sibling) -> None:
+        # Described once per check (the check polls while something else keeps it dirty); what it held
+        # is the most it was seen with.
+        held = mib_of(pid, self.snaps)
+        known = next((u for u in self.siblings.values() if u.process.pid == pid), None)
+        if known is not None:
+            if sum(m for _, m in held) > sum(m for _, m in known.mib_per_device):
+                key = (pid, known.process.start_ticks)
+                self.siblings[key] = dataclasses.replace(known, mib_per_device=held)
+            return
+        info = processes.describe(pid)
+        if info is not None:
+            from pytest_gpuclean.findings import SiblingUse  # (only on a finding)
+            key = (info.pid, info.start_ticks)
+            self.siblings[key] = SiblingUse(info, sibling.owner, sibling.worker, held)
 
     def needs_cookie_scan(self) -> bool:
         """Something holds a GPU that our tree does not explain: maybe an escapee with our cookie, or
@@ -793,10 +896,18 @@ class _Check:
                                 "(reaping is off)")
             for key, o in self.first_seen.items() if key not in still)
         me = c.me
+        siblings = tuple(self.siblings.values())
+        notes = [*self.notes, *(
+            f"pid {u.process.pid}: in use by {u.describe()} ({report_mib(u.mib_per_device)}); another worker "
+            f"of this xdist run: not waited for, never signalled (its worker reaps it if it was leaked)"
+            for u in siblings), *(
+            f"pid {pid}: another worker of this xdist run, its pytest process itself "
+            f"({report_mib(mib_of(pid, self.snaps)) or 'no memory now'}): excused like our own"
+            for pid in sorted(self.peers))]
         return CheckResult(
             phase=self.phase, clean=not offenders, devices=self.snaps, offenders=tuple(offenders),
             lingered=lingered, collected=tuple(self.collected), reaped=tuple(self.reaped), waited_s=waited,
-            clean_after_s=waited if not offenders else None, notes=tuple(self.notes),
+            clean_after_s=waited if not offenders else None, notes=tuple(notes), siblings=siblings,
             tolerance_mib=self.tolerance_mib,
             self_mib=tuple((s.device.label, s.bytes_of({me}) / MIB) for s in self.snaps if s.bytes_of({me})),
             self_cuda_only=() if not self.self_cuda else tuple(

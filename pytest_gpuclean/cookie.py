@@ -17,6 +17,10 @@ inherits ``<session id>:<owner token>`` and so says who started it, wherever it 
 OWNER_VAR = "GPUCLEAN_OWNER"
 """Set next to the cookie: the owner's name (a test's node id), so that the debris of a session that died
 can still be blamed on the test that made it."""
+WORKERS_SINCE_VAR = "GPUCLEAN_XDIST_WORKERS_SINCE"
+"""Set by an xdist controller as it starts its workers: the boot tick then. A child of the controller that
+started with the controller's cookie at or after it is one of its workers (xdist exports the run id in a
+worker only once the worker runs: it is not in the worker's initial environment, which others can read)."""
 SESSION_TOKEN = "session"
 """The token of the session set-up itself (conftests, plugins, collection, what runs between tests):
 exported before the conftests are imported. Other tokens are a letter and a count, never this."""

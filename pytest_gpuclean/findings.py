@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast, get_args
 
-from pytest_gpuclean.model import EndedBy, FoundBy, Owner, ProcessState, Reason
+from pytest_gpuclean.model import EndedBy, FoundBy, Owner, Phase, ProcessState, Reason
 
 if TYPE_CHECKING:
     from pytest_gpuclean.model import KillResult
@@ -76,6 +76,32 @@ class Reaped:
             raise ValueError(f"unknown way for a process to end: {outcome.ended_by!r}")
         return cls(process, owner, found_by, cast(EndedBy, outcome.ended_by), mib_per_device, outcome.exit_s,
                    release_s)
+
+
+@dataclass(frozen=True)
+class SiblingUse:
+    """A process that another worker of the same xdist run started (its cookie proves it), found holding
+    memory on a GPU that a check of this worker covered: excused there, never waited for, never signalled.
+    When this worker's test held that GPU's lock, it is a finding of the test that started the process."""
+
+    process: ProcessInfo
+    owner: Owner
+    """Who in the sibling worker started it: a test, a fixture or its session set-up (``GPUCLEAN_OWNER``)."""
+    worker: str
+    """The sibling worker (``gw0``): ``PYTEST_XDIST_WORKER`` in the process's environment."""
+    mib_per_device: tuple[tuple[str, float], ...]
+    seen_by: str = ""
+    """The test of this worker whose check found it, holding the GPU's lock (set when recorded as a
+    finding)."""
+    seen_worker: str = ""
+    phase: Phase | None = None
+    """That test's check: ``setup`` or ``teardown``."""
+
+    def describe(self) -> str:
+        """``gw0's test test_x.py::test_a``."""
+        if self.owner.kind == "session":
+            return f"{self.worker}'s session set-up"
+        return f"{self.worker}'s {self.owner.kind} {self.owner.name}"
 
 
 _ENDED_BY = frozenset(get_args(EndedBy))

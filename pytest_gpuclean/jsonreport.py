@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, FixtureLeak, Owner, TestRecord
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
+    from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped, SiblingUse
     from pytest_gpuclean.ray_model import ClusterCheck, ClusterReaped
 
 SCHEMA_VERSION = 1
@@ -239,7 +239,17 @@ def record_json(record: TestRecord) -> JsonDict:
         "timings": {"lock_wait_s": _seconds(record.lock_wait_s), "before_s": _seconds(record.before_s),
                     "after_s": _seconds(record.after_s)},
         **_cluster_keys(record),
+        # Only under xdist, when another worker found one: a report without it keeps exactly its old shape.
+        **({"gpu_without_lock": [sibling_use_json(u) for u in record.gpu_without_lock]}
+           if record.gpu_without_lock else {}),
     }
+
+
+def sibling_use_json(use: SiblingUse) -> JsonDict:
+    """A process of this test that another xdist worker found on a GPU whose lock that worker's test held."""
+    return {"process": process_json(use.process), "owner": owner_json(use.owner), "worker": use.worker,
+            "mib_per_device": mib_pairs_json(use.mib_per_device),
+            "lock_held_by": {"nodeid": use.seen_by, "worker": use.seen_worker, "phase": use.phase}}
 
 
 def _cluster_keys(record: TestRecord) -> JsonDict:
@@ -256,13 +266,15 @@ def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     from pytest_gpuclean.report import reaped_count
 
     outcomes = [outcome(r) for r in records]
+    without_lock = sum(1 for r in records if r.gpu_without_lock)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
             "not_clean": outcomes.count("not_clean"), "reaped": reaped_count(records, session_reaped),
             "lock_timeouts": sum(1 for r in records if r.lock_timeout is not None),
             "fixture_leaks": sum(len(r.fixture_leaks) for r in records),
             "device_errors": sum(1 for r in records if any(
-                c is not None and c.error is not None for c in (r.before, r.after)))}
+                c is not None and c.error is not None for c in (r.before, r.after))),
+            **({"gpu_without_lock": without_lock} if without_lock else {})}
 
 
 def versions() -> dict[str, str | None]:

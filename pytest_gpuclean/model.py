@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, Protocol, TypeV
 if TYPE_CHECKING:
     # What a check found loads at the first finding (findings.py says why); the Ray cluster's records load
     # with the cluster code, only with --gpuclean-ray.
-    from pytest_gpuclean.findings import Offender, Reaped
+    from pytest_gpuclean.findings import Offender, Reaped, SiblingUse
     from pytest_gpuclean.ray_model import ClusterCheck
 
 MIB = 1024 * 1024
@@ -182,6 +182,7 @@ class CheckResult(Fields):
     __slots__ = (
         "phase", "clean", "devices", "offenders", "reaped", "waited_s", "clean_after_s", "notes",
         "tolerance_mib", "collected", "lingered", "self_mib", "self_cuda_only", "error", "device_lost",
+        "siblings",
     )
     phase: Final[Phase]
     clean: Final[bool]
@@ -210,13 +211,17 @@ class CheckResult(Fields):
     device_lost: Final[bool]
     """The device that could not be read is gone (NVML's GPU_IS_LOST, a simulated device's folder removed):
     no later check can succeed."""
+    siblings: Final[tuple[SiblingUse, ...]]
+    """Processes of other workers of the same xdist run on these devices: excused, not waited for, never
+    signalled (the notes name them)."""
 
     def __init__(self, phase: Phase, clean: bool, devices: tuple[DeviceSnapshot, ...],
                  offenders: tuple[Offender, ...], reaped: tuple[Reaped, ...] = (), waited_s: float = 0.0,
                  clean_after_s: float | None = None, notes: tuple[str, ...] = (), tolerance_mib: int = 0,
                  collected: tuple[Reaped, ...] = (), lingered: tuple[Offender, ...] = (),
                  self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = (),
-                 error: str | None = None, device_lost: bool = False) -> None:
+                 error: str | None = None, device_lost: bool = False,
+                 siblings: tuple[SiblingUse, ...] = ()) -> None:
         self.phase = phase
         self.clean = clean
         self.devices = devices
@@ -232,6 +237,7 @@ class CheckResult(Fields):
         self.self_cuda_only = self_cuda_only
         self.error = error
         self.device_lost = device_lost
+        self.siblings = siblings
 
 
 class FixtureLeak(Fields):
@@ -279,6 +285,7 @@ class TestRecord(Fields):
     __slots__ = (
         "nodeid", "location", "before", "after", "found_later", "in_process_mib", "devices", "lock_wait_s",
         "lock_timeout", "before_s", "after_s", "cluster_before", "cluster_after", "fixture_leaks",
+        "gpu_without_lock",
     )
     __hash__ = None  # type: ignore[assignment]  # (filled in as the test runs)
     nodeid: str
@@ -303,6 +310,9 @@ class TestRecord(Fields):
     """Leaks of fixtures wider than a test that ended at this test's teardown: found by its check, but
     the fixtures' findings (its ``after`` keeps only what is this test's own). A tuple: the empty one is
     shared by every record (the session keeps them all, and the garbage collector walks them)."""
+    gpu_without_lock: list[SiblingUse]
+    """Processes this test started that another xdist worker found holding memory on a GPU whose lock
+    that worker's test held (recorded there, merged in by the controller)."""
 
     def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
                  after: CheckResult | None = None, found_later: list[Reaped] | None = None,
@@ -310,7 +320,8 @@ class TestRecord(Fields):
                  lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
                  after_s: float = 0.0, cluster_before: ClusterCheck | None = None,
                  cluster_after: ClusterCheck | None = None,
-                 fixture_leaks: tuple[FixtureLeak, ...] = ()) -> None:
+                 fixture_leaks: tuple[FixtureLeak, ...] = (),
+                 gpu_without_lock: list[SiblingUse] | None = None) -> None:
         self.nodeid = nodeid
         self.location = location
         self.before = before
@@ -325,6 +336,7 @@ class TestRecord(Fields):
         self.cluster_before = cluster_before
         self.cluster_after = cluster_after
         self.fixture_leaks = fixture_leaks
+        self.gpu_without_lock = [] if gpu_without_lock is None else gpu_without_lock
 
     @property
     def leaked(self) -> bool:
@@ -337,7 +349,8 @@ class TestRecord(Fields):
     @property
     def dirty(self) -> bool:
         """True if any check around this test failed or found something."""
-        return self.leaked or bool(self.in_process_mib) or self.lock_timeout is not None or any(
+        return (self.leaked or bool(self.in_process_mib) or self.lock_timeout is not None
+                or bool(self.gpu_without_lock)) or any(
             c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
             for c in (self.before, self.after)) or any(
             c is not None and not c.clean for c in (self.cluster_before, self.cluster_after))

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 TITLE_LEAK = "GPU leak"
 TITLE_NOT_CLEAN = "GPU not clean"
 TITLE_LOCK_TIMEOUT = "GPU lock timeout"
+TITLE_WITHOUT_LOCK = "GPU used without its lock"
 PROPERTY_PREFIX = "gpuclean_"
 REPORT_OPTION = "--gpuclean-report"
 RECORD_ATTRIBUTE = "gpuclean_record"
@@ -66,6 +67,20 @@ def _process_line(pid: int, cmdline: str, ended_by: str | None, release_s: float
 
 def annotation_message(record: TestRecord) -> tuple[str, str] | None:
     """(title, message) of the annotation for a test with findings; None for a clean test."""
+    found = _verdict_message(record)
+    if not record.gpu_without_lock:
+        return found
+    # Found by another xdist worker: added to whatever else the test's own checks found.
+    lines = [f"pid {u.process.pid} held {report.mib_list(u.mib_per_device)} while {u.seen_worker}'s "
+             f"{u.seen_by} held the GPU lock: {report.one_line(u.process.cmdline)}"
+             for u in record.gpu_without_lock]
+    heading = "used a GPU whose lock another xdist worker's test held"
+    if found is None:
+        return TITLE_WITHOUT_LOCK, "\n".join([f"{record.nodeid} {heading}", *lines])
+    return found[0], "\n".join([found[1], f"and {heading}:", *lines])
+
+
+def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
     from pytest_gpuclean import jsonreport  # (loaded when an output is made)
 
     if record.lock_timeout is not None:

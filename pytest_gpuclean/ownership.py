@@ -42,6 +42,10 @@ class SessionRef(NamedTuple):
         # An exited leader nobody has waited for yet (an xdist worker that crashed) is dead too.
         return not procfs.is_live(self.pid, self.start_ticks)
 
+    def is_alive(self) -> bool:
+        """True only when provably alive: same pid namespace, and its pid still that very process."""
+        return self.pid_namespace == procfs.pid_namespace() and procfs.is_live(self.pid, self.start_ticks)
+
     def describe(self) -> str:
         started = procfs.ticks_to_wall(self.start_ticks)
         import time
@@ -64,6 +68,22 @@ def innermost_session(cookie: str) -> SessionRef | None:
         return None
     pid, start, namespace = (int(g) for g in match.groups())
     return SessionRef(session_id, pid, start, namespace)
+
+
+def live_outer_session(cookie: str, own_session_id: str) -> SessionRef | None:
+    """A session that encloses the cookie's innermost one and is provably alive, other than ours and those
+    we run inside: the innermost such. Its test started the innermost session (a nested pytest), so what
+    that session left when it died is that live session's to reap, never a dead session's debris for
+    another session (an xdist sibling's, a concurrent developer's). None if there is none."""
+    parts = cookie.split("/")
+    for depth in range(len(parts) - 1, 0, -1):
+        outer = innermost_session("/".join(parts[:depth]))
+        if outer is None or own_session_id == outer.session_id or own_session_id.startswith(
+                outer.session_id + ":"):
+            continue
+        if outer.is_alive():
+            return outer
+    return None
 
 
 class Window:

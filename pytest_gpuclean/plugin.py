@@ -26,6 +26,7 @@ from pytest_gpuclean.cookie import (
     OWNER_VAR,
     SESSION_NAME,
     SESSION_TOKEN,
+    WORKERS_SINCE_VAR,
     cookie,
     new_session_id,
     restore_env,
@@ -201,6 +202,8 @@ class GpuCleanPlugin:
         """Set up at the end of the collection if a collected test is checked; in an xdist controller, at
         session start."""
         self.controller = False
+        self._workers_since: tuple[str | None] | None = None
+        """An xdist controller: what ``WORKERS_SINCE_VAR`` was before it set it."""
         self._swept = False
         self._sigterm: SigtermAsInterrupt | None = None
         # Exported before the conftests were imported (unless this plugin was registered later, by a
@@ -282,6 +285,8 @@ class GpuCleanPlugin:
     def _close_rest(self) -> None:
         restore_env(COOKIE_VAR, self._cookie.previous[0])
         restore_env(OWNER_VAR, self._cookie.previous[1])
+        if self._workers_since is not None:
+            restore_env(WORKERS_SINCE_VAR, self._workers_since[0])
         if self.session is not None:
             self.session.close_backend()
         if self._sigterm is not None:
@@ -296,6 +301,11 @@ class GpuCleanPlugin:
         self.controller = session.config.pluginmanager.hasplugin("dsession")
         if self.controller:
             self.start()
+            # Just before xdist starts the workers (its own pytest_sessionstart is trylast): what they
+            # inherit tells each which of the controller's children are its sibling workers, and which
+            # ones a conftest started while the controller was configured.
+            self._workers_since = (os.environ.get(WORKERS_SINCE_VAR),)
+            os.environ[WORKERS_SINCE_VAR] = str(procfs.boot_ticks_now())
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

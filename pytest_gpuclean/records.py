@@ -108,21 +108,26 @@ class SessionRecords:
 
     def ship(self) -> Payload:
         """What a forked child found, for the session's process; forgotten here (the child ends)."""
-        from pytest_gpuclean.serialize import reaped_to_dict, record_to_dict
+        from pytest_gpuclean.serialize import reaped_to_dict, record_to_dict, to_dict
 
         shipped = {"records": [record_to_dict(r) for r in self.records],
                    "found_later": {nodeid: [reaped_to_dict(r) for r in record.found_later]
-                                   for nodeid, record in self.late.items()}}
+                                   for nodeid, record in self.late.items()},
+                   "gpu_without_lock": {nodeid: [to_dict(u) for u in record.gpu_without_lock]
+                                        for nodeid, record in self.late.items() if record.gpu_without_lock}}
         self.forget()
         return shipped
 
     def receive(self, shipped: Payload) -> None:
         """Take in what a forked child shipped (``ship``)."""
-        from pytest_gpuclean.serialize import reaped_from_dict, record_from_dict
+        from pytest_gpuclean.findings import SiblingUse
+        from pytest_gpuclean.serialize import from_dict, reaped_from_dict, record_from_dict
 
         self.records.extend(record_from_dict(r) for r in shipped["records"])
         for nodeid, reaped in shipped["found_later"].items():
             self.record_for(nodeid).found_later.extend(reaped_from_dict(r) for r in reaped)
+        for nodeid, uses in shipped.get("gpu_without_lock", {}).items():
+            self.record_for(nodeid).gpu_without_lock.extend(from_dict(SiblingUse, u) for u in uses)
 
     def forget(self) -> None:
         """Drop the records (a forked child's copy of its parent's: the parent keeps its own)."""
@@ -143,7 +148,38 @@ class SessionRecords:
         # when it never came (the run was interrupted, the worker crashed).
         known = {r.nodeid for r in records}
         records.extend(r for nodeid, r in self.streamed.items() if nodeid not in known)
-        return Merged(records, session_reaped, notes)
+        return Merged(_one_per_test(records), session_reaped, notes)
+
+
+def _late(record: TestRecord) -> bool:
+    """Made only for what was found later: the test was not checked here (``SessionRecords.late``)."""
+    return record.before is None and record.after is None and record.lock_timeout is None
+
+
+def _one_per_test(records: list[TestRecord]) -> list[TestRecord]:
+    """``records`` with each late record folded into the test's own record, or into the first late one:
+    under xdist, the worker that ran a test and the other workers that found what it put on their GPUs
+    each make one. The records are not changed (a fold makes a new one): this runs for every output."""
+    firsts: dict[str, TestRecord] = {}
+    for record in records:
+        first = firsts.get(record.nodeid)
+        if first is None or (_late(first) and not _late(record)):
+            firsts[record.nodeid] = record
+    folded: dict[int, TestRecord] = {}
+    for record in records:
+        into = firsts[record.nodeid]
+        if record is into or not _late(record):
+            continue
+        target = folded.get(id(into), into)
+        uses = list(target.gpu_without_lock)
+        seen = {(u.process.pid, u.process.start_ticks) for u in uses}
+        uses.extend(u for u in record.gpu_without_lock if (u.process.pid, u.process.start_ticks) not in seen)
+        folded[id(into)] = target.replace(found_later=[*target.found_later, *record.found_later],
+                                          gpu_without_lock=uses)
+    if not folded:
+        return records
+    return [folded.get(id(r), r) for r in records
+            if firsts[r.nodeid] is r or not _late(r)]
 
 
 SESSION = pytest.StashKey[SessionRecords]()

@@ -193,6 +193,10 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             parts.append("torch memory grew in-process: " + _held(record.in_process_mib))
         if record.lock_timeout is not None:
             parts.append(f"never got its GPU locks: {record.lock_timeout}")
+        if record.gpu_without_lock:
+            parts.append("used a GPU whose lock another xdist worker's test held: " + ", ".join(
+                f"pid {u.process.pid} {_held(u.mib_per_device)} while {u.seen_worker or 'a worker'}'s "
+                f"{u.seen_by} held it" for u in record.gpu_without_lock))
         parts.extend(cluster_parts(record))
         lines.append(f"{record.nodeid}: " + "; ".join(parts))
     for record in records:
@@ -252,10 +256,11 @@ def cluster_parts(record: TestRecord) -> list[str]:
 def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
     """``3 checked test(s), 1 with findings, 2 process(es) reaped``.
 
-    A test that was not checked has a record only when a later check found processes it leaked, or when
-    it gave up waiting for its GPU locks: each is counted on its own, not as a checked test with findings.
-    A check that could not read a device counts (its test was checked, with a finding), and so does a
-    fixture that leaked (apart from the test at whose teardown it was found).
+    A test that was not checked has a record only when a later check found processes it leaked, when it
+    gave up waiting for its GPU locks, or when another xdist worker found its process on a GPU whose lock
+    that worker held: each is counted on its own, not as a checked test with findings. A check that could
+    not read a device counts (its test was checked, with a finding), and so does a fixture that leaked
+    (apart from the test at whose teardown it was found).
     """
     checked = [r for r in records if r.before is not None]
     unchecked_leakers = sum(1 for r in records if r.before is None and r.leaked)
@@ -263,6 +268,7 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped])
     fixtures = sum(len(r.fixture_leaks) for r in records)
     unreadable = sum(1 for r in records if any(c is not None and c.error is not None
                                                for c in (r.before, r.after)))
+    without_lock = sum(1 for r in records if r.gpu_without_lock)
     parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if r.dirty)} with findings"]
     if fixtures:
         parts.append(f"{fixtures} fixture(s) that leaked processes")
@@ -273,6 +279,8 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped])
         parts.append(f"{timeouts} gave up waiting for GPU locks")
     if unreadable:
         parts.append(f"{unreadable} could not read a device")
+    if without_lock:
+        parts.append(f"{without_lock} used a GPU another xdist worker held the lock of")
     return ", ".join(parts)
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from pytest_gpuclean import devices, processes, records, report, settings
 from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, restore_env
+from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, WORKERS_SINCE_VAR, restore_env
 from pytest_gpuclean.locks import GpuLocks
 from pytest_gpuclean.model import MIB, DeviceInfo, Owner
 from pytest_gpuclean.ownership import SESSION_OWNER
@@ -92,7 +92,7 @@ class CheckedSession:
                                ignore=resolved.ignore, host_scope=resolved.scope == "host",
                                settle=resolved.settle, session_id=exported.session_id,
                                xdist_run=os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None,
-                               peer_cookie=exported.inherited,
+                               peer_cookie=exported.inherited, peers_since=_ticks(WORKERS_SINCE_VAR),
                                dead_sessions=resolved.dead_sessions == "on",
                                session_start_ticks=exported.started_ticks)
         # Processes started outside any test (collection, other plugins, conftest imports) carry the
@@ -259,4 +259,10 @@ class CheckedSession:
         capture = self.config.pluginmanager.get_plugin("capturemanager")
         with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
             reporter.write_line(line)
+
+
+def _ticks(name: str) -> int | None:
+    """A boot tick that environment variable ``name`` holds (set by gpuclean); None if unset or not one."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
 

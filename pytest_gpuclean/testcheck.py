@@ -7,6 +7,7 @@ Part of a started session (``session.py``); the plugin's setup and teardown hook
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import sys
@@ -95,6 +96,7 @@ class ItemChecks:
         record.before_s = result.waited_s
         self._note_own_context(result)
         session.attribute_earlier(result.reaped, state.nodeid, result.notes)
+        self._record_siblings(state, result)
         state.torch_before = _torch_allocated()
         if result.error is not None:
             self._stop_if_lost(item, result)
@@ -229,6 +231,7 @@ class ItemChecks:
             mine = _without(result, fixtures)
         record.after = mine
         record.after_s = result.waited_s
+        self._record_siblings(state, result)
         self._note_torch_growth(item, state, record)
         headings: list[str] = []
         if result.error is not None:
@@ -271,6 +274,27 @@ class ItemChecks:
         if result.device_lost and not item.session.shouldstop:
             item.session.shouldstop = (f"gpuclean: {result.error}: the GPU is lost, the session stops "
                                        "(every later check would fail)")
+
+    def _record_siblings(self, state: ItemState, result: CheckResult) -> None:
+        """A process of another xdist worker that this check found on a GPU whose lock this test held is a
+        finding of the test that started it (an unmarked test using a GPU), recorded once per process;
+        this test is not to blame, and the check's notes name it. Under ``--gpuclean-lock=off`` no test
+        holds a GPU: the notes alone say it."""
+        if not result.siblings or state.locks is None:
+            return
+        found = self.session.found
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        for use in result.siblings:
+            if use.owner.kind != "test":  # a fixture or the set-up of that worker: no record of a test
+                found.note(f"gpuclean: pid {use.process.pid} of {use.describe()} held "
+                           f"{report.mib_list(use.mib_per_device)} while {state.nodeid} held the GPU lock",
+                           once=True)
+                continue
+            record = found.record_for(use.owner.name)
+            key = (use.process.pid, use.process.start_ticks)
+            if all((u.process.pid, u.process.start_ticks) != key for u in record.gpu_without_lock):
+                record.gpu_without_lock.append(
+                    dataclasses.replace(use, seen_by=state.nodeid, seen_worker=worker, phase=result.phase))
 
     def _end(self, state: ItemState) -> None:
         for token in state.fixture_tokens:

@@ -9,8 +9,8 @@ from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean import findings, jsonreport, model, outputs, ray_model, report
-from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
+from pytest_gpuclean import findings, jsonreport, model, outputs, ray_model, records, report
+from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped, SiblingUse
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
@@ -60,6 +60,12 @@ UNREADABLE = CheckResult("teardown", False, (), (), reaped=(REAPED,), waited_s=0
 FIXTURE_RECORD = Record("t2.py::test_d", ("t2.py", 4), BEFORE, BEFORE.replace(phase="teardown"),
                         fixture_leaks=(ENGINE_LEAK,))
 
+# What another xdist worker found: a process of t.py::test_leaks on a GPU its own test held the lock of.
+SIBLING = SiblingUse(PROC, TEST, "gw0", (("GPU 0", 512.0),), "t.py::test_victim", "gw1", "teardown")
+SEEN_SIBLING = CheckResult("teardown", True, (SNAP,), (), siblings=(dataclasses.replace(
+    SIBLING, seen_by="", seen_worker="", phase=None),), notes=("pid 4242: in use by gw0's test ...",))
+UNCHECKED_USER = Record("t.py::test_leaks", gpu_without_lock=[SIBLING])
+
 NODE = "3f2a9c1b" + "0" * 48
 RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
                           (GpuProcess(4242, 512 * MIB),))
@@ -79,7 +85,8 @@ RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_befo
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
                        RAY_RELEASE, ClusterNode(NODE, (RAY_SNAP,), "x"), ClusterFinding("", MEMORY),
-                       RAY_AFTER, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD]
+                       RAY_AFTER, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD, SIBLING, SEEN_SIBLING,
+                       UNCHECKED_USER]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
@@ -275,6 +282,67 @@ def test_a_check_that_could_not_read_a_device_is_counted_and_said_in_one_line() 
     summary = jsonreport.summary_json([record], [])
     assert (summary["checked"], summary["leaked"], summary["device_errors"]) == (1, 1, 1)
     assert dict(outputs.junit_properties(record))["gpuclean_device_error"] == UNREADABLE.error
+
+
+def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -> None:
+    import jsonschema
+
+    # Found by another xdist worker, in a record of its own: the controller folds it into the test's
+    # record (from the worker that ran the test), which the same process also found later.
+    found_later = Record("t.py::test_leaks", found_later=[REAPED])
+    victim = Record("t.py::test_victim", ("t.py", 3), BEFORE, SEEN_SIBLING)
+    store = records.SessionRecords()
+    store.add_worker({"records": [record_to_dict(victim), record_to_dict(UNCHECKED_USER)],
+                      "session_reaped": [], "notes": []})
+    store.add_worker({"records": [record_to_dict(found_later)], "session_reaped": [], "notes": []})
+    merged = store.merged()
+    assert [r.nodeid for r in merged.records] == ["t.py::test_victim", "t.py::test_leaks"]
+    assert merged.records[1].found_later == [REAPED] and merged.records[1].gpu_without_lock == [SIBLING]
+    assert store.merged() == merged  # (folded anew for each output, nothing changed in place)
+    assert not merged.records[0].dirty and merged.records[1].dirty
+    assert report.summary_lines(merged.records, [], [])[0] == (
+        "t.py::test_leaks: leaked 1 process(es) found by a later check (pid 4242 SIGTERM); used a GPU whose "
+        "lock another xdist worker's test held: pid 4242 GPU 0 512 MiB while gw1's t.py::test_victim held it")
+    assert report.totals_line(merged.records, []) == (
+        "1 checked test(s), 0 with findings, 1 unchecked test(s) that leaked processes, 0 process(es) "
+        "reaped, 1 used a GPU another xdist worker held the lock of")
+    # Alone, it is still a finding (an unchecked test that put memory on a locked GPU and leaked nothing).
+    assert report.totals_line([UNCHECKED_USER], []).endswith(", 1 used a GPU another xdist worker held the "
+                                                             "lock of")
+    document = jsonreport.report_document(records=merged.records, session_reaped=[], notes=[], session={
+        "start": "2026-12-01T00:00:00.000+00:00", "end": "2026-12-01T00:00:01.000+00:00", "duration_s": 1.0,
+        "exitstatus": 0, "host": "h", "backend": "simulated", "driver": "simulated", "unavailable": None,
+        "devices": [], "settings": {"all": False, "tolerance_mib": 0, "timeout": 60.0, "scope": "session",
+                                    "reap": "on", "grace": 5.0, "lock": "on", "require_gpu": False},
+        "xdist_workers": 2})
+    jsonschema.validate(document, jsonreport.load_schema())
+    assert document["summary"]["gpu_without_lock"] == 1 and document["summary"]["clean"] == 1
+    assert document["tests"][1]["gpu_without_lock"] == [{
+        "process": jsonreport.process_json(PROC), "owner": {"kind": "test", "name": "t.py::test_leaks"},
+        "worker": "gw0", "mib_per_device": [{"device": "GPU 0", "mib": 512.0}],
+        "lock_held_by": {"nodeid": "t.py::test_victim", "worker": "gw1", "phase": "teardown"}}]
+    # Without one, a report keeps its old keys only.
+    assert "gpu_without_lock" not in document["tests"][0]
+    assert "gpu_without_lock" not in jsonreport.summary_json([victim], [])
+    # A forked child ships it like what a later check found.
+    child = records.SessionRecords()
+    child.record_for("t.py::test_leaks").gpu_without_lock.append(SIBLING)
+    parent = records.SessionRecords()
+    parent.receive(json.loads(json.dumps(child.ship())))
+    assert parent.record_for("t.py::test_leaks").gpu_without_lock == [SIBLING]
+
+
+def test_the_annotation_of_a_test_that_used_a_gpu_without_its_lock() -> None:
+    from pytest_gpuclean import outputs
+
+    assert outputs.annotation_message(UNCHECKED_USER) == (
+        outputs.TITLE_WITHOUT_LOCK,
+        "t.py::test_leaks used a GPU whose lock another xdist worker's test held\n"
+        "pid 4242 held GPU 0 512 MiB while gw1's t.py::test_victim held the GPU lock: python -c 'hold()'")
+    title, message = outputs.annotation_message(UNCHECKED_USER.replace(found_later=[REAPED])) or ("", "")
+    assert title == outputs.TITLE_LEAK and message.splitlines()[2:] == [
+        "and used a GPU whose lock another xdist worker's test held:",
+        "pid 4242 held GPU 0 512 MiB while gw1's t.py::test_victim held the GPU lock: python -c 'hold()'"]
 
 
 def _enum(schema: dict[str, Any], *path: str) -> set[Any]:

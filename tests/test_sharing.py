@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from helpers import alive, children_sigint, read_pids, run_inner, wait_dead, wait_for_file
 
+from pytest_gpuclean import jsonreport
 from pytest_gpuclean.devices import SimulatedBackend
 from pytest_gpuclean.locks import HELD_VAR, GpuLocks, LockTimeout
 from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
@@ -148,6 +149,12 @@ def overlaps(events: list[dict[str, Any]]) -> list[str]:
             if start < end:
                 found.append(f"{uuid}: {first} and {second}")
     return found
+
+
+def validate_report(document: Any) -> None:
+    import jsonschema  # type: ignore[import-untyped]
+
+    jsonschema.Draft202012Validator(jsonreport.load_schema()).validate(document)
 
 
 def collect(pid: int) -> None:
@@ -499,6 +506,275 @@ def test_runs_until_interrupted():
     assert [p["pid"] for p in tests["test_x.py::test_leaks"]["leaked"]] == [leaked], document
     assert tests["test_x.py::test_leaks"]["outcome"] == "leaked"
     assert document["summary"]["leaked"] == 1
+
+
+SIBLING_LEAKER = """
+import os, subprocess, sys, time
+from pathlib import Path
+import pytest
+
+
+def wait_for(name):
+    deadline = time.monotonic() + 60
+    while not (Path(os.environ[name]).exists() and Path(os.environ[name]).read_text()):
+        assert time.monotonic() < deadline, name
+        time.sleep(0.01)
+
+
+def test_unmarked_leak():
+    # Not checked, so it takes no lock: it puts memory on GPU 0 while another worker's test holds it.
+    wait_for("VICTIM_STARTED")
+    if os.environ["HOW"] == "child":
+        subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
+                          os.environ["SIM"], "--device", "0", "--mib", "64", "--pidfile",
+                          os.environ["LEAK_PIDFILE"]])
+    else:  # in this (worker) process, as torch in the test itself would
+        from pytest_gpuclean.simulate import allocate
+
+        allocate(os.environ["SIM"], 0, 64)
+        Path(os.environ["LEAK_PIDFILE"]).write_text(f"{os.getpid()}\\n")
+    wait_for("LEAK_PIDFILE")
+    time.sleep(0.5)
+
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("i", range(2))
+def test_after(i):
+    time.sleep(0.2)
+"""
+
+SIBLING_VICTIM = """
+import os, time
+from pathlib import Path
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("i", range(2))
+def test_victim(i):
+    # Holding every GPU's lock: the first one here waits until the other worker's test has put its memory
+    # on GPU 0, so that this test's teardown check meets it.
+    Path(os.environ["VICTIM_STARTED"]).write_text(os.environ["PYTEST_XDIST_WORKER"])
+    pidfile, deadline = Path(os.environ["LEAK_PIDFILE"]), time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+"""
+
+
+@pytest.mark.parametrize(("workers", "how"), [(2, "child"), (4, "child"), (2, "in-process")])
+def test_xdist_sibling_gpu_use_is_not_a_victims_finding(sessions: Sessions, sim: Path, tmp_path: Path,
+                                                        workers: int, how: str) -> None:
+    """A process of another worker of the run is neither waited for nor a failure of the test that meets
+    it; it is named, and the test that started it has the finding (issue 27, item 1)."""
+    pidfile, started, report_file = tmp_path / "leak.pids", tmp_path / "victim_started", tmp_path / "r.json"
+    (sessions.suite / "test_a.py").write_text(SIBLING_LEAKER)
+    victims = ("test_b.py", "test_c.py", "test_d.py")
+    for name in victims:
+        (sessions.suite / name).write_text(SIBLING_VICTIM)
+    # A short timeout: a victim that waits for the sibling's process fails in seconds, not minutes.
+    rc, out = sessions.finish(sessions.start(
+        "-n", str(workers), "--dist", "loadfile", "--gpuclean-timeout=5", f"--gpuclean-report={report_file}",
+        SIM=str(sim), LEAK_PIDFILE=str(pidfile), VICTIM_STARTED=str(started), HOW=how))
+    holder = read_pids(pidfile)[0]
+    assert rc == pytest.ExitCode.OK, out
+    assert "9 passed" in out.splitlines()[-1], out
+    document = json.loads(report_file.read_text())
+    validate_report(document)
+    tests = {t["nodeid"]: t for t in document["tests"]}
+    assert len(tests) == len(document["tests"]), document  # one record per test, whoever found what
+    victim_tests = [t for nodeid, t in tests.items() if nodeid.startswith(victims)]
+    assert len(victim_tests) == 6
+    assert all(t["outcome"] == "clean" for t in victim_tests), document
+    assert document["summary"]["not_clean"] == 0
+    notes = [n for t in victim_tests for c in (t["before"], t["after"]) for n in c["notes"]]
+    leaker = tests.get("test_a.py::test_unmarked_leak")
+    if how == "in-process":
+        # The worker itself holds it (its test used the GPU in-process): excused like a peer's context.
+        assert any(n.startswith(f"pid {holder}: another worker of this xdist run, its pytest process itself")
+                   for n in notes), notes
+        assert leaker is None and "gpu_without_lock" not in document["summary"], document
+        return
+    # Named as what it is in the victim's check that met it...
+    assert leaker is not None, document
+    worker = leaker["gpu_without_lock"][0]["worker"]
+    assert worker.startswith("gw"), leaker
+    assert any(n.startswith(f"pid {holder}: in use by {worker}'s test test_a.py::test_unmarked_leak "
+                            "(GPU 0 64 MiB); another worker of this xdist run: not waited for, never "
+                            "signalled") for n in notes), notes
+    # ... reaped by its own worker (never by a victim), blamed on the test that started it ...
+    reapers = [nodeid for nodeid, t in tests.items() for c in (t["before"], t["after"]) if c
+               for r in c["reaped"] if r["process"]["pid"] == holder]
+    assert all(nodeid.startswith("test_a.py::") for nodeid in reapers), reapers
+    assert reapers or [r["process"]["pid"] for r in document["session_reaped"]] == [holder]
+    assert leaker["outcome"] == "leaked" and [p["pid"] for p in leaker["leaked"]] == [holder]
+    # ... which also has the finding of its own: it used a GPU whose lock another worker's test held.
+    (use,) = leaker["gpu_without_lock"]
+    assert use["process"]["pid"] == holder and use["worker"] == worker
+    assert use["owner"] == {"kind": "test", "name": "test_a.py::test_unmarked_leak"}
+    assert use["mib_per_device"] == [{"device": "GPU 0", "mib": 64.0}]
+    assert use["lock_held_by"]["nodeid"].startswith(victims) and use["lock_held_by"]["worker"] != worker
+    assert document["summary"]["leaked"] == 1 and document["summary"]["gpu_without_lock"] == 1
+    pytest.LineMatcher(out.splitlines()).fnmatch_lines([
+        "*= gpuclean =*",
+        f"test_a.py::test_unmarked_leak: leaked 1 process(es) found by a later check (pid {holder} SIG*); "
+        f"used a GPU whose lock another xdist worker's test held: pid {holder} GPU 0 64 MiB while gw*'s "
+        "test_*.py::test_victim* held it",
+        "8 checked test(s), * with findings, 1 unchecked test(s) that leaked processes, 1 process(es) "
+        "reaped, 1 used a GPU another xdist worker held the lock of",
+    ])
+    assert not alive(holder)
+
+
+HOST_SCOPE_CONFTEST = """
+import os, time
+from pathlib import Path
+import pytest
+
+
+def wait_for(name):
+    deadline = time.monotonic() + 60
+    while not (Path(os.environ[name]).exists() and Path(os.environ[name]).read_text()):
+        assert time.monotonic() < deadline, name
+        time.sleep(0.01)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.nodeid.startswith("test_b.py"):  # before its check: once the other worker's process runs
+        Path(os.environ["VICTIM_PID"]).write_text(str(os.getpid()))
+        wait_for("LEAK_PIDFILE")
+    return (yield)
+
+
+def pytest_runtest_logreport(report):
+    worker = "PYTEST_XDIST_WORKER" in os.environ
+    if worker and report.when == "setup" and report.nodeid.startswith("test_b.py"):
+        Path(os.environ["VICTIM_CHECKED"]).write_text("1")
+"""
+
+HOST_SCOPE_LEAKER = """
+import os, subprocess, sys
+from pathlib import Path
+from conftest import wait_for
+
+
+def test_unmarked_leak():
+    Path(os.environ["LEAKER_PID"]).write_text(str(os.getpid()))
+    wait_for("VICTIM_PID")
+    # A Python process on no GPU, and one holding GPU memory (it says when it runs).
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
+                      "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]])
+    wait_for("VICTIM_CHECKED")
+"""
+
+
+def test_xdist_host_scope_names_no_sibling_worker_nor_what_it_runs(sessions: Sessions, sim: Path,
+                                                                     tmp_path: Path) -> None:
+    """``--gpuclean-scope=host``: the other workers and what their tests run are no stray Python processes
+    of this user. (Other Python processes of the user may run beside this test and be named: the outcome
+    is not asserted, only that no process of the run is named.)"""
+    files = {name: tmp_path / name for name in ("leak.pids", "leaker", "victim", "checked", "r.json")}
+    (sessions.suite / "conftest.py").write_text(HOST_SCOPE_CONFTEST)
+    (sessions.suite / "test_a.py").write_text(HOST_SCOPE_LEAKER)
+    (sessions.suite / "test_b.py").write_text("import pytest\n\n\n@pytest.mark.needs_clean_gpus\n"
+                                              "def test_victim():\n    pass\n")
+    _, out = sessions.finish(sessions.start(
+        "-n", "2", "--dist", "loadfile", "--gpuclean-scope=host", "--gpuclean-timeout=1",
+        f"--gpuclean-report={files['r.json']}", SIM=str(sim), LEAK_PIDFILE=str(files["leak.pids"]),
+        LEAKER_PID=str(files["leaker"]), VICTIM_PID=str(files["victim"]),
+        VICTIM_CHECKED=str(files["checked"])))
+    holder = read_pids(files["leak.pids"])[0]
+    document = json.loads(files["r.json"].read_text())
+    (leaker,) = [t for t in document["tests"] if t["nodeid"] == "test_a.py::test_unmarked_leak"]
+    # Its worker reaped both when its session ended.
+    run = {holder, int(files["leaker"].read_text()), *(p["pid"] for p in leaker["leaked"])}
+    assert len(run) == 3, (leaker, out)
+    (victim,) = [t for t in document["tests"] if t["nodeid"] == "test_b.py::test_victim"]
+    # The check met the other worker's process (and named it as what it is)...
+    assert any(n.startswith(f"pid {holder}: in use by gw") for n in victim["before"]["notes"]), victim
+    # ... and named no process of the run as a stray: not the other worker, nor what its test runs.
+    named = {o["process"]["pid"] for c in (victim["before"], victim["after"]) if c for o in c["offenders"]
+             if o["process"]}
+    assert not run & named, (run, victim, out)
+
+
+NESTED_DEBRIS = """
+import os, subprocess, sys, time
+from pathlib import Path
+import pytest
+from pytest_gpuclean import procfs
+
+
+def wait_for(name):
+    deadline = time.monotonic() + 60
+    while not Path(os.environ[name]).exists():
+        assert time.monotonic() < deadline, name
+        time.sleep(0.01)
+
+
+def test_nested_session_died():
+    # What a nested gpuclean session of this test left when it died (SIGKILL): its cookie names that dead
+    # session inside this live worker's test.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    cookie = f"{os.environ['GPUCLEAN_TEST']}/gc.{dead.pid}.1.{procfs.pid_namespace()}.0badc0de:t1"
+    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
+                      "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]],
+                     env={**os.environ, "GPUCLEAN_TEST": cookie})
+    while not (Path(os.environ["LEAK_PIDFILE"]).exists() and Path(os.environ["LEAK_PIDFILE"]).read_text()):
+        time.sleep(0.01)
+    Path(os.environ["NESTED_DEAD"]).touch()
+    wait_for("VICTIM_CHECKED")
+
+
+@pytest.mark.needs_clean_gpus
+def test_after():
+    pass
+"""
+
+NESTED_DEBRIS_VICTIM = """
+import os, time
+from pathlib import Path
+import pytest
+
+
+def test_first():
+    deadline = time.monotonic() + 60
+    while not Path(os.environ["NESTED_DEAD"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.needs_clean_gpus
+def test_victim():
+    # This worker's first check (it scans for dead sessions' debris) has run.
+    Path(os.environ["VICTIM_CHECKED"]).touch()
+"""
+
+
+def test_xdist_sibling_keeps_what_its_dead_nested_session_left(sessions: Sessions, sim: Path,
+                                                               tmp_path: Path) -> None:
+    """A dead nested session's debris inside a live sibling worker's test is that worker's to reap, never
+    another worker's (which signalled it as a dead session's debris)."""
+    pidfile, report_file = tmp_path / "leak.pids", tmp_path / "r.json"
+    (sessions.suite / "test_a.py").write_text(NESTED_DEBRIS)
+    (sessions.suite / "test_b.py").write_text(NESTED_DEBRIS_VICTIM)
+    rc, out = sessions.finish(sessions.start(
+        "-n", "2", "--dist", "loadfile", "--gpuclean-timeout=5", f"--gpuclean-report={report_file}",
+        SIM=str(sim), LEAK_PIDFILE=str(pidfile), NESTED_DEAD=str(tmp_path / "nested_dead"),
+        VICTIM_CHECKED=str(tmp_path / "victim_checked")))
+    holder = read_pids(pidfile)[0]
+    assert rc == pytest.ExitCode.OK, out
+    tests = {t["nodeid"]: t for t in json.loads(report_file.read_text())["tests"]}
+    victim = tests["test_b.py::test_victim"]
+    assert victim["outcome"] == "clean", victim
+    assert not [r for c in (victim["before"], victim["after"]) for r in c["reaped"]], victim
+    leaker = "test_a.py::test_nested_session_died"
+    assert any(n.startswith(f"pid {holder}: in use by ") and f"'s test {leaker} " in n
+               for n in victim["before"]["notes"]), victim
+    assert [u["process"]["pid"] for u in tests[leaker]["gpu_without_lock"]] == [holder]
+    assert wait_dead([holder]) == []
 
 
 # ---- pytest-timeout -------------------------------------------------------------------------------
