@@ -94,6 +94,9 @@ class ExportedCookie(NamedTuple):
     inherited: str | None
     started_ticks: int
     previous: tuple[str | None, str | None]
+    last_pid: int | None = None
+    """The last pid allocated when it was exported: what is older is no part of the session, and within
+    the export's own clock tick only the pids tell (docs/ownership.md)."""
 
 
 _COOKIE = pytest.StashKey[ExportedCookie]()
@@ -115,7 +118,7 @@ def _export_cookie(config: pytest.Config) -> ExportedCookie:
         # `gpuclean reap --cookie <job>` and the outer session still recognise everything we spawn.
         inherited = os.environ.get(COOKIE_VAR)
         exported = ExportedCookie(new_session_id(inherited), inherited, procfs.boot_ticks_now(),
-                                  (inherited, os.environ.get(OWNER_VAR)))
+                                  (inherited, os.environ.get(OWNER_VAR)), procfs.last_pid())
         config.stash[_COOKIE] = exported
         os.environ[COOKIE_VAR] = cookie(exported.session_id, SESSION_TOKEN)
         os.environ[OWNER_VAR] = SESSION_NAME

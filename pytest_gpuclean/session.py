@@ -29,7 +29,7 @@ from pytest_gpuclean.testcheck import ItemChecks
 
 if TYPE_CHECKING:
     from pytest_gpuclean.cluster_checks import ClusterChecks
-    from pytest_gpuclean.findings import Reaped
+    from pytest_gpuclean.findings import ProcessInfo, Reaped
     from pytest_gpuclean.plugin import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}
@@ -97,7 +97,8 @@ class CheckedSession:
                                xdist_run=os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None,
                                peer_cookie=exported.inherited,
                                dead_sessions=resolved.dead_sessions == "on",
-                               session_start_ticks=exported.started_ticks)
+                               session_start_ticks=exported.started_ticks,
+                               session_start_pid=exported.last_pid)
         # Processes started outside any test (collection, other plugins, conftest imports) carry the
         # session's cookie: the session set-up's, protected until the very last sweep.
         self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
@@ -154,16 +155,25 @@ class CheckedSession:
         plugin's daemon) and its owner did not stop, which would otherwise outlive pytest."""
         if self.cluster is not None:
             self.cluster.stop()
+        late: list[Reaped] = []
+        older: list[ProcessInfo] = []
         try:
-            late = self.checker.final_sweep(self.devices, include_session=True) if not controller else []
+            if not controller:
+                late = self.checker.final_sweep(self.devices, include_session=True)
+                older = self.checker.no_part_of_the_session()
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
-            late = []
             sys.stderr.write(f"gpuclean: the last sweep failed: {exc!r}\n")
         if late:
             sys.stderr.write(f"gpuclean: reaped {len(late)} process(es) of the session set-up (conftest, "
                              "plugins) still alive after pytest_unconfigure: "
                              + ", ".join(f"pid {r.process.pid} {r.how_ended} "
                                          f"({report.one_line(r.process.cmdline, 60)})" for r in late) + "\n")
+        if older:
+            # Never signalled; said once, so that nobody wonders why gpuclean left them.
+            sys.stderr.write(f"gpuclean: left alone {len(older)} process(es) under pytest that are no part "
+                             "of the session (they, or the process that started them, existed before it): "
+                             + ", ".join(f"pid {p.pid} ({report.one_line(p.cmdline, 60)})" for p in older)
+                             + "\n")
 
     def close_backend(self) -> None:
         """Stop the checker and close the device backend (after the environment is restored)."""
