@@ -371,6 +371,11 @@ class _Agent:
         here = next((j.driver_ip_address for j in table if j.job_id.hex() == self.job_id), None)
         for job in table:
             all_jobs.append(JobRecord(job.job_id.hex(), job.driver_pid, job.is_dead))
+            if job.job_id.hex() == self.job_id:
+                # This agent's own job, as Ray named it when the agent connected: the plugin's helper, and
+                # so are its workers, whenever Ray starts one (the probes' workers start on a node at its
+                # first check, and again once Ray has let an idle one go). Never a test's.
+                continue
             # Dead jobs too: a driver that called ray.shutdown() leaves its detached actors behind. A pid
             # means something only on its own host: the driver must run where this agent does.
             since = drivers.get(job.driver_pid)
@@ -632,6 +637,8 @@ class RayCheck:
         own and places its workers there)."""
         drivers = {os.getpid(): self.since}
         for pid, _, _ in self._tree.walk(os.getpid()):
+            if pid == self.agent_pid:
+                continue  # the plugin's own helper driver (its job is left out by the agent too)
             stat = procfs.read_stat(pid)
             if stat is not None:
                 drivers[pid] = max(self.since, procfs.ticks_to_wall(stat.start_ticks) - 0.5)
