@@ -964,8 +964,9 @@ def test_the_plugins_own_job_is_never_a_tests_on_a_cluster_a_fixture_starts(
     monkeypatch.setenv("WORKER_SIDE_PIDS", env["WORKER_SIDE_PIDS"])
     pytester.makepyfile(test_cluster=FIXTURE_CLUSTER)
     try:
-        result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto", "--gpuclean-timeout=60",
-                                               "-p", "no:cacheprovider", "-W", "always", timeout=300)
+        result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto",
+                                               "--gpuclean-timeout=60", "-p", "no:cacheprovider",
+                                               "-W", "always", timeout=300)
     finally:
         jobs = _end_side_processes(side_pids)
     out = result.stdout.str() + result.stderr.str()
