@@ -612,6 +612,11 @@ class Checker:
                  if f.live and f.token not in (SESSION, PREEXISTING))  # zombies hold nothing
         return [info for info in infos if info is not None]
 
+    def is_older(self, pid: int, start_ticks: int) -> bool:
+        """Whether the census found ``pid`` (started at ``start_ticks``) to be no part of the session: it, or
+        the process that started it, existed before the session."""
+        return self._tokens.get((pid, start_ticks)) == PREEXISTING
+
     def no_part_of_the_session(self) -> list[ProcessInfo]:
         """Processes under us that are no part of the session (they, or the process that started them,
         existed before it), still alive: left alone."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -882,12 +883,41 @@ def _end_side_processes(pids: Path) -> list[str]:
     return [job for _, job in lines]
 
 
-FIRST_CLEAN = """
+OLDER_DRIVER = """
+import os, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+address, node, go, ready = sys.argv[1:5]
+ray.init(address=address, log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+class Service:
+    def pid(self):
+        return os.getpid()
+
+while not os.path.exists(go):
+    time.sleep(0.01)
+actor = Service.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+pid = ray.get(actor.pid.remote())
+with open(ready + ".tmp", "w") as f:
+    f.write(str(pid))
+os.rename(ready + ".tmp", ready)
+time.sleep(600)
+"""
+
+OUTSIDE_TESTS = """
+import os, time
 import pytest
 
 @pytest.mark.needs_clean_gpus
 def test_0_clean_first():
-    pass
+    # The driver that existed before pytest makes an actor now, inside this test's window.
+    open(os.environ["OLDER_GO"], "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["OLDER_ACTOR"]):
+        assert time.monotonic() < deadline, "the older driver made no actor"
+        time.sleep(0.02)
 
 @pytest.mark.needs_clean_gpus
 def test_1_clean_next():
@@ -895,31 +925,48 @@ def test_1_clean_next():
 """
 
 
-def test_the_plugins_own_job_is_never_a_tests_on_a_cluster_started_outside(
-        pytester: pytest.Pytester, sim: Path, tmp_path: Path, ray_cluster: dict[str, Any]) -> None:
-    # Before: the plugin's helper driver is a child of pytest, so its job counted as the session's; the
-    # worker Ray started for its probe on a node during the first check (and what that worker started)
-    # was "leaked by test_cluster.py::test_0_clean_first and reaped (SIGTERM) before" that very test.
+def test_only_the_sessions_own_jobs_are_checked_on_a_cluster_started_outside(
+        pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        ray_cluster: dict[str, Any]) -> None:
+    # Two drivers under pytest whose jobs are not the session's. The plugin's own helper driver: before,
+    # the worker Ray started for its probe on a node during the first check (and what that worker started)
+    # "was leaked by test_cluster.py::test_0_clean_first and reaped (SIGTERM) before" that very test. And
+    # a driver that existed before pytest (`driver & exec pytest`): before, the actor it made while
+    # test_0 ran was that test's leak, reaped.
+    from helpers import alive, kill_all, read_pids, reap_orphans
+
     env, side_pids = _side_node_env(tmp_path)
-    (tmp_path / "side").mkdir()
-    (tmp_path / "side" / "0").mkdir()
+    (tmp_path / "side" / "0").mkdir(parents=True)
     cluster = ray_cluster["cluster"]
     node = cluster.add_node(num_cpus=0, node_ip_address="127.0.0.1",
                             env_vars={"GPUCLEAN_SIMULATE": str(tmp_path / "side"), **env})
+    driver_script, driver_pid, actor_pid = tmp_path / "driver.py", tmp_path / "driver.pid", tmp_path / "actor"
+    driver_script.write_text(OLDER_DRIVER)
+    monkeypatch.setenv("OLDER_GO", str(tmp_path / "go"))
+    monkeypatch.setenv("OLDER_ACTOR", str(actor_pid))
+    python, address = sys.executable, ray_cluster["address"]
+    shell = (f"{python} {driver_script} {address} {ray_cluster['node_b']} {tmp_path / 'go'} {actor_pid} & "
+             f"echo $! > {driver_pid}; exec {python} -m pytest -p gpuclean --gpuclean-ray={address} "
+             "--gpuclean-timeout=60 -p no:cacheprovider -W always")
+    driver: list[int] = []
     try:
         cluster.wait_for_nodes()
-        pytester.makepyfile(test_cluster=FIRST_CLEAN)
-        result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-ray={ray_cluster['address']}",
-                                               "--gpuclean-timeout=60", "-p", "no:cacheprovider", "-W",
-                                               "always", timeout=300)
+        pytester.makepyfile(test_cluster=OUTSIDE_TESTS)
+        result = pytester.run("sh", "-c", shell, timeout=300)
+        driver = read_pids(driver_pid)
+        out = result.stdout.str() + result.stderr.str()
+        result.assert_outcomes(passed=2)
+        assert "leaked" not in out and "reaped pid" not in out, out
+        result.stdout.fnmatch_lines(["*2 checked test(s), 0 with findings, 0 process(es) reaped*"])
+        # The older driver and its actor live on; the driver is named once, never signalled.
+        assert alive(driver[0]) and alive(int(actor_pid.read_text()))
+        assert "left alone 1 process(es) under pytest that are no part of the session" in out
     finally:
+        kill_all(driver)
+        reap_orphans(driver)
         cluster.remove_node(node)
         jobs = _end_side_processes(side_pids)
-    out = result.stdout.str() + result.stderr.str()
     assert jobs, "no worker started on the node: nothing was tested"
-    result.assert_outcomes(passed=2)
-    assert "leaked" not in out and "reaped pid" not in out, out
-    result.stdout.fnmatch_lines(["*2 checked test(s), 0 with findings, 0 process(es) reaped*"])
 
 
 FIXTURE_CLUSTER = """
