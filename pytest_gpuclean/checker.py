@@ -29,6 +29,7 @@ from pytest_gpuclean.model import (
 from pytest_gpuclean.ownership import (
     COOKIE_VAR,
     OWNER_VAR,
+    PREEXISTING,
     SESSION,
     Ownership,
     SessionRef,
@@ -108,7 +109,8 @@ class Checker:
                  ignore: Sequence[str] = (), host_scope: bool = False,
                  session_id: str | None = None, settle: float = 0.0, xdist_run: str | None = None,
                  peer_cookie: str | None = None, dead_sessions: bool = True,
-                 session_start_ticks: int | None = None, peers_since: int | None = None) -> None:
+                 session_start_ticks: int | None = None, peers_since: int | None = None,
+                 session_start_pid: int | None = None) -> None:
         self.backend = backend
         self.reap_enabled = reap
         self.grace = grace
@@ -117,11 +119,12 @@ class Checker:
         self.host_scope = host_scope
         self.dead_sessions = dead_sessions
         self.uid = os.getuid()
-        self.session_start_ticks = (procfs.boot_ticks_now() if session_start_ticks is None
-                                    else session_start_ticks)
+        if session_start_ticks is None:
+            session_start_ticks, session_start_pid = procfs.boot_ticks_now(), procfs.last_pid()
+        self.session_start_ticks = session_start_ticks
         """When the session began (its cookie exported): a process carrying our cookie that is older is not
         ours, its value was recycled."""
-        self.ownership = Ownership(session_id or new_session_id())
+        self.ownership = Ownership(session_id or new_session_id(), session_start_ticks, session_start_pid)
         self.xdist_run = xdist_run
         self.peer_cookie = peer_cookie
         """The cookie our xdist siblings started with (the controller's): theirs, not a leak's."""
@@ -142,11 +145,28 @@ class Checker:
         """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
         started)."""
         # What already runs under us belongs to the session set-up (a conftest imported before this
-        # checker existed, a plugin's pytest_configure): never a test's leak.
-        for pid, _depth, _parent in self._walk():
+        # checker existed, a plugin's pytest_configure): never a test's leak. Unless it existed before the
+        # session began, or descends from a process that did: a container entrypoint's `server & exec
+        # pytest` leaves the server our child, and it is no part of the session.
+        walked = self._walk()
+        upto = procfs.last_pid()  # every process just walked had its pid by now
+        tokens: dict[int, str] = {}
+        for pid, _depth, parent in walked:
             stat = procfs.read_stat(pid)
-            if stat is not None:
-                self._tokens[(pid, stat.start_ticks)] = SESSION
+            if stat is None:
+                continue
+            token = tokens.get(parent) or self._set_up_or_older(pid, stat.start_ticks, upto)
+            tokens[pid] = self._tokens[(pid, stat.start_ticks)] = token
+
+    def _set_up_or_older(self, pid: int, start_ticks: int, upto: int | None) -> str:
+        """Whose is ``pid``, found under us when the checker starts and descended from none of our other
+        processes: the session set-up's if it carries our cookie (exported before anything of the
+        set-up ran) or was provably born after the session began; otherwise it existed before the session,
+        or may have (born in the very tick the session began): either way it is left alone."""
+        value = procfs.read_environ_vars(pid, (COOKIE_VAR,)).get(COOKIE_VAR)
+        if value is not None and value.startswith(self.ownership.session_id + ":"):
+            return SESSION
+        return SESSION if self.ownership.existed_before(pid, start_ticks, upto) is False else PREEXISTING
 
     # ---- who we are (a forked test runner changes it) -------------------------------------------
 
@@ -227,7 +247,9 @@ class Checker:
                 values = procfs.read_environ_vars(pid, (COOKIE_VAR, OWNER_VAR))
                 cookie = values.get(COOKIE_VAR)
                 token = self.ownership.token_of_cookie(cookie)
-                if token is None:
+                if token is None and self.ownership.existed_before(pid, start_ticks) is not False:
+                    token = PREEXISTING  # older than the session (or maybe): no part of it
+                elif token is None:
                     token = self.ownership.token_by_birth(pid, start_ticks)
                 elif cookie is not None and self.ownership.is_protected(token):
                     # Started under our session set-up by a nested session that has since died (an
@@ -642,8 +664,7 @@ class Checker:
                 processes.reap_if_child(f.pid)
         if not include_session:
             found = [f for f in found if f.token != SESSION]
-        else:
-            found = [f for f in found if f.token is not None]
+        found = [f for f in found if f.token is not None and f.token != PREEXISTING]
         if not found or not self.reap_enabled:
             return []
         try:
@@ -674,7 +695,19 @@ class Checker:
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
         infos = (processes.describe(f.pid, f.start_ticks) for f in self.census(scan_cookies=True)
-                 if f.live and f.token != SESSION)  # zombies hold nothing
+                 if f.live and f.token not in (SESSION, PREEXISTING))  # zombies hold nothing
+        return [info for info in infos if info is not None]
+
+    def is_older(self, pid: int, start_ticks: int) -> bool:
+        """Whether the census found ``pid`` (started at ``start_ticks``) to be no part of the session: it, or
+        the process that started it, existed before the session."""
+        return self._tokens.get((pid, start_ticks)) == PREEXISTING
+
+    def no_part_of_the_session(self) -> list[ProcessInfo]:
+        """Processes under us that are no part of the session (they, or the process that started them,
+        existed before it), still alive: left alone."""
+        infos = (processes.describe(f.pid, f.start_ticks) for f in self.census()
+                 if f.live and f.token == PREEXISTING)
         return [info for info in infos if info is not None]
 
 

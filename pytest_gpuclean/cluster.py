@@ -25,7 +25,7 @@ import pickle
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast, get_args
@@ -371,6 +371,11 @@ class _Agent:
         here = next((j.driver_ip_address for j in table if j.job_id.hex() == self.job_id), None)
         for job in table:
             all_jobs.append(JobRecord(job.job_id.hex(), job.driver_pid, job.is_dead))
+            if job.job_id.hex() == self.job_id:
+                # This agent's own job, as Ray named it when the agent connected: the plugin's helper, and
+                # so are its workers, whenever Ray starts one (the probes' workers start on a node at its
+                # first check, and again once Ray has let an idle one go). Never a test's.
+                continue
             # Dead jobs too: a driver that called ray.shutdown() leaves its detached actors behind. A pid
             # means something only on its own host: the driver must run where this agent does.
             since = drivers.get(job.driver_pid)
@@ -480,6 +485,9 @@ class RayCheck:
     """Why the last check could not reach the cluster ('' when it could)."""
     _tree: procfs.DescendantWalk = field(default_factory=procfs.DescendantWalk, repr=False)
     """This process's descendants, walked at a cost independent of its thread count (as the checker's)."""
+    older: Callable[[int, int], bool] = field(default=lambda pid, start_ticks: False, repr=False)
+    """Whether a descendant (pid, start ticks) is no part of the session: it existed before it (the local
+    checker says so). Such a driver's jobs are not the session's, nor are those of what it starts."""
 
     def start(self, timeout: float) -> None:
         """Start the agent and connect it; ``ClusterError`` if that fails or takes over ``timeout``."""
@@ -631,10 +639,17 @@ class RayCheck:
         itself or by a process the test started (vLLM's engine process connects to Ray as a driver of its
         own and places its workers there)."""
         drivers = {os.getpid(): self.since}
-        for pid, _, _ in self._tree.walk(os.getpid()):
+        older: set[int] = set()
+        for pid, _, parent in self._tree.walk(os.getpid()):
+            if pid == self.agent_pid:
+                continue  # the plugin's own helper driver (its job is left out by the agent too)
             stat = procfs.read_stat(pid)
-            if stat is not None:
-                drivers[pid] = max(self.since, procfs.ticks_to_wall(stat.start_ticks) - 0.5)
+            if stat is None:
+                continue
+            if parent in older or self.older(pid, stat.start_ticks):
+                older.add(pid)  # (`driver & exec pytest`: its jobs were never the session's)
+                continue
+            drivers[pid] = max(self.since, procfs.ticks_to_wall(stat.start_ticks) - 0.5)
         return drivers
 
     def check_cluster(self, phase: ClusterPhase, *, tolerance_mib: int, timeout: float, sweep: str = ""

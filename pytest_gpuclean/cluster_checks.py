@@ -63,7 +63,7 @@ def _new_check(address: str, resolved: Settings, checker: Checker) -> Any:
     # started again after a lost connection): never a test's leak.
     return cluster.RayCheck(address, checker.ownership, reap=resolved.reap == "on", grace=resolved.grace,
                             agent_env={COOKIE_VAR: checker.ownership.cookie(SESSION_TOKEN),
-                                       OWNER_VAR: SESSION_NAME})
+                                       OWNER_VAR: SESSION_NAME}, older=checker.is_older)
 
 
 def gcs_address(pid: int) -> str | None:

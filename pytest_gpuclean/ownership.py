@@ -21,6 +21,12 @@ from pytest_gpuclean.cookie import new_session_id as new_session_id
 from pytest_gpuclean.model import UNKNOWN_OWNER, Owner
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
+PREEXISTING = "before"
+"""Token of the processes that existed before the session began (its cookie exported), and of what they
+start: no part of the session (a container entrypoint's ``server & exec pytest``), never signalled. Other
+tokens are a letter and a count, or ``session``."""
+PREEXISTING_OWNER = Owner("unknown", "no part of the session (it, or the process that started it, existed "
+                          "before the session)")
 
 _SESSION_ID = re.compile(r"gc\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+$")
 
@@ -110,8 +116,13 @@ class Ownership:
     """Who spawned what: cookie tokens, their owners, and the windows they ran in. (A plain class, as
     ``Window``.)"""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, began_tick: int | None = None, began_pid: int | None = None) -> None:
         self.session_id = session_id
+        self.began_tick = began_tick
+        """When the session began (its cookie exported, before any conftest was imported); None: no
+        process is older than the session."""
+        self.began_pid = began_pid
+        """The last pid allocated then (None where the kernel does not say)."""
         self.owners: dict[str, Owner] = {}
         self.active_fixtures: set[str] = set()
         self.windows: list[Window] = []
@@ -178,6 +189,23 @@ class Ownership:
                 return window.token if window.start_tick < start_ticks < end_tick else None
         return SESSION
 
+    def existed_before(self, pid: int, start_ticks: int, last_pid: int | None = None) -> bool | None:
+        """Whether ``pid`` (started at ``start_ticks``), which carries no cookie of this session and descends
+        from none of its processes, was born before the session began: True when provably before, False when
+        provably after, None when the evidence does not decide.
+
+        A start time before or after the export's tick decides. In that very tick (10 ms) only the pids
+        can: one allocated after the export lies between the pid read then and ``last_pid``, a reading
+        taken after the process was found (by default now); with no pid readings, or a span that may have
+        wrapped, nothing is proven.
+        """
+        if self.began_tick is None:
+            return False
+        if start_ticks != self.began_tick:
+            return start_ticks < self.began_tick
+        after = self._pid_between(pid, self.began_pid, procfs.last_pid() if last_pid is None else last_pid)
+        return None if after is None else not after
+
     def _pid_between(self, pid: int, first: int | None, last: int | None) -> bool | None:
         """Whether ``pid`` was allocated after ``first`` and up to ``last``; None if that is unknowable."""
         if first is None or last is None:
@@ -190,11 +218,15 @@ class Ownership:
     def owner(self, token: str | None) -> Owner:
         if token == SESSION:
             return SESSION_OWNER
+        if token == PREEXISTING:
+            return PREEXISTING_OWNER
         return self.owners.get(token or "", UNKNOWN_OWNER)
 
     def is_protected(self, token: str | None) -> bool:
-        """Not to be touched now: owned by an active fixture or the session set-up, or of unknown birth."""
-        return token is None or (token == SESSION and not self.session_over) or token in self.active_fixtures
+        """Not to be touched now: owned by an active fixture or the session set-up, of unknown birth, or no
+        part of the session (never)."""
+        return (token is None or token == PREEXISTING or (token == SESSION and not self.session_over)
+                or token in self.active_fixtures)
 
 
 SESSION = SESSION_TOKEN

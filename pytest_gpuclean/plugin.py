@@ -98,6 +98,9 @@ class ExportedCookie(NamedTuple):
     inherited: str | None
     started_ticks: int
     previous: tuple[str | None, str | None]
+    last_pid: int | None = None
+    """The last pid allocated when it was exported: what is older is no part of the session, and within
+    the export's own clock tick only the pids tell (docs/ownership.md)."""
 
 
 _COOKIE = pytest.StashKey[ExportedCookie]()
@@ -119,7 +122,7 @@ def _export_cookie(config: pytest.Config) -> ExportedCookie:
         # `gpuclean reap --cookie <job>` and the outer session still recognise everything we spawn.
         inherited = os.environ.get(COOKIE_VAR)
         exported = ExportedCookie(new_session_id(inherited), inherited, procfs.boot_ticks_now(),
-                                  (inherited, os.environ.get(OWNER_VAR)))
+                                  (inherited, os.environ.get(OWNER_VAR)), procfs.last_pid())
         config.stash[_COOKIE] = exported
         os.environ[COOKIE_VAR] = cookie(exported.session_id, SESSION_TOKEN)
         os.environ[OWNER_VAR] = SESSION_NAME
@@ -261,8 +264,26 @@ class GpuCleanPlugin:
             late = self.session.close(controller=self.controller) if self.session is not None else []
             if late:
                 self._report_late(late)
+            older = self.session.left_alone if self.session is not None else []
+            if older:
+                # Never signalled; said once, so that nobody wonders why gpuclean left them.
+                from pytest_gpuclean.report import one_line
+
+                self._say_last(f"gpuclean: left alone {len(older)} process(es) under pytest that are no part "
+                               "of the session (they, or the process that started them, existed before it): "
+                               + ", ".join(f"pid {p.pid} ({one_line(p.cmdline, 60)})" for p in older))
         finally:
             self._close_rest()
+
+    def _say_last(self, line: str) -> None:
+        # After the terminal summary, on a line of its own. An xdist worker's terminal goes nowhere: its
+        # stderr reaches the controller's.
+        reporter = (None if hasattr(self.config, "workerinput")
+                    else self.config.pluginmanager.get_plugin("terminalreporter"))
+        if reporter is not None:
+            reporter.write_line(line)
+        else:
+            sys.stderr.write(line + "\n")
 
     def _report_late(self, late: list[Reaped]) -> None:
         # The very last sweep runs after the terminal summary and the report (a plugin's or conftest's
@@ -270,14 +291,7 @@ class GpuCleanPlugin:
         # written again, whole, with it in ``session_reaped``.
         from pytest_gpuclean.report import set_up_reaped_line
 
-        line = set_up_reaped_line(late)
-        # An xdist worker's terminal goes nowhere: its stderr reaches the controller's.
-        reporter = (None if hasattr(self.config, "workerinput")
-                    else self.config.pluginmanager.get_plugin("terminalreporter"))
-        if reporter is not None:
-            reporter.write_line(line)  # on a line of its own, after the summary
-        else:
-            sys.stderr.write(line + "\n")
+        self._say_last(set_up_reaped_line(late))
         outputs = self.config.pluginmanager.get_plugin(PLUGIN_NAME + "-outputs")
         if outputs is not None:
             outputs.add_late(late)

@@ -29,7 +29,7 @@ from pytest_gpuclean.testcheck import ItemChecks
 
 if TYPE_CHECKING:
     from pytest_gpuclean.cluster_checks import ClusterChecks
-    from pytest_gpuclean.findings import Reaped
+    from pytest_gpuclean.findings import ProcessInfo, Reaped
     from pytest_gpuclean.plugin import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}
@@ -52,6 +52,8 @@ class CheckedSession:
         self.devices: tuple[DeviceInfo, ...] = ()
         self.locks: GpuLocks | None = None
         self.cluster: ClusterChecks | None = None
+        self.left_alone: list[ProcessInfo] = []
+        """Set by ``close``: processes under pytest that existed before the session (never signalled)."""
         self._test_tokens: dict[str, str] = {}
         me = os.getpid()
         if me not in _SUBREAPER:
@@ -94,7 +96,8 @@ class CheckedSession:
                                xdist_run=os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None,
                                peer_cookie=exported.inherited, peers_since=_ticks(WORKERS_SINCE_VAR),
                                dead_sessions=resolved.dead_sessions == "on",
-                               session_start_ticks=exported.started_ticks)
+                               session_start_ticks=exported.started_ticks,
+                               session_start_pid=exported.last_pid)
         # Processes started outside any test (collection, other plugins, conftest imports) carry the
         # session's cookie: the session set-up's, protected until the very last sweep.
         self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
@@ -152,12 +155,16 @@ class CheckedSession:
         joins the session's ``session_reaped``; the plugin says so and has the report written again."""
         if self.cluster is not None:
             self.cluster.stop()
+        late: list[Reaped] = []
+        older: list[ProcessInfo] = []
         try:
-            late = self.checker.final_sweep(self.devices, include_session=True) if not controller else []
+            if not controller:
+                late = self.checker.final_sweep(self.devices, include_session=True)
+                older = self.checker.no_part_of_the_session()
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
-            late = []
             sys.stderr.write(f"gpuclean: the last sweep failed: {exc!r}\n")
         self.found.session_reaped.extend(late)
+        self.left_alone = older
         return late
 
     def close_backend(self) -> None:

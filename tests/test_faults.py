@@ -16,7 +16,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import alive, children_sigint, kill_all, read_pids, run_inner, wait_dead, wait_for_file
+from helpers import (
+    alive,
+    children_sigint,
+    kill_all,
+    read_pids,
+    reap_orphans,
+    run_inner,
+    wait_dead,
+    wait_for_file,
+)
 
 from pytest_gpuclean import processes, procfs
 from pytest_gpuclean.report import LEAK_PREFIX
@@ -157,6 +166,84 @@ def test_uses_the_worker(server):
     result.assert_outcomes(passed=2)
     assert "reaped" not in result.stdout.str().replace("0 process(es) reaped", "")
     assert wait_dead(workers) == []
+
+
+OLDER = r'''
+import os, subprocess, sys, time
+# Started before pytest (a container entrypoint's `server & exec pytest`): it forks a child of its own
+# when asked, while a test runs.
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()}\n")
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.01)
+child = subprocess.Popen(["/bin/sleep", "600"])
+with open(sys.argv[1], "a") as f:
+    f.write(f"{child.pid}\n")
+child.wait()
+'''
+
+OLDER_TESTS = """
+OLDER_PIDS, GO = os.environ["OLDER_PIDS"], os.environ["OLDER_GO"]
+
+
+@pytest.mark.needs_clean_gpus
+def test_asks_the_older_process_for_a_child():
+    open(GO, "w").close()
+    deadline = time.monotonic() + 30
+    while len(open(OLDER_PIDS).read().split()) < 3:
+        assert time.monotonic() < deadline, "the older process started no child"
+        time.sleep(0.01)
+
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+"""
+
+CONFTEST_SERVER = '''
+import os, subprocess
+
+# Started by the session set-up with a scrubbed environment (no cookie): its birth says it is the session's.
+SERVER = subprocess.Popen(["/bin/sleep", "300"], env={"PATH": os.environ["PATH"]})
+with open(os.environ["LEAK_PIDFILE"], "a") as f:
+    f.write(f"{SERVER.pid}\\n")
+'''
+
+
+def test_processes_that_existed_before_the_session_are_never_signalled(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # `sleep 600 & exec pytest`: the shell becomes pytest, and the background job is pytest's child from
+    # before pytest began. Before: SIGTERMed at the very end as "of the session set-up", together with what
+    # it started during a test. The conftest's server, started without a cookie, is still the set-up's.
+    pidfile = inner(OLDER_TESTS)
+    pytester.makeconftest(CONFTEST_SERVER)
+    older_pids, script, go = tmp_path / "older.pids", tmp_path / "older.py", tmp_path / "go"
+    script.write_text(OLDER)
+    monkeypatch.setenv("OLDER_PIDS", str(older_pids))
+    monkeypatch.setenv("OLDER_GO", str(go))
+    python = sys.executable
+    shell = (f"sleep 600 & echo $! >> {older_pids}; {python} {script} {older_pids} {go} & "
+             f"exec {python} -m pytest -p gpuclean -p no:cacheprovider -rA")
+    try:
+        result = pytester.run("sh", "-c", shell, timeout=120)
+        older = read_pids(older_pids, 3)  # sleep, the older process, and the child it started in a test
+        server = read_pids(pidfile)[0]
+        out = result.stdout.str() + result.stderr.str()
+        result.assert_outcomes(passed=2)
+        assert "leaked" not in out.replace("0 with findings", "")
+        assert [pid for pid in older if not alive(pid)] == []
+        # Said once, never signalled.
+        assert "gpuclean: left alone 3 process(es) under pytest that are no part of the session" in out
+        assert all(f"pid {pid} (" in out for pid in older)
+        assert ("gpuclean: reaped 1 process(es) of the session set-up (conftest, plugins) still alive "
+                f"after pytest_unconfigure: pid {server} SIGTERM") in out
+        assert wait_dead([server]) == []
+    finally:
+        left = [int(x) for x in older_pids.read_text().split()] if older_pids.exists() else []
+        kill_all(left)
+        wait_dead(left)
+        reap_orphans(left)  # re-parented to this process if it is a subreaper
 
 
 def _other_user() -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -170,7 +171,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     try:
         yield {"address": cluster.address, "dirs": dirs, "node_b": nodes["b"].node_id,
                "node_head": cluster.head_node.node_id,
-               "node_c": nodes["c"].node_id, "ray": ray}
+               "node_c": nodes["c"].node_id, "ray": ray, "cluster": cluster}
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -441,8 +442,10 @@ def test_cli_status_check_reap_across_the_cluster(tmp_path: Path, ray_cluster: d
     assert f"pid {named_pid}" in out and "[via ray.kill]" in out
     assert out.count("[via ladder]") == 2
     assert f"node {b}: its devices released the memory" in out and f"node {c}: its devices released" in out
-    for pid in (named_pid, anonymous_pid, escaped_pid):
-        assert not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    # Gone, or exiting (a zombie, or the kernel's X while it is being reaped: seen on a loaded box).
+    from helpers import wait_dead
+
+    assert wait_dead([named_pid, anonymous_pid, escaped_pid]) == []
     # The running job's actor and Ray itself are untouched.
     assert ray.get(busy.hold.remote()) == busy_pid
     still = json.loads(_gpuclean("check", "--ray", address, "--json").stdout)
@@ -828,3 +831,197 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
     assert check._token_at(end + 0.6 * tick) == fixture
     assert check._token_at(end + 2 * tick) == test
     assert check._token_at(procfs.ticks_to_wall(now - 450)) == test
+
+
+
+# ---- the plugin's own helper driver, its job and its workers are never a test's -------------------------
+
+# On a node whose environment has it (PYTHONPATH): every Ray worker of a job starts a side process (a log
+# shipper, a profiler) that carries the worker's RAY_JOB_ID, like whatever else a worker starts. So the
+# workers Ray starts for the plugin's own helper driver (the probes) leave a visible process of that job.
+WORKER_SIDE_PROCESS = """
+import os, subprocess
+
+def _side_process():
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            command = f.read()
+    except OSError:
+        return
+    job = os.environ.get("RAY_JOB_ID", "")
+    if b"default_worker.py" not in command or job in ("", "ffffffff"):
+        return
+    proc = subprocess.Popen(["sleep", "120"])
+    with open(os.environ["WORKER_SIDE_PIDS"], "a") as f:
+        f.write(f"{proc.pid} {job}\\n")
+
+_side_process()
+"""
+
+
+def _side_node_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """The environment of a node (no CPUs: Ray starts a worker there only when a task asks, during a check)
+    whose workers start a side process; and the file their pids and jobs go to."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(WORKER_SIDE_PROCESS)
+    pids = tmp_path / "side.pids"
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+           "WORKER_SIDE_PIDS": str(pids)}
+    return env, pids
+
+
+def _end_side_processes(pids: Path) -> list[str]:
+    """End the side processes (they outlive nothing of ours by design); the jobs they were of."""
+    from helpers import kill_all, reap_orphans, wait_dead
+
+    lines = [line.split() for line in pids.read_text().splitlines()] if pids.exists() else []
+    started = [int(pid) for pid, _ in lines]
+    kill_all(started)
+    wait_dead(started)
+    reap_orphans(started)
+    return [job for _, job in lines]
+
+
+OLDER_DRIVER = """
+import os, sys, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+address, node, go, ready = sys.argv[1:5]
+ray.init(address=address, log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+class Service:
+    def pid(self):
+        return os.getpid()
+
+while not os.path.exists(go):
+    time.sleep(0.01)
+actor = Service.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+pid = ray.get(actor.pid.remote())
+with open(ready + ".tmp", "w") as f:
+    f.write(str(pid))
+os.rename(ready + ".tmp", ready)
+time.sleep(600)
+"""
+
+OUTSIDE_TESTS = """
+import os, time
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_0_clean_first():
+    # The driver that existed before pytest makes an actor now, inside this test's window.
+    open(os.environ["OLDER_GO"], "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["OLDER_ACTOR"]):
+        assert time.monotonic() < deadline, "the older driver made no actor"
+        time.sleep(0.02)
+
+@pytest.mark.needs_clean_gpus
+def test_1_clean_next():
+    pass
+"""
+
+
+def test_only_the_sessions_own_jobs_are_checked_on_a_cluster_started_outside(
+        pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        ray_cluster: dict[str, Any]) -> None:
+    # Two drivers under pytest whose jobs are not the session's. The plugin's own helper driver: before,
+    # the worker Ray started for its probe on a node during the first check (and what that worker started)
+    # "was leaked by test_cluster.py::test_0_clean_first and reaped (SIGTERM) before" that very test. And
+    # a driver that existed before pytest (`driver & exec pytest`): before, the actor it made while
+    # test_0 ran was that test's leak, reaped.
+    from helpers import alive, kill_all, read_pids, reap_orphans
+
+    env, side_pids = _side_node_env(tmp_path)
+    (tmp_path / "side" / "0").mkdir(parents=True)
+    cluster = ray_cluster["cluster"]
+    node = cluster.add_node(num_cpus=0, node_ip_address="127.0.0.1",
+                            env_vars={"GPUCLEAN_SIMULATE": str(tmp_path / "side"), **env})
+    driver_script, driver_pid, actor_pid = tmp_path / "driver.py", tmp_path / "driver.pid", tmp_path / "actor"
+    driver_script.write_text(OLDER_DRIVER)
+    monkeypatch.setenv("OLDER_GO", str(tmp_path / "go"))
+    monkeypatch.setenv("OLDER_ACTOR", str(actor_pid))
+    python, address = sys.executable, ray_cluster["address"]
+    shell = (f"{python} {driver_script} {address} {ray_cluster['node_b']} {tmp_path / 'go'} {actor_pid} & "
+             f"echo $! > {driver_pid}; exec {python} -m pytest -p gpuclean --gpuclean-ray={address} "
+             "--gpuclean-timeout=60 -p no:cacheprovider -W always")
+    driver: list[int] = []
+    try:
+        cluster.wait_for_nodes()
+        pytester.makepyfile(test_cluster=OUTSIDE_TESTS)
+        result = pytester.run("sh", "-c", shell, timeout=300)
+        driver = read_pids(driver_pid)
+        out = result.stdout.str() + result.stderr.str()
+        result.assert_outcomes(passed=2)
+        assert "leaked" not in out and "reaped pid" not in out, out
+        result.stdout.fnmatch_lines(["*2 checked test(s), 0 with findings, 0 process(es) reaped*"])
+        # The older driver and its actor live on; the driver is named once, never signalled.
+        assert alive(driver[0]) and alive(int(actor_pid.read_text()))
+        assert "left alone 1 process(es) under pytest that are no part of the session" in out
+    finally:
+        kill_all(driver)
+        reap_orphans(driver)
+        cluster.remove_node(node)
+        jobs = _end_side_processes(side_pids)
+    assert jobs, "no worker started on the node: nothing was tested"
+
+
+FIXTURE_CLUSTER = """
+import os
+import pytest
+from ray.cluster_utils import Cluster
+
+@pytest.fixture(scope="session")
+def cluster():
+    root = os.environ["NODE_DIRS"]
+    for name in ("head", "b"):
+        os.makedirs(os.path.join(root, name, "0"))
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        include_dashboard=False, num_cpus=1, node_ip_address="127.0.0.1",
+        env_vars={"GPUCLEAN_SIMULATE": os.path.join(root, "head")}))
+    cluster.add_node(num_cpus=0, node_ip_address="127.0.0.1", env_vars={
+        "GPUCLEAN_SIMULATE": os.path.join(root, "b"), "PYTHONPATH": os.environ["SIDE_PYTHONPATH"],
+        "WORKER_SIDE_PIDS": os.environ["WORKER_SIDE_PIDS"]})
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+@pytest.mark.needs_clean_gpus
+def test_0_clean_first(cluster):
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_1_clean_next(cluster):
+    pass
+"""
+
+
+def test_the_plugins_own_job_is_never_a_tests_on_a_cluster_a_fixture_starts(
+        pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --gpuclean-ray=auto: the cluster appears during the first test's set-up; the helper driver starts at
+    # the check after it, inside that test's window, and so does its probe's worker on node b. Before:
+    # that test failed with the plugin's own process "leaked ... on the Ray cluster".
+    pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
+    env, side_pids = _side_node_env(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback-only nodes
+    monkeypatch.setenv("NODE_DIRS", str(tmp_path / "nodes"))
+    monkeypatch.setenv("SIDE_PYTHONPATH", env["PYTHONPATH"])
+    monkeypatch.setenv("WORKER_SIDE_PIDS", env["WORKER_SIDE_PIDS"])
+    pytester.makepyfile(test_cluster=FIXTURE_CLUSTER)
+    try:
+        result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto",
+                                               "--gpuclean-timeout=60", "-p", "no:cacheprovider",
+                                               "-W", "always", timeout=300)
+    finally:
+        jobs = _end_side_processes(side_pids)
+    out = result.stdout.str() + result.stderr.str()
+    assert jobs, "no worker started on node b: nothing was tested"
+    result.assert_outcomes(passed=2)
+    assert "checking the Ray cluster at" in out  # found, and checked from the first test's teardown on
+    assert "leaked" not in out and "reaped pid" not in out, out
+    # (The cluster's processes that exit after its fixture shut it down are the fixture's, collected.)
+    result.stdout.fnmatch_lines(["*2 checked test(s), * 0 process(es) reaped*"])

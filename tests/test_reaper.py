@@ -394,6 +394,27 @@ def test_fixture_protection_ends_with_the_fixture(tmp_path: Path) -> None:
     assert ownership.token_of_cookie("other-session:" + token) is None
 
 
+def test_what_existed_before_the_session_is_decided_by_evidence() -> None:
+    # The session began (its cookie exported) in tick 1000, when the last pid allocated was 500. A start
+    # time outside that tick decides; inside it only the pids can, and without them nothing is proven
+    # (None: left alone, never taken for the session set-up's).
+    from pytest_gpuclean.ownership import PREEXISTING, Ownership
+
+    ownership = Ownership("s1", began_tick=1000, began_pid=500)
+    assert ownership.existed_before(600, 999, last_pid=700) is True
+    assert ownership.existed_before(400, 1001, last_pid=700) is False
+    assert ownership.existed_before(500, 1000, last_pid=700) is True  # the export's own reading
+    assert ownership.existed_before(501, 1000, last_pid=700) is False
+    assert ownership.existed_before(800, 1000, last_pid=700) is True  # not allocated since: older
+    assert Ownership("s1", began_tick=1000, began_pid=None).existed_before(501, 1000, last_pid=700) is None
+    wrapped = ownership.existed_before(501, 1000, last_pid=500 + procfs.pid_max() // 2 + 1)
+    assert wrapped is None  # the pids may have gone all the way round
+    assert Ownership("s1").existed_before(1, 0) is False  # no beginning given: nothing is older
+    assert ownership.is_protected(PREEXISTING)
+    ownership.session_over = True
+    assert ownership.is_protected(PREEXISTING)  # the very last sweep too
+
+
 # (settle time, how long the helper outlives its test): wide margins both ways, for a loaded CI box.
 @pytest.mark.parametrize(("settle", "lifetime", "leaked"), [("3", "0.3", False), ("0", "3", True)])
 def test_a_leftover_that_exits_within_the_settle_time_is_no_leak(
