@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast, get_args
 
-from pytest_gpuclean.model import EndedBy, FoundBy, Owner, ProcessState, Reason
+from pytest_gpuclean.model import (
+    EndedBy,
+    FoundBy,
+    HealthEffect,
+    HealthKind,
+    Owner,
+    Phase,
+    ProcessState,
+    Reason,
+)
 
 if TYPE_CHECKING:
     from pytest_gpuclean.model import KillResult
@@ -76,6 +85,22 @@ class Reaped:
             raise ValueError(f"unknown way for a process to end: {outcome.ended_by!r}")
         return cls(process, owner, found_by, cast(EndedBy, outcome.ended_by), mib_per_device, outcome.exit_s,
                    release_s)
+
+
+@dataclass(frozen=True)
+class HealthFinding:
+    """Something the health watch found on a GPU (``health.py`` decides the ``effect``)."""
+
+    kind: HealthKind
+    effect: HealthEffect
+    device: str
+    """The device's label (``GPU 3``)."""
+    uuid: str
+    message: str
+    """One line that names the device: ``GPU 3: Xid 31 (GPU memory page fault ...)``."""
+    phase: Phase
+    """``setup``: found before the test (not caused by it); ``teardown``: during or right after it."""
+    xid: int | None = None
 
 
 _ENDED_BY = frozenset(get_args(EndedBy))

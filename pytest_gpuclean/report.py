@@ -168,6 +168,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
         if record.lock_timeout is not None:
             parts.append(f"never got its GPU locks: {record.lock_timeout}")
         parts.extend(cluster_parts(record))
+        parts.extend(health_parts(record))
         lines.append(f"{record.nodeid}: " + "; ".join(parts))
     if session_reaped:
         lines.append(f"session end: reaped {len(session_reaped)} leftover process(es): "
@@ -202,6 +203,13 @@ def cluster_parts(record: TestRecord) -> list[str]:
                 bits.append("not clean (" + ", ".join(_short(f.offender) for f in left) + ")")
             parts.append(f"Ray {check.phase} on {where}: " + ", ".join(bits))
     return parts
+
+
+def health_parts(record: TestRecord) -> list[str]:
+    """The GPU health part of a test's summary line (``health.py``); information (clock event reasons,
+    informational Xids) is for the JSON report only."""
+    return [f"{f.message} (before the test)" if f.phase == "setup" else f.message
+            for f in record.health if f.effect != "info"]
 
 
 def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:

@@ -15,13 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gpuclean import health as health_mod
 from pytest_gpuclean import records, report, settings
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, restore_env
+from pytest_gpuclean.devices import DeviceLost
 from pytest_gpuclean.locks import LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, TestRecord
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, Owner, Phase, TestRecord
 from pytest_gpuclean.plugin import FIXTURE, MARKER, GpuCleanWarning
 
 if TYPE_CHECKING:
+    from pytest_gpuclean.findings import HealthFinding
     from pytest_gpuclean.locks import HeldLocks
     from pytest_gpuclean.session import CheckedSession
 
@@ -82,10 +85,16 @@ class ItemChecks:
         record = session.found.new(item.nodeid, (item.location[0], (item.location[1] or 0) + 1))
         item.stash[records.TEST] = record
         self._choose_devices(item, state, record, applied.count)
+        unusable = self._health_before(item, state, record)
+        if unusable:
+            pytest.fail(unusable, pytrace=False)  # at once: waiting would not make the GPU usable
         if session.cluster is not None:
             session.cluster.before(state, record)
-        result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
-                                       timeout=state.timeout)
+        try:
+            result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
+                                           timeout=state.timeout)
+        except DeviceLost as exc:
+            raise pytest.fail.Exception(self._lost(item, record, exc, "setup"), pytrace=False) from None
         record.before = result
         record.before_s = result.waited_s
         self._note_own_context(result)
@@ -194,15 +203,19 @@ class ItemChecks:
         cluster = self.session.cluster
         ray_failure = cluster.after(state, record) if cluster is not None else None
         local_failure = self._after_local(item, state, record)
+        health_failure = self._health_after(item, state, record)
         if cluster is not None and cluster.discover("after", state.nodeid):
             # Started during the test: checked from now on, this test's own leftovers there included.
             ray_failure = cluster.after(state, record, appeared=True)
-        return "\n\n".join(f for f in (ray_failure, local_failure) if f) or None
+        return "\n\n".join(f for f in (ray_failure, local_failure, health_failure) if f) or None
 
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         session = self.session
-        result = session.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
-                                       timeout=state.timeout)
+        try:
+            result = session.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
+                                           timeout=state.timeout)
+        except DeviceLost as exc:
+            return self._lost(item, record, exc, "teardown")
         own_tokens = {state.token, *state.fixture_tokens}
         # A dead session's debris is that session's leak, never this test's.
         own = [r for r in result.reaped if r.found_by != "dead session" and (
@@ -223,6 +236,50 @@ class ItemChecks:
         if not result.clean:
             return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
         return None
+
+    # ---- GPU health (health.py) ---------------------------------------------------------------------
+
+    def _health_before(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+        # The Xid drain (microseconds), and the probe where its mode says so; a GPU found unusable
+        # earlier fails this setup with the reason.
+        watch = self.session.health
+        if watch is None:
+            return None
+        found = watch.before(item.nodeid, state.devices, item.session.testsfailed)
+        if not found:
+            return None
+        record.health.extend(found)
+        self._stop_if_lost(item, found)
+        return health_mod.failure_text(found, "setup")
+
+    def _health_after(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+        # The Xids that arrived during the test are its own; the slow reads where something points.
+        watch = self.session.health
+        if watch is None:
+            return None
+        reaped = record.after.reaped if record.after is not None else ()
+        found = watch.after(item.nodeid, state.devices, reaped, item.session.testsfailed)
+        if not found:
+            return None
+        record.health.extend(found)
+        self._stop_if_lost(item, found)
+        return health_mod.failure_text(found, "teardown")
+
+    def _lost(self, item: pytest.Item, record: TestRecord, exc: DeviceLost, phase: Phase) -> str:
+        """A check found a GPU lost: the test's finding, and the end of the session's tests."""
+        watch = self.session.health
+        found = watch.lost_now(exc, phase) if watch is not None else health_mod.finding(
+            "lost", "lost", exc.device, f"{exc.device.label} is lost: {exc.reason}", phase)
+        record.health.append(found)
+        self._stop_if_lost(item, [found])
+        return health_mod.failure_text([found], phase) or str(exc)
+
+    @staticmethod
+    def _stop_if_lost(item: pytest.Item, found: list[HealthFinding]) -> None:
+        lost = next((f for f in found if f.effect == "lost"), None)
+        if lost is not None and not item.session.shouldstop:
+            # One line, instead of every later test waiting out its timeout on a GPU that is gone.
+            item.session.shouldstop = health_mod.stop_reason(lost)
 
     def _end(self, state: ItemState) -> None:
         self.session.checker.ownership.close_window(state.token)
