@@ -281,3 +281,73 @@ def test_status_shows_health_and_check_has_an_exit_status_of_its_own(sim: Path) 
         ("GPU 0", True, ["lost: fallen off the bus"]), ("GPU 1", False, [])]
     assert _gpuclean(sim, "check").returncode == 3
     assert "GPU 0      health: LOST: fallen off the bus" in _gpuclean(sim, "status").stdout
+
+
+# ---- the CUDA probe ------------------------------------------------------------------------------------
+
+PROBED = '''
+@pytest.mark.needs_clean_gpus
+def test_incident():
+    simulate.xid(SIM, 0, 31)
+    simulate.set_state(SIM, 0, "probe_fails", "cuCtxCreate returned 999 (CUDA_ERROR_UNKNOWN)")
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
+'''
+
+
+def test_the_probe_after_an_incident_finds_a_gpu_that_cannot_make_a_context(
+        pytester: pytest.Pytester, sim: Path) -> None:
+    result, tests = run(pytester, PROBED, "--gpuclean-probe=after-incident")
+    result.assert_outcomes(passed=1, errors=2)
+    assert ("gpuclean: GPU not usable before the test (gpuclean never resets a GPU)\n  GPU 0 failed the CUDA "
+            "probe: cuCtxCreate returned 999 (CUDA_ERROR_UNKNOWN)") in result.stdout.str()
+    assert [(f["kind"], f["effect"], f["phase"]) for f in tests["test_next"]["health"]] == [
+        ("probe", "unusable", "setup")]
+
+
+def test_without_the_probe_the_next_test_runs(pytester: pytest.Pytester, sim: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCLEAN_PROBE", "off")
+    result, tests = run(pytester, PROBED)
+    result.assert_outcomes(passed=2, errors=1)
+    assert tests["test_next"]["outcome"] == "clean"
+
+
+def test_the_probe_at_start_and_its_deadline(pytester: pytest.Pytester, sim: Path) -> None:
+    simulate.set_state(str(sim), 1, "probe_hangs", "1")
+    result, tests = run(pytester, '''
+@pytest.mark.needs_clean_gpus
+def test_a():
+    pass
+''', "--gpuclean-probe=start", "--gpuclean-timeout=1")
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert ("gpuclean: GPU 1 failed the CUDA probe: no answer within the 1s deadline (the probe was killed): "
+            "tests on it fail at their setup") in out
+    assert "gpuclean: CUDA probe of 2 device(s) took" in out
+    assert [f["device"] for f in tests["test_a"]["health"]] == ["GPU 1"]  # GPU 0 passed
+
+
+def test_the_probe_before_each_test(pytester: pytest.Pytester, sim: Path) -> None:
+    result, _tests = run(pytester, '''
+@pytest.mark.needs_clean_gpus
+def test_a():
+    simulate.set_state(SIM, 1, "probe_fails", "read back other bytes than it wrote")
+
+@pytest.mark.needs_clean_gpus
+def test_b():
+    pass
+''', "--gpuclean-probe=each")
+    result.assert_outcomes(passed=1, errors=1)
+    assert "GPU 1 failed the CUDA probe: read back other bytes than it wrote" in result.stdout.str()
+
+
+def test_a_bad_probe_mode_names_the_option_and_its_source(pytester: pytest.Pytester, sim: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(test_inner="def test_a(): pass")
+    monkeypatch.setenv("GPUCLEAN_PROBE", "sometimes")
+    result = pytester.runpytest_subprocess("-p", "gpuclean")
+    result.stderr.fnmatch_lines(["ERROR: --gpuclean-probe: 'sometimes' is not one of off, start, "
+                                 "after-incident, each (from environment variable GPUCLEAN_PROBE)"])
