@@ -385,11 +385,12 @@ class SimulatedBackend:
     ``DIR/<index>/cuda/<pid>`` marks a process that has initialised CUDA on the device without being
     listed (no context): it costs ``context_overhead`` too, charged to no process.
 
-    Health (``health.py``; docs/ci.md lists them): ``xid`` (one Xid code per line, appended: the lines
-    added since ``watch_xids`` are the events), ``remap_pending`` (rows), ``remap_failed``,
-    ``ecc_uncorrected`` (count), ``compute_mode``, ``mig_mode``, ``persistence``, ``clocks_event_reasons``
-    (names, comma-separated), ``lost`` (the device is lost; its text says why), and for the CUDA probe
-    ``probe_fails`` (its text is the error) and ``probe_hangs``.
+    Health (``health.py``; docs/ci.md lists them): ``DIR/xid`` (one event per line, ``<index> <code>``,
+    appended: the lines added since ``watch_xids`` are the events; one file for all devices, so that the
+    drain at every check costs one ``stat``), and in a device's folder ``remap_pending`` (rows),
+    ``remap_failed``, ``ecc_uncorrected`` (count), ``compute_mode``, ``mig_mode``, ``persistence``,
+    ``clocks_event_reasons`` (names, comma-separated), ``lost`` (the device is lost; its text says why),
+    and for the CUDA probe ``probe_fails`` (its text is the error) and ``probe_hangs``.
     """
 
     kind = "simulated"
@@ -403,10 +404,11 @@ class SimulatedBackend:
         """Per device index, (inode, ctime) of its folder when it was last read empty and that ctime was
         settled: while they stay the same the folder is still empty, and a ``stat`` does instead of a
         ``listdir`` (a third of the cost, on every check's every device)."""
-        self._xid_read: dict[str, int] | None = None
-        """Per ``xid`` file watched, how many of its bytes were read (None: not watching)."""
-        self._xid_paths: list[tuple[str, str]] = []
-        """(``xid`` file, device UUID) of each watched device."""
+        self._xid_path = str(self.root / "xid")
+        self._xid_read: int | None = None
+        """How many bytes of ``DIR/xid`` were read (None: not watching)."""
+        self._xid_uuids: dict[int, list[str]] = {}
+        """Device index -> the watched UUIDs with that index."""
         self._devices = self._enumerate()
         for device in self._devices:
             # A corrupt file is a set-up mistake: say so now, not in the first test. A lost device is
@@ -552,45 +554,42 @@ class SimulatedBackend:
 
     def watch_xids(self, devices: Sequence[DeviceInfo]) -> bool:
         # Like an NVML event set: only what happens from now on.
-        read = self._xid_read = self._xid_read or {}
-        for device in devices:
-            path = str(self._folder(device) / "xid")
+        if self._xid_read is None:
             try:
-                read[path] = os.stat(path).st_size
+                self._xid_read = os.stat(self._xid_path).st_size
             except OSError:
-                read[path] = 0
-            self._xid_paths.append((path, device.uuid))
+                self._xid_read = 0
+        for device in devices:
+            self._xid_uuids.setdefault(device.index, []).append(device.uuid)
         return True
 
     def drain_xids(self) -> list[tuple[str, int]]:
-        read = self._xid_read
-        if read is None:
+        done = self._xid_read
+        if done is None:
             return []
+        # One stat per check; the file is read only when it grew.
+        try:
+            size = os.stat(self._xid_path).st_size
+        except OSError:
+            return []
+        if size == done:
+            return []
+        if size < done:  # rewritten: its lines are new
+            done = 0
+        with open(self._xid_path, "rb") as f:
+            f.seek(done)
+            chunk = f.read(size - done)
+        complete = chunk.rfind(b"\n") + 1  # a line being written is read next time
+        self._xid_read = done + complete
         found: list[tuple[str, int]] = []
-        for path, uuid in self._xid_paths:
-            # A stat per device and check (about a microsecond); the file is read only when it grew.
-            try:
-                size = os.stat(path).st_size
-            except OSError:
+        for line in chunk[:complete].decode(errors="replace").splitlines():
+            words = line.split("#", 1)[0].split()
+            if not words:
                 continue
-            done = read.get(path, 0)
-            if size == done:
-                continue
-            if size < done:  # rewritten: its lines are new
-                done = 0
-            with open(path, "rb") as f:
-                f.seek(done)
-                chunk = f.read(size - done)
-            complete = chunk.rfind(b"\n") + 1  # a line being written is read next time
-            read[path] = done + complete
-            for line in chunk[:complete].decode(errors="replace").splitlines():
-                code = line.split("#", 1)[0].strip()
-                if not code:
-                    continue
-                if not code.isdigit():
-                    raise SimulationError(f"simulated device file {path!r} holds the line {line[:40]!r}, not "
-                                          "an Xid code (a whole number per line)")
-                found.append((uuid, int(code)))
+            if len(words) != 2 or not all(w.isdigit() for w in words):
+                raise SimulationError(f"simulated device file {self._xid_path!r} holds the line "
+                                      f"{line[:40]!r}, not '<device index> <Xid code>'")
+            found.extend((uuid, int(words[1])) for uuid in self._xid_uuids.get(int(words[0]), ()))
         return found
 
     def close(self) -> None:

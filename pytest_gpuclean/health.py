@@ -141,7 +141,8 @@ class HealthWatch:
         self.probe_s: list[float] = []
         """Seconds each probe run took (``probe.py``): for the report's readers and the benchmark."""
         self._by_uuid = {d.uuid: d for d in self.devices}
-        self._last_test: dict[str, str] = {}
+        self._last: tuple[str, Sequence[DeviceInfo]] = ("", ())
+        """The last test checked after, and its devices (to say after which test an Xid came)."""
         self._started = 0.0
         self._failed = 0
 
@@ -177,7 +178,12 @@ class HealthWatch:
         says so. Returns the findings that make these devices unusable (the setup fails on them)."""
         self._failed = tests_failed
         self._started = time.monotonic()
-        self._outside(self.source.drain_xids(), "before " + nodeid)
+        events = self.source.drain_xids()
+        if not events and not self.unusable and not self.lost and (
+                self.probe not in ("each", "after-incident") or (self.probe == "after-incident"
+                                                                 and not self.incidents)):
+            return []  # the quiet path
+        self._outside(events, "before " + nodeid, self._last)
         wanted = {d.uuid for d in devices}
         probe: Sequence[DeviceInfo] = ()
         if self.probe == "each":
@@ -196,11 +202,13 @@ class HealthWatch:
               tests_failed: int) -> list[HealthFinding]:
         """After a test on ``devices`` (its teardown check done): the Xids that arrived during it are its
         findings; where something points at trouble, the slow reads too. Returns the test's findings."""
-        wanted = {d.uuid for d in devices}
-        for device in devices:
-            self._last_test[device.uuid] = nodeid
         events = self.source.drain_xids()
-        self._outside([e for e in events if e[0] not in wanted], "during " + nodeid)
+        long_test = time.monotonic() - self._started >= CLOCKS_AFTER_S
+        last, self._last = self._last, (nodeid, devices)
+        if not events and not reaped and tests_failed <= self._failed and not long_test:
+            return []  # the quiet path
+        wanted = {d.uuid for d in devices}
+        self._outside([e for e in events if e[0] not in wanted], "during " + nodeid, last)
         found: list[HealthFinding] = []
         pointed: set[str] = set()
         for uuid, code in events:
@@ -218,7 +226,6 @@ class HealthWatch:
         if tests_failed > self._failed:
             pointed |= wanted
         self.incidents |= pointed
-        long_test = time.monotonic() - self._started >= CLOCKS_AFTER_S
         for device in devices:
             if device.uuid in self.lost or (device.uuid not in pointed and not long_test):
                 continue
@@ -261,7 +268,8 @@ class HealthWatch:
                                                                      baseline.ecc_uncorrected or 0))
         return found
 
-    def _outside(self, events: Iterable[tuple[str, int]], when: str) -> None:
+    def _outside(self, events: Iterable[tuple[str, int]], when: str, last: tuple[str, Sequence[DeviceInfo]]
+                 ) -> None:
         """Xids that arrived outside any test on their device: nobody's fault to blame, but a GPU they make
         unusable (or lose) is so for the tests to come."""
         for uuid, code in events:
@@ -269,7 +277,7 @@ class HealthWatch:
             if device is None:
                 continue
             effect, _meaning = xid_meaning(code)
-            after = self._last_test.get(uuid)
+            after = last[0] if any(d.uuid == uuid for d in last[1]) else None
             context = f"outside any test on it ({when}" + (f", after {after})" if after else ")")
             message = f"{xid_message(device, code)}, {context}"
             if effect in ("unusable", "lost"):

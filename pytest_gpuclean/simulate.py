@@ -52,12 +52,12 @@ HEALTH_FILES = ("remap_pending", "remap_failed", "ecc_uncorrected", "compute_mod
 
 
 def xid(root: str, device: int, code: int) -> Path:
-    """Append Xid ``code`` to simulated ``device``'s ``xid`` file: an event for a session watching it."""
-    path = Path(root) / str(device) / "xid"
+    """Append Xid ``code`` of simulated ``device`` to ``DIR/xid``: an event for a session watching it."""
+    path = Path(root) / "xid"
     # One write of a whole line with O_APPEND: a reader never sees half of it.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, f"{code}\n".encode())
+        os.write(fd, f"{device} {code}\n".encode())
     finally:
         os.close(fd)
     return path
@@ -81,7 +81,7 @@ def _state(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if not folder.is_dir():
         parser.exit(2, f"{parser.prog}: error: {str(folder)!r} is not a simulated device folder\n")
     if args.clear:
-        for name in (*HEALTH_FILES, "xid"):
+        for name in HEALTH_FILES:
             (folder / name).unlink(missing_ok=True)
     given = {"remap_pending": args.remap_pending, "remap_failed": "1" if args.remap_failed else None,
              "ecc_uncorrected": args.ecc_uncorrected, "compute_mode": args.compute_mode,
@@ -124,6 +124,8 @@ def init(root: str, count: int, total_mib: int) -> list[Path]:
         raise ValueError(f"{root!r} exists and is not a directory")
     if base.is_dir():
         for entry in sorted(base.iterdir()):
+            if entry.name == "xid" and entry.is_file():
+                continue  # the devices' Xid events
             if not (entry.name.isdigit() and entry.is_dir()):
                 raise ValueError(f"{root!r} holds {entry.name!r}, which is not a simulated device folder "
                                  "(DIR/<index>/); give a new or empty directory")

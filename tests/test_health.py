@@ -198,13 +198,13 @@ def test_simulated_xids_are_those_appended_since_the_watch_began(tmp_path: Path)
     assert backend.drain_xids() == []  # not watching yet
     assert backend.watch_xids(backend.devices())
     simulate.xid(str(tmp_path), 1, 31)
-    with open(tmp_path / "0" / "xid", "a") as f:
-        f.write("13\n94")  # the second line is still being written
-    assert backend.drain_xids() == [(gpu0.uuid, 13), (gpu1.uuid, 31)]
+    with open(tmp_path / "xid", "a") as f:
+        f.write("0 13\n0 94")  # the second line is still being written
+    assert backend.drain_xids() == [(gpu1.uuid, 31), (gpu0.uuid, 13)]
     assert backend.drain_xids() == []
-    with open(tmp_path / "0" / "xid", "a") as f:
+    with open(tmp_path / "xid", "a") as f:
         f.write("\nabc\n")
-    with pytest.raises(devices.SimulationError, match=r"holds the line 'abc', not an Xid code"):
+    with pytest.raises(devices.SimulationError, match="the line 'abc', not '<device index> <Xid code>'"):
         backend.drain_xids()
 
 
