@@ -229,8 +229,8 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
         "lock_timeouts": 1}
     assert jsonreport.outcome(FAULTED) == "gpu_fault"
     assert jsonreport.record_json(FAULTED)["health"] == [{
-        "kind": "xid", "effect": "fault", "device": "GPU 0", "uuid": "GPU-0000", "phase": "teardown", "xid": 31,
-        "message": "GPU 0: Xid 31 (MMU fault)"}]
+        "kind": "xid", "effect": "fault", "device": "GPU 0", "uuid": "GPU-0000", "phase": "teardown",
+        "xid": 31, "message": "GPU 0: Xid 31 (MMU fault)"}]
     assert report.summary_lines([FAULTED], [], [])[0] == "t.py::test_faults: GPU 0: Xid 31 (MMU fault)"
 
 
