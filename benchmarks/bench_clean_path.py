@@ -1,7 +1,8 @@
 """Benchmark 1: clean-path overhead per checked test, gpuclean vs the shell check vs a vLLM-style check.
 
-One checked test costs gpuclean a setup and a teardown check: 2x ``Checker.check(...)`` on clean devices
-(plus, with locking on, acquiring and releasing the per-GPU locks). It is measured side by side with:
+One checked test costs gpuclean a setup and a teardown check: 2x ``Checker.check(...)`` on clean devices,
+with the GPU health watch's Xid drain before and after (issue 28; absent in a tree from before it), plus,
+with locking on, acquiring and releasing the per-GPU locks. It is measured side by side with:
 
 * ``shell``: the seeds' manual check, ``ps aux | grep python3 | grep -v grep; nvidia-smi
   --query-gpu=index,memory.used --format=csv,noheader``, run twice per test (before and after) through
@@ -160,6 +161,18 @@ def nvml_micro(backend: Any, device: DeviceInfo, reps: int = 2000) -> dict[str, 
     return result
 
 
+def _health_watch(backend: Any, physical: list[DeviceInfo]) -> Any:
+    """The GPU health watch a checked test pays for around its checks (issue 28: the Xid drain before and
+    after, nothing else on a clean test), started as a session starts it; None in a tree from before it."""
+    try:
+        from pytest_gpuclean.health import HealthWatch
+    except ImportError:
+        return None
+    watch = HealthWatch(backend, physical)
+    watch.start()
+    return watch
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--real", action="store_true", help="real GPUs through NVML (default: simulated)")
@@ -198,6 +211,7 @@ def main() -> int:
         print("no devices found", file=sys.stderr)
         return 2
     checker = Checker(backend)
+    watch = _health_watch(backend, physical)
     locks = GpuLocks(os.path.join(tmp, "locks"))
     has_smi = shutil.which("nvidia-smi") is not None
     shell_cmd = SHELL_FULL if has_smi else SHELL_PS_ONLY
@@ -223,13 +237,21 @@ def main() -> int:
             return 3
 
         def gpuclean(devs: tuple[DeviceInfo, ...] = devs) -> None:
+            if watch is not None:
+                watch.before("bench::test", devs, 0)
             checker.check("setup", devs, tolerance_mib=0, timeout=60.0)
             checker.check("teardown", devs, tolerance_mib=0, timeout=60.0)
+            if watch is not None:
+                watch.after("bench::test", devs, (), 0)
 
         def gpuclean_locks(devs: tuple[DeviceInfo, ...] = devs, uuids: list[str] = lock_uuids) -> None:
             held = locks.acquire(uuids, len(uuids), 600.0, "bench::test")
+            if watch is not None:
+                watch.before("bench::test", devs, 0)
             checker.check("setup", devs, tolerance_mib=0, timeout=60.0)
             checker.check("teardown", devs, tolerance_mib=0, timeout=60.0)
+            if watch is not None:
+                watch.after("bench::test", devs, (), 0)
             held.release()
 
         def snapshots(devs: tuple[DeviceInfo, ...] = devs) -> None:

@@ -130,6 +130,8 @@ class Checker:
         """The cookie our xdist siblings started with (the controller's): theirs, not a leak's."""
         self.peers_since = peers_since
         """When the controller started its workers (boot ticks; ``cookie.WORKERS_SINCE_VAR``)."""
+        self.last_lost: DeviceLost | None = None
+        """The lost GPU that ended the last check (``check(device_errors=True)``), for the health watch."""
         self.hurry: Callable[[], bool] | None = None
         """Set while an interrupt asks the reaping to be quick: the grace ends at once."""
         self._me = -1
@@ -444,11 +446,14 @@ class Checker:
         self._debris_checked = True  # at start-up once; later only when something is unexplained
         check = _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
                        self.reap_enabled if reap is None else reap)
+        self.last_lost = None
         if not device_errors:
             return check.run()
         try:
             return check.run()
         except DeviceError as exc:
+            if isinstance(exc, DeviceLost):
+                self.last_lost = exc
             return check.unreadable(exc)
 
     def _may_kill(self, f: Found, info: ProcessInfo | None) -> bool:

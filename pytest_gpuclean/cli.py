@@ -2,7 +2,7 @@
 
 * ``gpuclean status [--json]``: what each GPU holds, and who.
 * ``gpuclean check [--wait S] [--json]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or
-  driver error.
+  driver error, 3 a GPU is not usable (it needs a reset, or is lost): take the runner out of service.
 * ``gpuclean reap [--dry-run] [--json]``: post-job cleanup of the invoking user's GPU processes (and of the
   processes carrying a ``--cookie``), with the plugin's TERM -> grace -> KILL ladder.
 
@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from pytest_gpuclean import __version__, devices, jsonreport, processes, procfs, report, settings
 from pytest_gpuclean.checker import Checker, mib_of, reaped_record
 from pytest_gpuclean.findings import ProcessInfo, Reaped
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, FoundBy
+from pytest_gpuclean.model import MIB, CheckResult, DeviceHealth, DeviceInfo, DeviceSnapshot, FoundBy
 from pytest_gpuclean.ownership import COOKIE_VAR
 
 EXIT_CLEAN = 0
@@ -35,6 +35,9 @@ EXIT_DIRTY = 1
 """``check``: not clean; ``reap``: a process survived SIGKILL."""
 EXIT_ERROR = 2
 """A usage error (the message names the option) or the devices could not be read."""
+EXIT_UNHEALTHY = 3
+"""``check``: a GPU needs a reset (row remapping pending or failed, uncorrectable ECC errors), its compute
+mode is Prohibited, or it is lost. Waiting does not help: the runner should be taken out of service."""
 
 PROG = "gpuclean"
 CMDLINE_WIDTH = 200
@@ -164,6 +167,67 @@ def _mib_text(num_bytes: int | None) -> str:
     return "?" if num_bytes is None else f"{num_bytes / MIB:.0f}"
 
 
+# ---- health ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Health:
+    device: DeviceInfo
+    reading: DeviceHealth | None
+    """None: the device is lost (``lost``), or its backend has no health reads."""
+    problems: tuple[str, ...]
+    lost: str | None = None
+
+
+def _read_health(found: _Devices) -> list[_Health]:
+    """Each chosen device's health (the slow NVML reads: milliseconds per GPU, nothing for a command)."""
+    from pytest_gpuclean.health import device_problems
+
+    source = found.backend
+    if not isinstance(source, devices.HealthSource):
+        return []
+    read: list[_Health] = []
+    for device in found.chosen:
+        try:
+            reading = source.health(device)
+            source.snapshot(device)  # a lost GPU may still answer the health reads
+        except devices.DeviceLost as exc:
+            read.append(_Health(device, None, (f"lost: {exc.reason}",), exc.reason))
+            continue
+        read.append(_Health(device, reading, tuple(device_problems(reading))))
+    return read
+
+
+def health_lines(read: Sequence[_Health]) -> list[str]:
+    """One line per device: ``ok`` with its settings, or what makes it unusable."""
+    lines: list[str] = []
+    for item in read:
+        label = f"{item.device.label:<10} health:"
+        if item.lost is not None:
+            lines.append(f"{label} LOST: {item.lost}")
+            continue
+        reading = item.reading
+        assert reading is not None
+        settings_text = ", ".join(f"{name} {value}" for name, value in (
+            ("compute mode", reading.compute_mode), ("persistence", reading.persistence),
+            ("MIG", reading.mig_mode)) if value is not None)
+        if item.problems:
+            lines.append(f"{label} NOT USABLE: {'; '.join(item.problems)} ({settings_text})")
+        else:
+            lines.append(f"{label} ok ({settings_text})")
+    return lines
+
+
+def health_json(read: Sequence[_Health]) -> list[dict[str, Any]]:
+    """The ``health`` list of ``status --json`` and ``check --json``."""
+    return [{"device": item.device.label, "uuid": item.device.uuid, "usable": not item.problems,
+             "problems": list(item.problems), "lost": item.lost is not None,
+             **({} if item.reading is None else {
+                 "remap_pending": item.reading.remap_pending, "remap_failed": item.reading.remap_failed,
+                 "ecc_uncorrected": item.reading.ecc_uncorrected, "compute_mode": item.reading.compute_mode,
+                 "mig_mode": item.reading.mig_mode, "persistence": item.reading.persistence})}
+            for item in read]
+
+
 # ---- status ------------------------------------------------------------------------------------------
 
 def status_lines(snaps: Sequence[DeviceSnapshot], described: dict[int, ProcessInfo | None]) -> list[str]:
@@ -211,13 +275,15 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
         return _ray_command(lambda: cli_ray.cmd_status(args, out, ray_resolved, address, status_lines,
                                                        _print_json))
     with _open_devices(_settings(args, "simulate", "devices")) as found:
-        snaps = [found.backend.snapshot(d) for d in found.chosen]
+        read = _read_health(found)
+        lost = {h.device.uuid for h in read if h.lost is not None}
+        snaps = [found.backend.snapshot(d) for d in found.chosen if d.uuid not in lost]
         described = _described(snaps)
         if args.json:
-            _print_json(_status_json(found, snaps, described), out)
+            _print_json({**_status_json(found, snaps, described), "health": health_json(read)}, out)
             return EXIT_CLEAN
         print(f"{PROG} status: {_header(found)}", file=out)
-        for line in status_lines(snaps, described) or ["(no devices)"]:
+        for line in [*(status_lines(snaps, described) or ["(no devices)"]), *health_lines(read)]:
             print(line, file=out)
     return EXIT_CLEAN
 
@@ -292,11 +358,26 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     with _open_devices(resolved) as found:
         if not found.chosen:
             raise CliError(f"no devices to check ({_header(found)})")
+        read = _read_health(found)
+        unusable = [h for h in read if h.problems]
+        if unusable:
+            # Waiting does not make a GPU usable: answer at once, with a status of its own.
+            if args.json:
+                _print_json({"gpuclean_version": __version__, "backend": found.backend.kind,
+                             "device_source": found.source, "clean": False, "usable": False,
+                             "health": health_json(read)}, out)
+            else:
+                print(f"{PROG} check: NOT USABLE: {len(unusable)} GPU(s) need a reset or are lost; take this "
+                      "runner out of service (gpuclean never resets a GPU):", file=out)
+                for item in unusable:
+                    print(f"  {item.device.label} ({item.device.uuid}): {'; '.join(item.problems)}", file=out)
+            return EXIT_UNHEALTHY
         checker = _checker(found.backend, ignore=resolved.ignore)
         result = checker.check("check", found.chosen, tolerance_mib=resolved.tolerance_mib, timeout=args.wait,
                                reap=False)
         if args.json:
-            _print_json(check_json(found, result, checker), out)
+            _print_json({**check_json(found, result, checker), "usable": True,
+                         "health": health_json(read)}, out)
         else:
             for line in [*check_lines(result, args.wait, checker.uid), *debris_lines(checker)]:
                 print(line, file=out)
@@ -519,7 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description="Check and clean GPUs around CI jobs (the pytest-gpuclean plugin's check "
                                "and reaper as a command).",
         epilog="exit status: 0 clean / done, 1 not clean (check) or a process survived (reap), "
-               "2 usage error or the devices could not be read")
+               "2 usage error or the devices could not be read, 3 a GPU is not usable: it needs a reset or "
+               "is lost (check)")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -527,7 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
     check = commands.add_parser("check", parents=[common],
-                                help="exit 0 if the GPUs are clean, 1 if not (pre-job gate)")
+                                help="exit 0 if the GPUs are clean, 1 if not, 3 if one is not usable "
+                                     "(pre-job gate)")
     check.add_argument("--tolerance-mib", metavar="N",
                        help="memory (MiB, NVML v2 'used') allowed per device (default "
                             f"{settings.DEFAULT_TOLERANCE_MIB}); any process on a device fails the check "
@@ -573,6 +656,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command](args, sys.stdout)
     except CliError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+    except devices.DeviceLost as exc:
+        # Lost while the command ran (the health reads found it answering): not a usage error.
+        print(f"{PROG} {args.command}: {exc}", file=sys.stderr)
+        return EXIT_UNHEALTHY if args.command == "check" else EXIT_ERROR
     except devices.DeviceError as exc:
         # NVML missing or failing, or a device unreadable: the gate cannot vouch for the GPUs.
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)

@@ -7,18 +7,19 @@ CI box as on a GPU runner.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import subprocess
 import sys
 import threading
 import time
 import uuid as uuid_mod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from pytest_gpuclean import procfs
-from pytest_gpuclean.model import DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean.model import DeviceHealth, DeviceInfo, DeviceSnapshot, GpuProcess
 
 DEFAULT_SIM_TOTAL = 80 * 1024**3
 SIM_NAME = "Simulated GPU"
@@ -35,13 +36,25 @@ class DeviceError(Exception):
         return str(self) if self.device is None else f"{self.device.label} ({self.device.uuid}): {self}"
 
 
-class DeviceLost(DeviceError):
-    """The device is gone: NVML's GPU_IS_LOST (fallen off the bus, needs a reset), or a simulated device
-    whose folder was removed. Unlike other errors, no later reading can succeed."""
-
-
 class BackendUnavailable(DeviceError):
     """No usable device backend: no NVML library, no driver, or no such simulate directory."""
+
+
+class DeviceLost(DeviceError):
+    """A device is gone: NVML answers GPU_IS_LOST (fallen off the bus, needs a reset), or it vanished (a
+    simulated device's ``lost`` file, or its folder removed).
+
+    Unlike other errors, no later reading can succeed."""
+
+    device: DeviceInfo  # (always known: the device that is gone)
+
+    def __init__(self, device: DeviceInfo, reason: str) -> None:
+        super().__init__(f"{device.label} ({device.uuid}) is lost: {reason}")
+        self.device = device
+        self.reason = reason
+
+    def describe(self) -> str:
+        return str(self)  # names the device already
 
 
 class SimulationError(DeviceError):
@@ -81,6 +94,42 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release the backend."""
+        ...
+
+
+CLOCK_REASONS: tuple[tuple[int, str], ...] = (
+    (0x4, "sw_power_cap"), (0x8, "hw_slowdown"), (0x20, "sw_thermal"), (0x40, "hw_thermal"),
+    (0x80, "hw_power_brake"))
+"""NVML's clock event reasons that slow a GPU down (bit, name): the names the reports use. Idle, application
+clocks, sync boost and display clock are left out: they say nothing about a slowed-down test."""
+COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
+XID_EVENT = 0x8
+"""``nvmlEventTypeXidCriticalError``."""
+
+
+@runtime_checkable
+class HealthSource(Protocol):
+    """What the health watch (``health.py``) needs of a backend; both backends here have it.
+
+    ``health`` and ``clock_reasons`` are the slow reads (milliseconds per device on an H200: GPU-FACTS.md);
+    ``drain_xids`` is the cheap one, for every check.
+    """
+
+    def health(self, device: DeviceInfo) -> DeviceHealth:
+        """Row remapping, uncorrectable ECC count, compute mode, MIG mode, persistence of ``device``; raises
+        ``DeviceLost``."""
+        ...
+
+    def clock_reasons(self, device: DeviceInfo) -> tuple[str, ...]:
+        """The clock event reasons (``CLOCK_REASONS``' names) active on ``device`` now."""
+        ...
+
+    def watch_xids(self, devices: Sequence[DeviceInfo]) -> bool:
+        """Start collecting Xid events of ``devices`` (once per session); False if the driver can't."""
+        ...
+
+    def drain_xids(self) -> list[tuple[str, int]]:
+        """The Xid events since the last drain, as (device UUID, Xid code), without waiting."""
         ...
 
 
@@ -136,6 +185,12 @@ class NvmlBackend:
         self._nvml, handles = (opening or NvmlOpening(thread=False)).result()
         self._handles: dict[str, Any] = {}
         self._minors: dict[str, int | None] = {}
+        self._physical: dict[str, Any] = {}
+        """Per UUID, the handle of its physical GPU (a MIG instance's parent): remapping, ECC, persistence
+        and events are the GPU's."""
+        self._events: Any = None
+        self._event_uuids: dict[int | None, list[str]] = {}
+        """Address of a physical GPU's handle -> the checked UUIDs on it (an event names the GPU)."""
         self._devices = self._enumerate(handles)
         # v2 memory info appeared in driver 510; older drivers answer "function not found".
         self._memory_v2 = True
@@ -155,12 +210,14 @@ class NvmlBackend:
             if not migs:
                 uuid = _text(nvml.nvmlDeviceGetUUID(handle))
                 self._handles[uuid] = handle
+                self._physical[uuid] = handle
                 self._minors[uuid] = minor
                 found.append(DeviceInfo(index=index, uuid=uuid, name=name))
                 continue
             for mig_index, mig_handle in migs:
                 uuid = _text(nvml.nvmlDeviceGetUUID(mig_handle))
                 self._handles[uuid] = mig_handle
+                self._physical[uuid] = handle
                 self._minors[uuid] = minor  # a MIG instance is used through its GPU's device file
                 found.append(DeviceInfo(index=index, uuid=uuid, name=name, mig_index=mig_index))
         return tuple(found)
@@ -202,10 +259,10 @@ class NvmlBackend:
                         used = proc.usedGpuMemory
                         # A process with a compute and a graphics context is listed twice.
                         processes[proc.pid] = used if previous is None else previous + (used or 0)
+            except nvml.NVMLError_GpuIsLost:
+                raise DeviceLost(device, "NVML: GPU is lost") from None
             except nvml.NVMLError as exc:
-                lost = isinstance(exc, getattr(nvml, "NVMLError_GpuIsLost", ()))  # off the bus, needs a reset
-                message = f"NVML query of {device.label} ({device.uuid}) failed: {exc}"
-                raise (DeviceLost(message) if lost else DeviceError(message)) from exc
+                raise DeviceError(f"NVML query of {device.label} ({device.uuid}) failed: {exc}") from exc
         return DeviceSnapshot(
             device=device,
             used_bytes=int(memory.used),
@@ -238,7 +295,96 @@ class NvmlBackend:
     def driver_version(self) -> str:
         return _text(self._nvml.nvmlSystemGetDriverVersion())
 
+    # ---- health (health.py): read when something points at it, except the Xid drain ----------------
+
+    def _ask(self, device: DeviceInfo, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)``, None where the device cannot tell (not supported, no permission)."""
+        nvml = self._nvml
+        try:
+            return function(*args)
+        except nvml.NVMLError_GpuIsLost:
+            raise DeviceLost(device, "NVML: GPU is lost") from None
+        except nvml.NVMLError:
+            return None
+
+    def health(self, device: DeviceInfo) -> DeviceHealth:
+        nvml = self._nvml
+        gpu = self._physical[device.uuid]
+        with self._lock:
+            rows = self._ask(device, nvml.nvmlDeviceGetRemappedRows, gpu)
+            if rows is not None:
+                _corrected, uncorrected, pending, failed = rows
+                # NVML says whether remapping is pending, not how many rows wait: the rows remapped for
+                # uncorrectable errors, at least one.
+                remap_pending: int | None = max(1, int(uncorrected)) if pending else 0
+                remap_failed: bool | None = bool(failed)
+            else:  # before Ampere: page retirement
+                retired = self._ask(device, nvml.nvmlDeviceGetRetiredPagesPendingStatus, gpu)
+                remap_pending, remap_failed = (None if retired is None else int(bool(retired))), None
+            ecc = self._ask(device, nvml.nvmlDeviceGetTotalEccErrors, gpu,
+                            nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
+            mode = self._ask(device, nvml.nvmlDeviceGetComputeMode, gpu)
+            mig = self._ask(device, nvml.nvmlDeviceGetMigMode, gpu)
+            persistence = self._ask(device, nvml.nvmlDeviceGetPersistenceMode, gpu)
+        return DeviceHealth(
+            remap_pending=remap_pending, remap_failed=remap_failed,
+            ecc_uncorrected=None if ecc is None else int(ecc),
+            compute_mode=None if mode is None else COMPUTE_MODES.get(int(mode), str(mode)),
+            mig_mode=None if mig is None else ("on" if mig[0] else "off"),
+            persistence=None if persistence is None else ("on" if persistence else "off"))
+
+    def clock_reasons(self, device: DeviceInfo) -> tuple[str, ...]:
+        nvml = self._nvml
+        gpu = self._physical[device.uuid]
+        # (ThrottleReasons: the name before driver 535)
+        reader = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                  or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        with self._lock:
+            mask = self._ask(device, reader, gpu)
+        return () if mask is None else tuple(name for bit, name in CLOCK_REASONS if int(mask) & bit)
+
+    def watch_xids(self, devices: Sequence[DeviceInfo]) -> bool:
+        nvml = self._nvml
+        with self._lock:
+            if self._events is None:
+                try:
+                    self._events = nvml.nvmlEventSetCreate()
+                except nvml.NVMLError:
+                    return False
+            for device in devices:
+                gpu = self._physical[device.uuid]
+                address = ctypes.cast(gpu, ctypes.c_void_p).value
+                if address not in self._event_uuids:
+                    try:
+                        nvml.nvmlDeviceRegisterEvents(gpu, XID_EVENT, self._events)
+                    except nvml.NVMLError:
+                        continue  # not supported on this GPU (or no permission): its Xids go unseen
+                    self._event_uuids[address] = []
+                self._event_uuids[address].append(device.uuid)
+        return bool(self._event_uuids)
+
+    def drain_xids(self) -> list[tuple[str, int]]:
+        if self._events is None:
+            return []
+        nvml = self._nvml
+        found: list[tuple[str, int]] = []
+        with self._lock:
+            # A wait of 0 ms returns an event or "timeout" at once (about 3 us on an H200: GPU-FACTS.md).
+            for _ in range(1000):  # a GPU flooding Xids must not hold the check forever
+                try:
+                    data = nvml.nvmlEventSetWait_v2(self._events, 0)
+                except nvml.NVMLError:
+                    break  # (timeout: nothing more)
+                if data.eventType & XID_EVENT:
+                    address = ctypes.cast(data.device, ctypes.c_void_p).value
+                    found.extend((uuid, int(data.eventData)) for uuid in self._event_uuids.get(address, ()))
+        return found
+
     def close(self) -> None:
+        with contextlib.suppress(self._nvml.NVMLError):
+            if self._events is not None:
+                self._nvml.nvmlEventSetFree(self._events)
+                self._events = None
         with contextlib.suppress(self._nvml.NVMLError):
             self._nvml.nvmlShutdown()
 
@@ -252,6 +398,13 @@ class SimulatedBackend:
     that count as used but are charged to no process, as the driver does for each CUDA context).
     ``DIR/<index>/cuda/<pid>`` marks a process that has initialised CUDA on the device without being
     listed (no context): it costs ``context_overhead`` too, charged to no process.
+
+    Health (``health.py``; docs/ci.md lists them): ``DIR/xid`` (one event per line, ``<index> <code>``,
+    appended: the lines added since ``watch_xids`` are the events; one file for all devices, so that the
+    drain at every check costs one ``stat``), and in a device's folder ``remap_pending`` (rows),
+    ``remap_failed``, ``ecc_uncorrected`` (count), ``compute_mode``, ``mig_mode``, ``persistence``,
+    ``clocks_event_reasons`` (names, comma-separated), ``lost`` (the device is lost; its text says why),
+    and for the CUDA probe ``probe_fails`` (its text is the error) and ``probe_hangs``.
     """
 
     kind = "simulated"
@@ -265,9 +418,17 @@ class SimulatedBackend:
         """Per device index, (inode, ctime) of its folder when it was last read empty and that ctime was
         settled: while they stay the same the folder is still empty, and a ``stat`` does instead of a
         ``listdir`` (a third of the cost, on every check's every device)."""
+        self._xid_path = str(self.root / "xid")
+        self._xid_read: int | None = None
+        """How many bytes of ``DIR/xid`` were read (None: not watching)."""
+        self._xid_uuids: dict[int, list[str]] = {}
+        """Device index -> the watched UUIDs with that index."""
         self._devices = self._enumerate()
         for device in self._devices:
-            self.snapshot(device)  # a corrupt file is a set-up mistake: say so now, not in the first test
+            # A corrupt file is a set-up mistake: say so now, not in the first test. A lost device is
+            # the session's finding, at its first check.
+            with contextlib.suppress(DeviceLost):
+                self.snapshot(device)
 
     def _enumerate(self) -> tuple[DeviceInfo, ...]:
         found: list[DeviceInfo] = []
@@ -292,9 +453,8 @@ class SimulatedBackend:
             if self._settled.get(device.index) == (info.st_ino, info.st_ctime_ns):
                 return self._idle[device.index]
             names = os.listdir(where)
-        except FileNotFoundError as exc:
-            # The folder is the device: removed, it is lost, as NVML's GPU_IS_LOST says of a real one.
-            raise DeviceLost(f"simulated {device.label} ({where}) is gone: {exc}") from exc
+        except FileNotFoundError:
+            raise DeviceLost(device, f"vanished ({where} is gone)") from None
         except OSError as exc:
             raise DeviceError(f"simulated {device.label} ({where}) unreadable: {exc}") from exc
         if not names:
@@ -326,6 +486,8 @@ class SimulatedBackend:
                     total = _bytes_in(folder / name, _read_text(folder / name), DEFAULT_SIM_TOTAL)
                 elif name == "context_overhead":
                     overhead = _bytes_in(folder / name, _read_text(folder / name), 0)
+                elif name == "lost":
+                    raise DeviceLost(device, _read_text(folder / name) or "simulated (its file 'lost')")
                 continue
             pid = int(name)
             used = _counted_allocation(folder / name, pid)
@@ -370,6 +532,89 @@ class SimulatedBackend:
 
     def driver_version(self) -> str:
         return "simulated"
+
+    # ---- health: files in the device's folder ---------------------------------------------------------
+
+    def _folder(self, device: DeviceInfo) -> Path:
+        return Path(self._folders.get(device.index) or self.root / str(device.index))
+
+    def _health_file(self, device: DeviceInfo, name: str) -> str:
+        folder = self._folder(device)
+        if (folder / "lost").exists():
+            raise DeviceLost(device, _read_text(folder / "lost") or "simulated (its file 'lost')")
+        if not folder.is_dir():
+            raise DeviceLost(device, f"vanished ({folder} is gone)")
+        return _read_text(folder / name)
+
+    def health(self, device: DeviceInfo) -> DeviceHealth:
+        folder = self._folder(device)
+
+        def count(name: str) -> int:
+            return _bytes_in(folder / name, self._health_file(device, name), 0)
+
+        def word(name: str, default: str, allowed: Iterable[str]) -> str:
+            text = self._health_file(device, name) or default
+            if text not in allowed:
+                raise SimulationError(f"simulated device file {str(folder / name)!r} holds {text[:40]!r}, "
+                                      f"not one of {', '.join(allowed)}")
+            return text
+
+        return DeviceHealth(
+            remap_pending=count("remap_pending"), remap_failed=bool(count("remap_failed")),
+            ecc_uncorrected=count("ecc_uncorrected"),
+            compute_mode=word("compute_mode", "Default", COMPUTE_MODES.values()),
+            mig_mode=word("mig_mode", "off", ("on", "off")),
+            persistence=word("persistence", "on", ("on", "off")))
+
+    def clock_reasons(self, device: DeviceInfo) -> tuple[str, ...]:
+        where = self._folder(device) / "clocks_event_reasons"
+        names = tuple(n.strip() for n in self._health_file(device, where.name).split(",") if n.strip())
+        known = [name for _bit, name in CLOCK_REASONS]
+        for name in names:
+            if name not in known:
+                raise SimulationError(f"simulated device file {str(where)!r} names {name!r}, not one of "
+                                      f"{', '.join(known)}")
+        return names
+
+    def watch_xids(self, devices: Sequence[DeviceInfo]) -> bool:
+        # Like an NVML event set: only what happens from now on.
+        if self._xid_read is None:
+            try:
+                self._xid_read = os.stat(self._xid_path).st_size
+            except OSError:
+                self._xid_read = 0
+        for device in devices:
+            self._xid_uuids.setdefault(device.index, []).append(device.uuid)
+        return True
+
+    def drain_xids(self) -> list[tuple[str, int]]:
+        done = self._xid_read
+        if done is None:
+            return []
+        # One stat per check; the file is read only when it grew.
+        try:
+            size = os.stat(self._xid_path).st_size
+        except OSError:
+            return []
+        if size == done:
+            return []
+        if size < done:  # rewritten: its lines are new
+            done = 0
+        with open(self._xid_path, "rb") as f:
+            f.seek(done)
+            chunk = f.read(size - done)
+        complete = chunk.rfind(b"\n") + 1  # a line being written is read next time
+        self._xid_read = done + complete
+        found: list[tuple[str, int]] = []
+        for line in chunk[:complete].decode(errors="replace").splitlines():
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            if len(words) != 2 or not all(w.isdigit() for w in words):
+                raise SimulationError(f"simulated device file {self._xid_path!r} holds the line "
+                                      f"{line[:40]!r}, not '<device index> <Xid code>'")
+            found.extend((uuid, int(words[1])) for uuid in self._xid_uuids.get(int(words[0]), ()))
+        return found
 
     def close(self) -> None:
         pass

@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast, get_args
 
-from pytest_gpuclean.model import EndedBy, FoundBy, Owner, Phase, ProcessState, Reason
+from pytest_gpuclean.model import (
+    EndedBy,
+    FoundBy,
+    HealthEffect,
+    HealthKind,
+    Owner,
+    Phase,
+    ProcessState,
+    Reason,
+)
 
 if TYPE_CHECKING:
     from pytest_gpuclean.model import KillResult
@@ -102,6 +111,22 @@ class SiblingUse:
         if self.owner.kind == "session":
             return f"{self.worker}'s session set-up"
         return f"{self.worker}'s {self.owner.kind} {self.owner.name}"
+
+
+@dataclass(frozen=True)
+class HealthFinding:
+    """Something the health watch found on a GPU (``health.py`` decides the ``effect``)."""
+
+    kind: HealthKind
+    effect: HealthEffect
+    device: str
+    """The device's label (``GPU 3``)."""
+    uuid: str
+    message: str
+    """One line that names the device: ``GPU 3: Xid 31 (GPU memory page fault ...)``."""
+    phase: Phase
+    """``setup``: found before the test (not caused by it); ``teardown``: during or right after it."""
+    xid: int | None = None
 
 
 _ENDED_BY = frozenset(get_args(EndedBy))

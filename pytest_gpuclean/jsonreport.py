@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, FixtureLeak, Owner, TestRecord
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped, SiblingUse
+    from pytest_gpuclean.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
     from pytest_gpuclean.ray_model import ClusterCheck, ClusterReaped
 
 SCHEMA_VERSION = 1
@@ -211,15 +211,28 @@ def cluster_leaked_json(record: TestRecord) -> list[JsonDict]:
 
 
 def outcome(record: TestRecord) -> str:
-    """``leaked``, ``not_clean``, ``clean`` or ``unchecked`` (no check finished for this test: see
-    ``lock_timeout`` for one that never got its GPU locks)."""
+    """``leaked``, ``not_clean``, ``gpu_fault``, ``clean`` or ``unchecked`` (no check finished for this
+    test: see ``lock_timeout`` for one that never got its GPU locks).
+
+    A GPU that is not usable (it needs a reset, is lost, failed the probe) is not clean; ``gpu_fault``: the
+    test's GPUs were clean, but an Xid it caused (or a setting it changed) fails it."""
     if leaked_json(record):
         return "leaked"
     checks = [c for c in (record.before, record.after) if c is not None]
     if any(not c.clean for c in checks) or any(
-            c is not None and not c.clean for c in (record.cluster_before, record.cluster_after)):
+            c is not None and not c.clean for c in (record.cluster_before, record.cluster_after)) or any(
+            f.effect in ("unusable", "lost") for f in record.health):
         return "not_clean"
+    if any(f.effect == "fault" for f in record.health):
+        return "gpu_fault"
     return "clean" if record.before is not None else "unchecked"
+
+
+def health_json(found: HealthFinding) -> JsonDict:
+    """One GPU health finding (``health.py``): an Xid, a GPU that needs a reset, a changed setting, a lost
+    GPU, a failed probe, clock event reasons."""
+    return {"kind": found.kind, "effect": found.effect, "device": found.device, "uuid": found.uuid,
+            "phase": found.phase, "xid": found.xid, "message": found.message}
 
 
 def record_json(record: TestRecord) -> JsonDict:
@@ -236,6 +249,7 @@ def record_json(record: TestRecord) -> JsonDict:
         "found_later": [reaped_json(r) for r in record.found_later],
         "in_process_mib": mib_pairs_json(record.in_process_mib),
         "lock_timeout": record.lock_timeout,
+        "health": [health_json(f) for f in record.health],
         "timings": {"lock_wait_s": _seconds(record.lock_wait_s), "before_s": _seconds(record.before_s),
                     "after_s": _seconds(record.after_s)},
         **_cluster_keys(record),
@@ -269,7 +283,8 @@ def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     without_lock = sum(1 for r in records if r.gpu_without_lock)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
-            "not_clean": outcomes.count("not_clean"), "reaped": reaped_count(records, session_reaped),
+            "not_clean": outcomes.count("not_clean"), "gpu_fault": outcomes.count("gpu_fault"),
+            "reaped": reaped_count(records, session_reaped),
             "lock_timeouts": sum(1 for r in records if r.lock_timeout is not None),
             "fixture_leaks": sum(len(r.fixture_leaks) for r in records),
             "device_errors": sum(1 for r in records if any(

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, Protocol, TypeV
 if TYPE_CHECKING:
     # What a check found loads at the first finding (findings.py says why); the Ray cluster's records load
     # with the cluster code, only with --gpuclean-ray.
-    from pytest_gpuclean.findings import Offender, Reaped, SiblingUse
+    from pytest_gpuclean.findings import HealthFinding, Offender, Reaped, SiblingUse
     from pytest_gpuclean.ray_model import ClusterCheck
 
 MIB = 1024 * 1024
@@ -41,6 +41,13 @@ ProcessState = Literal["running", "sleeping", "disk-sleep", "stopped", "tracing-
 for a leader whose other threads still run; ``gone`` for one that ended before it could be described;
 ``?`` where nobody could tell (another node's process)."""
 OnOff = Literal["on", "off"]
+HealthKind = Literal["xid", "needs_reset", "changed", "lost", "probe", "clocks"]
+"""What a health finding is about (``health.py``): an Xid event, a GPU that needs a reset (row remapping
+pending or failed, uncorrectable ECC errors), a setting changed under the session (compute mode, MIG,
+persistence), a lost GPU, a failed CUDA probe, or clock event reasons (information)."""
+HealthEffect = Literal["fault", "unusable", "lost", "info"]
+"""What a health finding does: ``fault`` fails the test that caused it; ``unusable`` makes the GPU not clean
+for the rest of the session; ``lost`` stops the session; ``info`` is recorded only (JSON report)."""
 Scope = Literal["session", "host"]
 
 
@@ -141,6 +148,32 @@ class DeviceSnapshot(Fields):
         if not self.processes:
             return 0  # the clean path asks several times per device and check: skip the generator
         return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
+
+
+class DeviceHealth(Fields):
+    """The slow health reads of one device (``devices.py``): None where the device cannot tell."""
+
+    __slots__ = ("remap_pending", "remap_failed", "ecc_uncorrected", "compute_mode", "mig_mode",
+                 "persistence")
+    remap_pending: Final[int | None]
+    """Memory rows waiting for a reset to be remapped (retired pages pending, on GPUs before Ampere)."""
+    remap_failed: Final[bool | None]
+    ecc_uncorrected: Final[int | None]
+    """Uncorrectable ECC errors since the last reset or driver load (the volatile count)."""
+    compute_mode: Final[str | None]
+    """``Default``, ``Exclusive_Process``, ``Prohibited`` (``Exclusive_Thread`` on old drivers)."""
+    mig_mode: Final[str | None]
+    persistence: Final[str | None]
+
+    def __init__(self, remap_pending: int | None = None, remap_failed: bool | None = None,
+                 ecc_uncorrected: int | None = None, compute_mode: str | None = None,
+                 mig_mode: str | None = None, persistence: str | None = None) -> None:
+        self.remap_pending = remap_pending
+        self.remap_failed = remap_failed
+        self.ecc_uncorrected = ecc_uncorrected
+        self.compute_mode = compute_mode
+        self.mig_mode = mig_mode
+        self.persistence = persistence
 
 
 class Owner(Fields):
@@ -285,7 +318,7 @@ class TestRecord(Fields):
     __slots__ = (
         "nodeid", "location", "before", "after", "found_later", "in_process_mib", "devices", "lock_wait_s",
         "lock_timeout", "before_s", "after_s", "cluster_before", "cluster_after", "fixture_leaks",
-        "gpu_without_lock",
+        "gpu_without_lock", "health",
     )
     __hash__ = None  # type: ignore[assignment]  # (filled in as the test runs)
     nodeid: str
@@ -313,6 +346,9 @@ class TestRecord(Fields):
     gpu_without_lock: list[SiblingUse]
     """Processes this test started that another xdist worker found holding memory on a GPU whose lock
     that worker's test held (recorded there, merged in by the controller)."""
+    health: list[HealthFinding]
+    """What the health watch (``health.py``) found on this test's GPUs: Xid events, a GPU that needs a reset,
+    a changed setting, a lost GPU, a failed probe, clock event reasons."""
 
     def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
                  after: CheckResult | None = None, found_later: list[Reaped] | None = None,
@@ -321,7 +357,8 @@ class TestRecord(Fields):
                  after_s: float = 0.0, cluster_before: ClusterCheck | None = None,
                  cluster_after: ClusterCheck | None = None,
                  fixture_leaks: tuple[FixtureLeak, ...] = (),
-                 gpu_without_lock: list[SiblingUse] | None = None) -> None:
+                 gpu_without_lock: list[SiblingUse] | None = None,
+                 health: list[HealthFinding] | None = None) -> None:
         self.nodeid = nodeid
         self.location = location
         self.before = before
@@ -337,6 +374,7 @@ class TestRecord(Fields):
         self.cluster_after = cluster_after
         self.fixture_leaks = fixture_leaks
         self.gpu_without_lock = [] if gpu_without_lock is None else gpu_without_lock
+        self.health = [] if health is None else health
 
     @property
     def leaked(self) -> bool:
@@ -353,4 +391,5 @@ class TestRecord(Fields):
                 or bool(self.gpu_without_lock)) or any(
             c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
             for c in (self.before, self.after)) or any(
-            c is not None and not c.clean for c in (self.cluster_before, self.cluster_after))
+            c is not None and not c.clean for c in (self.cluster_before, self.cluster_after)) or any(
+            f.effect != "info" for f in self.health)

@@ -32,6 +32,8 @@ TITLE_LEAK = "GPU leak"
 TITLE_NOT_CLEAN = "GPU not clean"
 TITLE_LOCK_TIMEOUT = "GPU lock timeout"
 TITLE_WITHOUT_LOCK = "GPU used without its lock"
+TITLE_GPU_FAULT = "GPU fault"
+TITLE_GPU_UNUSABLE = "GPU not usable"
 PROPERTY_PREFIX = "gpuclean_"
 REPORT_OPTION = "--gpuclean-report"
 RECORD_ATTRIBUTE = "gpuclean_record"
@@ -91,6 +93,13 @@ def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
         lines = [f"{record.nodeid} leaked {len(leaked)} process(es)"]
         lines.extend(_process_line(p["pid"], p["cmdline"], p["ended_by"], p["release_s"]) for p in leaked)
         return TITLE_LEAK, "\n".join(lines)
+    health = [f.message for f in record.health if f.effect != "info"]
+    if verdict == "gpu_fault":
+        return TITLE_GPU_FAULT, "\n".join([f"{record.nodeid} caused a GPU fault", *health])
+    checks_clean = all(c is None or c.clean for c in (record.before, record.after))
+    if verdict == "not_clean" and checks_clean and health:
+        return TITLE_GPU_UNUSABLE, "\n".join([f"GPU not usable around {record.nodeid} (gpuclean never resets "
+                                              "a GPU)", *health])
     if verdict == "not_clean":
         lines = []
         for check in (record.before, record.after):
@@ -107,7 +116,7 @@ def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
                 who = (f"{offender.reason} pid {proc.pid} (user {proc.user}): {report.one_line(proc.cmdline)}"
                        if proc is not None else offender.detail)
                 lines.append(who + (f" [{held}]" if held and proc is not None else ""))
-        return TITLE_NOT_CLEAN, "\n".join(lines)
+        return TITLE_NOT_CLEAN, "\n".join(lines + health)
     return None
 
 
@@ -169,7 +178,8 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     fixtures = f", {totals['fixture_leaks']} fixture(s) leaked" if totals["fixture_leaks"] else ""
     lines = [f"### gpuclean: {totals['checked']} checked test(s), {totals['leaked']} leaked{fixtures}, "
              f"{totals['not_clean']} met GPUs that were not clean, {totals['reaped']} process(es) reaped"
-             f"{timeouts}", ""]
+             f"{timeouts}" + (f", {totals['gpu_fault']} caused a GPU fault" if totals["gpu_fault"] else ""),
+             ""]
     rows: list[str] = []
     for record in records:
         verdict = jsonreport.outcome(record)
@@ -182,7 +192,9 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
             continue
         leaked = jsonreport.leaked_json(record)
         processes = ", ".join(f"pid {p['pid']} {p['ended_by'] or 'NOT reaped'}" for p in leaked)
-        if verdict == "not_clean":
+        if verdict == "gpu_fault" or (verdict == "not_clean" and record.health):
+            processes = "; ".join(f.message for f in record.health if f.effect != "info")
+        elif verdict == "not_clean":
             processes = ", ".join(
                 [c.error for c in (record.before, record.after) if c is not None and c.error is not None]
                 + [f"{o.reason} pid {o.process.pid}" if o.process else o.reason
@@ -237,6 +249,9 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         # A fixture that ended at this test's teardown and left processes: its finding, not this test's.
         ("fixture_leaks", "; ".join(f"{leak} leaked {len(jsonreport.fixture_leaked_json(leak))} process(es)"
                                     for leak in record.fixture_leaks)),
+        # GPU health (health.py): what fails or stops, then the Xid codes seen, information included.
+        ("health", "; ".join(f.message for f in record.health if f.effect != "info")),
+        ("xids", ",".join(str(f.xid) for f in record.health if f.xid is not None)),
     ]
     return [(PROPERTY_PREFIX + name, value) for name, value in props]
 
@@ -398,7 +413,8 @@ class OutputHooks:
             "devices": [jsonreport.device_json(d) for d in (started.devices if started is not None else ())],
             "settings": {"all": settings.all, "tolerance_mib": settings.tolerance_mib,
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
-                         "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu},
+                         "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu,
+                         "probe": settings.probe},
             "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
             **self._ray_part(started),
         }

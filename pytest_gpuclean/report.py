@@ -198,6 +198,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
                 f"pid {u.process.pid} {_held(u.mib_per_device)} while {u.seen_worker or 'a worker'}'s "
                 f"{u.seen_by} held it" for u in record.gpu_without_lock))
         parts.extend(cluster_parts(record))
+        parts.extend(health_parts(record))
         lines.append(f"{record.nodeid}: " + "; ".join(parts))
     for record in records:
         for leak in record.fixture_leaks:
@@ -251,6 +252,13 @@ def cluster_parts(record: TestRecord) -> list[str]:
                 bits.append("not clean (" + ", ".join(_short(f.offender) for f in left) + ")")
             parts.append(f"Ray {check.phase} on {where}: " + ", ".join(bits))
     return parts
+
+
+def health_parts(record: TestRecord) -> list[str]:
+    """The GPU health part of a test's summary line (``health.py``); information (clock event reasons,
+    informational Xids) is for the JSON report only."""
+    return [f"{f.message} (before the test)" if f.phase == "setup" else f.message
+            for f in record.health if f.effect != "info"]
 
 
 def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:

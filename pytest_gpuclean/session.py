@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -29,7 +29,8 @@ from pytest_gpuclean.testcheck import ItemChecks
 
 if TYPE_CHECKING:
     from pytest_gpuclean.cluster_checks import ClusterChecks
-    from pytest_gpuclean.findings import ProcessInfo, Reaped
+    from pytest_gpuclean.findings import HealthFinding, ProcessInfo, Reaped
+    from pytest_gpuclean.health import HealthWatch
     from pytest_gpuclean.plugin import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}
@@ -54,6 +55,9 @@ class CheckedSession:
         self.cluster: ClusterChecks | None = None
         self.left_alone: list[ProcessInfo] = []
         """Set by ``close``: processes under pytest that existed before the session (never signalled)."""
+        self.health: HealthWatch | None = None
+        """Xid events, GPUs that need a reset, lost GPUs, the CUDA probe (``health.py``)."""
+        self.health_at_start: list[HealthFinding] = []
         self._test_tokens: dict[str, str] = {}
         me = os.getpid()
         if me not in _SUBREAPER:
@@ -101,12 +105,33 @@ class CheckedSession:
         # Processes started outside any test (collection, other plugins, conftest imports) carry the
         # session's cookie: the session set-up's, protected until the very last sweep.
         self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
+        if self.backend is not None and self.devices:
+            self._watch_health()
         if resolved.ray != "off":
             from pytest_gpuclean.cluster_checks import ClusterChecks, open_cluster, watches
 
             ray = open_cluster(resolved, self.checker)
             if ray is not None or watches(resolved):
                 self.cluster = ClusterChecks(ray, self, watch=ray is None)
+
+    def _watch_health(self) -> None:
+        from pytest_gpuclean import health, probe
+
+        source = self.backend
+        if not isinstance(source, devices.HealthSource):
+            return  # (a backend without health reads: none of ours)
+        resolved = self.settings
+
+        def prober(chosen: Sequence[DeviceInfo]) -> dict[str, str | None]:
+            return probe.run(chosen, simulate=resolved.simulate, timeout=resolved.timeout)
+
+        try:
+            self.health = health.HealthWatch(source, self.devices, probe=resolved.probe, prober=prober,
+                                             note=self.found.note)
+            self.health_at_start = self.health.start()
+        except devices.SimulationError as exc:
+            source_of = resolved.sources.get("simulate")
+            raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({source_of})") from None
 
     def header_lines(self) -> list[str]:
         """What the session checks, for the header: the backend, the devices and what they hold."""
@@ -117,10 +142,16 @@ class CheckedSession:
         lines = [f"gpuclean: {self.backend.kind} devices (driver {self.backend.driver_version()}), "
                  f"checking {len(self.devices)}, scope {self.settings.scope}, reap {self.settings.reap}, "
                  f"subreaper {'on' if _SUBREAPER.get(os.getpid()) else 'OFF'}"]
-        for snap in self.checker.snapshot(self.devices):
+        lost = self.health.lost if self.health is not None else {}
+        for snap in self.checker.snapshot([d for d in self.devices if d.uuid not in lost]):
             mine = snap.bytes_of({os.getpid()})
             holders = f"this pytest process holds {mine / MIB:.0f} MiB (not counted)" if mine else ""
             lines.append("gpuclean: " + report.device_line(snap, holders))
+        for found in self.health_at_start:
+            lines.append(f"gpuclean: {found.message}: tests on it fail at their setup")
+        if self.health is not None and self.health.probe_s:
+            lines.append(f"gpuclean: CUDA probe of {len(self.devices)} device(s) took "
+                         f"{self.health.probe_s[0]:.2f}s")
         return lines
 
     # ---- the session's end -----------------------------------------------------------------------

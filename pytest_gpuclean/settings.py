@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 SCOPES: tuple[Scope, ...] = ("session", "host")
 ON_OFF: tuple[OnOff, ...] = ("on", "off")
 MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
+PROBE_MODES = ("off", "start", "after-incident", "each")
+"""``probe.MODES``, spelt out for the same reason as ``SCOPES``."""
+DEFAULT_PROBE = "after-incident"
 
 DEFAULT_TOLERANCE_MIB = 0
 DEFAULT_TIMEOUT_S = 60.0
@@ -192,6 +195,10 @@ OPTIONS: tuple[Option, ...] = (
            "(default: <tmp>/gpuclean-locks)", _path, "DIR"),
     Option("lock_timeout", f"seconds to wait for another session's GPU lock (default "
            f"{DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
+    Option("probe", "CUDA sanity probe (a subprocess: context, allocation, write and read back on each "
+           "device, within the check's timeout): off; start (once, at session start); after-incident (before "
+           "the next test on a GPU where a test had an Xid, a reaped GPU process or a failure); each (before "
+           f"every checked test) (default {DEFAULT_PROBE})", _choice(PROBE_MODES), "MODE"),
     Option("report", "write a JSON report of every checked test to PATH", _path, "PATH"),
     Option("ray", "check every node of a Ray cluster too: its GCS address (host:port); auto (RAY_ADDRESS if "
            "set, else a cluster the session's tests or fixtures start, found at the next check once its GCS "
@@ -249,6 +256,7 @@ class Settings:
     lock: OnOff = "on"
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     report: str | None = None
+    probe: str = DEFAULT_PROBE
     ray: str = "off"
     sources: Mapping[str, str]
 

@@ -1,5 +1,7 @@
 """Simulated GPUs: ``python -m pytest_gpuclean.simulate init DIR --devices N`` makes the devices,
-``python -m pytest_gpuclean.simulate hold --dir DIR --device N --mib M`` holds memory on one.
+``python -m pytest_gpuclean.simulate hold --dir DIR --device N --mib M`` holds memory on one,
+``... xid --dir DIR --device N --code 31`` raises an Xid event there and ``... state --dir DIR --device N
+--remap-pending 1`` (and the other health states: ``--help``) sets its health (docs/ci.md).
 
 ``init`` makes ``DIR/<index>/`` with a ``total`` capacity file for each device (devices.SimulatedBackend
 reads the layout). A holder "allocates" by writing ``DIR/<device>/<pid>`` and keeps the memory until it is
@@ -44,6 +46,53 @@ def init_cuda(root: str, device: int, pid: int | None = None) -> Path:
     return path
 
 
+HEALTH_FILES = ("remap_pending", "remap_failed", "ecc_uncorrected", "compute_mode", "mig_mode", "persistence",
+                "clocks_event_reasons", "lost", "probe_fails", "probe_hangs")
+"""The health files ``devices.SimulatedBackend`` and the probe read in a device's folder (besides ``xid``)."""
+
+
+def xid(root: str, device: int, code: int) -> Path:
+    """Append Xid ``code`` of simulated ``device`` to ``DIR/xid``: an event for a session watching it."""
+    path = Path(root) / "xid"
+    # One write of a whole line with O_APPEND: a reader never sees half of it.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{device} {code}\n".encode())
+    finally:
+        os.close(fd)
+    return path
+
+
+def set_state(root: str, device: int, name: str, value: str | None) -> None:
+    """Write health file ``name`` of simulated ``device`` (``None`` removes it)."""
+    if name not in HEALTH_FILES:
+        raise ValueError(f"{name!r} is not a health file ({', '.join(HEALTH_FILES)})")
+    folder = Path(root) / str(device)
+    if value is None:
+        (folder / name).unlink(missing_ok=True)
+        return
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text(value)
+    os.replace(tmp, folder / name)
+
+
+def _state(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    folder = Path(args.dir) / str(args.device)
+    if not folder.is_dir():
+        parser.exit(2, f"{parser.prog}: error: {str(folder)!r} is not a simulated device folder\n")
+    if args.clear:
+        for name in HEALTH_FILES:
+            (folder / name).unlink(missing_ok=True)
+    given = {"remap_pending": args.remap_pending, "remap_failed": "1" if args.remap_failed else None,
+             "ecc_uncorrected": args.ecc_uncorrected, "compute_mode": args.compute_mode,
+             "mig_mode": args.mig_mode, "persistence": args.persistence, "clocks_event_reasons": args.clocks,
+             "lost": args.lost, "probe_fails": args.probe_fails,
+             "probe_hangs": "1" if args.probe_hangs else None}
+    for name, value in given.items():
+        if value is not None:
+            set_state(args.dir, args.device, name, str(value))
+
+
 def _hold(args: argparse.Namespace) -> None:
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -75,6 +124,8 @@ def init(root: str, count: int, total_mib: int) -> list[Path]:
         raise ValueError(f"{root!r} exists and is not a directory")
     if base.is_dir():
         for entry in sorted(base.iterdir()):
+            if entry.name == "xid" and entry.is_file():
+                continue  # the devices' Xid events
             if not (entry.name.isdigit() and entry.is_dir()):
                 raise ValueError(f"{root!r} holds {entry.name!r}, which is not a simulated device folder "
                                  "(DIR/<index>/); give a new or empty directory")
@@ -139,9 +190,35 @@ def main(argv: list[str] | None = None) -> int:
     hold.add_argument("--children", type=int, default=0, help="fork K children that hold the same amount")
     hold.add_argument("--pidfile", help="append each holder's pid to this file once it holds memory")
     hold.add_argument("--seconds", type=float, help="exit by itself after this many seconds")
+    raise_xid = commands.add_parser("xid", help="raise an Xid event on a simulated device")
+    raise_xid.add_argument("--dir", required=True, help="simulated devices directory (GPUCLEAN_SIMULATE)")
+    raise_xid.add_argument("--device", type=int, default=0)
+    raise_xid.add_argument("--code", type=int, required=True, help="the Xid code, e.g. 31 (an MMU fault)")
+    state = commands.add_parser("state", help="set the health of a simulated device (what NVML would report)")
+    state.add_argument("--dir", required=True, help="simulated devices directory (GPUCLEAN_SIMULATE)")
+    state.add_argument("--device", type=int, default=0)
+    state.add_argument("--remap-pending", type=int, metavar="ROWS", help="memory rows waiting for a reset")
+    state.add_argument("--remap-failed", action="store_true", help="a row remapping failed")
+    state.add_argument("--ecc-uncorrected", type=int, metavar="N", help="volatile uncorrectable ECC errors")
+    state.add_argument("--compute-mode", choices=("Default", "Exclusive_Process", "Prohibited"))
+    state.add_argument("--mig-mode", choices=("on", "off"))
+    state.add_argument("--persistence", choices=("on", "off"))
+    state.add_argument("--clocks", metavar="REASONS",
+                       help="clock event reasons, comma-separated: sw_power_cap, hw_slowdown, sw_thermal, "
+                            "hw_thermal, hw_power_brake")
+    state.add_argument("--lost", metavar="REASON", help="the device is lost (fallen off the bus)")
+    state.add_argument("--probe-fails", metavar="ERROR", help="the CUDA probe fails on it with ERROR")
+    state.add_argument("--probe-hangs", action="store_true", help="the CUDA probe never answers on it")
+    state.add_argument("--clear", action="store_true", help="remove every health file first (a healthy GPU)")
     args = parser.parse_args(argv)
     if args.command == "init":
         _init(args, make)
+        return 0
+    if args.command == "xid":
+        xid(args.dir, args.device, args.code)
+        return 0
+    if args.command == "state":
+        _state(args, state)
         return 0
     if args.daemonize:
         _daemonize()

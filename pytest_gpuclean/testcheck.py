@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gpuclean import health as health_mod
 from pytest_gpuclean import records, report, settings
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.locks import LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, FixtureLeak, Owner, TestRecord
+from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, FixtureLeak, Owner, Phase, TestRecord
 from pytest_gpuclean.plugin import FIXTURE, MARKER, GpuCleanWarning
 
 if TYPE_CHECKING:
+    from pytest_gpuclean.findings import HealthFinding
     from pytest_gpuclean.locks import HeldLocks
     from pytest_gpuclean.session import CheckedSession
 
@@ -88,10 +90,14 @@ class ItemChecks:
         record = session.found.new(item.nodeid, (item.location[0], (item.location[1] or 0) + 1))
         item.stash[records.TEST] = record
         self._choose_devices(item, state, record, applied.count)
+        unusable = self._health_before(item, state, record)
+        if unusable:
+            pytest.fail(unusable, pytrace=False)  # at once: waiting would not make the GPU usable
         if session.cluster is not None:
             session.cluster.before(state, record)
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True)
+        self._note_lost(record, result, "setup")
         record.before = result
         record.before_s = result.waited_s
         self._note_own_context(result)
@@ -204,15 +210,17 @@ class ItemChecks:
         cluster = self.session.cluster
         ray_failure = cluster.after(state, record) if cluster is not None else None
         local_failure = self._after_local(item, state, record)
+        health_failure = self._health_after(item, state, record)
         if cluster is not None and cluster.discover("after", state.nodeid):
             # Started during the test: checked from now on, this test's own leftovers there included.
             ray_failure = cluster.after(state, record, appeared=True)
-        return "\n\n".join(f for f in (ray_failure, local_failure) if f) or None
+        return "\n\n".join(f for f in (ray_failure, local_failure, health_failure) if f) or None
 
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         session = self.session
         result = session.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True)
+        self._note_lost(record, result, "teardown")
         own_tokens = {state.token, *state.fixture_tokens}
         # A dead session's debris is that session's leak, never this test's.
         own = [r for r in result.reaped if r.found_by != "dead session" and (
@@ -295,6 +303,49 @@ class ItemChecks:
             if all((u.process.pid, u.process.start_ticks) != key for u in record.gpu_without_lock):
                 record.gpu_without_lock.append(
                     dataclasses.replace(use, seen_by=state.nodeid, seen_worker=worker, phase=result.phase))
+
+    # ---- GPU health (health.py) ---------------------------------------------------------------------
+
+    def _health_before(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+        # The Xid drain (microseconds), and the probe where its mode says so; a GPU found unusable
+        # earlier fails this setup with the reason.
+        watch = self.session.health
+        if watch is None:
+            return None
+        found = watch.before(item.nodeid, state.devices, item.session.testsfailed)
+        if not found:
+            return None
+        record.health.extend(found)
+        self._stop_on_health_lost(item, found)
+        return health_mod.failure_text(found, "setup")
+
+    def _health_after(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+        # The Xids that arrived during the test are its own; the slow reads where something points.
+        watch = self.session.health
+        if watch is None:
+            return None
+        reaped = record.after.reaped if record.after is not None else ()
+        found = watch.after(item.nodeid, state.devices, reaped, item.session.testsfailed)
+        if not found:
+            return None
+        record.health.extend(found)
+        self._stop_on_health_lost(item, found)
+        return health_mod.failure_text(found, "teardown")
+
+    def _note_lost(self, record: TestRecord, result: CheckResult, phase: Phase) -> None:
+        """A check found a GPU lost (it ended at once, ``result.error`` says so): also the health watch's
+        finding, so that the GPU's state is in the test's ``health`` and later checks know it."""
+        lost = self.session.checker.last_lost
+        watch = self.session.health
+        if result.device_lost and lost is not None and watch is not None:
+            record.health.append(watch.lost_now(lost, phase))
+
+    @staticmethod
+    def _stop_on_health_lost(item: pytest.Item, found: list[HealthFinding]) -> None:
+        lost = next((f for f in found if f.effect == "lost"), None)
+        if lost is not None and not item.session.shouldstop:
+            # One line, instead of every later test waiting out its timeout on a GPU that is gone.
+            item.session.shouldstop = health_mod.stop_reason(lost)
 
     def _end(self, state: ItemState) -> None:
         for token in state.fixture_tokens:

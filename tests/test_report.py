@@ -10,7 +10,7 @@ from typing import Any, get_args
 import pytest
 
 from pytest_gpuclean import findings, jsonreport, model, outputs, ray_model, records, report
-from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped, SiblingUse
+from pytest_gpuclean.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
 from pytest_gpuclean.model import (
     MIB,
     CheckResult,
@@ -66,6 +66,10 @@ SEEN_SIBLING = CheckResult("teardown", True, (SNAP,), (), siblings=(dataclasses.
     SIBLING, seen_by="", seen_worker="", phase=None),), notes=("pid 4242: in use by gw0's test ...",))
 UNCHECKED_USER = Record("t.py::test_leaks", gpu_without_lock=[SIBLING])
 
+XID = HealthFinding("xid", "fault", "GPU 0", "GPU-0000", "GPU 0: Xid 31 (MMU fault)", "teardown", 31)
+HEALTH = model.DeviceHealth(1, False, 2, "Default", "off", "on")
+FAULTED = Record("t.py::test_faults", ("t.py", 40), BEFORE, BEFORE, health=[XID])
+
 NODE = "3f2a9c1b" + "0" * 48
 RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
                           (GpuProcess(4242, 512 * MIB),))
@@ -86,7 +90,7 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
                        RAY_RELEASE, ClusterNode(NODE, (RAY_SNAP,), "x"), ClusterFinding("", MEMORY),
                        RAY_AFTER, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD, SIBLING, SEEN_SIBLING,
-                       UNCHECKED_USER]
+                       UNCHECKED_USER, XID, HEALTH, FAULTED]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
@@ -238,8 +242,13 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
         "process": None, "owner": None, "mib_per_device": [{"device": "GPU 0", "mib": 88.0}]}
     assert jsonreport.snapshot_json(SNAP)["processes"][1] == {"pid": 7, "used_bytes": None, "used_mib": None}
     assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")], [REAPED]) == {
-        "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "reaped": 2, "lock_timeouts": 1,
-        "fixture_leaks": 0, "device_errors": 0}
+        "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "gpu_fault": 0, "reaped": 2,
+        "lock_timeouts": 1, "fixture_leaks": 0, "device_errors": 0}
+    assert jsonreport.outcome(FAULTED) == "gpu_fault"
+    assert jsonreport.record_json(FAULTED)["health"] == [{
+        "kind": "xid", "effect": "fault", "device": "GPU 0", "uuid": "GPU-0000", "phase": "teardown",
+        "xid": 31, "message": "GPU 0: Xid 31 (MMU fault)"}]
+    assert report.summary_lines([FAULTED], [], [])[0] == "t.py::test_faults: GPU 0: Xid 31 (MMU fault)"
 
 
 def test_a_fixtures_leak_is_the_fixtures_in_every_output() -> None:
