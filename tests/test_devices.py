@@ -186,7 +186,8 @@ def test_a_simulated_device_whose_folder_is_removed_is_lost_one_that_cannot_be_l
     backend = SimulatedBackend(tmp_path)
     gpu0, gpu1 = backend.devices()
     (tmp_path / "0").rmdir()
-    with pytest.raises(DeviceLost, match=re.escape(f"simulated GPU 0 ({tmp_path / '0'}) is gone: ")):
+    lost = f"GPU 0 ({gpu0.uuid}) is lost: vanished ({tmp_path / '0'} is gone)"
+    with pytest.raises(DeviceLost, match=re.escape(lost)):
         backend.snapshot(gpu0)
     (tmp_path / "1").rmdir()
     (tmp_path / "1").write_text("not a folder")
@@ -218,7 +219,9 @@ def test_nvml_gpu_is_lost_is_a_lost_device_other_errors_are_read_errors(
         monkeypatch.setattr(pynvml, name, value)
     backend = NvmlBackend(NvmlOpening(thread=False))
     [device] = backend.devices()
-    with pytest.raises(DeviceError, match=re.escape(f"NVML query of GPU 0 ({GPU0.uuid}) failed: ")) as error:
+    message = f"GPU 0 ({GPU0.uuid}) is lost: NVML: GPU is lost" if lost else (
+        f"NVML query of GPU 0 ({GPU0.uuid}) failed: ")
+    with pytest.raises(DeviceError, match=re.escape(message)) as error:
         backend.snapshot(device)
     assert isinstance(error.value, DeviceLost) == lost
 

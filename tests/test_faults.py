@@ -28,6 +28,7 @@ from helpers import (
 )
 
 from pytest_gpuclean import processes, procfs
+from pytest_gpuclean.devices import simulated_uuid
 from pytest_gpuclean.report import LEAK_PREFIX
 
 # ---- it must not kill what a fixture, a conftest or the session set-up owns -----------------------
@@ -687,7 +688,7 @@ def test_a_device_that_stays_unreadable_fails_each_later_check_in_one_line_or_st
     where = sim / "1"
     cause = (f"simulated GPU 1 ({where}) unreadable: [Errno 20] Not a directory: '{where}'"
              if how == "unreadable"
-             else f"simulated GPU 1 ({where}) is gone: [Errno 2] No such file or directory: '{where}'")
+             else f"GPU 1 ({simulated_uuid(sim, 1)}) is lost: vanished ({where} is gone)")
     lines = result.stdout.lines
     start = lines.index(next(text for text in lines if "ERROR at teardown of test_breaks_gpu_1" in text))
     assert lines[start + 1:start + 4] == [
@@ -714,8 +715,8 @@ def test_a_device_that_stays_unreadable_fails_each_later_check_in_one_line_or_st
     else:
         result.assert_outcomes(passed=1, errors=1)  # nothing ran on the lost GPU
         # (Not fnmatch: the cause's "[Errno 2]" reads as a character class.)
-        assert any(f"Interrupted: gpuclean: {cause}: the GPU is lost, the session stops (every later check "
-                   "would fail)" in text for text in lines)
+        assert any(f"Interrupted: gpuclean: {cause}; stopping the session's tests instead of letting each "
+                   "wait its timeout (every later check would fail)" in text for text in lines)
         assert (summary["checked"], summary["device_errors"], summary["leaked"]) == (1, 1, 1)
     assert "Traceback" not in result.stdout.str()
 
