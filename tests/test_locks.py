@@ -267,8 +267,10 @@ def test_deleted_held_lock_file_lets_nobody_in(tmp_path: Path) -> None:
     with holding(lock_dir) as holder:
         os.unlink(tmp_path / "locks" / "GPU-a.lock")  # while the holder runs its test
         locks = GpuLocks(lock_dir)
-        with pytest.raises(LockTimeout, match=r"GPU-a: its lock file is missing .* a new one is made only "
-                                              r"when no session holds a GPU lock in this directory"):
+        with pytest.raises(LockTimeout, match=r"GPU-a: its lock file was deleted .* while a session held the "
+                                              r"GPU, which it still does through the deleted file: pid "
+                                              rf"{holder.pid} .* running holder::test, .*; a new lock file is "
+                                              r"made as soon as it lets go"):
             locks.acquire(["GPU-a"], 1, 0.5, "second::test")
         assert not (tmp_path / "locks" / "GPU-a.lock").exists()
         assert holder.stdin is not None and holder.stdout is not None
@@ -277,6 +279,105 @@ def test_deleted_held_lock_file_lets_nobody_in(tmp_path: Path) -> None:
     assert f"lock file {lock_dir}/GPU-a.lock was deleted or replaced while this session held it" in notices
     locks.acquire(["GPU-a"], 1, 5, "second::test").release()
     assert (tmp_path / "locks" / "GPU-a.lock").exists()
+
+
+def test_missing_lock_file_of_a_free_gpu_is_made_while_other_gpus_are_held(tmp_path: Path) -> None:
+    # A lock file that does not exist yet (a new GPU, a new directory, a cleaner's work) concerns only its
+    # own GPU: it is made at once while other sessions hold other GPUs, even one whose file was deleted.
+    lock_dir = str(tmp_path / "locks")
+    with holding(lock_dir, "GPU-a") as holder:
+        os.unlink(tmp_path / "locks" / "GPU-a.lock")  # deleted under its holder: stays protected
+        locks = GpuLocks(lock_dir)
+        told: list[dict[str, dict[str, object]]] = []
+        held = locks.acquire(["GPU-b"], 1, 0, "second::test", on_wait=told.append)
+        assert (held.uuids, told) == (("GPU-b",), [])
+        held.release()
+        with pytest.raises(LockTimeout, match="GPU-a: its lock file was deleted"):
+            locks.acquire(["GPU-a", "GPU-b"], 2, 0.3, "third::test")
+        assert not (tmp_path / "locks" / "GPU-a.lock").exists()
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    locks.acquire(["GPU-a", "GPU-b"], 2, 5, "fourth::test").release()
+
+
+MAKING = """
+import fcntl, os, sys
+from pytest_gpuclean import locks
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+# As a session does between seeing GPU-a's lock file missing and creating it (locks._create).
+fcntl.fcntl(fd, fcntl.F_OFD_SETLK, locks._FLOCK.pack(fcntl.F_RDLCK, 0, locks._marks("GPU-a").make, 1, 0))
+print("MAKING", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_gpu_whose_lock_file_is_being_made_is_not_taken(tmp_path: Path) -> None:
+    # The holder's half of the handshake in locks._create: while another session is making GPU-a's lock file
+    # (it saw the name missing), a descriptor of an older GPU-a file may be one that was deleted, so it
+    # is not trusted; other GPUs are.
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    locks.prepare(["GPU-a", "GPU-b"])
+    maker = subprocess.Popen([sys.executable, "-c", MAKING, lock_dir], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert maker.stdout is not None and maker.stdin is not None
+        assert maker.stdout.readline() == "MAKING\n"
+        with pytest.raises(LockTimeout, match=r"GPU-a: its lock file is being created by another session"):
+            locks.acquire(["GPU-a"], 1, 0.3, "first::test")
+        assert locks.acquire(["GPU-a", "GPU-b"], 1, 0, "second::test").uuids == ("GPU-b",)
+        maker.stdin.close()
+        assert maker.wait(timeout=60) == 0
+    finally:
+        maker.kill()
+        maker.wait()
+    locks.acquire(["GPU-a"], 1, 5, "third::test").release()
+
+
+STREAM = """
+import os, sys, time
+from pathlib import Path
+from pytest_gpuclean import locks
+gpu = locks.GpuLocks(sys.argv[1])
+stop = Path(sys.argv[2])
+said = []
+tests = 0
+while not stop.exists():
+    # One test after another, as fast as a session can: the lock is free for microseconds between them.
+    held = gpu.acquire(["GPU-a"], 1, 60, f"stream::test_{tests}",
+                       on_wait=lambda holders: said.append(locks.describe_holders(holders)))
+    if tests == 0:
+        print("STREAMING", flush=True)
+    time.sleep(0.05)
+    held.release()
+    tests += 1
+print("TESTS", tests, flush=True)
+print("SAID", said, flush=True)
+"""
+
+
+def test_a_waiter_is_not_kept_out_by_a_stream_of_tests(tmp_path: Path) -> None:
+    lock_dir = str(tmp_path / "locks")
+    stop = tmp_path / "stop"
+    stream = subprocess.Popen([sys.executable, "-c", STREAM, lock_dir, str(stop)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert stream.stdout is not None
+        assert stream.stdout.readline() == "STREAMING\n"
+        # Without the queue, this acquire polls every 20-100 ms for a gap of microseconds: it would have to
+        # be lucky. Once it has waited a second, the stream's next test lets it go first.
+        held = GpuLocks(lock_dir).acquire(["GPU-a"], 1, 20, "waiter::test")
+        assert stream.poll() is None  # (the stream is still going: it did not just end)
+        held.release()
+        stop.write_text("")
+        out = stream.communicate(timeout=60)[0]
+    finally:
+        stream.kill()
+        stream.wait()
+    assert stream.returncode == 0, out
+    # The stream's test that let the waiter go first said why it waited.
+    assert "GPU-a: free, but another session has waited over 1s for it and goes first" in out
 
 
 def test_lock_file_replaced_between_tests_is_seen_though_names_are_not_looked_up(
