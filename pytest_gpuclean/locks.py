@@ -570,6 +570,18 @@ def _file_error(state: _Dir, name: str, exc: OSError | None) -> LockDirError:
     return _dir_error(state.path, what)
 
 
+def _unchanged(state: _Dir, info: os.stat_result) -> bool:
+    """Whether the directory (``info``: its fstat) had no entry added, removed or renamed, and was not
+    itself renamed or removed, since the last look; notes its times."""
+    state.mtime_ns = info.st_mtime_ns
+    # Renaming or removing the directory changes its ctime (or its link count), and so does any entry added
+    # or removed: only then is the path looked up again (a path stat per test costs as much as locking a GPU).
+    if info.st_ctime_ns == state.ctime_ns and info.st_nlink > 0:
+        return True
+    state.ctime_ns = info.st_ctime_ns
+    return False
+
+
 class GpuLocks:
     """Acquire per-GPU locks all-or-nothing, in one global (UUID) order, so no two sessions deadlock."""
 
@@ -577,19 +589,19 @@ class GpuLocks:
         self.directory = os.path.abspath(directory)
         self._ident = _open_dir_once(self.directory).ident
 
-    def _state(self) -> _Dir:
+    def _cached(self) -> _Dir | None:
         if os.getpid() != _cache.owner_pid:
             _cache.forget_inherited()  # a raw fork() skipped the at-fork hook: nothing here is ours
-        state = _cache.dirs.get(self._ident)
-        if state is not None:
-            info = os.fstat(state.fd)
-            state.mtime_ns = info.st_mtime_ns
-            # Renaming or removing the directory changes its ctime (or its link count), and so does any
-            # entry added or removed: only then is the path looked up again (a path stat per test costs
-            # as much as locking a GPU).
-            if info.st_ctime_ns == state.ctime_ns and info.st_nlink > 0:
-                return state
-            state.ctime_ns = info.st_ctime_ns
+        return _cache.dirs.get(self._ident)
+
+    def _state(self) -> _Dir:
+        state = self._cached()
+        if state is not None and _unchanged(state, os.fstat(state.fd)):
+            return state
+        return self._looked_up(state)
+
+    def _looked_up(self, state: _Dir | None) -> _Dir:
+        """The directory the path names now (``state`` if it is still that one)."""
         try:
             now = os.stat(self.directory, follow_symlinks=False)
             same = (now.st_dev, now.st_ino) == self._ident and stat.S_ISDIR(now.st_mode)
@@ -761,7 +773,12 @@ class GpuLocks:
             if not careful and _marked(state, _MAKE_BASE, _MARKS_LEN) is not None:
                 _let_go(state, taken)
                 return "careful"
-            ctime = os.fstat(state.fd).st_ctime_ns
+            # One look at the directory serves it and every GPU's name (see _unchanged, _still_named).
+            info = os.fstat(state.fd)
+            if not _unchanged(state, info) and self._looked_up(state) is not state:
+                _let_go(state, taken)  # it was replaced: lock in the new one
+                return "again"
+            ctime = info.st_ctime_ns
             for _uuid, fd in taken:
                 if fd is not None and not _still_named(state, name := state.lock_names[fd], fd, ctime):
                     # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
@@ -798,9 +815,11 @@ class GpuLocks:
         careful = False
         queued: set[str] = set()
         queued_in: _Dir | None = None
+        state = self._cached()  # (looked at once the locks are taken: see _attempt)
         try:
             while True:
-                state = self._state()
+                if state is None:
+                    state = self._state()
                 seen: dict[str, str] = {}
                 outcome = self._attempt(state, ordered, count, inherited, queued, careful, seen)
                 if not isinstance(outcome, str):
@@ -808,14 +827,21 @@ class GpuLocks:
                 if outcome == "careful":
                     careful = True
                     continue
+                if outcome == "again":
+                    state = None
+                    continue  # a name or the directory changed: try again at once
                 missing = [u for u, why in seen.items() if why == "missing"]
-                if outcome == "again" or (missing and len(_create(state, missing)) < len(missing)):
-                    continue  # a name changed, or we made lock files: try again at once
+                if missing:
+                    fresh = self._state()  # (never make files in a directory that was replaced)
+                    if fresh is not state or len(_create(state, missing)) < len(missing):
+                        state = fresh
+                        continue  # we made lock files: try again at once
                 waited = time.monotonic() - started
                 if outcome == "closed" and waited < timeout:
                     # Someone holds the directory exclusively for a moment (a tmp cleaner looking at it):
                     # nothing was tried, so there is nobody to name yet.
                     time.sleep(random.uniform(*_RETRY_S))
+                    state = None
                     continue
                 busy = [u for u in ordered if u not in inherited and seen.get(u) != "free"]
                 if waited >= timeout:
@@ -837,6 +863,7 @@ class GpuLocks:
                     notified = True
                     on_wait(self.holders(busy, seen))
                 time.sleep(random.uniform(*_RETRY_S))
+                state = None  # (a wait is long enough for the directory to be replaced: look again)
         finally:
             if queued_in is not None:
                 _unqueue(queued_in, queued)

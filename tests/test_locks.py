@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -398,6 +399,26 @@ def test_a_waiter_is_not_kept_out_by_a_stream_of_tests(tmp_path: Path) -> None:
         stream.kill()
         stream.wait()
     assert stream.returncode == 0, out
+
+
+def test_a_waiter_moves_to_a_lock_directory_made_anew(tmp_path: Path) -> None:
+    # The lock directory is moved away (or removed) while a session waits for a GPU held in it: the waiter
+    # notices at its next attempt, uses the new directory and says so.
+    lock_dir = tmp_path / "locks"
+    locks = GpuLocks(str(lock_dir))
+    locks.prepare(["GPU-a"])
+    with holding(str(lock_dir), "GPU-a") as holder:
+        moved = threading.Timer(0.5, lambda: (lock_dir.rename(tmp_path / "old"), lock_dir.mkdir()))
+        moved.start()
+        try:
+            held = locks.acquire(["GPU-a"], 1, 20, "waiter::test")
+        finally:
+            moved.join()
+        held.release()
+        assert holder.poll() is None  # (still holding GPU-a in the old directory)
+    assert held.waited_s > 0
+    assert (lock_dir / "GPU-a.lock").exists()
+    assert any("was removed or replaced while this session ran" in n for n in locks_mod.take_notices())
 
 
 def test_lock_file_replaced_between_tests_is_seen_though_names_are_not_looked_up(
