@@ -282,8 +282,8 @@ def _file_name(uuid: str) -> str:
 # (kept for tmp cleaners: see ``_share``), a mark of a raw-forked child that kept the parent's descriptor
 # lasts as long as that child; it only matters for a GPU whose lock file has gone missing.
 #
-# One byte per mark, at an offset hashed from the UUID: two GPUs whose hashes collide (a chance of about one
-# in 2**50 per pair) would only make one wait for the other's creation, never let two sessions in.
+# One byte per mark, at an offset hashed from the UUID: two GPUs whose offsets collide (a chance of one in
+# 2**56 per pair) would only make one wait for the other now and then, never let two sessions in.
 
 _FLOCK = struct.Struct("hhqqi4x")
 """Linux's struct flock (64-bit off_t)."""
