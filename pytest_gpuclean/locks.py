@@ -9,8 +9,9 @@ its pytest died.) Next to each lock, each user has a small JSON holder record sa
 are untrusted input (another user writes them). docs/sharing.md has the threat model.
 
 The directory is opened once, without following a symbolic link, and every file is opened relative to that
-descriptor, so swapping the directory's path for a link later changes nothing. While a session holds GPU
-locks it also holds a shared BSD lock on the directory; see ``_create``.
+descriptor, so swapping the directory's path for a link later changes nothing. While a session holds a GPU's
+lock it also marks that GPU on the directory itself (an open file description lock on one byte of it), so
+that nobody makes a new lock file for a GPU whose file was deleted under its holder; see ``_create``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import hashlib
 import json
 import math
 import os
@@ -26,6 +28,7 @@ import pwd
 import random
 import socket
 import stat
+import struct
 import time
 from collections.abc import Callable, Sequence
 
@@ -38,6 +41,9 @@ _READ_LIMIT = 4096
 """A holder record is well under 1 KiB: a bigger file is not one, and is not read further."""
 _RETRY_S = (0.02, 0.1)
 """Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
+_QUEUE_AFTER_S = 1.0
+"""A session that has waited this long for a GPU marks itself as waiting for it: from then on, an attempt of
+a session that has not waited as long leaves that GPU to it (see ``GpuLocks.acquire``)."""
 _CLOCK_SKEW_S = 300.0
 """A record may say it was written this much in the future (clocks of containers, NTP steps), no more."""
 _TEXT_LIMIT = 300
@@ -257,15 +263,123 @@ def _file_name(uuid: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in uuid)
 
 
+# ---- marks on the directory: who holds, makes or waits for which GPU -------------------------------------
+#
+# A lock file deleted while it is held (by hand, by a tmp cleaner) takes the only trace of its holder with it:
+# a session that found the name missing and made a new file would lock that one and run next to the holder.
+# The directory is the one thing whose identity every session keeps (the descriptor it opened it with), so
+# each GPU has a few bytes *of the directory*, on which sessions take open file description (OFD) read locks:
+#
+#   hold(X)   from just after a session locks X's file until it releases it;
+#   make(X)   while a session creates X's missing lock file (_create);
+#   queue(X)  while a session that has waited _QUEUE_AFTER_S for X goes on waiting (GpuLocks.acquire).
+#
+# A directory can only be opened for reading, so these are read locks, which never conflict with each other;
+# F_OFD_GETLK (does a write lock conflict, and with what?) tells whether another open file description has
+# one. OFD locks, not POSIX ones: a POSIX lock is dropped when its process closes *any* descriptor of the
+# file, and plenty opens and closes the lock directory (os.listdir, a second GpuLocks, a test, a dup); an OFD
+# lock lasts until every descriptor of its own open file description is closed. Like the directory's BSD lock
+# (kept for tmp cleaners: see ``_share``), a mark of a raw-forked child that kept the parent's descriptor
+# lasts as long as that child; it only matters for a GPU whose lock file has gone missing.
+#
+# One byte per mark, at an offset hashed from the UUID: two GPUs whose offsets collide (a chance of one in
+# 2**56 per pair) would only make one wait for the other now and then, never let two sessions in.
+
+_FLOCK = struct.Struct("hhqqi4x")
+"""Linux's struct flock (64-bit off_t)."""
+_SLOT_BITS = 56
+_MAKE_BASE = 1 << 60
+"""make(X) is at ``_MAKE_BASE + 2 * slot``, queue(X) just after it; hold(X) is at ``slot``."""
+_MARKS_LEN = 2 << _SLOT_BITS
+_PROBE = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, _MAKE_BASE, _MARKS_LEN, 0)
+"""Is any make or queue mark of another open file description up, for any GPU? One syscall per acquire."""
+_UNHOLD_ALL = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1 << _SLOT_BITS, 0)
+
+
+class _Marks:
+    """The offsets of one GPU's marks, and its hold mark's requests packed once. (A plain class: see
+    ``ownership.Window``.)"""
+
+    __slots__ = ("hold", "make", "queue", "set_hold", "unset_hold")
+
+    def __init__(self, uuid: str) -> None:
+        digest = hashlib.blake2b(uuid.encode(), digest_size=8).digest()
+        slot = int.from_bytes(digest, "big") >> (64 - _SLOT_BITS)
+        self.hold = slot
+        self.make = _MAKE_BASE + 2 * slot
+        self.queue = self.make + 1
+        self.set_hold = _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, slot, 1, 0)
+        self.unset_hold = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, slot, 1, 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _marks(uuid: str) -> _Marks:
+    return _Marks(uuid)
+
+
+def _mark(state: _Dir, request: bytes, fd: int | None = None) -> None:
+    """Set (or clear) a mark of ours on the directory, through ``state.fd`` unless ``fd`` is given."""
+    try:
+        fcntl.fcntl(state.fd if fd is None else fd, fcntl.F_OFD_SETLK, request)
+    except OSError as exc:
+        raise _dir_error(state.path, "cannot mark it (open file description locks: Linux 3.15 or later)",
+                         exc) from None
+
+
+def _mark_at(state: _Dir, kind: int, offset: int, fd: int | None = None) -> None:
+    _mark(state, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0), fd)
+
+
+def _marked(state: _Dir, offset: int, length: int = 1, fd: int | None = None) -> int | None:
+    """Where another open file description than ``fd``'s (default ``state.fd``) has a mark in
+    ``[offset, offset + length)``; None if none has."""
+    request = _PROBE if length == _MARKS_LEN else _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, length, 0)
+    try:
+        answer = fcntl.fcntl(state.fd if fd is None else fd, fcntl.F_OFD_GETLK, request)
+    except OSError as exc:
+        raise _dir_error(state.path, "cannot look at its marks", exc) from None
+    kind, _whence, start, _length, _pid = _FLOCK.unpack(answer)
+    return None if kind == fcntl.F_UNLCK else int(start)
+
+
+def _clear(state: _Dir, request: bytes) -> None:
+    try:  # noqa: SIM105 (per test: cheaper than contextlib.suppress)
+        fcntl.fcntl(state.fd, fcntl.F_OFD_SETLK, request)
+    except OSError:
+        pass  # (a mark left up only delays making that GPU's lock file if it goes missing, until we exit)
+
+
+def _let_go(state: _Dir, taken: Sequence[tuple[str, int | None]]) -> None:
+    """Unlock and unmark the GPUs of an attempt (or of a test), and drop the directory's shared lock."""
+    last = state.shared <= 1  # no other acquire of this process holds marks: one request clears them all
+    marked = False
+    for uuid, fd in taken:
+        if fd is not None:
+            _unlock(state, fd)
+            marked = True
+            if not last:
+                _clear(state, _marks(uuid).unset_hold)
+    if marked and last:
+        _clear(state, _UNHOLD_ALL)
+    _unshare(state)
+
+
+def _unqueue(state: _Dir, uuids: set[str]) -> None:
+    for uuid in uuids:
+        _clear(state, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, _marks(uuid).queue, 1, 0))
+
+
 class HeldLocks:
     """Locks held by this process for one test; release them in ``release``. (A plain class: see
     ``ownership.Window``.)"""
 
-    def __init__(self, uuids: tuple[str, ...], locks: list[int], waited_s: float,
+    def __init__(self, taken: list[tuple[str, int | None]], waited_s: float,
                  inherited: dict[str, tuple[int, int]], state: _Dir | None) -> None:
-        self.uuids = uuids
-        self.locks = locks
+        self.uuids = tuple(u for u, _ in taken)
+        self.locks = [fd for _, fd in taken if fd is not None]
         """Open descriptors of the locked files."""
+        self._taken = taken
+        """Per GPU, the descriptor of its locked file (None: inherited, not locked here)."""
         self.holder_fds: list[tuple[int, bool]] = []
         """This user's holder files of the locked GPUs, blanked at release; True if padded (see
         _write_holder)."""
@@ -299,12 +413,12 @@ class HeldLocks:
                 changed = os.fstat(state.fd).st_mtime_ns != self._mtime_ns
             except OSError:
                 changed = True
-            for fd in self.locks:
-                if changed:
-                    _check_still_named(state, fd)
-                _unlock(state, fd)
-            _unshare(state)
+            if changed:
+                for lock_fd in self.locks:
+                    _check_still_named(state, lock_fd)
+            _let_go(state, self._taken)
         self.locks = []
+        self._taken = []
         previous, ours = self._env
         if ours is not None and os.environ.get(HELD_VAR) == ours:
             if previous is None:
@@ -315,8 +429,8 @@ class HeldLocks:
 
 
 def _check_still_named(state: _Dir, fd: int) -> None:
-    # The holder's side of a deleted lock file: nobody else could take the GPU meanwhile (see _create),
-    # but whoever deletes lock files should hear of it.
+    # The holder's side of a deleted lock file: nobody else could take the GPU meanwhile (its hold mark kept
+    # a new lock file from being made: see _create), but whoever deletes lock files should hear of it.
     name = state.lock_names.get(fd)
     if name is None:
         return
@@ -341,8 +455,12 @@ def _unlock(state: _Dir, fd: int) -> None:
 
 
 def _share(state: _Dir) -> bool:
-    """Take the directory's shared lock (once per process, counted); False while someone holds it
-    exclusively (a session creating lock files, or a tmp cleaner at work)."""
+    """Take the directory's shared BSD lock (once per process, counted); False while someone holds it
+    exclusively (a tmp cleaner at work, or a gpuclean older than the marks).
+
+    Not what keeps lock files from being replaced (the marks do), but systemd-tmpfiles leaves alone a
+    directory that is BSD-locked, so it does not clean this one while a session holds GPU locks.
+    """
     if state.shared == 0:
         try:
             fcntl.flock(state.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -364,30 +482,35 @@ def _unshare(state: _Dir) -> None:
             pass
 
 
-def _create(state: _Dir, names: Sequence[str]) -> bool:
-    """Create missing lock files, only while no session holds any GPU lock in the directory.
+def _create(state: _Dir, uuids: Sequence[str]) -> list[str]:
+    """Create the missing lock files of ``uuids``; returns those it must not make now: a session holds that
+    GPU through a lock file that was deleted under it.
 
-    Why: a lock file deleted while held (by hand, by a tmp cleaner) takes the only trace of its holder
-    with it. A session that found the name missing and simply made a new file would lock that and run on
-    the GPU next to the holder. Every holder keeps a shared BSD lock on the directory from before it
-    checks its lock files' names until it releases them, and a new lock file is made only under an
-    exclusive lock on the directory: so while anyone holds any GPU here, no lock file can be replaced. (A
-    held lock file deleted stays missing until its holder is done.) systemd-tmpfiles also leaves alone a
-    directory that is BSD-locked, so it does not clean this one while a session holds GPU locks.
-
-    Returns False if the directory is busy (somebody holds GPU locks in it, this process included).
+    Why: the deleted file's inode was the only trace of its holder, so a new file made now would let a
+    second session lock the GPU next to it. Each holder keeps its GPU's hold mark on the directory from
+    just after it locks the file, before it checks that the name still names that file, until it releases
+    it. A creator sets the GPU's make mark, then looks for a hold mark; a holder sets its hold mark, then
+    looks for make marks (``GpuLocks._attempt``). Of two sessions that overlap, at least one sees the
+    other's mark and backs off (Dekker's handshake; the kernel orders requests on one inode's locks), so a
+    file is never made while someone holds that GPU through a deleted one: it stays missing until its
+    holder is done. Only holders of *that* GPU matter: a missing file of one GPU never waits for the
+    holders of others.
     """
     try:
-        # A descriptor of its own: an exclusive lock through ``state.fd`` would convert our shared lock.
+        # An open file description of its own: the hold marks of this very process (on state.fd) count too,
+        # and closing it drops its make marks.
         fd = os.open(".", _DIR_FLAGS, dir_fd=state.fd)
     except OSError as exc:
         raise _dir_error(state.path, "cannot open it", exc) from None
+    blocked = []
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        for name in names:
+        for uuid in uuids:
+            marks = _marks(uuid)
+            _mark_at(state, fcntl.F_RDLCK, marks.make, fd)
+            if _marked(state, marks.hold, fd=fd) is not None:
+                blocked.append(uuid)
+                continue
+            name = f"{_file_name(uuid)}.lock"
             try:
                 new = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, LOCK_FILE_MODE,
                               dir_fd=state.fd)
@@ -400,8 +523,8 @@ def _create(state: _Dir, names: Sequence[str]) -> bool:
             # Closing is safe: nobody (this process included) can hold a lock on a file this new.
             os.close(new)
     finally:
-        os.close(fd)  # drops the exclusive lock
-    return True
+        os.close(fd)  # drops the make marks
+    return blocked
 
 
 _MISSING = -1
@@ -447,6 +570,18 @@ def _file_error(state: _Dir, name: str, exc: OSError | None) -> LockDirError:
     return _dir_error(state.path, what)
 
 
+def _unchanged(state: _Dir, info: os.stat_result) -> bool:
+    """Whether the directory (``info``: its fstat) had no entry added, removed or renamed, and was not
+    itself renamed or removed, since the last look; notes its times."""
+    state.mtime_ns = info.st_mtime_ns
+    # Renaming or removing the directory changes its ctime (or its link count), and so does any entry added
+    # or removed: only then is the path looked up again (a path stat per test costs as much as locking a GPU).
+    if info.st_ctime_ns == state.ctime_ns and info.st_nlink > 0:
+        return True
+    state.ctime_ns = info.st_ctime_ns
+    return False
+
+
 class GpuLocks:
     """Acquire per-GPU locks all-or-nothing, in one global (UUID) order, so no two sessions deadlock."""
 
@@ -454,19 +589,19 @@ class GpuLocks:
         self.directory = os.path.abspath(directory)
         self._ident = _open_dir_once(self.directory).ident
 
-    def _state(self) -> _Dir:
+    def _cached(self) -> _Dir | None:
         if os.getpid() != _cache.owner_pid:
             _cache.forget_inherited()  # a raw fork() skipped the at-fork hook: nothing here is ours
-        state = _cache.dirs.get(self._ident)
-        if state is not None:
-            info = os.fstat(state.fd)
-            state.mtime_ns = info.st_mtime_ns
-            # Renaming or removing the directory changes its ctime (or its link count), and so does any
-            # entry added or removed: only then is the path looked up again (a path stat per test costs
-            # as much as locking a GPU).
-            if info.st_ctime_ns == state.ctime_ns and info.st_nlink > 0:
-                return state
-            state.ctime_ns = info.st_ctime_ns
+        return _cache.dirs.get(self._ident)
+
+    def _state(self) -> _Dir:
+        state = self._cached()
+        if state is not None and _unchanged(state, os.fstat(state.fd)):
+            return state
+        return self._looked_up(state)
+
+    def _looked_up(self, state: _Dir | None) -> _Dir:
+        """The directory the path names now (``state`` if it is still that one)."""
         try:
             now = os.stat(self.directory, follow_symlinks=False)
             same = (now.st_dev, now.st_ino) == self._ident and stat.S_ISDIR(now.st_mode)
@@ -495,18 +630,19 @@ class GpuLocks:
         return f"{self.directory}/{_holder_name(uuid, os.geteuid())}"
 
     def prepare(self, uuids: Sequence[str]) -> None:
-        """Open (and create, if nobody holds a lock here now) the lock and holder files of ``uuids``.
+        """Open (and create, where nobody holds the GPU through a deleted one) the lock and holder files of
+        ``uuids``.
 
         At session start, so that an unusable or full directory stops the session with a clear message
         rather than failing a test later.
         """
         state = self._state()
-        names = [f"{_file_name(u)}.lock" for u in uuids]
-        missing = [n for n in names if n not in state.lock_fds and _cache_lock(state, n) is None]
+        missing = [u for u in uuids if (name := f"{_file_name(u)}.lock") not in state.lock_fds
+                   and _cache_lock(state, name) is None]
         if missing:
             _create(state, missing)
-            for name in missing:
-                _cache_lock(state, name)
+            for uuid in missing:
+                _cache_lock(state, f"{_file_name(uuid)}.lock")
         for uuid in uuids:
             try:
                 _holder_fd(state, _holder_name(uuid, os.geteuid()))
@@ -522,11 +658,15 @@ class GpuLocks:
         """
         return _read_records(self._state(), [uuid]).get(uuid, {})
 
-    def holders(self, uuids: Sequence[str]) -> dict[str, dict[str, object]]:
+    def holders(self, uuids: Sequence[str],
+                seen: dict[str, str] | None = None) -> dict[str, dict[str, object]]:
         """For each of ``uuids``: its newest valid record, plus what the kernel says about the lock.
 
         ``lock_pid``: the process holding the POSIX lock per /proc/locks (0: one in another PID namespace),
-        with ``lock_user`` and ``lock_cmd``; ``missing``: the lock file is missing.
+        with ``lock_user`` and ``lock_cmd``; ``missing``: the lock file is missing, and then ``held`` if a
+        session holds the GPU through a deleted file; ``making``: a session is creating the file;
+        ``queued``: another session has waited long for it (it goes first). ``seen``: what an attempt saw
+        (see ``_attempt``), which may have changed since: a waiter let in first may be done already.
         """
         state = self._state()
         records = _read_records(state, uuids)
@@ -538,10 +678,18 @@ class GpuLocks:
             if fd is None:
                 with contextlib.suppress(OSError):
                     fd = _cache_lock(state, f"{_file_name(uuid)}.lock")
+            why = seen.get(uuid) if seen else None
+            marks = _marks(uuid)
+            if why == "making" or _marked(state, marks.make) is not None:
+                found[uuid]["making"] = True
             if fd is None:
                 found[uuid]["missing"] = True
+                if _marked(state, marks.hold) is not None:
+                    found[uuid]["held"] = True
             else:
                 idents[state.lock_idents[fd]] = uuid
+                if why == "queued" or _marked(state, marks.queue) is not None:
+                    found[uuid]["queued"] = True
         lockers = _posix_lockers(set(idents))
         for ident, uuid in idents.items():
             pid = lockers.get(ident)
@@ -549,38 +697,101 @@ class GpuLocks:
                 found[uuid]["lock_pid"] = pid
                 if pid > 0:
                     found[uuid]["lock_user"], found[uuid]["lock_cmd"] = _describe_process(pid)
-        if any(f.get("missing") for f in found.values()):
-            dir_pids = sorted(_flock_pids(state.ident))
-            for info in found.values():
-                if info.get("missing"):
-                    info["dir_pids"] = dir_pids
         return found
 
     def _try(self, state: _Dir, uuid: str) -> int | None:
+        """Lock ``uuid``'s file: its descriptor, None if it is busy, ``_MISSING`` if there is no such file.
+        (Not yet trusted: see ``_attempt``.)"""
         name = f"{_file_name(uuid)}.lock"
-        while True:
-            fd = state.lock_fds.get(name)
+        fd = state.lock_fds.get(name)
+        if fd is None:
+            fd = _cache_lock(state, name)
             if fd is None:
-                fd = _cache_lock(state, name)
-                if fd is None:
-                    return _MISSING
-            elif fd in state.held:
-                # Held by this process already (another acquire still open): a second POSIX lock of the
-                # same process would just succeed, so refuse here as another process would be refused.
+                return _MISSING
+        elif fd in state.held:
+            # Held by this process already (another acquire still open): a second POSIX lock of the same
+            # process would just succeed, so refuse here as another process would be refused.
+            return None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 return None
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    return None
-                raise _dir_error(state.path, f"cannot lock {name}", exc) from None
-            if _still_named(state, name, fd):
-                state.held.add(fd)
-                return fd
-            # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
-            # nothing. Look at what the name holds now.
-            _unlock(state, fd)
-            _forget(state, name)
+            raise _dir_error(state.path, f"cannot lock {name}", exc) from None
+        state.held.add(fd)
+        return fd
+
+    def _attempt(self, state: _Dir, ordered: Sequence[str], count: int,
+                 inherited: dict[str, tuple[int, int]], queued: set[str], careful: bool,
+                 seen: dict[str, str]) -> list[tuple[str, int | None]] | str:
+        """One all-or-nothing attempt: ``count`` of ``ordered`` taken (locked, marked, their names checked),
+        or why not: ``"busy"`` (fewer are free; ``seen`` says, per GPU that was not simply locked by someone
+        else, ``"free"`` (taken, and given back), ``"missing"`` (no lock file), ``"queued"`` (left to a
+        session that queues for it) or ``"making"`` (its lock file is being made)),
+        ``"closed"`` (the directory is locked exclusively: nothing was tried), ``"careful"`` (another
+        session is making a lock file or queues for a GPU: try again at once, looking at each GPU's marks),
+        ``"again"`` (a lock file was replaced: try again at once).
+
+        ``careful``: look at each GPU's marks before trusting it, and leave a GPU that another session
+        queues for to it unless this acquire queues for it too (``queued``).
+        """
+        if not _share(state):
+            return "closed"
+        taken: list[tuple[str, int | None]] = []
+        try:
+            for uuid in ordered:
+                if uuid in inherited:
+                    taken.append((uuid, None))
+                else:
+                    marks = _marks(uuid)
+                    if careful and uuid not in queued and _marked(state, marks.queue) is not None:
+                        seen[uuid] = "queued"  # a session that has waited long for it goes first
+                        continue
+                    fd = self._try(state, uuid)
+                    if fd is None:
+                        continue
+                    if fd == _MISSING:
+                        seen[uuid] = "missing"
+                        continue
+                    taken.append((uuid, fd))
+                    _mark(state, marks.set_hold)
+                    if careful and _marked(state, marks.make) is not None:
+                        # Somebody saw the name missing and is making a file: ours may be a deleted one.
+                        taken.pop()
+                        _unlock(state, fd)
+                        _clear(state, marks.unset_hold)
+                        seen[uuid] = "making"
+                        continue
+                if len(taken) == count:
+                    break
+            if len(taken) < count:
+                seen.update((u, "free") for u, fd in taken if fd is not None)
+                _let_go(state, taken)
+                return "busy"
+            # Our hold marks are up: from now on nobody makes a new file for these GPUs (see _create). Only
+            # now can the names be trusted to stay ours: a make mark seen now may be one begun before ours.
+            if not careful and _marked(state, _MAKE_BASE, _MARKS_LEN) is not None:
+                _let_go(state, taken)
+                return "careful"
+            # One look at the directory serves it and every GPU's name (see _unchanged, _still_named).
+            info = os.fstat(state.fd)
+            if not _unchanged(state, info) and self._looked_up(state) is not state:
+                _let_go(state, taken)  # it was replaced: lock in the new one
+                return "again"
+            ctime = info.st_ctime_ns
+            for _uuid, fd in taken:
+                if fd is not None and not _still_named(state, name := state.lock_names[fd], fd, ctime):
+                    # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
+                    # nothing. Look at what the name holds now.
+                    _let_go(state, taken)
+                    _forget(state, name)
+                    return "again"
+        except BaseException:
+            # Also on KeyboardInterrupt or a pytest-timeout signal: a lock kept by a stray descriptor would
+            # block this very session's next test.
+            _let_go(state, taken)
+            raise
+        return taken
 
     def acquire(self, candidates: Sequence[str], count: int, timeout: float, holder_id: str,
                 prefer: Sequence[str] = (),
@@ -591,56 +802,71 @@ class GpuLocks:
         devices are taken in UUID order, those listed in ``prefer`` first. If fewer than ``count`` are
         free, everything taken is released and the attempt repeats until ``timeout``. ``on_wait`` is
         called once, when the first attempt fails, with the holders of the busy devices (see ``holders``).
+
+        Once it has waited ``_QUEUE_AFTER_S``, the acquire queues for the GPUs it could not get (their queue
+        marks), and attempts that do not queue for them leave them alone: a newcomer, or the holder's own
+        next test, waits its turn instead of taking a GPU the instant it is freed, so a stream of them can't
+        keep a waiter out for ever; the queued compete among themselves as everyone did before.
         """
         inherited = {u: h for u, h in self.inherited().items() if u in candidates}
         ordered = sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
         started = time.monotonic()
         notified = False
-        while True:
-            state = self._state()
-            taken: list[tuple[str, int | None]] = []
-            missing: list[str] = []
-            shared = False
-            try:
-                shared = _share(state)
-                for uuid in ordered if shared else ():
-                    fd = None if uuid in inherited else self._try(state, uuid)
-                    if fd == _MISSING:
-                        missing.append(uuid)
-                    elif fd is not None or uuid in inherited:
-                        taken.append((uuid, fd))
-                        if len(taken) == count:
-                            break
-                if len(taken) == count:
-                    return self._record(state, taken, holder_id, time.monotonic() - started, inherited)
-            except BaseException:
-                # Also on KeyboardInterrupt or a pytest-timeout signal: a lock kept by a stray
-                # descriptor would block this very session's next test.
-                _unlock_all(state, taken)
-                if shared:
-                    _unshare(state)
-                raise
-            _unlock_all(state, taken)
-            if shared:
-                _unshare(state)
-            if missing and _create(state, [f"{_file_name(u)}.lock" for u in missing]):
-                continue  # made them while nobody held a lock here: try again at once
-            busy = [u for u in ordered if u not in {t for t, _ in taken}]
-            waited = time.monotonic() - started
-            if not shared and waited < timeout:
-                # Someone holds the directory exclusively for a moment (creating lock files, or a tmp
-                # cleaner looking at it): nothing was tried, so there is nobody to name yet.
+        careful = False
+        queued: set[str] = set()
+        queued_in: _Dir | None = None
+        state = self._cached()  # (looked at once the locks are taken: see _attempt)
+        try:
+            while True:
+                if state is None:
+                    state = self._state()
+                seen: dict[str, str] = {}
+                outcome = self._attempt(state, ordered, count, inherited, queued, careful, seen)
+                if not isinstance(outcome, str):
+                    return self._record(state, outcome, holder_id, time.monotonic() - started, inherited)
+                if outcome == "careful":
+                    careful = True
+                    continue
+                if outcome == "again":
+                    state = None
+                    continue  # a name or the directory changed: try again at once
+                missing = [u for u, why in seen.items() if why == "missing"]
+                if missing:
+                    fresh = self._state()  # (never make files in a directory that was replaced)
+                    if fresh is not state or len(_create(state, missing)) < len(missing):
+                        state = fresh
+                        continue  # we made lock files: try again at once
+                waited = time.monotonic() - started
+                if outcome == "closed" and waited < timeout:
+                    # Someone holds the directory exclusively for a moment (a tmp cleaner looking at it):
+                    # nothing was tried, so there is nobody to name yet.
+                    time.sleep(random.uniform(*_RETRY_S))
+                    state = None
+                    continue
+                busy = [u for u in ordered if u not in inherited and seen.get(u) != "free"]
+                if waited >= timeout:
+                    holders = self.holders(busy, seen)
+                    raise LockTimeout(
+                        f"waited {waited:.1f}s for {count} of {len(ordered)} GPU lock(s); held by: "
+                        + describe_holders(holders), holders, waited)
+                if waited >= _QUEUE_AFTER_S:
+                    if queued_in is not state:  # (the directory was replaced: queue in the new one)
+                        if queued_in is not None:
+                            _unqueue(queued_in, queued)
+                        queued_in, queued = state, set()
+                    for uuid in busy:
+                        if uuid not in queued:
+                            _mark_at(state, fcntl.F_RDLCK, _marks(uuid).queue)
+                            queued.add(uuid)
+                    careful = True
+                if on_wait is not None and not notified:
+                    notified = True
+                    on_wait(self.holders(busy, seen))
                 time.sleep(random.uniform(*_RETRY_S))
-                continue
-            if waited >= timeout:
-                holders = self.holders(busy)
-                raise LockTimeout(
-                    f"waited {waited:.1f}s for {count} of {len(ordered)} GPU lock(s); held by: "
-                    + describe_holders(holders), holders, waited)
-            if on_wait is not None and not notified:
-                notified = True
-                on_wait(self.holders(busy))
-            time.sleep(random.uniform(*_RETRY_S))
+                state = None  # (a wait is long enough for the directory to be replaced: look again)
+        finally:
+            if queued_in is not None:
+                _unqueue(queued_in, queued)
 
     def inherited(self) -> dict[str, tuple[int, int]]:
         """GPUs of this lock directory that an ancestor of this process holds, per ``HELD_VAR``.
@@ -676,8 +902,7 @@ class GpuLocks:
 
     def _record(self, state: _Dir, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
                 inherited: dict[str, tuple[int, int]]) -> HeldLocks:
-        held = HeldLocks(tuple(u for u, _ in taken), [fd for _, fd in taken if fd is not None], waited_s,
-                         {u: inherited[u] for u, fd in taken if fd is None}, state)
+        held = HeldLocks(taken, waited_s, {u: inherited[u] for u, fd in taken if fd is None}, state)
         me = _cache.me_now()
         if me is not None:
             previous = os.environ.get(HELD_VAR)
@@ -726,18 +951,20 @@ def _cache_lock(state: _Dir, name: str) -> int | None:
     return fd
 
 
-def _still_named(state: _Dir, name: str, fd: int) -> bool:
+def _still_named(state: _Dir, name: str, fd: int, ctime: int | None = None) -> bool:
     """Whether ``name`` in the directory is still the file open as ``fd`` (just locked).
 
     A lock on a file that was deleted (or replaced) since it was opened locks nothing. Looking the name
     up costs a path stat per GPU and test; the directory's ctime says more cheaply that no entry was
     added or removed since the name was last looked up, provided that ctime was settled then
-    (``procfs.SETTLED_NS``).
+    (``procfs.SETTLED_NS``). ``ctime``: the directory's, read after the lock was taken (one read serves
+    every GPU of an acquire); read here if not given.
     """
-    try:
-        ctime = os.fstat(state.fd).st_ctime_ns
-    except OSError:
-        ctime = None
+    if ctime is None:
+        try:
+            ctime = os.fstat(state.fd).st_ctime_ns
+        except OSError:
+            ctime = None
     if ctime is not None and state.verified.get(fd) == ctime:
         return True
     try:
@@ -976,13 +1203,6 @@ def _posix_lockers(idents: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
     return found
 
 
-def _flock_pids(ident: tuple[int, int]) -> set[int]:
-    """Pids /proc/locks names for BSD locks on a file (the locker; the lock may be held by its children)."""
-    dev, ino = ident
-    return {pid for kind, pid, major, minor, inode in _proc_locks()
-            if kind == "FLOCK" and (major, minor, inode) == (os.major(dev), os.minor(dev), ino)}
-
-
 def _describe_process(pid: int) -> tuple[str, str]:
     """(user, command line) of a local process, cleaned for printing."""
     try:
@@ -1015,15 +1235,25 @@ def _recorded(holder: dict[str, object]) -> str:
 
 def describe_holder(holder: dict[str, object]) -> str:
     """One line naming a lock's holder: its record, checked against the kernel's /proc/locks."""
-    if holder.get("missing"):
-        dir_pids = holder.get("dir_pids")
-        pids = ", ".join(str(p) for p in dir_pids) if isinstance(dir_pids, list) else ""
-        holding = (f" (BSD locks on the directory taken by pid(s) {pids}, or by "
-                   "processes that inherited their descriptors)") if pids else ""
-        return ("its lock file is missing (deleted by hand or by a tmp cleaner?); a new one is made only "
-                f"when no session holds a GPU lock in this directory{holding}")
-    recorded = _recorded(holder) if "pid" in holder else None
     lock_pid = holder.get("lock_pid")
+    if holder.get("making") and not isinstance(lock_pid, int) and not holder.get("held"):
+        return ("its lock file is being created by another session (a moment; if it lasts, a process keeps "
+                "its mark on the lock directory up: lslocks shows OFDLCK locks)")
+    if holder.get("missing"):
+        if not holder.get("held"):
+            return "its lock file is missing; the next attempt creates it"
+        who = "a session that left no record"
+        if "pid" in holder:
+            who = _recorded(holder)
+            if _record_alive(holder) is False:
+                who += " (gone: a process that inherited its descriptors, a raw fork's child, keeps its mark)"
+        return ("its lock file was deleted (by hand or by a tmp cleaner?) while a session held the GPU, "
+                f"which it still does through the deleted file: {who}; a new lock file is made as soon as it "
+                "lets go")
+    recorded = _recorded(holder) if "pid" in holder else None
+    if not isinstance(lock_pid, int) and holder.get("queued"):
+        return (f"free, but another session has waited over {_QUEUE_AFTER_S:.0f}s for it and goes first "
+                "(long waiters before newcomers)")
     if not isinstance(lock_pid, int):
         if recorded is None:
             return "unknown holder (no valid holder record, and /proc/locks does not name the process)"

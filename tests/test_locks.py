@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -267,8 +268,10 @@ def test_deleted_held_lock_file_lets_nobody_in(tmp_path: Path) -> None:
     with holding(lock_dir) as holder:
         os.unlink(tmp_path / "locks" / "GPU-a.lock")  # while the holder runs its test
         locks = GpuLocks(lock_dir)
-        with pytest.raises(LockTimeout, match=r"GPU-a: its lock file is missing .* a new one is made only "
-                                              r"when no session holds a GPU lock in this directory"):
+        with pytest.raises(LockTimeout, match=r"GPU-a: its lock file was deleted .* while a session held "
+                                              r"the GPU, which it still does through the deleted file: pid "
+                                              rf"{holder.pid} .* running holder::test, .*; a new lock file "
+                                              r"is made as soon as it lets go"):
             locks.acquire(["GPU-a"], 1, 0.5, "second::test")
         assert not (tmp_path / "locks" / "GPU-a.lock").exists()
         assert holder.stdin is not None and holder.stdout is not None
@@ -277,6 +280,145 @@ def test_deleted_held_lock_file_lets_nobody_in(tmp_path: Path) -> None:
     assert f"lock file {lock_dir}/GPU-a.lock was deleted or replaced while this session held it" in notices
     locks.acquire(["GPU-a"], 1, 5, "second::test").release()
     assert (tmp_path / "locks" / "GPU-a.lock").exists()
+
+
+def test_missing_lock_file_of_a_free_gpu_is_made_while_other_gpus_are_held(tmp_path: Path) -> None:
+    # A lock file that does not exist yet (a new GPU, a new directory, a cleaner's work) concerns only its
+    # own GPU: it is made at once while other sessions hold other GPUs, even one whose file was deleted.
+    lock_dir = str(tmp_path / "locks")
+    with holding(lock_dir, "GPU-a") as holder:
+        os.unlink(tmp_path / "locks" / "GPU-a.lock")  # deleted under its holder: stays protected
+        locks = GpuLocks(lock_dir)
+        told: list[dict[str, dict[str, object]]] = []
+        held = locks.acquire(["GPU-b"], 1, 0, "second::test", on_wait=told.append)
+        assert (held.uuids, told) == (("GPU-b",), [])
+        held.release()
+        with pytest.raises(LockTimeout, match="GPU-a: its lock file was deleted"):
+            locks.acquire(["GPU-a", "GPU-b"], 2, 0.3, "third::test")
+        assert not (tmp_path / "locks" / "GPU-a.lock").exists()
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+    locks.acquire(["GPU-a", "GPU-b"], 2, 5, "fourth::test").release()
+
+
+MARKING = """
+import fcntl, os, sys
+from pytest_gpuclean import locks
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
+offset = getattr(locks._marks("GPU-a"), sys.argv[2])
+fcntl.fcntl(fd, fcntl.F_OFD_SETLK, locks._FLOCK.pack(fcntl.F_RDLCK, 0, offset, 1, 0))
+print("MARKED", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def marking(lock_dir: str, mark: str) -> Iterator[None]:
+    """Another process keeps GPU-a's ``mark`` (see locks._Marks) up on the lock directory meanwhile."""
+    proc = subprocess.Popen([sys.executable, "-c", MARKING, lock_dir, mark], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "MARKED\n"
+        yield
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_gpu_whose_lock_file_is_being_made_is_not_taken(tmp_path: Path) -> None:
+    # The holder's half of the handshake in locks._create: while another session is making GPU-a's lock file
+    # (it saw the name missing), a descriptor of an older GPU-a file may be one that was deleted, so it
+    # is not trusted; other GPUs are.
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    locks.prepare(["GPU-a", "GPU-b"])
+    with marking(lock_dir, "make"):  # as _create does between seeing the name missing and making the file
+        with pytest.raises(LockTimeout, match=r"GPU-a: its lock file is being created by another session"):
+            locks.acquire(["GPU-a"], 1, 0.3, "first::test")
+        held = locks.acquire(["GPU-a", "GPU-b"], 1, 0, "second::test")
+        held.release()
+        assert held.uuids == ("GPU-b",)
+    locks.acquire(["GPU-a"], 1, 5, "third::test").release()
+
+
+def test_a_newcomer_leaves_a_free_gpu_to_a_session_that_has_waited_long(tmp_path: Path) -> None:
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    with marking(lock_dir, "queue"):  # another session has waited a second for GPU-a, and still waits
+        held = locks.acquire(["GPU-a", "GPU-b"], 1, 0, "first::test")  # GPU-a comes first, but is free
+        held.release()
+        assert held.uuids == ("GPU-b",)
+        with pytest.raises(LockTimeout, match=r"GPU-a: free, but another session has waited over 1s for it "
+                                              r"and goes first \(long waiters before newcomers\)"):
+            locks.acquire(["GPU-a"], 1, 0.3, "second::test")
+        # Once this session has waited as long, it queues too, and the queued compete as equals: a queue
+        # mark left up (a waiter's raw-forked child that kept its descriptor) never keeps a GPU out of use.
+        held = locks.acquire(["GPU-a"], 1, 10, "third::test")
+        held.release()
+        assert held.waited_s >= locks_mod._QUEUE_AFTER_S  # (it could not have it before it queued)
+
+
+STREAM = """
+import os, sys, time
+from pathlib import Path
+from pytest_gpuclean import locks
+gpu = locks.GpuLocks(sys.argv[1])
+stop = Path(sys.argv[2])
+tests = 0
+while not stop.exists():
+    # One test after another, as fast as a session can: the lock is free for microseconds between them.
+    held = gpu.acquire(["GPU-a"], 1, 60, f"stream::test_{tests}")
+    if tests == 0:
+        print("STREAMING", flush=True)
+    time.sleep(0.05)
+    held.release()
+    tests += 1
+"""
+
+
+def test_a_waiter_is_not_kept_out_by_a_stream_of_tests(tmp_path: Path) -> None:
+    lock_dir = str(tmp_path / "locks")
+    stop = tmp_path / "stop"
+    stream = subprocess.Popen([sys.executable, "-c", STREAM, lock_dir, str(stop)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert stream.stdout is not None
+        assert stream.stdout.readline() == "STREAMING\n"
+        # Without the queue, this acquire polls every 20-100 ms for a gap of microseconds: it would have to
+        # be lucky. Once it has waited a second, the stream's next test lets it go first.
+        held = GpuLocks(lock_dir).acquire(["GPU-a"], 1, 20, "waiter::test")
+        assert stream.poll() is None  # (the stream is still going: it did not just end)
+        held.release()
+        stop.write_text("")
+        out = stream.communicate(timeout=60)[0]
+    finally:
+        stream.kill()
+        stream.wait()
+    assert stream.returncode == 0, out
+
+
+def test_a_waiter_moves_to_a_lock_directory_made_anew(tmp_path: Path) -> None:
+    # The lock directory is moved away (or removed) while a session waits for a GPU held in it: the waiter
+    # notices at its next attempt, uses the new directory and says so.
+    lock_dir = tmp_path / "locks"
+    locks = GpuLocks(str(lock_dir))
+    locks.prepare(["GPU-a"])
+    with holding(str(lock_dir), "GPU-a") as holder:
+        moved = threading.Timer(0.5, lambda: (lock_dir.rename(tmp_path / "old"), lock_dir.mkdir()))
+        moved.start()
+        try:
+            held = locks.acquire(["GPU-a"], 1, 20, "waiter::test")
+        finally:
+            moved.join()
+        held.release()
+        assert holder.poll() is None  # (still holding GPU-a in the old directory)
+    assert held.waited_s > 0
+    assert (lock_dir / "GPU-a.lock").exists()
+    assert any("was removed or replaced while this session ran" in n for n in locks_mod.take_notices())
 
 
 def test_lock_file_replaced_between_tests_is_seen_though_names_are_not_looked_up(

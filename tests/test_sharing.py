@@ -309,6 +309,152 @@ def test_wait_lines_reach_the_terminal_while_waiting(sessions: Sessions, sim: Pa
     assert out.count("waits for GPU lock(s)") == 1
 
 
+# ---- a GPU's lock file and its waiters concern that GPU only ------------------------------------------
+
+HOLD_UNTIL_RAN = '''
+import os, time
+from pathlib import Path
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+def test_hold():
+    """Hold this session's GPUs until the other session's test has run (or a minute passes)."""
+    Path(os.environ["HOLDING"]).write_text(str(os.getpid()))
+    ran = Path(os.environ["RAN"])
+    deadline = time.monotonic() + 60
+    while not ran.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ran.exists(), "the other session's test did not run while this one held its GPU"
+'''
+
+NOOP_RAN = """
+import os
+from pathlib import Path
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+def test_noop():
+    Path(os.environ["RAN"]).write_text("")
+"""
+
+
+def test_a_free_gpu_does_not_wait_for_a_busy_one(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+    # The issue's case: a session holds GPU 0; GPU 1's lock file has never existed. The second session
+    # makes it and runs at once: it does not wait until nobody holds any GPU in the directory.
+    holding, ran = tmp_path / "holding", tmp_path / "ran"
+    (sessions.suite / "test_hold.py").write_text(HOLD_UNTIL_RAN)
+    (sessions.suite / "test_noop.py").write_text(NOOP_RAN)
+    holder = sessions.start("test_hold.py", "--gpuclean-devices=0", HOLDING=str(holding), RAN=str(ran))
+    wait_for_file(holding, holder)
+    assert [p.name for p in (tmp_path / "locks").glob("*.lock")] == [f"{uuids_of(sim)[0]}.lock"]
+    rc, out = sessions.finish(sessions.start("test_noop.py", "--gpuclean-devices=1",
+                                             "--gpuclean-lock-timeout=10", RAN=str(ran)))
+    assert rc == 0, out
+    assert "waits for GPU lock" not in out, out
+    holder_rc, holder_out = sessions.finish(holder)
+    assert holder_rc == 0, holder_out  # it held GPU 0 all the while
+
+
+STREAM = """
+import os, time
+from pathlib import Path
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+@pytest.mark.parametrize("n", range(100))
+def test_stream(n):
+    \"\"\"One test after another on GPU 0, until told to stop (then quick ones).\"\"\"
+    Path(os.environ["STREAMING"]).touch()
+    if not Path(os.environ["STOP"]).exists():
+        time.sleep(0.3)
+"""
+
+WAITER = """
+import os, time
+from pathlib import Path
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+def test_waiter():
+    # The session on GPU 1 ran during the stream (it did not wait for it): only now does the stream stop.
+    deadline = time.monotonic() + 60
+    while not Path(os.environ["RAN"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    Path(os.environ["STOP"]).touch()
+"""
+
+
+def test_a_stream_of_tests_keeps_out_neither_another_gpu_nor_a_waiter(sessions: Sessions,
+                                                                      tmp_path: Path) -> None:
+    # Continuous load on GPU 0: tests back to back, the lock free only for the moment between two of them.
+    # A session on GPU 1 (a lock file never made before) runs at once; a session that waits for GPU 0 gets
+    # it once it has waited a second (the stream's next test lets it go first), not when the stream ends:
+    # the stream lasts 30 s, longer than the waiter's lock timeout.
+    streaming, stop, ran = tmp_path / "streaming", tmp_path / "stop", tmp_path / "ran"
+    (sessions.suite / "test_stream.py").write_text(STREAM)
+    (sessions.suite / "test_noop.py").write_text(NOOP_RAN)
+    (sessions.suite / "test_waiter.py").write_text(WAITER)
+    stream = sessions.start("test_stream.py", "-q", "--gpuclean-devices=0", STREAMING=str(streaming),
+                            STOP=str(stop))
+    wait_for_file(streaming, stream, empty_ok=True)
+    waiter = sessions.start("test_waiter.py", "--gpuclean-devices=0", "--gpuclean-lock-timeout=20",
+                            RAN=str(ran), STOP=str(stop))
+    rc, out = sessions.finish(sessions.start("test_noop.py", "--gpuclean-devices=1",
+                                             "--gpuclean-lock-timeout=20", RAN=str(ran)))
+    assert rc == 0, out
+    assert "waits for GPU lock" not in out, out
+    rc, out = sessions.finish(waiter)
+    assert rc == 0, out
+    rc, out = sessions.finish(stream)
+    assert rc == 0, out
+
+
+@pytest.mark.parametrize("inner_devices", ["own", "more"])
+def test_nested_session_makes_lock_files_while_its_outer_session_holds_gpus(
+        sessions: Sessions, sim: Path, tmp_path: Path, inner_devices: str) -> None:
+    # An inner session that a test starts needs lock files its outer session never made: simulated devices
+    # of its own (the example suite, run with --gpuclean-simulate on the command line, hands its inner
+    # sessions another directory through GPUCLEAN_SIMULATE), or more GPUs than the outer session checks
+    # (the one its test holds is inherited). It must not wait for its own outer session to let go.
+    inner_sim = sim
+    if inner_devices == "own":
+        inner_sim = tmp_path / "inner-sim"
+        for index in (0, 1):
+            (inner_sim / str(index)).mkdir(parents=True)
+    nested = sessions.suite / "nested"
+    nested.mkdir()
+    (nested / "pytest.ini").write_text("[pytest]\n")
+    (nested / "test_nested.py").write_text('''
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_nested(clean_gpus):
+    print("NESTED SEES", len(clean_gpus.uuids))
+''')
+    (sessions.suite / "test_outer.py").write_text(f'''
+import os, subprocess, sys
+import pytest
+
+@pytest.mark.needs_clean_gpus
+def test_runs_a_nested_session():
+    nested = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider", "-s",
+         "--gpuclean-lock-timeout=5"],
+        cwd={str(nested)!r}, capture_output=True, text=True,
+        env=dict(os.environ, GPUCLEAN_SIMULATE={str(inner_sim)!r},
+                 GPUCLEAN_LOCK_DIR={str(tmp_path / "locks")!r}))
+    assert nested.returncode == 0, nested.stdout
+    assert "NESTED SEES 2\\n" in nested.stdout
+    assert "waits for GPU lock" not in nested.stdout, nested.stdout
+''')
+    rc, out = sessions.finish(sessions.start("test_outer.py", "--gpuclean-devices=0"))
+    assert rc == 0, out
+
+
 def test_raw_fork_child_of_a_killed_session_keeps_no_gpu(sessions: Sessions, tmp_path: Path) -> None:
     # A test forks through libc (no Python at-fork hook runs), then pytest is SIGKILLed: the child lives on.
     child_file = tmp_path / "child"
