@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from pytest_gpuclean import pools, processes, procfs
 from pytest_gpuclean.devices import Backend, DeviceError
@@ -22,6 +22,7 @@ from pytest_gpuclean.model import (
     DeviceSnapshot,
     EndedBy,
     FoundBy,
+    Outside,
     Owner,
     Phase,
 )
@@ -49,6 +50,11 @@ MAX_REAP_ROUNDS = 4
 MAX_FREEZE_PASSES = 20
 """Census passes while freezing a respawning set: each pass stops what the previous one missed, and a
 stopped process forks no more, so this ends after as many passes as the tree is deep."""
+OUTSIDE_SLACK_BYTES = 16 * MIB
+"""How far memory held from outside may move and still be "the same" state (or the check's tolerance, if
+larger): a CUDA context of the session's that the driver lists under no process while a process that is
+not ours is listed there (9 MiB per context on an H200, 3 MiB for CUDA without one) must not make the
+same outside holder new again. Only how long a check waits depends on it: never its verdict."""
 MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
 """Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
 dill-based fork that vLLM's tests use)."""
@@ -86,6 +92,24 @@ class Found:
         return self.state not in procfs.EXITED
 
 
+class OutsideState(NamedTuple):
+    """What held one device from outside the session, unchanged since ``since``."""
+
+    holders: frozenset[tuple[int, int]]
+    """(pid, start ticks) of each process listed there that is not ours (start ticks 0: not visible)."""
+    used_bytes: int
+    """Memory there that is not ours."""
+    where: str
+    """The check that saw it: a test's node id."""
+    since: float
+    """``time.monotonic()`` when a check first saw it so (it did not change while that check waited)."""
+
+    def same(self, holders: frozenset[tuple[int, int]], used_bytes: int, slack: int) -> bool:
+        """The same processes (pid and start time: not a new process that reused a pid), the same memory
+        give or take ``slack``."""
+        return self.holders == holders and abs(self.used_bytes - used_bytes) <= slack
+
+
 class Checker:
     """Checks devices and processes; reaps leaks that are provably this session's."""
 
@@ -121,6 +145,9 @@ class Checker:
         self._debris_checked = False
         self._tree = procfs.DescendantWalk()
         self._last_readings: dict[str, DeviceSnapshot] = {}
+        self.outside: dict[str, OutsideState] = {}
+        """Per device UUID: the outside state a check waited out. A later check that finds the very same,
+        unchanged for as long as its own timeout, does not wait for it again."""
         self.last_census: list[Found] = []
         """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
         started)."""
@@ -318,6 +345,14 @@ class Checker:
                 peers.add(pid)
         return peers
 
+    def of_our_run(self, pid: int) -> bool:
+        """A process that a sibling xdist worker of our run started (its cookie extends the controller's):
+        the run's, never outside the session, though this worker does not account for it."""
+        if not self.xdist_run or not self.peer_cookie:
+            return False
+        value = procfs.read_environ_vars(pid, (COOKIE_VAR,)).get(COOKIE_VAR)
+        return value is not None and value.startswith(self.peer_cookie + "/")
+
     # ---- the check -----------------------------------------------------------------------------
 
     def snapshot(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
@@ -339,12 +374,14 @@ class Checker:
         return tuple(readings)
 
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
-              scan_cookies: bool = False, reap: bool | None = None) -> CheckResult:
-        """Check until clean or ``timeout``; reap what is ours first (if enabled)."""
+              scan_cookies: bool = False, reap: bool | None = None, where: str = "an earlier check"
+              ) -> CheckResult:
+        """Check until clean or ``timeout``; reap what is ours first (if enabled). ``where`` names this
+        check to later ones that find the same outside state (a test's node id)."""
         dead_sessions = self.dead_sessions and not self._debris_checked
         self._debris_checked = True  # at start-up once; later only when something is unexplained
         return _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                      self.reap_enabled if reap is None else reap).run()
+                      self.reap_enabled if reap is None else reap, where).run()
 
     def _may_kill(self, f: Found, info: ProcessInfo | None) -> bool:
         if info is None:
@@ -597,8 +634,10 @@ class _Check:
     """One check: observe, collect zombies, let leftovers settle, reap, and give the verdict."""
 
     def __init__(self, checker: Checker, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
-                 timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool) -> None:
+                 timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool,
+                 where: str = "an earlier check") -> None:
         self.c = checker
+        self.where = where
         self.phase = phase
         self.devices = devices
         self.tolerance_mib = tolerance_mib
@@ -626,6 +665,8 @@ class _Check:
         self.unexplained: set[int] = set()
         self.overhead: dict[str, int] = {}
         self.self_cuda: set[str] = set()
+        self.outside_seen: dict[str, OutsideState] = {}
+        """Per device UUID: its outside state as this check last found it, and since when unchanged."""
         self._first: tuple[tuple[DeviceSnapshot, ...], list[Found] | None] | None = None
         """The readings ``quiet`` took, for the first round."""
 
@@ -661,6 +702,8 @@ class _Check:
         if found is None or found:
             self._first = (snaps, found)
             return None
+        for device in self.devices if c.outside else ():
+            c.outside.pop(device.uuid, None)  # what held it from outside is gone
         waited = time.monotonic() - self.started
         return CheckResult(phase=self.phase, clean=True, devices=snaps, offenders=(), waited_s=waited,
                            clean_after_s=waited, tolerance_mib=self.tolerance_mib)
@@ -768,11 +811,16 @@ class _Check:
         # Processes that survived our SIGKILL, or that we may not signal, do not go away by waiting.
         unsignalled = {f.key for f in self.unknown} | {
             f.key for f in self.ours if f.key in self.attempted}
+        # Nor does an outside state that an earlier check already waited out, and finds again unchanged.
+        outside, states = self._outside(offenders)
+        known = self._known_outside(states)
         hopeless = bool(offenders) and all(
-            o.reason == "leaked" and o.process is not None
-            and (o.process.pid, o.process.start_ticks) in unsignalled for o in offenders)
+            (o.reason == "leaked" and o.process is not None
+             and (o.process.pid, o.process.start_ticks) in unsignalled)
+            or (id(o) in outside and outside[id(o)] <= known) for o in offenders)
         if offenders and not hopeless and waited < self.timeout:
             return None
+        outside_found = self._remember_outside(offenders, outside, states, known, waited_out=not hopeless)
         if fresh and self.rounds >= MAX_REAP_ROUNDS:
             self.notes.append(f"gave up after {self.rounds} reaping rounds: killed processes keep being "
                               f"replaced (a process pool or supervisor outside our reach?)")
@@ -790,7 +838,79 @@ class _Check:
             self_mib=tuple((s.device.label, s.bytes_of({me}) / MIB) for s in self.snaps if s.bytes_of({me})),
             self_cuda_only=() if not self.self_cuda else tuple(
                 s.device.label for s in self.snaps if s.device.label in self.self_cuda),
+            outside=outside_found,
         )
+
+    def _outside(self, offenders: Sequence[Offender]
+                 ) -> tuple[dict[int, frozenset[str]], dict[str, tuple[frozenset[tuple[int, int]], int]]]:
+        """The findings that cannot be the session's (by ``id``, each with the UUIDs of the devices it is
+        on), and each of those devices as a later check compares it: the processes listed there that are
+        not ours, and the memory there that is not ours.
+
+        Cannot be the session's: a process the driver lists that is neither ours nor excused (a sibling
+        xdist worker's processes are the run's, not outside), and memory that no process we can see holds.
+        A leak of ours, or a process of unknown owner that carries our cookie, never is.
+        """
+        found: dict[int, frozenset[str]] = {}
+        if not offenders:
+            return found, {}
+        uuid_of = {s.device.label: s.device.uuid for s in self.snaps}
+        for o in offenders:
+            if o.reason == "memory" or (o.reason == "foreign" and o.process is not None
+                                        and not self.c.of_our_run(o.process.pid)):
+                found[id(o)] = frozenset(uuid_of[label] for label, _ in o.mib_per_device if label in uuid_of)
+        states: dict[str, tuple[frozenset[tuple[int, int]], int]] = {}
+        dirty = frozenset().union(*found.values())
+        ours = self.excused | {f.pid for f in self.found}
+        for snap in self.snaps:
+            uuid = snap.device.uuid
+            if uuid in dirty:
+                holders = frozenset((p.pid, _start_ticks(p.pid)) for p in snap.processes
+                                    if p.pid in self.unexplained)
+                states[uuid] = (holders, snap.used_bytes - snap.bytes_of(ours) - self.overhead.get(uuid, 0))
+        return found, states
+
+    def _known_outside(self, states: dict[str, tuple[frozenset[tuple[int, int]], int]]) -> set[str]:
+        """The devices whose outside state is one an earlier check waited out, unchanged since for at
+        least this check's timeout: waiting longer for it is waiting for nothing. (A check with a longer
+        timeout than that one's waits the difference.) Tracks, per device, since when this check has seen
+        its outside state unchanged."""
+        remembered = self.c.outside
+        slack = max(self.tolerance, OUTSIDE_SLACK_BYTES)
+        now = time.monotonic()
+        known: set[str] = set()
+        for uuid, (holders, used) in states.items():
+            earlier = remembered.get(uuid)
+            if earlier is not None and earlier.same(holders, used, slack):
+                self.outside_seen[uuid] = earlier
+                if now - earlier.since >= self.timeout:
+                    known.add(uuid)
+                continue
+            seen = self.outside_seen.get(uuid)
+            if seen is None or not seen.same(holders, used, slack):
+                self.outside_seen[uuid] = OutsideState(holders, used, self.where, now)
+        return known
+
+    def _remember_outside(self, offenders: Sequence[Offender], outside: dict[int, frozenset[str]],
+                          states: dict[str, tuple[frozenset[tuple[int, int]], int]], known: set[str],
+                          waited_out: bool) -> Outside | None:
+        """Remember the outside state this check waited out (``waited_out``: it ran to its timeout), forget
+        that of each device now clean from outside; what was found from outside, for the result."""
+        remembered = self.c.outside
+        for device in self.devices:
+            uuid = device.uuid
+            if uuid not in states:
+                remembered.pop(uuid, None)  # clean from outside now: a later state is new again
+            elif waited_out and uuid in self.outside_seen:
+                remembered[uuid] = self.outside_seen[uuid]  # (an earlier check's, if it is the same)
+        if not outside:
+            return None
+        devices = tuple((s.device.label, states[s.device.uuid][1] / MIB) for s in self.snaps
+                        if s.device.uuid in states)
+        # Not waited out here: every outside finding was a state an earlier check waited out.
+        wheres = sorted({remembered[u].where for u in known & states.keys()})
+        same_as = None if waited_out or not wheres else ", ".join(wheres)
+        return Outside(devices, only=len(outside) == len(offenders), same_as=same_as)
 
     def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
@@ -826,6 +946,13 @@ class ReleaseWatch:
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process. Measured on
 an H200 (driver 580): 877 MiB used with one context whose process was charged 868 MiB."""
+
+
+def _start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot); 0 for a process we cannot see (another PID
+    namespace's, listed by the driver)."""
+    stat = procfs.read_stat(pid)
+    return 0 if stat is None else stat.start_ticks
 
 
 def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:

@@ -100,7 +100,16 @@ def check_json(check: CheckResult) -> JsonDict:
             "offenders": [offender_json(o) for o in check.offenders],
             "reaped": [reaped_json(r) for r in check.reaped],
             "lingered": [offender_json(o) for o in check.lingered], "notes": list(check.notes),
-            "self_mib": mib_pairs_json(check.self_mib)}
+            "self_mib": mib_pairs_json(check.self_mib), "outside": outside_json(check)}
+
+
+def outside_json(check: CheckResult) -> JsonDict | None:
+    """What a check found that cannot be the session's, and whether it waited for it; None if nothing."""
+    outside = check.outside
+    if outside is None:
+        return None
+    return {"devices": mib_pairs_json(outside.devices), "only": outside.only, "same_as": outside.same_as,
+            "waited": outside.same_as is None}
 
 
 def cluster_reaped_json(item: ClusterReaped) -> JsonDict:
@@ -215,6 +224,7 @@ def record_json(record: TestRecord) -> JsonDict:
         "found_later": [reaped_json(r) for r in record.found_later],
         "in_process_mib": mib_pairs_json(record.in_process_mib),
         "lock_timeout": record.lock_timeout,
+        "outside_action": record.outside_action,
         "timings": {"lock_wait_s": _seconds(record.lock_wait_s), "before_s": _seconds(record.before_s),
                     "after_s": _seconds(record.after_s)},
         **_cluster_keys(record),
@@ -238,7 +248,8 @@ def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
             "not_clean": outcomes.count("not_clean"), "reaped": reaped,
-            "lock_timeouts": sum(1 for r in records if r.lock_timeout is not None)}
+            "lock_timeouts": sum(1 for r in records if r.lock_timeout is not None),
+            "dirty_from_outside": sum(1 for r in records if r.outside_action is not None)}
 
 
 def versions() -> dict[str, str | None]:

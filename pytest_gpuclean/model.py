@@ -42,6 +42,8 @@ for a leader whose other threads still run; ``gone`` for one that ended before i
 ``?`` where nobody could tell (another node's process)."""
 OnOff = Literal["on", "off"]
 Scope = Literal["session", "host"]
+OutsideAction = Literal["fail", "skip", "stop"]
+"""What a test gets when its GPUs are dirty only from outside the session (``--gpuclean-outside``)."""
 
 
 _F = TypeVar("_F", bound="Fields")
@@ -176,12 +178,32 @@ class KillResult(Protocol):
         ...
 
 
+class Outside(Fields):
+    """What a check found on its devices that cannot be the session's: processes the driver lists that are
+    not ours (nor excused), and memory no process we can see holds."""
+
+    __slots__ = ("devices", "only", "same_as")
+    devices: Final[tuple[tuple[str, float], ...]]
+    """(device label, MiB held from outside) of each device dirty from outside."""
+    only: Final[bool]
+    """Every finding of the check was from outside: nothing of the session's kept the GPUs dirty."""
+    same_as: Final[str | None]
+    """Not waited for: the same outside state (same holders, same memory) that this check (a test's node
+    id) already waited out; None if this check waited for it."""
+
+    def __init__(self, devices: tuple[tuple[str, float], ...], only: bool, same_as: str | None = None
+                 ) -> None:
+        self.devices = devices
+        self.only = only
+        self.same_as = same_as
+
+
 class CheckResult(Fields):
     """The verdict of one check of the devices and processes."""
 
     __slots__ = (
         "phase", "clean", "devices", "offenders", "reaped", "waited_s", "clean_after_s", "notes",
-        "tolerance_mib", "collected", "lingered", "self_mib", "self_cuda_only",
+        "tolerance_mib", "collected", "lingered", "self_mib", "self_cuda_only", "outside",
     )
     phase: Final[Phase]
     clean: Final[bool]
@@ -203,12 +225,15 @@ class CheckResult(Fields):
     """This process's own memory per device (a CUDA context of the pytest process): not a leak."""
     self_cuda_only: Final[tuple[str, ...]]
     """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
+    outside: Final[Outside | None]
+    """What of the findings came from outside the session; None if nothing did."""
 
     def __init__(self, phase: Phase, clean: bool, devices: tuple[DeviceSnapshot, ...],
                  offenders: tuple[Offender, ...], reaped: tuple[Reaped, ...] = (), waited_s: float = 0.0,
                  clean_after_s: float | None = None, notes: tuple[str, ...] = (), tolerance_mib: int = 0,
                  collected: tuple[Reaped, ...] = (), lingered: tuple[Offender, ...] = (),
-                 self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = ()) -> None:
+                 self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = (),
+                 outside: Outside | None = None) -> None:
         self.phase = phase
         self.clean = clean
         self.devices = devices
@@ -222,6 +247,7 @@ class CheckResult(Fields):
         self.lingered = lingered
         self.self_mib = self_mib
         self.self_cuda_only = self_cuda_only
+        self.outside = outside
 
 
 class TestRecord(Fields):
@@ -229,7 +255,7 @@ class TestRecord(Fields):
 
     __slots__ = (
         "nodeid", "location", "before", "after", "found_later", "in_process_mib", "devices", "lock_wait_s",
-        "lock_timeout", "before_s", "after_s", "cluster_before", "cluster_after",
+        "lock_timeout", "before_s", "after_s", "cluster_before", "cluster_after", "outside_action",
     )
     __hash__ = None  # type: ignore[assignment]  # (filled in as the test runs)
     nodeid: str
@@ -250,13 +276,17 @@ class TestRecord(Fields):
     cluster_before: ClusterCheck | None
     """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
     cluster_after: ClusterCheck | None
+    outside_action: OutsideAction | None
+    """What the test got because a check found its GPUs dirty only from outside the session
+    (``--gpuclean-outside``); None if none did."""
 
     def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
                  after: CheckResult | None = None, found_later: list[Reaped] | None = None,
                  in_process_mib: list[tuple[str, float]] | None = None, devices: tuple[str, ...] = (),
                  lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
                  after_s: float = 0.0, cluster_before: ClusterCheck | None = None,
-                 cluster_after: ClusterCheck | None = None) -> None:
+                 cluster_after: ClusterCheck | None = None, outside_action: OutsideAction | None = None
+                 ) -> None:
         self.nodeid = nodeid
         self.location = location
         self.before = before
@@ -270,6 +300,7 @@ class TestRecord(Fields):
         self.after_s = after_s
         self.cluster_before = cluster_before
         self.cluster_after = cluster_after
+        self.outside_action = outside_action
 
     @property
     def leaked(self) -> bool:

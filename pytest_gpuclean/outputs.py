@@ -317,7 +317,8 @@ class OutputHooks:
             "devices": [jsonreport.device_json(d) for d in (started.devices if started is not None else ())],
             "settings": {"all": settings.all, "tolerance_mib": settings.tolerance_mib,
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
-                         "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu},
+                         "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu,
+                         "outside": settings.outside},
             "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
             **_ray_session_json(started, self.found),
         }

@@ -17,6 +17,7 @@ from pytest_gpuclean.model import (
     DeviceInfo,
     DeviceSnapshot,
     GpuProcess,
+    Outside,
     Owner,
 )
 from pytest_gpuclean.model import TestRecord as Record  # (a Test* name would be collected)
@@ -50,6 +51,11 @@ RECORD = Record("t.py::test_leaks", ("t.py", 12), BEFORE, AFTER, [SURVIVED], [("
 NO_LOCKS = Record("t.py::test_waits", ("t.py", 20), lock_wait_s=600.0,
                   lock_timeout="waited 600s for 1 of 1 GPU lock(s); held by: GPU-0000: pid 1")
 
+OUTSIDE = Outside((("GPU 0", 88.0),), only=True, same_as="t.py::test_leaks")
+OUTSIDE_CHECK = CheckResult("setup", False, (SNAP,), (MEMORY,), waited_s=0.01, tolerance_mib=16,
+                            outside=OUTSIDE)
+OUTSIDE_RECORD = Record("t.py::test_skipped", ("t.py", 40), OUTSIDE_CHECK, outside_action="skip")
+
 NODE = "3f2a9c1b" + "0" * 48
 RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
                           (GpuProcess(4242, 512 * MIB),))
@@ -69,7 +75,7 @@ RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_befo
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
                        RAY_RELEASE, ClusterNode(NODE, (RAY_SNAP,), "x"), ClusterFinding("", MEMORY),
-                       RAY_AFTER, RAY_RECORD]
+                       RAY_AFTER, RAY_RECORD, OUTSIDE, OUTSIDE_CHECK, OUTSIDE_RECORD]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
@@ -221,7 +227,8 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
         "process": None, "owner": None, "mib_per_device": [{"device": "GPU 0", "mib": 88.0}]}
     assert jsonreport.snapshot_json(SNAP)["processes"][1] == {"pid": 7, "used_bytes": None, "used_mib": None}
     assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")], [REAPED]) == {
-        "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "reaped": 2, "lock_timeouts": 1}
+        "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "reaped": 2, "lock_timeouts": 1,
+        "dirty_from_outside": 0}
 
 
 def _enum(schema: dict[str, Any], *path: str) -> set[Any]:
@@ -239,3 +246,5 @@ def test_the_closed_sets_are_the_schema_enums() -> None:
     session = defs["session"]["properties"]["settings"]["properties"]
     assert set(get_args(model.Scope)) == _enum(session, "scope")
     assert set(get_args(model.OnOff)) == _enum(session, "reap") == _enum(session, "lock")
+    assert set(get_args(model.OutsideAction)) == _enum(session, "outside")
+    assert set(get_args(model.OutsideAction)) | {None} == _enum(defs, "test", "properties", "outside_action")
