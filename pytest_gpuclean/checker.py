@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from pytest_gpuclean import pools, processes, procfs
 from pytest_gpuclean.devices import Backend, DeviceError
@@ -26,6 +26,8 @@ from pytest_gpuclean.model import (
     Owner,
     Phase,
 )
+from pytest_gpuclean.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
+from pytest_gpuclean.outside import OutsideMemory, OutsideState
 from pytest_gpuclean.ownership import (
     COOKIE_VAR,
     OWNER_VAR,
@@ -50,11 +52,6 @@ MAX_REAP_ROUNDS = 4
 MAX_FREEZE_PASSES = 20
 """Census passes while freezing a respawning set: each pass stops what the previous one missed, and a
 stopped process forks no more, so this ends after as many passes as the tree is deep."""
-OUTSIDE_SLACK_BYTES = 16 * MIB
-"""How far memory held from outside may move and still be "the same" state (or the check's tolerance, if
-larger): a CUDA context of the session's that the driver lists under no process while a process that is
-not ours is listed there (9 MiB per context on an H200, 3 MiB for CUDA without one) must not make the
-same outside holder new again. Only how long a check waits depends on it: never its verdict."""
 MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
 """Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
 dill-based fork that vLLM's tests use)."""
@@ -92,24 +89,6 @@ class Found:
         return self.state not in procfs.EXITED
 
 
-class OutsideState(NamedTuple):
-    """What held one device from outside the session, unchanged since ``since``."""
-
-    holders: frozenset[tuple[int, int]]
-    """(pid, start ticks) of each process listed there that is not ours (start ticks 0: not visible)."""
-    used_bytes: int
-    """Memory there that is not ours."""
-    where: str
-    """The check that saw it: a test's node id."""
-    since: float
-    """``time.monotonic()`` when a check first saw it so (it did not change while that check waited)."""
-
-    def same(self, holders: frozenset[tuple[int, int]], used_bytes: int, slack: int) -> bool:
-        """The same processes (pid and start time: not a new process that reused a pid), the same memory
-        give or take ``slack``."""
-        return self.holders == holders and abs(self.used_bytes - used_bytes) <= slack
-
-
 class Checker:
     """Checks devices and processes; reaps leaks that are provably this session's."""
 
@@ -145,9 +124,10 @@ class Checker:
         self._debris_checked = False
         self._tree = procfs.DescendantWalk()
         self._last_readings: dict[str, DeviceSnapshot] = {}
-        self.outside: dict[str, OutsideState] = {}
+        self.outside = OutsideMemory()
         """Per device UUID: the outside state a check waited out. A later check that finds the very same,
-        unchanged for as long as its own timeout, does not wait for it again."""
+        unchanged for as long as its own timeout, does not wait for it again. (An xdist worker's session
+        shares it with the run's other workers: ``outside.py``.)"""
         self.last_census: list[Found] = []
         """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
         started)."""
@@ -702,8 +682,7 @@ class _Check:
         if found is None or found:
             self._first = (snaps, found)
             return None
-        for device in self.devices if c.outside else ():
-            c.outside.pop(device.uuid, None)  # what held it from outside is gone
+        c.outside.forget(d.uuid for d in self.devices)  # what held them from outside is gone
         waited = time.monotonic() - self.started
         return CheckResult(phase=self.phase, clean=True, devices=snaps, offenders=(), waited_s=waited,
                            clean_after_s=waited, tolerance_mib=self.tolerance_mib)
@@ -875,7 +854,7 @@ class _Check:
         least this check's timeout: waiting longer for it is waiting for nothing. (A check with a longer
         timeout than that one's waits the difference.) Tracks, per device, since when this check has seen
         its outside state unchanged."""
-        remembered = self.c.outside
+        remembered = self.c.outside.load() if states else {}
         slack = max(self.tolerance, OUTSIDE_SLACK_BYTES)
         now = time.monotonic()
         known: set[str] = set()
@@ -896,19 +875,20 @@ class _Check:
                           waited_out: bool) -> Outside | None:
         """Remember the outside state this check waited out (``waited_out``: it ran to its timeout), forget
         that of each device now clean from outside; what was found from outside, for the result."""
-        remembered = self.c.outside
-        for device in self.devices:
-            uuid = device.uuid
-            if uuid not in states:
-                remembered.pop(uuid, None)  # clean from outside now: a later state is new again
-            elif waited_out and uuid in self.outside_seen:
-                remembered[uuid] = self.outside_seen[uuid]  # (an earlier check's, if it is the same)
+        # Clean from outside now: a later state there is new again. Waited out: remembered (an earlier
+        # check's, if it is the same).
+        clean = [d.uuid for d in self.devices if d.uuid not in states]
+        remember = {u: self.outside_seen[u] for u in states if waited_out and u in self.outside_seen}
+        if remember:
+            self.c.outside.update(remember, forget=clean)
+        else:
+            self.c.outside.forget(clean)
         if not outside:
             return None
         devices = tuple((s.device.label, states[s.device.uuid][1] / MIB) for s in self.snaps
                         if s.device.uuid in states)
         # Not waited out here: every outside finding was a state an earlier check waited out.
-        wheres = sorted({remembered[u].where for u in known & states.keys()})
+        wheres = sorted({self.outside_seen[u].where for u in known & states.keys()})
         same_as = None if waited_out or not wheres else ", ".join(wheres)
         return Outside(devices, only=len(outside) == len(offenders), same_as=same_as)
 

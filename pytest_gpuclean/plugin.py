@@ -226,6 +226,8 @@ class GpuCleanPlugin:
         self.controller = session.config.pluginmanager.hasplugin("dsession")
         if self.controller:
             self.start()
+            assert self.session is not None
+            self.session.share_outside()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

@@ -22,6 +22,7 @@ from pytest_gpuclean.checker import Checker
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, restore_env
 from pytest_gpuclean.locks import GpuLocks
 from pytest_gpuclean.model import MIB, DeviceInfo, Owner
+from pytest_gpuclean.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean.ownership import SESSION_OWNER
 from pytest_gpuclean.plugin import MARKER, GpuCleanWarning
 from pytest_gpuclean.signals import quiet_interrupts
@@ -53,6 +54,9 @@ class CheckedSession:
         self.locks: GpuLocks | None = None
         self.cluster: ClusterChecks | None = None
         self._test_tokens: dict[str, str] = {}
+        self._shared: tuple[str, str | None] | None = None
+        """xdist controller: the directory its workers share what held a GPU from outside in, and the
+        value ``STATE_VAR`` had before."""
         me = os.getpid()
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
@@ -98,6 +102,9 @@ class CheckedSession:
                                peer_cookie=exported.inherited,
                                dead_sessions=resolved.dead_sessions == "on",
                                session_start_ticks=exported.started_ticks)
+        shared = os.environ.get(STATE_VAR) if worker else None
+        if shared:
+            self.checker.outside = OutsideMemory(shared)  # the run's other workers' too
         # Processes started outside any test (collection, other plugins, conftest imports) carry the
         # session's cookie: the session set-up's, protected until the very last sweep.
         self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
@@ -122,6 +129,15 @@ class CheckedSession:
             holders = f"this pytest process holds {mine / MIB:.0f} MiB (not counted)" if mine else ""
             lines.append("gpuclean: " + report.device_line(snap, holders))
         return lines
+
+    def share_outside(self) -> None:
+        """xdist controller, before it starts the workers (they inherit the environment): a private file
+        for them to share what held a GPU from outside, so that one worker's wait spares the others."""
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="gpuclean-run-")  # 0700: no other user plants anything there
+        self._shared = (folder, os.environ.get(STATE_VAR))
+        os.environ[STATE_VAR] = os.path.join(folder, "outside.json")
 
     # ---- the session's end -----------------------------------------------------------------------
 
@@ -154,6 +170,13 @@ class CheckedSession:
         plugin's daemon) and its owner did not stop, which would otherwise outlive pytest."""
         if self.cluster is not None:
             self.cluster.stop()
+        if self._shared is not None:
+            import shutil
+
+            folder, previous = self._shared
+            shutil.rmtree(folder, ignore_errors=True)
+            restore_env(STATE_VAR, previous)
+            self._shared = None
         try:
             late = self.checker.final_sweep(self.devices, include_session=True) if not controller else []
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else

@@ -193,6 +193,8 @@ def test_a_process_without_a_memory_figure_counts_as_zero(backend: FakeBackend) 
 
 # ---- an outside state a check waited out ------------------------------------------------------------
 
+# (dead_sessions=False: the debris of another suite's killed session on this host is not what they test.)
+
 def outside_check(checker: Checker, timeout: float = 0, where: str = "t.py::test_1",
                   tolerance_mib: int = 0) -> CheckResult:
     return checker.check("setup", (GPU0,), tolerance_mib=tolerance_mib, timeout=timeout, where=where)
@@ -201,7 +203,7 @@ def outside_check(checker: Checker, timeout: float = 0, where: str = "t.py::test
 def test_an_unchanged_outside_state_is_known_and_still_dirty(backend: FakeBackend) -> None:
     stranger = absent_pid()
     backend.set(GPU0, 512, (stranger, 512))
-    checker = Checker(backend, reap=False)
+    checker = Checker(backend, reap=False, dead_sessions=False)
     first = outside_check(checker)
     assert first.outside is not None and (first.outside.same_as, first.outside.only) == (None, True)
     second = outside_check(checker, where="t.py::test_2")
@@ -218,7 +220,7 @@ def test_outside_memory_is_the_same_within_the_slack_or_the_tolerance(
         backend: FakeBackend, then_mib: float, tolerance_mib: int, known: bool) -> None:
     # 16 MiB (OUTSIDE_SLACK_BYTES): a CUDA context of ours that the driver charges to no process.
     backend.set(GPU0, 512)
-    checker = Checker(backend, reap=False)
+    checker = Checker(backend, reap=False, dead_sessions=False)
     outside_check(checker, tolerance_mib=tolerance_mib)
     backend.set(GPU0, then_mib)
     result = outside_check(checker, where="t.py::test_2", tolerance_mib=tolerance_mib)
@@ -231,7 +233,7 @@ def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBacke
 
     stranger = absent_pid()
     backend.set(GPU0, 512, (stranger, 512))
-    checker = Checker(backend, reap=False)
+    checker = Checker(backend, reap=False, dead_sessions=False)
     monkeypatch.setattr(checker_module, "_start_ticks", lambda pid: 1000)
     outside_check(checker)
     monkeypatch.setattr(checker_module, "_start_ticks", lambda pid: 2000)  # same pid, started later
@@ -242,7 +244,7 @@ def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBacke
 
 def test_a_device_clean_from_outside_forgets_what_held_it(backend: FakeBackend) -> None:
     backend.set(GPU0, 512)
-    checker = Checker(backend, reap=False)
+    checker = Checker(backend, reap=False, dead_sessions=False)
     outside_check(checker)
     backend.set(GPU0, 0)
     assert outside_check(checker, where="t.py::test_2").clean
@@ -271,7 +273,7 @@ def test_a_check_with_a_longer_timeout_waits_the_difference(backend: FakeBackend
     clock = FakeClock()
     monkeypatch.setattr(checker_module, "time", clock)
     backend.set(GPU0, 512)
-    checker = Checker(backend, reap=False)
+    checker = Checker(backend, reap=False, dead_sessions=False)
     assert outside_check(checker, timeout=1).waited_s >= 1  # new: waited out in full
     clock.sleep(2)
     # Unchanged for 3 s since the first check first saw it: a check that would wait 5 s waits the 2 s
@@ -292,12 +294,13 @@ def test_a_foreign_process_of_our_xdist_run_is_not_outside(backend: FakeBackend,
                                                       "GPUCLEAN_TEST": "gc.1.2.3.aa:session/gc.4.5.3.bb:t7"})
     try:
         backend.set(GPU0, 512, (sibling.pid, 512))
-        checker = Checker(backend, reap=False, xdist_run="run1", peer_cookie="gc.1.2.3.aa:session")
+        checker = Checker(backend, reap=False, dead_sessions=False, xdist_run="run1",
+                          peer_cookie="gc.1.2.3.aa:session")
         monkeypatch.setattr(checker, "census", lambda **kwargs: [])  # (not under this process, as in a run)
         for where in ("t.py::test_1", "t.py::test_2"):
             result = outside_check(checker, where=where)
             assert [o.reason for o in result.offenders] == ["foreign"] and result.outside is None
-        assert checker.outside == {}
+        assert checker.outside.load() == {}
     finally:
         sibling.kill()
         sibling.wait()

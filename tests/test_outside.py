@@ -72,6 +72,12 @@ def unlisted_holder(sim: Path) -> Iterator[int]:
     other.wait()
 
 
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    # Not about dead sessions: the debris of another session of this user (a test of another suite on the
+    # same host that killed its pytest) must not add findings here.
+    return run_inner(pytester, "--gpuclean-dead-sessions=off", "--gpuclean-report=report.json", *args)
+
+
 def report(pytester: pytest.Pytester) -> dict[str, Any]:
     document: dict[str, Any] = json.loads((pytester.path / "report.json").read_text())
     jsonschema.Draft202012Validator(jsonreport.load_schema(),
@@ -111,7 +117,7 @@ def test_n_tests_under_an_outside_holder_cost_one_timeout(
 def test_marked(n):
     raise AssertionError("must not run on dirty GPUs")
 """)
-    result = run_inner(pytester, "--gpuclean-report=report.json")
+    result = run(pytester)
     result.assert_outcomes(errors=4)
     result.stdout.fnmatch_lines([
         "*ERROR at setup of test_marked[[]0[]]*", waited(), who,
@@ -182,7 +188,7 @@ def test_8_holder_gone():
 def test_9_clean_again(clean_gpus):
     assert [d.used_bytes for d in clean_gpus.devices] == [0, 0]
 """)
-    result = run_inner(pytester, "--gpuclean-report=report.json")
+    result = run(pytester)
     result.assert_outcomes(passed=4, errors=5)
     result.stdout.fnmatch_lines([
         "*ERROR at setup of test_1*", waited(),
@@ -222,7 +228,7 @@ def test_2_unmarked_leaks():
 def test_3():
     pass
 """)
-    result = run_inner(pytester, "--gpuclean-report=report.json")
+    result = run(pytester)
     leaked = read_pids(pidfile)[0]
     result.assert_outcomes(passed=1, errors=2, warnings=1)
     result.stdout.fnmatch_lines([
@@ -255,7 +261,7 @@ def test_2_unmarked_leaks():
 def test_3():
     pass
 """)
-    result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-reap=off")
+    result = run(pytester, "--gpuclean-reap=off")
     leaked = read_pids(pidfile)[0]
     result.assert_outcomes(passed=1, errors=2)
     result.stdout.fnmatch_lines([
@@ -284,7 +290,7 @@ def test_1_gpu_taken_from_outside_while_it_runs():
 def test_2_not_run(n):
     raise AssertionError("must not run on dirty GPUs")
 """)
-    result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-outside=skip")
+    result = run(pytester, "--gpuclean-outside=skip")
     holder = read_pids(later_holder)[0]
     # The test that ran cannot be skipped, and another job's memory is no failure of its: a warning.
     result.assert_outcomes(passed=1, skipped=2, warnings=1)
@@ -316,7 +322,7 @@ def test_marked(n):
 def test_unmarked():
     pass
 """)
-    result = run_inner(pytester, "--gpuclean-report=report.json")
+    result = run(pytester)
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.assert_outcomes(errors=1)  # the test that found it: its check failed; nothing after it ran
     result.stdout.fnmatch_lines([
@@ -330,6 +336,29 @@ def test_unmarked():
         ("test_inner.py::test_marked[0]", "stop")]
 
 
+def test_xdist_workers_share_what_one_of_them_waited_out(inner: Callable[[str], Path],
+                                                          pytester: pytest.Pytester,
+                                                          outside_holder: Callable[..., int]) -> None:
+    # The workers take turns on the GPUs (their locks); the first to meet the holder waits it out, and no
+    # other worker waits for it again.
+    outside_holder(mib=100)
+    inner(f"""
+@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
+@pytest.mark.parametrize("n", range(6))
+def test_marked(n):
+    pass
+""")
+    result = run(pytester, "-n", "2")
+    result.assert_outcomes(errors=6)
+    result.stdout.fnmatch_lines(["[[]gw0[]]*", "[[]gw1[]]*"], consecutive=False)  # both workers checked
+    checks = [t["before"] for t in report(pytester)["tests"]]
+    waited_out = [c for c in checks if c["outside"]["waited"]]
+    assert len(waited_out) == 1, [c["outside"] for c in checks]
+    first = next(t["nodeid"] for t in report(pytester)["tests"] if t["before"]["outside"]["waited"])
+    assert sorted(c["outside"]["same_as"] for c in checks if c not in waited_out) == [first] * 5
+    assert all(c["waited_s"] < TIMEOUT for c in checks if c not in waited_out)
+
+
 def test_stop_in_an_xdist_worker_ends_the_run(inner: Callable[[str], Path], pytester: pytest.Pytester,
                                               outside_holder: Callable[..., int],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
@@ -341,18 +370,19 @@ def test_stop_in_an_xdist_worker_ends_the_run(inner: Callable[[str], Path], pyte
 def test_marked(n):
     pass
 """)
-    result = run_inner(pytester, "-n", "2", "--gpuclean-report=report.json")
+    result = run(pytester, "-n", "2")
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines([
         f"!*Interrupted: gpuclean: GPU 0 dirty from outside the session (GPU 0 100 MiB; foreign pid "
         f"{holder}) at test_inner.py::test_marked[[]*[]]; stopping the session (--gpuclean-outside=stop, "
         "from environment variable GPUCLEAN_OUTSIDE) !*",
     ])
-    # Each worker stops after the test that found the GPUs dirty: the rest never ran.
+    # Each worker stops after the test that found the GPUs dirty (the second one at once): the rest never ran.
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) == 0 and 1 <= outcomes["errors"] <= 2, outcomes
-    actions = [t["outside_action"] for t in report(pytester)["tests"]]
-    assert actions == ["stop"] * outcomes["errors"]
+    tests = report(pytester)["tests"]
+    assert [t["outside_action"] for t in tests] == ["stop"] * outcomes["errors"]
+    assert sum(t["before"]["outside"]["waited"] for t in tests) == 1
 
 
 @contextlib.contextmanager
@@ -380,3 +410,23 @@ def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
         assert not worker.of_our_run(worker_itself)  # (a peer worker: excused as such, not by this)
         assert not alone.of_our_run(sibling)  # no xdist run: no siblings
         assert alive(sibling)
+
+
+def test_the_shared_memory_of_an_xdist_run_round_trips_and_shrugs_off_a_bad_file(tmp_path: Path) -> None:
+    from pytest_gpuclean.outside import OutsideMemory, OutsideState
+
+    path = tmp_path / "outside.json"
+    one, other = OutsideMemory(str(path)), OutsideMemory(str(path))  # two workers
+    state = OutsideState(frozenset({(4242, 99)}), 719 * MIB, "t.py::test_1", 12.5)
+    one.update({"GPU-a": state, "GPU-b": state._replace(holders=frozenset())}, forget=())
+    assert other.load() == {"GPU-a": state, "GPU-b": state._replace(holders=frozenset())}
+    other.forget(["GPU-b"])
+    assert one.load() == {"GPU-a": state}
+    path.write_text("{not json")
+    assert one.load() == {}  # only an optimisation: a check waits, as if nothing were known
+    one.update({"GPU-a": state}, forget=())
+    assert other.load() == {"GPU-a": state}
+    gone = OutsideMemory(str(tmp_path / "no-such-dir" / "outside.json"))  # the run's directory removed
+    gone.update({"GPU-a": state}, forget=())
+    gone.forget(["GPU-a"])
+    assert gone.load() == {}
