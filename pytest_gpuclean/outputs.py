@@ -79,7 +79,10 @@ def annotation_message(record: TestRecord) -> tuple[str, str] | None:
             if check is None or check.clean:
                 continue
             when = "before" if check.phase == "setup" else "after"
-            lines.append(f"GPUs not clean {when} {record.nodeid} (waited {check.waited_s:.1f}s)")
+            same_as = check.outside.same_as if check.outside is not None else None
+            lines.append(f"GPUs not clean {when} {record.nodeid} (waited {check.waited_s:.1f}s"
+                         + (f"; the same outside state as at {same_as}: not waited for again)" if same_as
+                            else ")"))
             for offender in check.offenders:
                 proc = offender.process
                 held = report.mib_list(offender.mib_per_device)
@@ -188,6 +191,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         ("after_s", f"{record.after_s:.6f}"),
         ("lock_wait_s", f"{record.lock_wait_s:.6f}"),
         ("lock_timeout", record.lock_timeout or ""),
+        ("outside_action", record.outside_action or ""),
     ]
     return [(PROPERTY_PREFIX + name, value) for name, value in props]
 

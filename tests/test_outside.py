@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def waited(when: str = "before") -> str:
 @pytest.mark.parametrize("held_by", ["process", "no process"])
 def test_n_tests_under_an_outside_holder_cost_one_timeout(
         held_by: str, inner: Callable[[str], Path], pytester: pytest.Pytester,
-        request: pytest.FixtureRequest) -> None:
+        request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     # A process the driver lists that is not ours, or memory no process we can see holds (another
     # container's): the first check waits it out; the next ones find it unchanged and fail at once.
     if held_by == "process":
@@ -117,6 +118,8 @@ def test_n_tests_under_an_outside_holder_cost_one_timeout(
 def test_marked(n):
     raise AssertionError("must not run on dirty GPUs")
 """)
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
     result = run(pytester)
     result.assert_outcomes(errors=4)
     result.stdout.fnmatch_lines([
@@ -138,6 +141,10 @@ def test_marked(n):
                                               "same_as": "test_inner.py::test_marked[0]", "waited": False}
         assert later["before"]["waited_s"] < TIMEOUT  # it did not wait the timeout out again
         assert later["outside_action"] == "fail" and later["outcome"] == "not_clean"
+    annotations = [text for text in result.stdout.lines if text.startswith("::error")]
+    assert [text.count("not waited for again") for text in annotations] == [0, 1, 1, 1]
+    assert "; the same outside state as at test_inner.py::test_marked[0]: not waited for again)" in (
+        annotations[1])
     assert alive(holder)  # not the session's: waited for, never signalled
 
 
@@ -290,7 +297,7 @@ def test_1_gpu_taken_from_outside_while_it_runs():
 def test_2_not_run(n):
     raise AssertionError("must not run on dirty GPUs")
 """)
-    result = run(pytester, "--gpuclean-outside=skip")
+    result = run(pytester, "--gpuclean-outside=skip", "--junitxml=junit.xml")
     holder = read_pids(later_holder)[0]
     # The test that ran cannot be skipped, and another job's memory is no failure of its: a warning.
     result.assert_outcomes(passed=1, skipped=2, warnings=1)
@@ -307,6 +314,9 @@ def test_2_not_run(n):
     assert [t["outside_action"] for t in document["tests"]] == ["skip"] * 3
     assert document["summary"]["dirty_from_outside"] == 3
     assert document["session"]["settings"]["outside"] == "skip"
+    junit = ET.parse(pytester.path / "junit.xml")
+    actions = [p.get("value") for p in junit.iter("property") if p.get("name") == "gpuclean_outside_action"]
+    assert actions == ["skip"] * 3
 
 
 def test_stop_stops_the_session_with_one_line(inner: Callable[[str], Path], pytester: pytest.Pytester,
