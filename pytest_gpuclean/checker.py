@@ -791,15 +791,16 @@ class _Check:
         unsignalled = {f.key for f in self.unknown} | {
             f.key for f in self.ours if f.key in self.attempted}
         # Nor does an outside state that an earlier check already waited out, and finds again unchanged.
-        outside, states = self._outside(offenders)
+        outside, states, clean = self._outside(offenders)
         known = self._known_outside(states)
         hopeless = bool(offenders) and all(
             (o.reason == "leaked" and o.process is not None
              and (o.process.pid, o.process.start_ticks) in unsignalled)
-            or (id(o) in outside and outside[id(o)] <= known) for o in offenders)
+            or (bool(outside.get(id(o))) and outside[id(o)] <= known) for o in offenders)
         if offenders and not hopeless and waited < self.timeout:
             return None
-        outside_found = self._remember_outside(offenders, outside, states, known, waited_out=not hopeless)
+        outside_found = self._remember_outside(offenders, outside, states, clean, known,
+                                               waited_out=not hopeless)
         if fresh and self.rounds >= MAX_REAP_ROUNDS:
             self.notes.append(f"gave up after {self.rounds} reaping rounds: killed processes keep being "
                               f"replaced (a process pool or supervisor outside our reach?)")
@@ -820,11 +821,11 @@ class _Check:
             outside=outside_found,
         )
 
-    def _outside(self, offenders: Sequence[Offender]
-                 ) -> tuple[dict[int, frozenset[str]], dict[str, tuple[frozenset[tuple[int, int]], int]]]:
+    def _outside(self, offenders: Sequence[Offender]) -> tuple[
+            dict[int, frozenset[str]], dict[str, tuple[frozenset[tuple[int, int]], int]], list[str]]:
         """The findings that cannot be the session's (by ``id``, each with the UUIDs of the devices it is
-        on), and each of those devices as a later check compares it: the processes listed there that are
-        not ours, and the memory there that is not ours.
+        on); each of those devices as a later check compares it: the processes listed there that are not
+        ours, and the memory there that is not ours; and the devices clean from outside.
 
         Cannot be the session's: a process the driver lists that is neither ours nor excused (a sibling
         xdist worker's processes are the run's, not outside), and memory that no process we can see holds.
@@ -832,22 +833,26 @@ class _Check:
         """
         found: dict[int, frozenset[str]] = {}
         if not offenders:
-            return found, {}
+            return found, {}, [d.uuid for d in self.devices]
         uuid_of = {s.device.label: s.device.uuid for s in self.snaps}
         for o in offenders:
             if o.reason == "memory" or (o.reason == "foreign" and o.process is not None
                                         and not self.c.of_our_run(o.process.pid)):
                 found[id(o)] = frozenset(uuid_of[label] for label, _ in o.mib_per_device if label in uuid_of)
         states: dict[str, tuple[frozenset[tuple[int, int]], int]] = {}
+        clean: list[str] = []
         dirty = frozenset().union(*found.values())
         ours = self.excused | {f.pid for f in self.found}
         for snap in self.snaps:
             uuid = snap.device.uuid
+            unexplained = [p.pid for p in snap.processes if p.pid in self.unexplained]
+            used = snap.used_bytes - snap.bytes_of(ours) - self.overhead.get(uuid, 0)
             if uuid in dirty:
-                holders = frozenset((p.pid, _start_ticks(p.pid)) for p in snap.processes
-                                    if p.pid in self.unexplained)
-                states[uuid] = (holders, snap.used_bytes - snap.bytes_of(ours) - self.overhead.get(uuid, 0))
-        return found, states
+                states[uuid] = (frozenset((pid, _start_ticks(pid)) for pid in unexplained), used)
+            elif not unexplained and used <= self.tolerance:
+                # (Not merely unreported: a leak of ours listed there hides memory nobody holds.)
+                clean.append(uuid)
+        return found, states, clean
 
     def _known_outside(self, states: dict[str, tuple[frozenset[tuple[int, int]], int]]) -> set[str]:
         """The devices whose outside state is one an earlier check waited out, unchanged since for at
@@ -871,13 +876,12 @@ class _Check:
         return known
 
     def _remember_outside(self, offenders: Sequence[Offender], outside: dict[int, frozenset[str]],
-                          states: dict[str, tuple[frozenset[tuple[int, int]], int]], known: set[str],
-                          waited_out: bool) -> Outside | None:
+                          states: dict[str, tuple[frozenset[tuple[int, int]], int]], clean: list[str],
+                          known: set[str], waited_out: bool) -> Outside | None:
         """Remember the outside state this check waited out (``waited_out``: it ran to its timeout), forget
-        that of each device now clean from outside; what was found from outside, for the result."""
+        that of each device now ``clean`` from outside; what was found from outside, for the result."""
         # Clean from outside now: a later state there is new again. Waited out: remembered (an earlier
         # check's, if it is the same).
-        clean = [d.uuid for d in self.devices if d.uuid not in states]
         remember = {u: self.outside_seen[u] for u in states if waited_out and u in self.outside_seen}
         if remember:
             self.c.outside.update(remember, forget=clean)
@@ -929,10 +933,11 @@ an H200 (driver 580): 877 MiB used with one context whose process was charged 86
 
 
 def _start_ticks(pid: int) -> int:
-    """When ``pid`` started (clock ticks since boot); 0 for a process we cannot see (another PID
-    namespace's, listed by the driver)."""
+    """When ``pid`` started (clock ticks since boot), as an outside holder's identity; 0 for a process we
+    cannot see (another PID namespace's, listed by the driver) or that has exited (the driver is giving
+    its memory back: not the state an earlier check waited out)."""
     stat = procfs.read_stat(pid)
-    return 0 if stat is None else stat.start_ticks
+    return 0 if stat is None or not procfs.live_state(pid, stat.state) else stat.start_ticks
 
 
 def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -239,7 +241,8 @@ def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBacke
     monkeypatch.setattr(checker_module, "_start_ticks", lambda pid: 2000)  # same pid, started later
     result = outside_check(checker, where="t.py::test_2")
     assert result.outside is not None and result.outside.same_as is None
-    assert outside_check(checker, where="t.py::test_3").outside.same_as == "t.py::test_2"  # type: ignore[union-attr]
+    again = outside_check(checker, where="t.py::test_3").outside
+    assert again is not None and again.same_as == "t.py::test_2"
 
 
 def test_a_device_clean_from_outside_forgets_what_held_it(backend: FakeBackend) -> None:
@@ -304,3 +307,26 @@ def test_a_foreign_process_of_our_xdist_run_is_not_outside(backend: FakeBackend,
     finally:
         sibling.kill()
         sibling.wait()
+
+
+def test_an_outside_holder_that_has_exited_is_a_changed_state(backend: FakeBackend,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # The driver may list a holder for a moment after it exited, while it gives the memory back: that is
+    # not the state an earlier check waited out, and the check waits (for it to go).
+    holder = subprocess.Popen(["sleep", "600"])
+    try:
+        backend.set(GPU0, 512, (holder.pid, 512))
+        checker = Checker(backend, reap=False, dead_sessions=False)
+        monkeypatch.setattr(checker, "census", lambda **kwargs: [])  # (not ours, as if started elsewhere)
+        outside_check(checker)
+        known = outside_check(checker, where="t.py::test_2").outside
+        assert known is not None and known.same_as == "t.py::test_1"
+        holder.kill()
+        stat = Path(f"/proc/{holder.pid}/stat")
+        while stat.read_text().rsplit(")")[1].split()[0] != "Z":
+            time.sleep(0.01)
+        result = outside_check(checker, where="t.py::test_3")  # a zombie still listed: changing
+        assert result.outside is not None and result.outside.same_as is None
+    finally:
+        holder.kill()
+        holder.wait()

@@ -159,6 +159,13 @@ from pytest_gpuclean.simulate import allocate
 
 marked = pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
 
+def kill(pid):
+    # Gone means gone: dead (a zombie of the test that started it, here), not merely signalled.
+    os.kill(pid, signal.SIGKILL)
+    stat = f"/proc/{{pid}}/stat"
+    while os.path.exists(stat) and open(stat).read().rsplit(")")[1].split()[0] != "Z":
+        time.sleep(0.01)
+
 @marked
 def test_1():
     pass
@@ -179,7 +186,7 @@ def test_5_same():
     pass
 
 def test_6_another_holder_with_the_same_memory():
-    os.kill(int(os.environ["FIRST_HOLDER"]), signal.SIGKILL)
+    kill(int(os.environ["FIRST_HOLDER"]))
     open(os.environ["GO"], "w").close()
     while not (os.path.exists(os.environ["LATER_PIDFILE"]) and open(os.environ["LATER_PIDFILE"]).read()):
         time.sleep(0.01)
@@ -189,7 +196,7 @@ def test_7_new_holder():
     pass
 
 def test_8_holder_gone():
-    os.kill(int(open(os.environ["LATER_PIDFILE"]).read()), signal.SIGKILL)
+    kill(int(open(os.environ["LATER_PIDFILE"]).read()))
 
 @marked
 def test_9_clean_again(clean_gpus):
@@ -279,6 +286,42 @@ def test_3():
     before = by_nodeid(report(pytester))["test_3"]["before"]
     assert [o["process"]["pid"] for o in before["lingered"]] == [leaked]  # the check saw it end
     assert before["outside"]["same_as"] == "test_inner.py::test_1"
+
+
+def test_a_leak_of_ours_that_hides_the_outside_memory_does_not_make_it_new(
+        inner: Callable[[str], Path], pytester: pytest.Pytester, unlisted_holder: int) -> None:
+    # While a leak of ours sits on the GPU, the memory there is blamed on it, not reported apart: the
+    # memory held from outside is still there, and once our leak is gone it is the same as before.
+    pidfile = inner(f"""
+@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
+def test_1():
+    pass
+
+def test_2_unmarked_leaks():
+    hold("--seconds", "{2 * TIMEOUT + 1}", mib=64)
+    wait_holders(1)
+
+@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
+def test_3_meets_our_leak():
+    pass
+
+def test_4_until_our_leak_is_gone():
+    stat = f"/proc/{{open(PIDFILE).read().split()[0]}}/stat"
+    while os.path.exists(stat) and open(stat).read().rsplit(")")[1].split()[0] != "Z":
+        time.sleep(0.01)
+
+@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
+def test_5():
+    pass
+""")
+    result = run(pytester, "--gpuclean-reap=off")
+    leaked = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=2, errors=3)
+    tests = by_nodeid(report(pytester))
+    meets = tests["test_3_meets_our_leak"]["before"]
+    assert [(o["reason"], o["process"]["pid"]) for o in meets["offenders"]] == [("leaked", leaked)]
+    assert tests["test_5"]["before"]["outside"]["same_as"] == "test_inner.py::test_1"
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_5*", again("test_1")])
 
 
 def test_skip_skips_before_the_test_and_warns_after_it(
