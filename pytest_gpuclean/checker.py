@@ -22,10 +22,13 @@ from pytest_gpuclean.model import (
     DeviceSnapshot,
     EndedBy,
     FoundBy,
+    Outside,
     Owner,
     OwnerKind,
     Phase,
 )
+from pytest_gpuclean.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
+from pytest_gpuclean.outside import OutsideMemory, OutsideState
 from pytest_gpuclean.ownership import (
     COOKIE_VAR,
     OWNER_VAR,
@@ -143,6 +146,10 @@ class Checker:
         self._debris_checked = False
         self._tree = procfs.DescendantWalk()
         self._last_readings: dict[str, DeviceSnapshot] = {}
+        self.outside = OutsideMemory()
+        """Per device UUID: the outside state a check waited out. A later check that finds the very same,
+        unchanged for as long as its own timeout, does not wait for it again. (An xdist worker's session
+        shares it with the run's other workers: ``outside.py``.)"""
         self.last_census: list[Found] = []
         """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
         started)."""
@@ -414,6 +421,14 @@ class Checker:
         return (ref.pid_namespace == procfs.pid_namespace() and procfs.is_live(ref.pid, ref.start_ticks)
                 and bool(self._peer_pids((ref.pid,))))
 
+    def of_our_run(self, pid: int) -> bool:
+        """A process that a sibling xdist worker of our run started (its cookie extends the controller's):
+        the run's, never outside the session, though this worker does not account for it."""
+        if not self.xdist_run or not self.peer_cookie:
+            return False
+        value = procfs.read_environ_vars(pid, (COOKIE_VAR,)).get(COOKIE_VAR)
+        return value is not None and value.startswith(self.peer_cookie + "/")
+
     # ---- the check -----------------------------------------------------------------------------
 
     def snapshot(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
@@ -436,8 +451,9 @@ class Checker:
 
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
               scan_cookies: bool = False, reap: bool | None = None,
-              device_errors: bool = False) -> CheckResult:
-        """Check until clean or ``timeout``; reap what is ours first (if enabled).
+              device_errors: bool = False, where: str = "an earlier check") -> CheckResult:
+        """Check until clean or ``timeout``; reap what is ours first (if enabled). ``where`` names this
+        check to later ones that find the same outside state (a test's node id).
 
         A device that cannot be read raises ``DeviceError``; with ``device_errors`` it ends the check
         instead, not clean, with the error (``CheckResult.error``) and what was reaped without readings.
@@ -445,7 +461,7 @@ class Checker:
         dead_sessions = self.dead_sessions and not self._debris_checked
         self._debris_checked = True  # at start-up once; later only when something is unexplained
         check = _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                       self.reap_enabled if reap is None else reap)
+                       self.reap_enabled if reap is None else reap, where)
         self.last_lost = None
         if not device_errors:
             return check.run()
@@ -720,8 +736,10 @@ class _Check:
     """One check: observe, collect zombies, let leftovers settle, reap, and give the verdict."""
 
     def __init__(self, checker: Checker, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
-                 timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool) -> None:
+                 timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool,
+                 where: str = "an earlier check") -> None:
         self.c = checker
+        self.where = where
         self.phase = phase
         self.devices = devices
         self.tolerance_mib = tolerance_mib
@@ -749,6 +767,8 @@ class _Check:
         self.unexplained: set[int] = set()
         self.overhead: dict[str, int] = {}
         self.self_cuda: set[str] = set()
+        self.outside_seen: dict[str, OutsideState] = {}
+        """Per device UUID: its outside state as this check last found it, and since when unchanged."""
         self._first: tuple[tuple[DeviceSnapshot, ...], list[Found] | None] | None = None
         """The readings ``quiet`` took, for the first round."""
         self.siblings: dict[tuple[int, int], SiblingUse] = {}
@@ -788,6 +808,7 @@ class _Check:
         if found is None or found:
             self._first = (snaps, found)
             return None
+        c.outside.forget(d.uuid for d in self.devices)  # what held them from outside is gone
         waited = time.monotonic() - self.started
         return CheckResult(phase=self.phase, clean=True, devices=snaps, offenders=(), waited_s=waited,
                            clean_after_s=waited, tolerance_mib=self.tolerance_mib)
@@ -920,11 +941,17 @@ class _Check:
         # Processes that survived our SIGKILL, or that we may not signal, do not go away by waiting.
         unsignalled = {f.key for f in self.unknown} | {
             f.key for f in self.ours if f.key in self.attempted}
+        # Nor does an outside state that an earlier check already waited out, and finds again unchanged.
+        outside, states, clean = self._outside(offenders)
+        known = self._known_outside(states)
         hopeless = bool(offenders) and all(
-            o.reason == "leaked" and o.process is not None
-            and (o.process.pid, o.process.start_ticks) in unsignalled for o in offenders)
+            (o.reason == "leaked" and o.process is not None
+             and (o.process.pid, o.process.start_ticks) in unsignalled)
+            or (bool(outside.get(id(o))) and outside[id(o)] <= known) for o in offenders)
         if offenders and not hopeless and waited < self.timeout:
             return None
+        outside_found = self._remember_outside(offenders, outside, states, clean, known,
+                                               waited_out=not hopeless)
         if fresh and self.rounds >= MAX_REAP_ROUNDS:
             self.notes.append(f"gave up after {self.rounds} reaping rounds: killed processes keep being "
                               f"replaced (a process pool or supervisor outside our reach?)")
@@ -950,6 +977,7 @@ class _Check:
             self_mib=tuple((s.device.label, s.bytes_of({me}) / MIB) for s in self.snaps if s.bytes_of({me})),
             self_cuda_only=() if not self.self_cuda else tuple(
                 s.device.label for s in self.snaps if s.device.label in self.self_cuda),
+            outside=outside_found,
         )
 
     def unreadable(self, error: DeviceError) -> CheckResult:
@@ -993,6 +1021,81 @@ class _Check:
             tolerance_mib=self.tolerance_mib, error=error.describe(),
             device_lost=isinstance(error, DeviceLost))
 
+    def _outside(self, offenders: Sequence[Offender]) -> tuple[
+            dict[int, frozenset[str]], dict[str, tuple[frozenset[tuple[int, int]], int]], list[str]]:
+        """The findings that cannot be the session's (by ``id``, each with the UUIDs of the devices it is
+        on); each of those devices as a later check compares it: the processes listed there that are not
+        ours, and the memory there that is not ours; and the devices clean from outside.
+
+        Cannot be the session's: a process the driver lists that is neither ours nor excused (a sibling
+        xdist worker's processes are the run's, not outside), and memory that no process we can see holds.
+        A leak of ours, or a process of unknown owner that carries our cookie, never is.
+        """
+        found: dict[int, frozenset[str]] = {}
+        if not offenders:
+            return found, {}, [d.uuid for d in self.devices]
+        uuid_of = {s.device.label: s.device.uuid for s in self.snaps}
+        for o in offenders:
+            if o.reason == "memory" or (o.reason == "foreign" and o.process is not None
+                                        and not self.c.of_our_run(o.process.pid)):
+                found[id(o)] = frozenset(uuid_of[label] for label, _ in o.mib_per_device if label in uuid_of)
+        states: dict[str, tuple[frozenset[tuple[int, int]], int]] = {}
+        clean: list[str] = []
+        dirty = frozenset().union(*found.values())
+        ours = self.excused | {f.pid for f in self.found}
+        for snap in self.snaps:
+            uuid = snap.device.uuid
+            unexplained = [p.pid for p in snap.processes if p.pid in self.unexplained]
+            used = snap.used_bytes - snap.bytes_of(ours) - self.overhead.get(uuid, 0)
+            if uuid in dirty:
+                states[uuid] = (frozenset((pid, _start_ticks(pid)) for pid in unexplained), used)
+            elif not unexplained and used <= self.tolerance:
+                # (Not merely unreported: a leak of ours listed there hides memory nobody holds.)
+                clean.append(uuid)
+        return found, states, clean
+
+    def _known_outside(self, states: dict[str, tuple[frozenset[tuple[int, int]], int]]) -> set[str]:
+        """The devices whose outside state is one an earlier check waited out, unchanged since for at
+        least this check's timeout: waiting longer for it is waiting for nothing. (A check with a longer
+        timeout than that one's waits the difference.) Tracks, per device, since when this check has seen
+        its outside state unchanged."""
+        remembered = self.c.outside.load() if states else {}
+        slack = max(self.tolerance, OUTSIDE_SLACK_BYTES)
+        now = time.monotonic()
+        known: set[str] = set()
+        for uuid, (holders, used) in states.items():
+            earlier = remembered.get(uuid)
+            if earlier is not None and earlier.same(holders, used, slack):
+                self.outside_seen[uuid] = earlier
+                if now - earlier.since >= self.timeout:
+                    known.add(uuid)
+                continue
+            seen = self.outside_seen.get(uuid)
+            if seen is None or not seen.same(holders, used, slack):
+                self.outside_seen[uuid] = OutsideState(holders, used, self.where, now)
+        return known
+
+    def _remember_outside(self, offenders: Sequence[Offender], outside: dict[int, frozenset[str]],
+                          states: dict[str, tuple[frozenset[tuple[int, int]], int]], clean: list[str],
+                          known: set[str], waited_out: bool) -> Outside | None:
+        """Remember the outside state this check waited out (``waited_out``: it ran to its timeout), forget
+        that of each device now ``clean`` from outside; what was found from outside, for the result."""
+        # Clean from outside now: a later state there is new again. Waited out: remembered (an earlier
+        # check's, if it is the same).
+        remember = {u: self.outside_seen[u] for u in states if waited_out and u in self.outside_seen}
+        if remember:
+            self.c.outside.update(remember, forget=clean)
+        else:
+            self.c.outside.forget(clean)
+        if not outside:
+            return None
+        devices = tuple((s.device.label, states[s.device.uuid][1] / MIB) for s in self.snaps
+                        if s.device.uuid in states)
+        # Not waited out here: every outside finding was a state an earlier check waited out.
+        wheres = sorted({self.outside_seen[u].where for u in known & states.keys()})
+        same_as = None if waited_out or not wheres else ", ".join(wheres)
+        return Outside(devices, only=len(outside) == len(offenders), same_as=same_as)
+
     def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
@@ -1032,6 +1135,14 @@ class ReleaseWatch:
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process. Measured on
 an H200 (driver 580): 877 MiB used with one context whose process was charged 868 MiB."""
+
+
+def _start_ticks(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot), as an outside holder's identity; 0 for a process we
+    cannot see (another PID namespace's, listed by the driver) or that has exited (the driver is giving
+    its memory back: not the state an earlier check waited out)."""
+    stat = procfs.read_stat(pid)
+    return 0 if stat is None or not procfs.live_state(pid, stat.state) else stat.start_ticks
 
 
 def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:

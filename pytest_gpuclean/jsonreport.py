@@ -100,7 +100,17 @@ def check_json(check: CheckResult) -> JsonDict:
             "offenders": [offender_json(o) for o in check.offenders],
             "reaped": [reaped_json(r) for r in check.reaped],
             "lingered": [offender_json(o) for o in check.lingered], "notes": list(check.notes),
-            "self_mib": mib_pairs_json(check.self_mib), "error": check.error}
+            "self_mib": mib_pairs_json(check.self_mib), "error": check.error,
+            "outside": outside_json(check)}
+
+
+def outside_json(check: CheckResult) -> JsonDict | None:
+    """What a check found that cannot be the session's, and whether it waited for it; None if nothing."""
+    outside = check.outside
+    if outside is None:
+        return None
+    return {"devices": mib_pairs_json(outside.devices), "only": outside.only, "same_as": outside.same_as,
+            "waited": outside.same_as is None}
 
 
 def cluster_reaped_json(item: ClusterReaped) -> JsonDict:
@@ -250,6 +260,7 @@ def record_json(record: TestRecord) -> JsonDict:
         "in_process_mib": mib_pairs_json(record.in_process_mib),
         "lock_timeout": record.lock_timeout,
         "health": [health_json(f) for f in record.health],
+        "outside_action": record.outside_action,
         "timings": {"lock_wait_s": _seconds(record.lock_wait_s), "before_s": _seconds(record.before_s),
                     "after_s": _seconds(record.after_s)},
         **_cluster_keys(record),
@@ -289,6 +300,7 @@ def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
             "fixture_leaks": sum(len(r.fixture_leaks) for r in records),
             "device_errors": sum(1 for r in records if any(
                 c is not None and c.error is not None for c in (r.before, r.after))),
+            "dirty_from_outside": sum(1 for r in records if r.outside_action is not None),
             **({"gpu_without_lock": without_lock} if without_lock else {})}
 
 

@@ -49,6 +49,8 @@ HealthEffect = Literal["fault", "unusable", "lost", "info"]
 """What a health finding does: ``fault`` fails the test that caused it; ``unusable`` makes the GPU not clean
 for the rest of the session; ``lost`` stops the session; ``info`` is recorded only (JSON report)."""
 Scope = Literal["session", "host"]
+OutsideAction = Literal["fail", "skip", "stop"]
+"""What a test gets when its GPUs are dirty only from outside the session (``--gpuclean-outside``)."""
 
 
 _F = TypeVar("_F", bound="Fields")
@@ -209,13 +211,33 @@ class KillResult(Protocol):
         ...
 
 
+class Outside(Fields):
+    """What a check found on its devices that cannot be the session's: processes the driver lists that are
+    not ours (nor excused), and memory no process we can see holds."""
+
+    __slots__ = ("devices", "only", "same_as")
+    devices: Final[tuple[tuple[str, float], ...]]
+    """(device label, MiB held from outside) of each device dirty from outside."""
+    only: Final[bool]
+    """Every finding of the check was from outside: nothing of the session's kept the GPUs dirty."""
+    same_as: Final[str | None]
+    """Not waited for: the same outside state (same holders, same memory) that this check (a test's node
+    id) already waited out; None if this check waited for it."""
+
+    def __init__(self, devices: tuple[tuple[str, float], ...], only: bool, same_as: str | None = None
+                 ) -> None:
+        self.devices = devices
+        self.only = only
+        self.same_as = same_as
+
+
 class CheckResult(Fields):
     """The verdict of one check of the devices and processes."""
 
     __slots__ = (
         "phase", "clean", "devices", "offenders", "reaped", "waited_s", "clean_after_s", "notes",
         "tolerance_mib", "collected", "lingered", "self_mib", "self_cuda_only", "error", "device_lost",
-        "siblings",
+        "siblings", "outside",
     )
     phase: Final[Phase]
     clean: Final[bool]
@@ -247,6 +269,8 @@ class CheckResult(Fields):
     siblings: Final[tuple[SiblingUse, ...]]
     """Processes of other workers of the same xdist run on these devices: excused, not waited for, never
     signalled (the notes name them)."""
+    outside: Final[Outside | None]
+    """What of the findings came from outside the session; None if nothing did."""
 
     def __init__(self, phase: Phase, clean: bool, devices: tuple[DeviceSnapshot, ...],
                  offenders: tuple[Offender, ...], reaped: tuple[Reaped, ...] = (), waited_s: float = 0.0,
@@ -254,7 +278,7 @@ class CheckResult(Fields):
                  collected: tuple[Reaped, ...] = (), lingered: tuple[Offender, ...] = (),
                  self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = (),
                  error: str | None = None, device_lost: bool = False,
-                 siblings: tuple[SiblingUse, ...] = ()) -> None:
+                 siblings: tuple[SiblingUse, ...] = (), outside: Outside | None = None) -> None:
         self.phase = phase
         self.clean = clean
         self.devices = devices
@@ -271,6 +295,7 @@ class CheckResult(Fields):
         self.error = error
         self.device_lost = device_lost
         self.siblings = siblings
+        self.outside = outside
 
 
 class FixtureLeak(Fields):
@@ -318,7 +343,7 @@ class TestRecord(Fields):
     __slots__ = (
         "nodeid", "location", "before", "after", "found_later", "in_process_mib", "devices", "lock_wait_s",
         "lock_timeout", "before_s", "after_s", "cluster_before", "cluster_after", "fixture_leaks",
-        "gpu_without_lock", "health",
+        "gpu_without_lock", "health", "outside_action",
     )
     __hash__ = None  # type: ignore[assignment]  # (filled in as the test runs)
     nodeid: str
@@ -349,6 +374,9 @@ class TestRecord(Fields):
     health: list[HealthFinding]
     """What the health watch (``health.py``) found on this test's GPUs: Xid events, a GPU that needs a reset,
     a changed setting, a lost GPU, a failed probe, clock event reasons."""
+    outside_action: OutsideAction | None
+    """What the test got because a check found its GPUs dirty only from outside the session
+    (``--gpuclean-outside``); None if none did."""
 
     def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
                  after: CheckResult | None = None, found_later: list[Reaped] | None = None,
@@ -358,7 +386,8 @@ class TestRecord(Fields):
                  cluster_after: ClusterCheck | None = None,
                  fixture_leaks: tuple[FixtureLeak, ...] = (),
                  gpu_without_lock: list[SiblingUse] | None = None,
-                 health: list[HealthFinding] | None = None) -> None:
+                 health: list[HealthFinding] | None = None,
+                 outside_action: OutsideAction | None = None) -> None:
         self.nodeid = nodeid
         self.location = location
         self.before = before
@@ -375,6 +404,7 @@ class TestRecord(Fields):
         self.fixture_leaks = fixture_leaks
         self.gpu_without_lock = [] if gpu_without_lock is None else gpu_without_lock
         self.health = [] if health is None else health
+        self.outside_action = outside_action
 
     @property
     def leaked(self) -> bool:

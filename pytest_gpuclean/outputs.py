@@ -109,7 +109,10 @@ def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
             if check.error is not None:
                 lines.append(f"could not check the GPUs {when} {record.nodeid}: {check.error}")
             else:
-                lines.append(f"GPUs not clean {when} {record.nodeid} (waited {check.waited_s:.1f}s)")
+                same_as = check.outside.same_as if check.outside is not None else None
+                lines.append(f"GPUs not clean {when} {record.nodeid} (waited {check.waited_s:.1f}s"
+                             + (f"; the same outside state as at {same_as}: not waited for again)" if same_as
+                                else ")"))
             for offender in check.offenders:
                 proc = offender.process
                 held = report.mib_list(offender.mib_per_device)
@@ -252,6 +255,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         # GPU health (health.py): what fails or stops, then the Xid codes seen, information included.
         ("health", "; ".join(f.message for f in record.health if f.effect != "info")),
         ("xids", ",".join(str(f.xid) for f in record.health if f.xid is not None)),
+        ("outside_action", record.outside_action or ""),
     ]
     return [(PROPERTY_PREFIX + name, value) for name, value in props]
 
@@ -414,7 +418,8 @@ class OutputHooks:
             "settings": {"all": settings.all, "tolerance_mib": settings.tolerance_mib,
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
                          "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu,
-                         "probe": settings.probe},
+                         "probe": settings.probe,
+                         "outside": settings.outside},
             "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
             **self._ray_part(started),
         }

@@ -320,6 +320,8 @@ class GpuCleanPlugin:
             # ones a conftest started while the controller was configured.
             self._workers_since = (os.environ.get(WORKERS_SINCE_VAR),)
             os.environ[WORKERS_SINCE_VAR] = str(procfs.boot_ticks_now())
+            assert self.session is not None
+            self.session.share_outside()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

@@ -148,6 +148,11 @@ def _leak_count(reaped: Sequence[Reaped], leaked: Sequence[Offender], reap_enabl
 
 def not_clean_heading(phase: str, result: CheckResult, timeout: float) -> str:
     when = "before the test" if phase == "setup" else "after the test"
+    outside = result.outside
+    if outside is not None and outside.same_as is not None:
+        again = "; ".join(f"{label}: still the same {value:.0f} MiB held from outside as at {outside.same_as}"
+                          for label, value in outside.devices)
+        return f"{NOT_CLEAN_PREFIX} {when}: {again}; not waiting again"
     return f"{NOT_CLEAN_PREFIX} {when} (waited {result.waited_s:.1f}s of a {timeout:g}s timeout)"
 
 
@@ -156,6 +161,28 @@ def unreadable_heading(result: CheckResult) -> str:
     device and the cause (what was reaped all the same is listed below it)."""
     when = "before the test" if result.phase == "setup" else "after the test"
     return f"{UNREADABLE_PREFIX} {when}: {result.error}"
+
+
+def outside_line(phase: str, result: CheckResult, timeout: float) -> str:
+    """A check that found the GPUs dirty only from outside, in one line (a skip's reason, a warning)."""
+    when = "before the test" if phase == "setup" else "after the test"
+    outside = result.outside
+    waited = (f"the same as at {outside.same_as}: not waiting again"
+              if outside is not None and outside.same_as is not None
+              else f"waited {result.waited_s:.1f}s of a {timeout:g}s timeout")
+    return f"gpuclean: {outside_cause(result)} {when}, {waited}"
+
+
+def outside_cause(result: CheckResult) -> str:
+    """``GPU 0 dirty from outside the session (GPU 0 719 MiB; held by no process we can see)``: one line."""
+    outside = result.outside
+    if outside is None:
+        return "GPUs not clean"
+    who = [f"{o.reason} pid {o.process.pid}" if o.process is not None
+           else "held by " + o.detail.rpartition("held by ")[2]
+           for o in result.offenders if o.reason in ("foreign", "memory")]
+    return (f"{', '.join(label for label, _ in outside.devices)} dirty from outside the session "
+            f"({mib_list(outside.devices)}; {', '.join(who)})")
 
 
 def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
@@ -197,6 +224,11 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             parts.append("used a GPU whose lock another xdist worker's test held: " + ", ".join(
                 f"pid {u.process.pid} {_held(u.mib_per_device)} while {u.seen_worker or 'a worker'}'s "
                 f"{u.seen_by} held it" for u in record.gpu_without_lock))
+        if record.outside_action is not None:
+            again = any(c is not None and c.outside is not None and c.outside.same_as is not None
+                        for c in (record.before, record.after))
+            parts.append(f"GPUs dirty from outside the session: {record.outside_action}"
+                         + (" (not waited for again)" if again else ""))
         parts.extend(cluster_parts(record))
         parts.extend(health_parts(record))
         lines.append(f"{record.nodeid}: " + "; ".join(parts))

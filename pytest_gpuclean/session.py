@@ -22,6 +22,7 @@ from pytest_gpuclean.checker import Checker
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, WORKERS_SINCE_VAR, restore_env
 from pytest_gpuclean.locks import GpuLocks
 from pytest_gpuclean.model import MIB, DeviceInfo, Owner
+from pytest_gpuclean.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean.ownership import SESSION_OWNER
 from pytest_gpuclean.plugin import MARKER, GpuCleanWarning, open_devices, select_devices
 from pytest_gpuclean.signals import quiet_interrupts
@@ -59,6 +60,9 @@ class CheckedSession:
         """Xid events, GPUs that need a reset, lost GPUs, the CUDA probe (``health.py``)."""
         self.health_at_start: list[HealthFinding] = []
         self._test_tokens: dict[str, str] = {}
+        self._shared: tuple[str, str | None] | None = None
+        """xdist controller: the directory its workers share what held a GPU from outside in, and the
+        value ``STATE_VAR`` had before."""
         me = os.getpid()
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
@@ -102,6 +106,9 @@ class CheckedSession:
                                dead_sessions=resolved.dead_sessions == "on",
                                session_start_ticks=exported.started_ticks,
                                session_start_pid=exported.last_pid)
+        shared = os.environ.get(STATE_VAR) if worker else None
+        if shared:
+            self.checker.outside = OutsideMemory(shared)  # the run's other workers' too
         # Processes started outside any test (collection, other plugins, conftest imports) carry the
         # session's cookie: the session set-up's, protected until the very last sweep.
         self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
@@ -154,6 +161,15 @@ class CheckedSession:
                          f"{self.health.probe_s[0]:.2f}s")
         return lines
 
+    def share_outside(self) -> None:
+        """xdist controller, before it starts the workers (they inherit the environment): a private file
+        for them to share what held a GPU from outside, so that one worker's wait spares the others."""
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="gpuclean-run-")  # 0700: no other user plants anything there
+        self._shared = (folder, os.environ.get(STATE_VAR))
+        os.environ[STATE_VAR] = os.path.join(folder, "outside.json")
+
     # ---- the session's end -----------------------------------------------------------------------
 
     def sweep(self) -> None:
@@ -186,6 +202,13 @@ class CheckedSession:
         joins the session's ``session_reaped``; the plugin says so and has the report written again."""
         if self.cluster is not None:
             self.cluster.stop()
+        if self._shared is not None:
+            import shutil
+
+            folder, previous = self._shared
+            shutil.rmtree(folder, ignore_errors=True)
+            restore_env(STATE_VAR, previous)
+            self._shared = None
         late: list[Reaped] = []
         older: list[ProcessInfo] = []
         try:

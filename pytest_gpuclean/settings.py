@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import pytest
 
-    from pytest_gpuclean.model import OnOff, Scope
+    from pytest_gpuclean.model import OnOff, OutsideAction, Scope
 
-# The values of ``model.Scope`` and ``model.OnOff`` (tests/test_settings.py checks that they agree),
-# spelt out: every pytest run with the plugin installed imports this module, and model.py is not cheap.
+# The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
+# that they agree), spelt out: every pytest run with the plugin installed imports this module, and
+# model.py is not cheap.
 SCOPES: tuple[Scope, ...] = ("session", "host")
 ON_OFF: tuple[OnOff, ...] = ("on", "off")
+OUTSIDE_ACTIONS: tuple[OutsideAction, ...] = ("fail", "skip", "stop")
 MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
 PROBE_MODES = ("off", "start", "after-incident", "each")
 """``probe.MODES``, spelt out for the same reason as ``SCOPES``."""
@@ -189,6 +191,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("dead_sessions", "on: reap what dead gpuclean sessions of this user left behind (their pytest "
            "was killed), found at the first check and whenever a GPU holds something unexplained; off: "
            "leave it (default on)", _choice(ON_OFF), "MODE"),
+    Option("outside", "what a test gets when its GPUs are dirty only from outside the session (processes "
+           "that are not the session's, memory held by no process we can see): fail (default), skip, or "
+           "stop the session; a check that already waited out the same outside state does not wait again",
+           _choice(OUTSIDE_ACTIONS), "ACTION"),
     Option("lock", "on: hold a cross-process lock per GPU while a checked test runs (default on)",
            _choice(ON_OFF), "MODE"),
     Option("lock_dir", "directory of the per-GPU lock files shared by all sessions on this host "
@@ -253,6 +259,7 @@ class Settings:
     settle: float = DEFAULT_SETTLE_S
     reap: OnOff = "on"
     dead_sessions: OnOff = "on"
+    outside: OutsideAction = "fail"
     lock: OnOff = "on"
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
     report: str | None = None

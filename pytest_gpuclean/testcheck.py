@@ -22,7 +22,16 @@ from pytest_gpuclean import health as health_mod
 from pytest_gpuclean import records, report, settings
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.locks import LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, FixtureLeak, Owner, Phase, TestRecord
+from pytest_gpuclean.model import (
+    MIB,
+    CheckResult,
+    DeviceInfo,
+    FixtureLeak,
+    OutsideAction,
+    Owner,
+    Phase,
+    TestRecord,
+)
 from pytest_gpuclean.plugin import FIXTURE, MARKER, GpuCleanWarning
 
 if TYPE_CHECKING:
@@ -96,7 +105,8 @@ class ItemChecks:
         if session.cluster is not None:
             session.cluster.before(state, record)
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
-                                       timeout=state.timeout, device_errors=True)
+                                       timeout=state.timeout, device_errors=True,
+                                       where=state.nodeid)
         self._note_lost(record, result, "setup")
         record.before = result
         record.before_s = result.waited_s
@@ -108,11 +118,35 @@ class ItemChecks:
             self._stop_if_lost(item, result)
             pytest.fail(report.check_report(result, report.unreadable_heading(result)), pytrace=False)
         if not result.clean:
-            pytest.fail(report.check_report(result, report.not_clean_heading("setup", result, state.timeout)),
-                        pytrace=False)
+            heading = report.not_clean_heading("setup", result, state.timeout)
+            if self._outside_action(item, record, result) == "skip":
+                # At the test's own file:line in -rs, as pytest's skip markers are.
+                raise _skip(f"{report.outside_line('setup', result, state.timeout)} "
+                            f"({self._outside_source()})")
+            pytest.fail(report.check_report(result, heading), pytrace=False)
         if session.cluster is not None and session.cluster.discover("before", state.nodeid):
             session.cluster.before(state, record)
         return result
+
+    def _outside_action(self, item: pytest.Item, record: TestRecord, result: CheckResult
+                        ) -> OutsideAction | None:
+        """What the test gets for a check whose every finding is from outside the session
+        (``--gpuclean-outside``), recorded; with ``stop``, the session stops after this test (under xdist,
+        this worker, and the controller ends the run). None if something of the session's is dirty too:
+        that is a finding like any other."""
+        if result.outside is None or not result.outside.only:
+            return None
+        action = self.session.settings.outside
+        record.outside_action = action
+        if action == "stop" and not item.session.shouldstop:
+            item.session.shouldstop = (f"gpuclean: {report.outside_cause(result)} at {item.nodeid}; "
+                                       f"stopping the session ({self._outside_source()})")
+        return action
+
+    def _outside_source(self) -> str:
+        value = self.session.settings.outside
+        source = self.session.settings.sources.get("outside", "the default")
+        return f"{settings.option('outside').cli}={value}, {source}"
 
     def _applied(self, item: pytest.Item) -> settings.TestSettings:
         # The session's settings with the marker's applied; skips or fails a test that cannot be checked.
@@ -219,7 +253,8 @@ class ItemChecks:
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         session = self.session
         result = session.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
-                                       timeout=state.timeout, device_errors=True)
+                                       timeout=state.timeout, device_errors=True,
+                                       where=state.nodeid)
         self._note_lost(record, result, "teardown")
         own_tokens = {state.token, *state.fixture_tokens}
         # A dead session's debris is that session's leak, never this test's.
@@ -254,6 +289,13 @@ class ItemChecks:
             # The body lists every process, each with who spawned it (the test or the fixture).
             return report.check_report(result, "\n".join(headings))
         if not result.clean:
+            if self._outside_action(item, record, result) == "skip":
+                # The test has run: it cannot be skipped, and what another job put on its GPUs is no
+                # failure of its. Said, not failed; the next test's setup check skips.
+                warnings.warn(GpuCleanWarning(
+                    f"{item.nodeid}: {report.outside_line('teardown', result, state.timeout)}; the test "
+                    f"has run: not failed ({self._outside_source()})"), stacklevel=1)
+                return None
             return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
         return None
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -189,3 +191,142 @@ def test_a_process_without_a_memory_figure_counts_as_zero(backend: FakeBackend) 
     result = check(backend, tolerance_mib=100)
     [offender] = result.offenders
     assert offender.reason == "foreign" and offender.mib_per_device == (("GPU 0", 0.0),)
+
+
+# ---- an outside state a check waited out ------------------------------------------------------------
+
+# (dead_sessions=False: the debris of another suite's killed session on this host is not what they test.)
+
+def outside_check(checker: Checker, timeout: float = 0, where: str = "t.py::test_1",
+                  tolerance_mib: int = 0) -> CheckResult:
+    return checker.check("setup", (GPU0,), tolerance_mib=tolerance_mib, timeout=timeout, where=where)
+
+
+def test_an_unchanged_outside_state_is_known_and_still_dirty(backend: FakeBackend) -> None:
+    stranger = absent_pid()
+    backend.set(GPU0, 512, (stranger, 512))
+    checker = Checker(backend, reap=False, dead_sessions=False)
+    first = outside_check(checker)
+    assert first.outside is not None and (first.outside.same_as, first.outside.only) == (None, True)
+    second = outside_check(checker, where="t.py::test_2")
+    # Known, and never clean for it: the remembered state only spares the wait.
+    assert not second.clean and [o.reason for o in second.offenders] == ["foreign"]
+    assert second.outside is not None and second.outside.same_as == "t.py::test_1"
+    assert second.outside.devices == (("GPU 0", 512.0),)
+
+
+@pytest.mark.parametrize(("then_mib", "tolerance_mib", "known"), [
+    (512 + 16, 0, True), (512 - 16, 0, True), (512 + 17, 0, False), (512 + 40, 50, True),
+    (512 + 60, 50, False)])
+def test_outside_memory_is_the_same_within_the_slack_or_the_tolerance(
+        backend: FakeBackend, then_mib: float, tolerance_mib: int, known: bool) -> None:
+    # 16 MiB (OUTSIDE_SLACK_BYTES): a CUDA context of ours that the driver charges to no process.
+    backend.set(GPU0, 512)
+    checker = Checker(backend, reap=False, dead_sessions=False)
+    outside_check(checker, tolerance_mib=tolerance_mib)
+    backend.set(GPU0, then_mib)
+    result = outside_check(checker, where="t.py::test_2", tolerance_mib=tolerance_mib)
+    assert result.outside is not None and (result.outside.same_as is not None) is known
+
+
+def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBackend,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpuclean import checker as checker_module
+
+    stranger = absent_pid()
+    backend.set(GPU0, 512, (stranger, 512))
+    checker = Checker(backend, reap=False, dead_sessions=False)
+    monkeypatch.setattr(checker_module, "_start_ticks", lambda pid: 1000)
+    outside_check(checker)
+    monkeypatch.setattr(checker_module, "_start_ticks", lambda pid: 2000)  # same pid, started later
+    result = outside_check(checker, where="t.py::test_2")
+    assert result.outside is not None and result.outside.same_as is None
+    again = outside_check(checker, where="t.py::test_3").outside
+    assert again is not None and again.same_as == "t.py::test_2"
+
+
+def test_a_device_clean_from_outside_forgets_what_held_it(backend: FakeBackend) -> None:
+    backend.set(GPU0, 512)
+    checker = Checker(backend, reap=False, dead_sessions=False)
+    outside_check(checker)
+    backend.set(GPU0, 0)
+    assert outside_check(checker, where="t.py::test_2").clean
+    backend.set(GPU0, 512)  # the same figure again, but it went away in between: new, waited for
+    result = outside_check(checker, where="t.py::test_3")
+    assert result.outside is not None and result.outside.same_as is None
+
+
+class FakeClock:
+    """``time`` as the checker sees it: ``sleep`` moves ``monotonic`` on, nothing really waits."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_check_with_a_longer_timeout_waits_the_difference(backend: FakeBackend,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpuclean import checker as checker_module
+
+    clock = FakeClock()
+    monkeypatch.setattr(checker_module, "time", clock)
+    backend.set(GPU0, 512)
+    checker = Checker(backend, reap=False, dead_sessions=False)
+    assert outside_check(checker, timeout=1).waited_s >= 1  # new: waited out in full
+    clock.sleep(2)
+    # Unchanged for 3 s since the first check first saw it: a check that would wait 5 s waits the 2 s
+    # left; one that would wait 2 s does not wait at all.
+    longer = outside_check(checker, timeout=5, where="t.py::test_2")
+    assert longer.outside is not None and longer.outside.same_as == "t.py::test_1"
+    assert 1.9 < longer.waited_s < 2.1
+    shorter = outside_check(checker, timeout=2, where="t.py::test_3")
+    assert shorter.outside is not None and shorter.outside.same_as == "t.py::test_1"
+    assert shorter.waited_s == 0
+
+
+def test_a_foreign_process_of_our_xdist_run_is_not_outside(backend: FakeBackend,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sibling worker's leftover is the run's, not outside the session: never remembered, so never
+    # spared the wait (its worker accounts for it).
+    sibling = subprocess.Popen(["sleep", "600"], env={**os.environ,
+                                                      "GPUCLEAN_TEST": "gc.1.2.3.aa:session/gc.4.5.3.bb:t7"})
+    try:
+        backend.set(GPU0, 512, (sibling.pid, 512))
+        checker = Checker(backend, reap=False, dead_sessions=False, xdist_run="run1",
+                          peer_cookie="gc.1.2.3.aa:session")
+        monkeypatch.setattr(checker, "census", lambda **kwargs: [])  # (not under this process, as in a run)
+        for where in ("t.py::test_1", "t.py::test_2"):
+            result = outside_check(checker, where=where)
+            assert [o.reason for o in result.offenders] == ["foreign"] and result.outside is None
+        assert checker.outside.load() == {}
+    finally:
+        sibling.kill()
+        sibling.wait()
+
+
+def test_an_outside_holder_that_has_exited_is_a_changed_state(backend: FakeBackend,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # The driver may list a holder for a moment after it exited, while it gives the memory back: that is
+    # not the state an earlier check waited out, and the check waits (for it to go).
+    holder = subprocess.Popen(["sleep", "600"])
+    try:
+        backend.set(GPU0, 512, (holder.pid, 512))
+        checker = Checker(backend, reap=False, dead_sessions=False)
+        monkeypatch.setattr(checker, "census", lambda **kwargs: [])  # (not ours, as if started elsewhere)
+        outside_check(checker)
+        known = outside_check(checker, where="t.py::test_2").outside
+        assert known is not None and known.same_as == "t.py::test_1"
+        holder.kill()
+        stat = Path(f"/proc/{holder.pid}/stat")
+        while stat.read_text().rsplit(")")[1].split()[0] != "Z":
+            time.sleep(0.01)
+        result = outside_check(checker, where="t.py::test_3")  # a zombie still listed: changing
+        assert result.outside is not None and result.outside.same_as is None
+    finally:
+        holder.kill()
+        holder.wait()

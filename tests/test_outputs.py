@@ -86,7 +86,8 @@ def test_report_has_a_record_per_checked_test_and_matches_its_schema(
     assert document["versions"]["pytest_gpuclean"] == "0.1.0"
     assert document["summary"] == {"tests": 2, "checked": 2, "clean": 1, "leaked": 1, "not_clean": 0,
                                    "gpu_fault": 0, "reaped": 1, "lock_timeouts": 0, "fixture_leaks": 0,
-                                   "device_errors": 0}
+                                   "device_errors": 0,
+                                   "dirty_from_outside": 0}
 
     tests = by_nodeid(document)
     assert set(tests) == {"test_inner.py::test_leaks", "test_inner.py::test_clean"}

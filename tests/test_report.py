@@ -18,6 +18,7 @@ from pytest_gpuclean.model import (
     DeviceSnapshot,
     FixtureLeak,
     GpuProcess,
+    Outside,
     Owner,
 )
 from pytest_gpuclean.model import TestRecord as Record  # (a Test* name would be collected)
@@ -70,6 +71,11 @@ XID = HealthFinding("xid", "fault", "GPU 0", "GPU-0000", "GPU 0: Xid 31 (MMU fau
 HEALTH = model.DeviceHealth(1, False, 2, "Default", "off", "on")
 FAULTED = Record("t.py::test_faults", ("t.py", 40), BEFORE, BEFORE, health=[XID])
 
+OUTSIDE = Outside((("GPU 0", 88.0),), only=True, same_as="t.py::test_leaks")
+OUTSIDE_CHECK = CheckResult("setup", False, (SNAP,), (MEMORY,), waited_s=0.01, tolerance_mib=16,
+                            outside=OUTSIDE)
+OUTSIDE_RECORD = Record("t.py::test_skipped", ("t.py", 40), OUTSIDE_CHECK, outside_action="skip")
+
 NODE = "3f2a9c1b" + "0" * 48
 RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
                           (GpuProcess(4242, 512 * MIB),))
@@ -90,7 +96,8 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
                        RAY_RELEASE, ClusterNode(NODE, (RAY_SNAP,), "x"), ClusterFinding("", MEMORY),
                        RAY_AFTER, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD, SIBLING, SEEN_SIBLING,
-                       UNCHECKED_USER, XID, HEALTH, FAULTED]
+                       UNCHECKED_USER, XID, HEALTH, FAULTED, OUTSIDE, OUTSIDE_CHECK,
+                       OUTSIDE_RECORD]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
@@ -243,7 +250,7 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
     assert jsonreport.snapshot_json(SNAP)["processes"][1] == {"pid": 7, "used_bytes": None, "used_mib": None}
     assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")], [REAPED]) == {
         "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "gpu_fault": 0, "reaped": 2,
-        "lock_timeouts": 1, "fixture_leaks": 0, "device_errors": 0}
+        "lock_timeouts": 1, "fixture_leaks": 0, "device_errors": 0, "dirty_from_outside": 0}
     assert jsonreport.outcome(FAULTED) == "gpu_fault"
     assert jsonreport.record_json(FAULTED)["health"] == [{
         "kind": "xid", "effect": "fault", "device": "GPU 0", "uuid": "GPU-0000", "phase": "teardown",
@@ -369,3 +376,5 @@ def test_the_closed_sets_are_the_schema_enums() -> None:
     session = defs["session"]["properties"]["settings"]["properties"]
     assert set(get_args(model.Scope)) == _enum(session, "scope")
     assert set(get_args(model.OnOff)) == _enum(session, "reap") == _enum(session, "lock")
+    assert set(get_args(model.OutsideAction)) == _enum(session, "outside")
+    assert set(get_args(model.OutsideAction)) | {None} == _enum(defs, "test", "properties", "outside_action")

@@ -68,6 +68,9 @@ def test_repeated_and_multi_line_patterns_are_joined() -> None:
     ({}, {"GPUCLEAN_DEVICES": "GPU-ab,gpu-abc"},
      "--gpuclean-devices: 'GPU-ab,gpu-abc' names one device twice ('GPU-ab' and 'gpu-abc') (from "
      "environment variable GPUCLEAN_DEVICES)"),
+    ({}, {"GPUCLEAN_OUTSIDE": "wait"},
+     "--gpuclean-outside: 'wait' is not one of fail, skip, stop "
+     "(from environment variable GPUCLEAN_OUTSIDE)"),
     ({"gpuclean_all": "sometimes"}, {},
      "--gpuclean-all: 'sometimes' is not a boolean (use true/false, 1/0, yes/no) (from the command line)"),
 ])
@@ -126,6 +129,7 @@ def test_every_option_has_its_three_names_and_a_settings_field() -> None:
 def test_the_spelt_out_choices_are_the_models_words() -> None:
     assert get_args(model.Scope) == settings.SCOPES
     assert get_args(model.OnOff) == settings.ON_OFF
+    assert get_args(model.OutsideAction) == settings.OUTSIDE_ACTIONS
 
 
 def test_the_marker_applies_below_command_line_environment_and_ini() -> None:
