@@ -489,7 +489,8 @@ def reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str |
     """``gpuclean reap --json``: the ``status --json`` document of the devices as last read (after the
     reaping; before it with ``--dry-run`` or nothing to end), what it set out to end (``targets``: with
     ``--dry-run``, what it would end), how each one ended, what it left alone and why."""
-    return {**_status_json(found, snaps, _described(snaps)), "cookie": cookie, "dry_run": dry_run,
+    return {**_status_json(found, snaps, _described(snaps)), "health": health_json(_read_health(found)),
+            "cookie": cookie, "dry_run": dry_run,
             "targets": [{"process": jsonreport.process_json(t.info), "found_by": t.found_by,
                          "mib_per_device": jsonreport.mib_pairs_json(t.mib)}
                         for _pid, t in sorted(targets.items())],

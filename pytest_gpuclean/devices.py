@@ -7,7 +7,6 @@ CI box as on a GPU runner.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import subprocess
 import sys
@@ -344,6 +343,8 @@ class NvmlBackend:
         return () if mask is None else tuple(name for bit, name in CLOCK_REASONS if int(mask) & bit)
 
     def watch_xids(self, devices: Sequence[DeviceInfo]) -> bool:
+        import ctypes  # (here, not at the top: pynvml has loaded it already; simulated devices never do)
+
         nvml = self._nvml
         with self._lock:
             if self._events is None:
@@ -366,6 +367,8 @@ class NvmlBackend:
     def drain_xids(self) -> list[tuple[str, int]]:
         if self._events is None:
             return []
+        import ctypes  # (as in watch_xids)
+
         nvml = self._nvml
         found: list[tuple[str, int]] = []
         with self._lock:
