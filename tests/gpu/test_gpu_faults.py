@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from pytest_gpuclean.devices import NvmlBackend
+from gpu_helpers import alive, used_mib
 
 # A CUDA holder: allocates MIB of device memory, then records its pid (so the test knows it holds).
 HOLDER = r'''
@@ -43,22 +42,6 @@ def hold(mib):
         time.sleep(0.05)
     raise AssertionError("CUDA holder did not start")
 '''
-
-
-def _used_mib() -> float:
-    backend = NvmlBackend()
-    try:
-        return sum(backend.snapshot(d).used_bytes for d in backend.devices()) / 2**20
-    finally:
-        backend.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def _read_pid(path: Path, timeout: float = 180) -> int:
@@ -99,7 +82,7 @@ def test_next_session():
     first.send_signal(signal.SIGKILL)
     first.wait()
     time.sleep(1)
-    held = _used_mib()
+    held = used_mib()
     print(f"pytest pid {first.pid} SIGKILLed; its test's CUDA child pid {holder} alive, "
           f"GPU used {held:.0f} MiB")
     assert held > 4000
@@ -109,13 +92,13 @@ def test_next_session():
     took = time.monotonic() - started
     out = result.stdout.str()
     print(out)
-    print(f"next session took {took:.1f}s; GPU used after: {_used_mib():.0f} MiB")
+    print(f"next session took {took:.1f}s; GPU used after: {used_mib():.0f} MiB")
     result.assert_outcomes(passed=1)
     assert f"pid {holder}: left by dead session gc.{first.pid}." in out
     assert "test_inner.py::test_leak_and_hang: leaked 1 process(es) found by a later check" in out
-    assert not _alive(holder)  # a zombie at most: its parent (this process, the subreaper) collects it
+    assert not alive(holder)  # a zombie at most: its parent (this process, the subreaper) collects it
     assert took < 100  # far from its 120 s timeout: debris is reaped, not waited for
-    assert _used_mib() < 100
+    assert used_mib() < 100
 
 
 def test_xdist_worker_segfault_after_leaking_a_cuda_child(
@@ -138,7 +121,7 @@ def test_later(n):
     out = result.stdout.str()
     print(out)
     holder = _read_pid(gpu_env, timeout=5)
-    assert not _alive(holder)
+    assert not alive(holder)
     document = json.loads(report.read_text())
     tests = {t["nodeid"].split("::")[-1]: t for t in document["tests"]}
     print(json.dumps(tests.get("test_segfault_after_leaking"), indent=1))
@@ -146,4 +129,4 @@ def test_later(n):
     assert crashed["outcome"] == "leaked"
     assert [p["pid"] for p in crashed["leaked"]] == [holder]
     assert all(tests[f"test_later[{n}]"]["outcome"] == "clean" for n in range(3))
-    assert _used_mib() < 100
+    assert used_mib() < 100

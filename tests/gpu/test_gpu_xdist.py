@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from pytest_gpuclean.devices import NvmlBackend
+from gpu_helpers import alive, used_mib
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("xdist") is None, reason="needs pytest-xdist"),
@@ -71,22 +70,6 @@ def test_victim(i):
 '''
 
 
-def _used_mib() -> float:
-    backend = NvmlBackend()
-    try:
-        return sum(backend.snapshot(d).used_bytes for d in backend.devices()) / 2**20
-    finally:
-        backend.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def test_xdist_sibling_cuda_child_is_not_a_victims_finding(pytester: pytest.Pytester, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)
@@ -133,5 +116,5 @@ def test_xdist_sibling_cuda_child_is_not_a_victims_finding(pytester: pytest.Pyte
                if r["process"]["pid"] == holder]
     assert all(n.startswith("test_a.py::") for n in reapers), reapers
     assert document["summary"]["not_clean"] == 0 and document["summary"]["gpu_without_lock"] == 1
-    assert not _alive(holder)
-    assert _used_mib() < 100
+    assert not alive(holder)
+    assert used_mib() < 100
