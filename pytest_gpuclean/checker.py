@@ -17,7 +17,6 @@ from pytest_gpuclean.devices import Backend, DeviceError, DeviceLost
 from pytest_gpuclean.model import (
     MIB,
     UNKNOWN_OWNER,
-    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     EndedBy,
@@ -42,6 +41,7 @@ from pytest_gpuclean.ownership import (
 )
 from pytest_gpuclean.report import mib_list as report_mib
 from pytest_gpuclean.report import one_line
+from pytest_gpuclean.results import CheckResult
 from pytest_gpuclean.settings import DEFAULT_GRACE_S
 
 if TYPE_CHECKING:

@@ -27,8 +27,9 @@ from typing import Any, TextIO
 from pytest_gpuclean import __version__, devices, jsonreport, processes, procfs, report, settings
 from pytest_gpuclean.checker import Checker, mib_of, reaped_record
 from pytest_gpuclean.findings import ProcessInfo, Reaped
-from pytest_gpuclean.model import MIB, CheckResult, DeviceHealth, DeviceInfo, DeviceSnapshot, FoundBy
+from pytest_gpuclean.model import MIB, DeviceHealth, DeviceInfo, DeviceSnapshot, FoundBy
 from pytest_gpuclean.ownership import COOKIE_VAR
+from pytest_gpuclean.results import CheckResult
 
 EXIT_CLEAN = 0
 EXIT_DIRTY = 1

@@ -23,9 +23,10 @@ from typing import Any, TextIO
 
 from pytest_gpuclean import __version__, cluster, jsonreport, report, settings
 from pytest_gpuclean.findings import ProcessInfo
-from pytest_gpuclean.model import MIB, CheckResult
+from pytest_gpuclean.model import MIB
 from pytest_gpuclean.ownership import Ownership
 from pytest_gpuclean.ray_model import ClusterFinding
+from pytest_gpuclean.results import CheckResult
 
 
 class RayCliError(Exception):

@@ -32,7 +32,7 @@ from typing import Any, cast, get_args
 
 from pytest_gpuclean import procfs, settings
 from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, EndedBy, Owner, Phase
+from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, EndedBy, Owner, Phase
 from pytest_gpuclean.ownership import SESSION, Ownership
 from pytest_gpuclean.ray_model import (
     ClusterCheck,
@@ -42,6 +42,7 @@ from pytest_gpuclean.ray_model import (
     ClusterReaped,
     NodeRelease,
 )
+from pytest_gpuclean.results import CheckResult
 
 OFF = "off"
 AUTO = "auto"

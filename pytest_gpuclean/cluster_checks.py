@@ -21,10 +21,9 @@ from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_
 if TYPE_CHECKING:
     from pytest_gpuclean.checker import Checker
     from pytest_gpuclean.findings import Reaped
-    from pytest_gpuclean.model import TestRecord
-    from pytest_gpuclean.session import CheckedSession
+    from pytest_gpuclean.results import TestRecord
     from pytest_gpuclean.settings import Settings
-    from pytest_gpuclean.testcheck import ItemState
+    from pytest_gpuclean.started import ItemState, Started
 
 
 GCS_SERVER = "gcs_server"
@@ -110,7 +109,7 @@ class ClusterChecks:
     (the fixture that started the cluster shut it down): then the session watches again.
     """
 
-    def __init__(self, ray: Any, session: CheckedSession, *, watch: bool = False) -> None:
+    def __init__(self, ray: Any, session: Started, *, watch: bool = False) -> None:
         self.ray = ray
         self.session = session
         self.watch = watch

@@ -18,7 +18,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, FixtureLeak, Owner, TestRecord
+from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, Owner
+from pytest_gpuclean.results import CheckResult, FixtureLeak, TestRecord
 
 if TYPE_CHECKING:
     from pytest_gpuclean.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pytest
 
 from pytest_gpuclean import records, report
-from pytest_gpuclean.model import DeviceInfo, FixtureLeak, TestRecord
+from pytest_gpuclean.model import DeviceInfo
+from pytest_gpuclean.results import FixtureLeak, TestRecord
 
 if TYPE_CHECKING:
     from pytest_gpuclean import jsonreport

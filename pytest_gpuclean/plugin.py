@@ -31,26 +31,21 @@ from pytest_gpuclean.cookie import (
     new_session_id,
     restore_env,
 )
+from pytest_gpuclean.names import FIXTURE as FIXTURE
+from pytest_gpuclean.names import FORKED_REPORT_ATTR as FORKED_REPORT_ATTR
+from pytest_gpuclean.names import FORKING_PLUGINS as FORKING_PLUGINS
+from pytest_gpuclean.names import MARKER as MARKER
+from pytest_gpuclean.names import PLUGIN_NAME as PLUGIN_NAME
+from pytest_gpuclean.names import WORKER_OUTPUT_KEY as WORKER_OUTPUT_KEY
+from pytest_gpuclean.names import ExportedCookie as ExportedCookie
+from pytest_gpuclean.names import GpuCleanWarning as GpuCleanWarning
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.devices import Backend, NvmlOpening, Selection
     from pytest_gpuclean.findings import Reaped
     from pytest_gpuclean.model import DeviceSnapshot
     from pytest_gpuclean.session import CheckedSession
     from pytest_gpuclean.signals import SigtermAsInterrupt
 
-MARKER = "needs_clean_gpus"
-FIXTURE = "clean_gpus"
-PLUGIN_NAME = "gpuclean-checker"
-FORKING_PLUGINS = {"pytest_forked", "pytest_isolate.plugin"}
-"""Modules of the plugins that run each test in a forked child (by module: entry point or ``-p``)."""
-WORKER_OUTPUT_KEY = "gpuclean"
-FORKED_REPORT_ATTR = "gpuclean_forked"
-"""Attribute of a teardown report made in a forked child (pytest-forked): that child's records."""
-
-
-class GpuCleanWarning(pytest.PytestWarning):
-    """Something gpuclean noticed that is not a test failure (``-W error`` makes it one)."""
 
 
 class DeviceState:
@@ -89,18 +84,6 @@ class CleanGpus(NamedTuple):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     settings.add_options(parser)
-
-
-class ExportedCookie(NamedTuple):
-    """The session's cookie as exported: its id, the cookie it inherited, when, and what it replaced."""
-
-    session_id: str
-    inherited: str | None
-    started_ticks: int
-    previous: tuple[str | None, str | None]
-    last_pid: int | None = None
-    """The last pid allocated when it was exported: what is older is no part of the session, and within
-    the export's own clock tick only the pids tell (docs/ownership.md)."""
 
 
 _COOKIE = pytest.StashKey[ExportedCookie]()
@@ -149,29 +132,6 @@ def pytest_configure(config: pytest.Config) -> None:
         plugin.register_outputs()
 
 
-def open_devices(resolved: settings.Settings, opening: NvmlOpening | None = None) -> Backend:
-    """The device backend the options name (``opening``: NVML's start, begun earlier). Raises
-    ``devices.BackendUnavailable`` (no driver), or ``pytest.UsageError`` for unusable simulated devices."""
-    from pytest_gpuclean import devices
-
-    try:
-        return devices.open_backend(resolved.simulate, opening)
-    except devices.SimulationError as exc:
-        raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({resolved.sources.get('simulate')})") from None
-
-
-def select_devices(backend: Backend, resolved: settings.Settings) -> Selection:
-    """The devices to check; ``pytest.UsageError`` for a list that names a device the backend lacks, or one
-    device twice."""
-    from pytest_gpuclean import devices
-
-    try:
-        return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
-                                      option=settings.option("devices").cli)
-    except devices.DeviceSelectionError as exc:
-        raise pytest.UsageError(str(exc)) from None
-
-
 def check_device_list(config: pytest.Config, resolved: settings.Settings) -> None:
     """An explicit ``--gpuclean-devices`` (command line, environment or ini) is checked against the
     devices in every session, not only in one that starts checking: a bad list stops pytest before its
@@ -183,11 +143,11 @@ def check_device_list(config: pytest.Config, resolved: settings.Settings) -> Non
     from pytest_gpuclean import devices
 
     try:
-        backend = open_devices(resolved)
+        backend = settings.open_devices(resolved)
     except devices.BackendUnavailable:
         return  # no driver: nothing to hold the list against (a checked test would be skipped)
     try:
-        select_devices(backend, resolved)
+        settings.select_devices(backend, resolved)
     finally:
         backend.close()
 

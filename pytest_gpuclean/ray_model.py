@@ -2,7 +2,7 @@
 
 Apart from ``model`` because only a session with a cluster needs them: creating dataclasses is most of
 what importing ``model`` costs, and a checked session without Ray should not pay for five it never uses.
-``model.TestRecord`` names ``ClusterCheck`` in its annotations only; ``serialize`` resolves it here when a
+``results.TestRecord`` names ``ClusterCheck`` in its annotations only; ``serialize`` resolves it here when a
 record actually carries a cluster check.
 """
 

@@ -17,8 +17,8 @@ import pytest
 
 if TYPE_CHECKING:
     from pytest_gpuclean.findings import Reaped
-    from pytest_gpuclean.model import TestRecord
     from pytest_gpuclean.ray_model import ClusterCheck
+    from pytest_gpuclean.results import TestRecord
 
 Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""
@@ -51,7 +51,7 @@ class SessionRecords:
 
     def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord:
         """A record for a test that is checked now."""
-        from pytest_gpuclean.model import TestRecord
+        from pytest_gpuclean.results import TestRecord
 
         record = TestRecord(nodeid, location=location)
         self.records.append(record)
@@ -64,7 +64,7 @@ class SessionRecords:
                 return record
         found = self.late.get(nodeid)
         if found is None:
-            from pytest_gpuclean.model import TestRecord
+            from pytest_gpuclean.results import TestRecord
 
             found = self.late[nodeid] = TestRecord(nodeid)
         return found

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pytest_gpuclean.model import MIB, CheckResult, DeviceSnapshot, FixtureLeak, TestRecord
+from pytest_gpuclean.model import MIB, DeviceSnapshot
+from pytest_gpuclean.results import CheckResult, FixtureLeak, TestRecord
 
 if TYPE_CHECKING:
     from pytest_gpuclean.findings import Offender, Reaped

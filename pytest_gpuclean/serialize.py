@@ -16,7 +16,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any, Final, TypeVar, Union, get_args, get_origin
 
-from pytest_gpuclean.model import Fields, TestRecord
+from pytest_gpuclean.model import Fields
+from pytest_gpuclean.results import TestRecord
 
 if TYPE_CHECKING:
     from pytest_gpuclean.findings import Reaped

@@ -22,9 +22,9 @@ from pytest_gpuclean.checker import Checker
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, WORKERS_SINCE_VAR, restore_env
 from pytest_gpuclean.locks import GpuLocks
 from pytest_gpuclean.model import MIB, DeviceInfo, Owner
+from pytest_gpuclean.names import MARKER, GpuCleanWarning
 from pytest_gpuclean.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean.ownership import SESSION_OWNER
-from pytest_gpuclean.plugin import MARKER, GpuCleanWarning, open_devices, select_devices
 from pytest_gpuclean.signals import quiet_interrupts
 from pytest_gpuclean.testcheck import ItemChecks
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from pytest_gpuclean.cluster_checks import ClusterChecks
     from pytest_gpuclean.findings import HealthFinding, ProcessInfo, Reaped
     from pytest_gpuclean.health import HealthWatch
-    from pytest_gpuclean.plugin import ExportedCookie
+    from pytest_gpuclean.names import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}
 """pid -> whether PR_SET_CHILD_SUBREAPER took; once per process (xdist workers are processes too)."""
@@ -67,7 +67,7 @@ class CheckedSession:
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
         try:
-            self.backend = open_devices(resolved, opening)
+            self.backend = settings.open_devices(resolved, opening)
         except devices.BackendUnavailable as exc:
             self.unavailable = str(exc)
         try:
@@ -81,7 +81,7 @@ class CheckedSession:
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings
         if self.backend is not None:
-            selection = select_devices(self.backend, resolved)
+            selection = settings.select_devices(self.backend, resolved)
             self.devices = selection.devices
             if not self.devices:
                 # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).

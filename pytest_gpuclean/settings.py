@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import pytest
 
+    from pytest_gpuclean.devices import Backend, NvmlOpening, Selection
     from pytest_gpuclean.model import OnOff, OutsideAction, Scope
 
 # The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
@@ -366,6 +367,33 @@ def resolve(
     try:
         return resolve_options(OPTIONS, cli, env, ini, inifile)
     except SettingError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def open_devices(resolved: Settings, opening: NvmlOpening | None = None) -> Backend:
+    """The device backend the options name (``opening``: NVML's start, begun earlier). Raises
+    ``devices.BackendUnavailable`` (no driver), or ``pytest.UsageError`` for unusable simulated devices."""
+    import pytest
+
+    from pytest_gpuclean import devices
+
+    try:
+        return devices.open_backend(resolved.simulate, opening)
+    except devices.SimulationError as exc:
+        raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({resolved.sources.get('simulate')})") from None
+
+
+def select_devices(backend: Backend, resolved: Settings) -> Selection:
+    """The devices to check; ``pytest.UsageError`` for a list that names a device the backend lacks, or one
+    device twice."""
+    import pytest
+
+    from pytest_gpuclean import devices
+
+    try:
+        return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
+                                      option=option("devices").cli)
+    except devices.DeviceSelectionError as exc:
         raise pytest.UsageError(str(exc)) from None
 
 

@@ -22,42 +22,14 @@ from pytest_gpuclean import health as health_mod
 from pytest_gpuclean import records, report, settings
 from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.locks import LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model import (
-    MIB,
-    CheckResult,
-    DeviceInfo,
-    FixtureLeak,
-    OutsideAction,
-    Owner,
-    Phase,
-    TestRecord,
-)
-from pytest_gpuclean.plugin import FIXTURE, MARKER, GpuCleanWarning
+from pytest_gpuclean.model import MIB, OutsideAction, Owner, Phase
+from pytest_gpuclean.names import FIXTURE, MARKER, GpuCleanWarning
+from pytest_gpuclean.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.started import ItemState, Started
 
 if TYPE_CHECKING:
     from pytest_gpuclean.findings import HealthFinding
     from pytest_gpuclean.locks import HeldLocks
-    from pytest_gpuclean.session import CheckedSession
-
-
-class ItemState:
-    """A test's state from its setup to the end of its teardown."""
-
-    __slots__ = ("checked", "devices", "fixture_tokens", "locks", "nodeid", "previous_cookie",
-                 "previous_visible", "timeout", "token", "tolerance_mib", "torch_before")
-
-    def __init__(self, nodeid: str, token: str, previous_cookie: tuple[str | None, str | None]) -> None:
-        self.nodeid = nodeid
-        self.token = token
-        self.previous_cookie = previous_cookie
-        self.checked = False
-        self.tolerance_mib = 0
-        self.timeout = 0.0
-        self.devices: tuple[DeviceInfo, ...] = ()
-        self.locks: HeldLocks | None = None
-        self.previous_visible: tuple[bool, str | None] | None = None
-        self.torch_before: dict[int, int] | None = None
-        self.fixture_tokens: list[str] = []
 
 
 _STATE = pytest.StashKey[ItemState]()
@@ -66,7 +38,7 @@ _STATE = pytest.StashKey[ItemState]()
 class ItemChecks:
     """The checks around each test of a started session."""
 
-    def __init__(self, session: CheckedSession) -> None:
+    def __init__(self, session: Started) -> None:
         self.session = session
         self._fixture_tokens: dict[int, str] = {}
         self._fixture_defs: dict[str, pytest.FixtureDef[Any]] = {}

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuclean.checker import Checker, _Check
-from pytest_gpuclean.model import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean.results import CheckResult
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
 GPU1 = DeviceInfo(1, "GPU-fake-1", "Fake GPU")

@@ -73,8 +73,8 @@ def test_cookie():
     assert state["subreaper"] == 0
     # No psutil, no NVML bindings, none of the checking code: only what validates the options and
     # exports the cookie.
-    assert state["modules"] == ["pytest_gpuclean.cookie", "pytest_gpuclean.plugin", "pytest_gpuclean.procfs",
-                                "pytest_gpuclean.settings"]
+    assert state["modules"] == ["pytest_gpuclean.cookie", "pytest_gpuclean.names", "pytest_gpuclean.plugin",
+                                "pytest_gpuclean.procfs", "pytest_gpuclean.settings"]
     assert state["cookie"].endswith(":session")
     if not args:
         # Of the plugin's hooks, only one per test is left: the one that notices a test checked after all.
@@ -97,7 +97,7 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 0
     assert state["modules"] == ["pytest_gpuclean.cookie", "pytest_gpuclean.devices", "pytest_gpuclean.model",
-                                "pytest_gpuclean.plugin", "pytest_gpuclean.procfs",
+                                "pytest_gpuclean.names", "pytest_gpuclean.plugin", "pytest_gpuclean.procfs",
                                 "pytest_gpuclean.settings"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()

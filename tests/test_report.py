@@ -9,20 +9,12 @@ from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean import findings, jsonreport, model, outputs, ray_model, records, report
+from pytest_gpuclean import findings, jsonreport, model, outputs, ray_model, records, report, results
 from pytest_gpuclean.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
-from pytest_gpuclean.model import (
-    MIB,
-    CheckResult,
-    DeviceInfo,
-    DeviceSnapshot,
-    FixtureLeak,
-    GpuProcess,
-    Outside,
-    Owner,
-)
-from pytest_gpuclean.model import TestRecord as Record  # (a Test* name would be collected)
+from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, GpuProcess, Outside, Owner
 from pytest_gpuclean.ray_model import ClusterCheck, ClusterFinding, ClusterNode, ClusterReaped, NodeRelease
+from pytest_gpuclean.results import CheckResult, FixtureLeak
+from pytest_gpuclean.results import TestRecord as Record  # (a Test* name would be collected
 from pytest_gpuclean.serialize import (
     from_dict,
     reaped_from_dict,
@@ -128,7 +120,7 @@ def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
 
 
 def test_every_record_class_has_a_round_trip_example() -> None:
-    classes = {cls for module in (model, findings, ray_model)
+    classes = {cls for module in (model, results, findings, ray_model)
                for _, cls in inspect.getmembers(module, inspect.isclass)
                if (dataclasses.is_dataclass(cls) or issubclass(cls, model.Fields))
                and cls.__module__ == module.__name__ and cls is not model.Fields}

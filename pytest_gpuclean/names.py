@@ -1,0 +1,37 @@
+"""The pytest integration's declarations: its marker, fixture and plugin names, its warning class, the
+session's exported cookie.
+
+A leaf, as pytest keeps ``_pytest/warning_types.py``: ``plugin.py`` and what it delegates to
+(``session.py``, ``testcheck.py``) take these from here, so none of them imports the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+
+MARKER = "needs_clean_gpus"
+FIXTURE = "clean_gpus"
+PLUGIN_NAME = "gpuclean-checker"
+FORKING_PLUGINS = {"pytest_forked", "pytest_isolate.plugin"}
+"""Modules of the plugins that run each test in a forked child (by module: entry point or ``-p``)."""
+WORKER_OUTPUT_KEY = "gpuclean"
+FORKED_REPORT_ATTR = "gpuclean_forked"
+"""Attribute of a teardown report made in a forked child (pytest-forked): that child's records."""
+
+
+class GpuCleanWarning(pytest.PytestWarning):
+    """Something gpuclean noticed that is not a test failure (``-W error`` makes it one)."""
+
+
+class ExportedCookie(NamedTuple):
+    """The session's cookie as exported: its id, the cookie it inherited, when, and what it replaced."""
+
+    session_id: str
+    inherited: str | None
+    started_ticks: int
+    previous: tuple[str | None, str | None]
+    last_pid: int | None = None
+    """The last pid allocated when it was exported: what is older is no part of the session, and within
+    the export's own clock tick only the pids tell (docs/ownership.md)."""
