@@ -43,10 +43,10 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common
 
-from pytest_gpuclean import devices as devices_mod
-from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.locks import GpuLocks
-from pytest_gpuclean.model import DeviceInfo
+from pytest_gpuclean.core import devices as devices_mod
+from pytest_gpuclean.core.checker import Checker
+from pytest_gpuclean.core.locks import GpuLocks
+from pytest_gpuclean.model.readings import DeviceInfo
 
 SHELL_FULL = ("ps aux | grep python3 | grep -v grep; "
               "nvidia-smi --query-gpu=index,memory.used --format=csv,noheader")
@@ -165,7 +165,7 @@ def _health_watch(backend: Any, physical: list[DeviceInfo]) -> Any:
     """The GPU health watch a checked test pays for around its checks (issue 28: the Xid drain before and
     after, nothing else on a clean test), started as a session starts it; None in a tree from before it."""
     try:
-        from pytest_gpuclean.health import HealthWatch
+        from pytest_gpuclean.core.health import HealthWatch
     except ImportError:
         return None
     watch = HealthWatch(backend, physical)

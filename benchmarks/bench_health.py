@@ -31,11 +31,11 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common
 
-from pytest_gpuclean import devices as devices_mod
-from pytest_gpuclean import probe
-from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.health import HealthWatch
-from pytest_gpuclean.model import DeviceInfo
+from pytest_gpuclean.core import devices as devices_mod
+from pytest_gpuclean.core import probe
+from pytest_gpuclean.core.checker import Checker
+from pytest_gpuclean.core.health import HealthWatch
+from pytest_gpuclean.model.readings import DeviceInfo
 
 
 def _per_call(fn: Callable[[], object], reps: int) -> float:

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common
 
-from pytest_gpuclean.locks import GpuLocks
+from pytest_gpuclean.core.locks import GpuLocks
 
 
 def main() -> None:

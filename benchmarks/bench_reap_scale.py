@@ -38,10 +38,10 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common
 
-from pytest_gpuclean import processes, procfs
-from pytest_gpuclean.checker import COOKIE_VAR, Checker
-from pytest_gpuclean.devices import SimulatedBackend
-from pytest_gpuclean.model import Owner
+from pytest_gpuclean.core import processes, procfs
+from pytest_gpuclean.core.checker import COOKIE_VAR, Checker
+from pytest_gpuclean.core.devices import SimulatedBackend
+from pytest_gpuclean.model.readings import Owner
 
 DEVICES = 8
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]

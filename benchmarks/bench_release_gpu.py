@@ -56,10 +56,10 @@ sys.path.insert(1, os.path.dirname(HERE))
 
 import _common  # noqa: E402
 
-from pytest_gpuclean import devices as devices_mod  # noqa: E402
-from pytest_gpuclean import processes  # noqa: E402
-from pytest_gpuclean.checker import COOKIE_VAR, Checker  # noqa: E402
-from pytest_gpuclean.model import MIB, DeviceInfo, Owner  # noqa: E402
+from pytest_gpuclean.core import devices as devices_mod  # noqa: E402
+from pytest_gpuclean.core import processes  # noqa: E402
+from pytest_gpuclean.core.checker import COOKIE_VAR, Checker  # noqa: E402
+from pytest_gpuclean.model.readings import MIB, DeviceInfo, Owner  # noqa: E402
 
 HOLDER = r"""
 import os, signal, sys, time

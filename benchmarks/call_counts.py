@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pytest_gpuclean import devices as devices_mod
-from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.locks import GpuLocks
+from pytest_gpuclean.core import devices as devices_mod
+from pytest_gpuclean.core.checker import Checker
+from pytest_gpuclean.core.locks import GpuLocks
 
 WARM, COUNTED = 50, 300
 
@@ -46,7 +46,7 @@ def main() -> None:
     physical = list(backend.devices())
     checker = Checker(backend)
     try:
-        from pytest_gpuclean.health import HealthWatch
+        from pytest_gpuclean.core.health import HealthWatch
     except ImportError:  # a tree from before issue 28
         watch = None
     else:

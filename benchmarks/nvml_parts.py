@@ -24,7 +24,7 @@ import pynvml
 t1 = time.perf_counter()
 pynvml.nvmlInit()
 t2 = time.perf_counter()
-from pytest_gpuclean.devices import NvmlBackend
+from pytest_gpuclean.core.devices import NvmlBackend
 handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
 backend = NvmlBackend.__new__(NvmlBackend)
 backend._nvml, backend._handles, backend._minors, backend._memory_v2 = pynvml, {}, {}, True

@@ -24,12 +24,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from pytest_gpuclean import __version__, devices, jsonreport, processes, procfs, report, settings
-from pytest_gpuclean.checker import Checker, mib_of, reaped_record
-from pytest_gpuclean.findings import ProcessInfo, Reaped
-from pytest_gpuclean.model import MIB, DeviceHealth, DeviceInfo, DeviceSnapshot, FoundBy
-from pytest_gpuclean.ownership import COOKIE_VAR
-from pytest_gpuclean.results import CheckResult
+from pytest_gpuclean import __version__
+from pytest_gpuclean.core import devices, processes, procfs, settings
+from pytest_gpuclean.core.checker import Checker, mib_of, reaped_record
+from pytest_gpuclean.core.ownership import COOKIE_VAR
+from pytest_gpuclean.model.findings import ProcessInfo, Reaped
+from pytest_gpuclean.model.readings import MIB, DeviceHealth, DeviceInfo, DeviceSnapshot, FoundBy
+from pytest_gpuclean.model.results import CheckResult
+from pytest_gpuclean.report import jsonreport, report
 
 EXIT_CLEAN = 0
 EXIT_DIRTY = 1
@@ -93,7 +95,7 @@ def _ray_settings(args: argparse.Namespace, *names: str) -> tuple[str | None, se
     resolved = _settings(args, "ray", "timeout", *names)
     if resolved.ray == "off":
         return None, resolved
-    from pytest_gpuclean import cluster
+    from pytest_gpuclean.ray import cluster
 
     address = cluster.resolve_address(resolved.ray)
     if address is None:
@@ -107,7 +109,7 @@ def _ray_settings(args: argparse.Namespace, *names: str) -> tuple[str | None, se
 
 
 def _ray_command(run: Callable[[], int]) -> int:
-    from pytest_gpuclean import cli_ray
+    from pytest_gpuclean.ray import cli_ray
 
     try:
         return run()
@@ -181,7 +183,7 @@ class _Health:
 
 def _read_health(found: _Devices) -> list[_Health]:
     """Each chosen device's health (the slow NVML reads: milliseconds per GPU, nothing for a command)."""
-    from pytest_gpuclean.health import device_problems
+    from pytest_gpuclean.core.health import device_problems
 
     source = found.backend
     if not isinstance(source, devices.HealthSource):
@@ -271,7 +273,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean status``: memory and processes of each device; ``--json`` for machines."""
     address, ray_resolved = _ray_settings(args)
     if address is not None:
-        from pytest_gpuclean import cli_ray
+        from pytest_gpuclean.ray import cli_ray
 
         return _ray_command(lambda: cli_ray.cmd_status(args, out, ray_resolved, address, status_lines,
                                                        _print_json))
@@ -351,7 +353,7 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean check``: exit 0 if the devices are clean (waiting up to ``--wait``), 1 if not."""
     address, ray_resolved = _ray_settings(args, "tolerance_mib", "ignore")
     if address is not None:
-        from pytest_gpuclean import cli_ray
+        from pytest_gpuclean.ray import cli_ray
 
         return _ray_command(lambda: cli_ray.cmd_check(args, out, ray_resolved, address, check_lines,
                                                       _print_json))
@@ -510,7 +512,7 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
             # Not built for a cluster yet: a hook that asked for JSON must not get text it cannot parse.
             raise CliError(f"--json is not available with --ray {ray_resolved.ray} "
                            f"({ray_resolved.sources.get('ray', '')}) yet; use the text output")
-        from pytest_gpuclean import cli_ray
+        from pytest_gpuclean.ray import cli_ray
 
         return _ray_command(lambda: cli_ray.cmd_reap(args, out, ray_resolved, address))
     resolved = _settings(args, "simulate", "devices", "grace")

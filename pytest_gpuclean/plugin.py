@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
-from pytest_gpuclean import procfs, settings
-from pytest_gpuclean.cookie import (
+from pytest_gpuclean.core import procfs, settings
+from pytest_gpuclean.core.cookie import (
     COOKIE_VAR,
     OWNER_VAR,
     SESSION_NAME,
@@ -31,20 +31,20 @@ from pytest_gpuclean.cookie import (
     new_session_id,
     restore_env,
 )
-from pytest_gpuclean.names import FIXTURE as FIXTURE
-from pytest_gpuclean.names import FORKED_REPORT_ATTR as FORKED_REPORT_ATTR
-from pytest_gpuclean.names import FORKING_PLUGINS as FORKING_PLUGINS
-from pytest_gpuclean.names import MARKER as MARKER
-from pytest_gpuclean.names import PLUGIN_NAME as PLUGIN_NAME
-from pytest_gpuclean.names import WORKER_OUTPUT_KEY as WORKER_OUTPUT_KEY
-from pytest_gpuclean.names import ExportedCookie as ExportedCookie
-from pytest_gpuclean.names import GpuCleanWarning as GpuCleanWarning
+from pytest_gpuclean.session.names import FIXTURE as FIXTURE
+from pytest_gpuclean.session.names import FORKED_REPORT_ATTR as FORKED_REPORT_ATTR
+from pytest_gpuclean.session.names import FORKING_PLUGINS as FORKING_PLUGINS
+from pytest_gpuclean.session.names import MARKER as MARKER
+from pytest_gpuclean.session.names import PLUGIN_NAME as PLUGIN_NAME
+from pytest_gpuclean.session.names import WORKER_OUTPUT_KEY as WORKER_OUTPUT_KEY
+from pytest_gpuclean.session.names import ExportedCookie as ExportedCookie
+from pytest_gpuclean.session.names import GpuCleanWarning as GpuCleanWarning
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import Reaped
-    from pytest_gpuclean.model import DeviceSnapshot
-    from pytest_gpuclean.session import CheckedSession
-    from pytest_gpuclean.signals import SigtermAsInterrupt
+    from pytest_gpuclean.core.signals import SigtermAsInterrupt
+    from pytest_gpuclean.model.findings import Reaped
+    from pytest_gpuclean.model.readings import DeviceSnapshot
+    from pytest_gpuclean.session.session import CheckedSession
 
 
 
@@ -140,7 +140,7 @@ def check_device_list(config: pytest.Config, resolved: settings.Settings) -> Non
     its controller, which checked the list when it started."""
     if not resolved.explicit("devices") or hasattr(config, "workerinput"):
         return
-    from pytest_gpuclean import devices
+    from pytest_gpuclean.core import devices
 
     try:
         backend = settings.open_devices(resolved)
@@ -184,11 +184,11 @@ class GpuCleanPlugin:
         lock directory."""
         if self.session is not None:
             return
-        from pytest_gpuclean import devices
+        from pytest_gpuclean.core import devices
 
         # NVML starts first, in a thread, while the checking code is imported (devices.NvmlOpening).
         opening = None if self.settings.simulate else devices.NvmlOpening()
-        from pytest_gpuclean.session import CheckedSession  # psutil and the checking code
+        from pytest_gpuclean.session.session import CheckedSession  # psutil and the checking code
 
         self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening)
         self._install_sigterm()
@@ -199,7 +199,7 @@ class GpuCleanPlugin:
 
     def register_outputs(self) -> None:
         """Register the JSON report, JUnit and GitHub outputs (checks the report path)."""
-        from pytest_gpuclean.outputs import OutputHooks, PerTestOutputs
+        from pytest_gpuclean.session.outputs import OutputHooks, PerTestOutputs
 
         manager = self.config.pluginmanager
         outputs = manager.get_plugin(PLUGIN_NAME + "-outputs")
@@ -214,7 +214,7 @@ class GpuCleanPlugin:
 
     def _install_sigterm(self) -> None:
         if self._sigterm is None:
-            from pytest_gpuclean.signals import SigtermAsInterrupt
+            from pytest_gpuclean.core.signals import SigtermAsInterrupt
 
             self._sigterm = SigtermAsInterrupt()
         self._sigterm.install()
@@ -227,7 +227,7 @@ class GpuCleanPlugin:
             older = self.session.left_alone if self.session is not None else []
             if older:
                 # Never signalled; said once, so that nobody wonders why gpuclean left them.
-                from pytest_gpuclean.report import one_line
+                from pytest_gpuclean.report.report import one_line
 
                 self._say_last(f"gpuclean: left alone {len(older)} process(es) under pytest that are no part "
                                "of the session (they, or the process that started them, existed before it): "
@@ -249,7 +249,7 @@ class GpuCleanPlugin:
         # The very last sweep runs after the terminal summary and the report (a plugin's or conftest's
         # pytest_unconfigure may still stop what it started): its line comes last, and the report is
         # written again, whole, with it in ``session_reaped``.
-        from pytest_gpuclean.report import set_up_reaped_line
+        from pytest_gpuclean.report.report import set_up_reaped_line
 
         self._say_last(set_up_reaped_line(late))
         outputs = self.config.pluginmanager.get_plugin(PLUGIN_NAME + "-outputs")
@@ -339,7 +339,7 @@ class GpuCleanPlugin:
         if self.session is not None:
             self.session.sweep()
         if worker_output is not None:
-            from pytest_gpuclean.records import EMPTY_PAYLOAD
+            from pytest_gpuclean.report.records import EMPTY_PAYLOAD
 
             found = self.session.found.payload() if self.session is not None else dict(EMPTY_PAYLOAD)
             worker_output[WORKER_OUTPUT_KEY] = found
@@ -350,7 +350,7 @@ class GpuCleanPlugin:
         merged = self.session.found.merged()
         if not merged.records and not merged.session_reaped and not merged.notes:
             return
-        from pytest_gpuclean.report import SUMMARY_TITLE, summary_lines
+        from pytest_gpuclean.report.report import SUMMARY_TITLE, summary_lines
 
         terminalreporter.write_sep("=", SUMMARY_TITLE)
         for line in summary_lines(*merged):
@@ -500,6 +500,6 @@ class XdistHooks:
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         payload = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
         if payload:
-            from pytest_gpuclean.records import of
+            from pytest_gpuclean.report.records import of
 
             of(self.plugin.config).add_worker(payload)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuclean.checker import Checker, _Check
-from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
-from pytest_gpuclean.results import CheckResult
+from pytest_gpuclean.core.checker import Checker, _Check
+from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean.model.results import CheckResult
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
 GPU1 = DeviceInfo(1, "GPU-fake-1", "Fake GPU")
@@ -232,7 +232,7 @@ def test_outside_memory_is_the_same_within_the_slack_or_the_tolerance(
 
 def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBackend,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuclean import checker as checker_module
+    from pytest_gpuclean.core import checker as checker_module
 
     stranger = absent_pid()
     backend.set(GPU0, 512, (stranger, 512))
@@ -272,7 +272,7 @@ class FakeClock:
 
 def test_a_check_with_a_longer_timeout_waits_the_difference(backend: FakeBackend,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuclean import checker as checker_module
+    from pytest_gpuclean.core import checker as checker_module
 
     clock = FakeClock()
     monkeypatch.setattr(checker_module, "time", clock)

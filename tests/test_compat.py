@@ -21,7 +21,7 @@ import psutil
 import pytest
 from helpers import alive, read_pids, reap_orphans, run_inner, wait_dead
 
-from pytest_gpuclean.report import LEAK_PREFIX
+from pytest_gpuclean.report.report import LEAK_PREFIX
 
 PYTEST_VERSION = tuple(int(part) for part in pytest.__version__.split(".")[:2])
 

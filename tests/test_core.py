@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import alive, run_inner, wait_dead
 
-from pytest_gpuclean.devices import simulated_uuid
-from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
+from pytest_gpuclean.core.devices import simulated_uuid
+from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda
 
 

@@ -73,8 +73,10 @@ def test_cookie():
     assert state["subreaper"] == 0
     # No psutil, no NVML bindings, none of the checking code: only what validates the options and
     # exports the cookie.
-    assert state["modules"] == ["pytest_gpuclean.cookie", "pytest_gpuclean.names", "pytest_gpuclean.plugin",
-                                "pytest_gpuclean.procfs", "pytest_gpuclean.settings"]
+    assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
+                                "pytest_gpuclean.core.procfs", "pytest_gpuclean.core.settings",
+                                "pytest_gpuclean.plugin", "pytest_gpuclean.session",
+                                "pytest_gpuclean.session.names"]
     assert state["cookie"].endswith(":session")
     if not args:
         # Of the plugin's hooks, only one per test is left: the one that notices a test checked after all.
@@ -96,9 +98,11 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     result.assert_outcomes(passed=2)
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 0
-    assert state["modules"] == ["pytest_gpuclean.cookie", "pytest_gpuclean.devices", "pytest_gpuclean.model",
-                                "pytest_gpuclean.names", "pytest_gpuclean.plugin", "pytest_gpuclean.procfs",
-                                "pytest_gpuclean.settings"]
+    assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
+                                "pytest_gpuclean.core.devices", "pytest_gpuclean.core.procfs",
+                                "pytest_gpuclean.core.settings", "pytest_gpuclean.model",
+                                "pytest_gpuclean.model.readings", "pytest_gpuclean.plugin",
+                                "pytest_gpuclean.session", "pytest_gpuclean.session.names"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
 
@@ -126,7 +130,7 @@ def test_the_default_lock_directory_is_found_when_first_read() -> None:
     script = """
 import os, tempfile
 import pytest_gpuclean.plugin
-from pytest_gpuclean import settings
+from pytest_gpuclean.core import settings
 resolved = settings.Settings()
 assert tempfile.tempdir is None, "the temporary directory was looked up on import"
 assert resolved.lock_dir == os.path.join(tempfile.gettempdir(), "gpuclean-locks")
@@ -152,16 +156,18 @@ def test_checked():
     result.assert_outcomes(passed=3)
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 1
-    assert "pytest_gpuclean.checker" in state["modules"]
+    assert "pytest_gpuclean.core.checker" in state["modules"]
     # The subreaper is set through _ctypes (processes._prctl says why): ctypes itself stays unloaded.
     assert not state["ctypes_loaded"]
     # The Ray cluster's code and record types load with --gpuclean-ray only, and what a check found at
     # the first finding (this session's checks are all clean).
-    assert not {"pytest_gpuclean.ray_model", "pytest_gpuclean.cluster", "pytest_gpuclean.cluster_checks",
-                "pytest_gpuclean.findings"} & set(state["modules"])
+    assert not {"pytest_gpuclean.model.ray_model", "pytest_gpuclean.ray.cluster",
+                "pytest_gpuclean.session.cluster_checks",
+                "pytest_gpuclean.model.findings"} & set(state["modules"])
     # Nor the report's and shipping code, without a report, JUnit XML or xdist; and the hooks that run
     # for every test report are those of the outputs asked for (none here) and of pytest-forked (absent).
-    assert not {"pytest_gpuclean.jsonreport", "pytest_gpuclean.serialize"} & set(state["modules"])
+    assert not ({"pytest_gpuclean.report.jsonreport", "pytest_gpuclean.report.serialize"}
+                & set(state["modules"]))
     assert "gpuclean-checker-outputs" in state["plugins"]
     assert "gpuclean-checker-outputs-tests" not in state["plugins"]
     assert ("gpuclean-checker-forked" in state["plugins"]) == state["forked"]
@@ -365,7 +371,7 @@ COUNT_READINGS = '''
 import gc, json, os
 
 def pytest_unconfigure(config):
-    from pytest_gpuclean.model import DeviceSnapshot
+    from pytest_gpuclean.model.readings import DeviceSnapshot
     from pytest_gpuclean.plugin import DeviceState
     alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (DeviceSnapshot, DeviceState))]
     with open(os.environ["STATE_FILE"], "w") as f:

@@ -27,9 +27,9 @@ from helpers import (
     wait_for_file,
 )
 
-from pytest_gpuclean import processes, procfs
-from pytest_gpuclean.devices import simulated_uuid
-from pytest_gpuclean.report import LEAK_PREFIX
+from pytest_gpuclean.core import processes, procfs
+from pytest_gpuclean.core.devices import simulated_uuid
+from pytest_gpuclean.report.report import LEAK_PREFIX
 
 # ---- it must not kill what a fixture, a conftest or the session set-up owns -----------------------
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuclean import devices, simulate
-from pytest_gpuclean.health import HealthWatch, xid_meaning
+from pytest_gpuclean import simulate
+from pytest_gpuclean.core import devices
+from pytest_gpuclean.core.health import HealthWatch, xid_meaning
 
 PRELUDE = '''
 import os, subprocess, sys

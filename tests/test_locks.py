@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from helpers import alive
 
-from pytest_gpuclean import locks as locks_mod
-from pytest_gpuclean import procfs
-from pytest_gpuclean.locks import GpuLocks, LockDirError, LockTimeout
+from pytest_gpuclean.core import locks as locks_mod
+from pytest_gpuclean.core import procfs
+from pytest_gpuclean.core.locks import GpuLocks, LockDirError, LockTimeout
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="acting as another user or mounting a tmpfs needs root")
@@ -114,7 +114,7 @@ def holder_script(lock_dir: str, uuid: str, then: str) -> str:
     """Python that takes ``uuid``'s lock, says READY, then runs ``then``."""
     return f"""
 import os, sys, time
-from pytest_gpuclean import locks
+from pytest_gpuclean.core import locks
 held = locks.GpuLocks({lock_dir!r}).acquire([{uuid!r}], 1, 10, "holder::test")
 print("READY", os.getpid(), flush=True)
 {then}
@@ -304,7 +304,7 @@ def test_missing_lock_file_of_a_free_gpu_is_made_while_other_gpus_are_held(tmp_p
 
 MARKING = """
 import fcntl, os, sys
-from pytest_gpuclean import locks
+from pytest_gpuclean.core import locks
 fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
 offset = getattr(locks._marks("GPU-a"), sys.argv[2])
 fcntl.fcntl(fd, fcntl.F_OFD_SETLK, locks._FLOCK.pack(fcntl.F_RDLCK, 0, offset, 1, 0))
@@ -365,7 +365,7 @@ def test_a_newcomer_leaves_a_free_gpu_to_a_session_that_has_waited_long(tmp_path
 STREAM = """
 import os, sys, time
 from pathlib import Path
-from pytest_gpuclean import locks
+from pytest_gpuclean.core import locks
 gpu = locks.GpuLocks(sys.argv[1])
 stop = Path(sys.argv[2])
 tests = 0
@@ -521,7 +521,7 @@ def test_child_of_a_raw_fork_and_its_parent_exclude_each_other(tmp_path: Path) -
     lock_dir = str(tmp_path / "locks")
     script = """
 import ctypes, os, sys, time
-from pytest_gpuclean import locks
+from pytest_gpuclean.core import locks
 locks.GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 5, "parent::first").release()  # GPU-a's file stays open
 held = locks.GpuLocks(sys.argv[1]).acquire(["GPU-b"], 1, 5, "parent::holds")
 print("READY", flush=True)

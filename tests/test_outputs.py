@@ -15,8 +15,9 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from helpers import INNER_PRELUDE, alive, read_pids, run_inner, wait_dead
 
-from pytest_gpuclean import jsonreport, outputs
-from pytest_gpuclean.devices import simulated_uuid
+from pytest_gpuclean.core.devices import simulated_uuid
+from pytest_gpuclean.report import jsonreport
+from pytest_gpuclean.session import outputs
 
 LEAKS_AND_CLEAN = """
 @pytest.mark.needs_clean_gpus

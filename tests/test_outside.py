@@ -21,9 +21,9 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from helpers import alive, kill_all, read_pids, run_inner
 
-from pytest_gpuclean import jsonreport
-from pytest_gpuclean.model import MIB
-from pytest_gpuclean.report import NOT_CLEAN_PREFIX
+from pytest_gpuclean.model.readings import MIB
+from pytest_gpuclean.report import jsonreport
+from pytest_gpuclean.report.report import NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda
 
 TIMEOUT = 1.0
@@ -452,7 +452,7 @@ def _running(cookie: str) -> Iterator[int]:
 def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
     # What a sibling worker's test started carries the controller's cookie extended by that worker's
     # session: the run's, not outside the session (its own worker accounts for it).
-    from pytest_gpuclean.checker import Checker
+    from pytest_gpuclean.core.checker import Checker
 
     worker = Checker(None, xdist_run="run1", peer_cookie="gc.1.2.3.aa:session")
     alone = Checker(None)
@@ -467,7 +467,7 @@ def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
 
 
 def test_the_shared_memory_of_an_xdist_run_round_trips_and_shrugs_off_a_bad_file(tmp_path: Path) -> None:
-    from pytest_gpuclean.outside import OutsideMemory, OutsideState
+    from pytest_gpuclean.core.outside import OutsideMemory, OutsideState
 
     path = tmp_path / "outside.json"
     one, other = OutsideMemory(str(path)), OutsideMemory(str(path))  # two workers

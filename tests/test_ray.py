@@ -238,7 +238,7 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     _check_report(report_path, ray_cluster)
     # Nothing of the inner job holds simulated memory any more, on any node.
     # (The shared fixture's actor was killed by its own finalizer.)
-    from pytest_gpuclean.devices import SimulatedBackend
+    from pytest_gpuclean.core.devices import SimulatedBackend
 
     for node_dir in ray_cluster["dirs"].values():
         backend = SimulatedBackend(node_dir)
@@ -253,7 +253,7 @@ def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
 
     import jsonschema
 
-    from pytest_gpuclean.jsonreport import load_schema
+    from pytest_gpuclean.report.jsonreport import load_schema
 
     document = json.loads(path.read_text())
     jsonschema.validate(document, load_schema())
@@ -312,7 +312,7 @@ def test_off_never_imports_ray(pytester: pytest.Pytester, sim: Path) -> None:
         @pytest.mark.needs_clean_gpus
         def test_x():
             assert "ray" not in sys.modules
-            assert "pytest_gpuclean.cluster" not in sys.modules
+            assert "pytest_gpuclean.ray.cluster" not in sys.modules
     """)
     result = pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
@@ -511,7 +511,8 @@ def test_cli_off_never_imports_ray(sim: Path) -> None:
     import sys
 
     code = ("import sys; from pytest_gpuclean import cli; assert cli.main(['check', '--ray', 'off']) == 0; "
-            "assert 'ray' not in sys.modules and 'pytest_gpuclean.cluster' not in sys.modules, 'imported'")
+            "assert 'ray' not in sys.modules and 'pytest_gpuclean.ray.cluster' not in sys.modules, "
+            "'imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -769,7 +770,7 @@ def test_auto_without_a_cluster_never_imports_ray(pytester: pytest.Pytester, sim
         @pytest.mark.needs_clean_gpus
         def test_y():
             assert "ray" not in sys.modules
-            assert "pytest_gpuclean.cluster" not in sys.modules
+            assert "pytest_gpuclean.ray.cluster" not in sys.modules
     """)
     result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
@@ -782,7 +783,7 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
     import sys
     import time
 
-    from pytest_gpuclean.cluster_checks import GCS_SERVER, gcs_address
+    from pytest_gpuclean.session.cluster_checks import GCS_SERVER, gcs_address
 
     fake = tmp_path / GCS_SERVER  # a Python named like Ray's GCS server
     fake.symlink_to(sys.executable)
@@ -815,10 +816,10 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
     # Windows are read in clock ticks, truncated; the control store's start times in milliseconds. An
     # actor a fixture waits for before it returns (its start time comes a few ms before the first call
     # returns) often starts in the fixture's last tick, after its truncated end: still the fixture's.
-    from pytest_gpuclean import procfs
-    from pytest_gpuclean.cluster import RayCheck
-    from pytest_gpuclean.model import Owner
-    from pytest_gpuclean.ownership import Ownership, Window
+    from pytest_gpuclean.core import procfs
+    from pytest_gpuclean.core.ownership import Ownership, Window
+    from pytest_gpuclean.model.readings import Owner
+    from pytest_gpuclean.ray.cluster import RayCheck
 
     ownership = Ownership("gc.test")
     test = ownership.new_token(Owner("test", "t"))

@@ -9,13 +9,21 @@ from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean import findings, jsonreport, model, outputs, ray_model, records, report, results
-from pytest_gpuclean.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
-from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, GpuProcess, Outside, Owner
-from pytest_gpuclean.ray_model import ClusterCheck, ClusterFinding, ClusterNode, ClusterReaped, NodeRelease
-from pytest_gpuclean.results import CheckResult, FixtureLeak
-from pytest_gpuclean.results import TestRecord as Record  # (a Test* name would be collected
-from pytest_gpuclean.serialize import (
+from pytest_gpuclean.model import findings, ray_model, results
+from pytest_gpuclean.model import readings as model
+from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
+from pytest_gpuclean.model.ray_model import (
+    ClusterCheck,
+    ClusterFinding,
+    ClusterNode,
+    ClusterReaped,
+    NodeRelease,
+)
+from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, GpuProcess, Outside, Owner
+from pytest_gpuclean.model.results import CheckResult, FixtureLeak
+from pytest_gpuclean.model.results import TestRecord as Record  # (a Test* name would be collected
+from pytest_gpuclean.report import jsonreport, records, report
+from pytest_gpuclean.report.serialize import (
     from_dict,
     reaped_from_dict,
     reaped_to_dict,
@@ -23,6 +31,7 @@ from pytest_gpuclean.serialize import (
     record_to_dict,
     to_dict,
 )
+from pytest_gpuclean.session import outputs
 
 GPU0 = DeviceInfo(0, "GPU-0000", "H200")
 MIG = DeviceInfo(1, "MIG-1111", "A100", mig_index=2)
@@ -341,7 +350,7 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
 
 
 def test_the_annotation_of_a_test_that_used_a_gpu_without_its_lock() -> None:
-    from pytest_gpuclean import outputs
+    from pytest_gpuclean.session import outputs
 
     assert outputs.annotation_message(UNCHECKED_USER) == (
         outputs.TITLE_WITHOUT_LOCK,

@@ -9,8 +9,8 @@ from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean import model, settings
-from pytest_gpuclean.settings import (
+from pytest_gpuclean.core import settings
+from pytest_gpuclean.core.settings import (
     OPTIONS,
     SettingError,
     Settings,
@@ -19,6 +19,7 @@ from pytest_gpuclean.settings import (
     resolve,
     resolve_options,
 )
+from pytest_gpuclean.model import readings as model
 
 
 def ini_of(values: dict[str, Any]) -> Callable[[str], Any]:

@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 from helpers import alive, children_sigint, read_pids, run_inner, wait_dead, wait_for_file
 
-from pytest_gpuclean import jsonreport
-from pytest_gpuclean.devices import SimulatedBackend
-from pytest_gpuclean.locks import HELD_VAR, GpuLocks, LockTimeout
-from pytest_gpuclean.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
+from pytest_gpuclean.core.devices import SimulatedBackend
+from pytest_gpuclean.core.locks import HELD_VAR, GpuLocks, LockTimeout
+from pytest_gpuclean.report import jsonreport
+from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 
 SESSION_TIMEOUT = 120
 """A session that runs longer than this is deadlocked (they take a few seconds)."""
@@ -210,7 +210,7 @@ def pytest_runtest_logstart(nodeid, location):
     (sessions.suite / "test_after.py").write_text('''
 import os, time
 import pytest
-from pytest_gpuclean.locks import GpuLocks
+from pytest_gpuclean.core.locks import GpuLocks
 
 
 @pytest.mark.needs_clean_gpus
@@ -527,12 +527,12 @@ def test_nothing_held_afterwards():
 
 def test_only_descendants_of_the_holder_inherit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lock_dir = str(tmp_path / "locks")
-    child = ("import sys; from pytest_gpuclean.locks import GpuLocks; "
+    child = ("import sys; from pytest_gpuclean.core.locks import GpuLocks; "
              "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'child::test'); "
              "print('CHILD', held.uuids, held.locks, sorted(held.inherited))")
     script = f"""
 import os, subprocess, sys
-from pytest_gpuclean.locks import HELD_VAR, GpuLocks
+from pytest_gpuclean.core.locks import HELD_VAR, GpuLocks
 held = GpuLocks({lock_dir!r}).acquire(["GPU-a"], 1, 5, "parent::test")
 child = subprocess.run([sys.executable, "-c", {child!r}, {lock_dir!r}], capture_output=True, text=True)
 print(child.stdout.strip() or child.stderr, flush=True)
@@ -850,7 +850,7 @@ NESTED_DEBRIS = """
 import os, subprocess, sys, time
 from pathlib import Path
 import pytest
-from pytest_gpuclean import procfs
+from pytest_gpuclean.core import procfs
 
 
 def wait_for(name):
@@ -1058,7 +1058,8 @@ def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.M
         locks.acquire(["GPU-a", "GPU-b"], 2, 5, "interrupted::test")
     assert interruption.tb is not None
     # Another process can have GPU-a at once (the one that took it was interrupted).
-    other = subprocess.run([sys.executable, "-c", "import sys; from pytest_gpuclean.locks import GpuLocks; "
+    other = subprocess.run([sys.executable, "-c", "import sys; "
+                            "from pytest_gpuclean.core.locks import GpuLocks; "
                             "GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'next::test')", locks.directory],
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 0, other.stderr
@@ -1072,7 +1073,7 @@ def test_lock_file_deleted_by_hand_is_not_trusted(tmp_path: Path) -> None:
     os.unlink(locks.lock_path("GPU-a"))
     ready = tmp_path / "ready"
     other = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from pytest_gpuclean.locks import GpuLocks; "
+        "import sys, time; from pathlib import Path; from pytest_gpuclean.core.locks import GpuLocks; "
         "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 5, 'other::test'); "
         "Path(sys.argv[2]).write_text('x'); time.sleep(60)"), locks.directory, str(ready)])
     try:
@@ -1095,7 +1096,7 @@ def test_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
     child_file = tmp_path / "child.pid"
     script = f"""
 import os, time
-from pytest_gpuclean.locks import GpuLocks
+from pytest_gpuclean.core.locks import GpuLocks
 GpuLocks({lock_dir!r}).acquire(["GPU-a"], 1, 5, "forking::test")
 child = os.fork()
 if child == 0:

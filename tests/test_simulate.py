@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuclean.devices import DEFAULT_SIM_TOTAL, SimulatedBackend
+from pytest_gpuclean.core.devices import DEFAULT_SIM_TOTAL, SimulatedBackend
 from pytest_gpuclean.simulate import MIB, allocate
 
 PROG = "python -m pytest_gpuclean.simulate init"

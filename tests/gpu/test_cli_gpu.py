@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuclean.devices import NvmlBackend
-from pytest_gpuclean.model import DeviceInfo
+from pytest_gpuclean.core.devices import NvmlBackend
+from pytest_gpuclean.model.readings import DeviceInfo
 
 HOLD_MIB = 1024
 HOLDER = r'''

@@ -62,8 +62,8 @@ if __name__ == "__main__":
 INNER = f'''
 import subprocess, sys
 import pytest
-from pytest_gpuclean import probe
-from pytest_gpuclean.model import DeviceInfo
+from pytest_gpuclean.core import probe
+from pytest_gpuclean.model.readings import DeviceInfo
 
 FAULT = {FAULT!r}
 exec(FAULT.replace('if __name__ == "__main__":', "if False:"))
@@ -119,8 +119,8 @@ def test_xid_31_is_named_and_blamed_in_its_own_test_and_from_a_child(pytester: p
 
 
 def test_the_probe_passes_on_every_gpu(tmp_path: Path) -> None:
-    from pytest_gpuclean import probe
-    from pytest_gpuclean.devices import NvmlBackend
+    from pytest_gpuclean.core import probe
+    from pytest_gpuclean.core.devices import NvmlBackend
 
     backend = NvmlBackend()
     try:

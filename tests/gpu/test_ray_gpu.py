@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuclean.devices import NvmlBackend
-from pytest_gpuclean.model import MIB
+from pytest_gpuclean.core.devices import NvmlBackend
+from pytest_gpuclean.model.readings import MIB
 
 INNER = '''
 import os

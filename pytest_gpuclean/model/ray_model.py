@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pytest_gpuclean.findings import Offender, Reaped
-from pytest_gpuclean.model import DeviceSnapshot
+from pytest_gpuclean.model.findings import Offender, Reaped
+from pytest_gpuclean.model.readings import DeviceSnapshot
 
 ClusterVia = Literal["ray.kill", "ladder"]
 """How the cluster check ended something on a Ray node: ``ray.kill`` of a named actor (Ray frees its GPU

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import pytest
 
-    from pytest_gpuclean.devices import Backend, NvmlOpening, Selection
-    from pytest_gpuclean.model import OnOff, OutsideAction, Scope
+    from pytest_gpuclean.core.devices import Backend, NvmlOpening, Selection
+    from pytest_gpuclean.model.readings import OnOff, OutsideAction, Scope
 
 # The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
 # that they agree), spelt out: every pytest run with the plugin installed imports this module, and
@@ -92,7 +92,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _device_list(text: str) -> str:
-    from pytest_gpuclean.devices import parse_device_list, repeated_tokens  # only when set: see SCOPES
+    from pytest_gpuclean.core.devices import parse_device_list, repeated_tokens  # only when set: see SCOPES
 
     # An empty list would check nothing while looking like a choice: refuse it rather than guess.
     tokens = parse_device_list(text)
@@ -375,7 +375,7 @@ def open_devices(resolved: Settings, opening: NvmlOpening | None = None) -> Back
     ``devices.BackendUnavailable`` (no driver), or ``pytest.UsageError`` for unusable simulated devices."""
     import pytest
 
-    from pytest_gpuclean import devices
+    from pytest_gpuclean.core import devices
 
     try:
         return devices.open_backend(resolved.simulate, opening)
@@ -388,7 +388,7 @@ def select_devices(backend: Backend, resolved: Settings) -> Selection:
     device twice."""
     import pytest
 
-    from pytest_gpuclean import devices
+    from pytest_gpuclean.core import devices
 
     try:
         return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),

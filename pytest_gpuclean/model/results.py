@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from pytest_gpuclean.model import DeviceSnapshot, Fields, Outside, OutsideAction, Owner, Phase
+from pytest_gpuclean.model.readings import DeviceSnapshot, Fields, Outside, OutsideAction, Owner, Phase
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import HealthFinding, Offender, Reaped, SiblingUse
-    from pytest_gpuclean.ray_model import ClusterCheck
+    from pytest_gpuclean.model.findings import HealthFinding, Offender, Reaped, SiblingUse
+    from pytest_gpuclean.model.ray_model import ClusterCheck
 
 __all__ = ["CheckResult", "DeviceSnapshot", "FixtureLeak", "Outside", "OutsideAction", "Owner", "Phase",
            "TestRecord"]

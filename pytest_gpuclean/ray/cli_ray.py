@@ -21,12 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from pytest_gpuclean import __version__, cluster, jsonreport, report, settings
-from pytest_gpuclean.findings import ProcessInfo
-from pytest_gpuclean.model import MIB
-from pytest_gpuclean.ownership import Ownership
-from pytest_gpuclean.ray_model import ClusterFinding
-from pytest_gpuclean.results import CheckResult
+from pytest_gpuclean import __version__
+from pytest_gpuclean.core import settings
+from pytest_gpuclean.core.ownership import Ownership
+from pytest_gpuclean.model.findings import ProcessInfo
+from pytest_gpuclean.model.ray_model import ClusterFinding
+from pytest_gpuclean.model.readings import MIB
+from pytest_gpuclean.model.results import CheckResult
+from pytest_gpuclean.ray import cluster
+from pytest_gpuclean.report import jsonreport, report
 
 
 class RayCliError(Exception):

@@ -15,15 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean import procfs, report
-from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
+from pytest_gpuclean.core import procfs
+from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
+from pytest_gpuclean.report import report
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.checker import Checker
-    from pytest_gpuclean.findings import Reaped
-    from pytest_gpuclean.results import TestRecord
-    from pytest_gpuclean.settings import Settings
-    from pytest_gpuclean.started import ItemState, Started
+    from pytest_gpuclean.core.checker import Checker
+    from pytest_gpuclean.core.settings import Settings
+    from pytest_gpuclean.model.findings import Reaped
+    from pytest_gpuclean.model.results import TestRecord
+    from pytest_gpuclean.session.started import ItemState, Started
 
 
 GCS_SERVER = "gcs_server"
@@ -41,7 +42,7 @@ def open_cluster(resolved: Settings, checker: Checker) -> Any:
     cannot be reached."""
     if resolved.ray == "off" or watches(resolved):
         return None
-    from pytest_gpuclean import cluster
+    from pytest_gpuclean.ray import cluster
 
     address = cluster.resolve_address(resolved.ray)
     if address is None:
@@ -56,7 +57,7 @@ def open_cluster(resolved: Settings, checker: Checker) -> Any:
 
 
 def _new_check(address: str, resolved: Settings, checker: Checker) -> Any:
-    from pytest_gpuclean import cluster
+    from pytest_gpuclean.ray import cluster
 
     # The agent is the session's own helper, whenever it starts (a cluster found during a test, an agent
     # started again after a lost connection): never a test's leak.
@@ -148,7 +149,7 @@ class ClusterChecks:
         address = gcs_address(found.pid)
         if address is None:
             return False
-        from pytest_gpuclean import cluster
+        from pytest_gpuclean.ray import cluster
 
         resolved = self.session.settings
         check = _new_check(address, resolved, self.session.checker)

@@ -16,11 +16,11 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any, Final, TypeVar, Union, get_args, get_origin
 
-from pytest_gpuclean.model import Fields
-from pytest_gpuclean.results import TestRecord
+from pytest_gpuclean.model.readings import Fields
+from pytest_gpuclean.model.results import TestRecord
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import Reaped
+    from pytest_gpuclean.model.findings import Reaped
 
 T = TypeVar("T")
 
@@ -62,11 +62,11 @@ class _Names(dict[str, Any]):
     def __missing__(self, name: str) -> Any:
         if hasattr(builtins, name):
             raise KeyError(name)  # eval looks in here first: builtins are not a reason to load the others
-        from pytest_gpuclean import findings
+        from pytest_gpuclean.model import findings
 
         if hasattr(findings, name):
             return getattr(findings, name)
-        from pytest_gpuclean import ray_model
+        from pytest_gpuclean.model import ray_model
 
         try:
             return getattr(ray_model, name)
@@ -127,6 +127,6 @@ def reaped_to_dict(reaped: Reaped) -> dict[str, Any]:
 
 
 def reaped_from_dict(data: dict[str, Any]) -> Reaped:
-    from pytest_gpuclean.findings import Reaped  # (as model: loaded at the first finding)
+    from pytest_gpuclean.model.findings import Reaped  # (as model: loaded at the first finding)
 
     return from_dict(Reaped, data)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from pytest_gpuclean import procfs
+from pytest_gpuclean.core import procfs
 
 COOKIE_VAR = "GPUCLEAN_TEST"
 """Set in the pytest process while a test or higher-scoped fixture runs: every process spawned then

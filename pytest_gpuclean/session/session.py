@@ -17,22 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean import devices, processes, records, report, settings
-from pytest_gpuclean.checker import Checker
-from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, WORKERS_SINCE_VAR, restore_env
-from pytest_gpuclean.locks import GpuLocks
-from pytest_gpuclean.model import MIB, DeviceInfo, Owner
-from pytest_gpuclean.names import MARKER, GpuCleanWarning
-from pytest_gpuclean.outside import STATE_VAR, OutsideMemory
-from pytest_gpuclean.ownership import SESSION_OWNER
-from pytest_gpuclean.signals import quiet_interrupts
-from pytest_gpuclean.testcheck import ItemChecks
+from pytest_gpuclean.core import devices, processes, settings
+from pytest_gpuclean.core.checker import Checker
+from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, WORKERS_SINCE_VAR, restore_env
+from pytest_gpuclean.core.locks import GpuLocks
+from pytest_gpuclean.core.outside import STATE_VAR, OutsideMemory
+from pytest_gpuclean.core.ownership import SESSION_OWNER
+from pytest_gpuclean.core.signals import quiet_interrupts
+from pytest_gpuclean.model.readings import MIB, DeviceInfo, Owner
+from pytest_gpuclean.report import records, report
+from pytest_gpuclean.session.names import MARKER, GpuCleanWarning
+from pytest_gpuclean.session.testcheck import ItemChecks
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.cluster_checks import ClusterChecks
-    from pytest_gpuclean.findings import HealthFinding, ProcessInfo, Reaped
-    from pytest_gpuclean.health import HealthWatch
-    from pytest_gpuclean.names import ExportedCookie
+    from pytest_gpuclean.core.health import HealthWatch
+    from pytest_gpuclean.model.findings import HealthFinding, ProcessInfo, Reaped
+    from pytest_gpuclean.session.cluster_checks import ClusterChecks
+    from pytest_gpuclean.session.names import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}
 """pid -> whether PR_SET_CHILD_SUBREAPER took; once per process (xdist workers are processes too)."""
@@ -115,14 +116,14 @@ class CheckedSession:
         if self.backend is not None and self.devices:
             self._watch_health()
         if resolved.ray != "off":
-            from pytest_gpuclean.cluster_checks import ClusterChecks, open_cluster, watches
+            from pytest_gpuclean.session.cluster_checks import ClusterChecks, open_cluster, watches
 
             ray = open_cluster(resolved, self.checker)
             if ray is not None or watches(resolved):
                 self.cluster = ClusterChecks(ray, self, watch=ray is None)
 
     def _watch_health(self) -> None:
-        from pytest_gpuclean import health, probe
+        from pytest_gpuclean.core import health, probe
 
         source = self.backend
         if not isinstance(source, devices.HealthSource):

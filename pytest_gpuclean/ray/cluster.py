@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast, get_args
 
-from pytest_gpuclean import procfs, settings
-from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped
-from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, EndedBy, Owner, Phase
-from pytest_gpuclean.ownership import SESSION, Ownership
-from pytest_gpuclean.ray_model import (
+from pytest_gpuclean.core import procfs, settings
+from pytest_gpuclean.core.ownership import SESSION, Ownership
+from pytest_gpuclean.model.findings import Offender, ProcessInfo, Reaped
+from pytest_gpuclean.model.ray_model import (
     ClusterCheck,
     ClusterFinding,
     ClusterNode,
@@ -42,7 +41,8 @@ from pytest_gpuclean.ray_model import (
     ClusterReaped,
     NodeRelease,
 )
-from pytest_gpuclean.results import CheckResult
+from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, EndedBy, Owner, Phase
+from pytest_gpuclean.model.results import CheckResult
 
 OFF = "off"
 AUTO = "auto"
@@ -61,7 +61,7 @@ RAY_DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAg
 
 # Not ``-m``: what the agent pickles (results, the probe Ray ships to the nodes) must name this module,
 # not ``__main__``.
-AGENT_COMMAND = ("import sys; from pytest_gpuclean.cluster import _agent_main; "
+AGENT_COMMAND = ("import sys; from pytest_gpuclean.ray.cluster import _agent_main; "
                  "sys.exit(_agent_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))")
 
 
@@ -158,7 +158,7 @@ def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Seque
     ``actor_pids`` the workers the control store names for the watched jobs' actors on this node: a worker
     Ray started before the job asked for it has no ``RAY_JOB_ID`` in its environment.
     """
-    from pytest_gpuclean import devices, processes
+    from pytest_gpuclean.core import devices, processes
 
     raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
     node_id = _node_id()
@@ -211,7 +211,7 @@ def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | No
     numbers the node's ``GPU`` resource from the first device on, and a node with no ``GPU`` resource
     owns none.
     """
-    from pytest_gpuclean import devices
+    from pytest_gpuclean.core import devices
 
     visible = procfs.read_environ_vars(raylet_pid, ("CUDA_VISIBLE_DEVICES",)).get("CUDA_VISIBLE_DEVICES") \
         if raylet_pid > 0 else None
@@ -238,7 +238,7 @@ def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Seque
     task's own ancestors (its worker's raylet, the process that started the node). An actor is killed
     only if its name still resolves to the same actor id.
     """
-    from pytest_gpuclean import devices, processes
+    from pytest_gpuclean.core import devices, processes
 
     begun = time.monotonic()
     uid = os.getuid()

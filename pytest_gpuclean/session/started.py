@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import pytest
 
-    from pytest_gpuclean.checker import Checker
-    from pytest_gpuclean.findings import Reaped
-    from pytest_gpuclean.health import HealthWatch
-    from pytest_gpuclean.locks import GpuLocks, HeldLocks
-    from pytest_gpuclean.model import DeviceInfo, Owner
-    from pytest_gpuclean.records import SessionRecords
-    from pytest_gpuclean.results import TestRecord
-    from pytest_gpuclean.settings import Settings
+    from pytest_gpuclean.core.checker import Checker
+    from pytest_gpuclean.core.health import HealthWatch
+    from pytest_gpuclean.core.locks import GpuLocks, HeldLocks
+    from pytest_gpuclean.core.settings import Settings
+    from pytest_gpuclean.model.findings import Reaped
+    from pytest_gpuclean.model.readings import DeviceInfo, Owner
+    from pytest_gpuclean.model.results import TestRecord
+    from pytest_gpuclean.report.records import SessionRecords
 
 
 class ItemState:

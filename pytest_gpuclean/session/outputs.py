@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean import records, report
-from pytest_gpuclean.model import DeviceInfo
-from pytest_gpuclean.results import FixtureLeak, TestRecord
+from pytest_gpuclean.model.readings import DeviceInfo
+from pytest_gpuclean.model.results import FixtureLeak, TestRecord
+from pytest_gpuclean.report import records, report
 
 if TYPE_CHECKING:
-    from pytest_gpuclean import jsonreport
-    from pytest_gpuclean.devices import Backend
-    from pytest_gpuclean.findings import Reaped
-    from pytest_gpuclean.settings import Settings
+    from pytest_gpuclean.core.devices import Backend
+    from pytest_gpuclean.core.settings import Settings
+    from pytest_gpuclean.model.findings import Reaped
+    from pytest_gpuclean.report import jsonreport
 
 TITLE_LEAK = "GPU leak"
 TITLE_NOT_CLEAN = "GPU not clean"
@@ -84,7 +84,7 @@ def annotation_message(record: TestRecord) -> tuple[str, str] | None:
 
 
 def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
-    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
 
     if record.lock_timeout is not None:
         return TITLE_LOCK_TIMEOUT, f"{record.nodeid} never got its GPU locks: {record.lock_timeout}"
@@ -126,7 +126,7 @@ def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
 
 def fixture_annotation_message(leak: FixtureLeak) -> str:
     """The annotation of a fixture that leaked, shown at its definition."""
-    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
 
     leaked = jsonreport.fixture_leaked_json(leak)
     return "\n".join([f"{leak} leaked {len(leaked)} process(es), found at the teardown of {leak.reported_on}"]
@@ -175,7 +175,7 @@ def _cell(text: str) -> str:
 
 def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
     """Markdown for ``$GITHUB_STEP_SUMMARY``: totals, then a row per test with findings."""
-    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
 
     totals = jsonreport.summary_json(records, session_reaped)
     timeouts = f", {totals['lock_timeouts']} gave up waiting for GPU locks" if totals["lock_timeouts"] else ""
@@ -234,7 +234,7 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
 
 def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
     """``user_properties`` of a checked test, as known at the end of its teardown."""
-    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
 
     own = jsonreport.own_reaped(record)
     leaked = jsonreport.leaked_json(record)
@@ -264,7 +264,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 # ---- the hooks ---------------------------------------------------------------------------------------
 
 def _ray_session_json(started: StartedSession | None, found: records.SessionRecords) -> jsonreport.JsonDict:
-    from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
 
     # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
     if started is None or started.cluster is None or not started.cluster.address:
@@ -360,7 +360,7 @@ class PerTestOutputs:
                     # xdist ships a report's attributes to the controller as each test ends: if the run is
                     # interrupted, the controller still knows what the finished tests found (the worker's
                     # session-end payload never comes).
-                    from pytest_gpuclean.serialize import record_to_dict
+                    from pytest_gpuclean.report.serialize import record_to_dict
 
                     setattr(test_report, RECORD_ATTRIBUTE, record_to_dict(record))
         return test_report
@@ -399,7 +399,7 @@ class OutputHooks:
         return self.junit or self.worker or self.plugin.controller
 
     def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
-        from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+        from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
 
         plugin = self.plugin
         started = plugin.session
@@ -456,7 +456,7 @@ class OutputHooks:
     def _write_report(self, session: pytest.Session, merged: records.Merged) -> None:
         if self.report_path is None:
             return
-        from pytest_gpuclean import jsonreport  # (loaded when an output is made)
+        from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
 
         document = jsonreport.report_document(
             records=merged.records, session_reaped=merged.session_reaped, notes=merged.notes,

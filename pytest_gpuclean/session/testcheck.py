@@ -18,18 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean import health as health_mod
-from pytest_gpuclean import records, report, settings
-from pytest_gpuclean.cookie import COOKIE_VAR, OWNER_VAR, restore_env
-from pytest_gpuclean.locks import LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model import MIB, OutsideAction, Owner, Phase
-from pytest_gpuclean.names import FIXTURE, MARKER, GpuCleanWarning
-from pytest_gpuclean.results import CheckResult, FixtureLeak, TestRecord
-from pytest_gpuclean.started import ItemState, Started
+from pytest_gpuclean.core import health as health_mod
+from pytest_gpuclean.core import settings
+from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, restore_env
+from pytest_gpuclean.core.locks import LockTimeout, describe_holders, take_notices
+from pytest_gpuclean.model.readings import MIB, OutsideAction, Owner, Phase
+from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.report import records, report
+from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
+from pytest_gpuclean.session.started import ItemState, Started
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import HealthFinding
-    from pytest_gpuclean.locks import HeldLocks
+    from pytest_gpuclean.core.locks import HeldLocks
+    from pytest_gpuclean.model.findings import HealthFinding
 
 
 _STATE = pytest.StashKey[ItemState]()

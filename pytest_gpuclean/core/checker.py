@@ -12,9 +12,23 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from pytest_gpuclean import pools, processes, procfs
-from pytest_gpuclean.devices import Backend, DeviceError, DeviceLost
-from pytest_gpuclean.model import (
+from pytest_gpuclean.core import pools, processes, procfs
+from pytest_gpuclean.core.devices import Backend, DeviceError, DeviceLost
+from pytest_gpuclean.core.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
+from pytest_gpuclean.core.outside import OutsideMemory, OutsideState
+from pytest_gpuclean.core.ownership import (
+    COOKIE_VAR,
+    OWNER_VAR,
+    PREEXISTING,
+    SESSION,
+    Ownership,
+    SessionRef,
+    innermost_session,
+    live_outer_session,
+    new_session_id,
+)
+from pytest_gpuclean.core.settings import DEFAULT_GRACE_S
+from pytest_gpuclean.model.readings import (
     MIB,
     UNKNOWN_OWNER,
     DeviceInfo,
@@ -26,26 +40,12 @@ from pytest_gpuclean.model import (
     OwnerKind,
     Phase,
 )
-from pytest_gpuclean.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
-from pytest_gpuclean.outside import OutsideMemory, OutsideState
-from pytest_gpuclean.ownership import (
-    COOKIE_VAR,
-    OWNER_VAR,
-    PREEXISTING,
-    SESSION,
-    Ownership,
-    SessionRef,
-    innermost_session,
-    live_outer_session,
-    new_session_id,
-)
-from pytest_gpuclean.report import mib_list as report_mib
-from pytest_gpuclean.report import one_line
-from pytest_gpuclean.results import CheckResult
-from pytest_gpuclean.settings import DEFAULT_GRACE_S
+from pytest_gpuclean.model.results import CheckResult
+from pytest_gpuclean.model.text import mib_list as report_mib
+from pytest_gpuclean.model.text import one_line
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import Offender, ProcessInfo, Reaped, SiblingUse
+    from pytest_gpuclean.model.findings import Offender, ProcessInfo, Reaped, SiblingUse
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
@@ -545,7 +545,7 @@ class Checker:
             if info is not None and self.ignore and processes.matches_any(info.cmdline, self.ignore):
                 ignored.add(pid)
                 continue
-            from pytest_gpuclean.findings import Offender  # (only on a finding)
+            from pytest_gpuclean.model.findings import Offender  # (only on a finding)
             offenders.append(Offender("foreign", info or vanished(pid), None, "gpu", mib_of(pid, snaps),
                                       detail="not started by this session: waited for, never killed"))
         for f in ours:
@@ -558,7 +558,7 @@ class Checker:
                 detail = "reaping is off"
             else:
                 detail = f"could not be reaped ({info.state})"
-            from pytest_gpuclean.findings import Offender  # (only on a finding)
+            from pytest_gpuclean.model.findings import Offender  # (only on a finding)
             offenders.append(Offender("leaked", info, self.owner_of(f), f.found_by,
                                       mib_of(f.pid, snaps), detail=detail))
         # Memory of allowlisted processes still counts against the tolerance; only their presence is
@@ -569,7 +569,7 @@ class Checker:
             if extra > tolerance and not blamed & {p.pid for p in snap.processes}:
                 holders = sorted(ignored & {p.pid for p in snap.processes})
                 by = f"allowlisted pid(s) {holders}" if holders else "no process we can see"
-                from pytest_gpuclean.findings import Offender  # (only on a finding)
+                from pytest_gpuclean.model.findings import Offender  # (only on a finding)
                 offenders.append(Offender(
                     "memory", None, None, "gpu", ((snap.device.label, extra / MIB),),
                     detail=f"{extra / MIB:.0f} MiB used on {snap.device.label} beyond the tolerance "
@@ -582,7 +582,7 @@ class Checker:
             for pid in sorted(strays - self._siblings(strays).keys()):
                 info = processes.describe(pid)
                 if info is not None:
-                    from pytest_gpuclean.findings import Offender  # (only on a finding)
+                    from pytest_gpuclean.model.findings import Offender  # (only on a finding)
                     offenders.append(Offender(
                         "host", info, None, "host", (),
                         detail="Python process of this user (host scope): never killed"))
@@ -593,7 +593,7 @@ class Checker:
         for f in unknown:
             info = processes.describe(f.pid, f.start_ticks)
             if info is not None:
-                from pytest_gpuclean.findings import Offender  # (only on a finding)
+                from pytest_gpuclean.model.findings import Offender  # (only on a finding)
                 offenders.append(Offender(
                     "leaked", info, UNKNOWN_OWNER, f.found_by, mib_of(f.pid, snaps),
                     detail="no evidence of which test or fixture started it: left alone, never signalled"))
@@ -861,7 +861,7 @@ class _Check:
             return
         info = processes.describe(pid)
         if info is not None:
-            from pytest_gpuclean.findings import SiblingUse  # (only on a finding)
+            from pytest_gpuclean.model.findings import SiblingUse  # (only on a finding)
             key = (info.pid, info.start_ticks)
             self.siblings[key] = SiblingUse(info, sibling.owner, sibling.worker, held)
 
@@ -1099,7 +1099,7 @@ class _Check:
     def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
-        from pytest_gpuclean.findings import Reaped  # (only on a finding)
+        from pytest_gpuclean.model.findings import Reaped  # (only on a finding)
         self.collected.append(Reaped(info or vanished(f.pid), self.c.owner_of(f), f.found_by, how, (), None))
 
 
@@ -1153,7 +1153,7 @@ def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float]
 
 def vanished(pid: int) -> ProcessInfo:
     """A stand-in for a process that ended before it could be described."""
-    from pytest_gpuclean.findings import ProcessInfo  # (only on a finding)
+    from pytest_gpuclean.model.findings import ProcessInfo  # (only on a finding)
     return ProcessInfo(pid, 0, 0, -1, "?", "(exited)", "gone")
 
 
@@ -1162,5 +1162,5 @@ def reaped_record(info: ProcessInfo | None, pid: int, owner: Owner | None, found
                   held: tuple[tuple[str, float], ...]) -> Reaped:
     """What the kill ladder did to one process, as reported."""
     outcome, release = ended
-    from pytest_gpuclean.findings import Reaped  # (only on a finding)
+    from pytest_gpuclean.model.findings import Reaped  # (only on a finding)
     return Reaped.after_kill(info or vanished(pid), owner, found_by, held, outcome, release)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pytest_gpuclean.model import MIB, DeviceSnapshot
-from pytest_gpuclean.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.model.readings import MIB, DeviceSnapshot
+from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.model.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checker.py's messages use them too)
+from pytest_gpuclean.model.text import mib_list as mib_list
+from pytest_gpuclean.model.text import one_line as one_line
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import Offender, Reaped
+    from pytest_gpuclean.model.findings import Offender, Reaped
 
 LEAK_PREFIX = "gpuclean: test leaked"
 FIXTURE_LEAK_PREFIX = "gpuclean: fixture"
@@ -31,20 +34,6 @@ def device_line(snap: DeviceSnapshot, holders: str = "") -> str:
                           for p in snap.processes)
         line += f", processes: {procs}"
     return line + (f", {holders}" if holders else "")
-
-
-CMDLINE_CHARS = 200
-
-
-def one_line(text: str, limit: int = CMDLINE_CHARS) -> str:
-    """A command line on one line: inline scripts (``python -c``) contain newlines."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def mib_list(pairs: Sequence[tuple[str, float]]) -> str:
-    """``GPU 0 512 MiB, GPU 1 8 MiB`` for (device label, MiB) pairs; empty for none."""
-    return ", ".join(f"{label} {value:.0f} MiB" for label, value in pairs)
 
 
 def _held(pairs: Sequence[tuple[str, float]]) -> str:

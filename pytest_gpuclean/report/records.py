@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import Reaped
-    from pytest_gpuclean.ray_model import ClusterCheck
-    from pytest_gpuclean.results import TestRecord
+    from pytest_gpuclean.model.findings import Reaped
+    from pytest_gpuclean.model.ray_model import ClusterCheck
+    from pytest_gpuclean.model.results import TestRecord
 
 Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""
@@ -51,7 +51,7 @@ class SessionRecords:
 
     def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord:
         """A record for a test that is checked now."""
-        from pytest_gpuclean.results import TestRecord
+        from pytest_gpuclean.model.results import TestRecord
 
         record = TestRecord(nodeid, location=location)
         self.records.append(record)
@@ -64,7 +64,7 @@ class SessionRecords:
                 return record
         found = self.late.get(nodeid)
         if found is None:
-            from pytest_gpuclean.results import TestRecord
+            from pytest_gpuclean.model.results import TestRecord
 
             found = self.late[nodeid] = TestRecord(nodeid)
         return found
@@ -91,7 +91,7 @@ class SessionRecords:
 
     def payload(self) -> Payload:
         """This process's findings, for an xdist worker's ``workeroutput``."""
-        from pytest_gpuclean.serialize import reaped_to_dict, record_to_dict
+        from pytest_gpuclean.report.serialize import reaped_to_dict, record_to_dict
 
         return {"records": [record_to_dict(r) for r in self.own()],
                 "session_reaped": [reaped_to_dict(r) for r in self.session_reaped],
@@ -102,13 +102,13 @@ class SessionRecords:
 
     def stream(self, nodeid: str, record: dict[str, Any]) -> None:
         """A worker's record of ``nodeid`` as the test ended."""
-        from pytest_gpuclean.serialize import record_from_dict
+        from pytest_gpuclean.report.serialize import record_from_dict
 
         self.streamed[nodeid] = record_from_dict(record)
 
     def ship(self) -> Payload:
         """What a forked child found, for the session's process; forgotten here (the child ends)."""
-        from pytest_gpuclean.serialize import reaped_to_dict, record_to_dict, to_dict
+        from pytest_gpuclean.report.serialize import reaped_to_dict, record_to_dict, to_dict
 
         shipped = {"records": [record_to_dict(r) for r in self.records],
                    "found_later": {nodeid: [reaped_to_dict(r) for r in record.found_later]
@@ -120,8 +120,8 @@ class SessionRecords:
 
     def receive(self, shipped: Payload) -> None:
         """Take in what a forked child shipped (``ship``)."""
-        from pytest_gpuclean.findings import SiblingUse
-        from pytest_gpuclean.serialize import from_dict, reaped_from_dict, record_from_dict
+        from pytest_gpuclean.model.findings import SiblingUse
+        from pytest_gpuclean.report.serialize import from_dict, reaped_from_dict, record_from_dict
 
         self.records.extend(record_from_dict(r) for r in shipped["records"])
         for nodeid, reaped in shipped["found_later"].items():
@@ -135,7 +135,7 @@ class SessionRecords:
 
     def merged(self) -> Merged:
         """Records, session-end reaps and notes of this process and of the workers."""
-        from pytest_gpuclean.serialize import reaped_from_dict, record_from_dict
+        from pytest_gpuclean.report.serialize import reaped_from_dict, record_from_dict
 
         records = self.own()
         session_reaped = list(self.session_reaped)

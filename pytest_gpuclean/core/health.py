@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from pytest_gpuclean.devices import DeviceLost, HealthSource
-from pytest_gpuclean.model import DeviceHealth, DeviceInfo, HealthEffect, HealthKind, Phase
+from pytest_gpuclean.core.devices import DeviceLost, HealthSource
+from pytest_gpuclean.model.readings import DeviceHealth, DeviceInfo, HealthEffect, HealthKind, Phase
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import HealthFinding, Reaped
+    from pytest_gpuclean.model.findings import HealthFinding, Reaped
 
 XID_CATALOGUE = "https://docs.nvidia.com/deploy/xid-errors/"
 XIDS: dict[int, tuple[HealthEffect, str]] = {
@@ -102,7 +102,7 @@ def device_problems(health: DeviceHealth) -> list[str]:
 
 def finding(kind: HealthKind, effect: HealthEffect, device: DeviceInfo, message: str, phase: Phase,
             xid: int | None = None) -> HealthFinding:
-    from pytest_gpuclean.findings import HealthFinding  # (only on a finding)
+    from pytest_gpuclean.model.findings import HealthFinding  # (only on a finding)
 
     return HealthFinding(kind, effect, device.label, device.uuid, message, phase, xid)
 

@@ -18,12 +18,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpuclean.model import MIB, DeviceInfo, DeviceSnapshot, Owner
-from pytest_gpuclean.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, Owner
+from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
-    from pytest_gpuclean.ray_model import ClusterCheck, ClusterReaped
+    from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
+    from pytest_gpuclean.model.ray_model import ClusterCheck, ClusterReaped
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report_schema.json")
@@ -289,7 +289,7 @@ def _cluster_keys(record: TestRecord) -> JsonDict:
 
 def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> JsonDict:
     """Counts over the whole session."""
-    from pytest_gpuclean.report import reaped_count
+    from pytest_gpuclean.report.report import reaped_count
 
     outcomes = [outcome(r) for r in records]
     without_lock = sum(1 for r in records if r.gpu_without_lock)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast, get_args
 
-from pytest_gpuclean.model import (
+from pytest_gpuclean.model.readings import (
     EndedBy,
     FoundBy,
     HealthEffect,
@@ -22,7 +22,7 @@ from pytest_gpuclean.model import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.model import KillResult
+    from pytest_gpuclean.model.readings import KillResult
 
 
 @dataclass(frozen=True)
