@@ -53,8 +53,9 @@ CPU_TOLERANCE = Tolerance(atol=1e-4, rtol=1e-4)
 
 # fp32 on a GPU, where vLLM's matmuls run in TF32. Largest |diff| against HF fp32 on the CPU measured on H200s
 # with CUDA vLLM 0.20.2 and this tiny model: 2.5e-3 to 3.9e-3 with vLLM's native extraction at TP=1
-# (GPU-FACTS.md, offline and server alike); up to 8.7e-3 at TP=2 with the earlier hook-based extraction of
-# the same layers (docs/gpu.md run 7: the error grows with depth and TP changes the reduction order).
+# (offline and server alike, measured when the suite was written); up to 8.7e-3 at TP=2 with the earlier
+# hook-based extraction of the same layers (docs/gpu.md run 7: the error grows with depth and TP changes the
+# reduction order).
 # atol 2e-2 leaves a factor 2.3 over the worst value ever measured and 5 over the native path's.
 GPU_TOLERANCE = Tolerance(atol=2e-2, rtol=1e-2)
 
@@ -293,8 +294,8 @@ def run_inner_session(pytester: pytest.Pytester) -> pytest.RunResult:
     """Run the inner test file under gpuclean in a subprocess; reap its orphaned zombies afterwards.
 
     ``runpytest_subprocess`` sends the inner output to files, not pipes: a leaked EngineCore inherits the
-    inner session's stdout/stderr and could otherwise keep us waiting for EOF forever (GPU-FACTS.md, pipe
-    hazard).
+    inner session's stdout/stderr and could otherwise keep us waiting for EOF forever (seen on an H200 when
+    the suite was written).
     """
     with orphans_reaped():
         try:

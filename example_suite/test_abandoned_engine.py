@@ -68,7 +68,7 @@ def test_abandoned_engine_is_reaped_and_blamed(
     vllm_runtime: VllmRuntime,
 ) -> None:
     # TP=2 shows orphaned workers too; a one-GPU runner still shows the abandoned EngineCore (the case
-    # measured on the H200 in GPU-FACTS: 14.8 GB held until killed).
+    # measured on an H200 when the suite was written: 14.8 GB held until killed).
     tp = leaving_tp(vllm_runtime)
     session = run_leaving_session(
         pytester, FIRST_TEST, model=str(tiny_model_dir), engine_args=engine_settings.offline(), tp=tp

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 
 class DeviceState:
     """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check). (No
-    dataclass, nor a NamedTuple, whose ``index`` is a method: see ``_ItemState``.)"""
+    dataclass, which costs about a millisecond at import: ``model/readings.py``'s ``Fields`` says why; nor a
+    NamedTuple, whose ``index`` is a method.)"""
 
     __slots__ = ("index", "name", "total_bytes", "used_bytes", "uuid")
 

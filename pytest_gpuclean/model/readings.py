@@ -1,4 +1,5 @@
-"""Plain data that flows between the modules: snapshots in, verdicts and reports out.
+"""Plain data that flows between the modules: what is read (devices, snapshots, owners) and the closed sets
+of words; what a check found is in ``findings.py``, its verdict and a test's record in ``results.py``.
 
 Only ``devices.py`` knows NVML and only ``processes.py`` knows psutil; everything else works on these.
 """
