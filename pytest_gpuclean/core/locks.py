@@ -621,14 +621,6 @@ class GpuLocks:
     def lock_path(self, uuid: str) -> str:
         return f"{self.directory}/{_file_name(uuid)}.lock"
 
-    def holder_path(self, uuid: str) -> str:
-        """This user's holder file for ``uuid``.
-
-        One per user: in the sticky lock directory nobody can replace another user's file, and a session
-        that was killed leaves its file behind.
-        """
-        return f"{self.directory}/{_holder_name(uuid, os.geteuid())}"
-
     def prepare(self, uuids: Sequence[str]) -> None:
         """Open (and create, where nobody holds the GPU through a deleted one) the lock and holder files of
         ``uuids``.

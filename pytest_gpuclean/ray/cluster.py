@@ -410,15 +410,6 @@ class _Agent:
         took = time.monotonic() - started
         return Census(tuple(reports), dead, tuple(actors), tuple(sorted(our_jobs)), took, tuple(all_jobs))
 
-    def kill_actors(self, named: Sequence[tuple[str, str]]) -> list[str]:
-        errors = []
-        for name, namespace in named:
-            try:
-                self.ray.kill(self.ray.get_actor(name, namespace=namespace), no_restart=True)
-            except Exception as exc:
-                errors.append(f"ray.kill of actor {name!r} failed: {exc}")
-        return errors
-
     def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
             targets: Sequence[tuple[int, int, str]], grace: float, release_wait: float, timeout: float
             ) -> NodeEnd:
@@ -630,10 +621,6 @@ class RayCheck:
         return found
 
     # ---- the check ------------------------------------------------------------------------------
-
-    def check(self, phase: Phase, *, tolerance_mib: int, timeout: float) -> CheckResult:
-        """``check_cluster`` as a plain check result (what the failure text is made from)."""
-        return as_result(self.check_cluster(phase, tolerance_mib=tolerance_mib, timeout=timeout))
 
     def _drivers(self) -> dict[int, float]:
         """This process and its live descendants, as drivers of Ray jobs: a test's job is started by pytest
