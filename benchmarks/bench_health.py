@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common
+import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
 from pytest_gpuclean.core import devices as devices_mod
 from pytest_gpuclean.core import probe

@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common
+import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
 from pytest_gpuclean.core.locks import GpuLocks
 

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common
+import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
 from pytest_gpuclean.core import processes, procfs
 from pytest_gpuclean.core.checker import COOKIE_VAR, Checker

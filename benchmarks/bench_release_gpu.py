@@ -55,6 +55,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
 import _common  # noqa: E402
+import _layers_compat  # noqa: E402, F401  # (a tree from before the layers: issue 29)
 
 from pytest_gpuclean.core import devices as devices_mod  # noqa: E402
 from pytest_gpuclean.core import processes  # noqa: E402

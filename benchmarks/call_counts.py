@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
+
 from pytest_gpuclean.core import devices as devices_mod
 from pytest_gpuclean.core.checker import Checker
 from pytest_gpuclean.core.locks import GpuLocks

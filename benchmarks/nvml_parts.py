@@ -24,6 +24,7 @@ import pynvml
 t1 = time.perf_counter()
 pynvml.nvmlInit()
 t2 = time.perf_counter()
+import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 from pytest_gpuclean.core.devices import NvmlBackend
 handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
 backend = NvmlBackend.__new__(NvmlBackend)
