@@ -1,0 +1,228 @@
+"""The decisions over plain records, unit-tested without processes (as xdist's test_dsession.py drives its
+schedulers with MockNodes): whose a reaped process is (``results.split_own``) and what a test's outcome is
+(``results.outcome``, ``results.has_findings``, ``results.own_leaks``), which every output uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped
+from pytest_gpuclean.model.ray_model import ClusterCheck, ClusterFinding, ClusterNode, ClusterReaped
+from pytest_gpuclean.model.readings import FoundBy, Owner, OwnerKind
+from pytest_gpuclean.model.results import (
+    ALL_KINDS,
+    CheckResult,
+    FixtureLeak,
+    has_findings,
+    outcome,
+    own_leaks,
+    split_own,
+)
+from pytest_gpuclean.model.results import TestRecord as Record
+from pytest_gpuclean.report import jsonreport, report
+from pytest_gpuclean.session import outputs
+
+NODEID = "t.py::test_it"
+ME = Owner("test", NODEID)
+EARLIER = Owner("test", "t.py::test_earlier")
+MY_FIXTURE = Owner("fixture", "engine (module-scoped)")
+SESSION = Owner("session", "conftest")
+NODE = "n" * 56
+PROC = ProcessInfo(pid=4242, start_ticks=99, ppid=1, uid=1000, user="ci", cmdline="sleep 600",
+                   state="sleeping")
+
+
+def reaped(owner: Owner | None, found_by: FoundBy = "descendant") -> Reaped:
+    return Reaped(PROC, owner, found_by, "SIGTERM", (("GPU 0", 64.0),), 0.01, 0.02)
+
+
+def leaked(owner: Owner | None, process: ProcessInfo | None = PROC) -> Offender:
+    return Offender("leaked", process, owner, "cookie", (("GPU 0", 64.0),), "reaping is off")
+
+
+MEMORY = Offender("memory", None, None, "gpu", (("GPU 0", 88.0),),
+                  "88 MiB used on GPU 0 beyond the tolerance")
+CLEAN_BEFORE = CheckResult("setup", True, (), ())
+CLEAN_AFTER = CheckResult("teardown", True, (), ())
+
+
+def after(**fields: object) -> CheckResult:
+    return CLEAN_AFTER.replace(**fields)
+
+
+def health(effect: str) -> HealthFinding:
+    return HealthFinding("xid", effect, "GPU 0", "GPU-0000", f"GPU 0: Xid ({effect})", "teardown", 31)
+
+
+def cluster(clean: bool = True, reaped_: tuple[ClusterReaped, ...] = (),
+            findings: tuple[ClusterFinding, ...] = ()) -> ClusterCheck:
+    return ClusterCheck("127.0.0.1:6379", "teardown", clean, (ClusterNode(NODE, (), ""),), findings, reaped_)
+
+
+FIXTURE_LEAK = FixtureLeak("engine", "module", ("conftest.py", 3), NODEID, (reaped(MY_FIXTURE),))
+
+# (name, record, outcome, has findings)
+OUTCOMES: list[tuple[str, Record, str, bool]] = [
+    ("clean", Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER), "clean", False),
+    ("unchecked: no check finished", Record(NODEID), "unchecked", False),
+    ("unchecked: lock timeout", Record(NODEID, lock_timeout="waited 1s"), "unchecked", True),
+    ("leaked: own process reaped after it",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(ME),))), "leaked", True),
+    ("leaked: unknown owner reaped after it is the finder's",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(None),))), "leaked", True),
+    ("leaked: still running (reaping off)",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(leaked(ME),))), "leaked",
+     True),
+    ("leaked: exited by itself while the check waited",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(lingered=(leaked(ME),))), "leaked", True),
+    ("leaked: found by a later check (the test was not checked)",
+     Record(NODEID, found_later=[reaped(ME)]), "leaked", True),
+    ("leaked: left on the Ray cluster",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
+                cluster_after=cluster(reaped_=(ClusterReaped(NODE, "ray.kill", reaped(ME)),))), "leaked",
+     True),
+    ("leaked: still on the Ray cluster",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
+                cluster_after=cluster(False, findings=(ClusterFinding(NODE, leaked(ME)),))), "leaked", True),
+    ("an earlier test's leftover reaped after it: a finding, not its leak",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(EARLIER),))), "clean", True),
+    ("an earlier test's leftover still there: not clean, not its leak",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(leaked(EARLIER),))),
+     "not_clean", True),
+    ("a leak with no process to name: not clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(leaked(ME, None),))),
+     "not_clean", True),
+    ("a fixture's leak is the fixture's, not the test's",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, fixture_leaks=(FIXTURE_LEAK,)), "clean",
+     False),
+    ("not clean before", Record(NODEID, before=CLEAN_BEFORE.replace(clean=False, offenders=(MEMORY,))),
+     "not_clean", True),
+    ("not clean after",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(MEMORY,))), "not_clean",
+     True),
+    ("device error (nothing reaped)",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, error="GPU 0: lost", device_lost=True)),
+     "not_clean", True),
+    ("device error, its own process reaped all the same",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, error="GPU 0: lost",
+                                                         reaped=(reaped(ME),))), "leaked", True),
+    ("the Ray cluster not clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, cluster_after=cluster(False)), "not_clean",
+     True),
+    ("health: a GPU that needs a reset",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("unusable")]), "not_clean",
+     True),
+    ("health: a lost GPU",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("lost")]), "not_clean", True),
+    ("health: an Xid the test caused",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("fault")]), "gpu_fault", True),
+    ("health: information only",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("info")]), "clean", False),
+    ("a zombie collected: a finding, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(collected=(reaped(ME),))), "clean", True),
+    ("torch memory grew in-process: a finding, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, in_process_mib=[("cuda:0", 2.0)]), "clean",
+     True),
+    ("dirty from outside, skipped",
+     Record(NODEID, before=CLEAN_BEFORE.replace(clean=False, offenders=(MEMORY,)), outside_action="skip"),
+     "not_clean", True),
+]
+
+
+@pytest.mark.parametrize(("record", "expected", "findings"), [row[1:] for row in OUTCOMES],
+                         ids=[row[0] for row in OUTCOMES])
+def test_outcome(record: Record, expected: str, findings: bool) -> None:
+    assert outcome(record) == expected
+    assert has_findings(record) is findings
+    # Every output asks the same function: the JSON, the record's properties, the JUnit properties.
+    assert jsonreport.outcome(record) == expected
+    assert jsonreport.record_json(record)["outcome"] == expected
+    assert record.dirty is findings
+    assert record.leaked is (expected == "leaked") is bool(jsonreport.leaked_json(record))
+    assert ("gpuclean_outcome", expected) in outputs.junit_properties(record)
+    # A leaking test is a finding; a clean one only when a check found something that does not fail it.
+    assert findings or expected in ("clean", "unchecked")
+
+
+def test_totals_count_what_outcome_decides() -> None:
+    """The summary's totals and the JSON summary agree with ``outcome`` over the same records."""
+    records = [row[1] for row in OUTCOMES]
+    summary = jsonreport.summary_json(records, [])
+    decided = [outcome(r) for r in records]
+    for key in ("clean", "leaked", "not_clean", "gpu_fault"):
+        assert summary[key] == decided.count(key)
+    checked = [r for r in records if r.before is not None]
+    unchecked_leaked = sum(1 for r in records if r.before is None and outcome(r) == "leaked")
+    assert report.totals_line(records, []).startswith(
+        f"{len(checked)} checked test(s), {sum(1 for r in checked if has_findings(r))} with findings, "
+        f"1 fixture(s) that leaked processes, {unchecked_leaked} unchecked test(s) that leaked processes, ")
+
+
+def test_own_leaks_lists_each_place_in_report_order() -> None:
+    lingering = leaked(ME)
+    record = Record(NODEID, before=CLEAN_BEFORE,
+                        after=after(clean=False, reaped=(reaped(ME), reaped(EARLIER)),
+                                    offenders=(leaked(ME), leaked(EARLIER), leaked(ME, None), MEMORY),
+                                    lingered=(lingering,)),
+                        found_later=[reaped(ME, "cookie")])
+    leaks = own_leaks(record)
+    assert leaks.reaped == [reaped(ME)]
+    assert leaks.later == [reaped(ME, "cookie")]
+    assert leaks.offenders == [(leaked(ME), None), (lingering, "exited by itself")]
+    assert leaks.cluster_reaped == [] and leaks.cluster_left == []
+    found = [e["found"] for e in jsonreport.leaked_json(record)]
+    assert found == ["teardown", "later", "teardown", "teardown"]
+
+
+# ---- whose a reaped process is ----------------------------------------------------------------------
+
+TOKENS = {"tok-me": ME, "tok-fixture": MY_FIXTURE, "tok-earlier": EARLIER, "tok-session": SESSION}
+OWN_TOKENS = {"tok-me", "tok-fixture"}
+
+
+def by_token(owner: Owner) -> bool:
+    """What the checks pass: the owner's registered token is the test's or a fixture's ending with it."""
+    return next((t for t, o in TOKENS.items() if o is owner), None) in OWN_TOKENS
+
+
+# (name, owner, found_by, judged kinds, own?)
+WHOSE: list[tuple[str, Owner | None, FoundBy, tuple[OwnerKind, ...], bool]] = [
+    ("the test's own", ME, "descendant", ("test", "fixture"), True),
+    ("a fixture ending with the test", MY_FIXTURE, "cookie", ("test", "fixture"), True),
+    ("an earlier test's", EARLIER, "cookie", ("test", "fixture"), False),
+    ("an equal owner that is not the registered one (a rerun's)", Owner("test", NODEID), "cookie",
+     ("test", "fixture"), False),
+    ("unknown owner: the finder's", None, "gpu", ("test", "fixture"), True),
+    ("the session's, not judged locally: the finder's", SESSION, "descendant", ("test", "fixture"), True),
+    ("a dead session's debris, even with the test's owner", ME, "dead session", ("test", "fixture"), False),
+    ("on a Ray cluster, the session's is judged: not the test's", SESSION, "gpu", ALL_KINDS, False),
+    ("on a Ray cluster, the test's own", ME, "gpu", ALL_KINDS, True),
+    ("on a Ray cluster, an unknown owner is the finder's", None, "gpu", ALL_KINDS, True),
+]
+
+
+@pytest.mark.parametrize(("owner", "found_by", "judged", "own"), [row[1:] for row in WHOSE],
+                         ids=[row[0] for row in WHOSE])
+def test_split_own(owner: Owner | None, found_by: FoundBy, judged: tuple[OwnerKind, ...], own: bool) -> None:
+    item = reaped(owner, found_by)
+    assert split_own([item], by_token, judged) == (([item], []) if own else ([], [item]))
+
+
+def test_split_own_keeps_order_and_every_item() -> None:
+    items = [reaped(EARLIER), reaped(ME), reaped(None, "gpu"), reaped(ME, "dead session"), reaped(MY_FIXTURE)]
+    own, earlier = split_own(items, by_token)
+    assert own == [items[1], items[2], items[4]]
+    assert earlier == [items[0], items[3]]
+
+
+def test_split_own_by_name_for_a_record_without_tokens() -> None:
+    """A record read back (an xdist worker's) has no tokens: the reports tell the test's own by its name,
+    and list a dead session's offender as the reports always did."""
+    items = [leaked(EARLIER), leaked(ME), leaked(MY_FIXTURE), dataclasses.replace(leaked(ME),
+                                                                                     found_by="dead session")]
+    own, earlier = split_own(items, lambda o: o.name == NODEID, ("test",), dead_sessions_theirs=False)
+    assert own == items[1:]
+    assert earlier == items[:1]
