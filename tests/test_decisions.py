@@ -121,6 +121,8 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("fault")]), "gpu_fault", True),
     ("health: information only",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("info")]), "clean", False),
+    ("an earlier test's process ended by itself while the check waited: a finding, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(lingered=(leaked(EARLIER),))), "clean", True),
     ("a zombie collected: a finding, clean",
      Record(NODEID, before=CLEAN_BEFORE, after=after(collected=(reaped(ME),))), "clean", True),
     ("torch memory grew in-process: a finding, clean",
