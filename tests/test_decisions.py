@@ -1,6 +1,7 @@
 """The decisions over plain records, unit-tested without processes (as xdist's test_dsession.py drives its
-schedulers with MockNodes): whose a reaped process is (``results.split_own``) and what a test's outcome is
-(``results.outcome``, ``results.has_findings``, ``results.own_leaks``), which every output uses.
+schedulers with MockNodes): whose a reaped process is (``results.split_own``), what a test's outcome is
+(``results.outcome``, ``results.has_findings``, ``results.own_leaks``), which every output uses, and what
+``gpuclean reap`` may end on this host or a Ray cluster (``reap_plan.plan``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import dataclasses
 
 import pytest
 
+from pytest_gpuclean.core.reap_plan import Candidate
+from pytest_gpuclean.core.reap_plan import plan as plan_reap
 from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped
 from pytest_gpuclean.model.ray_model import ClusterCheck, ClusterFinding, ClusterNode, ClusterReaped
 from pytest_gpuclean.model.readings import FoundBy, Owner, OwnerKind
@@ -228,3 +231,82 @@ def test_split_own_by_name_for_a_record_without_tokens() -> None:
     own, earlier = split_own(items, lambda o: o.name == NODEID, ("test",), dead_sessions_theirs=False)
     assert own == items[1:]
     assert earlier == items[:1]
+
+
+# ---- what `gpuclean reap` may end, on this host and on a Ray cluster -----------------------------------
+
+MINE = dataclasses.replace(PROC, cmdline="python hold.py\n--mib 64")
+ROOTS = dataclasses.replace(PROC, uid=0, user="root", cmdline="python serve.py")
+ON_GPU0 = (("GPU 0", 64.0),)
+NODE_A = "node aaaaaaaa"
+
+
+def cand(**facts: object) -> Candidate:
+    fields: dict[str, object] = {"pid": 4242, "info": MINE, "mib": ON_GPU0}
+    fields.update(facts)
+    return Candidate(**fields)  # type: ignore[arg-type]
+
+
+NOT_VISIBLE_HERE = "pid 4242 (listed on GPU 0): not visible here (exited, or in another PID namespace)"
+# (name, candidate, all users, the line it gets; None: a target, "": left alone without a line)
+REAP: list[tuple[str, Candidate, bool, str | None]] = [
+    ("this host: the user's process on a GPU", cand(), False, None),
+    ("this host: not visible", cand(info=None), False, NOT_VISIBLE_HERE),
+    ("this host: a cookie carrier that exited is simply gone", cand(info=None, found_by="cookie"), False, ""),
+    ("this host: a host pid the driver lists, an unrelated local process", cand(no_device_file=True), False,
+     "pid 4242 (listed on GPU 0) is 'python hold.py --mib 64' here, which has no /dev/nvidia* open: not the "
+     "driver's process (another PID namespace?)"),
+    ("this host: gpuclean itself", cand(gpuclean_itself=True), False,
+     "pid 4242 (python hold.py --mib 64): gpuclean itself or one of its ancestors"),
+    ("this host: gpuclean itself carrying the cookie", cand(gpuclean_itself=True, found_by="cookie"), False,
+     "pid 4242 (python hold.py --mib 64): carries the cookie, but is gpuclean itself or one of its "
+     "ancestors"),
+    ("this host: another user's", cand(info=ROOTS), False,
+     "pid 4242 of user root (python serve.py): another user's process (only root, with --all-users, ends "
+     "those)"),
+    ("this host: another user's, with --all-users", cand(info=ROOTS), True, None),
+    ("this host: a cookie carrier of any user asked",
+     cand(info=ROOTS, found_by="cookie", any_user=True), False, None),
+    ("cluster: the user's leftover of a finished job", cand(where=NODE_A, job_id="04"), False, None),
+    ("cluster: not visible on its node", cand(info=None, where=NODE_A), False,
+     "node aaaaaaaa: pid 4242: not visible on its node (exited, or another PID namespace)"),
+    ("cluster: Ray's own, whoever runs it", cand(info=ROOTS, where=NODE_A, ray_own=True), False,
+     "node aaaaaaaa: pid 4242 (python serve.py): Ray's own (daemon or task worker)"),
+    ("cluster: another user's", cand(info=ROOTS, where=NODE_A), False,
+     "node aaaaaaaa: pid 4242 of user root (python serve.py): another user's process"),
+    ("cluster: its job still running, the driver known",
+     cand(where=NODE_A, job_id="03", job_running=True, job_driver_pid=13), False,
+     "node aaaaaaaa: pid 4242 (python hold.py --mib 64): its Ray job 03 is still running (driver pid 13)"),
+    ("cluster: its job still running, unknown to the cluster",
+     cand(where=NODE_A, job_id="05", job_running=True), False,
+     "node aaaaaaaa: pid 4242 (python hold.py --mib 64): its Ray job 05 is still running"),
+    ("cluster: a task worker", cand(where=NODE_A, job_id="04", task_worker=True), False,
+     "node aaaaaaaa: pid 4242 (python hold.py --mib 64): a task worker of job 04: Ray ends it"),
+]
+
+
+@pytest.mark.parametrize(("candidate", "all_users", "line"), [row[1:] for row in REAP],
+                         ids=[row[0] for row in REAP])
+def test_reap_plan(candidate: Candidate, all_users: bool, line: str | None) -> None:
+    targets, left = plan_reap([candidate], my_uid=PROC.uid, all_users=all_users, cmd_width=80)
+    assert targets == ([candidate] if line is None else [])
+    assert left == ([line] if line else [])
+
+
+def test_reap_plan_considers_a_pid_once_per_place() -> None:
+    # A pid listed on a device is a target as such; the same pid carrying the cookie is not a second one.
+    # One left alone as listed (a host pid's namesake) is still a target as a cookie carrier; the same pid
+    # on two nodes is two processes.
+    listed, carrier = cand(pid=1), cand(pid=1, found_by="cookie")
+    namesake, namesake_carrier = cand(pid=2, no_device_file=True), cand(pid=2, found_by="cookie")
+    node_a, node_b = cand(pid=3, where=NODE_A), cand(pid=3, where="node bbbbbbbb")
+    targets, left = plan_reap([listed, carrier, namesake, namesake_carrier, node_a, node_b],
+                              my_uid=PROC.uid, cmd_width=80)
+    assert targets == [listed, namesake_carrier, node_a, node_b]
+    assert len(left) == 1 and left[0].startswith("pid 2 (listed on GPU 0) is ")
+
+
+def test_reap_plan_cuts_command_lines_at_the_width() -> None:
+    _, [line] = plan_reap([cand(gpuclean_itself=True, info=dataclasses.replace(MINE, cmdline="x" * 300))],
+                          my_uid=PROC.uid, cmd_width=20)
+    assert len(line.split("(", 1)[1].split(")", 1)[0]) <= 20
