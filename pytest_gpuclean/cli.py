@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from pytest_gpuclean import __version__
-from pytest_gpuclean.core import devices, processes, procfs, settings
+from pytest_gpuclean.core import devices, processes, procfs, reap_plan, settings
 from pytest_gpuclean.core.checker import Checker, mib_of, reaped_record
 from pytest_gpuclean.core.ownership import COOKIE_VAR
 from pytest_gpuclean.model.findings import ProcessInfo, Reaped
@@ -429,39 +429,23 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
     has a GPU device file open: in a container the driver may list host pids, and the same number can
     name an unrelated local process.
     """
-    targets: dict[int, _Target] = {}
-    left_alone: list[str] = []
-    for pid in sorted({p.pid for s in snaps for p in s.processes}):
-        info = processes.describe(pid)
-        listed = ", ".join(label for label, _ in mib_of(pid, snaps))
-        if info is None:
-            left_alone.append(f"pid {pid} (listed on {listed}): not visible here (exited, or in another "
-                              "PID namespace)")
-        elif require_device_file and not procfs.has_nvidia_device_open(pid):
-            left_alone.append(f"pid {pid} (listed on {listed}) is {_cmd(info.cmdline)!r} here, which has no "
-                              "/dev/nvidia* open: not the driver's process (another PID namespace?)")
-        elif pid in never_touch:
-            left_alone.append(f"pid {pid} ({_cmd(info.cmdline)}): gpuclean itself or one of its ancestors")
-        elif info.uid != my_uid and not all_users:
-            left_alone.append(f"pid {pid} of user {info.user} ({_cmd(info.cmdline)}): another user's "
-                              "process (only root, with --all-users, ends those)")
-        else:
-            targets[pid] = _Target(info, "gpu", mib_of(pid, snaps))
-    if cookie is not None:
-        uids = sorted(_process_uids()) if all_users else [my_uid]
-        for uid in uids:
-            for pid, _value in processes.cookie_holders(COOKIE_VAR, cookie, uid):
-                if pid in targets:
-                    continue
-                info = processes.describe(pid)
-                if info is None:
-                    continue
-                if pid in never_touch:
-                    left_alone.append(f"pid {pid} ({_cmd(info.cmdline)}): carries the cookie, but is "
-                                      "gpuclean itself or one of its ancestors")
-                    continue
-                targets[pid] = _Target(info, "cookie", mib_of(pid, snaps))
-    return targets, left_alone
+    def candidates() -> Iterator[reap_plan.Candidate]:
+        for pid in sorted({p.pid for s in snaps for p in s.processes}):
+            info = processes.describe(pid)
+            yield reap_plan.Candidate(
+                pid, info, mib_of(pid, snaps), "gpu", gpuclean_itself=pid in never_touch,
+                no_device_file=info is not None and require_device_file
+                and not procfs.has_nvidia_device_open(pid))
+        if cookie is not None:
+            for uid in sorted(_process_uids()) if all_users else [my_uid]:
+                for pid, _value in processes.cookie_holders(COOKIE_VAR, cookie, uid):
+                    # (One that is a target already, as listed on a device, the planner passes over.)
+                    yield reap_plan.Candidate(pid, processes.describe(pid), mib_of(pid, snaps), "cookie",
+                                              gpuclean_itself=pid in never_touch, any_user=True)
+
+    chosen, left_alone = reap_plan.plan(candidates(), my_uid=my_uid, all_users=all_users,
+                                        cmd_width=CMDLINE_WIDTH)
+    return {c.pid: _Target(c.info, c.found_by, c.mib) for c in chosen if c.info is not None}, left_alone
 
 
 def _kill_targets(targets: dict[int, _Target]) -> list[processes.KillTarget]:

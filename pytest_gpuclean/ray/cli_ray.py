@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from pytest_gpuclean import __version__
-from pytest_gpuclean.core import settings
+from pytest_gpuclean.core import reap_plan, settings
 from pytest_gpuclean.core.ownership import Ownership
 from pytest_gpuclean.model.findings import ProcessInfo
 from pytest_gpuclean.model.ray_model import ClusterFinding
@@ -152,11 +152,12 @@ def _is_daemon(cmdline: str) -> bool:
 
 
 def plan(census: cluster.Census, my_uid: int) -> tuple[list[_Target], list[str]]:
-    """What ``reap --ray`` may end on each node, and a line for each GPU process it leaves alone (and why)."""
+    """What ``reap --ray`` may end on each node, and a line for each GPU process it leaves alone (and why):
+    the facts of each process on a node's devices, decided by ``reap_plan.plan``."""
     jobs = {j.job_id: j for j in census.jobs}
     actors = {(a.node_id, a.pid): a for a in census.actors if a.state == "ALIVE"}
-    targets: list[_Target] = []
-    left: list[str] = []
+    found: dict[tuple[str, int], _Target] = {}
+    candidates: list[reap_plan.Candidate] = []
     for node in census.nodes:
         known = {p.info.pid: p for p in node.processes}
         where = f"node {node.node_id[:8]}"
@@ -165,23 +166,19 @@ def plan(census: cluster.Census, my_uid: int) -> tuple[list[_Target], list[str]]
                         if any(gp.pid == pid for gp in s.processes))
             p = known.get(pid)
             if p is None:
-                left.append(f"{where}: pid {pid}: not visible on its node (exited, or another PID namespace)")
+                candidates.append(reap_plan.Candidate(pid, None, mib, where=where))
                 continue
-            cmd = report.one_line(p.info.cmdline, 80)
             actor = actors.get((node.node_id, pid))
             job = jobs.get(p.job_id)
-            if pid == node.raylet_pid or (_is_daemon(p.info.cmdline) and actor is None):
-                left.append(f"{where}: pid {pid} ({cmd}): Ray's own (daemon or task worker)")
-            elif p.info.uid != my_uid:
-                left.append(f"{where}: pid {pid} of user {p.info.user} ({cmd}): another user's process")
-            elif p.job_id and (job is None or not job.dead):
-                left.append(f"{where}: pid {pid} ({cmd}): its Ray job {p.job_id} is still running"
-                            + (f" (driver pid {job.driver_pid})" if job else ""))
-            elif p.ray_worker and actor is None:
-                left.append(f"{where}: pid {pid} ({cmd}): a task worker of job {p.job_id}: Ray ends it")
-            else:
-                targets.append(_Target(node, p, actor, mib))
-    return targets, left
+            found[where, pid] = _Target(node, p, actor, mib)
+            candidates.append(reap_plan.Candidate(
+                pid, p.info, mib, where=where,
+                ray_own=pid == node.raylet_pid or (_is_daemon(p.info.cmdline) and actor is None),
+                job_id=p.job_id, job_running=bool(p.job_id) and (job is None or not job.dead),
+                job_driver_pid=None if job is None else job.driver_pid,
+                task_worker=p.ray_worker and actor is None))
+    targets, left = reap_plan.plan(candidates, my_uid=my_uid, cmd_width=80)
+    return [found[t.where, t.pid] for t in targets], left
 
 
 def cmd_reap(args: argparse.Namespace, out: TextIO, resolved: settings.Settings, address: str) -> int:

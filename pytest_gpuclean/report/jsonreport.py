@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, Owner
-from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.model.results import CheckResult, FixtureLeak, OwnLeaks, TestRecord, own_leaks
+from pytest_gpuclean.model.results import outcome as results_outcome
 
 if TYPE_CHECKING:
     from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
@@ -140,19 +141,10 @@ def ray_json(address: str, version: str, sweeps: Sequence[ClusterCheck]) -> Json
             "session_end": [cluster_check_json(c) for c in sweeps]}
 
 
-def _owned_by_other_test(owner: Owner | None, nodeid: str) -> bool:
-    return owner is not None and owner.kind == "test" and owner.name != nodeid
-
-
 def own_reaped(record: TestRecord) -> list[Reaped]:
-    """Processes the after-check reaped that this test (or a fixture ending with it) leaked.
-
-    The after-check also reaps leftovers of earlier, unchecked tests; those are charged to the test
-    that spawned them (its ``found_later``), not to this one.
-    """
-    if record.after is None:
-        return []
-    return [r for r in record.after.reaped if not _owned_by_other_test(r.owner, record.nodeid)]
+    """Processes the after-check reaped that this test (or a fixture ending with it) leaked
+    (``results.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
+    return own_leaks(record).reaped
 
 
 def _reaped_leak_json(reaped: Reaped, found: str) -> JsonDict:
@@ -170,18 +162,13 @@ def _offender_leak_json(offender: Offender, ended_by: str | None) -> JsonDict | 
 
 
 def leaked_json(record: TestRecord) -> list[JsonDict]:
-    """Every process this test left behind: reaped after it, found by a later check, or not reapable."""
-    leaked: list[JsonDict] = [*(_reaped_leak_json(r, "teardown") for r in own_reaped(record)),
-                              *(_reaped_leak_json(r, "later") for r in record.found_later)]
-    if record.after is not None:
-        # Still running (reaping off, or it survived), or gone by itself while the check waited.
-        for offenders, ended_by in ((record.after.offenders, None),
-                                    (record.after.lingered, "exited by itself")):
-            for offender in offenders:
-                entry = _offender_leak_json(offender, ended_by)
-                if entry is not None and not _owned_by_other_test(offender.owner, record.nodeid):
-                    leaked.append(entry)
-    leaked.extend(cluster_leaked_json(record))
+    """Every process this test left behind (``results.own_leaks``): reaped after it, found by a later
+    check, or not reapable."""
+    leaks = own_leaks(record)
+    leaked: list[JsonDict] = [*(_reaped_leak_json(r, "teardown") for r in leaks.reaped),
+                              *(_reaped_leak_json(r, "later") for r in leaks.later)]
+    leaked.extend(e for o, ended_by in leaks.offenders if (e := _offender_leak_json(o, ended_by)) is not None)
+    leaked.extend(_cluster_leaked_json(leaks))
     return leaked
 
 
@@ -203,40 +190,28 @@ def fixture_json(leak: FixtureLeak) -> JsonDict:
 def cluster_leaked_json(record: TestRecord) -> list[JsonDict]:
     """What this test left on a Ray cluster (``--gpuclean-ray``): ended after it, or still there; each
     entry names its node and, when ended, whether through ``ray.kill`` or the ladder (``via``)."""
-    check = record.cluster_after
-    if check is None:
-        return []
+    return _cluster_leaked_json(own_leaks(record))
+
+
+def _cluster_leaked_json(leaks: OwnLeaks) -> list[JsonDict]:
     leaked: list[JsonDict] = []
-    for item in check.reaped:
+    for item in leaks.cluster_reaped:
         r = item.reaped
         leaked.append({"pid": r.process.pid, "user": r.process.user, "cmdline": r.process.cmdline,
                        "owner": owner_json(r.owner), "found": "teardown", "ended_by": r.how_ended,
                        "release_s": _seconds(r.release_s), "node_id": item.node_id, "via": item.via})
-    for finding in check.findings:
+    for finding in leaks.cluster_left:
         proc = finding.offender.process
-        if finding.offender.reason == "leaked" and proc is not None:
-            leaked.append({"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline,
-                           "owner": owner_json(finding.offender.owner), "found": "teardown", "ended_by": None,
-                           "release_s": None, "node_id": finding.node_id, "via": None})
+        assert proc is not None  # (own_leaks keeps only findings with a process)
+        leaked.append({"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline,
+                       "owner": owner_json(finding.offender.owner), "found": "teardown", "ended_by": None,
+                       "release_s": None, "node_id": finding.node_id, "via": None})
     return leaked
 
 
 def outcome(record: TestRecord) -> str:
-    """``leaked``, ``not_clean``, ``gpu_fault``, ``clean`` or ``unchecked`` (no check finished for this
-    test: see ``lock_timeout`` for one that never got its GPU locks).
-
-    A GPU that is not usable (it needs a reset, is lost, failed the probe) is not clean; ``gpu_fault``: the
-    test's GPUs were clean, but an Xid it caused (or a setting it changed) fails it."""
-    if leaked_json(record):
-        return "leaked"
-    checks = [c for c in (record.before, record.after) if c is not None]
-    if any(not c.clean for c in checks) or any(
-            c is not None and not c.clean for c in (record.cluster_before, record.cluster_after)) or any(
-            f.effect in ("unusable", "lost") for f in record.health):
-        return "not_clean"
-    if any(f.effect == "fault" for f in record.health):
-        return "gpu_fault"
-    return "clean" if record.before is not None else "unchecked"
+    """The test's outcome (``results.outcome``, which every output uses)."""
+    return results_outcome(record)
 
 
 def health_json(found: HealthFinding) -> JsonDict:

@@ -17,6 +17,7 @@ import pytest
 
 from pytest_gpuclean.core import procfs
 from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
+from pytest_gpuclean.model.results import ALL_KINDS, split_own
 from pytest_gpuclean.report import report
 
 if TYPE_CHECKING:
@@ -223,8 +224,11 @@ class ClusterChecks:
             return None
         result = self.ray.result(check)
         own_tokens = {state.token, *state.fixture_tokens}
-        own = [r for r in result.reaped if r.owner is None or self.session.token_of(r.owner) in own_tokens]
-        self.session.attribute_earlier([r for r in result.reaped if r not in own], state.nodeid, result.notes)
+        # Every kind of owner is judged here: on the cluster, only what carries this test's (or its fixtures')
+        # token is its own; the session's is charged to the session.
+        own, earlier = split_own(result.reaped, lambda owner: self.session.token_of(owner) in own_tokens,
+                                 ALL_KINDS)
+        self.session.attribute_earlier(earlier, state.nodeid, result.notes)
         result = result.replace(reaped=tuple(own))
         record.cluster_after = dataclasses.replace(check, reaped=tuple(r for r in check.reaped
                                                                        if r.reaped in own))

@@ -23,7 +23,7 @@ from pytest_gpuclean.core import settings
 from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.core.locks import LockTimeout, describe_holders, take_notices
 from pytest_gpuclean.model.readings import MIB, OutsideAction, Owner, Phase
-from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord, split_own
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
@@ -231,10 +231,8 @@ class ItemChecks:
         self._note_lost(record, result, "teardown")
         own_tokens = {state.token, *state.fixture_tokens}
         # A dead session's debris is that session's leak, never this test's.
-        own = [r for r in result.reaped if r.found_by != "dead session" and (
-            r.owner is None or r.owner.kind not in ("test", "fixture")
-            or session.token_of(r.owner) in own_tokens)]
-        session.attribute_earlier([r for r in result.reaped if r not in own], state.nodeid, result.notes)
+        own, earlier = split_own(result.reaped, lambda owner: session.token_of(owner) in own_tokens)
+        session.attribute_earlier(earlier, state.nodeid, result.notes)
         # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
         if len(own) != len(result.reaped):
             result = result.replace(reaped=tuple(own))

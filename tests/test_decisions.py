@@ -1,0 +1,312 @@
+"""The decisions over plain records, unit-tested without processes (as xdist's test_dsession.py drives its
+schedulers with MockNodes): whose a reaped process is (``results.split_own``), what a test's outcome is
+(``results.outcome``, ``results.has_findings``, ``results.own_leaks``), which every output uses, and what
+``gpuclean reap`` may end on this host or a Ray cluster (``reap_plan.plan``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pytest_gpuclean.core.reap_plan import Candidate
+from pytest_gpuclean.core.reap_plan import plan as plan_reap
+from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped
+from pytest_gpuclean.model.ray_model import ClusterCheck, ClusterFinding, ClusterNode, ClusterReaped
+from pytest_gpuclean.model.readings import FoundBy, Owner, OwnerKind
+from pytest_gpuclean.model.results import (
+    ALL_KINDS,
+    CheckResult,
+    FixtureLeak,
+    has_findings,
+    outcome,
+    own_leaks,
+    split_own,
+)
+from pytest_gpuclean.model.results import TestRecord as Record
+from pytest_gpuclean.report import jsonreport, report
+from pytest_gpuclean.session import outputs
+
+NODEID = "t.py::test_it"
+ME = Owner("test", NODEID)
+EARLIER = Owner("test", "t.py::test_earlier")
+MY_FIXTURE = Owner("fixture", "engine (module-scoped)")
+SESSION = Owner("session", "conftest")
+NODE = "n" * 56
+PROC = ProcessInfo(pid=4242, start_ticks=99, ppid=1, uid=1000, user="ci", cmdline="sleep 600",
+                   state="sleeping")
+
+
+def reaped(owner: Owner | None, found_by: FoundBy = "descendant") -> Reaped:
+    return Reaped(PROC, owner, found_by, "SIGTERM", (("GPU 0", 64.0),), 0.01, 0.02)
+
+
+def leaked(owner: Owner | None, process: ProcessInfo | None = PROC) -> Offender:
+    return Offender("leaked", process, owner, "cookie", (("GPU 0", 64.0),), "reaping is off")
+
+
+MEMORY = Offender("memory", None, None, "gpu", (("GPU 0", 88.0),),
+                  "88 MiB used on GPU 0 beyond the tolerance")
+CLEAN_BEFORE = CheckResult("setup", True, (), ())
+CLEAN_AFTER = CheckResult("teardown", True, (), ())
+
+
+def after(**fields: object) -> CheckResult:
+    return CLEAN_AFTER.replace(**fields)
+
+
+def health(effect: str) -> HealthFinding:
+    return HealthFinding("xid", effect, "GPU 0", "GPU-0000", f"GPU 0: Xid ({effect})", "teardown", 31)
+
+
+def cluster(clean: bool = True, reaped_: tuple[ClusterReaped, ...] = (),
+            findings: tuple[ClusterFinding, ...] = ()) -> ClusterCheck:
+    return ClusterCheck("127.0.0.1:6379", "teardown", clean, (ClusterNode(NODE, (), ""),), findings, reaped_)
+
+
+FIXTURE_LEAK = FixtureLeak("engine", "module", ("conftest.py", 3), NODEID, (reaped(MY_FIXTURE),))
+
+# (name, record, outcome, has findings)
+OUTCOMES: list[tuple[str, Record, str, bool]] = [
+    ("clean", Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER), "clean", False),
+    ("unchecked: no check finished", Record(NODEID), "unchecked", False),
+    ("unchecked: lock timeout", Record(NODEID, lock_timeout="waited 1s"), "unchecked", True),
+    ("leaked: own process reaped after it",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(ME),))), "leaked", True),
+    ("leaked: unknown owner reaped after it is the finder's",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(None),))), "leaked", True),
+    ("leaked: still running (reaping off)",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(leaked(ME),))), "leaked",
+     True),
+    ("leaked: exited by itself while the check waited",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(lingered=(leaked(ME),))), "leaked", True),
+    ("leaked: found by a later check (the test was not checked)",
+     Record(NODEID, found_later=[reaped(ME)]), "leaked", True),
+    ("leaked: left on the Ray cluster",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
+                cluster_after=cluster(reaped_=(ClusterReaped(NODE, "ray.kill", reaped(ME)),))), "leaked",
+     True),
+    ("leaked: still on the Ray cluster",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
+                cluster_after=cluster(False, findings=(ClusterFinding(NODE, leaked(ME)),))), "leaked", True),
+    ("an earlier test's leftover reaped after it: a finding, not its leak",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(EARLIER),))), "clean", True),
+    ("an earlier test's leftover still there: not clean, not its leak",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(leaked(EARLIER),))),
+     "not_clean", True),
+    ("a leak with no process to name: not clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(leaked(ME, None),))),
+     "not_clean", True),
+    ("a fixture's leak is the fixture's, not the test's",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, fixture_leaks=(FIXTURE_LEAK,)), "clean",
+     False),
+    ("not clean before", Record(NODEID, before=CLEAN_BEFORE.replace(clean=False, offenders=(MEMORY,))),
+     "not_clean", True),
+    ("not clean after",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(MEMORY,))), "not_clean",
+     True),
+    ("device error (nothing reaped)",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, error="GPU 0: lost", device_lost=True)),
+     "not_clean", True),
+    ("device error, its own process reaped all the same",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, error="GPU 0: lost",
+                                                         reaped=(reaped(ME),))), "leaked", True),
+    ("the Ray cluster not clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, cluster_after=cluster(False)), "not_clean",
+     True),
+    ("health: a GPU that needs a reset",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("unusable")]), "not_clean",
+     True),
+    ("health: a lost GPU",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("lost")]), "not_clean", True),
+    ("health: an Xid the test caused",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("fault")]), "gpu_fault", True),
+    ("health: information only",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("info")]), "clean", False),
+    ("an earlier test's process ended by itself while the check waited: a finding, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(lingered=(leaked(EARLIER),))), "clean", True),
+    ("a zombie collected: a finding, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(collected=(reaped(ME),))), "clean", True),
+    ("torch memory grew in-process: a finding, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, in_process_mib=[("cuda:0", 2.0)]), "clean",
+     True),
+    ("dirty from outside, skipped",
+     Record(NODEID, before=CLEAN_BEFORE.replace(clean=False, offenders=(MEMORY,)), outside_action="skip"),
+     "not_clean", True),
+]
+
+
+@pytest.mark.parametrize(("record", "expected", "findings"), [row[1:] for row in OUTCOMES],
+                         ids=[row[0] for row in OUTCOMES])
+def test_outcome(record: Record, expected: str, findings: bool) -> None:
+    assert outcome(record) == expected
+    assert has_findings(record) is findings
+    # Every output asks the same function: the JSON, the record's properties, the JUnit properties.
+    assert jsonreport.outcome(record) == expected
+    assert jsonreport.record_json(record)["outcome"] == expected
+    assert record.dirty is findings
+    assert record.leaked is (expected == "leaked") is bool(jsonreport.leaked_json(record))
+    assert ("gpuclean_outcome", expected) in outputs.junit_properties(record)
+    # A leaking test is a finding; a clean one only when a check found something that does not fail it.
+    assert findings or expected in ("clean", "unchecked")
+
+
+def test_totals_count_what_outcome_decides() -> None:
+    """The summary's totals and the JSON summary agree with ``outcome`` over the same records."""
+    records = [row[1] for row in OUTCOMES]
+    summary = jsonreport.summary_json(records, [])
+    decided = [outcome(r) for r in records]
+    for key in ("clean", "leaked", "not_clean", "gpu_fault"):
+        assert summary[key] == decided.count(key)
+    checked = [r for r in records if r.before is not None]
+    unchecked_leaked = sum(1 for r in records if r.before is None and outcome(r) == "leaked")
+    assert report.totals_line(records, []).startswith(
+        f"{len(checked)} checked test(s), {sum(1 for r in checked if has_findings(r))} with findings, "
+        f"1 fixture(s) that leaked processes, {unchecked_leaked} unchecked test(s) that leaked processes, ")
+
+
+def test_own_leaks_lists_each_place_in_report_order() -> None:
+    lingering = leaked(ME)
+    record = Record(NODEID, before=CLEAN_BEFORE,
+                        after=after(clean=False, reaped=(reaped(ME), reaped(EARLIER)),
+                                    offenders=(leaked(ME), leaked(EARLIER), leaked(ME, None), MEMORY),
+                                    lingered=(lingering,)),
+                        found_later=[reaped(ME, "cookie")])
+    leaks = own_leaks(record)
+    assert leaks.reaped == [reaped(ME)]
+    assert leaks.later == [reaped(ME, "cookie")]
+    assert leaks.offenders == [(leaked(ME), None), (lingering, "exited by itself")]
+    assert leaks.cluster_reaped == [] and leaks.cluster_left == []
+    found = [e["found"] for e in jsonreport.leaked_json(record)]
+    assert found == ["teardown", "later", "teardown", "teardown"]
+
+
+# ---- whose a reaped process is ----------------------------------------------------------------------
+
+TOKENS = {"tok-me": ME, "tok-fixture": MY_FIXTURE, "tok-earlier": EARLIER, "tok-session": SESSION}
+OWN_TOKENS = {"tok-me", "tok-fixture"}
+
+
+def by_token(owner: Owner) -> bool:
+    """What the checks pass: the owner's registered token is the test's or a fixture's ending with it."""
+    return next((t for t, o in TOKENS.items() if o is owner), None) in OWN_TOKENS
+
+
+# (name, owner, found_by, judged kinds, own?)
+WHOSE: list[tuple[str, Owner | None, FoundBy, tuple[OwnerKind, ...], bool]] = [
+    ("the test's own", ME, "descendant", ("test", "fixture"), True),
+    ("a fixture ending with the test", MY_FIXTURE, "cookie", ("test", "fixture"), True),
+    ("an earlier test's", EARLIER, "cookie", ("test", "fixture"), False),
+    ("an equal owner that is not the registered one (a rerun's)", Owner("test", NODEID), "cookie",
+     ("test", "fixture"), False),
+    ("unknown owner: the finder's", None, "gpu", ("test", "fixture"), True),
+    ("the session's, not judged locally: the finder's", SESSION, "descendant", ("test", "fixture"), True),
+    ("a dead session's debris, even with the test's owner", ME, "dead session", ("test", "fixture"), False),
+    ("on a Ray cluster, the session's is judged: not the test's", SESSION, "gpu", ALL_KINDS, False),
+    ("on a Ray cluster, the test's own", ME, "gpu", ALL_KINDS, True),
+    ("on a Ray cluster, an unknown owner is the finder's", None, "gpu", ALL_KINDS, True),
+]
+
+
+@pytest.mark.parametrize(("owner", "found_by", "judged", "own"), [row[1:] for row in WHOSE],
+                         ids=[row[0] for row in WHOSE])
+def test_split_own(owner: Owner | None, found_by: FoundBy, judged: tuple[OwnerKind, ...], own: bool) -> None:
+    item = reaped(owner, found_by)
+    assert split_own([item], by_token, judged) == (([item], []) if own else ([], [item]))
+
+
+def test_split_own_keeps_order_and_every_item() -> None:
+    items = [reaped(EARLIER), reaped(ME), reaped(None, "gpu"), reaped(ME, "dead session"), reaped(MY_FIXTURE)]
+    own, earlier = split_own(items, by_token)
+    assert own == [items[1], items[2], items[4]]
+    assert earlier == [items[0], items[3]]
+
+
+def test_split_own_by_name_for_a_record_without_tokens() -> None:
+    """A record read back (an xdist worker's) has no tokens: the reports tell the test's own by its name,
+    and list a dead session's offender as the reports always did."""
+    items = [leaked(EARLIER), leaked(ME), leaked(MY_FIXTURE), dataclasses.replace(leaked(ME),
+                                                                                     found_by="dead session")]
+    own, earlier = split_own(items, lambda o: o.name == NODEID, ("test",), dead_sessions_theirs=False)
+    assert own == items[1:]
+    assert earlier == items[:1]
+
+
+# ---- what `gpuclean reap` may end, on this host and on a Ray cluster -----------------------------------
+
+MINE = dataclasses.replace(PROC, cmdline="python hold.py\n--mib 64")
+ROOTS = dataclasses.replace(PROC, uid=0, user="root", cmdline="python serve.py")
+ON_GPU0 = (("GPU 0", 64.0),)
+NODE_A = "node aaaaaaaa"
+
+
+def cand(**facts: object) -> Candidate:
+    fields: dict[str, object] = {"pid": 4242, "info": MINE, "mib": ON_GPU0}
+    fields.update(facts)
+    return Candidate(**fields)  # type: ignore[arg-type]
+
+
+NOT_VISIBLE_HERE = "pid 4242 (listed on GPU 0): not visible here (exited, or in another PID namespace)"
+# (name, candidate, all users, the line it gets; None: a target, "": left alone without a line)
+REAP: list[tuple[str, Candidate, bool, str | None]] = [
+    ("this host: the user's process on a GPU", cand(), False, None),
+    ("this host: not visible", cand(info=None), False, NOT_VISIBLE_HERE),
+    ("this host: a cookie carrier that exited is simply gone", cand(info=None, found_by="cookie"), False, ""),
+    ("this host: a host pid the driver lists, an unrelated local process", cand(no_device_file=True), False,
+     "pid 4242 (listed on GPU 0) is 'python hold.py --mib 64' here, which has no /dev/nvidia* open: not the "
+     "driver's process (another PID namespace?)"),
+    ("this host: gpuclean itself", cand(gpuclean_itself=True), False,
+     "pid 4242 (python hold.py --mib 64): gpuclean itself or one of its ancestors"),
+    ("this host: gpuclean itself carrying the cookie", cand(gpuclean_itself=True, found_by="cookie"), False,
+     "pid 4242 (python hold.py --mib 64): carries the cookie, but is gpuclean itself or one of its "
+     "ancestors"),
+    ("this host: another user's", cand(info=ROOTS), False,
+     "pid 4242 of user root (python serve.py): another user's process (only root, with --all-users, ends "
+     "those)"),
+    ("this host: another user's, with --all-users", cand(info=ROOTS), True, None),
+    ("this host: a cookie carrier of any user asked",
+     cand(info=ROOTS, found_by="cookie", any_user=True), False, None),
+    ("cluster: the user's leftover of a finished job", cand(where=NODE_A, job_id="04"), False, None),
+    ("cluster: not visible on its node", cand(info=None, where=NODE_A), False,
+     "node aaaaaaaa: pid 4242: not visible on its node (exited, or another PID namespace)"),
+    ("cluster: Ray's own, whoever runs it", cand(info=ROOTS, where=NODE_A, ray_own=True), False,
+     "node aaaaaaaa: pid 4242 (python serve.py): Ray's own (daemon or task worker)"),
+    ("cluster: another user's", cand(info=ROOTS, where=NODE_A), False,
+     "node aaaaaaaa: pid 4242 of user root (python serve.py): another user's process"),
+    ("cluster: its job still running, the driver known",
+     cand(where=NODE_A, job_id="03", job_running=True, job_driver_pid=13), False,
+     "node aaaaaaaa: pid 4242 (python hold.py --mib 64): its Ray job 03 is still running (driver pid 13)"),
+    ("cluster: its job still running, unknown to the cluster",
+     cand(where=NODE_A, job_id="05", job_running=True), False,
+     "node aaaaaaaa: pid 4242 (python hold.py --mib 64): its Ray job 05 is still running"),
+    ("cluster: a task worker", cand(where=NODE_A, job_id="04", task_worker=True), False,
+     "node aaaaaaaa: pid 4242 (python hold.py --mib 64): a task worker of job 04: Ray ends it"),
+]
+
+
+@pytest.mark.parametrize(("candidate", "all_users", "line"), [row[1:] for row in REAP],
+                         ids=[row[0] for row in REAP])
+def test_reap_plan(candidate: Candidate, all_users: bool, line: str | None) -> None:
+    targets, left = plan_reap([candidate], my_uid=PROC.uid, all_users=all_users, cmd_width=80)
+    assert targets == ([candidate] if line is None else [])
+    assert left == ([line] if line else [])
+
+
+def test_reap_plan_considers_a_pid_once_per_place() -> None:
+    # A pid listed on a device is a target as such; the same pid carrying the cookie is not a second one.
+    # One left alone as listed (a host pid's namesake) is still a target as a cookie carrier; the same pid
+    # on two nodes is two processes.
+    listed, carrier = cand(pid=1), cand(pid=1, found_by="cookie")
+    namesake, namesake_carrier = cand(pid=2, no_device_file=True), cand(pid=2, found_by="cookie")
+    node_a, node_b = cand(pid=3, where=NODE_A), cand(pid=3, where="node bbbbbbbb")
+    targets, left = plan_reap([listed, carrier, namesake, namesake_carrier, node_a, node_b],
+                              my_uid=PROC.uid, cmd_width=80)
+    assert targets == [listed, namesake_carrier, node_a, node_b]
+    assert len(left) == 1 and left[0].startswith("pid 2 (listed on GPU 0) is ")
+
+
+def test_reap_plan_cuts_command_lines_at_the_width() -> None:
+    _, [line] = plan_reap([cand(gpuclean_itself=True, info=dataclasses.replace(MINE, cmdline="x" * 300))],
+                          my_uid=PROC.uid, cmd_width=20)
+    assert len(line.split("(", 1)[1].split(")", 1)[0]) <= 20
