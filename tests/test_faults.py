@@ -823,7 +823,7 @@ def test_first():
 """)
     result = run_inner(pytester)
     out = result.stdout.str()
-    assert wait_dead([debris], timeout=2) == [], out
+    assert wait_dead([debris], timeout=10) == [], out
     assert f"pid {debris}: left by dead session gc.{dead.pid}." in out
     for survivor in (live_session, other_namespace, not_ours):
         assert alive(survivor), out
