@@ -311,22 +311,9 @@ def test_wait_lines_reach_the_terminal_while_waiting(sessions: Sessions, sim: Pa
 
 # ---- a GPU's lock file and its waiters concern that GPU only ------------------------------------------
 
-HOLD_UNTIL_RAN = '''
-import os, time
-from pathlib import Path
-import pytest
-
-
-@pytest.mark.needs_clean_gpus
-def test_hold():
-    """Hold this session's GPUs until the other session's test has run (or a minute passes)."""
-    Path(os.environ["HOLDING"]).write_text(str(os.getpid()))
-    ran = Path(os.environ["RAN"])
-    deadline = time.monotonic() + 60
-    while not ran.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert ran.exists(), "the other session's test did not run while this one held its GPU"
-'''
+# HOLDER, failing if RELEASE (here: the file the other session's test writes) never came.
+HOLD_UNTIL_RAN = HOLDER + (
+    '''    assert release.exists(), "the other session's test did not run while this one held its GPU"\n''')
 
 NOOP_RAN = """
 import os
@@ -346,7 +333,7 @@ def test_a_free_gpu_does_not_wait_for_a_busy_one(sessions: Sessions, sim: Path, 
     holding, ran = tmp_path / "holding", tmp_path / "ran"
     (sessions.suite / "test_hold.py").write_text(HOLD_UNTIL_RAN)
     (sessions.suite / "test_noop.py").write_text(NOOP_RAN)
-    holder = sessions.start("test_hold.py", "--gpuclean-devices=0", HOLDING=str(holding), RAN=str(ran))
+    holder = sessions.start("test_hold.py", "--gpuclean-devices=0", HOLDING=str(holding), RELEASE=str(ran))
     wait_for_file(holding, holder)
     assert [p.name for p in (tmp_path / "locks").glob("*.lock")] == [f"{uuids_of(sim)[0]}.lock"]
     rc, out = sessions.finish(sessions.start("test_noop.py", "--gpuclean-devices=1",
