@@ -43,6 +43,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
+from _checked import checked_test, health_watch
 
 from pytest_gpuclean.core import devices as devices_mod
 from pytest_gpuclean.core.checker import Checker
@@ -162,18 +163,6 @@ def nvml_micro(backend: Any, device: DeviceInfo, reps: int = 2000) -> dict[str, 
     return result
 
 
-def _health_watch(backend: Any, physical: list[DeviceInfo]) -> Any:
-    """The GPU health watch a checked test pays for around its checks (issue 28: the Xid drain before and
-    after, nothing else on a clean test), started as a session starts it; None in a tree from before it."""
-    try:
-        from pytest_gpuclean.core.health import HealthWatch
-    except ImportError:
-        return None
-    watch = HealthWatch(backend, physical)
-    watch.start()
-    return watch
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--real", action="store_true", help="real GPUs through NVML (default: simulated)")
@@ -212,7 +201,7 @@ def main() -> int:
         print("no devices found", file=sys.stderr)
         return 2
     checker = Checker(backend)
-    watch = _health_watch(backend, physical)
+    watch = health_watch(backend, physical)
     locks = GpuLocks(os.path.join(tmp, "locks"))
     has_smi = shutil.which("nvidia-smi") is not None
     shell_cmd = SHELL_FULL if has_smi else SHELL_PS_ONLY
@@ -238,22 +227,10 @@ def main() -> int:
             return 3
 
         def gpuclean(devs: tuple[DeviceInfo, ...] = devs) -> None:
-            if watch is not None:
-                watch.before("bench::test", devs, 0)
-            checker.check("setup", devs, tolerance_mib=0, timeout=60.0)
-            checker.check("teardown", devs, tolerance_mib=0, timeout=60.0)
-            if watch is not None:
-                watch.after("bench::test", devs, (), 0)
+            checked_test(checker, watch, devs)
 
         def gpuclean_locks(devs: tuple[DeviceInfo, ...] = devs, uuids: list[str] = lock_uuids) -> None:
-            held = locks.acquire(uuids, len(uuids), 600.0, "bench::test")
-            if watch is not None:
-                watch.before("bench::test", devs, 0)
-            checker.check("setup", devs, tolerance_mib=0, timeout=60.0)
-            checker.check("teardown", devs, tolerance_mib=0, timeout=60.0)
-            if watch is not None:
-                watch.after("bench::test", devs, (), 0)
-            held.release()
+            checked_test(checker, watch, devs, locks, uuids)
 
         def snapshots(devs: tuple[DeviceInfo, ...] = devs) -> None:
             checker.snapshot(devs)

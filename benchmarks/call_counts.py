@@ -21,10 +21,12 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
+from _checked import checked_test, health_watch
 
 from pytest_gpuclean.core import devices as devices_mod
 from pytest_gpuclean.core.checker import Checker
 from pytest_gpuclean.core.locks import GpuLocks
+from pytest_gpuclean.model.readings import DeviceInfo
 
 WARM, COUNTED = 50, 300
 
@@ -47,30 +49,16 @@ def main() -> None:
     backend = devices_mod.SimulatedBackend(root)
     physical = list(backend.devices())
     checker = Checker(backend)
-    try:
-        from pytest_gpuclean.core.health import HealthWatch
-    except ImportError:  # a tree from before issue 28
-        watch = None
-    else:
-        watch = HealthWatch(backend, physical)
-        watch.start()
+    watch = health_watch(backend, physical)
     locks = GpuLocks(root + "-locks")
     rows: list[tuple[str, float]] = []
     for n in (1, 8):
         devs = tuple(physical[:n])
         uuids = [d.uuid for d in devs]
         for with_locks in (False, True):
-            def test(devs: tuple[devices_mod.DeviceInfo, ...] = devs, uuids: list[str] = uuids,
+            def test(devs: tuple[DeviceInfo, ...] = devs, uuids: list[str] = uuids,
                      with_locks: bool = with_locks) -> None:
-                held = locks.acquire(uuids, len(uuids), 600.0, "bench::test") if with_locks else None
-                if watch is not None:
-                    watch.before("bench::test", devs, 0)
-                checker.check("setup", devs, tolerance_mib=0, timeout=60.0)
-                checker.check("teardown", devs, tolerance_mib=0, timeout=60.0)
-                if watch is not None:
-                    watch.after("bench::test", devs, (), 0)
-                if held is not None:
-                    held.release()
+                checked_test(checker, watch, devs, locks if with_locks else None, uuids)
 
             rows.append((f"{n} device(s){', with locks' if with_locks else ''}", calls_per_test(test)))
     from pytest_gpuclean.simulate import allocate
