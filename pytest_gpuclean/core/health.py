@@ -338,6 +338,13 @@ def failure_text(findings: Sequence[HealthFinding], phase: Phase) -> str | None:
     return "\n".join([heading, *(f"  {f.message}" for f in failing)])
 
 
+def stop_line(cause: str) -> str:
+    """The one line that stops the session (``session.shouldstop``) when a GPU is lost, whoever found it:
+    a check that could not read it, or the health watch."""
+    return (f"gpuclean: {cause}; stopping the session's tests instead of letting each wait its timeout "
+            "(every later check would fail)")
+
+
 def stop_reason(item: HealthFinding) -> str:
-    """The one line that stops the session (``session.shouldstop``) when a GPU is lost."""
-    return f"gpuclean: {item.message}; stopping the session's tests instead of letting each wait its timeout"
+    """``stop_line`` for a health finding of effect ``lost``."""
+    return stop_line(item.message)

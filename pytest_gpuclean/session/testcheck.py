@@ -293,8 +293,7 @@ class ItemChecks:
         # A lost GPU fails every later check and runs every later test on a GPU that is gone: one line,
         # once, instead of an error per test.
         if result.device_lost and not item.session.shouldstop:
-            item.session.shouldstop = (f"gpuclean: {result.error}; stopping the session's tests instead of "
-                                       "letting each wait its timeout (every later check would fail)")
+            item.session.shouldstop = health_mod.stop_line(result.error or "a GPU is lost")
 
     def _record_siblings(self, state: ItemState, result: CheckResult) -> None:
         """A process of another xdist worker that this check found on a GPU whose lock this test held is a
