@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import INNER_PRELUDE, alive, kill_all, read_pids, reap_orphans, wait_dead
 
+# The inner suites the tests copy into their pytester sessions (pytester_example_dir): not tests of this run.
+collect_ignore = ["examples"]
+
 
 @pytest.fixture
 def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -58,10 +61,27 @@ def inner(pytester: pytest.Pytester, sim: Path, tmp_path: Path,
     monkeypatch.setenv("LEAK_PIDFILE", str(pidfile))
 
     def write(body: str) -> Path:
+        pytester.copy_example("prelude.py")
         pytester.makepyfile(test_inner=INNER_PRELUDE + body)
         return pidfile
 
     return write
+
+
+@pytest.fixture
+def example(pytester: pytest.Pytester, sim: Path, tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    """Copy inner suites from tests/examples (a folder's files, or a file) next to its prelude.py; returns the
+    pidfile their holders append to."""
+    pidfile = tmp_path / "leak.pids"
+    monkeypatch.setenv("LEAK_PIDFILE", str(pidfile))
+
+    def copy(*names: str) -> Path:
+        for name in ("prelude.py", *names):
+            pytester.copy_example(name)
+        return pidfile
+
+    return copy
 
 
 @pytest.fixture(autouse=True)

@@ -110,26 +110,9 @@ def run_inner(pytester: pytest.Pytester, *args: str, timeout: float = INNER_TIME
                                          timeout=timeout)
 
 
-INNER_PRELUDE = '''
+# What an inline inner module starts with (the ``inner`` fixture copies prelude.py next to it).
+INNER_PRELUDE = """
 import os, subprocess, sys, time
 import pytest
-
-SIM = os.environ["GPUCLEAN_SIMULATE"]
-PIDFILE = os.environ.get("LEAK_PIDFILE", "leak.pids")
-
-
-def hold(*extra, device=0, mib=100, prefix=()):
-    """Start a simulated holder as a child of this test process."""
-    return subprocess.Popen([*prefix, sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", SIM,
-                             "--device", str(device), "--mib", str(mib), "--pidfile", PIDFILE, *extra])
-
-
-def wait_holders(n):
-    """Wait until n holders recorded their pids (so they really hold memory)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if os.path.exists(PIDFILE) and len(open(PIDFILE).read().split()) >= n:
-            return [int(x) for x in open(PIDFILE).read().split()]
-        time.sleep(0.01)
-    raise AssertionError("holders did not start")
-'''
+from prelude import PIDFILE, SIM, hold, wait_holders
+"""

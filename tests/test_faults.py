@@ -33,39 +33,11 @@ from pytest_gpuclean.report.report import LEAK_PREFIX
 
 # ---- it must not kill what a fixture, a conftest or the session set-up owns -----------------------
 
-SCRUBBED_SERVER = '''
-@pytest.fixture(scope="module")
-def server():
-    # A server with an explicit environment: no cookie says whose it is.
-    proc = subprocess.Popen(["/bin/sleep", "300"], env={"PATH": os.environ["PATH"]})
-    with open(PIDFILE, "a") as f:
-        f.write(f"{proc.pid}\\n")
-    yield proc
-    assert proc.poll() is None, f"the fixture's server died under it (returncode {proc.returncode})"
-    proc.terminate()
-    assert proc.wait(10) == -15  # our own exit status, not one gpuclean took from us
-
-
-def test_1_unmarked(server):
-    pass
-
-
-@pytest.mark.needs_clean_gpus
-def test_2_marked(server):
-    assert server.poll() is None
-
-
-@pytest.mark.needs_clean_gpus
-def test_3_marked(server):
-    assert server.poll() is None
-'''
-
-
 def test_module_fixture_server_with_scrubbed_environment_survives(
-        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
     # Before: the server was given to the test window its 10 ms start time fell in, and SIGTERMed at
     # test_2_marked's setup in 19 runs of 20. Five modules make one run as strong as five.
-    pidfile = inner(SCRUBBED_SERVER)
+    pidfile = example("faults/scrubbed_server")
     for n in range(1, 5):
         pytester.makepyfile(**{f"test_copy{n}": (pytester.path / "test_inner.py").read_text()})
     result = run_inner(pytester)
@@ -75,42 +47,9 @@ def test_module_fixture_server_with_scrubbed_environment_survives(
     assert len(read_pids(pidfile, 5)) == 5
 
 
-CONFTEST_SERVERS = '''
-import os, subprocess, sys
-
-def _start(tag):
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", tag],
-                            env={"PATH": os.environ["PATH"]})
-    with open(os.environ["LEAK_PIDFILE"], "a") as f:
-        f.write(f"{proc.pid}\\n")
-    return proc
-
-AT_IMPORT = _start("conftest-import")  # before any plugin's pytest_configure
-
-def pytest_configure(config):
-    config._servers = [AT_IMPORT, _start("conftest-configure")]
-
-def pytest_unconfigure(config):
-    # The conftest stops one of its servers itself; it must still be alive to be stopped.
-    server = config._servers[0]
-    assert server.poll() is None, "the conftest's server was killed before pytest_unconfigure"
-    server.terminate()
-    server.wait(10)
-'''
-
-
 def test_processes_of_conftest_and_configure_are_the_sessions(
-        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus
-def test_one():
-    pass
-
-@pytest.mark.needs_clean_gpus
-def test_two():
-    pass
-""")
-    pytester.makeconftest(CONFTEST_SERVERS)
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    pidfile = example("faults/conftest_servers")
     result = run_inner(pytester)
     at_import, at_configure = read_pids(pidfile, 2)
     result.assert_outcomes(passed=2)
@@ -123,45 +62,9 @@ def test_two():
     assert wait_dead([at_import, at_configure]) == []
 
 
-FORKING_SERVER = r'''
-import os, subprocess, sys, time
-# A server that starts a worker with a scrubbed environment whenever asked (a line on stdin).
-for line in sys.stdin:
-    worker = subprocess.Popen(["/bin/sleep", "300"], env={})
-    with open(sys.argv[1], "a") as f:
-        f.write(f"{worker.pid}\n")
-'''
-
-
-def test_children_of_a_protected_process_are_protected(inner: Callable[[str], Path],
+def test_children_of_a_protected_process_are_protected(example: Callable[..., Path],
                                                         pytester: pytest.Pytester) -> None:
-    pidfile = inner(f"""
-SERVER = {FORKING_SERVER!r}
-
-@pytest.fixture(scope="module")
-def server():
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, PIDFILE], stdin=subprocess.PIPE, text=True)
-    yield proc
-    workers = [int(x) for x in open(PIDFILE).read().split()]
-    assert all(os.path.exists(f"/proc/{{w}}") for w in workers), "a worker of the server was killed"
-    proc.stdin.close()
-    proc.wait(10)
-    for w in workers:
-        os.kill(w, 9)
-
-
-@pytest.mark.needs_clean_gpus
-def test_requests_a_worker(server):
-    server.stdin.write("spawn\\n")
-    server.stdin.flush()
-    wait_holders(1)
-
-
-@pytest.mark.needs_clean_gpus
-def test_uses_the_worker(server):
-    worker = int(open(PIDFILE).read().split()[0])
-    assert os.path.exists(f"/proc/{{worker}}")
-""")
+    pidfile = example("faults/protected_children", "scripts/forking_server.py")
     result = run_inner(pytester)
     workers = read_pids(pidfile)
     result.assert_outcomes(passed=2)
@@ -169,58 +72,15 @@ def test_uses_the_worker(server):
     assert wait_dead(workers) == []
 
 
-OLDER = r'''
-import os, subprocess, sys, time
-# Started before pytest (a container entrypoint's `server & exec pytest`): it forks a child of its own
-# when asked, while a test runs.
-with open(sys.argv[1], "a") as f:
-    f.write(f"{os.getpid()}\n")
-while not os.path.exists(sys.argv[2]):
-    time.sleep(0.01)
-child = subprocess.Popen(["/bin/sleep", "600"])
-with open(sys.argv[1], "a") as f:
-    f.write(f"{child.pid}\n")
-child.wait()
-'''
-
-OLDER_TESTS = """
-OLDER_PIDS, GO = os.environ["OLDER_PIDS"], os.environ["OLDER_GO"]
-
-
-@pytest.mark.needs_clean_gpus
-def test_asks_the_older_process_for_a_child():
-    open(GO, "w").close()
-    deadline = time.monotonic() + 30
-    while len(open(OLDER_PIDS).read().split()) < 3:
-        assert time.monotonic() < deadline, "the older process started no child"
-        time.sleep(0.01)
-
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-"""
-
-CONFTEST_SERVER = '''
-import os, subprocess
-
-# Started by the session set-up with a scrubbed environment (no cookie): its birth says it is the session's.
-SERVER = subprocess.Popen(["/bin/sleep", "300"], env={"PATH": os.environ["PATH"]})
-with open(os.environ["LEAK_PIDFILE"], "a") as f:
-    f.write(f"{SERVER.pid}\\n")
-'''
-
-
 def test_processes_that_existed_before_the_session_are_never_signalled(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # `sleep 600 & exec pytest`: the shell becomes pytest, and the background job is pytest's child from
     # before pytest began. Before: SIGTERMed at the very end as "of the session set-up", together with what
     # it started during a test. The conftest's server, started without a cookie, is still the set-up's.
-    pidfile = inner(OLDER_TESTS)
-    pytester.makeconftest(CONFTEST_SERVER)
-    older_pids, script, go = tmp_path / "older.pids", tmp_path / "older.py", tmp_path / "go"
-    script.write_text(OLDER)
+    pidfile = example("faults/older_process")
+    older_pids, go = tmp_path / "older.pids", tmp_path / "go"
+    script = pytester.copy_example("scripts/older.py")
     monkeypatch.setenv("OLDER_PIDS", str(older_pids))
     monkeypatch.setenv("OLDER_GO", str(go))
     python = sys.executable
@@ -259,17 +119,15 @@ def _other_user() -> str | None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user through su needs root")
 def test_process_of_another_user_started_through_su_is_not_killed_through_su(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     user = _other_user()
     if user is None or not os.path.exists("/bin/su"):
         pytest.skip("no su or no second user on this machine")
     marker = tmp_path / "other-user-sleep"
-    inner(f"""
-@pytest.mark.needs_clean_gpus(timeout=2)
-def test_su():
-    subprocess.Popen(["su", {user!r}, "-s", "/bin/sh", "-c", "sleep 300; : {marker}"])
-    time.sleep(1)
-""")
+    monkeypatch.setenv("OTHER_USER", user)
+    monkeypatch.setenv("SU_MARKER", str(marker))
+    example("faults/su")
     result = run_inner(pytester, "--gpuclean-grace=1")
     try:
         result.assert_outcomes(passed=1, errors=1)
@@ -332,40 +190,9 @@ def test_recycled_pid_is_never_signalled_through_a_pinned_process() -> None:
 
 # ---- it must not miss what it must catch --------------------------------------------------------
 
-RESPAWNER = r'''
-import os, signal, sys, time
-from pytest_gpuclean.simulate import allocate
-
-def on_term(signum, frame):
-    # Fork a replacement that does the same, then exit: a process that "dies" and lives on.
-    if os.fork() == 0:
-        start()
-    os._exit(0)
-
-def start():
-    signal.signal(signal.SIGTERM, on_term)
-    allocate(sys.argv[1], 0, 16)
-    with open(sys.argv[2], "a") as f:
-        f.write(f"{os.getpid()}\n")
-    while True:
-        time.sleep(1)
-
-start()
-'''
-
-
 def test_process_that_replaces_itself_on_sigterm_is_frozen_and_killed(
-        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    pidfile = inner(f"""
-@pytest.mark.needs_clean_gpus(timeout=10)
-def test_leak():
-    subprocess.Popen([sys.executable, "-c", {RESPAWNER!r}, SIM, PIDFILE])
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-""")
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    pidfile = example("faults/respawner", "scripts/respawner.py")
     result = run_inner(pytester, "--gpuclean-grace=2")
     pids = read_pids(pidfile)
     try:
@@ -386,39 +213,9 @@ def test_next():
         kill_all([p for p in pids if alive(p)])
 
 
-THREADED_LEADER = r'''
-import ctypes, os, sys, threading, time
-from pytest_gpuclean.simulate import allocate
-
-def keep_running():
-    allocate(sys.argv[1], 0, 24)
-    with open(sys.argv[2], "a") as f:
-        f.write(f"{os.getpid()}\n")
-    while True:
-        time.sleep(1)
-
-threading.Thread(target=keep_running).start()
-time.sleep(0.5)
-ctypes.CDLL(None).pthread_exit(None)  # the main thread ends; the process shows state Z and runs on
-'''
-
-
 def test_zombie_leader_with_live_threads_is_alive_and_reaped(
-        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    pidfile = inner(f"""
-@pytest.mark.needs_clean_gpus
-def test_leak():
-    subprocess.Popen([sys.executable, "-c", {THREADED_LEADER!r}, SIM, PIDFILE])
-    pid = wait_holders(1)[0]
-    deadline = time.monotonic() + 10
-    while open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-""")
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    pidfile = example("faults/zombie_leader", "scripts/threaded_leader.py")
     result = run_inner(pytester, "--gpuclean-grace=1")
     pid = read_pids(pidfile)[0]
     result.assert_outcomes(passed=2, errors=1)
@@ -426,14 +223,6 @@ def test_next():
                                  f"  pid {pid} ended by SIGTERM*held GPU 0 24 MiB*"])
     assert "reaped zombie" not in result.stdout.str()
     assert not os.path.exists(f"/proc/{pid}/task")
-
-
-SLEEPER_LEAK = """
-def test_leak_and_hang():
-    hold({extra}mib=32)
-    wait_holders(1)
-    time.sleep(120)
-"""
 
 
 def _start_inner(pytester: pytest.Pytester, tmp_path: Path, *args: str,
@@ -445,32 +234,16 @@ def _start_inner(pytester: pytest.Pytester, tmp_path: Path, *args: str,
                                  "-rA", *args], cwd=pytester.path, stdout=out, stderr=subprocess.STDOUT)
 
 
-# A leak that notes each SIGTERM in $LEAK_TERMED and lives on: the note says that the final sweep is in
-# its grace (the inner pytest's own output, buffered in a file, says nothing until the session ends).
-TERM_NOTING_LEAK = r"""
-NOTE_TERM = '''
-import os, signal, time
-signal.signal(signal.SIGTERM, lambda *_: open(os.environ["LEAK_TERMED"], "a").write("SIGTERM "))
-open(os.environ["LEAK_PIDFILE"], "a").write(f"{os.getpid()} ")
-while True:
-    time.sleep(3600)
-'''
-
-def test_leak_and_hang():
-    subprocess.Popen([sys.executable, "-c", NOTE_TERM])
-    wait_holders(1)
-    time.sleep(120)
-"""
-
-
 @contextlib.contextmanager
-def _in_final_sweep(inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
+def _in_final_sweep(example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
                     monkeypatch: pytest.MonkeyPatch, interrupt: int,
                     sigint_ignored: bool = False) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """An inner session (``--gpuclean-all``, 60 s grace) whose leak survives SIGTERM, interrupted with
+    """An inner session (``--gpuclean-all``, 60 s grace) whose leak (a child that notes each SIGTERM in
+    $LEAK_TERMED and lives on: the note says that the final sweep is in its grace; the inner pytest's own
+    output, buffered in a file, says nothing until the session ends) survives SIGTERM, interrupted with
     ``interrupt``: yields (pytest, the leak) while the final sweep waits out its grace. Afterwards the leak
     must be dead, and reported as reaped by SIGKILL (the sweep's SIGTERM did not end it)."""
-    pidfile, termed = inner(TERM_NOTING_LEAK), tmp_path / "termed"
+    pidfile, termed = example("faults/term_noting", "scripts/note_term.py"), tmp_path / "termed"
     monkeypatch.setenv("LEAK_TERMED", str(termed))
     report, out = tmp_path / "report.json", tmp_path / "inner.out"
     proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "--gpuclean-grace=60",
@@ -492,11 +265,11 @@ def _in_final_sweep(inner: Callable[[str], Path], pytester: pytest.Pytester, tmp
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_pytest_runs_the_sweep_and_writes_the_reports(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path, signum: int) -> None:
-    pidfile = inner(SLEEPER_LEAK.format(extra=""))
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path, signum: int) -> None:
+    pidfile = example("faults/sleeper")
     report, junit = tmp_path / "report.json", tmp_path / "junit.xml"
     proc = _start_inner(pytester, tmp_path, "--gpuclean-all", f"--gpuclean-report={report}",
-                        f"--junitxml={junit}")
+                        f"--junitxml={junit}", "-k", "test_leak_and_hang")
     try:
         leaked = read_pids(pidfile, timeout=60)[0]
         time.sleep(0.3)
@@ -516,10 +289,10 @@ def test_signal_to_pytest_runs_the_sweep_and_writes_the_reports(
 
 
 def test_second_interrupt_shortens_the_grace_and_keeps_the_sweep(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The final sweep waits out a 60 s grace for a process that survives SIGTERM...
-    with _in_final_sweep(inner, pytester, tmp_path, monkeypatch, signal.SIGINT) as (proc, leaked):
+    with _in_final_sweep(example, pytester, tmp_path, monkeypatch, signal.SIGINT) as (proc, leaked):
         time.sleep(1)
         assert proc.poll() is None and alive(leaked)
         proc.send_signal(signal.SIGINT)  # ...until a second Ctrl-C says: be quick
@@ -527,12 +300,12 @@ def test_second_interrupt_shortens_the_grace_and_keeps_the_sweep(
 
 
 def test_ignored_sigint_stays_ignored_in_the_final_sweep(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path,
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # pytest run as a background job (``cmd &`` in a script, nohup) starts with SIGINT ignored: whoever
     # started it chose that a Ctrl-C to the group must not touch it. The sweep's "hurry" handler must not
     # take SIGINT over; SIGTERM (a cancelled job) still interrupts and still hurries.
-    with _in_final_sweep(inner, pytester, tmp_path, monkeypatch, signal.SIGTERM,
+    with _in_final_sweep(example, pytester, tmp_path, monkeypatch, signal.SIGTERM,
                          sigint_ignored=True) as (proc, leaked):
         proc.send_signal(signal.SIGINT)
         time.sleep(2)
@@ -543,16 +316,8 @@ def test_ignored_sigint_stays_ignored_in_the_final_sweep(
 
 
 def test_failing_sessionfinish_of_a_conftest_does_not_skip_the_sweep(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
-    pidfile = inner("""
-def test_unmarked_leak():
-    hold(mib=8)
-    wait_holders(1)
-""")
-    pytester.makeconftest("""
-def pytest_sessionfinish(session):
-    raise RuntimeError("conftest broke at session end")
-""")
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = example("faults/failing_sessionfinish")
     report = tmp_path / "report.json"
     result = run_inner(pytester, f"--gpuclean-report={report}")
     leaked = read_pids(pidfile)[0]
@@ -563,24 +328,8 @@ def pytest_sessionfinish(session):
 
 
 def test_device_lost_at_session_end_does_not_skip_the_sweep(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path, tmp_path: Path) -> None:
-    pidfile = inner(f"""
-import shutil
-
-@pytest.fixture(scope="session", autouse=True)
-def lose_a_device():
-    yield
-    # The device disappears after the last test (a GPU that fell off the bus).
-    shutil.rmtree({str(sim / "1")!r})
-
-def test_unmarked_leak():
-    hold(mib=8)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-def test_checked():
-    pass
-""")
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = example("faults/device_lost")
     report = tmp_path / "report.json"
     result = run_inner(pytester, f"--gpuclean-report={report}")
     leaked = read_pids(pidfile)[0]
@@ -592,34 +341,12 @@ def test_checked():
 
 # ---- a device that cannot be read mid-session -------------------------------------------------------
 
-GARBAGE_WRITER = r"""
-import os, sys, time
-with open(os.path.join(sys.argv[1], str(os.getpid())), "w") as f:
-    f.write("garbage")  # no driver reports this: the simulated backend's reading of GPU 0 fails
-with open(sys.argv[2], "a") as f:
-    f.write(f"{os.getpid()}\n")
-time.sleep(600)
-"""
-
-
 def test_a_device_read_error_is_one_line_and_the_tests_leak_is_still_reaped(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, sim: Path) -> None:
     # The test's child writes garbage into its own device file and stays: the teardown check cannot read
     # GPU 0. It says so in one line, reaps the child all the same (ownership needs no reading), and the
     # later tests, whose GPUs the reaping made readable again, pass.
-    pidfile = inner(f"""
-GARBAGE_WRITER = {GARBAGE_WRITER!r}
-
-@pytest.mark.needs_clean_gpus
-def test_garbage():
-    subprocess.Popen([sys.executable, "-c", GARBAGE_WRITER, os.path.join(SIM, "0"), PIDFILE])
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("n", range(3))
-def test_later(n):
-    pass
-""")
+    pidfile = example("faults/garbage", "scripts/garbage_writer.py")
     result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-dead-sessions=off")
     writer = read_pids(pidfile)[0]
     result.assert_outcomes(passed=4, errors=1)
@@ -649,40 +376,15 @@ def test_later(n):
     assert (summary["checked"], summary["leaked"], summary["device_errors"]) == (4, 1, 1)
 
 
-BREAKS_GPU_1 = """
-import shutil
-
-@pytest.mark.needs_clean_gpus
-def test_breaks_gpu_1():
-    hold(mib=8)  # on GPU 0, which stays readable
-    wait_holders(1)
-    shutil.rmtree(os.path.join(SIM, "1"))
-    if os.environ["HOW"] == "unreadable":
-        with open(os.path.join(SIM, "1"), "w") as f:
-            f.write("a file where the device's folder was")
-
-@pytest.mark.needs_clean_gpus
-def test_2():
-    pass
-
-def test_3_unchecked():
-    pass
-
-@pytest.mark.needs_clean_gpus
-def test_4():
-    pass
-"""
-
-
 @pytest.mark.parametrize("how", ["unreadable", "gone"])
 def test_a_device_that_stays_unreadable_fails_each_later_check_in_one_line_or_stops_when_gone(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path,
+        example: Callable[..., Path], pytester: pytest.Pytester, sim: Path,
         monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     # What NVML's errors map to on simulated devices: a device folder that is not a folder is a read error
     # (NVMLError: each later check tries again and fails in one line); a folder removed is a lost GPU
     # (NVMLError_GpuIsLost: the session stops, in one line). Either way the leak is reaped at its test.
     monkeypatch.setenv("HOW", how)
-    pidfile = inner(BREAKS_GPU_1)
+    pidfile = example("faults/breaks_gpu_1")
     result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-dead-sessions=off")
     leaked = read_pids(pidfile)[0]
     where = sim / "1"
@@ -721,23 +423,9 @@ def test_a_device_that_stays_unreadable_fails_each_later_check_in_one_line_or_st
     assert "Traceback" not in result.stdout.str()
 
 
-XDIST_CRASH = """
-@pytest.mark.needs_clean_gpus
-def test_crash_after_leaking():
-    hold(mib=64)
-    wait_holders(1)
-    os._exit(1)  # the worker dies: no teardown, no report from it
-
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("n", range(4))
-def test_later(n):
-    time.sleep(0.5)
-"""
-
-
 def test_crashed_xdist_worker_leak_is_reaped_and_blamed(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
-    pidfile = inner(XDIST_CRASH)
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = example("faults/xdist_crash")
     report = tmp_path / "report.json"
     result = run_inner(pytester, "-n", "2", "-p", "xdist", f"--gpuclean-report={report}",
                        "--gpuclean-timeout=20")
@@ -758,12 +446,8 @@ def test_crashed_xdist_worker_leak_is_reaped_and_blamed(
 # ---- debris of dead sessions ------------------------------------------------------------------
 
 def test_session_killed_with_sigkill_leaves_debris_that_the_next_session_reaps(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
-    pidfile = inner(SLEEPER_LEAK.format(extra="") + """
-@pytest.mark.needs_clean_gpus(timeout=30)
-def test_next_session():
-    pass
-""")
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = example("faults/sleeper")
     proc = _start_inner(pytester, tmp_path, "--gpuclean-all", "-k", "test_leak_and_hang")
     try:
         leaked = read_pids(pidfile, timeout=60)[0]
@@ -832,12 +516,8 @@ def test_first():
 
 
 def test_concurrent_live_session_processes_are_never_debris(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
-    pidfile = inner(SLEEPER_LEAK.format(extra="") + """
-@pytest.mark.needs_clean_gpus(timeout=1)
-def test_other_session():
-    pass
-""")
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pidfile = example("faults/sleeper")
     first = _start_inner(pytester, tmp_path, "-k", "test_leak_and_hang", "--gpuclean-lock=off")
     try:
         held = read_pids(pidfile, timeout=60)[0]

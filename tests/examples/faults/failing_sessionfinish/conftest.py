@@ -1,0 +1,2 @@
+def pytest_sessionfinish(session):
+    raise RuntimeError("conftest broke at session end")
