@@ -19,53 +19,27 @@ from helpers import alive, kill_all, owner_uid, read_pids, reap_orphans, run_inn
 from pytest_gpuclean.core import processes, procfs
 from pytest_gpuclean.report.report import LEAK_PREFIX
 
-CHAIN = r'''
-import os, sys, time
-from pytest_gpuclean.simulate import allocate
-pidfile, depth = sys.argv[1], int(sys.argv[2])
-for level in range(depth):
-    if os.fork() != 0:
-        break
-else:
-    allocate(os.environ["GPUCLEAN_SIMULATE"], 0, 10)  # the deepest one holds memory
-with open(pidfile, "a") as f:
-    f.write(f"{os.getpid()}\n")
-time.sleep(3600)
-'''
-
-# name -> (test body leaking something, pids expected in the pidfile, text expected in the report)
-SCENARIOS: dict[str, tuple[str, int, list[str]]] = {
-    "plain_child": ("hold(mib=64)", 1, ["*ended by SIGTERM*found as descendant*held GPU 0 64 MiB*"]),
-    "grandchild_of_exited_parent": (
-        "subprocess.run(['sh', '-c', ' '.join([sys.executable, '-m', 'pytest_gpuclean.simulate', 'hold', "
-        "'--dir', SIM, '--mib', '8', '--pidfile', PIDFILE, '&'])], check=True)",
-        1, ["*ended by SIGTERM*held GPU 0 8 MiB*"]),
-    "setsid_double_fork_daemon": ("hold('--daemonize', mib=16)", 1,
-                                  ["*ended by SIGTERM*found as adopted*held GPU 0 16 MiB*"]),
-    "scrubbed_environment": (
-        "hold(mib=4, prefix=['env', '-i'])", 1,
-        ["*ended by SIGTERM*spawned by test_inner.py::test_leak*held GPU 0 4 MiB*"]),
-    "ignores_sigterm": ("hold('--ignore-sigterm', mib=32)", 1, ["*ended by SIGKILL*held GPU 0 32 MiB*"]),
-    "deep_tree_20": (f"subprocess.Popen([sys.executable, '-c', {CHAIN!r}, PIDFILE, '20'])", 21,
-                     ["reaped 21 process(es):"]),
-    "wide_tree_100": ("hold('--children', '99', mib=1)", 100, ["reaped 100 process(es):"]),
+# name (a function of tests/examples/reaper/scenarios) -> (pids expected in the pidfile, text expected in
+# the report)
+SCENARIOS: dict[str, tuple[int, list[str]]] = {
+    "plain_child": (1, ["*ended by SIGTERM*found as descendant*held GPU 0 64 MiB*"]),
+    "grandchild_of_exited_parent": (1, ["*ended by SIGTERM*held GPU 0 8 MiB*"]),
+    "setsid_double_fork_daemon": (1, ["*ended by SIGTERM*found as adopted*held GPU 0 16 MiB*"]),
+    "scrubbed_environment": (1, ["*ended by SIGTERM*spawned by test_inner.py::test_leak*held GPU 0 4 MiB*"]),
+    "ignores_sigterm": (1, ["*ended by SIGKILL*held GPU 0 32 MiB*"]),
+    "deep_tree_20": (21, ["reaped 21 process(es):"]),
+    "wide_tree_100": (100, ["reaped 100 process(es):"]),
 }
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_leak_is_found_attributed_reaped_and_next_test_passes(
-        scenario: str, inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    body, count, expected = SCENARIOS[scenario]
-    pidfile = inner(f"""
-@pytest.mark.needs_clean_gpus
-def test_leak():
-    {body}
-    wait_holders({count})
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-""")
+        scenario: str, example: Callable[..., Path], pytester: pytest.Pytester,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    count, expected = SCENARIOS[scenario]
+    monkeypatch.setenv("LEAK", scenario)
+    monkeypatch.setenv("HOLDERS", str(count))
+    pidfile = example("reaper/scenarios", "scripts/chain.py")
     result = run_inner(pytester, "--gpuclean-grace=0.5")
     pids = read_pids(pidfile, count)
     result.assert_outcomes(passed=2, errors=1)
@@ -75,18 +49,8 @@ def test_next():
     assert "ERROR at setup of test_next" not in result.stdout.str()
 
 
-def test_zombie_child_is_reaped_by_its_pid(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    inner("""
-KEEP = []
-
-@pytest.mark.needs_clean_gpus
-def test_leak():
-    proc = subprocess.Popen(["true"])
-    KEEP.append(proc)  # never waited for: a zombie once it exits
-    with open(PIDFILE, "w") as f:
-        f.write(str(proc.pid))
-    time.sleep(0.3)
-""")
+def test_zombie_child_is_reaped_by_its_pid(example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    example("reaper/zombie_child")
     result = run_inner(pytester)
     zombie = read_pids(Path(os.environ["LEAK_PIDFILE"]))[0]
     # An exited process holds no GPU memory: collected and reported, not a test error (most such
@@ -97,23 +61,9 @@ def test_leak():
     assert procfs.read_stat(zombie) is None  # collected, not left as a zombie
 
 
-def test_multiprocessing_pool_left_open_is_shut_down(inner: Callable[[str], Path],
+def test_multiprocessing_pool_left_open_is_shut_down(example: Callable[..., Path],
                                                       pytester: pytest.Pytester) -> None:
-    pidfile = inner("""
-import multiprocessing
-POOLS = []
-
-@pytest.mark.needs_clean_gpus
-def test_leak():
-    pool = multiprocessing.get_context("fork").Pool(3)
-    POOLS.append(pool)  # still referenced: its handler thread would respawn killed workers
-    with open(PIDFILE, "w") as f:
-        f.write(" ".join(str(p.pid) for p in pool._pool))
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-""")
+    pidfile = example("reaper/pool")
     result = run_inner(pytester, "--gpuclean-grace=1")
     workers = read_pids(pidfile, 3)
     result.assert_outcomes(passed=2, errors=1)
@@ -124,19 +74,8 @@ def test_next():
 
 
 def test_leak_of_unmarked_test_is_blamed_on_it_and_finder_proceeds(
-        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    pidfile = inner("""
-def test_unmarked_leaker():
-    hold(mib=20)
-    wait_holders(1)
-
-def test_unmarked_innocent():
-    pass
-
-@pytest.mark.needs_clean_gpus
-def test_finder():
-    pass
-""")
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    pidfile = example("reaper/unmarked_leaker")
     result = run_inner(pytester)
     leaked = read_pids(pidfile)[0]
     result.assert_outcomes(passed=3, warnings=1)
@@ -151,40 +90,21 @@ def test_finder():
     assert not alive(leaked)
 
 
-SERVER_MODULE = """
-import signal
-
-@pytest.fixture(scope="module")
-def server():
-    proc = hold(mib=50)
-    pid = wait_holders(1)[0]
-    yield pid
-    if STOP_SERVER:
-        proc.terminate()
-        proc.wait()
-
-@pytest.mark.needs_clean_gpus
-def test_one(server):
-    os.kill(server, 0)
-
-@pytest.mark.needs_clean_gpus
-def test_two(server):
-    os.kill(server, 0)  # the first test's checks left the fixture's server alone
-"""
-
-
-def test_module_fixture_process_survives_its_tests(inner: Callable[[str], Path],
-                                                   pytester: pytest.Pytester) -> None:
-    pidfile = inner("STOP_SERVER = True\n" + SERVER_MODULE)
+def test_module_fixture_process_survives_its_tests(example: Callable[..., Path], pytester: pytest.Pytester,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOP_SERVER", "yes")
+    pidfile = example("reaper/server_fixture")
     result = run_inner(pytester)
     result.assert_outcomes(passed=2)
     assert "leaked" not in result.stdout.str()
     assert not alive(read_pids(pidfile)[0])
 
 
-def test_module_fixture_that_leaks_is_blamed_at_its_teardown(inner: Callable[[str], Path],
-                                                             pytester: pytest.Pytester) -> None:
-    pidfile = inner("STOP_SERVER = False\n" + SERVER_MODULE)
+def test_module_fixture_that_leaks_is_blamed_at_its_teardown(example: Callable[..., Path],
+                                                             pytester: pytest.Pytester,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOP_SERVER", "no")
+    pidfile = example("reaper/server_fixture")
     result = run_inner(pytester)
     server = read_pids(pidfile)[0]
     result.assert_outcomes(passed=2, errors=1)
@@ -203,17 +123,9 @@ def test_module_fixture_that_leaks_is_blamed_at_its_teardown(inner: Callable[[st
     assert not alive(server)
 
 
-def test_session_end_sweeps_what_nothing_else_checked(inner: Callable[[str], Path],
+def test_session_end_sweeps_what_nothing_else_checked(example: Callable[..., Path],
                                                       pytester: pytest.Pytester) -> None:
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus
-def test_checked_first():
-    pass
-
-def test_unmarked_last():
-    hold(mib=3)
-    wait_holders(1)
-""")
+    pidfile = example("reaper/session_end")
     result = run_inner(pytester)
     leaked = read_pids(pidfile)[0]
     result.assert_outcomes(passed=2)
@@ -225,35 +137,16 @@ def test_unmarked_last():
 
 
 def test_escapee_through_a_daemon_is_found_by_its_cookie(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # A launcher outside the inner session's tree starts processes with the requester's environment,
     # like a daemon that inherits env: only the cookie ties the process to the test that asked.
     fifo = tmp_path / "launch.fifo"
     os.mkfifo(fifo)
-    launcher = subprocess.Popen([sys.executable, "-c", f"""
-import json, subprocess
-while True:
-    with open({str(fifo)!r}) as f:
-        for line in f:
-            request = json.loads(line)
-            subprocess.Popen(request["argv"], env=request["env"], start_new_session=True)
-"""])
+    monkeypatch.setenv("LAUNCH_FIFO", str(fifo))
+    launcher = subprocess.Popen([sys.executable, pytester.copy_example("scripts/launcher.py"), str(fifo)])
     try:
-        pidfile = inner(f"""
-import json
-
-@pytest.mark.needs_clean_gpus
-def test_leak_via_daemon():
-    argv = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", SIM, "--mib", "12",
-            "--pidfile", PIDFILE]
-    with open({str(fifo)!r}, "w") as f:
-        f.write(json.dumps({{"argv": argv, "env": dict(os.environ)}}) + "\\n")
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-""")
+        pidfile = example("reaper/escapee")
         result = run_inner(pytester)
         escapee = read_pids(pidfile)[0]
         result.assert_outcomes(passed=2, errors=1)
@@ -296,19 +189,9 @@ def test_another_users_process_is_never_signalled(other_user: pwd.struct_passwd,
         monkeypatch.setenv("GPUCLEAN_SIMULATE", str(shared))
         monkeypatch.setenv("GPUCLEAN_LOCK_DIR", str(shared / "locks"))
         monkeypatch.setenv("LEAK_PIDFILE", str(pidfile))
-        # A shell holder: the other user can't run this venv's Python (it lives under /root).
-        script = ('echo 7340032 > "$GPUCLEAN_SIMULATE/0/$$"; echo $$ >> "$LEAK_PIDFILE"; exec sleep 3600')
-        pytester.makepyfile(test_inner=f"""
-import os, subprocess, time
-import pytest
-
-@pytest.mark.needs_clean_gpus(timeout=0.5)
-def test_spawns_as_other_user():
-    subprocess.Popen(["sh", "-c", {script!r}], user={other_user.pw_uid}, group={other_user.pw_gid}, cwd="/")
-    deadline = time.monotonic() + 20
-    while not os.path.exists(os.environ["LEAK_PIDFILE"]) and time.monotonic() < deadline:
-        time.sleep(0.01)
-""")
+        monkeypatch.setenv("OTHER_UID", str(other_user.pw_uid))
+        monkeypatch.setenv("OTHER_GID", str(other_user.pw_gid))
+        pytester.copy_example("reaper/other_user")
         result = run_inner(pytester)
         holders[:] = read_pids(pidfile)
         holder = holders[0]
@@ -351,26 +234,10 @@ def test_pid_reuse_is_never_signalled() -> None:
         proc.wait()
 
 
-def test_reaper_never_steals_popen_exit_statuses(inner: Callable[[str], Path],
+def test_reaper_never_steals_popen_exit_statuses(example: Callable[..., Path],
                                                   pytester: pytest.Pytester) -> None:
     # A Popen held by a module fixture keeps its own exit status: gpuclean waits on specific pids only.
-    inner("""
-@pytest.fixture(scope="module")
-def worker():
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"])
-    with open("worker.pid", "w") as f:  # not PIDFILE: its pids are killed after the test
-        f.write(str(proc.pid))
-    yield proc
-    assert proc.wait() == 7
-
-@pytest.mark.needs_clean_gpus
-def test_one(worker):
-    time.sleep(0.3)  # the worker has exited: a zombie that belongs to the fixture
-
-@pytest.mark.needs_clean_gpus
-def test_two(worker):
-    pass
-""")
+    example("reaper/fixture_worker")
     result = run_inner(pytester)
     result.assert_outcomes(passed=2)
     # The fixture's exited worker was left to the fixture: neither collected nor reported.
@@ -418,15 +285,11 @@ def test_what_existed_before_the_session_is_decided_by_evidence() -> None:
 # (settle time, how long the helper outlives its test): wide margins both ways, for a loaded CI box.
 @pytest.mark.parametrize(("settle", "lifetime", "leaked"), [("3", "0.3", False), ("0", "3", True)])
 def test_a_leftover_that_exits_within_the_settle_time_is_no_leak(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, settle: str, lifetime: str,
-        leaked: bool) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, settle: str,
+        lifetime: str, leaked: bool) -> None:
     # Like a subprocess's resource tracker, which outlives its client by a moment to clean up after it.
-    pidfile = inner(f"""
-@pytest.mark.needs_clean_gpus
-def test_leaves_a_short_lived_helper():
-    hold("--seconds", "{lifetime}", mib=1)
-    wait_holders(1)
-""")
+    monkeypatch.setenv("LIFETIME", lifetime)
+    pidfile = example("reaper/settle")
     result = run_inner(pytester, f"--gpuclean-settle={settle}")
     helper = read_pids(pidfile)[0]
     if leaked:
