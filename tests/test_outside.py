@@ -45,6 +45,7 @@ def _isolated_inner_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
     # Under an outer `-n`, an inner session would inherit the outer run's id (see test_outputs.py).
     for name in ("PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MARK_TIMEOUT", str(TIMEOUT))  # the inner suites' (tests/examples/outside) timeout
 
 
 @pytest.fixture
@@ -102,7 +103,7 @@ def waited(when: str = "before") -> str:
 
 @pytest.mark.parametrize("held_by", ["process", "no process"])
 def test_n_tests_under_an_outside_holder_cost_one_timeout(
-        held_by: str, inner: Callable[[str], Path], pytester: pytest.Pytester,
+        held_by: str, example: Callable[..., Path], pytester: pytest.Pytester,
         request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     # A process the driver lists that is not ours, or memory no process we can see holds (another
     # container's): the first check waits it out; the next ones find it unchanged and fail at once.
@@ -112,12 +113,7 @@ def test_n_tests_under_an_outside_holder_cost_one_timeout(
     else:
         holder = request.getfixturevalue("unlisted_holder")
         who = "  memory: 100 MiB used on GPU 0 beyond the tolerance of 0 MiB, held by no process we can see"
-    inner(f"""
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-@pytest.mark.parametrize("n", range(4))
-def test_marked(n):
-    raise AssertionError("must not run on dirty GPUs")
-""")
+    example("outside/must_not_run")
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
     result = run(pytester)
@@ -149,59 +145,11 @@ def test_marked(n):
 
 
 def test_a_changed_outside_state_is_waited_for_and_a_freed_gpu_passes(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, outside_holder: Callable[..., int],
+        example: Callable[..., Path], pytester: pytest.Pytester, outside_holder: Callable[..., int],
         later_holder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = outside_holder(mib=100)
     monkeypatch.setenv("FIRST_HOLDER", str(first))
-    inner(f"""
-import signal
-from pytest_gpuclean.simulate import allocate
-
-marked = pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-
-def kill(pid):
-    # Gone means gone: dead (a zombie of the test that started it, here), not merely signalled.
-    os.kill(pid, signal.SIGKILL)
-    stat = f"/proc/{{pid}}/stat"
-    while os.path.exists(stat) and open(stat).read().rsplit(")")[1].split()[0] != "Z":
-        time.sleep(0.01)
-
-@marked
-def test_1():
-    pass
-
-@marked
-def test_2_same():
-    pass
-
-def test_3_outside_holder_grows():
-    allocate(SIM, 0, 300, pid=int(os.environ["FIRST_HOLDER"]))
-
-@marked
-def test_4_more_memory():
-    pass
-
-@marked
-def test_5_same():
-    pass
-
-def test_6_another_holder_with_the_same_memory():
-    kill(int(os.environ["FIRST_HOLDER"]))
-    open(os.environ["GO"], "w").close()
-    while not (os.path.exists(os.environ["LATER_PIDFILE"]) and open(os.environ["LATER_PIDFILE"]).read()):
-        time.sleep(0.01)
-
-@marked
-def test_7_new_holder():
-    pass
-
-def test_8_holder_gone():
-    kill(int(open(os.environ["LATER_PIDFILE"]).read()))
-
-@marked
-def test_9_clean_again(clean_gpus):
-    assert [d.used_bytes for d in clean_gpus.devices] == [0, 0]
-""")
+    example("outside/changing")
     result = run(pytester)
     result.assert_outcomes(passed=4, errors=5)
     result.stdout.fnmatch_lines([
@@ -227,21 +175,9 @@ def test_9_clean_again(clean_gpus):
 
 
 def test_a_leak_of_ours_is_still_reaped_and_blamed_where_the_outside_is_known(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, outside_holder: Callable[..., int]) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, outside_holder: Callable[..., int]) -> None:
     outside_holder(mib=100)
-    pidfile = inner(f"""
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-def test_1():
-    pass
-
-def test_2_unmarked_leaks():
-    hold(mib=64)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-def test_3():
-    pass
-""")
+    pidfile = example("outside/our_leak")
     result = run(pytester)
     leaked = read_pids(pidfile)[0]
     result.assert_outcomes(passed=1, errors=2, warnings=1)
@@ -259,22 +195,10 @@ def test_3():
 
 
 def test_a_leak_of_ours_is_still_waited_for_where_the_outside_is_known(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, outside_holder: Callable[..., int]) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, outside_holder: Callable[..., int]) -> None:
     # Reaping off: our leftover is waited for until it ends by itself; only the outside part is not.
     outside_holder(mib=100)
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus(timeout=3)
-def test_1():
-    pass
-
-def test_2_unmarked_leaks():
-    hold("--seconds", "1", mib=64)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus(timeout=3)
-def test_3():
-    pass
-""")
+    pidfile = example("outside/our_leak_ends")
     result = run(pytester, "--gpuclean-reap=off")
     leaked = read_pids(pidfile)[0]
     result.assert_outcomes(passed=1, errors=2)
@@ -289,31 +213,10 @@ def test_3():
 
 
 def test_a_leak_of_ours_that_hides_the_outside_memory_does_not_make_it_new(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, unlisted_holder: int) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, unlisted_holder: int) -> None:
     # While a leak of ours sits on the GPU, the memory there is blamed on it, not reported apart: the
     # memory held from outside is still there, and once our leak is gone it is the same as before.
-    pidfile = inner(f"""
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-def test_1():
-    pass
-
-def test_2_unmarked_leaks():
-    hold("--seconds", "{2 * TIMEOUT + 1}", mib=64)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-def test_3_meets_our_leak():
-    pass
-
-def test_4_until_our_leak_is_gone():
-    stat = f"/proc/{{open(PIDFILE).read().split()[0]}}/stat"
-    while os.path.exists(stat) and open(stat).read().rsplit(")")[1].split()[0] != "Z":
-        time.sleep(0.01)
-
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-def test_5():
-    pass
-""")
+    pidfile = example("outside/hides")
     result = run(pytester, "--gpuclean-reap=off")
     leaked = read_pids(pidfile)[0]
     result.assert_outcomes(passed=2, errors=3)
@@ -325,21 +228,8 @@ def test_5():
 
 
 def test_skip_skips_before_the_test_and_warns_after_it(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, later_holder: Path) -> None:
-    inner(f"""
-marked = pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-
-@marked
-def test_1_gpu_taken_from_outside_while_it_runs():
-    open(os.environ["GO"], "w").close()
-    while not (os.path.exists(os.environ["LATER_PIDFILE"]) and open(os.environ["LATER_PIDFILE"]).read()):
-        time.sleep(0.01)
-
-@marked
-@pytest.mark.parametrize("n", range(2))
-def test_2_not_run(n):
-    raise AssertionError("must not run on dirty GPUs")
-""")
+        example: Callable[..., Path], pytester: pytest.Pytester, later_holder: Path) -> None:
+    example("outside/skip")
     result = run(pytester, "--gpuclean-outside=skip", "--junitxml=junit.xml")
     holder = read_pids(later_holder)[0]
     # The test that ran cannot be skipped, and another job's memory is no failure of its: a warning.
@@ -362,19 +252,11 @@ def test_2_not_run(n):
     assert actions == ["skip"] * 3
 
 
-def test_stop_stops_the_session_with_one_line(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_stop_stops_the_session_with_one_line(example: Callable[..., Path], pytester: pytest.Pytester,
                                               outside_holder: Callable[..., int]) -> None:
     holder = outside_holder(mib=100)
     pytester.makeini("[pytest]\ngpuclean_outside = stop\n")
-    inner(f"""
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-@pytest.mark.parametrize("n", range(3))
-def test_marked(n):
-    pass
-
-def test_unmarked():
-    pass
-""")
+    example("outside/stop")
     result = run(pytester)
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.assert_outcomes(errors=1)  # the test that found it: its check failed; nothing after it ran
@@ -389,18 +271,15 @@ def test_unmarked():
         ("test_inner.py::test_marked[0]", "stop")]
 
 
-def test_xdist_workers_share_what_one_of_them_waited_out(inner: Callable[[str], Path],
+def test_xdist_workers_share_what_one_of_them_waited_out(example: Callable[..., Path],
                                                           pytester: pytest.Pytester,
-                                                          outside_holder: Callable[..., int]) -> None:
+                                                          outside_holder: Callable[..., int],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     # The workers take turns on the GPUs (their locks); the first to meet the holder waits it out, and no
     # other worker waits for it again.
     outside_holder(mib=100)
-    inner(f"""
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-@pytest.mark.parametrize("n", range(6))
-def test_marked(n):
-    pass
-""")
+    monkeypatch.setenv("MARKED_TESTS", "6")
+    example("outside/marked")
     result = run(pytester, "-n", "2")
     result.assert_outcomes(errors=6)
     workers = {line.split()[0] for line in result.stdout.lines if line.startswith("[gw")}
@@ -413,17 +292,13 @@ def test_marked(n):
     assert all(c["waited_s"] < TIMEOUT for c in checks if c not in waited_out)
 
 
-def test_stop_in_an_xdist_worker_ends_the_run(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_stop_in_an_xdist_worker_ends_the_run(example: Callable[..., Path], pytester: pytest.Pytester,
                                               outside_holder: Callable[..., int],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     holder = outside_holder(mib=100)
     monkeypatch.setenv("GPUCLEAN_OUTSIDE", "stop")
-    inner(f"""
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
-@pytest.mark.parametrize("n", range(8))
-def test_marked(n):
-    pass
-""")
+    monkeypatch.setenv("MARKED_TESTS", "8")
+    example("outside/marked")
     result = run(pytester, "-n", "2")
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines([
