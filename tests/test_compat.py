@@ -104,19 +104,12 @@ def records_by_nodeid(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
 
 @needs_forked
 @pytest.mark.parametrize("reap", ["on", "off"])
-def test_forked_child_is_never_a_suspect(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_forked_child_is_never_a_suspect(example: Callable[..., Path], pytester: pytest.Pytester,
                                          reap: str) -> None:
     # The forked child runs gpuclean's hooks with the checker the session built before forking: the
     # running process and the parent pytest must be "us", not a leak (it was SIGTERMed, or with
     # reaping off reported as leaked after the timeout).
-    inner('''
-@pytest.mark.needs_clean_gpus
-def test_marked():
-    pass
-
-def test_unmarked():
-    assert os.getpid() > 0
-''')
+    example("compat/forked_marked")
     result = compat_run(pytester, "--forked", "--gpuclean-all", f"--gpuclean-reap={reap}",
                        "--gpuclean-timeout=3")
     result.assert_outcomes(passed=2)
@@ -126,35 +119,9 @@ def test_unmarked():
 
 
 @needs_forked
-def test_forked_leak_is_reaped_in_the_child_and_reported_once(inner: Callable[[str], Path],
+def test_forked_leak_is_reaped_in_the_child_and_reported_once(example: Callable[..., Path],
                                                               pytester: pytest.Pytester) -> None:
-    pidfile = inner('''
-def test_leaks():
-    hold(mib=100)
-    wait_holders(1)
-
-def test_leaks_a_daemon():
-    hold("--daemonize", mib=50)
-    wait_holders(2)
-
-def test_leaks_a_cpu_daemon():
-    # No GPU memory, so no cookie scan: found only because the child adopts it (its own subreaper).
-    subprocess.run([sys.executable, "-c", DAEMON, PIDFILE], check=True)
-    wait_holders(3)
-
-def test_after():
-    pass
-
-DAEMON = """
-import os, sys, time
-if os.fork():
-    os._exit(0)
-os.setsid()
-with open(sys.argv[1], "a") as f:
-    f.write(str(os.getpid()) + chr(10))
-time.sleep(300)
-"""
-''')
+    pidfile = example("compat/forked_leaks", "scripts/cpu_daemon.py")
     result = compat_run(pytester, "--forked", "--gpuclean-all", "--gpuclean-report=report.json",
                         "--junitxml=junit.xml")
     result.assert_outcomes(passed=4, errors=3)
@@ -181,20 +148,12 @@ time.sleep(300)
 
 
 @needs_forked
-def test_forked_unchecked_leak_is_blamed_on_its_own_test(inner: Callable[[str], Path],
+def test_forked_unchecked_leak_is_blamed_on_its_own_test(example: Callable[..., Path],
                                                          pytester: pytest.Pytester) -> None:
     # Each forked child starts from the session's state as it was before the fork: an unchecked
     # test's escapee, found by the next checked test's cookie scan in another child, still names the
     # test that spawned it, not the test that found it.
-    pidfile = inner('''
-def test_a_unchecked_leaks_a_daemon():
-    hold("--daemonize", mib=50)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-def test_b_checked():
-    pass
-''')
+    pidfile = example("compat/forked_unchecked")
     result = compat_run(pytester, "--forked", "--gpuclean-report=report.json")
     leaked = read_pids(pidfile)
     assert wait_dead(leaked, timeout=5) == []
@@ -209,19 +168,11 @@ def test_b_checked():
 
 @needs_forked
 @needs_xdist
-def test_forked_under_xdist_reports_each_leak_once(inner: Callable[[str], Path],
+def test_forked_under_xdist_reports_each_leak_once(example: Callable[..., Path],
                                                     pytester: pytest.Pytester) -> None:
     # The record travels child -> worker (on the report) -> controller (in the worker's output); the
     # controller also sees the report itself and must not count it again.
-    pidfile = inner('''
-@pytest.mark.parametrize("n", range(4))
-def test_clean(n):
-    pass
-
-def test_leaks():
-    hold(mib=100)
-    wait_holders(1)
-''')
+    pidfile = example("compat/forked_xdist")
     result = compat_run(pytester, "-n", "2", "--forked", "--gpuclean-all", "--gpuclean-report=report.json")
     result.assert_outcomes(passed=5, errors=1)
     leaked = read_pids(pidfile)
@@ -237,24 +188,9 @@ def test_leaks():
 
 @needs_xdist
 @pytest.mark.parametrize("dist", ["load", "loadgroup"])
-def test_xdist_suite_reports_only_the_leak(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_xdist_suite_reports_only_the_leak(example: Callable[..., Path], pytester: pytest.Pytester,
                                           dist: str) -> None:
-    pidfile = inner('''
-@pytest.mark.xdist_group("engine")
-@pytest.mark.parametrize("n", range(3))
-def test_grouped(n):
-    subprocess.run([sys.executable, "-c", "pass"], check=True)
-
-@pytest.mark.xdist_group("engine")
-def test_grouped_leaks():
-    hold(mib=100)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("n", range(3))
-def test_free(n):
-    pass
-''')
+    pidfile = example("compat/xdist_groups")
     result = compat_run(pytester, "-n", "2", f"--dist={dist}", "--gpuclean-all",
                         "--gpuclean-report=report.json")
     result.assert_outcomes(passed=7, errors=1)
@@ -280,20 +216,9 @@ def test_free(n):
 @pytest.mark.skipif(not _installed("pytest_isolate") or PYTEST_VERSION >= (9, 2),
                     reason="needs pytest-isolate on pytest < 9.2 (pytest-isolate 0.0.17 fails every test on "
                            "pytest 9.2, with or without gpuclean); CI runs it in .venv-pytest8")
-def test_isolate_checks_each_child_and_reports_once(inner: Callable[[str], Path],
+def test_isolate_checks_each_child_and_reports_once(example: Callable[..., Path],
                                                     pytester: pytest.Pytester) -> None:
-    pidfile = inner('''
-@pytest.mark.needs_clean_gpus
-def test_marked():
-    pass
-
-def test_leaks():
-    hold(mib=100)
-    wait_holders(1)
-
-def test_after():
-    pass
-''')
+    pidfile = example("compat/isolate")
     # pytest-isolate does nothing while pytest-timeout or pytest-forked is loaded.
     result = compat_run(pytester, "-p", "no:timeout", "-p", "no:forked", "--isolate", "--gpuclean-all",
                         "--gpuclean-report=report.json",
@@ -311,24 +236,12 @@ def test_after():
 # ---- pytest-rerunfailures, pytest-repeat, pytest-randomly -----------------------------------------
 
 @needs("pytest_rerunfailures", "pytest-rerunfailures")
-def test_rerunfailures_each_attempt_is_checked(inner: Callable[[str], Path], pytester: pytest.Pytester,
-                                               tmp_path: Path) -> None:
+def test_rerunfailures_each_attempt_is_checked(example: Callable[..., Path], pytester: pytest.Pytester,
+                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A flaky test leaks on its failing first attempt and passes on the rerun: the leak of the first
     # attempt is reaped and reported, the rerun starts on clean GPUs.
-    pidfile = inner(f'''
-ATTEMPTS = {str(tmp_path / "attempts")!r}
-
-def test_flaky():
-    with open(ATTEMPTS, "a") as f:
-        f.write("x")
-    if len(open(ATTEMPTS).read()) == 1:
-        hold(mib=100)
-        wait_holders(1)
-        assert False, "first attempt fails"
-
-def test_steady():
-    pass
-''')
+    monkeypatch.setenv("ATTEMPTS", str(tmp_path / "attempts"))
+    pidfile = example("compat/rerun")
     result = compat_run(pytester, "--reruns=1", "--gpuclean-all",
                         "--gpuclean-report=report.json")
     # rerunfailures shows the first attempt's failure and its teardown error (the leak) as two reruns.
@@ -342,12 +255,8 @@ def test_steady():
 
 
 @needs("pytest_repeat", "pytest-repeat")
-def test_repeat_blames_each_repetition(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    pidfile = inner('''
-def test_leaks():
-    hold(mib=10)
-    time.sleep(0.1)
-''')
+def test_repeat_blames_each_repetition(example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    pidfile = example("compat/repeat")
     result = compat_run(pytester, "--count=3", "--gpuclean-all",
                         "--gpuclean-report=report.json")
     result.assert_outcomes(passed=3, errors=3)
@@ -359,19 +268,10 @@ def test_leaks():
 
 
 @needs("pytest_randomly", "pytest-randomly")
-def test_randomly_any_order_blames_the_spawner(inner: Callable[[str], Path],
+def test_randomly_any_order_blames_the_spawner(example: Callable[..., Path],
                                                pytester: pytest.Pytester) -> None:
     # Whatever the order, an unchecked test's escapee is blamed on it, found by the next checked test.
-    pidfile = inner('''
-def test_unchecked_leaks():
-    hold("--daemonize", mib=50)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("n", range(3))
-def test_checked(n):
-    pass
-''')
+    pidfile = example("compat/randomly")
     for seed in ("1", "2", "3"):
         result = compat_run(pytester, f"--randomly-seed={seed}",
                             "--gpuclean-report=report.json")
@@ -392,30 +292,10 @@ def test_checked(n):
 # ---- pytest-asyncio --------------------------------------------------------------------------------
 
 @needs("pytest_asyncio", "pytest-asyncio")
-def test_asyncio_subprocesses(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+def test_asyncio_subprocesses(example: Callable[..., Path], pytester: pytest.Pytester) -> None:
     # asyncio waits for its children in a watcher thread: the one it awaited is no leak, the one it
     # forgot is reaped (and the watcher does not break when gpuclean collects it).
-    pidfile = inner('''
-import asyncio
-
-@pytest.mark.asyncio
-async def test_awaits_its_child():
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", "print('hi')",
-                                                stdout=asyncio.subprocess.PIPE)
-    out, _ = await proc.communicate()
-    assert out.strip() == b"hi"
-
-@pytest.mark.asyncio
-async def test_forgets_its_child():
-    await asyncio.create_subprocess_exec(sys.executable, "-m", "pytest_gpuclean.simulate", "hold",
-                                         "--dir", SIM, "--device", "0", "--mib", "100",
-                                         "--pidfile", PIDFILE)
-    wait_holders(1)
-
-@pytest.mark.asyncio
-async def test_after():
-    await asyncio.sleep(0)
-''')
+    pidfile = example("compat/asyncio")
     result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
     result.assert_outcomes(passed=3, errors=1)
     leaked = read_pids(pidfile)
@@ -429,17 +309,10 @@ async def test_after():
 # ---- pytest-timeout, junitxml ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["signal", "thread"])
-def test_timeout_that_does_not_fire_changes_nothing(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_timeout_that_does_not_fire_changes_nothing(example: Callable[..., Path], pytester: pytest.Pytester,
                                                     method: str) -> None:
     # (Timeouts that fire: tests/test_sharing.py, test_pytest_timeout_*.)
-    inner('''
-@pytest.mark.timeout(60)
-def test_spawns_and_waits():
-    subprocess.run([sys.executable, "-c", "pass"], check=True)
-
-def test_plain():
-    pass
-''')
+    example("compat/timeout")
     result = compat_run(pytester, "-p", "timeout", "--timeout=60", f"--timeout-method={method}",
                         "--gpuclean-all", "--junitxml=junit.xml")
     result.assert_outcomes(passed=2)
@@ -461,47 +334,12 @@ def _torch_distributed_reason() -> str | None:
 needs_torch_distributed = pytest.mark.skipif(_torch_distributed_reason() is not None,
                                              reason=_torch_distributed_reason() or "")
 
-MULTI_PROCESS = '''
-import torch
-import torch.distributed as dist
-from torch.testing._internal.common_distributed import MultiProcessTestCase
-
-
-class TestGloo(MultiProcessTestCase):
-    @property
-    def world_size(self):
-        return 2
-
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
-
-    def _init(self):
-        dist.init_process_group("gloo", init_method=f"file://{self.file_name}", world_size=self.world_size,
-                                rank=self.rank)
-
-    def test_all_reduce(self):
-        self._init()
-        t = torch.tensor([float(self.rank + 1)])
-        dist.all_reduce(t)
-        self.assertEqual(t.item(), 3.0)
-        dist.destroy_process_group()
-
-    def test_rank_leaks(self):
-        self._init()
-        if self.rank == 1:
-            hold(mib=100)
-            wait_holders(1)
-        dist.barrier()
-        dist.destroy_process_group()
-'''
-
 
 @needs_torch_distributed
-def test_multi_process_test_case(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+def test_multi_process_test_case(example: Callable[..., Path], pytester: pytest.Pytester) -> None:
     # Ranks are spawned (multiprocessing's resource tracker with them) and joined inside the test; a
     # rank's child outlives the rank, is adopted by the session and is blamed on the test.
-    pidfile = inner(MULTI_PROCESS)
+    pidfile = example("compat/multi_process")
     result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
     result.assert_outcomes(passed=2, errors=1)
     leaked = read_pids(pidfile)
@@ -517,190 +355,27 @@ def test_multi_process_test_case(inner: Callable[[str], Path], pytester: pytest.
 # ---- multiprocessing's helpers, from the standard library and from the ``multiprocess`` package --------
 
 @pytest.mark.parametrize("module", ["multiprocessing", "multiprocess"])
-def test_resource_tracker_is_the_sessions_helper(inner: Callable[[str], Path], pytester: pytest.Pytester,
-                                                 module: str) -> None:
+def test_resource_tracker_is_the_sessions_helper(example: Callable[..., Path], pytester: pytest.Pytester,
+                                                 monkeypatch: pytest.MonkeyPatch, module: str) -> None:
     # The first test that spawns a process starts the resource tracker (and here the forkserver) of the
     # pytest process; they live until pytest exits and serve every later test. vLLM's shm tests use the
     # ``multiprocess`` package (dill-based), whose helpers are the same code under another name: gpuclean
     # SIGKILLed its tracker (which ignores SIGTERM) as the first test's leak, 5 s later.
     if not _installed(module):
         pytest.skip(f"needs {module}")
-    inner(f'''
-import {module} as mp
-
-def work(q):
-    q.put(os.getpid())
-
-@pytest.mark.parametrize("method", ["spawn", "forkserver", "spawn"])
-def test_spawns(method):
-    ctx = mp.get_context(method)
-    q = ctx.Queue()
-    p = ctx.Process(target=work, args=(q,))
-    p.start()
-    assert q.get(timeout=60) == p.pid
-    p.join()
-''')
+    monkeypatch.setenv("MP_MODULE", module)
+    example("compat/mp_helpers")
     result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
     result.assert_outcomes(passed=3)
     assert summary_of(result)[-1] == "3 checked test(s), 0 with findings, 0 process(es) reaped"
     assert report_of(pytester)["session_reaped"] == []
 
 
-# ---- vLLM's process helpers (the shape of vLLM's tests/utils.py, written here) ---------------------------
+# ---- vLLM's process helpers (the shape of vLLM's tests/utils.py, in tests/examples/compat/vllm_like) ------
 
-VLLM_LIKE = '''
-"""fork/spawn-per-test decorators and a server in its own session, as vLLM's tests/utils.py has them."""
-import contextlib, functools, os, signal, subprocess, sys, time, urllib.request
-
-SPAWNED = "VLLM_LIKE_SPAWNED_CHILD"
-
-
-def fork_new_process_for_each_test(func):
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        pid = os.fork()
-        if pid == 0:
-            os.setpgrp()  # its own group, so that the parent's killpg below spares pytest
-            try:
-                func(*args, **kwargs)
-            except BaseException:
-                import traceback
-                traceback.print_exc()
-                os._exit(1)
-            os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)  # whatever the test left in its group
-        assert os.waitstatus_to_exitcode(status) == 0, f"forked test exited with {status}"
-    return wrapper
-
-
-def spawn_new_process_for_each_test(func):
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        if os.environ.get(SPAWNED) == "1":
-            return func(*args, **kwargs)
-        code = (f"import importlib; getattr(importlib.import_module({func.__module__!r}), "
-                f"{func.__name__!r})()")
-        env = dict(os.environ, **{SPAWNED: "1"})
-        env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
-        subprocess.run([sys.executable, "-c", code], env=env, check=True)
-    return wrapper
-
-
-def create_new_process_for_each_test(method=None):
-    return spawn_new_process_for_each_test if method == "spawn" else fork_new_process_for_each_test
-
-
-class RemoteServer:
-    """Starts fake_server.py (an API process and a spawned engine holding GPU memory) in a new session."""
-
-    def __init__(self, port_file):
-        self.proc = subprocess.Popen([sys.executable, "fake_server.py", port_file], start_new_session=True)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.port = int(open(port_file).read())
-
-    def url_for(self, *parts):
-        return f"http://127.0.0.1:{self.port}/" + "/".join(parts)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pgid = os.getpgid(self.proc.pid)
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)  # engine processes that outlived the API process
-'''
-
-FAKE_SERVER = '''
-import http.server, multiprocessing, os, signal, sys, time
-
-from pytest_gpuclean.simulate import allocate
-
-
-def engine(sim):
-    allocate(sim, 0, 200)
-    while True:
-        time.sleep(1)
-
-
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b"ok")
-
-    def log_message(self, *args):
-        pass
-
-
-if __name__ == "__main__":
-    spawn = multiprocessing.get_context("spawn")
-    core = spawn.Process(target=engine, args=(os.environ["GPUCLEAN_SIMULATE"],), daemon=True)
-    core.start()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through atexit: daemonic children end
-    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
-    with open(sys.argv[1] + ".tmp", "w") as f:
-        f.write(str(server.server_address[1]))
-    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
-    server.serve_forever()
-'''
-
-VLLM_LIKE_TESTS = '''
-import urllib.request
-from vllm_like import RemoteServer, create_new_process_for_each_test, fork_new_process_for_each_test
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with RemoteServer(str(tmp_path_factory.mktemp("server") / "port")) as remote:
-        yield remote
-
-
-@pytest.mark.needs_clean_gpus
-def test_health(server):
-    assert urllib.request.urlopen(server.url_for("health")).read() == b"ok"
-
-
-def test_health_again(server):
-    assert urllib.request.urlopen(server.url_for("health")).read() == b"ok"
-
-
-@fork_new_process_for_each_test
-def test_forked():
-    subprocess.run([sys.executable, "-c", "pass"], check=True)
-
-
-@fork_new_process_for_each_test
-def test_forked_leaves_a_child_in_its_group():
-    hold(mib=100)  # ended by the helper's killpg, as in vLLM
-    wait_holders(1)
-
-
-@create_new_process_for_each_test("spawn")
-def test_spawned():
-    assert os.environ["VLLM_LIKE_SPAWNED_CHILD"] == "1"
-
-
-@fork_new_process_for_each_test
-def test_forked_escapee():
-    hold("--daemonize", mib=50)  # its own session: the helper's killpg misses it
-    wait_holders(2)
-'''
-
-
-def test_vllm_like_helpers(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(vllm_like=VLLM_LIKE, fake_server=FAKE_SERVER)
-    pidfile = inner(VLLM_LIKE_TESTS)
+def test_vllm_like_helpers(example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    # tests/examples/compat/vllm_like: vllm_like.py (the helpers), fake_server.py, and the tests using them.
+    pidfile = example("compat/vllm_like")
     result = compat_run(pytester, "--gpuclean-all", "--gpuclean-report=report.json")
     result.assert_outcomes(passed=6, errors=1)
     grouped, escapee = read_pids(pidfile, expected=2)
