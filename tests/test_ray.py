@@ -13,138 +13,6 @@ from typing import Any
 
 import pytest
 
-# A Ray actor that "holds" simulated GPU memory on its node; each inner file defines it under its own name.
-HOLDER = '''
-@ray.remote(num_cpus=0)
-class {name}:
-    def hold(self, mib):
-        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
-        return os.getpid()
-'''
-
-INNER = '''
-import os, subprocess, sys
-import pytest
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from pytest_gpuclean.simulate import allocate
-
-NODE_B, NODE_C = os.environ["NODE_B"], os.environ["NODE_C"]
-KEEP = []
-
-def on(node):
-    return NodeAffinitySchedulingStrategy(node, soft=False)
-
-''' + HOLDER.format(name="Holder") + '''
-@ray.remote(num_cpus=0)
-def spawn_holder(pidfile):
-    proc = subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
-                             os.environ["GPUCLEAN_SIMULATE"], "--mib", "30", "--pidfile", pidfile])
-    return proc.pid
-
-def setup_module():
-    if not ray.is_initialized():  # the conftest connected already
-        ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
-
-def teardown_module():
-    ray.shutdown()
-
-@pytest.fixture(scope="module")
-def shared_actor():
-    actor = Holder.options(scheduling_strategy=on(NODE_B)).remote()
-    pid = ray.get(actor.hold.remote(20))
-    yield actor, pid
-    ray.kill(actor)
-
-@pytest.mark.needs_clean_gpus
-def test_a_fixture_actor_is_protected(shared_actor):
-    assert ray.get(shared_actor[0].hold.remote(20)) == shared_actor[1]
-
-@pytest.mark.needs_clean_gpus
-def test_b_handle_in_global():
-    KEEP.append(Holder.options(scheduling_strategy=on(NODE_B)).remote())
-    ray.get(KEEP[-1].hold.remote(50))
-
-@pytest.mark.needs_clean_gpus
-def test_b2_actor_on_the_drivers_node():
-    # Ray prestarts workers on the driver's node before the job asks: their environment names no job
-    # (RAY_JOB_ID=ffffffff), only the control store says whose actor they run.
-    KEEP.append(Holder.options(scheduling_strategy=on(os.environ["NODE_HEAD"])).remote())
-    ray.get(KEEP[-1].hold.remote(35))
-
-@pytest.mark.needs_clean_gpus
-def test_c_detached():
-    actor = Holder.options(scheduling_strategy=on(NODE_C), lifetime="detached", name="leaky",
-                           namespace="t").remote()
-    ray.get(actor.hold.remote(40))
-
-@pytest.mark.needs_clean_gpus
-def test_d_subprocess_on_other_node():
-    ray.get(spawn_holder.options(scheduling_strategy=on(NODE_C)).remote(os.environ["LEAK_PIDFILE"]))
-    import time
-    for _ in range(500):
-        if os.path.exists(os.environ["LEAK_PIDFILE"]):
-            break
-        time.sleep(0.01)
-
-ENGINE = """
-import os, sys, time
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from pytest_gpuclean.simulate import allocate
-
-""" + ''' + repr(HOLDER.format(name="Worker")) + ''' + """
-ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
-worker = Worker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(sys.argv[2], soft=False)).remote()
-pid = ray.get(worker.hold.remote(25))
-with open(sys.argv[1], "w") as f:
-    f.write(str(pid))
-time.sleep(600)
-"""
-
-@pytest.mark.needs_clean_gpus
-def test_d2_engine_process_drives_its_own_job():
-    # As vLLM's engine process does with distributed_executor_backend="ray": a child of the test connects
-    # to the cluster as a driver of its own and places its GPU worker on another node.
-    import time
-    pidfile = os.environ["LEAK_PIDFILE"] + ".engine"
-    subprocess.Popen([sys.executable, "-c", ENGINE, pidfile, NODE_B])
-    for _ in range(3000):
-        if os.path.exists(pidfile) and open(pidfile).read():
-            break
-        time.sleep(0.01)
-
-@pytest.mark.needs_clean_gpus
-def test_e_fixture_actor_still_there(shared_actor):
-    assert ray.get(shared_actor[0].hold.remote(20)) == shared_actor[1]
-
-@pytest.mark.needs_clean_gpus
-def test_f_clean():
-    pass
-
-def test_z_unchecked_leak_found_at_session_end():
-    # Not checked, and no checked test follows: only the session-end sweep of the cluster finds it.
-    actor = Holder.options(scheduling_strategy=on(NODE_B), lifetime="detached", name="late",
-                           namespace="t").remote()
-    ray.get(actor.hold.remote(15))
-'''
-
-CONFTEST = '''
-import os
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from pytest_gpuclean.simulate import allocate
-
-''' + HOLDER.format(name="SetupHolder") + '''
-def pytest_configure(config):
-    # The session set-up's: protected through every test, reaped by the very last sweep (after the
-    # reports), when the driver's job is long over.
-    ray.init(address=os.environ["RAY_TEST_ADDRESS"], log_to_driver=False)
-    actor = SetupHolder.options(lifetime="detached", name="setup-leak", namespace="t", scheduling_strategy=
-                                NodeAffinitySchedulingStrategy(os.environ["NODE_C"], soft=False)).remote()
-    ray.get(actor.hold.remote(10))
-'''
-
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
@@ -197,8 +65,9 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     monkeypatch.setenv("NODE_B", ray_cluster["node_b"])
     monkeypatch.setenv("NODE_C", ray_cluster["node_c"])
     monkeypatch.setenv("NODE_HEAD", ray_cluster["node_head"])
-    pytester.makepyfile(test_inner=INNER)
-    pytester.makeconftest(CONFTEST)
+    # Each file defines its own actor class that "holds" simulated GPU memory on its node (Holder in
+    # test_inner.py, SetupHolder in conftest.py, Worker in ray_engine.py): the report names them.
+    pytester.copy_example("ray/cluster")
     report_path = tmp_path / "report.json"
     result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-ray={ray_cluster['address']}",
                                            "--gpuclean-grace=2", "--gpuclean-timeout=60", "-p",
@@ -584,123 +453,6 @@ def test_a_cluster_that_goes_away_is_a_finding_not_a_stall(pytester: pytest.Pyte
 
 # ---- --gpuclean-ray=auto: a cluster the session's own fixtures start ------------------------------------
 
-AUTO_CONFTEST = '''
-import os, time
-import pytest
-import ray
-from ray.cluster_utils import Cluster
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from pytest_gpuclean.simulate import allocate
-
-''' + HOLDER.format(name="Holder") + '''
-def on(node):
-    return NodeAffinitySchedulingStrategy(node, soft=False)
-
-def publish(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.rename(path + ".tmp", path)
-
-def started_cluster(name):
-    # A head and a second node, each with its own simulated devices; this process is a driver of it, and
-    # the fixture that calls this owns an actor holding memory on the second node.
-    root = os.path.join(os.environ["NODE_DIRS"], name)
-    dirs = {n: os.path.join(root, n) for n in ("head", "b")}
-    for d in dirs.values():
-        os.makedirs(os.path.join(d, "0"))
-    common = dict(num_cpus=1, node_ip_address="127.0.0.1")
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        include_dashboard=False, env_vars={"GPUCLEAN_SIMULATE": dirs["head"]}, **common))
-    b = cluster.add_node(env_vars={"GPUCLEAN_SIMULATE": dirs["b"]}, **common)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    owned = Holder.options(scheduling_strategy=on(b.node_id)).remote()
-    pid = ray.get(owned.hold.remote(20))
-    publish(os.path.join(root, "node_b"), b.node_id)
-    publish(os.path.join(root, "address"), cluster.address)
-    return cluster, b.node_id, owned, pid
-
-def shut_down(cluster, owned, pid):
-    # The fixture's actor lived through every check until its fixture ends.
-    assert ray.get(owned.hold.remote(20)) == pid
-    ray.shutdown()
-    cluster.shutdown()
-
-@pytest.fixture(scope="session")
-def second():
-    cluster, node_b, owned, pid = started_cluster("second")
-    # Another job's actor (the driver is no process of this session), on the same cluster.
-    bystander = os.path.join(os.environ["NODE_DIRS"], "second", "bystander")
-    for _ in range(6000):
-        if os.path.exists(bystander):
-            break
-        time.sleep(0.01)
-    other = int(open(bystander).read())
-    yield node_b
-    assert os.path.exists(f"/proc/{other}") and open(f"/proc/{other}/stat").read().split()[2] != "Z"
-    shut_down(cluster, owned, pid)
-'''
-
-AUTO_FIRST = '''
-import pytest, ray
-from conftest import Holder, on, started_cluster, shut_down
-
-KEEP = []
-
-@pytest.fixture(scope="module")
-def first():
-    cluster, node_b, owned, pid = started_cluster("first")
-    yield node_b
-    shut_down(cluster, owned, pid)  # during the next test's teardown: the session watches again
-
-@pytest.mark.needs_clean_gpus
-def test_a_leaks_while_the_cluster_appears(first):
-    # The cluster appears during this test's set-up: found at the check after it, with the actor the test
-    # leaves (its handle in a global).
-    KEEP.append(Holder.options(scheduling_strategy=on(first)).remote())
-    ray.get(KEEP[-1].hold.remote(30))
-
-@pytest.mark.needs_clean_gpus
-def test_b_next_test_is_clean(first):
-    pass
-'''
-
-AUTO_SECOND = '''
-import pytest, ray
-from conftest import Holder, on
-
-@pytest.mark.needs_clean_gpus
-def test_c_leaks_on_a_second_cluster(second):
-    actor = Holder.options(scheduling_strategy=on(second), lifetime="detached", name="leaky",
-                           namespace="t").remote()
-    ray.get(actor.hold.remote(40))
-
-@pytest.mark.needs_clean_gpus
-def test_d_next_test_is_clean(second):
-    pass
-'''
-
-AUTO_BYSTANDER = '''
-import os, sys, time
-import ray
-address_file, pid_file = sys.argv[1], sys.argv[2]
-while not os.path.exists(address_file):
-    time.sleep(0.02)
-ray.init(address=open(address_file).read(), log_to_driver=False)
-
-@ray.remote(num_cpus=0)
-class Bystander:
-    def pid(self):
-        return os.getpid()
-
-actor = Bystander.remote()
-with open(pid_file + ".tmp", "w") as f:
-    f.write(str(ray.get(actor.pid.remote())))
-os.rename(pid_file + ".tmp", pid_file)
-time.sleep(600)
-'''
-
-
 def test_auto_finds_the_clusters_the_session_starts(pytester: pytest.Pytester, sim: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # --gpuclean-ray=auto without RAY_ADDRESS: a cluster a module fixture starts during a test's set-up is
@@ -716,11 +468,10 @@ def test_auto_finds_the_clusters_the_session_starts(pytester: pytest.Pytester, s
     nodes = tmp_path / "nodes"
     nodes.mkdir()
     monkeypatch.setenv("NODE_DIRS", str(nodes))
-    pytester.makeconftest(AUTO_CONFTEST)
-    pytester.makepyfile(test_1=AUTO_FIRST, test_2=AUTO_SECOND)
+    pytester.copy_example("ray/auto")  # conftest.py (the clusters' fixtures), test_1.py, test_2.py
     (nodes / "second").mkdir()
-    bystander = subprocess.Popen([sys.executable, "-c", AUTO_BYSTANDER, str(nodes / "second" / "address"),
-                                  str(nodes / "second" / "bystander")],
+    bystander = subprocess.Popen([sys.executable, pytester.copy_example("scripts/ray_bystander.py"),
+                                  str(nodes / "second" / "address"), str(nodes / "second" / "bystander")],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto", "--gpuclean-grace=2",
