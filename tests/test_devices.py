@@ -310,19 +310,6 @@ def test_an_empty_selection_says_why() -> None:
 
 SIM_UUIDS = ("GPU-0c0c0c0c-0000-4000-8000-000000000000", "GPU-1d1d1d1d-1111-4000-8000-000000000001")
 
-SHOW_DEVICES = """
-import os
-import pytest
-
-def test_sees(clean_gpus):
-    print("SEEN", [(d.index, d.uuid) for d in clean_gpus.devices])
-
-@pytest.mark.needs_clean_gpus(count=1)
-def test_count_gets_full_uuid():
-    print("VISIBLE", os.environ["CUDA_VISIBLE_DEVICES"])
-"""
-
-
 @pytest.fixture
 def named_sim(sim: Path) -> Path:
     for index, uuid in enumerate(SIM_UUIDS):
@@ -333,7 +320,7 @@ def named_sim(sim: Path) -> Path:
 def test_cuda_visible_devices_prefix_selects_one_device(pytester: pytest.Pytester, named_sim: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1d1d")
-    pytester.makepyfile(test_inner=SHOW_DEVICES)
+    pytester.copy_example("devices/show_devices")  # prints what it sees
     result = run_inner(pytester, "-s")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([
@@ -349,7 +336,7 @@ def test_cuda_visible_devices_prefix_selects_one_device(pytester: pytest.Pyteste
 def test_cuda_visible_devices_indices_and_uuids(pytester: pytest.Pytester, named_sim: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"1,{SIM_UUIDS[0]}")
-    pytester.makepyfile(test_inner=SHOW_DEVICES)
+    pytester.copy_example("devices/show_devices")  # prints what it sees
     result = run_inner(pytester, "-s")
     result.assert_outcomes(passed=2)
     assert f"SEEN [(1, '{SIM_UUIDS[1]}'), (0, '{SIM_UUIDS[0]}')]" in result.stdout.str()
@@ -364,7 +351,7 @@ def test_unknown_cuda_visible_device_is_a_usage_error(pytester: pytest.Pytester,
                                                       monkeypatch: pytest.MonkeyPatch, visible: str,
                                                       problem: str) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    pytester.makepyfile(test_inner=SHOW_DEVICES)
+    pytester.copy_example("devices/show_devices")  # prints what it sees
     result = run_inner(pytester)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: *{problem}*CUDA_VISIBLE_DEVICES={visible!r}*"])
