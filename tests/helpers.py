@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,17 @@ import pytest
 
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
 INNER_TIMEOUT = 180
+EXAMPLES = Path(__file__).resolve().parent / "examples"
+"""The inner suites and the scripts they start (``pytester_example_dir``)."""
+
+
+def copy_example(name: str, into: Path) -> Path:
+    """``pytester.copy_example`` into a directory of one's own (a folder's files, or a file): the copy."""
+    source = EXAMPLES / name
+    if source.is_dir():
+        shutil.copytree(source, into, dirs_exist_ok=True)
+        return into
+    return Path(shutil.copy(source, into / source.name))
 
 
 def alive(pid: int) -> bool:

@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import alive, children_sigint, read_pids, run_inner, wait_dead, wait_for_file
+from helpers import (
+    EXAMPLES,
+    alive,
+    children_sigint,
+    copy_example,
+    read_pids,
+    run_inner,
+    wait_dead,
+    wait_for_file,
+)
 
 from pytest_gpuclean.core.devices import SimulatedBackend
 from pytest_gpuclean.core.locks import HELD_VAR, GpuLocks, LockTimeout
@@ -31,54 +40,6 @@ from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 
 SESSION_TIMEOUT = 120
 """A session that runs longer than this is deadlocked (they take a few seconds)."""
-
-INTERVALS = '''
-import json, os, subprocess, sys, time
-from pathlib import Path
-import pytest
-
-EVENTS = os.environ["SHARING_EVENTS"]
-
-
-def use_gpus(request, seconds):
-    """Occupy the GPUs this test was given, recording when and which."""
-    visible = os.environ["CUDA_VISIBLE_DEVICES"]
-    start = time.monotonic_ns()
-    time.sleep(seconds)
-    end = time.monotonic_ns()
-    line = json.dumps({"session": os.environ.get("SESSION_TAG"), "pid": os.getpid(),
-                       "test": request.node.nodeid, "start": start, "end": end, "visible": visible,
-                       "visible_at_end": os.environ["CUDA_VISIBLE_DEVICES"]})
-    fd = os.open(EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\\n").encode())  # one write of < PIPE_BUF bytes: lines never interleave
-    finally:
-        os.close(fd)
-'''
-
-HOLDER = '''
-import os, time
-from pathlib import Path
-import pytest
-
-
-@pytest.mark.needs_clean_gpus
-def test_hold():
-    """Hold every GPU's lock until RELEASE exists (or a minute passes)."""
-    Path(os.environ["HOLDING"]).write_text(str(os.getpid()))
-    release = Path(os.environ["RELEASE"])
-    deadline = time.monotonic() + 60
-    while not release.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-'''
-
-WANTS_ONE = """
-import pytest
-
-@pytest.mark.needs_clean_gpus(count=1)
-def test_wants_one():
-    pass
-"""
 
 
 class Sessions:
@@ -170,17 +131,8 @@ def collect(pid: int) -> None:
 
 def test_four_sessions_share_two_gpus_without_overlap(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
-    (sessions.suite / "test_shared.py").write_text(INTERVALS + '''
-
-@pytest.mark.needs_clean_gpus(count=1)
-@pytest.mark.parametrize("n", range(4))
-def test_one_gpu(request, n):
-    use_gpus(request, 0.15)
-
-
-def test_visible_devices_restored():
-    assert "CUDA_VISIBLE_DEVICES" not in os.environ
-''')
+    copy_example("sharing/intervals.py", sessions.suite)
+    copy_example("sharing/four_sessions", sessions.suite)
     procs = [sessions.start("test_shared.py", SHARING_EVENTS=str(events), SESSION_TAG=f"s{i}")
              for i in range(4)]
     for proc in procs:
@@ -200,26 +152,8 @@ def test_visible_devices_restored():
 
 def test_sigkilled_session_frees_its_gpus(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
     holding, release = tmp_path / "holding", tmp_path / "release"
-    (sessions.suite / "test_hold.py").write_text(HOLDER)
-    (sessions.suite / "conftest.py").write_text('''
-import os, time
-
-def pytest_runtest_logstart(nodeid, location):
-    os.environ["LOGSTART_NS"] = str(time.monotonic_ns())  # before setup, so before the lock wait
-''')
-    (sessions.suite / "test_after.py").write_text('''
-import os, time
-import pytest
-from pytest_gpuclean.core.locks import GpuLocks
-
-
-@pytest.mark.needs_clean_gpus
-def test_after_kill(clean_gpus):
-    print("WAITED", (time.monotonic_ns() - int(os.environ["LOGSTART_NS"])) / 1e9)
-    locks = GpuLocks(os.environ["LOCK_DIR"])
-    # The killed session's holder records are stale; ours are the newest.
-    assert [locks.holder(uuid)["pid"] for uuid in clean_gpus.uuids] == [os.getpid()] * 2
-''')
+    copy_example("sharing/test_hold.py", sessions.suite)
+    copy_example("sharing/after_kill", sessions.suite)  # conftest.py, test_after.py
     holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
     assert int(wait_for_file(holding, holder)) == holder.pid
     locks = GpuLocks(str(tmp_path / "locks"))
@@ -240,8 +174,8 @@ def test_lock_timeout_names_the_holder_and_is_a_finding(sessions: Sessions, sim:
                                                         tmp_path: Path) -> None:
     holding, release = tmp_path / "holding", tmp_path / "release"
     report_file, step_summary = tmp_path / "report.json", tmp_path / "summary.md"
-    (sessions.suite / "test_hold.py").write_text(HOLDER)
-    (sessions.suite / "test_wants_one.py").write_text(WANTS_ONE)
+    copy_example("sharing/test_hold.py", sessions.suite)
+    copy_example("sharing/test_wants_one.py", sessions.suite)
     holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
     wait_for_file(holding, holder)
     rc, out = sessions.finish(sessions.start(
@@ -282,8 +216,8 @@ def test_lock_timeout_names_the_holder_and_is_a_finding(sessions: Sessions, sim:
 
 def test_wait_lines_reach_the_terminal_while_waiting(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
     holding, release = tmp_path / "holding", tmp_path / "release"
-    (sessions.suite / "test_hold.py").write_text(HOLDER)
-    (sessions.suite / "test_wants_one.py").write_text(WANTS_ONE)
+    copy_example("sharing/test_hold.py", sessions.suite)
+    copy_example("sharing/test_wants_one.py", sessions.suite)
     holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
     wait_for_file(holding, holder)
     waiter = sessions.start("test_wants_one.py", "-v", "--gpuclean-lock-timeout=30")
@@ -311,28 +245,13 @@ def test_wait_lines_reach_the_terminal_while_waiting(sessions: Sessions, sim: Pa
 
 # ---- a GPU's lock file and its waiters concern that GPU only ------------------------------------------
 
-# HOLDER, failing if RELEASE (here: the file the other session's test writes) never came.
-HOLD_UNTIL_RAN = HOLDER + (
-    '''    assert release.exists(), "the other session's test did not run while this one held its GPU"\n''')
-
-NOOP_RAN = """
-import os
-from pathlib import Path
-import pytest
-
-
-@pytest.mark.needs_clean_gpus
-def test_noop():
-    Path(os.environ["RAN"]).write_text("")
-"""
-
-
 def test_a_free_gpu_does_not_wait_for_a_busy_one(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
     # The issue's case: a session holds GPU 0; GPU 1's lock file has never existed. The second session
     # makes it and runs at once: it does not wait until nobody holds any GPU in the directory.
     holding, ran = tmp_path / "holding", tmp_path / "ran"
-    (sessions.suite / "test_hold.py").write_text(HOLD_UNTIL_RAN)
-    (sessions.suite / "test_noop.py").write_text(NOOP_RAN)
+    # test_hold.py, failing if RELEASE (here: the file the other session's test writes) never came
+    copy_example("sharing/hold_until_ran", sessions.suite)
+    copy_example("sharing/test_noop.py", sessions.suite)
     holder = sessions.start("test_hold.py", "--gpuclean-devices=0", HOLDING=str(holding), RELEASE=str(ran))
     wait_for_file(holding, holder)
     assert [p.name for p in (tmp_path / "locks").glob("*.lock")] == [f"{uuids_of(sim)[0]}.lock"]
@@ -344,37 +263,6 @@ def test_a_free_gpu_does_not_wait_for_a_busy_one(sessions: Sessions, sim: Path, 
     assert holder_rc == 0, holder_out  # it held GPU 0 all the while
 
 
-STREAM = """
-import os, time
-from pathlib import Path
-import pytest
-
-
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("n", range(100))
-def test_stream(n):
-    \"\"\"One test after another on GPU 0, until told to stop (then quick ones).\"\"\"
-    Path(os.environ["STREAMING"]).touch()
-    if not Path(os.environ["STOP"]).exists():
-        time.sleep(0.3)
-"""
-
-WAITER = """
-import os, time
-from pathlib import Path
-import pytest
-
-
-@pytest.mark.needs_clean_gpus
-def test_waiter():
-    # The session on GPU 1 ran during the stream (it did not wait for it): only now does the stream stop.
-    deadline = time.monotonic() + 60
-    while not Path(os.environ["RAN"]).exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    Path(os.environ["STOP"]).touch()
-"""
-
-
 def test_a_stream_of_tests_keeps_out_neither_another_gpu_nor_a_waiter(sessions: Sessions,
                                                                       tmp_path: Path) -> None:
     # Continuous load on GPU 0: tests back to back, the lock free only for the moment between two of them.
@@ -382,9 +270,9 @@ def test_a_stream_of_tests_keeps_out_neither_another_gpu_nor_a_waiter(sessions: 
     # it once it has waited a second (the stream's next test lets it go first), not when the stream ends:
     # the stream lasts 30 s, longer than the waiter's lock timeout.
     streaming, stop, ran = tmp_path / "streaming", tmp_path / "stop", tmp_path / "ran"
-    (sessions.suite / "test_stream.py").write_text(STREAM)
-    (sessions.suite / "test_noop.py").write_text(NOOP_RAN)
-    (sessions.suite / "test_waiter.py").write_text(WAITER)
+    copy_example("sharing/test_stream.py", sessions.suite)
+    copy_example("sharing/test_noop.py", sessions.suite)
+    copy_example("sharing/test_waiter.py", sessions.suite)
     stream = sessions.start("test_stream.py", "-q", "--gpuclean-devices=0", STREAMING=str(streaming),
                             STOP=str(stop))
     wait_for_file(streaming, stream, empty_ok=True)
@@ -412,60 +300,17 @@ def test_nested_session_makes_lock_files_while_its_outer_session_holds_gpus(
         inner_sim = tmp_path / "inner-sim"
         for index in (0, 1):
             (inner_sim / str(index)).mkdir(parents=True)
-    nested = sessions.suite / "nested"
-    nested.mkdir()
-    (nested / "pytest.ini").write_text("[pytest]\n")
-    (nested / "test_nested.py").write_text('''
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_nested(clean_gpus):
-    print("NESTED SEES", len(clean_gpus.uuids))
-''')
-    (sessions.suite / "test_outer.py").write_text(f'''
-import os, subprocess, sys
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_runs_a_nested_session():
-    nested = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider", "-s",
-         "--gpuclean-lock-timeout=5"],
-        cwd={str(nested)!r}, capture_output=True, text=True,
-        env=dict(os.environ, GPUCLEAN_SIMULATE={str(inner_sim)!r},
-                 GPUCLEAN_LOCK_DIR={str(tmp_path / "locks")!r}))
-    assert nested.returncode == 0, nested.stdout
-    assert "NESTED SEES 2\\n" in nested.stdout
-    assert "waits for GPU lock" not in nested.stdout, nested.stdout
-''')
-    rc, out = sessions.finish(sessions.start("test_outer.py", "--gpuclean-devices=0"))
+    copy_example("sharing/nested_own_locks", sessions.suite)  # test_outer.py, nested/test_nested.py
+    rc, out = sessions.finish(sessions.start("test_outer.py", "--gpuclean-devices=0",
+                                             NESTED_SIM=str(inner_sim),
+                                             NESTED_LOCK_DIR=str(tmp_path / "locks")))
     assert rc == 0, out
 
 
 def test_raw_fork_child_of_a_killed_session_keeps_no_gpu(sessions: Sessions, tmp_path: Path) -> None:
     # A test forks through libc (no Python at-fork hook runs), then pytest is SIGKILLed: the child lives on.
     child_file = tmp_path / "child"
-    (sessions.suite / "test_fork.py").write_text("""
-import ctypes, os, time
-from pathlib import Path
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_forks():
-    child = ctypes.CDLL(None).fork()
-    if child == 0:
-        time.sleep(120)
-        os._exit(0)
-    Path(os.environ["CHILD"]).write_text(str(child))
-    time.sleep(120)
-""")
-    (sessions.suite / "test_next.py").write_text("""
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-""")
+    copy_example("sharing/raw_fork", sessions.suite)  # test_fork.py, test_next.py
     forker = sessions.start("test_fork.py", CHILD=str(child_file))
     child = int(wait_for_file(child_file, forker))
     try:
@@ -480,56 +325,16 @@ def test_next():
 
 def test_nested_session_uses_the_gpu_its_test_holds(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
     # A checked test that runs a gpuclean session of its own (pytester does) must not wait for itself.
-    nested = sessions.suite / "nested"
-    nested.mkdir()
-    (nested / "pytest.ini").write_text("[pytest]\n")
-    (nested / "test_nested.py").write_text('''
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_nested(clean_gpus):
-    print("NESTED SEES", ",".join(clean_gpus.uuids))
-''')
-    (sessions.suite / "test_outer.py").write_text(f'''
-import os, subprocess, sys
-import pytest
-
-@pytest.mark.needs_clean_gpus(count=1)
-def test_runs_a_nested_session():
-    nested = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider", "-s",
-         "--gpuclean-simulate={sim}", "--gpuclean-lock-dir={tmp_path / "locks"}",
-         "--gpuclean-lock-timeout=5"],
-        cwd={str(nested)!r}, capture_output=True, text=True)
-    assert nested.returncode == 0, nested.stdout
-    assert "NESTED SEES " + os.environ["CUDA_VISIBLE_DEVICES"] + "\\n" in nested.stdout
-
-
-def test_nothing_held_afterwards():
-    assert "{HELD_VAR}" not in os.environ
-''')
-    rc, out = sessions.finish(sessions.start("test_outer.py"))
+    copy_example("sharing/nested_held_gpu", sessions.suite)  # test_outer.py, nested/test_nested.py
+    rc, out = sessions.finish(sessions.start("test_outer.py", NESTED_SIM=str(sim),
+                                             NESTED_LOCK_DIR=str(tmp_path / "locks")))
     assert rc == 0, out
 
 
 def test_only_descendants_of_the_holder_inherit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lock_dir = str(tmp_path / "locks")
-    child = ("import sys; from pytest_gpuclean.core.locks import GpuLocks; "
-             "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'child::test'); "
-             "print('CHILD', held.uuids, held.locks, sorted(held.inherited))")
-    script = f"""
-import os, subprocess, sys
-from pytest_gpuclean.core.locks import HELD_VAR, GpuLocks
-held = GpuLocks({lock_dir!r}).acquire(["GPU-a"], 1, 5, "parent::test")
-child = subprocess.run([sys.executable, "-c", {child!r}, {lock_dir!r}], capture_output=True, text=True)
-print(child.stdout.strip() or child.stderr, flush=True)
-print("HELD", os.environ[HELD_VAR], flush=True)
-sys.stdin.read()
-held.release()
-print("AFTER", os.environ.get(HELD_VAR), flush=True)
-"""
-    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen([sys.executable, EXAMPLES / "scripts" / "lock_parent.py", lock_dir],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdin is not None
         assert holder.stdout.readline().strip() == "CHILD ('GPU-a',) [] ['GPU-a']"
@@ -551,24 +356,8 @@ print("AFTER", os.environ.get(HELD_VAR), flush=True)
 def test_xdist_workers_share_three_gpus_in_pairs(sessions: Sessions, sim: Path, tmp_path: Path) -> None:
     (sim / "2").mkdir()
     events, pidfile = tmp_path / "events.jsonl", tmp_path / "leak.pids"
-    (sessions.suite / "test_pairs.py").write_text(INTERVALS + '''
-
-@pytest.mark.needs_clean_gpus(count=2)
-@pytest.mark.parametrize("n", range(6))
-def test_pair(request, n):
-    use_gpus(request, 0.1)
-
-
-@pytest.mark.needs_clean_gpus(count=2)
-def test_leaks_a_holder(request, clean_gpus):
-    pidfile = Path(os.environ["LEAK_PIDFILE"])
-    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
-                      os.environ["SIM"], "--device", str(clean_gpus.devices[1].index), "--mib", "64",
-                      "--pidfile", str(pidfile)])
-    while not pidfile.exists() or not pidfile.read_text():
-        time.sleep(0.01)
-    use_gpus(request, 0.0)
-''')
+    copy_example("sharing/intervals.py", sessions.suite)
+    copy_example("sharing/pairs", sessions.suite)
     rc, out = sessions.finish(sessions.start("test_pairs.py", "-n", "2", SHARING_EVENTS=str(events),
                                              LEAK_PIDFILE=str(pidfile), SIM=str(sim)))
     leaked = read_pids(pidfile)[0]
@@ -594,32 +383,7 @@ def test_xdist_controller_interrupted_reports_what_workers_sent(sessions: Sessio
                                                                 tmp_path: Path) -> None:
     pidfile, started, seen, release = (tmp_path / n for n in ("leak.pids", "started", "seen", "release"))
     report_file = tmp_path / "report.json"
-    (sessions.suite / "conftest.py").write_text("""
-import os
-
-def pytest_runtest_logreport(report):
-    # In the controller: the leaking test's last report has arrived from its worker.
-    controller = "PYTEST_XDIST_WORKER" not in os.environ
-    if controller and report.when == "teardown" and report.nodeid.endswith("test_leaks"):
-        open(os.environ["SEEN"], "w").close()
-""")
-    (sessions.suite / "test_x.py").write_text(INTERVALS + """
-
-@pytest.mark.needs_clean_gpus(count=1)
-def test_leaks(clean_gpus):
-    pidfile = Path(os.environ["LEAK_PIDFILE"])
-    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
-                      "--device", str(clean_gpus.devices[0].index), "--mib", "64", "--pidfile", str(pidfile)])
-    while not pidfile.exists() or not pidfile.read_text():
-        time.sleep(0.01)
-
-
-def test_runs_until_interrupted():
-    Path(os.environ["STARTED"]).touch()
-    deadline = time.monotonic() + 60
-    while not Path(os.environ["RELEASE"]).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-""")
+    copy_example("sharing/xdist_interrupt", sessions.suite)  # conftest.py, test_x.py
     controller = sessions.start("test_x.py", "-n", "2", "--dist", "loadfile",
                                 f"--gpuclean-report={report_file}", SHARING_EVENTS=str(tmp_path / "events"),
                                 LEAK_PIDFILE=str(pidfile), SIM=str(sim), STARTED=str(started), SEEN=str(seen),
@@ -641,70 +405,16 @@ def test_runs_until_interrupted():
     assert document["summary"]["leaked"] == 1
 
 
-SIBLING_LEAKER = """
-import os, subprocess, sys, time
-from pathlib import Path
-import pytest
-
-
-def wait_for(name):
-    deadline = time.monotonic() + 60
-    while not (Path(os.environ[name]).exists() and Path(os.environ[name]).read_text()):
-        assert time.monotonic() < deadline, name
-        time.sleep(0.01)
-
-
-def test_unmarked_leak():
-    # Not checked, so it takes no lock: it puts memory on GPU 0 while another worker's test holds it.
-    wait_for("VICTIM_STARTED")
-    if os.environ["HOW"] == "child":
-        subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
-                          os.environ["SIM"], "--device", "0", "--mib", "64", "--pidfile",
-                          os.environ["LEAK_PIDFILE"]])
-    else:  # in this (worker) process, as torch in the test itself would
-        from pytest_gpuclean.simulate import allocate
-
-        allocate(os.environ["SIM"], 0, 64)
-        Path(os.environ["LEAK_PIDFILE"]).write_text(f"{os.getpid()}\\n")
-    wait_for("LEAK_PIDFILE")
-    time.sleep(0.5)
-
-
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("i", range(2))
-def test_after(i):
-    time.sleep(0.2)
-"""
-
-SIBLING_VICTIM = """
-import os, time
-from pathlib import Path
-import pytest
-
-
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("i", range(2))
-def test_victim(i):
-    # Holding every GPU's lock: the first one here waits until the other worker's test has put its memory
-    # on GPU 0, so that this test's teardown check meets it.
-    Path(os.environ["VICTIM_STARTED"]).write_text(os.environ["PYTEST_XDIST_WORKER"])
-    pidfile, deadline = Path(os.environ["LEAK_PIDFILE"]), time.monotonic() + 60
-    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
-"""
-
-
 @pytest.mark.parametrize(("workers", "how"), [(2, "child"), (4, "child"), (2, "in-process")])
 def test_xdist_sibling_gpu_use_is_not_a_victims_finding(sessions: Sessions, sim: Path, tmp_path: Path,
                                                         workers: int, how: str) -> None:
     """A process of another worker of the run is neither waited for nor a failure of the test that meets
     it; it is named, and the test that started it has the finding (issue 27, item 1)."""
     pidfile, started, report_file = tmp_path / "leak.pids", tmp_path / "victim_started", tmp_path / "r.json"
-    (sessions.suite / "test_a.py").write_text(SIBLING_LEAKER)
+    copy_example("sharing/sibling/test_a.py", sessions.suite)
     victims = ("test_b.py", "test_c.py", "test_d.py")
     for name in victims:
-        (sessions.suite / name).write_text(SIBLING_VICTIM)
+        shutil.copy(EXAMPLES / "sharing" / "sibling" / "victim.py", sessions.suite / name)
     # A short timeout: a victim that waits for the sibling's process fails in seconds, not minutes.
     rc, out = sessions.finish(sessions.start(
         "-n", str(workers), "--dist", "loadfile", "--gpuclean-timeout=5", f"--gpuclean-report={report_file}",
@@ -759,60 +469,13 @@ def test_xdist_sibling_gpu_use_is_not_a_victims_finding(sessions: Sessions, sim:
     assert not alive(holder)
 
 
-HOST_SCOPE_CONFTEST = """
-import os, time
-from pathlib import Path
-import pytest
-
-
-def wait_for(name):
-    deadline = time.monotonic() + 60
-    while not (Path(os.environ[name]).exists() and Path(os.environ[name]).read_text()):
-        assert time.monotonic() < deadline, name
-        time.sleep(0.01)
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_setup(item):
-    if item.nodeid.startswith("test_b.py"):  # before its check: once the other worker's process runs
-        Path(os.environ["VICTIM_PID"]).write_text(str(os.getpid()))
-        wait_for("LEAK_PIDFILE")
-    return (yield)
-
-
-def pytest_runtest_logreport(report):
-    worker = "PYTEST_XDIST_WORKER" in os.environ
-    if worker and report.when == "setup" and report.nodeid.startswith("test_b.py"):
-        Path(os.environ["VICTIM_CHECKED"]).write_text("1")
-"""
-
-HOST_SCOPE_LEAKER = """
-import os, subprocess, sys
-from pathlib import Path
-from conftest import wait_for
-
-
-def test_unmarked_leak():
-    Path(os.environ["LEAKER_PID"]).write_text(str(os.getpid()))
-    wait_for("VICTIM_PID")
-    # A Python process on no GPU, and one holding GPU memory (it says when it runs).
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
-                      "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]])
-    wait_for("VICTIM_CHECKED")
-"""
-
-
 def test_xdist_host_scope_names_no_sibling_worker_nor_what_it_runs(sessions: Sessions, sim: Path,
                                                                      tmp_path: Path) -> None:
     """``--gpuclean-scope=host``: the other workers and what their tests run are no stray Python processes
     of this user. (Other Python processes of the user may run beside this test and be named: the outcome
     is not asserted, only that no process of the run is named.)"""
     files = {name: tmp_path / name for name in ("leak.pids", "leaker", "victim", "checked", "r.json")}
-    (sessions.suite / "conftest.py").write_text(HOST_SCOPE_CONFTEST)
-    (sessions.suite / "test_a.py").write_text(HOST_SCOPE_LEAKER)
-    (sessions.suite / "test_b.py").write_text("import pytest\n\n\n@pytest.mark.needs_clean_gpus\n"
-                                              "def test_victim():\n    pass\n")
+    copy_example("sharing/host_scope", sessions.suite)  # conftest.py, test_a.py, test_b.py
     _, out = sessions.finish(sessions.start(
         "-n", "2", "--dist", "loadfile", "--gpuclean-scope=host", "--gpuclean-timeout=1",
         f"--gpuclean-report={files['r.json']}", SIM=str(sim), LEAK_PIDFILE=str(files["leak.pids"]),
@@ -833,66 +496,12 @@ def test_xdist_host_scope_names_no_sibling_worker_nor_what_it_runs(sessions: Ses
     assert not run & named, (run, victim, out)
 
 
-NESTED_DEBRIS = """
-import os, subprocess, sys, time
-from pathlib import Path
-import pytest
-from pytest_gpuclean.core import procfs
-
-
-def wait_for(name):
-    deadline = time.monotonic() + 60
-    while not Path(os.environ[name]).exists():
-        assert time.monotonic() < deadline, name
-        time.sleep(0.01)
-
-
-def test_nested_session_died():
-    # What a nested gpuclean session of this test left when it died (SIGKILL): its cookie names that dead
-    # session inside this live worker's test.
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    cookie = f"{os.environ['GPUCLEAN_TEST']}/gc.{dead.pid}.1.{procfs.pid_namespace()}.0badc0de:t1"
-    subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", os.environ["SIM"],
-                      "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]],
-                     env={**os.environ, "GPUCLEAN_TEST": cookie})
-    while not (Path(os.environ["LEAK_PIDFILE"]).exists() and Path(os.environ["LEAK_PIDFILE"]).read_text()):
-        time.sleep(0.01)
-    Path(os.environ["NESTED_DEAD"]).touch()
-    wait_for("VICTIM_CHECKED")
-
-
-@pytest.mark.needs_clean_gpus
-def test_after():
-    pass
-"""
-
-NESTED_DEBRIS_VICTIM = """
-import os, time
-from pathlib import Path
-import pytest
-
-
-def test_first():
-    deadline = time.monotonic() + 60
-    while not Path(os.environ["NESTED_DEAD"]).exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-@pytest.mark.needs_clean_gpus
-def test_victim():
-    # This worker's first check (it scans for dead sessions' debris) has run.
-    Path(os.environ["VICTIM_CHECKED"]).touch()
-"""
-
-
 def test_xdist_sibling_keeps_what_its_dead_nested_session_left(sessions: Sessions, sim: Path,
                                                                tmp_path: Path) -> None:
     """A dead nested session's debris inside a live sibling worker's test is that worker's to reap, never
     another worker's (which signalled it as a dead session's debris)."""
     pidfile, report_file = tmp_path / "leak.pids", tmp_path / "r.json"
-    (sessions.suite / "test_a.py").write_text(NESTED_DEBRIS)
-    (sessions.suite / "test_b.py").write_text(NESTED_DEBRIS_VICTIM)
+    copy_example("sharing/nested_debris", sessions.suite)  # test_a.py, test_b.py
     rc, out = sessions.finish(sessions.start(
         "-n", "2", "--dist", "loadfile", "--gpuclean-timeout=5", f"--gpuclean-report={report_file}",
         SIM=str(sim), LEAK_PIDFILE=str(pidfile), NESTED_DEAD=str(tmp_path / "nested_dead"),
@@ -912,18 +521,9 @@ def test_xdist_sibling_keeps_what_its_dead_nested_session_left(sessions: Session
 
 # ---- pytest-timeout -------------------------------------------------------------------------------
 
-HANGS = """
-@pytest.mark.needs_clean_gpus
-def test_hangs():
-    hold(mib=64)
-    wait_holders(1)
-    time.sleep(60)
-"""
-
-
-def test_pytest_timeout_signal_method_still_reaps(inner: Callable[[str], Path],
+def test_pytest_timeout_signal_method_still_reaps(example: Callable[..., Path],
                                                   pytester: pytest.Pytester) -> None:
-    pidfile = inner(HANGS)
+    pidfile = example("sharing/hangs")
     result = run_inner(pytester, "-p", "timeout", "--timeout=2", "--timeout-method=signal",
                        "--gpuclean-grace=2")
     leaked = read_pids(pidfile)[0]
@@ -939,8 +539,8 @@ def test_pytest_timeout_signal_method_still_reaps(inner: Callable[[str], Path],
 
 def test_pytest_timeout_counts_the_lock_wait_unless_func_only(sessions: Sessions, tmp_path: Path) -> None:
     holding, release = tmp_path / "holding", tmp_path / "release"
-    (sessions.suite / "test_hold.py").write_text(HOLDER)
-    (sessions.suite / "test_wants_one.py").write_text(WANTS_ONE)
+    copy_example("sharing/test_hold.py", sessions.suite)
+    copy_example("sharing/test_wants_one.py", sessions.suite)
     holder = sessions.start("test_hold.py", HOLDING=str(holding), RELEASE=str(release))
     wait_for_file(holding, holder)
     waiting = ("test_wants_one.py", "-p", "timeout", "--timeout=1", "--timeout-method=signal",
@@ -960,14 +560,14 @@ def test_pytest_timeout_counts_the_lock_wait_unless_func_only(sessions: Sessions
 
 
 @pytest.mark.parametrize("dead_sessions", ["on", "off"])
-def test_pytest_timeout_thread_method_exits_without_teardown(inner: Callable[[str], Path],
+def test_pytest_timeout_thread_method_exits_without_teardown(example: Callable[..., Path],
                                                              pytester: pytest.Pytester,
                                                              dead_sessions: str) -> None:
     # pytest-timeout's thread method ends the process with os._exit(1): no teardown, no reaping. The
     # next session's first check finds the leftover: its cookie names a session whose pytest is dead,
     # so it is that session's debris, reaped and blamed on the test that made it. With the option off,
     # it is a foreign process: waited for, never killed.
-    pidfile = inner(HANGS)
+    pidfile = example("sharing/hangs")
     leaked: int | None = None
     try:
         result = run_inner(pytester, "-p", "timeout", "--timeout=2", "--timeout-method=thread")
@@ -977,13 +577,7 @@ def test_pytest_timeout_thread_method_exits_without_teardown(inner: Callable[[st
         assert "checked test(s)" not in result.stdout.str()  # no gpuclean summary: it never got there
         assert alive(leaked)
 
-        pytester.makepyfile(test_inner="""
-import pytest
-
-@pytest.mark.needs_clean_gpus(timeout=1)
-def test_next():
-    pass
-""")
+        example("sharing/next_session")  # its test_inner.py replaces the one that hung
         result = run_inner(pytester, f"--gpuclean-dead-sessions={dead_sessions}")
         if dead_sessions == "off":
             result.assert_outcomes(errors=1)
@@ -1081,19 +675,8 @@ def test_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
     # A holder forks (as multiprocessing or vLLM do) and is killed; its child lives on.
     lock_dir = str(tmp_path / "locks")
     child_file = tmp_path / "child.pid"
-    script = f"""
-import os, time
-from pytest_gpuclean.core.locks import GpuLocks
-GpuLocks({lock_dir!r}).acquire(["GPU-a"], 1, 5, "forking::test")
-child = os.fork()
-if child == 0:
-    time.sleep(60)
-    os._exit(0)
-with open({str(child_file)!r}, "w") as f:
-    f.write(str(child))
-os.kill(os.getpid(), 9)
-"""
-    subprocess.run([sys.executable, "-c", script], stdout=subprocess.DEVNULL, timeout=60)
+    subprocess.run([sys.executable, EXAMPLES / "scripts" / "forking_lock_holder.py", lock_dir, child_file],
+                   stdout=subprocess.DEVNULL, timeout=60)
     child = int(child_file.read_text())
     try:
         assert alive(child)
