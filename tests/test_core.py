@@ -17,18 +17,9 @@ from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda
 
 
-def test_clean_session_passes_and_shows_devices(inner: Callable[[str], Path],
+def test_clean_session_passes_and_shows_devices(example: Callable[..., Path],
                                                 pytester: pytest.Pytester) -> None:
-    inner("""
-@pytest.mark.needs_clean_gpus
-def test_marked(clean_gpus):
-    assert [d.index for d in clean_gpus.devices] == [0, 1]
-    assert all(d.used_bytes == 0 and d.total_bytes == 80 * 1024**3 for d in clean_gpus.devices)
-    assert all(d.uuid.startswith("GPU-") and d.name == "Simulated GPU" for d in clean_gpus.devices)
-
-def test_fixture_only(clean_gpus):
-    assert len(clean_gpus.devices) == 2
-""")
+    example("core/clean_session_passes_and_shows_devices")
     result = run_inner(pytester)
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([
@@ -45,18 +36,9 @@ def test_marker_is_registered_with_its_arguments(pytester: pytest.Pytester) -> N
         ["@pytest.mark.needs_clean_gpus(tolerance_mib=None, timeout=None, count=None):*"])
 
 
-def test_leak_is_a_teardown_error_of_the_leaking_test(inner: Callable[[str], Path],
+def test_leak_is_a_teardown_error_of_the_leaking_test(example: Callable[..., Path],
                                                        pytester: pytest.Pytester) -> None:
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus
-def test_leaks():
-    hold(mib=512)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-""")
+    pidfile = example("core/leak_is_a_teardown_error")
     result = run_inner(pytester, "--gpuclean-grace=2")
     leaked = int(pidfile.read_text().split()[0])
     result.assert_outcomes(passed=2, errors=1)
@@ -71,18 +53,9 @@ def test_next():
     assert not alive(leaked)
 
 
-def test_reap_off_reports_and_next_test_waits_for_the_leaker(inner: Callable[[str], Path],
+def test_reap_off_reports_and_next_test_waits_for_the_leaker(example: Callable[..., Path],
                                                               pytester: pytest.Pytester) -> None:
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus
-def test_leaks():
-    hold("--seconds", "1.5", mib=64)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus(timeout=30)
-def test_next():
-    pass
-""")
+    pidfile = example("core/reap_off_reports_and_next")
     result = run_inner(pytester, "--gpuclean-reap=off")
     leaked = int(pidfile.read_text().split()[0])
     result.assert_outcomes(passed=2, errors=1)
@@ -97,18 +70,11 @@ def test_next():
     assert "SIGTERM" not in result.stdout.str()
 
 
-def test_foreign_holder_errors_in_setup_and_is_left_alive(inner: Callable[[str], Path],
+def test_foreign_holder_errors_in_setup_and_is_left_alive(example: Callable[..., Path],
                                                           pytester: pytest.Pytester,
                                                           outside_holder: Callable[..., int]) -> None:
     foreign = outside_holder(mib=256)
-    inner("""
-@pytest.mark.needs_clean_gpus(timeout=0.5)
-def test_victim():
-    raise AssertionError("must not run on dirty GPUs")
-
-def test_unmarked_runs():
-    pass
-""")
+    example("core/foreign_holder_errors_in_setup")
     result = run_inner(pytester)
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines([
@@ -121,27 +87,20 @@ def test_unmarked_runs():
     assert alive(foreign)
 
 
-def test_gpuclean_all_checks_unmarked_tests(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_gpuclean_all_checks_unmarked_tests(example: Callable[..., Path], pytester: pytest.Pytester,
                                             outside_holder: Callable[..., int]) -> None:
     outside_holder(mib=10)
-    inner("""
-def test_unmarked():
-    pass
-""")
+    example("core/gpuclean_all_checks_unmarked_tests")
     run_inner(pytester).assert_outcomes(passed=1)
     result = run_inner(pytester, "--gpuclean-all", "--gpuclean-timeout=0.2")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines([f"{NOT_CLEAN_PREFIX} before the test*"])
 
 
-def test_tolerance_counts_allowlisted_memory(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_tolerance_counts_allowlisted_memory(example: Callable[..., Path], pytester: pytest.Pytester,
                                              outside_holder: Callable[..., int]) -> None:
     holder = outside_holder(mib=100)
-    inner("""
-@pytest.mark.needs_clean_gpus(tolerance_mib=150, timeout=0.2)
-def test_marker_tolerance():
-    pass
-""")
+    example("core/tolerance_counts_allowlisted_memory")
     ignore = "--gpuclean-ignore=*simulate hold*"
     # Allowlisted by command line, and its 100 MiB fit in the marker's 150 MiB.
     run_inner(pytester, ignore).assert_outcomes(passed=1)
@@ -158,21 +117,11 @@ def test_marker_tolerance():
     result.stdout.fnmatch_lines([f"  foreign pid {holder} *"])
 
 
-def test_own_process_memory_is_not_a_leak(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_own_process_memory_is_not_a_leak(example: Callable[..., Path], pytester: pytest.Pytester,
                                           sim: Path) -> None:
     # The H200 charged 9 MiB of a context to no process (docs/gpu.md): model that too.
     (sim / "0" / "context_overhead").write_text(str(9 * 1024 * 1024))
-    inner("""
-from pytest_gpuclean.simulate import allocate
-
-@pytest.mark.needs_clean_gpus
-def test_allocates_in_process():
-    allocate(SIM, 0, 300)  # like torch's primary context: lives as long as the pytest process
-
-@pytest.mark.needs_clean_gpus
-def test_after():
-    pass
-""")
+    example("core/own_process_memory_is_not_a_leak")
     result = run_inner(pytester)
     result.assert_outcomes(passed=2, warnings=1)
     result.stdout.fnmatch_lines([
@@ -181,22 +130,12 @@ def test_after():
     ])
 
 
-def test_own_cuda_without_a_context_is_not_a_leak(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_own_cuda_without_a_context_is_not_a_leak(example: Callable[..., Path], pytester: pytest.Pytester,
                                                   sim: Path) -> None:
     # On the H200, torch.cuda.is_available() in the pytest process left 3 MiB per GPU charged to no
     # process for the rest of the session (docs/gpu.md, run 6): the driver's cost of CUDA without a context.
     (sim / "0" / "context_overhead").write_text(str(3 * 1024 * 1024))
-    inner("""
-from pytest_gpuclean.simulate import init_cuda
-
-@pytest.mark.needs_clean_gpus
-def test_initialises_cuda():
-    init_cuda(SIM, 0)
-
-@pytest.mark.needs_clean_gpus
-def test_after():
-    pass
-""")
+    example("core/own_cuda_without_a_context_is_not_a_leak")
     result = run_inner(pytester)
     result.assert_outcomes(passed=2, warnings=1)
     result.stdout.fnmatch_lines([
@@ -206,18 +145,14 @@ def test_after():
 
 
 def test_cuda_of_another_process_without_a_context_is_dirty(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, sim: Path) -> None:
     # The same few unlisted MiB from a process that is not ours (here: started before the session) stay
     # dirty memory: only our own processes' driver overhead is excused.
     (sim / "0" / "context_overhead").write_text(str(3 * 1024 * 1024))
     other = subprocess.Popen(["sleep", "60"])
     try:
         init_cuda(str(sim), 0, other.pid)
-        inner("""
-@pytest.mark.needs_clean_gpus(timeout=0.2)
-def test_sees_it():
-    pass
-""")
+        example("core/cuda_of_another_process_without")
         result = run_inner(pytester)
     finally:
         other.kill()
@@ -227,21 +162,11 @@ def test_sees_it():
                                  "held by no process we can see"])
 
 
-def test_memory_charged_to_no_process_is_dirty(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_memory_charged_to_no_process_is_dirty(example: Callable[..., Path], pytester: pytest.Pytester,
                                                sim: Path) -> None:
     # Overhead beyond what one context can explain is somebody else's memory (another container).
     (sim / "0" / "context_overhead").write_text(str(200 * 1024 * 1024))
-    inner("""
-from pytest_gpuclean.simulate import allocate
-
-@pytest.mark.needs_clean_gpus(timeout=0.2)
-def test_allocates_in_process():
-    allocate(SIM, 0, 10)
-
-@pytest.mark.needs_clean_gpus(timeout=0.2)
-def test_after():
-    pass
-""")
+    example("core/memory_charged_to_no_process_is_dirty")
     result = run_inner(pytester)
     result.assert_outcomes(passed=1, errors=2)
     result.stdout.fnmatch_lines(["  memory: 136 MiB used on GPU 0 beyond the tolerance of 0 MiB, "
@@ -257,13 +182,9 @@ def marked_line(path: Path, function: str) -> int:
     return index + 1
 
 
-def test_count_larger_than_devices_skips_with_reason(inner: Callable[[str], Path],
+def test_count_larger_than_devices_skips_with_reason(example: Callable[..., Path],
                                                      pytester: pytest.Pytester) -> None:
-    inner("""
-@pytest.mark.needs_clean_gpus(count=3)
-def test_three():
-    pass
-""")
+    example("core/count_larger_than_devices_skips")
     result = run_inner(pytester)
     result.assert_outcomes(skipped=1)
     # At the test's own line, as a skip marker's reason is, not in the plugin.
@@ -277,16 +198,7 @@ def test_no_driver_skips_marked_tests_or_errors_with_require_gpu(
     monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)
     # No NVML library here; on a GPU box point it at a missing one so the test means the same.
     monkeypatch.setenv("LD_LIBRARY_PATH", "/nonexistent")
-    pytester.makepyfile("""
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_gpu():
-    pass
-
-def test_cpu():
-    pass
-""")
+    pytester.copy_example("core/no_driver")  # a marked test and an unmarked one
     try:
         import pynvml
         pynvml.nvmlInit()
@@ -305,7 +217,7 @@ def test_cpu():
 
 @pytest.mark.parametrize("visible", [None, "", "-1"])
 def test_no_devices_to_check_skips_marked_tests_like_no_driver(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path, tmp_path: Path,
+        example: Callable[..., Path], pytester: pytest.Pytester, sim: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, visible: str | None) -> None:
     # A marked test that checked zero devices would pass as "checked" while checking nothing.
     if visible is None:
@@ -316,14 +228,7 @@ def test_no_devices_to_check_skips_marked_tests_like_no_driver(
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         reason = (f"none of the 2 simulated device(s) is selected (from CUDA_VISIBLE_DEVICES={visible!r})")
-    inner("""
-@pytest.mark.needs_clean_gpus
-def test_gpu():
-    pass
-
-def test_cpu():
-    pass
-""")
+    example("core/no_devices_to_check_skips")
     result = run_inner(pytester)
     result.assert_outcomes(passed=1, skipped=1)
     line = marked_line(pytester.path / "test_inner.py", "test_gpu")
@@ -369,15 +274,11 @@ def test_cpu():
      "(a whole number >= 0) (from environment variable GPUCLEAN_SIMULATE)"),
 ])
 def test_bad_option_values_are_usage_errors_naming_their_source(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        example: Callable[..., Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
         outside_holder: Callable[..., int], args: list[str], env: dict[str, str], ini: str,
         message: str) -> None:
     bystander = outside_holder(mib=1)
-    inner("""
-@pytest.mark.needs_clean_gpus
-def test_a():
-    pass
-""")
+    example("core/bad_option_values_are_usage")
     if ini:
         pytester.makeini(f"[pytest]\n{ini}\n")
     for name, value in env.items():
@@ -437,8 +338,7 @@ def test_path_options_expand_a_tilde(pytester: pytest.Pytester, sim: Path, tmp_p
     monkeypatch.setenv("GPUCLEAN_LOCK_DIR", "~/locks")
     monkeypatch.delenv("GPUCLEAN_SIMULATE")
     pytester.makeini("[pytest]\ngpuclean_report = ~/reports/gpuclean.json\n")
-    pytester.makepyfile(test_marked="import pytest\n\n@pytest.mark.needs_clean_gpus\ndef test_gpu():\n"
-                                    "    pass\n")
+    pytester.copy_example("test_marked.py")
     result = run_inner(pytester, "--gpuclean-simulate=~/sim")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["gpuclean: simulated devices *checking 2*"])
@@ -450,8 +350,7 @@ def test_path_options_expand_a_tilde(pytester: pytest.Pytester, sim: Path, tmp_p
 @pytest.mark.parametrize("xdist", [(), ("-n", "1")], ids=["plain", "xdist"])
 def test_the_device_header_comes_after_pytests_own(pytester: pytest.Pytester, sim: Path,
                                                    xdist: tuple[str, ...]) -> None:
-    pytester.makepyfile(test_marked="import pytest\n\n@pytest.mark.needs_clean_gpus\ndef test_gpu():\n"
-                                    "    pass\n")
+    pytester.copy_example("test_marked.py")
     result = run_inner(pytester, *xdist)
     result.assert_outcomes(passed=1)
     lines = result.stdout.lines
@@ -462,21 +361,9 @@ def test_the_device_header_comes_after_pytests_own(pytester: pytest.Pytester, si
     assert rootdir < plugins < header[0], "\n".join(lines)
 
 
-def test_bad_marker_argument_errors_that_test(inner: Callable[[str], Path],
+def test_bad_marker_argument_errors_that_test(example: Callable[..., Path],
                                               pytester: pytest.Pytester) -> None:
-    inner("""
-@pytest.mark.needs_clean_gpus(tolerance_mib=-5)
-def test_bad():
-    pass
-
-@pytest.mark.needs_clean_gpus(timeuot=3)
-def test_typo():
-    pass
-
-@pytest.mark.needs_clean_gpus(2)
-def test_positional():
-    pass
-""")
+    example("core/bad_marker_argument_errors_that_test")
     result = run_inner(pytester)
     result.assert_outcomes(errors=3)
     result.stdout.fnmatch_lines_random([
@@ -489,13 +376,8 @@ def test_positional():
     ])
 
 
-def test_disabled_with_no_gpuclean(inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus
-def test_leaks():
-    hold(mib=5)
-    wait_holders(1)
-""")
+def test_disabled_with_no_gpuclean(example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    pidfile = example("core/disabled_with_no_gpuclean")
     result = pytester.runpytest_subprocess("-p", "no:gpuclean", "-p", "no:cacheprovider",
                                            "-W", "ignore::pytest.PytestUnknownMarkWarning")
     result.assert_outcomes(passed=1)
@@ -505,15 +387,11 @@ def test_leaks():
 
 
 def test_host_scope_flags_stray_python_and_respects_allowlist(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
     marker = f"gpuclean-host-scope-{os.getpid()}-{time.monotonic_ns()}"
     stray = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(120)  # {marker}"])
     try:
-        inner("""
-@pytest.mark.needs_clean_gpus(timeout=0.3)
-def test_host():
-    pass
-""")
+        example("core/host_scope_flags_stray_python")
         result = run_inner(pytester, "--gpuclean-scope=host")
         result.assert_outcomes(errors=1)
         result.stdout.fnmatch_lines([
@@ -532,14 +410,9 @@ def test_host():
 
 
 def test_leaks_wait_for_nothing_and_reports_are_fast_to_read(
-        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
     # A leak is reported with its figures in the terminal summary section.
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus
-def test_leaks():
-    hold(mib=32, device=1)
-    wait_holders(1)
-""")
+    pidfile = example("core/leaks_wait_for_nothing_and")
     result = run_inner(pytester)
     leaked = int(pidfile.read_text().split()[0])
     result.stdout.fnmatch_lines([
@@ -550,40 +423,21 @@ def test_leaks():
     assert wait_dead([leaked]) == []
 
 
-def test_dash_p_gpuclean_loads_it_without_autoload(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_dash_p_gpuclean_loads_it_without_autoload(example: Callable[..., Path], pytester: pytest.Pytester,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # `-p gpuclean` names the entry point, so it works where plugin autoloading is switched off.
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    inner("""
-@pytest.mark.needs_clean_gpus
-def test_a(clean_gpus):
-    assert len(clean_gpus.devices) == 2
-""")
+    example("core/dash_p_gpuclean_loads_it")
     result = run_inner(pytester)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["gpuclean: simulated devices*", "*1 checked test(s)*"])
 
 
-def test_in_process_torch_memory_growth_is_reported(inner: Callable[[str], Path],
+def test_in_process_torch_memory_growth_is_reported(example: Callable[..., Path],
                                                     pytester: pytest.Pytester) -> None:
     # The CPU box has no CUDA: a minimal stand-in for torch.cuda's two counters drives the same plugin
     # code that reads the real ones on a GPU (tests/gpu covers the real torch).
-    inner("""
-import types
-
-allocated = {0: 1024 * 1024}
-cuda = types.SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 1,
-                             memory_allocated=lambda i: allocated[i])
-sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
-
-@pytest.mark.needs_clean_gpus
-def test_keeps_tensors_alive():
-    allocated[0] += 64 * 1024 * 1024
-
-@pytest.mark.needs_clean_gpus
-def test_frees_what_it_allocates():
-    pass
-""")
+    example("core/in_process_torch_memory_growth")
     result = run_inner(pytester)
     result.assert_outcomes(passed=2, warnings=1)
     result.stdout.fnmatch_lines([
@@ -594,16 +448,12 @@ def test_frees_what_it_allocates():
     assert "test_inner.py::test_frees_what_it_allocates:" not in result.stdout.str()
 
 
-def test_ignore_from_the_ini_file(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_ignore_from_the_ini_file(example: Callable[..., Path], pytester: pytest.Pytester,
                                   outside_holder: Callable[..., int]) -> None:
     # gpuclean_ignore is a list of globs, one per line, like other pytest line lists.
     holder = outside_holder(mib=10)
     pytester.makeini("[pytest]\ngpuclean_ignore =\n    *no-such-command*\n    *simulate hold*\n"
                      "gpuclean_tolerance_mib = 20\n")
-    inner("""
-@pytest.mark.needs_clean_gpus(timeout=0.2)
-def test_a():
-    pass
-""")
+    example("core/ignore_from_the_ini_file")
     run_inner(pytester).assert_outcomes(passed=1)
     assert alive(holder)

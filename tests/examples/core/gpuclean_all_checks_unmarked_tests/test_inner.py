@@ -1,0 +1,5 @@
+
+
+
+def test_unmarked():
+    pass

@@ -1,0 +1,14 @@
+
+import pytest
+from prelude import hold, wait_holders
+
+
+@pytest.mark.needs_clean_gpus
+def test_leaks():
+    hold(mib=512)
+    wait_holders(1)
+
+
+@pytest.mark.needs_clean_gpus
+def test_next():
+    pass
