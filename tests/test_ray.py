@@ -199,39 +199,6 @@ def test_bad_address_names_the_option(pytester: pytest.Pytester, sim: Path,
 
 # ---- gpuclean status|check|reap --ray ----------------------------------------------------------------
 
-LEAKER = '''
-import os, subprocess, sys, time
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
-from pytest_gpuclean.simulate import allocate
-
-@ray.remote(num_cpus=0)
-class Holder:
-    def hold(self, mib):
-        allocate(os.environ["GPUCLEAN_SIMULATE"], 0, mib)
-        return os.getpid()
-
-@ray.remote(num_cpus=0)
-def escape(pidfile):
-    # setsid -f: a new session and an orphan, which outlives its worker and its job.
-    subprocess.run(["setsid", "-f", sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir",
-                    os.environ["GPUCLEAN_SIMULATE"], "--mib", "10", "--pidfile", pidfile], check=True)
-    for _ in range(1000):
-        if os.path.exists(pidfile) and open(pidfile).read().strip():
-            return int(open(pidfile).read())
-        time.sleep(0.01)
-
-ray.init(address=sys.argv[1], log_to_driver=False)
-b, c, pidfile = sys.argv[2], sys.argv[3], sys.argv[4]
-named = Holder.options(lifetime="detached", name="cli-leak", namespace="t",
-                       scheduling_strategy=On(b, soft=False)).remote()
-anonymous = Holder.options(lifetime="detached", scheduling_strategy=On(c, soft=False)).remote()
-pids = [ray.get(named.hold.remote(30)), ray.get(anonymous.hold.remote(20)),
-        ray.get(escape.options(scheduling_strategy=On(c, soft=False)).remote(pidfile))]
-print(" ".join(map(str, pids)))
-'''
-
-
 def _gpuclean(*args: str, timeout: float = 120) -> Any:
     import subprocess
     import sys
@@ -255,8 +222,9 @@ def test_cli_status_check_reap_across_the_cluster(tmp_path: Path, ray_cluster: d
     assert "clean" in clean.stdout and f"Ray cluster at {address}" in clean.stdout
 
     # A job that ends and leaves on B a named detached actor, on C an anonymous one and an escaped process.
-    leaker = tmp_path / "leaker.py"
-    leaker.write_text(LEAKER)
+    from helpers import EXAMPLES
+
+    leaker = EXAMPLES / "scripts" / "ray_leaker.py"
     done = subprocess.run([sys.executable, str(leaker), address, node_b, node_c, str(tmp_path / "esc.pid")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -591,32 +559,14 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
 # On a node whose environment has it (PYTHONPATH): every Ray worker of a job starts a side process (a log
 # shipper, a profiler) that carries the worker's RAY_JOB_ID, like whatever else a worker starts. So the
 # workers Ray starts for the plugin's own helper driver (the probes) leave a visible process of that job.
-WORKER_SIDE_PROCESS = """
-import os, subprocess
-
-def _side_process():
-    try:
-        with open("/proc/self/cmdline", "rb") as f:
-            command = f.read()
-    except OSError:
-        return
-    job = os.environ.get("RAY_JOB_ID", "")
-    if b"default_worker.py" not in command or job in ("", "ffffffff"):
-        return
-    proc = subprocess.Popen(["sleep", "120"])
-    with open(os.environ["WORKER_SIDE_PIDS"], "a") as f:
-        f.write(f"{proc.pid} {job}\\n")
-
-_side_process()
-"""
-
-
 def _side_node_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
     """The environment of a node (no CPUs: Ray starts a worker there only when a task asks, during a check)
     whose workers start a side process; and the file their pids and jobs go to."""
+    from helpers import copy_example
+
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(WORKER_SIDE_PROCESS)
+    copy_example("ray/site", site)  # sitecustomize.py
     pids = tmp_path / "side.pids"
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
            "WORKER_SIDE_PIDS": str(pids)}
@@ -635,48 +585,6 @@ def _end_side_processes(pids: Path) -> list[str]:
     return [job for _, job in lines]
 
 
-OLDER_DRIVER = """
-import os, sys, time
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-address, node, go, ready = sys.argv[1:5]
-ray.init(address=address, log_to_driver=False)
-
-@ray.remote(num_cpus=0)
-class Service:
-    def pid(self):
-        return os.getpid()
-
-while not os.path.exists(go):
-    time.sleep(0.01)
-actor = Service.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-pid = ray.get(actor.pid.remote())
-with open(ready + ".tmp", "w") as f:
-    f.write(str(pid))
-os.rename(ready + ".tmp", ready)
-time.sleep(600)
-"""
-
-OUTSIDE_TESTS = """
-import os, time
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_0_clean_first():
-    # The driver that existed before pytest makes an actor now, inside this test's window.
-    open(os.environ["OLDER_GO"], "w").close()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(os.environ["OLDER_ACTOR"]):
-        assert time.monotonic() < deadline, "the older driver made no actor"
-        time.sleep(0.02)
-
-@pytest.mark.needs_clean_gpus
-def test_1_clean_next():
-    pass
-"""
-
-
 def test_only_the_sessions_own_jobs_are_checked_on_a_cluster_started_outside(
         pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         ray_cluster: dict[str, Any]) -> None:
@@ -685,15 +593,15 @@ def test_only_the_sessions_own_jobs_are_checked_on_a_cluster_started_outside(
     # "was leaked by test_cluster.py::test_0_clean_first and reaped (SIGTERM) before" that very test. And
     # a driver that existed before pytest (`driver & exec pytest`): before, the actor it made while
     # test_0 ran was that test's leak, reaped.
-    from helpers import alive, kill_all, read_pids, reap_orphans
+    from helpers import alive, copy_example, kill_all, read_pids, reap_orphans
 
     env, side_pids = _side_node_env(tmp_path)
     (tmp_path / "side" / "0").mkdir(parents=True)
     cluster = ray_cluster["cluster"]
     node = cluster.add_node(num_cpus=0, node_ip_address="127.0.0.1",
                             env_vars={"GPUCLEAN_SIMULATE": str(tmp_path / "side"), **env})
-    driver_script, driver_pid, actor_pid = tmp_path / "driver.py", tmp_path / "driver.pid", tmp_path / "actor"
-    driver_script.write_text(OLDER_DRIVER)
+    driver_pid, actor_pid = tmp_path / "driver.pid", tmp_path / "actor"
+    driver_script = copy_example("scripts/ray_older_driver.py", tmp_path)
     monkeypatch.setenv("OLDER_GO", str(tmp_path / "go"))
     monkeypatch.setenv("OLDER_ACTOR", str(actor_pid))
     python, address = sys.executable, ray_cluster["address"]
@@ -703,7 +611,7 @@ def test_only_the_sessions_own_jobs_are_checked_on_a_cluster_started_outside(
     driver: list[int] = []
     try:
         cluster.wait_for_nodes()
-        pytester.makepyfile(test_cluster=OUTSIDE_TESTS)
+        pytester.copy_example("ray/outside")  # test_cluster.py
         result = pytester.run("sh", "-c", shell, timeout=300)
         driver = read_pids(driver_pid)
         out = result.stdout.str() + result.stderr.str()
@@ -721,36 +629,6 @@ def test_only_the_sessions_own_jobs_are_checked_on_a_cluster_started_outside(
     assert jobs, "no worker started on the node: nothing was tested"
 
 
-FIXTURE_CLUSTER = """
-import os
-import pytest
-from ray.cluster_utils import Cluster
-
-@pytest.fixture(scope="session")
-def cluster():
-    root = os.environ["NODE_DIRS"]
-    for name in ("head", "b"):
-        os.makedirs(os.path.join(root, name, "0"))
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        include_dashboard=False, num_cpus=1, node_ip_address="127.0.0.1",
-        env_vars={"GPUCLEAN_SIMULATE": os.path.join(root, "head")}))
-    cluster.add_node(num_cpus=0, node_ip_address="127.0.0.1", env_vars={
-        "GPUCLEAN_SIMULATE": os.path.join(root, "b"), "PYTHONPATH": os.environ["SIDE_PYTHONPATH"],
-        "WORKER_SIDE_PIDS": os.environ["WORKER_SIDE_PIDS"]})
-    cluster.wait_for_nodes()
-    yield cluster
-    cluster.shutdown()
-
-@pytest.mark.needs_clean_gpus
-def test_0_clean_first(cluster):
-    pass
-
-@pytest.mark.needs_clean_gpus
-def test_1_clean_next(cluster):
-    pass
-"""
-
-
 def test_the_plugins_own_job_is_never_a_tests_on_a_cluster_a_fixture_starts(
         pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # --gpuclean-ray=auto: the cluster appears during the first test's set-up; the helper driver starts at
@@ -763,7 +641,7 @@ def test_the_plugins_own_job_is_never_a_tests_on_a_cluster_a_fixture_starts(
     monkeypatch.setenv("NODE_DIRS", str(tmp_path / "nodes"))
     monkeypatch.setenv("SIDE_PYTHONPATH", env["PYTHONPATH"])
     monkeypatch.setenv("WORKER_SIDE_PIDS", env["WORKER_SIDE_PIDS"])
-    pytester.makepyfile(test_cluster=FIXTURE_CLUSTER)
+    pytester.copy_example("ray/fixture_cluster")  # test_cluster.py
     try:
         result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto",
                                                "--gpuclean-timeout=60", "-p", "no:cacheprovider",
