@@ -167,7 +167,7 @@ def _check_report(path: Path, ray_cluster: dict[str, Any]) -> None:
 def test_unreachable_cluster_is_a_usage_error(pytester: pytest.Pytester, sim: Path) -> None:
     pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
     # A checked test: a session that checks nothing never starts (nor contacts the cluster).
-    pytester.makepyfile("import pytest\n@pytest.mark.needs_clean_gpus\ndef test_x(): pass")
+    pytester.copy_example("test_marked.py")
     result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=127.0.0.1:9",
                                            "--gpuclean-timeout=30", timeout=120)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -176,13 +176,7 @@ def test_unreachable_cluster_is_a_usage_error(pytester: pytest.Pytester, sim: Pa
 
 
 def test_off_never_imports_ray(pytester: pytest.Pytester, sim: Path) -> None:
-    pytester.makepyfile("""
-        import sys, pytest
-        @pytest.mark.needs_clean_gpus
-        def test_x():
-            assert "ray" not in sys.modules
-            assert "pytest_gpuclean.ray.cluster" not in sys.modules
-    """)
+    pytester.copy_example("ray/no_ray_off")
     result = pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
 
@@ -399,13 +393,7 @@ def test_a_cluster_that_goes_away_is_a_finding_not_a_stall(pytester: pytest.Pyte
     try:
         gcs = cluster.head_node.all_processes["gcs_server"][0].process.pid
         monkeypatch.setenv("GCS_PID", str(gcs))
-        pytester.makepyfile("""
-            import os, signal, pytest
-
-            @pytest.mark.needs_clean_gpus
-            def test_gcs_dies():
-                os.kill(int(os.environ["GCS_PID"]), signal.SIGKILL)
-        """)
+        pytester.copy_example("ray/gcs_dies")  # its test kills the GCS ($GCS_PID)
         result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-ray={address}",
                                                "--gpuclean-timeout=60", "-p", "no:cacheprovider", timeout=150)
     finally:
@@ -481,16 +469,7 @@ def test_auto_without_a_cluster_never_imports_ray(pytester: pytest.Pytester, sim
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # auto, no RAY_ADDRESS, no cluster started: the checks only look at the session's own processes.
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    pytester.makepyfile("""
-        import sys, pytest
-        @pytest.mark.needs_clean_gpus
-        def test_x():
-            pass
-        @pytest.mark.needs_clean_gpus
-        def test_y():
-            assert "ray" not in sys.modules
-            assert "pytest_gpuclean.ray.cluster" not in sys.modules
-    """)
+    pytester.copy_example("ray/no_ray_auto")
     result = pytester.runpytest_subprocess("-p", "gpuclean", "--gpuclean-ray=auto", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
 

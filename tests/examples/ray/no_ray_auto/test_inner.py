@@ -1,0 +1,14 @@
+import sys
+
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+def test_x():
+    pass
+
+
+@pytest.mark.needs_clean_gpus
+def test_y():
+    assert "ray" not in sys.modules
+    assert "pytest_gpuclean.ray.cluster" not in sys.modules
