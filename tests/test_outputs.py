@@ -13,25 +13,11 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from helpers import INNER_PRELUDE, alive, read_pids, run_inner, wait_dead
+from helpers import alive, read_pids, run_inner, wait_dead
 
 from pytest_gpuclean.core.devices import simulated_uuid
 from pytest_gpuclean.report import jsonreport
 from pytest_gpuclean.session import outputs
-
-LEAKS_AND_CLEAN = """
-@pytest.mark.needs_clean_gpus
-def test_leaks():
-    hold(mib=64)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-def test_clean():
-    pass
-
-def test_unchecked():
-    pass
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -68,8 +54,8 @@ def by_nodeid(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
 # ---- JSON report -------------------------------------------------------------------------------------
 
 def test_report_has_a_record_per_checked_test_and_matches_its_schema(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, sim: Path) -> None:
-    pidfile = inner(LEAKS_AND_CLEAN)
+        example: Callable[..., Path], pytester: pytest.Pytester, sim: Path) -> None:
+    pidfile = example("outputs/leaks_and_clean")
     (pytester.path / "out").mkdir()
     result = run_inner(pytester, "--gpuclean-report=out/report.json", "--gpuclean-grace=2")
     result.assert_outcomes(passed=3, errors=1)
@@ -110,14 +96,10 @@ def test_report_has_a_record_per_checked_test_and_matches_its_schema(
     assert "::error" not in result.stdout.str()  # not on GitHub: no workflow commands
 
 
-def test_report_records_gpus_that_were_not_clean(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_report_records_gpus_that_were_not_clean(example: Callable[..., Path], pytester: pytest.Pytester,
                                                  outside_holder: Callable[..., int]) -> None:
     foreign = outside_holder(device=1, mib=32)
-    inner("""
-@pytest.mark.needs_clean_gpus(timeout=0.2)
-def test_meets_a_busy_gpu():
-    pass
-""")
+    example("outputs/report_records_gpus_that_were_not_clean")
     result = run_inner(pytester, "--gpuclean-report=report.json")
     result.assert_outcomes(errors=1)
     document = json.loads((pytester.path / "report.json").read_text())
@@ -132,14 +114,9 @@ def test_meets_a_busy_gpu():
     assert alive(foreign)  # another session's process: waited for, never killed
 
 
-def test_report_with_reaping_off_shows_a_leak_that_ended_by_itself(inner: Callable[[str], Path],
+def test_report_with_reaping_off_shows_a_leak_that_ended_by_itself(example: Callable[..., Path],
                                                                    pytester: pytest.Pytester) -> None:
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus(timeout=60)
-def test_leaks_briefly():
-    hold("--seconds", "1", mib=16)
-    wait_holders(1)
-""")
+    pidfile = example("outputs/report_with_reaping_off_shows")
     result = run_inner(pytester, "--gpuclean-reap=off", "--gpuclean-report=report.json")
     result.assert_outcomes(passed=1, errors=1)
     document = json.loads((pytester.path / "report.json").read_text())
@@ -152,23 +129,9 @@ def test_leaks_briefly():
     assert document["summary"]["leaked"] == 1 and document["summary"]["reaped"] == 0
 
 
-def test_report_under_xdist_is_merged_from_the_workers(inner: Callable[[str], Path],
+def test_report_under_xdist_is_merged_from_the_workers(example: Callable[..., Path],
                                                        pytester: pytest.Pytester) -> None:
-    inner("""
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("n", range(4))
-def test_leaks(n):
-    holder = hold(mib=16)
-    with open("spawned.pids", "a") as f:
-        f.write(f"{holder.pid}\\n")
-    while not os.path.exists(os.path.join(SIM, "0", str(holder.pid))):
-        time.sleep(0.01)
-
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("n", range(4))
-def test_clean(n):
-    pass
-""")
+    example("outputs/report_under_xdist_is_merged")
     result = run_inner(pytester, "-n", "2", "--gpuclean-report=report.json", "--junitxml=junit.xml",
                        "--gpuclean-grace=2")
     result.assert_outcomes(passed=8, errors=4)
@@ -187,35 +150,19 @@ def test_clean(n):
     assert {int(properties[f"test_leaks[{n}]"]["gpuclean_reaped_pids"]) for n in range(4)} == leaked
 
 
-def test_a_report_that_cannot_be_written_fails_the_run(inner: Callable[[str], Path],
+def test_a_report_that_cannot_be_written_fails_the_run(example: Callable[..., Path],
                                                        pytester: pytest.Pytester) -> None:
-    inner("""
-import shutil
-
-@pytest.mark.needs_clean_gpus
-def test_removes_the_report_directory():
-    shutil.rmtree("out")
-""")
+    example("outputs/a_report_that_cannot_be")
     (pytester.path / "out").mkdir()
     result = run_inner(pytester, "--gpuclean-report=out/report.json")
     assert result.ret == pytest.ExitCode.INTERNAL_ERROR
     result.stdout.fnmatch_lines(["gpuclean: could not write the report */out/report.json: *"])
 
 
-CONFTEST_SLEEPER = """
-import os, subprocess
-
-# Started by the session set-up, stopped by nobody: reaped by the very last sweep, after pytest_unconfigure.
-SLEEPER = subprocess.Popen(["sleep", "600"])
-with open(os.environ["LEAK_PIDFILE"], "a") as f:
-    f.write(f"{SLEEPER.pid}\\n")
-"""
-
-
 def test_the_last_sweep_of_the_session_set_up_is_in_the_report_and_on_its_own_line(
-        inner: Callable[[str], Path], pytester: pytest.Pytester) -> None:
-    pidfile = inner(LEAKS_AND_CLEAN)
-    pytester.makeconftest(CONFTEST_SLEEPER)
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    pidfile = example("outputs/leaks_and_clean")
+    pytester.copy_example("outputs/conftest_sleeper")
     result = run_inner(pytester, "--gpuclean-report=report.json", "--gpuclean-grace=2")
     result.assert_outcomes(passed=3, errors=1)
     sleeper, leak = read_pids(pidfile, 2)
@@ -239,10 +186,10 @@ def test_the_last_sweep_of_the_session_set_up_is_in_the_report_and_on_its_own_li
     assert "session set-up" not in result.stderr.str()
 
 
-def test_the_report_directory_is_made_as_junitxml_makes_its_own(inner: Callable[[str], Path],
+def test_the_report_directory_is_made_as_junitxml_makes_its_own(example: Callable[..., Path],
                                                                  pytester: pytest.Pytester) -> None:
     # The CI command docs/ci.md gives, on a fresh checkout that has no reports/ directory.
-    inner(LEAKS_AND_CLEAN)
+    example("outputs/leaks_and_clean")
     result = run_inner(pytester, "--gpuclean-report=reports/gpu/gpuclean.json",
                        "--junitxml=reports/junit.xml", "--gpuclean-grace=2")
     result.assert_outcomes(passed=3, errors=1)
@@ -266,9 +213,9 @@ LONG_NAME = "x" * 300  # over NAME_MAX: its mkdir fails after reports/ was made
      "environment variable GPUCLEAN_REPORT)"),
 ])
 def test_a_bad_report_path_is_a_usage_error_at_startup(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        example: Callable[..., Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
         args: list[str], env: dict[str, str], message: str) -> None:
-    inner(LEAKS_AND_CLEAN)
+    example("outputs/leaks_and_clean")
     (pytester.path / "afile").write_text("")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -289,9 +236,9 @@ def junit_properties(path: Path) -> dict[str, dict[str, str]]:
             for case in tree.iter("testcase")}
 
 
-def test_junitxml_carries_gpuclean_properties(inner: Callable[[str], Path],
+def test_junitxml_carries_gpuclean_properties(example: Callable[..., Path],
                                               pytester: pytest.Pytester) -> None:
-    pidfile = inner(LEAKS_AND_CLEAN)
+    pidfile = example("outputs/leaks_and_clean")
     result = run_inner(pytester, "--junitxml=junit.xml", "--gpuclean-grace=2")
     result.assert_outcomes(passed=3, errors=1)
     properties = junit_properties(pytester.path / "junit.xml")
@@ -307,15 +254,11 @@ def test_junitxml_carries_gpuclean_properties(inner: Callable[[str], Path],
 
 
 
-def test_without_junitxml_no_properties_are_built(inner: Callable[[str], Path],
+def test_without_junitxml_no_properties_are_built(example: Callable[..., Path],
                                                   pytester: pytest.Pytester) -> None:
     # They are for junitxml alone: a run without it must not pay for them on every checked test.
-    inner(LEAKS_AND_CLEAN)
-    pytester.makeconftest("""
-def pytest_runtest_logreport(report):
-    if report.when == "teardown":
-        print("PROPS", report.nodeid.split("::")[-1], sorted(name for name, _ in report.user_properties))
-""")
+    example("outputs/leaks_and_clean")
+    pytester.copy_example("outputs/print_props")  # a conftest that prints each test's user properties
     result = run_inner(pytester, "-s", "--gpuclean-grace=2")
     result.assert_outcomes(passed=3, errors=1)
     props = [line[line.index("PROPS"):] for line in result.outlines if "PROPS" in line]
@@ -339,24 +282,14 @@ def test_workflow_command_shape() -> None:
     assert line == "::error file=a%2Cb.py,title=GPU leak::two%0Alines: 100%25"
 
 
-def test_github_annotations_and_job_summary(inner: Callable[[str], Path], pytester: pytest.Pytester,
+def test_github_annotations_and_job_summary(example: Callable[..., Path], pytester: pytest.Pytester,
                                             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     summary = tmp_path / "step_summary.md"
     summary.write_text("earlier step\n")
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     monkeypatch.setenv("GITHUB_WORKSPACE", str(pytester.path.parent))
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus
-@pytest.mark.parametrize("x", [1], ids=["50%:a\\nb,c"])
-def test_weird(x):
-    hold(mib=64)
-    wait_holders(1)
-
-@pytest.mark.needs_clean_gpus
-def test_clean():
-    pass
-""")
+    pidfile = example("outputs/github_annotations_and_job_summary")
     result = run_inner(pytester, "--gpuclean-grace=2")
     result.assert_outcomes(passed=2, errors=1)
     pid = int(pidfile.read_text().split()[0])
@@ -382,17 +315,13 @@ def test_clean():
 
 
 def test_github_hears_of_the_last_sweep_of_the_session_set_up(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        example: Callable[..., Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
         tmp_path: Path) -> None:
     summary = tmp_path / "step_summary.md"
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    pidfile = inner("""
-@pytest.mark.needs_clean_gpus
-def test_clean():
-    pass
-""")
-    pytester.makeconftest(CONFTEST_SLEEPER)
+    pidfile = example("outputs/github_hears_of_the_last")
+    pytester.copy_example("outputs/conftest_sleeper")
     result = run_inner(pytester)
     result.assert_outcomes(passed=1)
     [sleeper] = read_pids(pidfile)
@@ -405,15 +334,11 @@ def test_clean():
 
 
 def test_github_annotation_for_gpus_that_were_not_clean(
-        inner: Callable[[str], Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        example: Callable[..., Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
         outside_holder: Callable[..., int]) -> None:
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     foreign = outside_holder(device=0, mib=8)
-    inner("""
-@pytest.mark.needs_clean_gpus(timeout=0.2)
-def test_meets_a_busy_gpu():
-    pass
-""")
+    example("outputs/github_annotation_for_gpus_that")
     result = run_inner(pytester)
     result.assert_outcomes(errors=1)
     annotations = [text for text in result.stdout.lines if text.startswith("::")]
@@ -427,44 +352,6 @@ def test_meets_a_busy_gpu():
 
 # ---- a fixture wider than a test leaks ---------------------------------------------------------------
 
-ENGINE_CONFTEST = """
-@pytest.fixture(scope="session")
-def engine():
-    server = hold("--children", "2", mib=8)  # a server that forks two workers, each on GPU 0
-    wait_holders(3)
-    with open("server.pid", "w") as f:
-        f.write(str(server.pid))
-    yield server
-    server.terminate()  # the server stops; its two workers do not
-    server.wait()
-"""
-
-ENGINE_TESTS = {
-    "test_1": """
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_a(engine):
-    pass
-
-@pytest.mark.needs_clean_gpus
-def test_b():
-    pass
-""",
-    "test_2": """
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_c():
-    pass
-
-@pytest.mark.needs_clean_gpus
-def test_d():
-    pass
-""",
-}
-
-
 @pytest.mark.parametrize("reap", ["on", "off"])
 def test_a_session_fixture_leak_is_the_fixtures_not_the_last_tests(
         pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -475,9 +362,9 @@ def test_a_session_fixture_leak_is_the_fixtures_not_the_last_tests(
     pidfile = tmp_path / "leak.pids"
     monkeypatch.setenv("LEAK_PIDFILE", str(pidfile))
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
-    conftest = pytester.makeconftest(INNER_PRELUDE + ENGINE_CONFTEST)
-    pytester.makepyfile(**ENGINE_TESTS)
-    line = first_line(conftest, "engine")
+    pytester.copy_example("prelude.py")
+    pytester.copy_example("outputs/engine")  # conftest.py (the engine fixture), test_1.py, test_2.py
+    line = first_line(pytester.path / "conftest.py", "engine")
     # (dead-sessions off: what other sessions of this user on the machine left is not this test's matter)
     result = run_inner(pytester, "--gpuclean-report=report.json", "--junitxml=junit.xml",
                        f"--gpuclean-reap={reap}", "--gpuclean-timeout=0.5", "--gpuclean-grace=2",
