@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import alive
+from helpers import EXAMPLES, alive
 
 from pytest_gpuclean.core import locks as locks_mod
 from pytest_gpuclean.core import procfs
@@ -110,21 +110,15 @@ def run_as(user: User, action: Callable[[], str]) -> str:
         return answer
 
 
-def holder_script(lock_dir: str, uuid: str, then: str) -> str:
-    """Python that takes ``uuid``'s lock, says READY, then runs ``then``."""
-    return f"""
-import os, sys, time
-from pytest_gpuclean.core import locks
-held = locks.GpuLocks({lock_dir!r}).acquire([{uuid!r}], 1, 10, "holder::test")
-print("READY", os.getpid(), flush=True)
-{then}
-"""
+LOCK_HOLDER = [sys.executable, str(EXAMPLES / "scripts" / "lock_holder.py")]
+"""A process that takes a GPU's lock, says READY, then waits for the end of its stdin, dies or raw-forks."""
 
 
 @contextlib.contextmanager
-def holding(lock_dir: str, uuid: str = "GPU-a", then: str = "sys.stdin.read(); held.release(); "
-            "print(locks.take_notices(), flush=True)") -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen([sys.executable, "-c", holder_script(lock_dir, uuid, then)],
+def holding(lock_dir: str, uuid: str = "GPU-a") -> Iterator[subprocess.Popen[str]]:
+    """Another process holds ``uuid``'s lock until its stdin ends; then it releases it and prints the
+    notices."""
+    proc = subprocess.Popen([*LOCK_HOLDER, lock_dir, uuid, "wait"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -223,7 +217,7 @@ def test_world_writable_directory_without_sticky_bit_is_refused(tmp_path: Path,
     sim = tmp_path / "sim"
     (sim / "0").mkdir(parents=True)
     # The directory is opened when the session starts checking: a session with a checked test.
-    pytester.makepyfile("import pytest\n\n@pytest.mark.needs_clean_gpus\ndef test_x():\n    pass\n")
+    pytester.copy_example("test_marked.py")
     result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-simulate={sim}",
                                            f"--gpuclean-lock-dir={open_dir}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -489,24 +483,12 @@ def test_tmp_cleaner_leaves_a_lock_directory_alone_while_a_lock_is_held(tmp_path
 
 # ---- forked children never hold a lock; the real holder is named ------------------------------------
 
-RAW_FORK = """
-import ctypes
-libc = ctypes.CDLL(None, use_errno=True)
-child = libc.fork()  # no os.register_at_fork hook runs in this child
-if child == 0:
-    time.sleep(120)
-    os._exit(0)
-with open(sys.argv[1], "w") as f:
-    f.write(str(child))
-os.kill(os.getpid(), 9)
-"""
-
-
 def test_child_of_a_raw_fork_does_not_keep_the_lock(tmp_path: Path) -> None:
     lock_dir = str(tmp_path / "locks")
     child_file = tmp_path / "child"
-    script = holder_script(lock_dir, "GPU-a", RAW_FORK)
-    subprocess.run([sys.executable, "-c", script, str(child_file)], stdout=subprocess.DEVNULL, timeout=60)
+    # It forks through libc (no os.register_at_fork hook runs in the child), and is killed.
+    subprocess.run([*LOCK_HOLDER, lock_dir, "GPU-a", "raw-fork", str(child_file)], stdout=subprocess.DEVNULL,
+                   timeout=60)
     child = int(child_file.read_text())
     try:
         assert alive(child)
@@ -561,8 +543,7 @@ def test_waiting_names_the_real_holder_not_a_stale_record(tmp_path: Path, unreap
     lock_dir = str(tmp_path / "locks")
     # A session records itself and is killed: its record stays. A zombie (its parent has not waited for
     # it yet) holds no lock either: it is as gone as a reaped one.
-    script = holder_script(lock_dir, "GPU-a", "os.kill(os.getpid(), 9)")
-    dead = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    dead = subprocess.Popen([*LOCK_HOLDER, lock_dir, "GPU-a", "die"], stdout=subprocess.PIPE, text=True)
     assert dead.stdout is not None
     with dead.stdout:
         dead_pid = int(dead.stdout.read().split()[1])  # (read to its end: it is a zombie now)
@@ -677,13 +658,7 @@ def test_full_lock_directory_is_named_in_a_clear_message(tiny_fs: Path, tmp_path
     sim = tmp_path / "sim"
     for index in range(3):
         (sim / str(index)).mkdir(parents=True)
-    pytester.makepyfile("""
-import pytest
-
-@pytest.mark.needs_clean_gpus
-def test_x():
-    pass
-""")
+    pytester.copy_example("test_marked.py")
     result = pytester.runpytest_subprocess("-p", "gpuclean", f"--gpuclean-simulate={sim}",
                                            f"--gpuclean-lock-dir={lock_dir}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
