@@ -15,23 +15,11 @@ from pytest_gpuclean import simulate
 from pytest_gpuclean.core import devices
 from pytest_gpuclean.core.health import HealthWatch, xid_meaning
 
-PRELUDE = '''
-import os, subprocess, sys
-import pytest
-from pytest_gpuclean import simulate
 
-SIM = os.environ["GPUCLEAN_SIMULATE"]
-
-
-def child_xid(code, device=0):
-    """A child process of the test hits the fault (the driver logs the Xid, the test sees nothing)."""
-    subprocess.run([sys.executable, "-m", "pytest_gpuclean.simulate", "xid", "--dir", SIM, "--device",
-                    str(device), "--code", str(code)], check=True)
-'''
-
-
-def run(pytester: pytest.Pytester, body: str, *args: str) -> tuple[pytest.RunResult, dict[str, dict]]:
-    pytester.makepyfile(test_inner=PRELUDE + body)
+def run(pytester: pytest.Pytester, suite: str, *args: str) -> tuple[pytest.RunResult, dict[str, dict]]:
+    """The inner session of tests/examples/health/``suite`` (with gpu_health.py: SIM, child_xid)."""
+    pytester.copy_example("health/gpu_health.py")
+    pytester.copy_example(f"health/{suite}")
     report = pytester.path / "report.json"
     result = pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider", "-rA",
                                            f"--gpuclean-report={report}", *args)
@@ -42,19 +30,7 @@ def run(pytester: pytest.Pytester, body: str, *args: str) -> tuple[pytest.RunRes
 def test_an_xid_during_a_test_is_its_fault_named_and_the_next_test_passes(
         pytester: pytest.Pytester, sim: Path) -> None:
     junit = pytester.path / "junit.xml"
-    result, tests = run(pytester, '''
-@pytest.mark.needs_clean_gpus
-def test_kernel_faults():
-    simulate.xid(SIM, 0, 31)
-
-@pytest.mark.needs_clean_gpus
-def test_child_faults():
-    child_xid(13, device=1)
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-''', f"--junitxml={junit}")
+    result, tests = run(pytester, "xid_faults", f"--junitxml={junit}")
     result.assert_outcomes(passed=3, errors=2)
     out = result.stdout.str()
     assert "ERROR at teardown of test_kernel_faults" in out
@@ -71,15 +47,7 @@ def test_next():
 
 
 def test_informational_and_unknown_xids(pytester: pytest.Pytester, sim: Path) -> None:
-    result, tests = run(pytester, '''
-@pytest.mark.needs_clean_gpus
-def test_info():
-    simulate.xid(SIM, 0, 45)
-
-@pytest.mark.needs_clean_gpus
-def test_unknown():
-    simulate.xid(SIM, 0, 1234)
-''')
+    result, tests = run(pytester, "info_and_unknown")
     result.assert_outcomes(passed=2, errors=1)
     assert tests["test_info"]["outcome"] == "clean"
     assert [(f["effect"], f["xid"]) for f in tests["test_info"]["health"]] == [("info", 45)]
@@ -89,17 +57,7 @@ def test_unknown():
 
 def test_a_gpu_that_needs_a_reset_fails_this_test_and_every_later_one_on_it(
         pytester: pytest.Pytester, sim: Path) -> None:
-    result, tests = run(pytester, '''
-@pytest.mark.needs_clean_gpus
-def test_breaks_a_row():
-    # The driver records a row remapping (Xid 63); the remapping waits for a reset.
-    simulate.set_state(SIM, 1, "remap_pending", "1")
-    simulate.xid(SIM, 1, 63)
-
-@pytest.mark.needs_clean_gpus
-def test_later():
-    pass
-''', "--gpuclean-timeout=600")
+    result, tests = run(pytester, "remap_pending", "--gpuclean-timeout=600")
     result.assert_outcomes(passed=1, errors=2)
     out = result.stdout.str()
     assert ("gpuclean: GPU not usable after the test (gpuclean never resets a GPU)\n"
@@ -116,11 +74,7 @@ def test_later():
 
 def test_a_gpu_that_needs_a_reset_at_session_start(pytester: pytest.Pytester, sim: Path) -> None:
     simulate.set_state(str(sim), 0, "remap_failed", "1")
-    result, tests = run(pytester, '''
-@pytest.mark.needs_clean_gpus
-def test_a():
-    pass
-''')
+    result, tests = run(pytester, "one_marked")
     result.assert_outcomes(errors=1)
     assert "gpuclean: GPU 0 needs a reset: a memory row remapping failed: tests on it fail at their setup" \
         in result.stdout.str()
@@ -129,14 +83,7 @@ def test_a():
 
 def test_a_failed_test_points_at_the_slow_reads(pytester: pytest.Pytester, sim: Path) -> None:
     simulate.set_state(str(sim), 0, "ecc_uncorrected", "3")  # before the session: not its finding
-    result, tests = run(pytester, '''
-@pytest.mark.needs_clean_gpus
-def test_fails():
-    simulate.set_state(SIM, 0, "ecc_uncorrected", "5")
-    simulate.set_state(SIM, 1, "compute_mode", "Prohibited")
-    simulate.set_state(SIM, 1, "clocks_event_reasons", "hw_slowdown,hw_thermal")
-    assert False
-''')
+    result, tests = run(pytester, "fails_on_a_changed_gpu")
     result.assert_outcomes(failed=1, errors=1)
     out = result.stdout.str()
     assert "GPU 0 needs a reset: 2 uncorrectable ECC errors during the session" in out
@@ -150,16 +97,7 @@ def test_fails():
 
 def test_a_reaped_gpu_process_points_at_the_slow_reads(pytester: pytest.Pytester, sim: Path,
                                                        inner: object) -> None:
-    result, tests = run(pytester, '''
-import time
-@pytest.mark.needs_clean_gpus
-def test_leaks():
-    simulate.set_state(SIM, 0, "remap_pending", "2")
-    proc = subprocess.Popen([sys.executable, "-m", "pytest_gpuclean.simulate", "hold", "--dir", SIM,
-                             "--device", "0", "--mib", "64", "--pidfile", os.environ["LEAK_PIDFILE"]])
-    while not os.path.exists(os.environ["LEAK_PIDFILE"]):
-        time.sleep(0.01)
-''', "--gpuclean-settle=0", "--gpuclean-grace=1")
+    result, tests = run(pytester, "leaks_on_a_gpu_to_remap", "--gpuclean-settle=0", "--gpuclean-grace=1")
     result.assert_outcomes(passed=1, errors=1)
     out = result.stdout.str()
     assert "gpuclean: test leaked 1 process(es) (reaped)" in out
@@ -168,19 +106,10 @@ def test_leaks():
 
 
 @pytest.mark.parametrize("how", ["lost file", "xid 79", "vanished"])
-def test_a_lost_gpu_stops_the_session_with_one_line(pytester: pytest.Pytester, sim: Path, how: str) -> None:
-    lose = {"lost file": 'simulate.set_state(SIM, 0, "lost", "fallen off the bus")',
-            "xid 79": "simulate.xid(SIM, 0, 79)",
-            "vanished": 'os.rename(os.path.join(SIM, "0"), os.path.join(SIM, "gone"))'}[how]
-    result, tests = run(pytester, f'''
-@pytest.mark.needs_clean_gpus
-def test_loses_it():
-    {lose}
-
-@pytest.mark.needs_clean_gpus
-def test_never_runs():
-    pass
-''', "--gpuclean-timeout=600")
+def test_a_lost_gpu_stops_the_session_with_one_line(pytester: pytest.Pytester, sim: Path,
+                                                    monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    monkeypatch.setenv("HOW", how)
+    result, tests = run(pytester, "lose_gpu", "--gpuclean-timeout=600")
     out = result.stdout.str()
     assert "stopping the session's tests instead of letting each wait its timeout" in out
     assert "Interrupted: gpuclean: GPU 0" in out
@@ -286,21 +215,9 @@ def test_status_shows_health_and_check_has_an_exit_status_of_its_own(sim: Path) 
 
 # ---- the CUDA probe ------------------------------------------------------------------------------------
 
-PROBED = '''
-@pytest.mark.needs_clean_gpus
-def test_incident():
-    simulate.xid(SIM, 0, 31)
-    simulate.set_state(SIM, 0, "probe_fails", "cuCtxCreate returned 999 (CUDA_ERROR_UNKNOWN)")
-
-@pytest.mark.needs_clean_gpus
-def test_next():
-    pass
-'''
-
-
 def test_the_probe_after_an_incident_finds_a_gpu_that_cannot_make_a_context(
         pytester: pytest.Pytester, sim: Path) -> None:
-    result, tests = run(pytester, PROBED, "--gpuclean-probe=after-incident")
+    result, tests = run(pytester, "probed", "--gpuclean-probe=after-incident")
     result.assert_outcomes(passed=1, errors=2)
     assert ("gpuclean: GPU not usable before the test (gpuclean never resets a GPU)\n  GPU 0 failed the CUDA "
             "probe: cuCtxCreate returned 999 (CUDA_ERROR_UNKNOWN)") in result.stdout.str()
@@ -311,18 +228,14 @@ def test_the_probe_after_an_incident_finds_a_gpu_that_cannot_make_a_context(
 def test_without_the_probe_the_next_test_runs(pytester: pytest.Pytester, sim: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUCLEAN_PROBE", "off")
-    result, tests = run(pytester, PROBED)
+    result, tests = run(pytester, "probed")
     result.assert_outcomes(passed=2, errors=1)
     assert tests["test_next"]["outcome"] == "clean"
 
 
 def test_the_probe_at_start_and_its_deadline(pytester: pytest.Pytester, sim: Path) -> None:
     simulate.set_state(str(sim), 1, "probe_hangs", "1")
-    result, tests = run(pytester, '''
-@pytest.mark.needs_clean_gpus
-def test_a():
-    pass
-''', "--gpuclean-probe=start", "--gpuclean-timeout=1")
+    result, tests = run(pytester, "one_marked", "--gpuclean-probe=start", "--gpuclean-timeout=1")
     result.assert_outcomes(errors=1)
     out = result.stdout.str()
     assert ("gpuclean: GPU 1 failed the CUDA probe: no answer within the 1s deadline (the probe was killed): "
@@ -332,15 +245,7 @@ def test_a():
 
 
 def test_the_probe_before_each_test(pytester: pytest.Pytester, sim: Path) -> None:
-    result, _tests = run(pytester, '''
-@pytest.mark.needs_clean_gpus
-def test_a():
-    simulate.set_state(SIM, 1, "probe_fails", "read back other bytes than it wrote")
-
-@pytest.mark.needs_clean_gpus
-def test_b():
-    pass
-''', "--gpuclean-probe=each")
+    result, _tests = run(pytester, "probe_each", "--gpuclean-probe=each")
     result.assert_outcomes(passed=1, errors=1)
     assert "GPU 1 failed the CUDA probe: read back other bytes than it wrote" in result.stdout.str()
 

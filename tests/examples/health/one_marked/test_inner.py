@@ -1,0 +1,7 @@
+
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+def test_a():
+    pass
