@@ -1,0 +1,5 @@
+def test_plain():
+    pass
+
+def test_other():
+    pass
