@@ -98,7 +98,9 @@ def again(nodeid: str, mib: int = 100, when: str = "before") -> str:
 
 
 def waited(when: str = "before") -> str:
-    return f"{NOT_CLEAN_PREFIX} {when} the test (waited {TIMEOUT:.1f}s of a {TIMEOUT:g}s timeout)"
+    # How long it waited is the box's business (a loaded box overshoots the timeout by a tick); that it
+    # waited the whole timeout once is what these tests are about.
+    return f"{NOT_CLEAN_PREFIX} {when} the test (waited *s of a {TIMEOUT:g}s timeout)"
 
 
 @pytest.mark.parametrize("held_by", ["process", "no process"])
