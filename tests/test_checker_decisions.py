@@ -2,7 +2,8 @@
 (``ownership.born_in``, ``older_than_session``), which processes of a census are judged, excused or of
 unknown owner (``decide.sort_census``), which xdist siblings and peers are excused (``census.is_peer``,
 ``sibling_claim``), what memory is an offender (``decide.excess_memory``, the context overhead), what the reap
-ladder may signal (``decide.may_signal``) and when waiting is hopeless (``decide.hopeless``).
+ladder may signal (``decide.may_signal``) and when waiting is hopeless (``decide.hopeless``, with
+``outside.known_outside``: memory held from outside that an earlier check already waited out).
 
 What needs the kernel (pids, pidfds, signals, /proc) stays in tests/test_checker.py, test_reaper.py and
 test_faults.py.
@@ -16,6 +17,7 @@ import pytest
 
 from pytest_gpuclean.core import decide
 from pytest_gpuclean.core.census import Found, is_peer, sibling_claim
+from pytest_gpuclean.core.outside import OutsideState, known_outside
 from pytest_gpuclean.core.ownership import (
     PREEXISTING,
     SESSION,
@@ -268,3 +270,33 @@ def test_hopeless(offenders: list[Offender], unsignalled: set[tuple[int, int]], 
                   hopeless: bool) -> None:
     outside = {id(o): frozenset({GPU0.uuid}) for o in offenders if o.reason == "memory"}
     assert decide.hopeless(offenders, unsignalled, outside, outside_on) is hopeless
+
+
+HOLDER = frozenset({(300, 3000)})
+EARLIER = OutsideState(HOLDER, 512 * MIB, "t.py::test_1", 1000.0)
+
+
+@pytest.mark.parametrize(("holders", "used_mib", "now", "known"), [
+    pytest.param(HOLDER, 512, 1010.0, True, id="the same, unchanged for the timeout: not waited for again"),
+    pytest.param(HOLDER, 520, 1010.0, True, id="the memory moved within the slack"),
+    pytest.param(HOLDER, 540, 1010.0, False, id="the memory moved beyond the slack: new"),
+    pytest.param(frozenset({(300, 4000)}), 512, 1010.0, False, id="a new process on the same pid: new"),
+    pytest.param(HOLDER, 512, 1005.0, False, id="the same, but for less than this check's timeout"),
+])
+def test_known_outside(holders: frozenset[tuple[int, int]], used_mib: int, now: float, known: bool) -> None:
+    seen: dict[str, OutsideState] = {}
+    got = known_outside({GPU0.uuid: (holders, used_mib * MIB)}, {GPU0.uuid: EARLIER}, seen, 16 * MIB, now,
+                        timeout=10.0, where="t.py::test_2")
+    assert (GPU0.uuid in got) is known
+    # What this check has seen, and since when: the earlier state when it is the same, else its own, now.
+    own = OutsideState(holders, used_mib * MIB, "t.py::test_2", now)
+    assert seen[GPU0.uuid] == (EARLIER if EARLIER.same(holders, used_mib * MIB, 16 * MIB) else own)
+
+
+def test_known_outside_keeps_since_when_this_check_has_seen_a_state() -> None:
+    seen: dict[str, OutsideState] = {}
+    states = {GPU0.uuid: (HOLDER, 512 * MIB)}
+    assert known_outside(states, {}, seen, 16 * MIB, 1000.0, 10.0, "t.py::test_1") == set()
+    # Nothing remembered (no earlier check waited it out): never known, however long this check looks.
+    assert known_outside(states, {}, seen, 16 * MIB, 1020.0, 10.0, "t.py::test_1") == set()
+    assert seen[GPU0.uuid].since == 1000.0  # unchanged since the first look, not the last

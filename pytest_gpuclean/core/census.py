@@ -75,7 +75,6 @@ _OWNER_KINDS: dict[str, OwnerKind] = {"t": "test", "f": "fixture"}
 """A cookie token's first letter: the kind of owner (``Ownership.new_token``)."""
 
 
-
 class Census:
     """The session's processes as the checks find them: the descendant tree of the process running the
     checks, cookie carriers outside it, the debris of dead sessions; each with its token, decided once per

@@ -20,7 +20,7 @@ from pytest_gpuclean.core.census import Census, Found, Sibling
 from pytest_gpuclean.core.cookie import new_session_id
 from pytest_gpuclean.core.devices import Backend, DeviceError, DeviceLost
 from pytest_gpuclean.core.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
-from pytest_gpuclean.core.outside import OutsideMemory, OutsideState
+from pytest_gpuclean.core.outside import OutsideMemory, OutsideState, known_outside
 from pytest_gpuclean.core.ownership import PREEXISTING, SESSION, Ownership
 from pytest_gpuclean.core.settings import DEFAULT_GRACE_S
 from pytest_gpuclean.model.readings import (
@@ -509,7 +509,9 @@ class _Check:
             f.key for f in self.ours if f.key in self.attempted}
         # Nor does an outside state that an earlier check already waited out, and finds again unchanged.
         outside, states, clean = self._outside(offenders)
-        known = self._known_outside(states)
+        known = known_outside(states, self.c.outside.load() if states else {}, self.outside_seen,
+                              max(self.tolerance, OUTSIDE_SLACK_BYTES), time.monotonic(), self.timeout,
+                              self.where)
         hopeless = decide.hopeless(offenders, unsignalled, outside, known)
         if offenders and not hopeless and waited < self.timeout:
             return None
@@ -616,27 +618,6 @@ class _Check:
                 # (Not merely unreported: a leak of ours listed there hides memory nobody holds.)
                 clean.append(uuid)
         return found, states, clean
-
-    def _known_outside(self, states: dict[str, tuple[frozenset[tuple[int, int]], int]]) -> set[str]:
-        """The devices whose outside state is one an earlier check waited out, unchanged since for at
-        least this check's timeout: waiting longer for it is waiting for nothing. (A check with a longer
-        timeout than that one's waits the difference.) Tracks, per device, since when this check has seen
-        its outside state unchanged."""
-        remembered = self.c.outside.load() if states else {}
-        slack = max(self.tolerance, OUTSIDE_SLACK_BYTES)
-        now = time.monotonic()
-        known: set[str] = set()
-        for uuid, (holders, used) in states.items():
-            earlier = remembered.get(uuid)
-            if earlier is not None and earlier.same(holders, used, slack):
-                self.outside_seen[uuid] = earlier
-                if now - earlier.since >= self.timeout:
-                    known.add(uuid)
-                continue
-            seen = self.outside_seen.get(uuid)
-            if seen is None or not seen.same(holders, used, slack):
-                self.outside_seen[uuid] = OutsideState(holders, used, self.where, now)
-        return known
 
     def _remember_outside(self, offenders: Sequence[Offender], outside: dict[int, frozenset[str]],
                           states: dict[str, tuple[frozenset[tuple[int, int]], int]], clean: list[str],

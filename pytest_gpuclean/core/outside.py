@@ -51,6 +51,35 @@ class OutsideState(NamedTuple):
         return self.holders == holders and abs(self.used_bytes - used_bytes) <= slack
 
 
+Holders = frozenset[tuple[int, int]]
+"""(pid, start ticks) of each process listed on a device that is not ours (start ticks 0: not visible)."""
+
+
+def known_outside(states: dict[str, tuple[Holders, int]], remembered: dict[str, OutsideState],
+                  seen: dict[str, OutsideState], slack: int, now: float, timeout: float,
+                  where: str) -> set[str]:
+    """The devices whose outside state (``states``: per UUID, the holders and the memory not ours) is one an
+    earlier check waited out (``remembered``), give or take ``slack``, unchanged since for at least this
+    check's ``timeout``: waiting longer for it is waiting for nothing. (A check with a longer timeout than
+    that one's waits the difference.)
+
+    Updates ``seen``, per device, with the state this check (``where``) has seen unchanged, and since when:
+    the remembered one when it is the same, else the state first seen at ``now``.
+    """
+    known: set[str] = set()
+    for uuid, (holders, used) in states.items():
+        earlier = remembered.get(uuid)
+        if earlier is not None and earlier.same(holders, used, slack):
+            seen[uuid] = earlier
+            if now - earlier.since >= timeout:
+                known.add(uuid)
+            continue
+        last = seen.get(uuid)
+        if last is None or not last.same(holders, used, slack):
+            seen[uuid] = OutsideState(holders, used, where, now)
+    return known
+
+
 class OutsideMemory:
     """Per device UUID, the outside state a check waited out: in this process, or shared through the file
     ``path`` (an xdist run's)."""

@@ -81,7 +81,6 @@ class ReleaseWatch:
             self.poll()
 
 
-
 def vanished(pid: int) -> ProcessInfo:
     """A stand-in for a process that ended before it could be described."""
     from pytest_gpuclean.model.findings import ProcessInfo  # (only on a finding)
