@@ -1,9 +1,11 @@
 """The check's decisions over plain data, unit-tested without processes: ownership by birth
 (``ownership.born_in``, ``older_than_session``), which processes of a census are judged, excused or of
 unknown owner (``decide.sort_census``), which xdist siblings and peers are excused (``census.is_peer``,
-``sibling_claim``), what memory is an offender (``decide.excess_memory``, the context overhead), what the reap
-ladder may signal (``decide.may_signal``) and when waiting is hopeless (``decide.hopeless``, with
-``outside.known_outside``: memory held from outside that an earlier check already waited out).
+``sibling_claim``), which cookie carriers are a dead session's debris and which another session's
+(``ownership.dead_session_of``), what memory is an offender (``decide.excess_memory``, the context
+overhead), what the reap ladder may signal (``decide.may_signal``) and when waiting is hopeless
+(``decide.hopeless``, with ``outside.known_outside``: memory held from outside that an earlier check
+already waited out).
 
 What needs the kernel (pids, pidfds, signals, /proc) stays in tests/test_checker.py, test_reaper.py and
 test_faults.py.
@@ -25,6 +27,7 @@ from pytest_gpuclean.core.ownership import (
     SessionRef,
     Window,
     born_in,
+    dead_session_of,
     older_than_session,
     pid_between,
 )
@@ -300,3 +303,26 @@ def test_known_outside_keeps_since_when_this_check_has_seen_a_state() -> None:
     # Nothing remembered (no earlier check waited it out): never known, however long this check looks.
     assert known_outside(states, {}, seen, 16 * MIB, 1020.0, 10.0, "t.py::test_1") == set()
     assert seen[GPU0.uuid].since == 1000.0  # unchanged since the first look, not the last
+
+
+# ---- another session's, or a dead session's debris --------------------------------------------------------
+
+OURS = "gc.1.2.3.aa"
+OUTER = "gc.0.1.3.zz"  # a session we run inside (our cookie's prefix)
+LIVE, DEAD, ELSEWHERE = "gc.4.5.3.bb", "gc.9.8.3.dd", "gc.6.7.99.ee"  # ELSEWHERE: another pid namespace
+ALIVE = {0: True, 1: True, 4: True, 9: False, 6: None}  # by the leader's pid, as SessionRef.liveness says
+
+
+@pytest.mark.parametrize(("cookie", "own", "dead"), [
+    pytest.param(f"{DEAD}:t1", OURS, DEAD, id="a dead session's: debris"),
+    pytest.param(f"{LIVE}:t1", OURS, None, id="a live session's: never ours"),
+    pytest.param(f"{ELSEWHERE}:t1", OURS, None, id="another pid namespace's: no proof, never ours"),
+    pytest.param(f"{LIVE}:t3/{DEAD}:t1", OURS, None, id="a dead session a live one's test ran: its"),
+    pytest.param(f"{OURS}:t3/{DEAD}:t1", OURS, DEAD, id="a dead session our test ran: debris"),
+    pytest.param(f"{OUTER}:t5/{DEAD}:t1", f"{OUTER}:t5/{OURS}", DEAD, id="under a session we run inside"),
+    pytest.param(f"{OURS}:t1", OURS, None, id="our own"),
+    pytest.param("ci-job-42", OURS, None, id="no session's"),
+])
+def test_dead_session_of(cookie: str, own: str, dead: str | None) -> None:
+    got = dead_session_of(cookie, own, lambda ref: ALIVE[ref.pid])
+    assert (None if got is None else got.session_id.rsplit("/", 1)[-1]) == dead

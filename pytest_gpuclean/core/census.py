@@ -20,8 +20,8 @@ from pytest_gpuclean.core.ownership import (
     SESSION,
     Ownership,
     SessionRef,
+    dead_session_of,
     innermost_session,
-    live_outer_session,
 )
 from pytest_gpuclean.model.readings import FoundBy, Owner, OwnerKind
 
@@ -214,10 +214,8 @@ class Census:
                 elif cookie is not None and self.ownership.is_protected(token):
                     # Started under our session set-up by a nested session that has since died (an
                     # xdist worker that crashed, adopted by us, its controller): that session's debris.
-                    inner = innermost_session(cookie)
-                    if (inner is not None and inner.session_id != self.ownership.session_id
-                            and inner.is_dead()
-                            and live_outer_session(cookie, self.ownership.session_id) is None):
+                    inner = dead_session_of(cookie, self.ownership.session_id, SessionRef.liveness)
+                    if inner is not None:
                         self._debris[key] = (inner, values.get(OWNER_VAR))
             self._tokens[key] = token
         return self._tokens[key]
@@ -272,9 +270,9 @@ class Census:
             token = self.ownership.token_of_cookie(value)
             debris = None
             if token is None:
-                debris = innermost_session(value) if dead_sessions else None
-                if (debris is None or not debris.is_dead()
-                        or live_outer_session(value, self.ownership.session_id) is not None):
+                debris = (dead_session_of(value, self.ownership.session_id, SessionRef.liveness)
+                          if dead_sessions else None)
+                if debris is None:
                     # A live session's (also when a nested session that one's test ran died: an xdist
                     # sibling's), or no session's: never ours.
                     continue

@@ -116,6 +116,9 @@ class Checker:
     def is_older(self, pid: int, start_ticks: int) -> bool:
         return self.procs.is_older(pid, start_ticks)
 
+    def of_our_run(self, pid: int) -> bool:
+        return self.procs.of_our_run(pid)
+
     def close(self) -> None:
         """Close the pidfds of every process still pinned."""
         self.procs.close()

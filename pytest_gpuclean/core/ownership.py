@@ -11,7 +11,7 @@ never signalled.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pytest_gpuclean.core import procfs
@@ -46,16 +46,14 @@ class SessionRef(NamedTuple):
     start_ticks: int
     pid_namespace: int
 
-    def is_dead(self) -> bool:
-        """True only when provably dead: same pid namespace, and its pid gone or now another process."""
+    def liveness(self) -> bool | None:
+        """True when provably alive (same pid namespace, its pid still that very process), False when provably
+        dead (same pid namespace, its pid gone or now another process), None when its pid means nothing
+        here (another pid namespace): no proof either way."""
         if self.pid_namespace != procfs.pid_namespace():
-            return False  # its pid means nothing here: no proof either way
+            return None
         # An exited leader nobody has waited for yet (an xdist worker that crashed) is dead too.
-        return not procfs.is_live(self.pid, self.start_ticks)
-
-    def is_alive(self) -> bool:
-        """True only when provably alive: same pid namespace, and its pid still that very process."""
-        return self.pid_namespace == procfs.pid_namespace() and procfs.is_live(self.pid, self.start_ticks)
+        return procfs.is_live(self.pid, self.start_ticks)
 
     def describe(self) -> str:
         started = procfs.ticks_to_wall(self.start_ticks)
@@ -81,7 +79,11 @@ def innermost_session(cookie: str) -> SessionRef | None:
     return SessionRef(session_id, pid, start, namespace)
 
 
-def live_outer_session(cookie: str, own_session_id: str) -> SessionRef | None:
+Liveness = Callable[[SessionRef], bool | None]
+"""Whether a session's leader is alive (True), dead (False) or unknowable (None): ``SessionRef.liveness``."""
+
+
+def live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
     """A session that encloses the cookie's innermost one and is provably alive, other than ours and those
     we run inside: the innermost such. Its test started the innermost session (a nested pytest), so what
     that session left when it died is that live session's to reap, never a dead session's debris for
@@ -92,9 +94,20 @@ def live_outer_session(cookie: str, own_session_id: str) -> SessionRef | None:
         if outer is None or own_session_id == outer.session_id or own_session_id.startswith(
                 outer.session_id + ":"):
             continue
-        if outer.is_alive():
+        if liveness(outer) is True:
             return outer
     return None
+
+
+def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
+    """The dead gpuclean session whose debris a process carrying ``cookie`` is: the session that spawned it
+    (``innermost_session``), not ours, provably dead, and enclosed by no live session but ours and those we
+    run inside (``live_outer_session``). None otherwise: a live session's, its pid unknowable here, a live
+    outer session's to reap (its test ran the one that died), or no session's: never ours to reap."""
+    inner = innermost_session(cookie)
+    if inner is None or inner.session_id == own_session_id or liveness(inner) is not False:
+        return None
+    return inner if live_outer_session(cookie, own_session_id, liveness) is None else None
 
 
 class Window:
