@@ -4,8 +4,8 @@ unknown owner (``decide.sort_census``), which xdist siblings and peers are excus
 ``sibling_claim``), which cookie carriers are a dead session's debris and which another session's
 (``ownership.dead_session_of``), what memory is an offender (``decide.excess_memory``, the context
 overhead), what the reap ladder may signal (``decide.may_signal``) and when waiting is hopeless
-(``decide.hopeless``, with ``outside.known_outside``: memory held from outside that an earlier check
-already waited out).
+(``decide.hopeless``, with ``outside.outside_of``: what cannot be the session's, and
+``outside.known_outside``: what an earlier check already waited out).
 
 What needs the kernel (pids, pidfds, signals, /proc) stays in tests/test_checker.py, test_reaper.py and
 test_faults.py.
@@ -19,7 +19,7 @@ import pytest
 
 from pytest_gpuclean.core import decide
 from pytest_gpuclean.core.census import Found, is_peer, sibling_claim
-from pytest_gpuclean.core.outside import OutsideState, known_outside
+from pytest_gpuclean.core.outside import OutsideState, known_outside, outside_of
 from pytest_gpuclean.core.ownership import (
     PREEXISTING,
     SESSION,
@@ -273,6 +273,44 @@ def test_hopeless(offenders: list[Offender], unsignalled: set[tuple[int, int]], 
                   hopeless: bool) -> None:
     outside = {id(o): frozenset({GPU0.uuid}) for o in offenders if o.reason == "memory"}
     assert decide.hopeless(offenders, unsignalled, outside, outside_on) is hopeless
+
+
+def foreign(pid: int, *on: DeviceInfo) -> Offender:
+    info = ProcessInfo(pid, pid * 10, 1, 1000, "ci", "sleep 600", "sleeping")
+    return Offender("foreign", info, None, "gpu", tuple((d.label, 100.0) for d in on))
+
+
+def test_outside_of_finds_what_cannot_be_the_sessions() -> None:
+    stranger, sibling_run, ours = foreign(300, GPU0), foreign(400, GPU1), leak(500)
+    memory = Offender("memory", None, None, "gpu", ((GPU1.label, 200.0),))
+    readings = [snap(GPU0, 612, (300, 100), (ME, 500)), snap(GPU1, 800, (400, 100), (ME, 500))]
+    found, states, clean = outside_of(
+        [stranger, sibling_run, ours, memory], readings, (GPU0, GPU1), {ME}, [found_pid(500)], {300, 400},
+        {}, 16 * MIB, of_our_run=lambda pid: pid == 400, start_ticks=lambda pid: pid * 10)
+    # A stranger's process and memory nobody holds: outside. A sibling worker's: the run's. A leak: ours.
+    assert found == {id(stranger): frozenset({GPU0.uuid}), id(memory): frozenset({GPU1.uuid})}
+    # Each device with something from outside, as a later check compares it: the holders not ours (the
+    # sibling's too: it is listed there, not ours), the memory not ours.
+    assert states == {GPU0.uuid: (frozenset({(300, 3000)}), 112 * MIB),
+                      GPU1.uuid: (frozenset({(400, 4000)}), 300 * MIB)}
+    assert clean == []
+
+
+def test_outside_of_a_clean_check_or_a_dirty_one_of_ours() -> None:
+    readings = [snap(GPU0, 0), snap(GPU1, 600, (500, 100), (ME, 500))]
+    assert outside_of([], readings, (GPU0, GPU1), {ME}, [], set(), {}, 0, lambda pid: False,
+                      lambda pid: 0) == ({}, {}, [GPU0.uuid, GPU1.uuid])
+    # Only a leak of ours: nothing from outside, and both devices clean from outside (the leak's memory is
+    # ours); a sibling worker's process listed there keeps its device from being clean from outside.
+    assert outside_of([leak(500)], readings, (GPU0, GPU1), {ME}, [found_pid(500)], set(), {}, 0,
+                      lambda pid: False, lambda pid: 0) == ({}, {}, [GPU0.uuid, GPU1.uuid])
+    readings[0] = snap(GPU0, 100, (400, 100))
+    assert outside_of([leak(500)], readings, (GPU0, GPU1), {ME}, [found_pid(500)], {400}, {}, 0,
+                      lambda pid: True, lambda pid: 0) == ({}, {}, [GPU1.uuid])
+
+
+def found_pid(pid: int) -> Found:
+    return found(pid, "t1")
 
 
 HOLDER = frozenset({(300, 3000)})

@@ -20,7 +20,7 @@ from pytest_gpuclean.core.census import Census, Found, Sibling
 from pytest_gpuclean.core.cookie import new_session_id
 from pytest_gpuclean.core.devices import Backend, DeviceError, DeviceLost
 from pytest_gpuclean.core.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
-from pytest_gpuclean.core.outside import OutsideMemory, OutsideState, known_outside
+from pytest_gpuclean.core.outside import OutsideMemory, OutsideState, known_outside, outside_of
 from pytest_gpuclean.core.ownership import PREEXISTING, SESSION, Ownership
 from pytest_gpuclean.core.settings import DEFAULT_GRACE_S
 from pytest_gpuclean.model.readings import (
@@ -291,7 +291,9 @@ class Checker:
 
 
 class _Check:
-    """One check: observe, collect zombies, let leftovers settle, reap, and give the verdict."""
+    """One check: observe (the readings, sorted by ``decide.sort_census``), collect zombies, let leftovers
+    settle, reap (``Checker.reap``), and give the verdict (the offenders; ``outside.outside_of`` and
+    ``known_outside``; ``decide.hopeless``: whether to look again)."""
 
     def __init__(self, checker: Checker, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
                  timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool,
@@ -511,7 +513,9 @@ class _Check:
         unsignalled = {f.key for f in self.unknown} | {
             f.key for f in self.ours if f.key in self.attempted}
         # Nor does an outside state that an earlier check already waited out, and finds again unchanged.
-        outside, states, clean = self._outside(offenders)
+        outside, states, clean = outside_of(offenders, self.snaps, self.devices, self.excused, self.found,
+                                            self.unexplained, self.overhead, self.tolerance,
+                                            self.c.procs.of_our_run, _start_ticks)
         known = known_outside(states, self.c.outside.load() if states else {}, self.outside_seen,
                               max(self.tolerance, OUTSIDE_SLACK_BYTES), time.monotonic(), self.timeout,
                               self.where)
@@ -588,39 +592,6 @@ class _Check:
             waited_s=time.monotonic() - self.started, notes=tuple(self.notes),
             tolerance_mib=self.tolerance_mib, error=error.describe(),
             device_lost=isinstance(error, DeviceLost))
-
-    def _outside(self, offenders: Sequence[Offender]) -> tuple[
-            dict[int, frozenset[str]], dict[str, tuple[frozenset[tuple[int, int]], int]], list[str]]:
-        """The findings that cannot be the session's (by ``id``, each with the UUIDs of the devices it is
-        on); each of those devices as a later check compares it: the processes listed there that are not
-        ours, and the memory there that is not ours; and the devices clean from outside.
-
-        Cannot be the session's: a process the driver lists that is neither ours nor excused (a sibling
-        xdist worker's processes are the run's, not outside), and memory that no process we can see holds.
-        A leak of ours, or a process of unknown owner that carries our cookie, never is.
-        """
-        found: dict[int, frozenset[str]] = {}
-        if not offenders:
-            return found, {}, [d.uuid for d in self.devices]
-        uuid_of = {s.device.label: s.device.uuid for s in self.snaps}
-        for o in offenders:
-            if o.reason == "memory" or (o.reason == "foreign" and o.process is not None
-                                        and not self.c.procs.of_our_run(o.process.pid)):
-                found[id(o)] = frozenset(uuid_of[label] for label, _ in o.mib_per_device if label in uuid_of)
-        states: dict[str, tuple[frozenset[tuple[int, int]], int]] = {}
-        clean: list[str] = []
-        dirty = frozenset().union(*found.values())
-        ours = self.excused | {f.pid for f in self.found}
-        for snap in self.snaps:
-            uuid = snap.device.uuid
-            unexplained = [p.pid for p in snap.processes if p.pid in self.unexplained]
-            used = snap.used_bytes - snap.bytes_of(ours) - self.overhead.get(uuid, 0)
-            if uuid in dirty:
-                states[uuid] = (frozenset((pid, _start_ticks(pid)) for pid in unexplained), used)
-            elif not unexplained and used <= self.tolerance:
-                # (Not merely unreported: a leak of ours listed there hides memory nobody holds.)
-                clean.append(uuid)
-        return found, states, clean
 
     def _remember_outside(self, offenders: Sequence[Offender], outside: dict[int, frozenset[str]],
                           states: dict[str, tuple[frozenset[tuple[int, int]], int]], clean: list[str],

@@ -17,10 +17,13 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from pytest_gpuclean.model.readings import MIB
+from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.model.findings import Offender
 
 STATE_VAR = "GPUCLEAN_OUTSIDE_STATE"
 """Set by an xdist controller for its workers: the file where they share what held a GPU from outside."""
@@ -53,6 +56,54 @@ class OutsideState(NamedTuple):
 
 Holders = frozenset[tuple[int, int]]
 """(pid, start ticks) of each process listed on a device that is not ours (start ticks 0: not visible)."""
+
+
+class Counted(Protocol):
+    """A process of the session's census: its pid is all this module reads."""
+
+    @property
+    def pid(self) -> int: ...
+
+
+def outside_of(offenders: Sequence[Offender], snaps: Sequence[DeviceSnapshot], devices: Sequence[DeviceInfo],
+               excused: set[int], found: Iterable[Counted], unexplained: set[int],
+               overhead: Mapping[str, int], tolerance: int, of_our_run: Callable[[int], bool],
+               start_ticks: Callable[[int], int]
+               ) -> tuple[dict[int, frozenset[str]], dict[str, tuple[Holders, int]], list[str]]:
+    """The findings of a check that cannot be the session's (by ``id``, each with the UUIDs of the devices
+    it is on); each of those devices as a later check compares it (``known_outside``): the processes
+    listed there that are not ours, and the memory there that is not ours; and the devices clean from
+    outside.
+
+    Cannot be the session's: a process the driver lists that is neither ours nor excused (a sibling
+    xdist worker's processes are the run's, ``of_our_run``: not outside), and memory that no process we can
+    see holds. A leak of ours, or a process of unknown owner that carries our cookie, never is. ``found``
+    is the check's census, ``excused``, ``unexplained`` and ``overhead`` what it made of the snapshot
+    (``decide.sort_census``, ``decide.listed_overhead``); ``start_ticks`` names a holder's start time (0 if
+    it cannot be seen).
+    """
+    outside: dict[int, frozenset[str]] = {}
+    if not offenders:
+        return outside, {}, [d.uuid for d in devices]
+    uuid_of = {s.device.label: s.device.uuid for s in snaps}
+    for o in offenders:
+        if o.reason == "memory" or (o.reason == "foreign" and o.process is not None
+                                    and not of_our_run(o.process.pid)):
+            outside[id(o)] = frozenset(uuid_of[label] for label, _ in o.mib_per_device if label in uuid_of)
+    states: dict[str, tuple[Holders, int]] = {}
+    clean: list[str] = []
+    dirty = frozenset().union(*outside.values())
+    ours = excused | {f.pid for f in found}
+    for snap in snaps:
+        uuid = snap.device.uuid
+        listed = [p.pid for p in snap.processes if p.pid in unexplained]
+        used = snap.used_bytes - snap.bytes_of(ours) - overhead.get(uuid, 0)
+        if uuid in dirty:
+            states[uuid] = (frozenset((pid, start_ticks(pid)) for pid in listed), used)
+        elif not listed and used <= tolerance:
+            # (Not merely unreported: a leak of ours listed there hides memory nobody holds.)
+            clean.append(uuid)
+    return outside, states, clean
 
 
 def known_outside(states: dict[str, tuple[Holders, int]], remembered: dict[str, OutsideState],
