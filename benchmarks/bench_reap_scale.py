@@ -40,7 +40,8 @@ import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
 from pytest_gpuclean.core import processes, procfs
-from pytest_gpuclean.core.checker import COOKIE_VAR, Checker
+from pytest_gpuclean.core.checker import Checker
+from pytest_gpuclean.core.cookie import COOKIE_VAR
 from pytest_gpuclean.core.devices import SimulatedBackend
 from pytest_gpuclean.model.readings import Owner
 

@@ -59,7 +59,8 @@ import _layers_compat  # noqa: E402, F401  # (a tree from before the layers: iss
 
 from pytest_gpuclean.core import devices as devices_mod  # noqa: E402
 from pytest_gpuclean.core import processes  # noqa: E402
-from pytest_gpuclean.core.checker import COOKIE_VAR, Checker  # noqa: E402
+from pytest_gpuclean.core.checker import Checker  # noqa: E402
+from pytest_gpuclean.core.cookie import COOKIE_VAR  # noqa: E402
 from pytest_gpuclean.model.readings import MIB, DeviceInfo, Owner  # noqa: E402
 
 HOLDER = r"""

@@ -26,8 +26,10 @@ from typing import Any, TextIO
 
 from pytest_gpuclean import __version__
 from pytest_gpuclean.core import devices, processes, procfs, reap_plan, settings
-from pytest_gpuclean.core.checker import Checker, mib_of, reaped_record
+from pytest_gpuclean.core.checker import Checker
+from pytest_gpuclean.core.decide import mib_of
 from pytest_gpuclean.core.ownership import COOKIE_VAR
+from pytest_gpuclean.core.reaping import reaped_record
 from pytest_gpuclean.model.findings import ProcessInfo, Reaped
 from pytest_gpuclean.model.readings import MIB, DeviceHealth, DeviceInfo, DeviceSnapshot, FoundBy
 from pytest_gpuclean.model.results import CheckResult

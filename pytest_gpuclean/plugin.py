@@ -105,8 +105,9 @@ def _export_cookie(config: pytest.Config) -> ExportedCookie:
         # A cookie already set (a CI job's, or the test of an outer pytest session) prefixes ours, so
         # `gpuclean reap --cookie <job>` and the outer session still recognise everything we spawn.
         inherited = os.environ.get(COOKIE_VAR)
-        exported = ExportedCookie(new_session_id(inherited), inherited, procfs.boot_ticks_now(),
-                                  (inherited, os.environ.get(OWNER_VAR)), procfs.last_pid())
+        exported = ExportedCookie(new_session_id(inherited, *procfs.self_identity()), inherited,
+                                  procfs.boot_ticks_now(), (inherited, os.environ.get(OWNER_VAR)),
+                                  procfs.last_pid())
         config.stash[_COOKIE] = exported
         os.environ[COOKIE_VAR] = cookie(exported.session_id, SESSION_TOKEN)
         os.environ[OWNER_VAR] = SESSION_NAME

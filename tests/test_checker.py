@@ -300,7 +300,7 @@ def test_a_foreign_process_of_our_xdist_run_is_not_outside(backend: FakeBackend,
         backend.set(GPU0, 512, (sibling.pid, 512))
         checker = Checker(backend, reap=False, dead_sessions=False, xdist_run="run1",
                           peer_cookie="gc.1.2.3.aa:session")
-        monkeypatch.setattr(checker, "census", lambda **kwargs: [])  # (not under this process, as in a run)
+        monkeypatch.setattr(checker.procs, "take", lambda *args: [])  # (not under this process, as in a run)
         for where in ("t.py::test_1", "t.py::test_2"):
             result = outside_check(checker, where=where)
             assert [o.reason for o in result.offenders] == ["foreign"] and result.outside is None
@@ -318,7 +318,7 @@ def test_an_outside_holder_that_has_exited_is_a_changed_state(backend: FakeBacke
     try:
         backend.set(GPU0, 512, (holder.pid, 512))
         checker = Checker(backend, reap=False, dead_sessions=False)
-        monkeypatch.setattr(checker, "census", lambda **kwargs: [])  # (not ours, as if started elsewhere)
+        monkeypatch.setattr(checker.procs, "take", lambda *args: [])  # (not ours, as if started elsewhere)
         outside_check(checker)
         known = outside_check(checker, where="t.py::test_2").outside
         assert known is not None and known.same_as == "t.py::test_1"

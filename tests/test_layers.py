@@ -26,6 +26,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_gpuclean.__main__",),  # python -m pytest_gpuclean: the gpuclean command
 )
 
+CHECK_FLOW: tuple[tuple[str, ...], ...] = (
+    # Inside the core, the check's own order (bottom first; one row's modules independent, as in LAYERS):
+    ("pytest_gpuclean.core.decide",),  # the decisions over plain data: no reading, no signal
+    ("pytest_gpuclean.core.census", "pytest_gpuclean.core.reaping"),  # the processes read; the reap ladder
+    ("pytest_gpuclean.core.checker",),  # one check: readings -> decisions -> reaping -> verdict
+)
+
 
 def _modules() -> dict[str, Path]:
     found = {}
@@ -168,3 +175,13 @@ def test_imports_are_read_where_they_hide() -> None:
     assert "pytest_gpuclean.model.findings" in GRAPH["pytest_gpuclean.model.results"]
     # ... and ``from pkg import mod`` names the module, not its package.
     assert "pytest_gpuclean.core.devices" in GRAPH["pytest_gpuclean.session.session"]
+
+
+def test_the_check_flows_one_way() -> None:
+    row_of = {module: row for row, modules in enumerate(CHECK_FLOW) for module in modules}
+    wrong = [f"{module} imports {target}" for module, row in row_of.items()
+             for target in sorted(GRAPH[module]) if row_of.get(target, -1) >= row and target != module]
+    assert wrong == []
+    # The decisions need no reading: they import nothing of the core.
+    core = [t for t in GRAPH["pytest_gpuclean.core.decide"] if t.startswith("pytest_gpuclean.core.")]
+    assert core == []

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 
-from pytest_gpuclean.core import procfs
-
 COOKIE_VAR = "GPUCLEAN_TEST"
 """Set in the pytest process while a test or higher-scoped fixture runs: every process spawned then
 inherits ``<session id>:<owner token>`` and so says who started it, wherever it ends up."""
@@ -27,17 +25,17 @@ exported before the conftests are imported. Other tokens are a letter and a coun
 SESSION_NAME = "pytest session"
 
 
-def new_session_id(inherited_cookie: str | None = None) -> str:
-    """A session id that names its leader: ``gc.<pid>.<start ticks>.<pid namespace>.<random>``.
+def new_session_id(inherited_cookie: str | None, start_ticks: int, pid_namespace: int) -> str:
+    """A session id that names its leader, this process (started at ``start_ticks``, in ``pid_namespace``):
+    ``gc.<pid>.<start ticks>.<pid namespace>.<random>``. (The readings are the caller's, so that this
+    module, exported before any conftest runs, stays a leaf.)
 
     The leader's pid and start time let any later session prove that this one is dead (its pid gone,
     or reused by a process that started later); the namespace says where that pid means something. A
     cookie already set (a CI job's, or an outer session's test) prefixes it, so what this session spawns
     is still recognised by the job's hooks and by the outer session as theirs.
     """
-    me = os.getpid()
-    stat = procfs.read_stat(me)
-    own = f"gc.{me}.{stat.start_ticks if stat else 0}.{procfs.pid_namespace()}.{os.urandom(4).hex()}"
+    own = f"gc.{os.getpid()}.{start_ticks}.{pid_namespace}.{os.urandom(4).hex()}"
     return f"{inherited_cookie}/{own}" if inherited_cookie else own
 
 

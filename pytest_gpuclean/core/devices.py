@@ -110,8 +110,8 @@ XID_EVENT = 0x8
 class HealthSource(Protocol):
     """What the health watch (``health.py``) needs of a backend; both backends here have it.
 
-    ``health`` and ``clock_reasons`` are the slow reads (milliseconds per device on an H200: GPU-FACTS.md);
-    ``drain_xids`` is the cheap one, for every check.
+    ``health`` and ``clock_reasons`` are the slow reads (an H200's figures: docs/gpu.md); ``drain_xids`` is
+    the cheap one, for every check.
     """
 
     def health(self, device: DeviceInfo) -> DeviceHealth:
@@ -135,9 +135,9 @@ class HealthSource(Protocol):
 class NvmlOpening:
     """``import pynvml``, ``nvmlInit`` and the GPUs' handles, by default in a thread of their own.
 
-    A checked session's start waits for NVML more than for anything else: on an H200, 9-11 ms in
-    ``nvmlInit`` and 7-13 ms for the first handle, both C calls that let go of the GIL. Started before the
-    session imports the rest of its code, they run meanwhile; ``NvmlBackend`` takes the result.
+    A checked session's start waits for NVML more than for anything else (docs/benchmarks.md 5d), in C
+    calls that let go of the GIL. Started before the session imports the rest of its code, they run
+    meanwhile; ``NvmlBackend`` takes the result.
     """
 
     def __init__(self, *, thread: bool = True) -> None:
@@ -372,7 +372,7 @@ class NvmlBackend:
         nvml = self._nvml
         found: list[tuple[str, int]] = []
         with self._lock:
-            # A wait of 0 ms returns an event or "timeout" at once (about 3 us on an H200: GPU-FACTS.md).
+            # A wait of 0 ms returns an event or "timeout" at once (docs/gpu.md: the health watch's cost).
             for _ in range(1000):  # a GPU flooding Xids must not hold the check forever
                 try:
                     data = nvml.nvmlEventSetWait_v2(self._events, 0)

@@ -1,11 +1,11 @@
 """A clean GPU is a healthy GPU: Xid events blamed on the test during which they arrived, GPUs that need a
 reset, a lost GPU, settings changed under the session, and the CUDA sanity probe (``probe.py``).
 
-What it costs the quiet path: one drain of the Xid events per check (an NVML event set waited on for 0 ms,
-about 3 us on an H200; a ``stat`` per device on simulated devices). The slow reads (row remapping, ECC,
-compute mode: up to 2 ms per device on an H200, GPU-FACTS.md) run at session start, and after a test only
-where something points at them: an Xid, a reaped GPU process, a failed test. Clock event reasons are read
-then too, and after a test that ran ``CLOCKS_AFTER_S`` or more (a millisecond per device is nothing there).
+What it costs the quiet path: one drain of the Xid events per check (an NVML event set waited on for 0 ms;
+a ``stat`` per device on simulated devices). The slow reads (row remapping, ECC, compute mode) run at
+session start, and after a test only where something points at them: an Xid, a reaped GPU process, a
+failed test. Clock event reasons are read then too, and after a test that ran ``CLOCKS_AFTER_S`` or more.
+(An H200's figures: docs/gpu.md, issue 28's costs.)
 
 No pytest here: ``testcheck.py`` calls the watch around each test and turns its findings into failures;
 ``cli.py`` uses ``device_problems`` for ``gpuclean status`` and ``check``. Only ``devices.py`` talks to NVML.
@@ -52,8 +52,8 @@ XIDS: dict[int, tuple[HealthEffect, str]] = {
 """Xid code -> (effect, one-line meaning). Codes not here fail the test that saw them (``xid_meaning``)."""
 
 CLOCKS_AFTER_S = 10.0
-"""After a test that ran this long, its GPUs' clock event reasons are read (about 1 ms per H200): 0.1% of
-its time on 8 GPUs."""
+"""After a test that ran this long, its GPUs' clock event reasons are read: a cost lost in a test this
+long."""
 
 
 def xid_meaning(code: int) -> tuple[HealthEffect, str]:

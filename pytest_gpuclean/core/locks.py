@@ -1032,8 +1032,8 @@ def _write_holder(state: _Dir, name: str, payload: bytes) -> tuple[int, bool]:
 
     Returns the descriptor and whether the record was padded to ``_RECORD_BYTES``.
 
-    Overwritten in place: creating, renaming or deleting a file per GPU and test cost 0.3-0.8 ms per GPU
-    on ext4, more than the whole clean check. A reader that catches a half-written record fails to parse
+    Overwritten in place: a file created, renamed or deleted per GPU and test costs more than the whole
+    clean check (docs/benchmarks.md 9). A reader that catches a half-written record fails to parse
     it and reads "unknown holder", as for a missing one.
     """
     fd = _holder_fd(state, name)

@@ -17,10 +17,13 @@ import contextlib
 import fcntl
 import json
 import os
-from collections.abc import Iterable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from pytest_gpuclean.model.readings import MIB
+from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.model.findings import Offender
 
 STATE_VAR = "GPUCLEAN_OUTSIDE_STATE"
 """Set by an xdist controller for its workers: the file where they share what held a GPU from outside."""
@@ -49,6 +52,83 @@ class OutsideState(NamedTuple):
         """The same processes (pid and start time: not a new process that reused a pid), the same memory
         give or take ``slack``."""
         return self.holders == holders and abs(self.used_bytes - used_bytes) <= slack
+
+
+Holders = frozenset[tuple[int, int]]
+"""(pid, start ticks) of each process listed on a device that is not ours (start ticks 0: not visible)."""
+
+
+class Counted(Protocol):
+    """A process of the session's census: its pid is all this module reads."""
+
+    @property
+    def pid(self) -> int: ...
+
+
+def outside_of(offenders: Sequence[Offender], snaps: Sequence[DeviceSnapshot], devices: Sequence[DeviceInfo],
+               excused: set[int], found: Iterable[Counted], unexplained: set[int],
+               overhead: Mapping[str, int], tolerance: int, of_our_run: Callable[[int], bool],
+               start_ticks: Callable[[int], int]
+               ) -> tuple[dict[int, frozenset[str]], dict[str, tuple[Holders, int]], list[str]]:
+    """The findings of a check that cannot be the session's (by ``id``, each with the UUIDs of the devices
+    it is on); each of those devices as a later check compares it (``known_outside``): the processes
+    listed there that are not ours, and the memory there that is not ours; and the devices clean from
+    outside.
+
+    Cannot be the session's: a process the driver lists that is neither ours nor excused (a sibling
+    xdist worker's processes are the run's, ``of_our_run``: not outside), and memory that no process we can
+    see holds. A leak of ours, or a process of unknown owner that carries our cookie, never is. ``found``
+    is the check's census, ``excused``, ``unexplained`` and ``overhead`` what it made of the snapshot
+    (``decide.sort_census``, ``decide.listed_overhead``); ``start_ticks`` names a holder's start time (0 if
+    it cannot be seen).
+    """
+    outside: dict[int, frozenset[str]] = {}
+    if not offenders:
+        return outside, {}, [d.uuid for d in devices]
+    uuid_of = {s.device.label: s.device.uuid for s in snaps}
+    for o in offenders:
+        if o.reason == "memory" or (o.reason == "foreign" and o.process is not None
+                                    and not of_our_run(o.process.pid)):
+            outside[id(o)] = frozenset(uuid_of[label] for label, _ in o.mib_per_device if label in uuid_of)
+    states: dict[str, tuple[Holders, int]] = {}
+    clean: list[str] = []
+    dirty = frozenset().union(*outside.values())
+    ours = excused | {f.pid for f in found}
+    for snap in snaps:
+        uuid = snap.device.uuid
+        listed = [p.pid for p in snap.processes if p.pid in unexplained]
+        used = snap.used_bytes - snap.bytes_of(ours) - overhead.get(uuid, 0)
+        if uuid in dirty:
+            states[uuid] = (frozenset((pid, start_ticks(pid)) for pid in listed), used)
+        elif not listed and used <= tolerance:
+            # (Not merely unreported: a leak of ours listed there hides memory nobody holds.)
+            clean.append(uuid)
+    return outside, states, clean
+
+
+def known_outside(states: dict[str, tuple[Holders, int]], remembered: dict[str, OutsideState],
+                  seen: dict[str, OutsideState], slack: int, now: float, timeout: float,
+                  where: str) -> set[str]:
+    """The devices whose outside state (``states``: per UUID, the holders and the memory not ours) is one an
+    earlier check waited out (``remembered``), give or take ``slack``, unchanged since for at least this
+    check's ``timeout``: waiting longer for it is waiting for nothing. (A check with a longer timeout than
+    that one's waits the difference.)
+
+    Updates ``seen``, per device, with the state this check (``where``) has seen unchanged, and since when:
+    the remembered one when it is the same, else the state first seen at ``now``.
+    """
+    known: set[str] = set()
+    for uuid, (holders, used) in states.items():
+        earlier = remembered.get(uuid)
+        if earlier is not None and earlier.same(holders, used, slack):
+            seen[uuid] = earlier
+            if now - earlier.since >= timeout:
+                known.add(uuid)
+            continue
+        last = seen.get(uuid)
+        if last is None or not last.same(holders, used, slack):
+            seen[uuid] = OutsideState(holders, used, where, now)
+    return known
 
 
 class OutsideMemory:

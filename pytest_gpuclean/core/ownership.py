@@ -11,13 +11,13 @@ never signalled.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pytest_gpuclean.core import procfs
 from pytest_gpuclean.core.cookie import COOKIE_VAR as COOKIE_VAR
 from pytest_gpuclean.core.cookie import OWNER_VAR as OWNER_VAR
 from pytest_gpuclean.core.cookie import SESSION_TOKEN, cookie
-from pytest_gpuclean.core.cookie import new_session_id as new_session_id
 from pytest_gpuclean.model.readings import UNKNOWN_OWNER, Owner
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
@@ -31,26 +31,29 @@ PREEXISTING_OWNER = Owner("unknown", "no part of the session (it, or the process
 _SESSION_ID = re.compile(r"gc\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+$")
 
 
+SESSION = SESSION_TOKEN
+"""Token of processes born in this session outside every test and fixture (and the session's own), and
+of those whose cookie says the session set-up started them."""
+
+
 class SessionRef(NamedTuple):
     """The leader of a gpuclean session, as its id names it. (NamedTuples, not dataclasses, for the records
-    of the checks' own machinery: a dataclass costs about a millisecond to create at import, in every
-    checked session, a NamedTuple a sixth of that.)"""
+    of the checks' own machinery: far cheaper to create at import, in every checked session;
+    docs/benchmarks.md 5c.)"""
 
     session_id: str
     pid: int
     start_ticks: int
     pid_namespace: int
 
-    def is_dead(self) -> bool:
-        """True only when provably dead: same pid namespace, and its pid gone or now another process."""
+    def liveness(self) -> bool | None:
+        """True when provably alive (same pid namespace, its pid still that very process), False when provably
+        dead (same pid namespace, its pid gone or now another process), None when its pid means nothing
+        here (another pid namespace): no proof either way."""
         if self.pid_namespace != procfs.pid_namespace():
-            return False  # its pid means nothing here: no proof either way
+            return None
         # An exited leader nobody has waited for yet (an xdist worker that crashed) is dead too.
-        return not procfs.is_live(self.pid, self.start_ticks)
-
-    def is_alive(self) -> bool:
-        """True only when provably alive: same pid namespace, and its pid still that very process."""
-        return self.pid_namespace == procfs.pid_namespace() and procfs.is_live(self.pid, self.start_ticks)
+        return procfs.is_live(self.pid, self.start_ticks)
 
     def describe(self) -> str:
         started = procfs.ticks_to_wall(self.start_ticks)
@@ -76,7 +79,11 @@ def innermost_session(cookie: str) -> SessionRef | None:
     return SessionRef(session_id, pid, start, namespace)
 
 
-def live_outer_session(cookie: str, own_session_id: str) -> SessionRef | None:
+Liveness = Callable[[SessionRef], bool | None]
+"""Whether a session's leader is alive (True), dead (False) or unknowable (None): ``SessionRef.liveness``."""
+
+
+def live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
     """A session that encloses the cookie's innermost one and is provably alive, other than ours and those
     we run inside: the innermost such. Its test started the innermost session (a nested pytest), so what
     that session left when it died is that live session's to reap, never a dead session's debris for
@@ -87,14 +94,25 @@ def live_outer_session(cookie: str, own_session_id: str) -> SessionRef | None:
         if outer is None or own_session_id == outer.session_id or own_session_id.startswith(
                 outer.session_id + ":"):
             continue
-        if outer.is_alive():
+        if liveness(outer) is True:
             return outer
     return None
 
 
+def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
+    """The dead gpuclean session whose debris a process carrying ``cookie`` is: the session that spawned it
+    (``innermost_session``), not ours, provably dead, and enclosed by no live session but ours and those we
+    run inside (``live_outer_session``). None otherwise: a live session's, its pid unknowable here, a live
+    outer session's to reap (its test ran the one that died), or no session's: never ours to reap."""
+    inner = innermost_session(cookie)
+    if inner is None or inner.session_id == own_session_id or liveness(inner) is not False:
+        return None
+    return inner if live_outer_session(cookie, own_session_id, liveness) is None else None
+
+
 class Window:
     """The span of a test or higher-scoped fixture, bracketed by pid and clock readings. (A plain class: a
-    dataclass costs about a millisecond to create at import, in every checked session.)"""
+    dataclass is far dearer to create at import, in every checked session; docs/benchmarks.md 5c.)"""
 
     __slots__ = ("end_tick", "first_pid", "last_pid", "start_tick", "token")
 
@@ -163,57 +181,25 @@ class Ownership:
                 return
 
     def token_by_birth(self, pid: int, start_ticks: int) -> str | None:
-        """The innermost window that ``pid`` (started at ``start_ticks``) was provably born in.
-
-        For a process born after the session started (the caller knows: it was not among the session's
-        processes then). Proof is a pid between the window's two pid readings and a start time between
-        its two clock readings. Pids wrap around, so a window that went through half the pid space or
-        more proves nothing by pid; then only a start time strictly inside the window counts, since its
-        first and last tick are shared with whatever ran just before and after. ``SESSION`` when the
-        process was provably born outside every window (collection, a conftest hook, between tests);
-        None when the evidence does not decide.
-        """
+        """The innermost window that ``pid`` (started at ``start_ticks``) was provably born in (``born_in``),
+        an open window reaching up to now. For a process born after the session started (the caller
+        knows: it was not among the session's processes then)."""
         now_pid: int | None = None
-        now_tick: int | None = None
-        for window in reversed(self.windows):
-            end_tick, last = window.end_tick, window.last_pid
-            if end_tick is None:
-                now_tick = end_tick = procfs.boot_ticks_now() if now_tick is None else now_tick
-                now_pid = last = procfs.last_pid() if now_pid is None else now_pid
-            if not window.start_tick <= start_ticks <= end_tick:
-                continue
-            by_pid = self._pid_between(pid, window.first_pid, last)
-            if by_pid:
-                return window.token
-            if by_pid is None:
-                return window.token if window.start_tick < start_ticks < end_tick else None
-        return SESSION
+        now_tick = 0
+        if any(not window.closed for window in self.windows):
+            now_pid, now_tick = procfs.last_pid(), procfs.boot_ticks_now()
+        return born_in(self.windows, pid, start_ticks, now_pid, now_tick, self._pid_space)
 
     def existed_before(self, pid: int, start_ticks: int, last_pid: int | None = None) -> bool | None:
         """Whether ``pid`` (started at ``start_ticks``), which carries no cookie of this session and descends
-        from none of its processes, was born before the session began: True when provably before, False when
-        provably after, None when the evidence does not decide.
-
-        A start time before or after the export's tick decides. In that very tick (10 ms) only the pids
-        can: one allocated after the export lies between the pid read then and ``last_pid``, a reading
-        taken after the process was found (by default now); with no pid readings, or a span that may have
-        wrapped, nothing is proven.
-        """
+        from none of its processes, was born before the session began (``older_than_session``), with
+        ``last_pid`` a reading taken after the process was found (by default now)."""
         if self.began_tick is None:
             return False
         if start_ticks != self.began_tick:
             return start_ticks < self.began_tick
-        after = self._pid_between(pid, self.began_pid, procfs.last_pid() if last_pid is None else last_pid)
-        return None if after is None else not after
-
-    def _pid_between(self, pid: int, first: int | None, last: int | None) -> bool | None:
-        """Whether ``pid`` was allocated after ``first`` and up to ``last``; None if that is unknowable."""
-        if first is None or last is None:
-            return None
-        span = (last - first) % self._pid_space
-        if span > self._pid_space // 2:
-            return None  # may have wrapped all the way round
-        return 0 < (pid - first) % self._pid_space <= span
+        return older_than_session(pid, start_ticks, self.began_tick, self.began_pid,
+                                  procfs.last_pid() if last_pid is None else last_pid, self._pid_space)
 
     def owner(self, token: str | None) -> Owner:
         if token == SESSION:
@@ -229,6 +215,58 @@ class Ownership:
                 or token in self.active_fixtures)
 
 
-SESSION = SESSION_TOKEN
-"""Token of processes born in this session outside every test and fixture (and the session's own), and
-of those whose cookie says the session set-up started them."""
+
+
+# ---- the decisions, over plain values (the readings are the caller's) --------------------------------
+
+
+def born_in(windows: Sequence[Window], pid: int, start_ticks: int, now_pid: int | None, now_tick: int,
+            pid_space: int) -> str | None:
+    """The token of the innermost of ``windows`` that ``pid`` (started at ``start_ticks``) was provably born
+    in; an open window ends at ``now_pid`` and ``now_tick`` (readings taken after the process was found).
+
+    Proof is a pid between the window's two pid readings and a start time between its two clock readings.
+    Pids wrap around, so a window that went through half the pid space or more proves nothing by pid;
+    then only a start time strictly inside the window counts, since its first and last tick are shared
+    with whatever ran just before and after. ``SESSION`` when the process was provably born outside every
+    window (collection, a conftest hook, between tests); None when the evidence does not decide.
+    """
+    for window in reversed(windows):
+        end_tick, last = window.end_tick, window.last_pid
+        if end_tick is None:
+            end_tick, last = now_tick, now_pid
+        if not window.start_tick <= start_ticks <= end_tick:
+            continue
+        by_pid = pid_between(pid, window.first_pid, last, pid_space)
+        if by_pid:
+            return window.token
+        if by_pid is None:
+            return window.token if window.start_tick < start_ticks < end_tick else None
+    return SESSION
+
+
+def older_than_session(pid: int, start_ticks: int, began_tick: int, began_pid: int | None,
+                       last_pid: int | None, pid_space: int) -> bool | None:
+    """Whether ``pid`` (started at ``start_ticks``) was born before a session that began at ``began_tick``,
+    when the last pid allocated was ``began_pid``: True when provably before, False when provably after,
+    None when the evidence does not decide.
+
+    A start time before or after the export's tick decides. In that very tick (10 ms) only the pids can:
+    one allocated after the export lies between ``began_pid`` and ``last_pid``, a reading taken after the
+    process was found; with no pid readings, or a span that may have wrapped, nothing is proven.
+    """
+    if start_ticks != began_tick:
+        return start_ticks < began_tick
+    after = pid_between(pid, began_pid, last_pid, pid_space)
+    return None if after is None else not after
+
+
+def pid_between(pid: int, first: int | None, last: int | None, pid_space: int) -> bool | None:
+    """Whether ``pid`` was allocated after ``first`` and up to ``last`` in a space of ``pid_space`` pids;
+    None if that is unknowable (a reading missing, or a span that may have wrapped all the way round)."""
+    if first is None or last is None:
+        return None
+    span = (last - first) % pid_space
+    if span > pid_space // 2:
+        return None
+    return 0 < (pid - first) % pid_space <= span

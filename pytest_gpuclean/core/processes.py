@@ -43,8 +43,8 @@ def set_child_subreaper() -> bool:
 def _prctl(option: int, value: int) -> int:
     """``prctl(option, value, 0, 0, 0)`` through ctypes' own building blocks (``_ctypes``).
 
-    Not ``import ctypes``: that defines all of ctypes' types and loaders, 1.5 ms more than this on the CPU
-    box, in every checked session's start, for one call. ``ctypes.CDLL(None).prctl`` is made of these
+    Not ``import ctypes``: that defines all of ctypes' types and loaders, in every checked session's start,
+    for one call (docs/benchmarks.md 9). ``ctypes.CDLL(None).prctl`` is made of these
     same three pieces (a C int type, a cdecl function type returning it, ``dlopen``/``dlsym``); should a
     Python lack one, this falls back to ctypes.
     """

@@ -154,6 +154,12 @@ def pid_namespace() -> int:
         return 0
 
 
+def self_identity() -> tuple[int, int]:
+    """This process's start ticks (0 if unreadable) and pid namespace: what a session id names it by."""
+    stat = read_stat(os.getpid())
+    return (stat.start_ticks if stat is not None else 0), pid_namespace()
+
+
 def children(pid: int) -> list[int]:
     """Direct children of ``pid``, from ``/proc/<pid>/task/*/children`` (a file per thread)."""
     return _children(pid)[0]

@@ -92,7 +92,8 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _device_list(text: str) -> str:
-    from pytest_gpuclean.core.devices import parse_device_list, repeated_tokens  # only when set: see SCOPES
+    # Only when the option is set (see SCOPES): a session that checks nothing never loads the devices module.
+    from pytest_gpuclean.core.devices import parse_device_list, repeated_tokens
 
     # An empty list would check nothing while looking like a choice: refuse it rather than guess.
     tokens = parse_device_list(text)
@@ -375,7 +376,7 @@ def open_devices(resolved: Settings, opening: NvmlOpening | None = None) -> Back
     ``devices.BackendUnavailable`` (no driver), or ``pytest.UsageError`` for unusable simulated devices."""
     import pytest
 
-    from pytest_gpuclean.core import devices
+    from pytest_gpuclean.core import devices  # (lazy start: a session that checks nothing never loads it)
 
     try:
         return devices.open_backend(resolved.simulate, opening)
@@ -388,7 +389,7 @@ def select_devices(backend: Backend, resolved: Settings) -> Selection:
     device twice."""
     import pytest
 
-    from pytest_gpuclean.core import devices
+    from pytest_gpuclean.core import devices  # (lazy start, as in open_devices)
 
     try:
         return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),

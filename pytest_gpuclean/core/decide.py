@@ -1,0 +1,177 @@
+"""What a check decides from its readings: functions over plain data, no /proc, no devices, no signals.
+
+A check reads (``devices``: a snapshot of each GPU; ``census.py``: the session's processes and their
+tokens), then decides here: which processes are the session's to judge and which are excused, what memory
+nobody accounts for, whether a process may be signalled at all, and when waiting longer is hopeless. Each
+is unit-tested without processes (``tests/test_checker_decisions.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from pytest_gpuclean.model.readings import MIB, DeviceSnapshot
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.model.findings import Offender
+
+CONTEXT_OVERHEAD_BYTES = 64 * MIB
+"""Per excused CUDA context, memory the driver counts as used but lists under no process (9 MiB on an H200:
+docs/gpu.md); the margin keeps other drivers' larger overheads excused too."""
+
+
+class Counted(Protocol):
+    """A process as the census found it (``census.Found``): what the decisions read of it."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def token(self) -> str | None: ...
+    @property
+    def debris_of(self) -> object: ...
+    @property
+    def live(self) -> bool: ...
+
+
+C = TypeVar("C", bound=Counted)
+
+
+def sort_census(found: Sequence[C], protected: Callable[[C], bool], never_touch: Collection[int],
+                helpers: Collection[int], listed: set[int]) -> tuple[list[C], list[C], set[int], set[int]]:
+    """Sort ``found`` (a census) against ``listed`` (the pids the driver lists on the checked GPUs):
+    (ours, unknown, excused, unexplained).
+
+    - ours: provably the session's and not ``protected`` now (``Census.is_protected``): judged, and reaped
+      if reaping is on. Debris of a dead session is never protected, so it is ours.
+    - unknown: alive and of unknown birth (no token): reported, never signalled.
+    - excused: pids whose GPU use is the session's own: ``never_touch`` (this process and its ancestors),
+      multiprocessing's ``helpers``, and what is protected now but of known owner (a live fixture's, the
+      session set-up's, what is older than the session): their memory is not a leak of the test.
+    - unexplained: the listed pids that none of the above explains: another session's, another user's, a
+      sibling xdist worker's (the caller excuses those it can prove), or a stranger's.
+    """
+    ours: list[C] = []
+    unknown: list[C] = []
+    excused = {*never_touch, *helpers}
+    for f in found:
+        if not protected(f):
+            ours.append(f)
+        elif f.token is not None:
+            excused.add(f.pid)
+        if f.token is None and f.debris_of is None and f.live:
+            unknown.append(f)
+    unexplained = listed - excused
+    for f in ours:
+        unexplained.discard(f.pid)
+    for f in unknown:
+        unexplained.discard(f.pid)
+    return ours, unknown, excused, unexplained
+
+
+Short = tuple[DeviceSnapshot, set[int], int, int]
+"""A device whose listed contexts do not explain its unlisted memory: (its snapshot, the pids listed there,
+the unlisted bytes, the bytes its listed contexts allow)."""
+
+
+def listed_overhead(snaps: Sequence[DeviceSnapshot], excused: set[int]) -> tuple[dict[str, int], list[Short]]:
+    """Per device: memory the driver charges to no process that is excused as ours, as far as the listed
+    processes explain it; and the devices where they fall short (``context_overhead`` decides those).
+
+    Only where every listed process is excused (ours), and at most CONTEXT_OVERHEAD_BYTES per listed
+    process (a CUDA context). Anything beyond stays visible as dirty memory.
+    """
+    overhead: dict[str, int] = {}
+    short: list[Short] = []
+    for snap in snaps:
+        if not snap.processes and snap.used_bytes <= 0:
+            overhead[snap.device.uuid] = 0  # the clean path: an idle device
+            continue
+        listed = {p.pid for p in snap.processes}
+        unlisted = snap.used_bytes - sum(p.used_bytes or 0 for p in snap.processes)
+        allowed = CONTEXT_OVERHEAD_BYTES * len(listed)
+        if unlisted <= 0 or not listed <= excused:
+            overhead[snap.device.uuid] = 0
+        elif unlisted <= allowed:
+            overhead[snap.device.uuid] = unlisted  # the listed contexts explain it (the common case)
+        else:
+            short.append((snap, listed, unlisted, allowed))
+    return overhead, short
+
+
+def _unlisted_users(snap: DeviceSnapshot, listed: set[int], users: Mapping[int, frozenset[str]]) -> list[int]:
+    return [pid for pid, uuids in users.items() if snap.device.uuid in uuids and pid not in listed]
+
+
+def short_of_users(short: Sequence[Short], users: Mapping[int, frozenset[str]]) -> bool:
+    """Whether ``users`` (pid: the UUIDs it has open) leave a device of ``short`` unexplained: then the
+    other excused processes are worth asking about too (a syscall per descriptor each)."""
+    return any(u > a + CONTEXT_OVERHEAD_BYTES * len(_unlisted_users(s, ls, users)) for s, ls, u, a in short)
+
+
+def context_overhead(short: Sequence[Short], users: Mapping[int, frozenset[str]], me: int,
+                     self_cuda: set[str]) -> dict[str, int]:
+    """For each device of ``short``: the unlisted memory excused, at most CONTEXT_OVERHEAD_BYTES for each
+    listed process and each excused one that uses CUDA there unlisted (``users``: pid: the UUIDs it has
+    open; CUDA initialised without a context: 3 MiB per H200). Adds to ``self_cuda`` each device where
+    ``me`` is such a user."""
+    overhead: dict[str, int] = {}
+    for snap, listed, unlisted, allowed in short:
+        unlisted_users = _unlisted_users(snap, listed, users)
+        if me in unlisted_users:
+            self_cuda.add(snap.device.label)
+        overhead[snap.device.uuid] = min(unlisted, allowed + CONTEXT_OVERHEAD_BYTES * len(unlisted_users))
+    return overhead
+
+
+def excess_memory(snaps: Sequence[DeviceSnapshot], excused: set[int], overhead: Mapping[str, int],
+                  tolerance: int, blamed: Collection[int]) -> list[tuple[DeviceSnapshot, int]]:
+    """The devices with memory beyond ``tolerance`` that nothing excused holds, and how much: the memory an
+    offender of its own. Memory of allowlisted processes counts (only their presence is excused); memory
+    on a device where a ``blamed`` process (an offender already) is listed is not reported twice."""
+    found = []
+    for snap in snaps:
+        extra = snap.used_bytes - snap.bytes_of(excused) - overhead.get(snap.device.uuid, 0)
+        if extra > tolerance and not any(p.pid in blamed for p in snap.processes):
+            found.append((snap, extra))
+    return found
+
+
+def leak_detail(process_uid: int, user: str, state: str, my_uid: int, reap_enabled: bool) -> str:
+    """Why a leaked process of the session is still there."""
+    if process_uid != my_uid:
+        return f"belongs to another user ({user}): never killed"
+    if not reap_enabled:
+        return "reaping is off"
+    return f"could not be reaped ({state})"
+
+
+def may_signal(pid: int, process_uid: int | None, never_touch: Collection[int], my_uid: int,
+               protected: bool) -> bool:
+    """Whether the reap ladder may signal ``pid``, a process of the census: never this process or its
+    ancestors, never another user's (root's too), never what is protected now. ``process_uid`` None: it is
+    gone already (the ladder reports it without signalling)."""
+    if process_uid is None:
+        return True
+    if pid in never_touch or process_uid != my_uid:
+        return False
+    return not protected
+
+
+def hopeless(offenders: Sequence[Offender], unsignalled: Collection[tuple[int, int]],
+             outside: Mapping[int, frozenset[str]], known: AbstractSet[str]) -> bool:
+    """Whether waiting longer cannot make a check clean: there are offenders, and each is a leak that
+    survived our SIGKILL or that we may not signal (its (pid, start ticks) in ``unsignalled``), or was found
+    from outside the session (``outside``: its devices' UUIDs, by the offender's ``id``) only on devices
+    whose outside state an earlier check already waited out (``known``)."""
+    return bool(offenders) and all(
+        (o.reason == "leaked" and o.process is not None
+         and (o.process.pid, o.process.start_ticks) in unsignalled)
+        or (bool(outside.get(id(o))) and outside[id(o)] <= known) for o in offenders)
+
+
+def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:
+    """(device label, MiB) of each device the driver lists ``pid`` on."""
+    return tuple((s.device.label, s.bytes_of({pid}) / MIB) for s in snaps
+                 if any(p.pid == pid for p in s.processes))
