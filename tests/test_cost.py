@@ -22,6 +22,9 @@ import json, os, sys
 
 CTYPES_BEFORE = "ctypes" in sys.modules  # (another plugin's, e.g. pytest-isolate's pynvml)
 
+def _loader(module):
+    return type(getattr(sys.modules[module], "__loader__", None)).__name__
+
 def pytest_sessionfinish(session):
     modules = sorted(m for m in sys.modules if m.split(".")[0] in ("psutil", "pynvml")
                      or m.startswith("pytest_gpuclean."))
@@ -33,6 +36,9 @@ def pytest_sessionfinish(session):
         json.dump({"subreaper": subreaper.value,
                    "modules": modules,
                    "ctypes_loaded": ctypes_loaded,
+                   "rewritten": sorted(m for m in sys.modules if m.split(".")[0] == "pytest_gpuclean"
+                                       and _loader(m) == "AssertionRewritingHook"),
+                   "conftest_rewritten": _loader(__name__),
                    "cookie": os.environ.get("GPUCLEAN_TEST"),
                    "forked": any(getattr(p, "__name__", None) in ("pytest_forked", "pytest_isolate.plugin")
                                  for p in session.config.pluginmanager.get_plugins()),
@@ -159,6 +165,11 @@ def test_checked():
     assert "pytest_gpuclean.core.checker" in state["modules"]
     # The subreaper is set through _ctypes (processes._prctl says why): ctypes itself stays unloaded.
     assert not state["ctypes_loaded"]
+    # pytest rewrote this conftest's asserts, but none of the package's modules (only its __init__, which
+    # is imported before it can say so): under PYTHONDONTWRITEBYTECODE a rewritten module is parsed and
+    # compiled anew in every run (pytest_gpuclean/__init__.py, _PlainImports).
+    assert state["conftest_rewritten"] == "AssertionRewritingHook"
+    assert state["rewritten"] == ["pytest_gpuclean"]
     # The Ray cluster's code and record types load with --gpuclean-ray only, and what a check found at
     # the first finding (this session's checks are all clean).
     assert not {"pytest_gpuclean.model.ray_model", "pytest_gpuclean.ray.cluster",
