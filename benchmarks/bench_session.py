@@ -108,9 +108,9 @@ def has_nvml_gpu() -> bool:
 # ---- trees -----------------------------------------------------------------------------------------
 
 def export_tree(rev: str, dest: str) -> str:
-    """A directory whose ``pytest_gpuclean`` shadows the editable install (PYTHONPATH), or '' for it."""
-    if rev == "WORKTREE":
-        return ""
+    """A directory whose ``pytest_gpuclean`` shadows the installed one (PYTHONPATH). ``WORKTREE`` is this
+    checkout's package, copied too: the environment's editable install may be another checkout's (a git
+    worktree shares the main checkout's venv), and would be measured in its place."""
     import ab_trees
 
     ab_trees.export(rev, dest)
