@@ -71,8 +71,8 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     def q(frac: float) -> float:
         return ordered[min(n - 1, max(0, round(frac * (n - 1))))]
 
-    return {"median": statistics.median(ordered), "p10": q(0.1), "p90": q(0.9), "min": ordered[0],
-            "max": ordered[-1], "n": n}
+    return {"median": statistics.median(ordered), "p10": q(0.1), "p25": q(0.25), "p75": q(0.75),
+            "p90": q(0.9), "min": ordered[0], "max": ordered[-1], "n": n}
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:

@@ -7,9 +7,13 @@ drift on a shared machine hits them all alike:
 * **idle**: a small suite of unmarked tests (``--idle-tests``, default 50), ``pytest -q`` and
   ``pytest -q --co``, with the plugin loaded vs ``-p no:gpuclean``. Added cost = difference of the
   medians (and the median of the per-round differences).
-* **checked**: N and 4N marked tests (``--tests``, default 100) on 8 simulated devices, locks on and off
-  (and real NVML, every GPU, when pynvml finds one), vs the same suites with ``-p no:gpuclean``. With
-  d(n) = T(n) - T_off(n): slope per checked test = (d(4N) - d(N)) / 3N, fixed cost = d(N) - N * slope.
+* **checked**: N and M marked tests (``--tests``, default 100; ``--big-tests``, default 4N) on 8 simulated
+  devices, locks on and off (``--kinds``; and real NVML, every GPU, when pynvml finds one), vs the same
+  suites with ``-p no:gpuclean``. With d(n) = T(n) - T_off(n): slope per checked test = (d(M) - d(N)) /
+  (M - N), fixed cost = d(N) - N * slope; both from wall time and from CPU time (user + sys of the pytest
+  process and of the children it waited for, from its own ``wait4``: what other processes of a shared
+  machine do is not in it), as medians and as per-round paired differences (p25..p75, p10..p90). How busy
+  the machine was during the rounds (load average, the share of its CPU time others used) is recorded.
 * **shell**: the seeds' check, ``ps aux | grep python3 | grep -v grep; nvidia-smi
   --query-gpu=index,memory.used --format=csv`` before and after each of N unmarked tests (an autouse
   fixture, ``subprocess.run(shell=True)``), ``-p no:gpuclean``; per test = (T - T_off(N)) / N. Without
@@ -25,6 +29,10 @@ of this user's processes) in both cases.
 
     python benchmarks/bench_session.py --json benchmarks/results/session_cpu.json
     python benchmarks/bench_session.py --trees ece7ae6,WORKTREE --json benchmarks/results/session_ab.json
+    # issue 29's figure: CPU time, 50 vs 650 marked tests, 8 simulated devices, locks on, 15 rounds
+    python benchmarks/bench_session.py --trees e6a9461,WORKTREE --tests 50 --big-tests 650 --rounds 15 \
+        --kinds locks --skip idle,shell,attribution,per-check \
+        --json benchmarks/results/session_issue29_cpu.json
 """
 
 from __future__ import annotations
@@ -33,7 +41,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -101,9 +108,9 @@ def has_nvml_gpu() -> bool:
 # ---- trees -----------------------------------------------------------------------------------------
 
 def export_tree(rev: str, dest: str) -> str:
-    """A directory whose ``pytest_gpuclean`` shadows the editable install (PYTHONPATH), or '' for it."""
-    if rev == "WORKTREE":
-        return ""
+    """A directory whose ``pytest_gpuclean`` shadows the installed one (PYTHONPATH). ``WORKTREE`` is this
+    checkout's package, copied too: the environment's editable install may be another checkout's (a git
+    worktree shares the main checkout's venv), and would be measured in its place."""
     import ab_trees
 
     ab_trees.export(rev, dest)
@@ -113,17 +120,52 @@ def export_tree(rev: str, dest: str) -> str:
 # ---- one timed pytest run ---------------------------------------------------------------------------
 
 def timed_run(cmd: list[str], cwd: str, env: dict[str, str]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the child and its children) of one run."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=900)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode not in (0, 5):
-        raise RuntimeError(f"{' '.join(cmd)} in {cwd} failed ({done.returncode}):\n{done.stdout[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu
+    """(wall seconds, CPU seconds) of one run. The CPU time is the child's own rusage from ``wait4``:
+    user + sys of the pytest process and of the children it waited for, whatever else the machine runs."""
+    with tempfile.TemporaryFile("w+") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        killer = threading.Timer(900, proc.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        if proc.returncode not in (0, 5):
+            out.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} in {cwd} failed ({proc.returncode}):\n{out.read()[-3000:]}")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine since boot, from /proc/stat (iowait counts as idle)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick
+
+
+class Load:
+    """How busy the machine was while a part ran: load averages after each round, and its CPU time split
+    into ours (the timed children) and everyone else's (other users' work, this script's own)."""
+
+    def __init__(self) -> None:
+        self.loadavg: list[float] = []
+        self.busy0, self.all0 = machine_cpu()
+        self.wall0 = time.monotonic()
+        self.ours = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        busy, total = machine_cpu()
+        wall = time.monotonic() - self.wall0
+        cpus = (total - self.all0) / wall if wall else 0.0
+        return {"wall_s": wall, "cpus_seen": cpus,
+                "busy_cpus": (busy - self.busy0) / wall, "ours_cpus": self.ours / wall,
+                "others_cpus": max(0.0, (busy - self.busy0 - self.ours) / wall),
+                "loadavg_1min": _common.summary(self.loadavg) if self.loadavg else None}
 
 
 class Config:
@@ -425,7 +467,7 @@ def _ppid(pid: int) -> int | None:
 
 # ---- main ------------------------------------------------------------------------------------------
 
-def derive(configs: dict[str, Config], trees: list[str], n: int, rounds: int, shell_label: str,
+def derive(configs: dict[str, Config], trees: list[str], n: int, m: int, rounds: int, shell_label: str,
            kinds: list[str], shell_tests: int) -> dict[str, Any]:
     def med(name: str, field: str = "wall") -> float:
         return statistics.median(getattr(configs[name], field))
@@ -446,17 +488,21 @@ def derive(configs: dict[str, Config], trees: list[str], n: int, rounds: int, sh
         for kind in kinds:
             if f"{tree}/{kind}/N" not in configs:
                 continue
-            d1 = med(f"{tree}/{kind}/N") - med("off/N")
-            d4 = med(f"{tree}/{kind}/4N") - med("off/4N")
-            slope = (d4 - d1) / (3 * n)
-            per_round = []
-            for i in range(rounds):
-                r1 = configs[f"{tree}/{kind}/N"].wall[i] - configs["off/N"].wall[i]
-                r4 = configs[f"{tree}/{kind}/4N"].wall[i] - configs["off/4N"].wall[i]
-                per_round.append(((r4 - r1) / (3 * n), r1 - n * (r4 - r1) / (3 * n)))
-            t[kind] = {"slope_s": slope, "fixed_s": d1 - n * slope,
-                       "slope_paired": _common.summary([p[0] for p in per_round]),
-                       "fixed_paired": _common.summary([p[1] for p in per_round])}
+            t[kind] = {}
+            for field in ("wall", "cpu"):
+                d1 = med(f"{tree}/{kind}/N", field) - med("off/N", field)
+                dm = med(f"{tree}/{kind}/M", field) - med("off/M", field)
+                slope = (dm - d1) / (m - n)
+                # Paired: each round's own differences (its four runs ran back to back), then the
+                # spread of those per-round figures over the rounds.
+                per_round = []
+                for i in range(rounds):
+                    r1 = getattr(configs[f"{tree}/{kind}/N"], field)[i] - getattr(configs["off/N"], field)[i]
+                    rm = getattr(configs[f"{tree}/{kind}/M"], field)[i] - getattr(configs["off/M"], field)[i]
+                    per_round.append(((rm - r1) / (m - n), r1 - n * (rm - r1) / (m - n)))
+                t[kind][field] = {"slope_s": slope, "fixed_s": d1 - n * slope,
+                                  "slope_paired": _common.summary([p[0] for p in per_round]),
+                                  "fixed_paired": _common.summary([p[1] for p in per_round])}
         out[tree] = t
     if "shell/N" not in configs:
         return out
@@ -464,14 +510,17 @@ def derive(configs: dict[str, Config], trees: list[str], n: int, rounds: int, sh
     out["shell"] = {"what": shell_label, "per_test_s": shell_per_test}
     for tree in trees:
         for kind in kinds:
-            if kind in out[tree] and out[tree][kind]["slope_s"] > 0:
-                out[tree][kind]["shell_ratio"] = shell_per_test / out[tree][kind]["slope_s"]
+            if kind in out[tree] and out[tree][kind]["wall"]["slope_s"] > 0:
+                out[tree][kind]["shell_ratio"] = shell_per_test / out[tree][kind]["wall"]["slope_s"]
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tests", type=int, default=100, help="N: marked tests in the small checked suite")
+    parser.add_argument("--big-tests", type=int, default=0, help="M: marked tests in the large one (4N)")
+    parser.add_argument("--kinds", default="", help="checked configurations, comma-separated: locks, "
+                        "nolocks (default both) and nvml (default when a GPU is found)")
     parser.add_argument("--idle-tests", type=int, default=50)
     parser.add_argument("--shell-tests", type=int, default=50,
                         help="tests of the suite that runs the seeds' shell check around each test")
@@ -482,7 +531,7 @@ def main() -> int:
     parser.add_argument("--trees", default="WORKTREE")
     parser.add_argument("--attribution-rounds", type=int, default=9)
     parser.add_argument("--skip", default="",
-                        help="comma-separated parts to skip: idle,checked,attribution,per-check")
+                        help="comma-separated parts to skip: idle,checked,shell,attribution,per-check")
     parser.add_argument("--no-autoload", action="store_true",
                         help="PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 in every run and gpuclean loaded with "
                              "-p gpuclean: other installed plugins (a GPU image has many) stay out of both "
@@ -533,9 +582,11 @@ def main() -> int:
         off_env = {**env, "PYTHONPATH": noop_dir}
     idle = write_suite(os.path.join(tmp, "idle"), args.idle_tests, marked=False)
     suite_n = write_suite(os.path.join(tmp, "n"), n, marked=True)
-    suite_4n = write_suite(os.path.join(tmp, "4n"), 4 * n, marked=True)
-    shell_suite = write_suite(os.path.join(tmp, "shell"), args.shell_tests, marked=False, shell=shell)
-    kinds = ["locks", "nolocks"] + (["nvml"] if nvml else [])
+    m = args.big_tests or 4 * n
+    suite_m = write_suite(os.path.join(tmp, "m"), m, marked=True)
+    kinds = (args.kinds.split(",") if args.kinds else ["locks", "nolocks"] + (["nvml"] if nvml else []))
+    if "nvml" in kinds and not nvml:
+        parser.error("--kinds: nvml asked for, but pynvml finds no GPU on this machine")
 
     idle_configs: dict[str, Config] = {}
     checked_configs: dict[str, Config] = {}
@@ -545,11 +596,13 @@ def main() -> int:
             idle_configs[f"{rev}/idle/{mode}"] = Config(f"{rev}/idle/{mode}", idle, on + extra,
                                                         with_tree(env, tree_dirs[rev]), rev)
     checked_configs["off/N"] = Config("off/N", suite_n, off, off_env, None)
-    checked_configs["off/4N"] = Config("off/4N", suite_4n, off, off_env, None)
-    checked_configs["shell/N"] = Config("shell/N", shell_suite, off, off_env, None)
-    checked_configs["off/shell"] = Config("off/shell", idle if args.shell_tests == args.idle_tests else
-                                          write_suite(os.path.join(tmp, "noshell"), args.shell_tests, False),
-                                          off, off_env, None)
+    checked_configs["off/M"] = Config("off/M", suite_m, off, off_env, None)
+    if "shell" not in skip:
+        shell_suite = write_suite(os.path.join(tmp, "shell"), args.shell_tests, marked=False, shell=shell)
+        checked_configs["shell/N"] = Config("shell/N", shell_suite, off, off_env, None)
+        checked_configs["off/shell"] = Config("off/shell", idle if args.shell_tests == args.idle_tests else
+                                              write_suite(os.path.join(tmp, "noshell"), args.shell_tests,
+                                                          False), off, off_env, None)
     for rev in trees:
         for kind in kinds:
             kenv = with_tree(env, tree_dirs[rev])
@@ -557,28 +610,36 @@ def main() -> int:
             if kind != "nvml":
                 kenv["GPUCLEAN_SIMULATE"] = sim
             kenv["GPUCLEAN_LOCK"] = "off" if kind == "nolocks" else "on"
-            for size, suite in (("N", suite_n), ("4N", suite_4n)):
+            for size, suite in (("N", suite_n), ("M", suite_m)):
                 checked_configs[f"{rev}/{kind}/{size}"] = Config(f"{rev}/{kind}/{size}", suite, on, kenv, rev)
+
+    loads: dict[str, Any] = {}
 
     def run_rounds(configs: dict[str, Config], rounds: int, label: str) -> None:
         order = list(configs.values())
         for c in order:  # warm-up: caches, bytecode
             timed_run(pytest_cmd + c.args, c.suite, c.env)
+        load = Load()
         for r in range(rounds):
             shift = r % len(order)
             for c in order[shift:] + order[:shift]:
                 wall, cpu = timed_run(pytest_cmd + c.args, c.suite, c.env)
                 c.wall.append(wall)
                 c.cpu.append(cpu)
-            print(f"{label}: round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+                load.ours += cpu
+            load.loadavg.append(os.getloadavg()[0])
+            print(f"{label}: round {r + 1}/{rounds} (load average {load.loadavg[-1]:.2f})", file=sys.stderr,
+                  flush=True)
+        loads[label] = load.summary()
 
-    results: dict[str, Any] = {"machine": _common.machine(), "trees": trees, "tests": n,
+    results: dict[str, Any] = {"machine": _common.machine(), "trees": trees, "tests": n, "big_tests": m,
+                               "load": loads,
                                "idle_tests": args.idle_tests, "devices": DEVICES, "nvml_gpu": nvml,
                                "autoload": not args.no_autoload}
     if "idle" not in skip:
         run_rounds(idle_configs, args.idle_rounds, "idle")
         # Printed at once: a run cut short by a time limit still leaves this part behind.
-        idle_only = derive(idle_configs, trees, n, args.rounds, shell_label, [], args.shell_tests)
+        idle_only = derive(idle_configs, trees, n, m, args.rounds, shell_label, [], args.shell_tests)
         for rev in trees:
             print(f"idle [{rev}]: pytest -q added {_common.fmt_time(idle_only[rev]['idle_q_added_s'])}, "
                   f"--co added {_common.fmt_time(idle_only[rev]['idle_co_added_s'])}", flush=True)
@@ -586,7 +647,7 @@ def main() -> int:
         run_rounds(checked_configs, args.rounds, "checked")
     if "idle" not in skip or "checked" not in skip:
         ran = {**({} if "idle" in skip else idle_configs), **({} if "checked" in skip else checked_configs)}
-        results["whole_process"] = derive(ran, trees, n, args.rounds, shell_label, kinds, args.shell_tests)
+        results["whole_process"] = derive(ran, trees, n, m, args.rounds, shell_label, kinds, args.shell_tests)
     if "attribution" not in skip:
         timer_dir = os.path.join(tmp, "timer")
         os.makedirs(timer_dir)
@@ -676,14 +737,26 @@ def report(results: dict[str, Any], trees: list[str], kinds: list[str]) -> None:
             for kind in kinds:
                 if kind not in t:
                     continue
-                k = t[kind]
-                fixed, slope = k["fixed_paired"], k["slope_paired"]
-                rows.append([tree, f"{kind}: fixed (start+end)", ms(k["fixed_s"]),
-                             f"paired p10..p90 {ms(fixed['p10'])}..{ms(fixed['p90'])}"])
-                versus = f"; shell check / this = {k['shell_ratio']:.1f}x" if "shell_ratio" in k else ""
-                rows.append([tree, f"{kind}: per checked test", ms(k["slope_s"]),
-                             f"paired p10..p90 {ms(slope['p10'])}..{ms(slope['p90'])}{versus}"])
-        print(_common.table(rows, ["tree", f"whole process (N={n}, 4N={4 * n})", "median", "spread"]))
+                for field in ("cpu", "wall"):
+                    k = t[kind][field]
+                    fixed, slope = k["fixed_paired"], k["slope_paired"]
+                    rows.append([tree, f"{kind}, {field}: fixed (start+end)", ms(k["fixed_s"]),
+                                 ms(fixed["median"]), f"{ms(fixed['p25'])}..{ms(fixed['p75'])}",
+                                 f"{ms(fixed['p10'])}..{ms(fixed['p90'])}"])
+                    versus = (f"; shell check / this = {t[kind]['shell_ratio']:.1f}x"
+                              if field == "wall" and "shell_ratio" in t[kind] else "")
+                    rows.append([tree, f"{kind}, {field}: per checked test", ms(k["slope_s"]),
+                                 ms(slope["median"]), f"{ms(slope['p25'])}..{ms(slope['p75'])}",
+                                 f"{ms(slope['p10'])}..{ms(slope['p90'])}{versus}"])
+        m = results.get("big_tests", 4 * n)
+        print(_common.table(rows, ["tree", f"whole process (N={n}, M={m})", "of medians", "paired median",
+                                   "p25..p75", "p10..p90"]))
+        for part, load in results.get("load", {}).items():
+            la = load["loadavg_1min"]
+            print(f"load during {part}: the machine's {load['cpus_seen']:.1f} CPUs were busy "
+                  f"{load['busy_cpus']:.2f} on average, the timed runs {load['ours_cpus']:.2f}, others "
+                  f"{load['others_cpus']:.2f}; 1-min load average after each round median {la['median']:.2f} "
+                  f"(min {la['min']:.2f}, max {la['max']:.2f})")
         if "shell" in whole:
             print(f"shell check ({whole['shell']['what']}) before+after each test: "
                   f"{ms(whole['shell']['per_test_s'])} per test")

@@ -109,6 +109,12 @@ def test_a_collected_checked_test_starts_the_session(example: Callable[..., Path
     assert "pytest_gpuclean.core.checker" in state["modules"]
     # The subreaper is set through _ctypes (processes._prctl says why): ctypes itself stays unloaded.
     assert not state["ctypes_loaded"]
+    # pytest rewrote this conftest's asserts, but none of the package's modules (at most its __init__,
+    # which is imported before it can say so; not even that where an editable install's finder, not a
+    # path entry, finds the package): under PYTHONDONTWRITEBYTECODE a rewritten module is parsed and
+    # compiled anew in every run (pytest_gpuclean/__init__.py, _PlainImports).
+    assert state["conftest_rewritten"] == "AssertionRewritingHook"
+    assert set(state["rewritten"]) <= {"pytest_gpuclean"}, state["rewritten"]
     # The Ray cluster's code and record types load with --gpuclean-ray only, and what a check found at
     # the first finding (this session's checks are all clean).
     assert not {"pytest_gpuclean.model.ray_model", "pytest_gpuclean.ray.cluster",

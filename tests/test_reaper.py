@@ -337,3 +337,33 @@ def test_a_described_process_state_is_named_the_same_whatever_could_be_read(
     assert info.state == "stopped"
     assert (info.user, info.uid) == (("?", -1) if psutil_denied else (pwd.getpwuid(os.getuid()).pw_name,
                                                                       os.getuid()))
+
+
+def test_last_pid_reads_anew_through_its_kept_descriptor_and_survives_its_number_being_reused(
+        tmp_path: Path) -> None:
+    # ns_last_pid is read through a descriptor kept open (procfs._last_pid_file): each reading must be the
+    # kernel's answer now, and a descriptor closed behind its back (its number reused by another file)
+    # must not be read as if it were ns_last_pid.
+    if procfs.last_pid() is None:
+        pytest.skip("the kernel does not say ns_last_pid here")
+    space = procfs.pid_max()
+    before = procfs.last_pid()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    after = procfs.last_pid()
+    assert before is not None and after is not None
+    assert 0 < (child.pid - before) % space <= (after - before) % space  # read anew: the child's pid is in
+    assert procfs._last_pid_file is not None
+    kept = procfs._last_pid_file[0]
+    planted = tmp_path / "digits"
+    planted.write_text(str((after - 1000) % space))  # what a reader of the wrong file would answer
+    os.close(kept)
+    fd = os.open(planted, os.O_RDONLY)  # the lowest free number: the one just closed
+    try:
+        assert fd == kept
+        reading = procfs.last_pid()
+        assert reading is not None and (reading - after) % space < space // 2, (reading, after)
+        assert procfs._last_pid_file[0] != kept  # a descriptor of its own again; the other file untouched
+        assert os.pread(fd, 32, 0) == planted.read_bytes()
+    finally:
+        os.close(fd)
