@@ -2,8 +2,9 @@
 
 Declarations live at module level; the stateful ``GpuCleanPlugin`` is registered in ``pytest_configure``
 and undone through ``config.add_cleanup``. Its hooks delegate: to the started session (``session.py``:
-device backend, locks, checker, final sweep), to each test's check (``testcheck.py``), to the Ray
-cluster's checks (``cluster_checks.py``) and to the signal handling (``signals.py``).
+device backend, locks, checker, final sweep), to each test's check (``testcheck.py``) and to the signal
+handling (``signals.py``). The Ray cluster's checks (``ray/checks.py``) are a plugin of gpuclean's own
+hooks (``session/hookspecs.py``), registered only with ``--gpuclean-ray``.
 
 The plugin loads into every pytest run of an environment that has it installed, so it starts lazily: at
 ``pytest_configure`` it only validates its options and exports the session's cookie; ``session.py`` (and
@@ -87,6 +88,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     settings.add_options(parser)
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from pytest_gpuclean.session import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
 _COOKIE = pytest.StashKey[ExportedCookie]()
 
 
@@ -128,6 +135,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(plugin.close)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistHooks(plugin), PLUGIN_NAME + "-xdist")
+    if resolved.ray != "off":
+        # The Ray cluster's checks: idle until a session starts checking (its hooks open the cluster).
+        from pytest_gpuclean.ray import checks
+
+        config.pluginmanager.register(checks.RayChecks(), checks.PLUGIN_NAME)
     if resolved.report:
         # A report was asked for: check its path now, and write it even if no test is checked.
         plugin.register_outputs()

@@ -76,7 +76,7 @@ def test_cookie():
     assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
                                 "pytest_gpuclean.core.procfs", "pytest_gpuclean.core.settings",
                                 "pytest_gpuclean.plugin", "pytest_gpuclean.session",
-                                "pytest_gpuclean.session.names"]
+                                "pytest_gpuclean.session.hookspecs", "pytest_gpuclean.session.names"]
     assert state["cookie"].endswith(":session")
     if not args:
         # Of the plugin's hooks, only one per test is left: the one that notices a test checked after all.
@@ -102,7 +102,8 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
                                 "pytest_gpuclean.core.devices", "pytest_gpuclean.core.procfs",
                                 "pytest_gpuclean.core.settings", "pytest_gpuclean.model",
                                 "pytest_gpuclean.model.readings", "pytest_gpuclean.plugin",
-                                "pytest_gpuclean.session", "pytest_gpuclean.session.names"]
+                                "pytest_gpuclean.session", "pytest_gpuclean.session.hookspecs",
+                                "pytest_gpuclean.session.names"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
 
@@ -161,9 +162,9 @@ def test_checked():
     assert not state["ctypes_loaded"]
     # The Ray cluster's code and record types load with --gpuclean-ray only, and what a check found at
     # the first finding (this session's checks are all clean).
-    assert not {"pytest_gpuclean.model.ray_model", "pytest_gpuclean.ray.cluster",
-                "pytest_gpuclean.session.cluster_checks",
+    assert not {"pytest_gpuclean.ray", "pytest_gpuclean.ray.cluster", "pytest_gpuclean.ray.checks",
                 "pytest_gpuclean.model.findings"} & set(state["modules"])
+    assert "gpuclean-ray" not in state["plugins"]
     # Nor the report's and shipping code, without a report, JUnit XML or xdist; and the hooks that run
     # for every test report are those of the outputs asked for (none here) and of pytest-forked (absent).
     assert not ({"pytest_gpuclean.report.jsonreport", "pytest_gpuclean.report.serialize"}

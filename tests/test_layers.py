@@ -19,8 +19,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_gpuclean",),  # the version, nothing else
     ("pytest_gpuclean.model",),  # plain records: readings, findings, results, the Ray cluster's records
     ("pytest_gpuclean.core", "pytest_gpuclean.report"),  # reading and checking; formatting and shipping
-    ("pytest_gpuclean.ray",),  # the Ray extension: a cluster read and reaped, its CLI commands
-    ("pytest_gpuclean.session",),  # the pytest integration below the hooks
+    ("pytest_gpuclean.session",),  # the pytest integration below the hooks, and gpuclean's own hook specs
+    ("pytest_gpuclean.ray",),  # the Ray extension: a plugin of gpuclean's hooks, a cluster read and reaped,
+    # its CLI commands
     ("pytest_gpuclean.plugin", "pytest_gpuclean.cli",
      "pytest_gpuclean.simulate"),  # the entry points: pytest's, the gpuclean command, the device simulator
     ("pytest_gpuclean.__main__",),  # python -m pytest_gpuclean: the gpuclean command
@@ -162,8 +163,8 @@ def test_the_contract_catches_what_it_is_for() -> None:
 
 
 def test_imports_are_read_where_they_hide() -> None:
-    # A function-level import (the session loads the Ray checks only with --gpuclean-ray) ...
-    assert "pytest_gpuclean.session.cluster_checks" in GRAPH["pytest_gpuclean.session.session"]
+    # A function-level import (the plugin loads the Ray checks only with --gpuclean-ray) ...
+    assert "pytest_gpuclean.ray.checks" in GRAPH["pytest_gpuclean.plugin"]
     # ... one under TYPE_CHECKING (a result names its findings in annotations only) ...
     assert "pytest_gpuclean.model.findings" in GRAPH["pytest_gpuclean.model.results"]
     # ... and ``from pkg import mod`` names the module, not its package.

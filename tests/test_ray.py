@@ -783,7 +783,7 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
     import sys
     import time
 
-    from pytest_gpuclean.session.cluster_checks import GCS_SERVER, gcs_address
+    from pytest_gpuclean.ray.checks import GCS_SERVER, gcs_address
 
     fake = tmp_path / GCS_SERVER  # a Python named like Ray's GCS server
     fake.symlink_to(sys.executable)

@@ -9,15 +9,17 @@ from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean.model import findings, ray_model, results
+from pytest_gpuclean.model import findings, results
 from pytest_gpuclean.model import readings as model
-from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
-from pytest_gpuclean.model.ray_model import (
-    ClusterCheck,
-    ClusterFinding,
-    ClusterNode,
-    ClusterReaped,
+from pytest_gpuclean.model.findings import (
+    ClusterReading,
+    HealthFinding,
+    NodeReading,
     NodeRelease,
+    Offender,
+    ProcessInfo,
+    Reaped,
+    SiblingUse,
 )
 from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, GpuProcess, Outside, Owner
 from pytest_gpuclean.model.results import CheckResult, FixtureLeak
@@ -80,23 +82,27 @@ OUTSIDE_RECORD = Record("t.py::test_skipped", ("t.py", 40), OUTSIDE_CHECK, outsi
 NODE = "3f2a9c1b" + "0" * 48
 RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
                           (GpuProcess(4242, 512 * MIB),))
-RAY_REAPED = ClusterReaped(NODE, "ray.kill", dataclasses.replace(REAPED, ended_by="exited by itself"),
-                           actor_id="a" * 32, job_id="01000000")
-RAY_LADDER = ClusterReaped(NODE, "ladder", REAPED, job_id="01000000")
+# A Ray cluster's check: an ordinary check whose findings name their node.
+RAY_REAPED = dataclasses.replace(REAPED, ended_by="exited by itself", node=NODE, via="ray.kill",
+                                 actor_id="a" * 32, job_id="01000000")
+RAY_LADDER = dataclasses.replace(REAPED, node=NODE, via="ladder", job_id="01000000")
 RAY_RELEASE = NodeRelease(NODE, 0.41, (4242,))
-RAY_AFTER = ClusterCheck("127.0.0.1:6379", "teardown", False, (ClusterNode(NODE, (RAY_SNAP,), ""),),
-                         (ClusterFinding(NODE, LEAKED),), (RAY_REAPED, RAY_LADDER), (RAY_RELEASE,), 0.5,
-                         ("a note",))
-RAY_BEFORE = ClusterCheck("127.0.0.1:6379", "setup", True, (ClusterNode(NODE, (), "devices unreadable"),))
+RAY_NODE = NodeReading(NODE, (RAY_SNAP,), "")
+RAY_AFTER = CheckResult("teardown", False, (), (dataclasses.replace(LEAKED, node=NODE),),
+                        (RAY_REAPED, RAY_LADDER), 0.5, notes=("a note",),
+                        cluster=ClusterReading("127.0.0.1:6379", (RAY_NODE,), (RAY_RELEASE,)))
+RAY_BEFORE = CheckResult("setup", True, (), (), cluster=ClusterReading(
+    "127.0.0.1:6379", (NodeReading(NODE, (), "devices unreadable"),)))
+UNREACHABLE = Offender("unreachable", None, None, "gpu", detail="lost the Ray cluster", node="")
 RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_before=RAY_BEFORE,
                     cluster_after=RAY_AFTER)
 
-# One fully populated instance of every dataclass in model, findings and ray_model: each must survive a
-# round trip.
+# One fully populated instance of every record class in the model: each must survive a round trip.
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
-                       RAY_RELEASE, ClusterNode(NODE, (RAY_SNAP,), "x"), ClusterFinding("", MEMORY),
-                       RAY_AFTER, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD, SIBLING, SEEN_SIBLING,
+                       RAY_RELEASE, RAY_NODE, UNREACHABLE, RAY_AFTER, RAY_BEFORE,
+                       RAY_AFTER.cluster, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD, SIBLING,
+                       SEEN_SIBLING,
                        UNCHECKED_USER, XID, HEALTH, FAULTED, OUTSIDE, OUTSIDE_CHECK,
                        OUTSIDE_RECORD]
 
@@ -129,7 +135,7 @@ def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
 
 
 def test_every_record_class_has_a_round_trip_example() -> None:
-    classes = {cls for module in (model, results, findings, ray_model)
+    classes = {cls for module in (model, results, findings)
                for _, cls in inspect.getmembers(module, inspect.isclass)
                if (dataclasses.is_dataclass(cls) or issubclass(cls, model.Fields))
                and cls.__module__ == module.__name__ and cls is not model.Fields}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast, get_args
 
 from pytest_gpuclean.model.readings import (
+    DeviceSnapshot,
     EndedBy,
     FoundBy,
     HealthEffect,
@@ -19,6 +20,7 @@ from pytest_gpuclean.model.readings import (
     Phase,
     ProcessState,
     Reason,
+    Via,
 )
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ class Offender:
     mib_per_device: tuple[tuple[str, float], ...] = ()
     """(device label, MiB) pairs for devices this process holds memory on."""
     detail: str = ""
+    node: str | None = None
+    """The Ray node it is on (its id; '' for the whole cluster); None: this host."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,14 @@ class Reaped:
     only): how long the driver took to give the memory back."""
     survived_as: str = ""
     """The process's state when it outlived SIGKILL (``ended_by == "survived"``), e.g. ``stopped``."""
+    node: str | None = None
+    """The Ray node it was on (its id); None: this host."""
+    via: Via = ""
+    """On a Ray node: ``ray.kill`` (its worker then exited by itself) or the signal ``ladder``."""
+    actor_id: str = ""
+    """The Ray actor whose worker it was ('' for a process a worker started, or on this host)."""
+    job_id: str = ""
+    """The Ray job it was of ('' on this host)."""
 
     @property
     def how_ended(self) -> str:
@@ -127,6 +139,38 @@ class HealthFinding:
     phase: Phase
     """``setup``: found before the test (not caused by it); ``teardown``: during or right after it."""
     xid: int | None = None
+
+
+@dataclass(frozen=True)
+class NodeReading:
+    """One alive Ray node as a cluster's check read it; its devices are named with the node."""
+
+    node_id: str
+    devices: tuple[DeviceSnapshot, ...]
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class NodeRelease:
+    """How long one Ray node's devices took to let go of what a cluster's check ended there."""
+
+    node_id: str
+    release_s: float | None
+    """Seconds from the first kill on the node (``ray.kill`` or SIGTERM) until its devices listed none of
+    the ended processes; None if none of them was on a device, or they were still listed at the deadline."""
+    pids: tuple[int, ...] = ()
+    """The ended processes that were on the node's devices."""
+
+
+@dataclass(frozen=True)
+class ClusterReading:
+    """What a check of a Ray cluster read beside its findings (``CheckResult.cluster``): the cluster, each
+    alive node's devices, and how long each node took to release what was ended there. The findings
+    themselves are ordinary ``Offender``/``Reaped`` records that name their ``node``."""
+
+    address: str
+    nodes: tuple[NodeReading, ...] = ()
+    releases: tuple[NodeRelease, ...] = ()
 
 
 _ENDED_BY = frozenset(get_args(EndedBy))

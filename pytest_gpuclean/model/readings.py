@@ -14,9 +14,10 @@ MIB = 1024 * 1024
 
 # Closed sets of words, as types so that ``mypy --strict`` catches a misspelt one. The JSON report
 # publishes them verbatim (report_schema.json lists the same values).
-Reason = Literal["leaked", "foreign", "host", "memory"]
+Reason = Literal["leaked", "foreign", "host", "memory", "unreachable"]
 """Why a check failed: ``leaked`` (ours: a descendant or carries our cookie), ``foreign`` (on our GPU,
-not ours), ``host`` (stray Python process, host scope), ``memory`` (memory no process accounts for)."""
+not ours), ``host`` (stray Python process, host scope), ``memory`` (memory no process accounts for),
+``unreachable`` (a Ray cluster or node that could not be read, or a node that died)."""
 FoundBy = Literal["descendant", "adopted", "cookie", "gpu", "host", "dead session"]
 """How a process was found: in our process tree, re-parented to our subreaper (``adopted``), by our
 cookie in its environment, listed on a device (``gpu``), as a stray Python process (``host``), or as
@@ -36,6 +37,9 @@ ProcessState = Literal["running", "sleeping", "disk-sleep", "stopped", "tracing-
 for a leader whose other threads still run; ``gone`` for one that ended before it could be described;
 ``?`` where nobody could tell (another node's process)."""
 OnOff = Literal["on", "off"]
+Via = Literal["", "ray.kill", "ladder"]
+"""How a Ray cluster's check ended something on a node: ``ray.kill`` of a named actor (Ray frees its GPU
+through its own path), or the TERM -> grace -> KILL ladder in a task pinned to the node; '' on this host."""
 HealthKind = Literal["xid", "needs_reset", "changed", "lost", "probe", "clocks"]
 """What a health finding is about (``health.py``): an Xid event, a GPU that needs a reset (row remapping
 pending or failed, uncorrectable ECC errors), a setting changed under the session (compute mode, MIG,

@@ -1,7 +1,7 @@
 """A check's verdict and a test's record: the records that carry what a check found.
 
-Above ``model`` (the readings), ``findings`` and ``ray_model`` (what a check found, on this host or a
-Ray cluster), which they name in their annotations only: a clean check loads neither (``findings`` says
+Above ``model`` (the readings) and ``findings`` (what a check found, on this host or a Ray cluster's
+nodes), which they name in their annotations only: a clean check does not load it (``findings`` says
 why), and ``serialize`` resolves those names when a value needs building.
 """
 
@@ -22,8 +22,7 @@ from pytest_gpuclean.model.readings import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import HealthFinding, Offender, Reaped, SiblingUse
-    from pytest_gpuclean.model.ray_model import ClusterCheck, ClusterFinding, ClusterReaped
+    from pytest_gpuclean.model.findings import ClusterReading, HealthFinding, Offender, Reaped, SiblingUse
 
 __all__ = ["CheckResult", "DeviceSnapshot", "FixtureLeak", "Outcome", "Outside", "OutsideAction", "OwnLeaks",
            "Owner", "Phase", "TestRecord", "has_findings", "outcome", "own_leaks", "split_own"]
@@ -36,6 +35,7 @@ class CheckResult(Fields):
     __slots__ = (
         "clean",
         "clean_after_s",
+        "cluster",
         "collected",
         "device_lost",
         "devices",
@@ -84,6 +84,9 @@ class CheckResult(Fields):
     signalled (the notes name them)."""
     outside: Final[Outside | None]
     """What of the findings came from outside the session; None if nothing did."""
+    cluster: Final[ClusterReading | None]
+    """A Ray cluster's check: the cluster and each node's devices (``devices`` is empty: they are the
+    nodes'), its offenders and reaped naming their ``node``; None for this host's check."""
 
     def __init__(self, phase: Phase, clean: bool, devices: tuple[DeviceSnapshot, ...],
                  offenders: tuple[Offender, ...], reaped: tuple[Reaped, ...] = (), waited_s: float = 0.0,
@@ -91,7 +94,8 @@ class CheckResult(Fields):
                  collected: tuple[Reaped, ...] = (), lingered: tuple[Offender, ...] = (),
                  self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = (),
                  error: str | None = None, device_lost: bool = False,
-                 siblings: tuple[SiblingUse, ...] = (), outside: Outside | None = None) -> None:
+                 siblings: tuple[SiblingUse, ...] = (), outside: Outside | None = None,
+                 cluster: ClusterReading | None = None) -> None:
         self.phase = phase
         self.clean = clean
         self.devices = devices
@@ -109,6 +113,7 @@ class CheckResult(Fields):
         self.device_lost = device_lost
         self.siblings = siblings
         self.outside = outside
+        self.cluster = cluster
 
 
 class FixtureLeak(Fields):
@@ -188,9 +193,9 @@ class TestRecord(Fields):
     """Why the test never got its GPU locks (it waited ``lock_wait_s``); None if it got them."""
     before_s: float
     after_s: float
-    cluster_before: ClusterCheck | None
+    cluster_before: CheckResult | None
     """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
-    cluster_after: ClusterCheck | None
+    cluster_after: CheckResult | None
     fixture_leaks: tuple[FixtureLeak, ...]
     """Leaks of fixtures wider than a test that ended at this test's teardown: found by its check, but
     the fixtures' findings (its ``after`` keeps only what is this test's own). A tuple: the empty one is
@@ -209,8 +214,8 @@ class TestRecord(Fields):
                  after: CheckResult | None = None, found_later: list[Reaped] | None = None,
                  in_process_mib: list[tuple[str, float]] | None = None, devices: tuple[str, ...] = (),
                  lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
-                 after_s: float = 0.0, cluster_before: ClusterCheck | None = None,
-                 cluster_after: ClusterCheck | None = None,
+                 after_s: float = 0.0, cluster_before: CheckResult | None = None,
+                 cluster_after: CheckResult | None = None,
                  fixture_leaks: tuple[FixtureLeak, ...] = (),
                  gpu_without_lock: list[SiblingUse] | None = None,
                  health: list[HealthFinding] | None = None,
@@ -296,8 +301,8 @@ class OwnLeaks(NamedTuple):
     offenders: list[tuple[Offender, str | None]]
     """Not reaped: still running (``None``: reaping off, or it survived), or gone by itself while the check
     waited (``"exited by itself"``)."""
-    cluster_reaped: list[ClusterReaped]
-    cluster_left: list[ClusterFinding]
+    cluster_reaped: list[Reaped]
+    cluster_left: list[Offender]
     """Still on the Ray cluster after it."""
 
     def any(self) -> bool:
@@ -326,7 +331,7 @@ def own_leaks(record: TestRecord) -> OwnLeaks:
     cluster = record.cluster_after
     cluster_reaped = [] if cluster is None else list(cluster.reaped)
     cluster_left = [] if cluster is None else [
-        f for f in cluster.findings if f.offender.reason == "leaked" and f.offender.process is not None]
+        o for o in cluster.offenders if o.reason == "leaked" and o.process is not None]
     return OwnLeaks(reaped, list(record.found_later), offenders, cluster_reaped, cluster_left)
 
 
@@ -359,6 +364,7 @@ def has_findings(record: TestRecord) -> bool:
     return outcome(record) not in ("clean", "unchecked") or bool(
         record.found_later or record.in_process_mib or record.gpu_without_lock) or (
         record.lock_timeout is not None) or (after is not None and bool(after.lingered)) or (
-        cluster is not None and cluster.leaked) or any(
+        cluster is not None and (bool(cluster.reaped) or any(o.reason == "leaked" for o in cluster.offenders))
+    ) or any(
             c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
             for c in (record.before, record.after)) or any(f.effect != "info" for f in record.health)

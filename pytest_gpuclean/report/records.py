@@ -17,8 +17,7 @@ import pytest
 
 if TYPE_CHECKING:
     from pytest_gpuclean.model.findings import Reaped
-    from pytest_gpuclean.model.ray_model import ClusterCheck
-    from pytest_gpuclean.model.results import TestRecord
+    from pytest_gpuclean.model.results import CheckResult, TestRecord
 
 Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""
@@ -46,8 +45,12 @@ class SessionRecords:
         """xdist controller: each worker's payload, sent when the worker ends."""
         self.streamed: dict[str, TestRecord] = {}
         """xdist controller: each worker's records as its tests ended (stand-ins for a lost payload)."""
-        self.cluster_sweeps: list[ClusterCheck] = []
+        self.cluster_sweeps: list[CheckResult] = []
         """The Ray cluster's session-end sweeps (``--gpuclean-ray``)."""
+        self.cluster_address = ""
+        self.ray_version = ""
+        """The (last) Ray cluster checked and its Ray version ('' for none: ``--gpuclean-ray`` off, or
+        ``auto`` found none)."""
 
     def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord:
         """A record for a test that is checked now."""

@@ -1,10 +1,9 @@
 """Records to plain JSON-able dicts and back: for xdist's workeroutput and the JSON report.
 
-A record is one of ``model``'s ``Fields`` classes or a dataclass (``findings``, ``ray_model``).
+A record is one of ``model``'s ``Fields`` classes or a dataclass (``findings``).
 ``from_dict`` rebuilds nested records, tuples and lists from the classes' own annotations, so a field
 added to a record round-trips without a change here. A field's hint is resolved only when a value
-needs building: ``TestRecord``'s cluster checks name ``ray_model``'s classes, which a record without a
-cluster (every one outside ``--gpuclean-ray``) never loads, and its findings ``findings``' classes.
+needs building: a record's findings name ``findings``' classes, which a clean record never loads.
 """
 
 from __future__ import annotations
@@ -56,20 +55,16 @@ def _plain(value: Any) -> Any:
 
 
 class _Names(dict[str, Any]):
-    """A module's names, plus those of ``findings`` and ``ray_model``, loaded on first use (``model``
-    imports them for typing only)."""
+    """A module's names, plus those of ``findings``, loaded on first use (``model`` imports them for
+    typing only)."""
 
     def __missing__(self, name: str) -> Any:
         if hasattr(builtins, name):
             raise KeyError(name)  # eval looks in here first: builtins are not a reason to load the others
         from pytest_gpuclean.model import findings
 
-        if hasattr(findings, name):
-            return getattr(findings, name)
-        from pytest_gpuclean.model import ray_model
-
         try:
-            return getattr(ray_model, name)
+            return getattr(findings, name)
         except AttributeError:
             raise KeyError(name) from None
 

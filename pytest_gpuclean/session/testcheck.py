@@ -75,8 +75,11 @@ class ItemChecks:
         unusable = self._health_before(item, state, record)
         if unusable:
             pytest.fail(unusable, pytrace=False)  # at once: waiting would not make the GPU usable
-        if session.cluster is not None:
-            session.cluster.before(state, record)
+        # An extension's check (the Ray cluster's) first: what it ends, it ends its own way.
+        hook = session.config.hook
+        failures = hook.pytest_gpuclean_check_before(session=session, state=state, record=record)
+        if failures:
+            pytest.fail("\n\n".join(failures), pytrace=False)
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
                                        where=state.nodeid)
@@ -97,8 +100,9 @@ class ItemChecks:
                 raise _skip(f"{report.outside_line('setup', result, state.timeout)} "
                             f"({self._outside_source()})")
             pytest.fail(report.check_report(result, heading), pytrace=False)
-        if session.cluster is not None and session.cluster.discover("before", state.nodeid):
-            session.cluster.before(state, record)
+        failures = hook.pytest_gpuclean_checked(session=session, state=state, record=record, phase="setup")
+        if failures:
+            pytest.fail("\n\n".join(failures), pytrace=False)
         return result
 
     def _outside_action(self, item: pytest.Item, record: TestRecord, result: CheckResult
@@ -214,14 +218,14 @@ class ItemChecks:
     def _after(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         if record.before is None or not record.before.clean:
             return None  # the test never ran on clean GPUs: its setup error already says why
-        cluster = self.session.cluster
-        ray_failure = cluster.after(state, record) if cluster is not None else None
+        session = self.session
+        hook = session.config.hook
+        failures: list[str] = hook.pytest_gpuclean_check_after(session=session, state=state, record=record)
         local_failure = self._after_local(item, state, record)
         health_failure = self._health_after(item, state, record)
-        if cluster is not None and cluster.discover("after", state.nodeid):
-            # Started during the test: checked from now on, this test's own leftovers there included.
-            ray_failure = cluster.after(state, record, appeared=True)
-        return "\n\n".join(f for f in (ray_failure, local_failure, health_failure) if f) or None
+        failures += hook.pytest_gpuclean_checked(session=session, state=state, record=record,
+                                                 phase="teardown")
+        return "\n\n".join(f for f in (*failures, local_failure, health_failure) if f) or None
 
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         session = self.session
