@@ -42,7 +42,7 @@ import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 from pytest_gpuclean.core import processes, procfs
 from pytest_gpuclean.core.checker import COOKIE_VAR, Checker
 from pytest_gpuclean.core.devices import SimulatedBackend
-from pytest_gpuclean.model.readings import Owner
+from pytest_gpuclean.model.records import Owner
 
 DEVICES = 8
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]

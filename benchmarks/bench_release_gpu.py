@@ -60,7 +60,7 @@ import _layers_compat  # noqa: E402, F401  # (a tree from before the layers: iss
 from pytest_gpuclean.core import devices as devices_mod  # noqa: E402
 from pytest_gpuclean.core import processes  # noqa: E402
 from pytest_gpuclean.core.checker import COOKIE_VAR, Checker  # noqa: E402
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, Owner  # noqa: E402
+from pytest_gpuclean.model.records import MIB, DeviceInfo, Owner  # noqa: E402
 
 HOLDER = r"""
 import os, signal, sys, time

@@ -28,9 +28,16 @@ from pytest_gpuclean import __version__
 from pytest_gpuclean.core import devices, processes, procfs, reap_plan, settings
 from pytest_gpuclean.core.checker import Checker, mib_of, reaped_record
 from pytest_gpuclean.core.ownership import COOKIE_VAR
-from pytest_gpuclean.model.findings import ProcessInfo, Reaped
-from pytest_gpuclean.model.readings import MIB, DeviceHealth, DeviceInfo, DeviceSnapshot, FoundBy
-from pytest_gpuclean.model.results import CheckResult
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    DeviceHealth,
+    DeviceInfo,
+    DeviceSnapshot,
+    FoundBy,
+    ProcessInfo,
+    Reaped,
+)
 from pytest_gpuclean.report import jsonreport, report
 
 EXIT_CLEAN = 0

@@ -43,15 +43,14 @@ from pytest_gpuclean.session.names import GpuCleanWarning as GpuCleanWarning
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.signals import SigtermAsInterrupt
-    from pytest_gpuclean.model.findings import Reaped
-    from pytest_gpuclean.model.readings import DeviceSnapshot
+    from pytest_gpuclean.model.records import DeviceSnapshot, Reaped
     from pytest_gpuclean.session.session import CheckedSession
 
 
 
 class DeviceState:
     """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check). (No
-    dataclass, which costs about a millisecond at import: ``model/readings.py``'s ``Fields`` says why; nor a
+    dataclass, which costs about a millisecond at import: ``model/records.py``'s ``Fields`` says why; nor a
     NamedTuple, whose ``index`` is a method.)"""
 
     __slots__ = ("index", "name", "total_bytes", "used_bytes", "uuid")

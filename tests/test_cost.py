@@ -101,7 +101,7 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
                                 "pytest_gpuclean.core.devices", "pytest_gpuclean.core.procfs",
                                 "pytest_gpuclean.core.settings", "pytest_gpuclean.model",
-                                "pytest_gpuclean.model.readings", "pytest_gpuclean.plugin",
+                                "pytest_gpuclean.model.records", "pytest_gpuclean.plugin",
                                 "pytest_gpuclean.session", "pytest_gpuclean.session.hookspecs",
                                 "pytest_gpuclean.session.names"]
     assert "gpuclean-checker-idle" in state["plugins"]
@@ -160,10 +160,12 @@ def test_checked():
     assert "pytest_gpuclean.core.checker" in state["modules"]
     # The subreaper is set through _ctypes (processes._prctl says why): ctypes itself stays unloaded.
     assert not state["ctypes_loaded"]
-    # The Ray cluster's code and record types load with --gpuclean-ray only, and what a check found at
-    # the first finding (this session's checks are all clean).
-    assert not {"pytest_gpuclean.ray", "pytest_gpuclean.ray.cluster", "pytest_gpuclean.ray.checks",
-                "pytest_gpuclean.model.findings"} & set(state["modules"])
+    # The model is one module of records (cheap classes: no dataclass compiles methods at import) and its
+    # decisions, loaded whole; nothing of Ray loads without --gpuclean-ray, and no plugin of its hooks.
+    assert {m for m in state["modules"] if m.startswith("pytest_gpuclean.model")} == {
+        "pytest_gpuclean.model", "pytest_gpuclean.model.decisions", "pytest_gpuclean.model.records",
+        "pytest_gpuclean.model.text"}
+    assert not [m for m in state["modules"] if m.startswith("pytest_gpuclean.ray")]
     assert "gpuclean-ray" not in state["plugins"]
     # Nor the report's and shipping code, without a report, JUnit XML or xdist; and the hooks that run
     # for every test report are those of the outputs asked for (none here) and of pytest-forked (absent).
@@ -372,7 +374,7 @@ COUNT_READINGS = '''
 import gc, json, os
 
 def pytest_unconfigure(config):
-    from pytest_gpuclean.model.readings import DeviceSnapshot
+    from pytest_gpuclean.model.records import DeviceSnapshot
     from pytest_gpuclean.plugin import DeviceState
     alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (DeviceSnapshot, DeviceState))]
     with open(os.environ["STATE_FILE"], "w") as f:

@@ -6,31 +6,25 @@ schedulers with MockNodes): whose a reaped process is (``results.split_own``), w
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from pytest_gpuclean.core.reap_plan import Candidate
 from pytest_gpuclean.core.reap_plan import plan as plan_reap
-from pytest_gpuclean.model.findings import (
+from pytest_gpuclean.model.decisions import ALL_KINDS, has_findings, outcome, own_leaks, split_own
+from pytest_gpuclean.model.records import (
+    CheckResult,
     ClusterReading,
+    FixtureLeak,
+    FoundBy,
     HealthFinding,
     NodeReading,
     Offender,
+    Owner,
+    OwnerKind,
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.model.readings import FoundBy, Owner, OwnerKind
-from pytest_gpuclean.model.results import (
-    ALL_KINDS,
-    CheckResult,
-    FixtureLeak,
-    has_findings,
-    outcome,
-    own_leaks,
-    split_own,
-)
-from pytest_gpuclean.model.results import TestRecord as Record
+from pytest_gpuclean.model.records import TestRecord as Record
 from pytest_gpuclean.report import jsonreport, report
 from pytest_gpuclean.session import outputs
 
@@ -74,7 +68,7 @@ def cluster(clean: bool = True, reaped_: tuple[Reaped, ...] = (),
 
 
 def on_node(found: Reaped | Offender, node: str = NODE, **fields: object) -> Reaped | Offender:
-    return dataclasses.replace(found, node=node, **fields)  # type: ignore[arg-type]
+    return found.replace(node=node, **fields)
 
 
 UNREACHABLE = Offender("unreachable", None, None, "gpu", detail="the Ray cluster at 127.0.0.1:6379 did not "
@@ -168,8 +162,8 @@ def test_outcome(record: Record, expected: str, findings: bool) -> None:
     # Every output asks the same function: the JSON, the record's properties, the JUnit properties.
     assert jsonreport.outcome(record) == expected
     assert jsonreport.record_json(record)["outcome"] == expected
-    assert record.dirty is findings
-    assert record.leaked is (expected == "leaked") is bool(jsonreport.leaked_json(record))
+    assert has_findings(record) is findings
+    assert own_leaks(record).any() is (expected == "leaked") is bool(jsonreport.leaked_json(record))
     assert ("gpuclean_outcome", expected) in outputs.junit_properties(record)
     # A leaking test is a finding; a clean one only when a check found something that does not fail it.
     assert findings or expected in ("clean", "unchecked")
@@ -249,8 +243,7 @@ def test_split_own_keeps_order_and_every_item() -> None:
 def test_split_own_by_name_for_a_record_without_tokens() -> None:
     """A record read back (an xdist worker's) has no tokens: the reports tell the test's own by its name,
     and list a dead session's offender as the reports always did."""
-    items = [leaked(EARLIER), leaked(ME), leaked(MY_FIXTURE), dataclasses.replace(leaked(ME),
-                                                                                     found_by="dead session")]
+    items = [leaked(EARLIER), leaked(ME), leaked(MY_FIXTURE), leaked(ME).replace(found_by="dead session")]
     own, earlier = split_own(items, lambda o: o.name == NODEID, ("test",), dead_sessions_theirs=False)
     assert own == items[1:]
     assert earlier == items[:1]
@@ -258,8 +251,8 @@ def test_split_own_by_name_for_a_record_without_tokens() -> None:
 
 # ---- what `gpuclean reap` may end, on this host and on a Ray cluster -----------------------------------
 
-MINE = dataclasses.replace(PROC, cmdline="python hold.py\n--mib 64")
-ROOTS = dataclasses.replace(PROC, uid=0, user="root", cmdline="python serve.py")
+MINE = PROC.replace(cmdline="python hold.py\n--mib 64")
+ROOTS = PROC.replace(uid=0, user="root", cmdline="python serve.py")
 ON_GPU0 = (("GPU 0", 64.0),)
 NODE_A = "node aaaaaaaa"
 
@@ -330,7 +323,7 @@ def test_reap_plan_considers_a_pid_once_per_place() -> None:
 
 
 def test_reap_plan_cuts_command_lines_at_the_width() -> None:
-    _, [line] = plan_reap([cand(gpuclean_itself=True, info=dataclasses.replace(MINE, cmdline="x" * 300))],
+    _, [line] = plan_reap([cand(gpuclean_itself=True, info=MINE.replace(cmdline="x" * 300))],
                           my_uid=PROC.uid, cmd_width=20)
     assert len(line.split("(", 1)[1].split(")", 1)[0]) <= 20
 

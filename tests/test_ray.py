@@ -818,7 +818,7 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
     # returns) often starts in the fixture's last tick, after its truncated end: still the fixture's.
     from pytest_gpuclean.core import procfs
     from pytest_gpuclean.core.ownership import Ownership, Window
-    from pytest_gpuclean.model.readings import Owner
+    from pytest_gpuclean.model.records import Owner
     from pytest_gpuclean.ray.cluster import RayCheck
 
     ownership = Ownership("gc.test")

@@ -5,12 +5,11 @@ No pytest here: the plugin and the ``gpuclean`` command line drive the same ``Ch
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from pytest_gpuclean.core import pools, processes, procfs
 from pytest_gpuclean.core.devices import Backend, DeviceError, DeviceLost
@@ -28,24 +27,25 @@ from pytest_gpuclean.core.ownership import (
     new_session_id,
 )
 from pytest_gpuclean.core.settings import DEFAULT_GRACE_S
-from pytest_gpuclean.model.readings import (
+from pytest_gpuclean.model.records import (
     MIB,
     UNKNOWN_OWNER,
+    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     EndedBy,
     FoundBy,
+    Offender,
     Outside,
     Owner,
     OwnerKind,
     Phase,
+    ProcessInfo,
+    Reaped,
+    SiblingUse,
 )
-from pytest_gpuclean.model.results import CheckResult
 from pytest_gpuclean.model.text import mib_list as report_mib
 from pytest_gpuclean.model.text import one_line
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import Offender, ProcessInfo, Reaped, SiblingUse
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
@@ -545,7 +545,6 @@ class Checker:
             if info is not None and self.ignore and processes.matches_any(info.cmdline, self.ignore):
                 ignored.add(pid)
                 continue
-            from pytest_gpuclean.model.findings import Offender  # (only on a finding)
             offenders.append(Offender("foreign", info or vanished(pid), None, "gpu", mib_of(pid, snaps),
                                       detail="not started by this session: waited for, never killed"))
         for f in ours:
@@ -558,7 +557,6 @@ class Checker:
                 detail = "reaping is off"
             else:
                 detail = f"could not be reaped ({info.state})"
-            from pytest_gpuclean.model.findings import Offender  # (only on a finding)
             offenders.append(Offender("leaked", info, self.owner_of(f), f.found_by,
                                       mib_of(f.pid, snaps), detail=detail))
         # Memory of allowlisted processes still counts against the tolerance; only their presence is
@@ -569,7 +567,6 @@ class Checker:
             if extra > tolerance and not blamed & {p.pid for p in snap.processes}:
                 holders = sorted(ignored & {p.pid for p in snap.processes})
                 by = f"allowlisted pid(s) {holders}" if holders else "no process we can see"
-                from pytest_gpuclean.model.findings import Offender  # (only on a finding)
                 offenders.append(Offender(
                     "memory", None, None, "gpu", ((snap.device.label, extra / MIB),),
                     detail=f"{extra / MIB:.0f} MiB used on {snap.device.label} beyond the tolerance "
@@ -582,7 +579,6 @@ class Checker:
             for pid in sorted(strays - self._siblings(strays).keys()):
                 info = processes.describe(pid)
                 if info is not None:
-                    from pytest_gpuclean.model.findings import Offender  # (only on a finding)
                     offenders.append(Offender(
                         "host", info, None, "host", (),
                         detail="Python process of this user (host scope): never killed"))
@@ -593,7 +589,6 @@ class Checker:
         for f in unknown:
             info = processes.describe(f.pid, f.start_ticks)
             if info is not None:
-                from pytest_gpuclean.model.findings import Offender  # (only on a finding)
                 offenders.append(Offender(
                     "leaked", info, UNKNOWN_OWNER, f.found_by, mib_of(f.pid, snaps),
                     detail="no evidence of which test or fixture started it: left alone, never signalled"))
@@ -857,11 +852,10 @@ class _Check:
         if known is not None:
             if sum(m for _, m in held) > sum(m for _, m in known.mib_per_device):
                 key = (pid, known.process.start_ticks)
-                self.siblings[key] = dataclasses.replace(known, mib_per_device=held)
+                self.siblings[key] = known.replace(mib_per_device=held)
             return
         info = processes.describe(pid)
         if info is not None:
-            from pytest_gpuclean.model.findings import SiblingUse  # (only on a finding)
             key = (info.pid, info.start_ticks)
             self.siblings[key] = SiblingUse(info, sibling.owner, sibling.worker, held)
 
@@ -957,8 +951,7 @@ class _Check:
                               f"replaced (a process pool or supervisor outside our reach?)")
         still = {(o.process.pid, o.process.start_ticks) for o in offenders if o.process is not None}
         lingered = tuple(
-            dataclasses.replace(o, detail=f"outlived its test, ended by itself within {waited:.2f}s "
-                                "(reaping is off)")
+            o.replace(detail=f"outlived its test, ended by itself within {waited:.2f}s (reaping is off)")
             for key, o in self.first_seen.items() if key not in still)
         me = c.me
         siblings = tuple(self.siblings.values())
@@ -1099,7 +1092,6 @@ class _Check:
     def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
-        from pytest_gpuclean.model.findings import Reaped  # (only on a finding)
         self.collected.append(Reaped(info or vanished(f.pid), self.c.owner_of(f), f.found_by, how, (), None))
 
 
@@ -1153,7 +1145,6 @@ def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float]
 
 def vanished(pid: int) -> ProcessInfo:
     """A stand-in for a process that ended before it could be described."""
-    from pytest_gpuclean.model.findings import ProcessInfo  # (only on a finding)
     return ProcessInfo(pid, 0, 0, -1, "?", "(exited)", "gone")
 
 
@@ -1162,5 +1153,4 @@ def reaped_record(info: ProcessInfo | None, pid: int, owner: Owner | None, found
                   held: tuple[tuple[str, float], ...]) -> Reaped:
     """What the kill ladder did to one process, as reported."""
     outcome, release = ended
-    from pytest_gpuclean.model.findings import Reaped  # (only on a finding)
     return Reaped.after_kill(info or vanished(pid), owner, found_by, held, outcome, release)

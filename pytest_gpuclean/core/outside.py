@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
-from pytest_gpuclean.model.readings import MIB
+from pytest_gpuclean.model.records import MIB
 
 STATE_VAR = "GPUCLEAN_OUTSIDE_STATE"
 """Set by an xdist controller for its workers: the file where they share what held a GPU from outside."""

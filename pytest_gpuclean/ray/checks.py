@@ -18,15 +18,13 @@ import pytest
 
 from pytest_gpuclean.core import procfs
 from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
-from pytest_gpuclean.model.results import ALL_KINDS, split_own
+from pytest_gpuclean.model.decisions import ALL_KINDS, split_own
+from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
 from pytest_gpuclean.report import report
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.checker import Checker
     from pytest_gpuclean.core.settings import Settings
-    from pytest_gpuclean.model.findings import Reaped
-    from pytest_gpuclean.model.readings import Phase
-    from pytest_gpuclean.model.results import TestRecord
     from pytest_gpuclean.session.started import ItemState, Started
 
 PLUGIN_NAME = "gpuclean-ray"

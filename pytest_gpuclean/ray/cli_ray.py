@@ -24,9 +24,7 @@ from typing import Any, TextIO
 from pytest_gpuclean import __version__
 from pytest_gpuclean.core import reap_plan, settings
 from pytest_gpuclean.core.ownership import Ownership
-from pytest_gpuclean.model.findings import ClusterReading, NodeReading, Offender, ProcessInfo
-from pytest_gpuclean.model.readings import MIB
-from pytest_gpuclean.model.results import CheckResult
+from pytest_gpuclean.model.records import MIB, CheckResult, ClusterReading, NodeReading, Offender, ProcessInfo
 from pytest_gpuclean.ray import cluster
 from pytest_gpuclean.report import jsonreport, report
 

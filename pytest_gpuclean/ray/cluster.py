@@ -17,7 +17,6 @@ signalled.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import importlib
 import os
@@ -32,16 +31,21 @@ from typing import Any, cast, get_args
 
 from pytest_gpuclean.core import procfs, settings
 from pytest_gpuclean.core.ownership import SESSION, Ownership
-from pytest_gpuclean.model.findings import (
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
     ClusterReading,
+    DeviceInfo,
+    DeviceSnapshot,
+    EndedBy,
     NodeReading,
     NodeRelease,
     Offender,
+    Owner,
+    Phase,
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, EndedBy, Owner, Phase
-from pytest_gpuclean.model.results import CheckResult
 
 OFF = "off"
 AUTO = "auto"
@@ -784,7 +788,7 @@ def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
                 if proc is not None and any(fnmatch.fnmatchcase(proc.info.cmdline, g) for g in ignore):
                     continue
                 where = f"[node {node.node_id[:8]}]"
-                info = (dataclasses.replace(proc.info, cmdline=f"{where} {proc.info.cmdline}")
+                info = (proc.info.replace(cmdline=f"{where} {proc.info.cmdline}")
                         if proc is not None else
                         ProcessInfo(gp.pid, 0, 0, -1, "?", f"[node {node.node_id[:8]}] pid {gp.pid} (not "
                                     "visible on its node)", "?"))

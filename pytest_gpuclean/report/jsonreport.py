@@ -1,8 +1,8 @@
-"""The JSON shapes gpuclean publishes (schema version 1), built from the plain dataclasses of ``model``.
+"""The JSON shapes gpuclean publishes (schema version 1), built from the records of ``model/records.py``.
 
 Pure functions, no pytest: the ``--gpuclean-report`` file and ``gpuclean status --json`` share the
 device and process shapes. ``report_schema.json`` next to this module is the contract; the
-documentation is docs/report-schema.md. The internal dataclasses may change; these shapes only change
+documentation is docs/report-schema.md. The internal records may change; these shapes only change
 with ``SCHEMA_VERSION``.
 """
 
@@ -16,14 +16,24 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, Owner
-from pytest_gpuclean.model.results import CheckResult, FixtureLeak, OwnLeaks, TestRecord, own_leaks
-from pytest_gpuclean.model.results import outcome as results_outcome
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
+from pytest_gpuclean.model.decisions import OwnLeaks, own_leaks
+from pytest_gpuclean.model.decisions import outcome as results_outcome
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    DeviceInfo,
+    DeviceSnapshot,
+    FixtureLeak,
+    HealthFinding,
+    Offender,
+    Owner,
+    ProcessInfo,
+    Reaped,
+    SiblingUse,
+    TestRecord,
+)
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report_schema.json")
@@ -145,7 +155,7 @@ def ray_json(address: str, version: str, sweeps: Sequence[CheckResult]) -> JsonD
 
 def own_reaped(record: TestRecord) -> list[Reaped]:
     """Processes the after-check reaped that this test (or a fixture ending with it) leaked
-    (``results.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
+    (``decisions.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
     return own_leaks(record).reaped
 
 
@@ -166,7 +176,7 @@ def _offender_leak_json(offender: Offender, ended_by: str | None) -> JsonDict | 
 
 
 def leaked_json(record: TestRecord) -> list[JsonDict]:
-    """Every process this test left behind (``results.own_leaks``): reaped after it, found by a later
+    """Every process this test left behind (``decisions.own_leaks``): reaped after it, found by a later
     check, or not reapable."""
     leaks = own_leaks(record)
     leaked: list[JsonDict] = [*(_reaped_leak_json(r, "teardown") for r in leaks.reaped),
@@ -203,7 +213,7 @@ def _cluster_leaked_json(leaks: OwnLeaks) -> list[JsonDict]:
 
 
 def outcome(record: TestRecord) -> str:
-    """The test's outcome (``results.outcome``, which every output uses)."""
+    """The test's outcome (``decisions.outcome``, which every output uses)."""
     return results_outcome(record)
 
 

@@ -1,18 +1,23 @@
-"""Pure formatting of gpuclean's findings: the same dataclasses feed text, JSON and JUnit output."""
+"""Pure formatting of gpuclean's findings: the same records feed text, JSON and JUnit output."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from pytest_gpuclean.model.readings import MIB, DeviceSnapshot
-from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.model.decisions import has_findings, outcome
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    DeviceSnapshot,
+    FixtureLeak,
+    Offender,
+    ProcessInfo,
+    Reaped,
+    TestRecord,
+)
 from pytest_gpuclean.model.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checker.py's messages use them too)
 from pytest_gpuclean.model.text import mib_list as mib_list
 from pytest_gpuclean.model.text import one_line as one_line
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import Offender, ProcessInfo, Reaped
 
 LEAK_PREFIX = "gpuclean: test leaked"
 FIXTURE_LEAK_PREFIX = "gpuclean: fixture"
@@ -207,7 +212,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
                   notes: Sequence[str]) -> list[str]:
     """The terminal summary: one block per test that leaked or met dirty GPUs, then totals."""
     lines: list[str] = []
-    dirty = [r for r in records if r.dirty]
+    dirty = [r for r in records if has_findings(r)]
     for record in dirty:
         parts: list[str] = []
         for check in (record.before, record.after):
@@ -322,13 +327,13 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped])
     (apart from the test at whose teardown it was found).
     """
     checked = [r for r in records if r.before is not None]
-    unchecked_leakers = sum(1 for r in records if r.before is None and r.leaked)
+    unchecked_leakers = sum(1 for r in records if r.before is None and outcome(r) == "leaked")
     timeouts = sum(1 for r in records if r.lock_timeout is not None)
     fixtures = sum(len(r.fixture_leaks) for r in records)
     unreadable = sum(1 for r in records if any(c is not None and c.error is not None
                                                for c in (r.before, r.after)))
     without_lock = sum(1 for r in records if r.gpu_without_lock)
-    parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if r.dirty)} with findings"]
+    parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if has_findings(r))} with findings"]
     if fixtures:
         parts.append(f"{fixtures} fixture(s) that leaked processes")
     if unchecked_leakers:

@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import Reaped
-    from pytest_gpuclean.model.readings import Phase
-    from pytest_gpuclean.model.results import TestRecord
+    from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
     from pytest_gpuclean.session.started import ItemState, Started
 
 

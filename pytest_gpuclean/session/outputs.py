@@ -19,14 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean.model.readings import DeviceInfo
-from pytest_gpuclean.model.results import FixtureLeak, TestRecord
+from pytest_gpuclean.model.records import DeviceInfo, FixtureLeak, Reaped, TestRecord
 from pytest_gpuclean.report import records, report
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.devices import Backend
     from pytest_gpuclean.core.settings import Settings
-    from pytest_gpuclean.model.findings import Reaped
     from pytest_gpuclean.report import jsonreport
 
 TITLE_LEAK = "GPU leak"
@@ -357,9 +355,9 @@ class PerTestOutputs:
                     # xdist ships a report's attributes to the controller as each test ends: if the run is
                     # interrupted, the controller still knows what the finished tests found (the worker's
                     # session-end payload never comes).
-                    from pytest_gpuclean.report.serialize import record_to_dict
+                    from pytest_gpuclean.report.serialize import to_dict
 
-                    setattr(test_report, RECORD_ATTRIBUTE, record_to_dict(record))
+                    setattr(test_report, RECORD_ATTRIBUTE, to_dict(record))
         return test_report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

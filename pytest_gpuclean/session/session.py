@@ -24,14 +24,13 @@ from pytest_gpuclean.core.locks import GpuLocks
 from pytest_gpuclean.core.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean.core.ownership import SESSION_OWNER
 from pytest_gpuclean.core.signals import quiet_interrupts
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, Owner
+from pytest_gpuclean.model.records import MIB, DeviceInfo, HealthFinding, Owner, ProcessInfo, Reaped
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import MARKER, GpuCleanWarning
 from pytest_gpuclean.session.testcheck import ItemChecks
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.health import HealthWatch
-    from pytest_gpuclean.model.findings import HealthFinding, ProcessInfo, Reaped
     from pytest_gpuclean.session.names import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Protocol
 
+from pytest_gpuclean.model.records import DeviceInfo, Owner, Reaped
+
 if TYPE_CHECKING:
     import pytest
 
@@ -16,8 +18,6 @@ if TYPE_CHECKING:
     from pytest_gpuclean.core.health import HealthWatch
     from pytest_gpuclean.core.locks import GpuLocks, HeldLocks
     from pytest_gpuclean.core.settings import Settings
-    from pytest_gpuclean.model.findings import Reaped
-    from pytest_gpuclean.model.readings import DeviceInfo, Owner
     from pytest_gpuclean.report.records import SessionRecords
 
 

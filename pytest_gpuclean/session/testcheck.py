@@ -7,7 +7,6 @@ Part of a started session (``session.py``); the plugin's setup and teardown hook
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import os
 import sys
@@ -22,15 +21,23 @@ from pytest_gpuclean.core import health as health_mod
 from pytest_gpuclean.core import settings
 from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.core.locks import LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model.readings import MIB, OutsideAction, Owner, Phase
-from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord, split_own
+from pytest_gpuclean.model.decisions import split_own
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    FixtureLeak,
+    HealthFinding,
+    OutsideAction,
+    Owner,
+    Phase,
+    TestRecord,
+)
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.locks import HeldLocks
-    from pytest_gpuclean.model.findings import HealthFinding
 
 
 _STATE = pytest.StashKey[ItemState]()
@@ -318,7 +325,7 @@ class ItemChecks:
             key = (use.process.pid, use.process.start_ticks)
             if all((u.process.pid, u.process.start_ticks) != key for u in record.gpu_without_lock):
                 record.gpu_without_lock.append(
-                    dataclasses.replace(use, seen_by=state.nodeid, seen_worker=worker, phase=result.phase))
+                    use.replace(seen_by=state.nodeid, seen_worker=worker, phase=result.phase))
 
     # ---- GPU health (health.py) ---------------------------------------------------------------------
 
