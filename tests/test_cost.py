@@ -76,7 +76,7 @@ def test_cookie():
     assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
                                 "pytest_gpuclean.core.procfs", "pytest_gpuclean.core.settings",
                                 "pytest_gpuclean.plugin", "pytest_gpuclean.session",
-                                "pytest_gpuclean.session.hookspecs", "pytest_gpuclean.session.names"]
+                                "pytest_gpuclean.session.names"]
     assert state["cookie"].endswith(":session")
     if not args:
         # Of the plugin's hooks, only one per test is left: the one that notices a test checked after all.
@@ -102,8 +102,7 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
                                 "pytest_gpuclean.core.devices", "pytest_gpuclean.core.procfs",
                                 "pytest_gpuclean.core.settings", "pytest_gpuclean.model",
                                 "pytest_gpuclean.model.records", "pytest_gpuclean.plugin",
-                                "pytest_gpuclean.session", "pytest_gpuclean.session.hookspecs",
-                                "pytest_gpuclean.session.names"]
+                                "pytest_gpuclean.session", "pytest_gpuclean.session.names"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
 

@@ -1,4 +1,4 @@
-"""gpuclean's own hooks (``session/hookspecs.py``): an extension takes part in each checked test's check and
+"""gpuclean's own hooks (``plugin.GpuCleanHooks``): an extension takes part in each checked test's check and
 in the session's end without the per-test check knowing of it (the Ray cluster's checks are one:
 tests/test_ray.py).
 """

@@ -165,7 +165,7 @@ def test_the_contract_catches_what_it_is_for() -> None:
 def test_imports_are_read_where_they_hide() -> None:
     # A function-level import (the plugin loads the Ray checks only with --gpuclean-ray) ...
     assert "pytest_gpuclean.ray.checks" in GRAPH["pytest_gpuclean.plugin"]
-    # ... one under TYPE_CHECKING (the hook specs name the records in annotations only) ...
-    assert "pytest_gpuclean.model.records" in GRAPH["pytest_gpuclean.session.hookspecs"]
+    # ... one under TYPE_CHECKING (the plugin names the records in annotations only) ...
+    assert "pytest_gpuclean.model.records" in GRAPH["pytest_gpuclean.plugin"]
     # ... and ``from pkg import mod`` names the module, not its package.
     assert "pytest_gpuclean.core.devices" in GRAPH["pytest_gpuclean.session.session"]

@@ -1,6 +1,6 @@
 """The Ray cluster's part of a session's checks (``--gpuclean-ray``): before and after each test, and the
 cluster's sweep at the session's end. A plugin that implements gpuclean's own hooks
-(``session/hookspecs.py``), registered by ``plugin.py`` only when ``--gpuclean-ray`` is on: the per-test
+(``plugin.GpuCleanHooks``), registered by ``plugin.py`` only when ``--gpuclean-ray`` is on: the per-test
 check calls the hooks and knows nothing of Ray.
 
 ``cluster.py`` (and Ray, which it drives) is imported only when the option names a cluster, or, with
@@ -124,7 +124,7 @@ class RayChecks:
         self._refused: set[tuple[int, int]] = set()
         """GCS servers whose cluster could not be used: not tried again."""
 
-    # ---- gpuclean's hooks (session/hookspecs.py) ----------------------------------------------------
+    # ---- gpuclean's hooks (plugin.GpuCleanHooks) ----------------------------------------------------
 
     def pytest_gpuclean_session_start(self, session: Started) -> None:
         self.session = session

@@ -1,5 +1,6 @@
-"""What a test's check (``testcheck.py``) and an extension's hooks (``hookspecs.py``: the Ray cluster's
-checks) need of a started session, as a protocol: ``session.py`` passes itself, and neither imports it back.
+"""What a test's check (``testcheck.py``) and an extension's hooks (``plugin.GpuCleanHooks``: the Ray
+cluster's checks) need of a started session, as a protocol: ``session.py`` passes itself, and neither
+imports it back.
 
 Also a test's state from its setup to the end of its teardown (``ItemState``), which both hand around.
 """
