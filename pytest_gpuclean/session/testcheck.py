@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 
 _STATE = pytest.StashKey[ItemState]()
+_EXTENSION_HOOKS = ("pytest_gpuclean_check_before", "pytest_gpuclean_check_after", "pytest_gpuclean_checked")
 
 
 class ItemChecks:
@@ -55,6 +56,12 @@ class ItemChecks:
         self._tearing_down: ItemState | None = None
         self._warned_own_context = False
         self._warned_own_cuda = False
+        hook = session.config.hook
+        # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
+        # only when one implements them: three calls that find nothing would cost each checked test ~70k
+        # instructions (callgrind).
+        extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
+        self._hook: Any = hook if extended else None
 
     def setup(self, item: pytest.Item, *, checked: bool) -> CheckResult | None:
         """Open the test's ownership window; if it is ``checked``, lock its GPUs and check them (fails or
@@ -83,9 +90,9 @@ class ItemChecks:
         if unusable:
             pytest.fail(unusable, pytrace=False)  # at once: waiting would not make the GPU usable
         # An extension's check (the Ray cluster's) first: what it ends, it ends its own way.
-        hook = session.config.hook
-        failures = hook.pytest_gpuclean_check_before(session=session, state=state, record=record)
-        if failures:
+        hook = self._hook
+        if hook is not None and (failures := hook.pytest_gpuclean_check_before(session=session, state=state,
+                                                                               record=record)):
             pytest.fail("\n\n".join(failures), pytrace=False)
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
@@ -107,8 +114,8 @@ class ItemChecks:
                 raise _skip(f"{report.outside_line('setup', result, state.timeout)} "
                             f"({self._outside_source()})")
             pytest.fail(report.check_report(result, heading), pytrace=False)
-        failures = hook.pytest_gpuclean_checked(session=session, state=state, record=record, phase="setup")
-        if failures:
+        if hook is not None and (failures := hook.pytest_gpuclean_checked(session=session, state=state,
+                                                                          record=record, phase="setup")):
             pytest.fail("\n\n".join(failures), pytrace=False)
         return result
 
@@ -225,13 +232,14 @@ class ItemChecks:
     def _after(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         if record.before is None or not record.before.clean:
             return None  # the test never ran on clean GPUs: its setup error already says why
-        session = self.session
-        hook = session.config.hook
-        failures: list[str] = hook.pytest_gpuclean_check_after(session=session, state=state, record=record)
+        session, hook = self.session, self._hook
+        failures: list[str] = [] if hook is None else hook.pytest_gpuclean_check_after(
+            session=session, state=state, record=record)
         local_failure = self._after_local(item, state, record)
         health_failure = self._health_after(item, state, record)
-        failures += hook.pytest_gpuclean_checked(session=session, state=state, record=record,
-                                                 phase="teardown")
+        if hook is not None:
+            failures += hook.pytest_gpuclean_checked(session=session, state=state, record=record,
+                                                     phase="teardown")
         return "\n\n".join(f for f in (*failures, local_failure, health_failure) if f) or None
 
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
