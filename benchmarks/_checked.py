@@ -10,7 +10,7 @@ from typing import Any
 
 from pytest_gpuclean.core.checker import Checker
 from pytest_gpuclean.core.locks import GpuLocks
-from pytest_gpuclean.model.readings import DeviceInfo
+from pytest_gpuclean.model.records import DeviceInfo
 
 
 def checked_test(checker: Checker, watch: Any, devs: tuple[DeviceInfo, ...], locks: GpuLocks | None = None,

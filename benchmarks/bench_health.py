@@ -36,7 +36,7 @@ from pytest_gpuclean.core import devices as devices_mod
 from pytest_gpuclean.core import probe
 from pytest_gpuclean.core.checker import Checker
 from pytest_gpuclean.core.health import HealthWatch
-from pytest_gpuclean.model.readings import DeviceInfo
+from pytest_gpuclean.model.records import DeviceInfo
 
 
 def _per_call(fn: Callable[[], object], reps: int) -> float:

@@ -43,7 +43,7 @@ from pytest_gpuclean.core import processes, procfs
 from pytest_gpuclean.core.checker import Checker
 from pytest_gpuclean.core.cookie import COOKIE_VAR
 from pytest_gpuclean.core.devices import SimulatedBackend
-from pytest_gpuclean.model.readings import Owner
+from pytest_gpuclean.model.records import Owner
 
 DEVICES = 8
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]

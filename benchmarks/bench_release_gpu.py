@@ -61,7 +61,7 @@ from pytest_gpuclean.core import devices as devices_mod  # noqa: E402
 from pytest_gpuclean.core import processes  # noqa: E402
 from pytest_gpuclean.core.checker import Checker  # noqa: E402
 from pytest_gpuclean.core.cookie import COOKIE_VAR  # noqa: E402
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, Owner  # noqa: E402
+from pytest_gpuclean.model.records import MIB, DeviceInfo, Owner  # noqa: E402
 
 HOLDER = r"""
 import os, signal, sys, time

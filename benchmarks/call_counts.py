@@ -26,7 +26,7 @@ from _checked import checked_test, health_watch
 from pytest_gpuclean.core import devices as devices_mod
 from pytest_gpuclean.core.checker import Checker
 from pytest_gpuclean.core.locks import GpuLocks
-from pytest_gpuclean.model.readings import DeviceInfo
+from pytest_gpuclean.model.records import DeviceInfo
 
 WARM, COUNTED = 50, 300
 

@@ -30,9 +30,16 @@ from pytest_gpuclean.core.checker import Checker
 from pytest_gpuclean.core.decide import mib_of
 from pytest_gpuclean.core.ownership import COOKIE_VAR
 from pytest_gpuclean.core.reaping import reaped_record
-from pytest_gpuclean.model.findings import ProcessInfo, Reaped
-from pytest_gpuclean.model.readings import MIB, DeviceHealth, DeviceInfo, DeviceSnapshot, FoundBy
-from pytest_gpuclean.model.results import CheckResult
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    DeviceHealth,
+    DeviceInfo,
+    DeviceSnapshot,
+    FoundBy,
+    ProcessInfo,
+    Reaped,
+)
 from pytest_gpuclean.report import jsonreport, report
 
 EXIT_CLEAN = 0
@@ -544,11 +551,9 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
             account(snaps)
             return EXIT_CLEAN
         if args.dry_run:
-            print(f"{PROG} reap: --dry-run: would end {len(targets)} process(es):", file=text)
-            for pid, target in sorted(targets.items()):
-                print(f"  pid {pid} (user {target.info.user}, found as {target.found_by}): held "
-                      f"{report.mib_list(target.mib) or 'no GPU memory'}", file=text)
-                print(f"      cmd: {_cmd(target.info.cmdline)}", file=text)
+            for line in report.dry_run_lines(PROG, [("", t.info, f"found as {t.found_by}", t.mib)
+                                                    for _, t in sorted(targets.items())]):
+                print(line, file=text)
             account(snaps)
             return EXIT_CLEAN
         reaped, released_s = reap_targets(checker, found.chosen, targets)

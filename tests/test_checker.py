@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuclean.core.checker import Checker, _Check
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
-from pytest_gpuclean.model.results import CheckResult
+from pytest_gpuclean.model.records import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
 GPU1 = DeviceInfo(1, "GPU-fake-1", "Fake GPU")

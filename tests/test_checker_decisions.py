@@ -31,8 +31,7 @@ from pytest_gpuclean.core.ownership import (
     older_than_session,
     pid_between,
 )
-from pytest_gpuclean.model.findings import Offender, ProcessInfo
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess, Offender, ProcessInfo
 
 SPACE = 1 << 22  # pid_max on a 64-bit kernel
 GPU0 = DeviceInfo(0, "GPU-0000", "Fake")

@@ -20,7 +20,7 @@ from helpers import alive, read_pids, wait_dead
 from pytest_gpuclean import __version__, cli, simulate
 from pytest_gpuclean.core import procfs
 from pytest_gpuclean.core.devices import simulated_uuid
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
 
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
 ME = pwd.getpwuid(os.getuid()).pw_name

@@ -64,7 +64,7 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
                                 "pytest_gpuclean.core.devices", "pytest_gpuclean.core.procfs",
                                 "pytest_gpuclean.core.settings", "pytest_gpuclean.model",
-                                "pytest_gpuclean.model.readings", "pytest_gpuclean.plugin",
+                                "pytest_gpuclean.model.records", "pytest_gpuclean.plugin",
                                 "pytest_gpuclean.session", "pytest_gpuclean.session.names"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
@@ -115,11 +115,13 @@ def test_a_collected_checked_test_starts_the_session(example: Callable[..., Path
     # compiled anew in every run (pytest_gpuclean/__init__.py, _PlainImports).
     assert state["conftest_rewritten"] == "AssertionRewritingHook"
     assert set(state["rewritten"]) <= {"pytest_gpuclean"}, state["rewritten"]
-    # The Ray cluster's code and record types load with --gpuclean-ray only, and what a check found at
-    # the first finding (this session's checks are all clean).
-    assert not {"pytest_gpuclean.model.ray_model", "pytest_gpuclean.ray.cluster",
-                "pytest_gpuclean.session.cluster_checks",
-                "pytest_gpuclean.model.findings"} & set(state["modules"])
+    # The model is one module of records (cheap classes: no dataclass compiles methods at import) and its
+    # decisions, loaded whole; nothing of Ray loads without --gpuclean-ray, and no plugin of its hooks.
+    assert {m for m in state["modules"] if m.startswith("pytest_gpuclean.model")} == {
+        "pytest_gpuclean.model", "pytest_gpuclean.model.decisions", "pytest_gpuclean.model.records",
+        "pytest_gpuclean.model.text"}
+    assert not [m for m in state["modules"] if m.startswith("pytest_gpuclean.ray")]
+    assert "gpuclean-ray" not in state["plugins"]
     # Nor the report's and shipping code, without a report, JUnit XML or xdist; and the hooks that run
     # for every test report are those of the outputs asked for (none here) and of pytest-forked (absent).
     assert not ({"pytest_gpuclean.report.jsonreport", "pytest_gpuclean.report.serialize"}

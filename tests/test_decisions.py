@@ -6,25 +6,25 @@ schedulers with MockNodes): whose a reaped process is (``results.split_own``), w
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from pytest_gpuclean.core.reap_plan import Candidate
 from pytest_gpuclean.core.reap_plan import plan as plan_reap
-from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped
-from pytest_gpuclean.model.ray_model import ClusterCheck, ClusterFinding, ClusterNode, ClusterReaped
-from pytest_gpuclean.model.readings import FoundBy, Owner, OwnerKind
-from pytest_gpuclean.model.results import (
-    ALL_KINDS,
+from pytest_gpuclean.model.decisions import ALL_KINDS, has_findings, outcome, own_leaks, split_own
+from pytest_gpuclean.model.records import (
     CheckResult,
+    ClusterReading,
     FixtureLeak,
-    has_findings,
-    outcome,
-    own_leaks,
-    split_own,
+    FoundBy,
+    HealthFinding,
+    NodeReading,
+    Offender,
+    Owner,
+    OwnerKind,
+    ProcessInfo,
+    Reaped,
 )
-from pytest_gpuclean.model.results import TestRecord as Record
+from pytest_gpuclean.model.records import TestRecord as Record
 from pytest_gpuclean.report import jsonreport, report
 from pytest_gpuclean.session import outputs
 
@@ -60,9 +60,19 @@ def health(effect: str) -> HealthFinding:
     return HealthFinding("xid", effect, "GPU 0", "GPU-0000", f"GPU 0: Xid ({effect})", "teardown", 31)
 
 
-def cluster(clean: bool = True, reaped_: tuple[ClusterReaped, ...] = (),
-            findings: tuple[ClusterFinding, ...] = ()) -> ClusterCheck:
-    return ClusterCheck("127.0.0.1:6379", "teardown", clean, (ClusterNode(NODE, (), ""),), findings, reaped_)
+def cluster(clean: bool = True, reaped_: tuple[Reaped, ...] = (),
+            findings: tuple[Offender, ...] = ()) -> CheckResult:
+    """A Ray cluster's check: an ordinary check result whose findings name their node."""
+    return CheckResult("teardown", clean, (), findings, reaped_,
+                       cluster=ClusterReading("127.0.0.1:6379", (NodeReading(NODE, (), ""),)))
+
+
+def on_node(found: Reaped | Offender, node: str = NODE, **fields: object) -> Reaped | Offender:
+    return found.replace(node=node, **fields)
+
+
+UNREACHABLE = Offender("unreachable", None, None, "gpu", detail="the Ray cluster at 127.0.0.1:6379 did not "
+                       "answer (census) within 5s", node="")
 
 
 FIXTURE_LEAK = FixtureLeak("engine", "module", ("conftest.py", 3), NODEID, (reaped(MY_FIXTURE),))
@@ -85,11 +95,11 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
      Record(NODEID, found_later=[reaped(ME)]), "leaked", True),
     ("leaked: left on the Ray cluster",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
-                cluster_after=cluster(reaped_=(ClusterReaped(NODE, "ray.kill", reaped(ME)),))), "leaked",
+                cluster_after=cluster(reaped_=(on_node(reaped(ME), via="ray.kill"),))), "leaked",
      True),
     ("leaked: still on the Ray cluster",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
-                cluster_after=cluster(False, findings=(ClusterFinding(NODE, leaked(ME)),))), "leaked", True),
+                cluster_after=cluster(False, findings=(on_node(leaked(ME)),))), "leaked", True),
     ("an earlier test's leftover reaped after it: a finding, not its leak",
      Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(EARLIER),))), "clean", True),
     ("an earlier test's leftover still there: not clean, not its leak",
@@ -115,6 +125,13 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
     ("the Ray cluster not clean",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, cluster_after=cluster(False)), "not_clean",
      True),
+    ("the Ray cluster could not be reached before the test: not clean, no leak",
+     Record(NODEID, cluster_before=cluster(False, findings=(UNREACHABLE,)).replace(phase="setup")),
+     "not_clean", True),
+    ("the Ray cluster could not be reached after the test: not clean, no leak",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
+            cluster_after=cluster(False, findings=(UNREACHABLE,))),
+     "not_clean", True),
     ("health: a GPU that needs a reset",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("unusable")]), "not_clean",
      True),
@@ -145,8 +162,8 @@ def test_outcome(record: Record, expected: str, findings: bool) -> None:
     # Every output asks the same function: the JSON, the record's properties, the JUnit properties.
     assert jsonreport.outcome(record) == expected
     assert jsonreport.record_json(record)["outcome"] == expected
-    assert record.dirty is findings
-    assert record.leaked is (expected == "leaked") is bool(jsonreport.leaked_json(record))
+    assert has_findings(record) is findings
+    assert own_leaks(record).any() is (expected == "leaked") is bool(jsonreport.leaked_json(record))
     assert ("gpuclean_outcome", expected) in outputs.junit_properties(record)
     # A leaking test is a finding; a clean one only when a check found something that does not fail it.
     assert findings or expected in ("clean", "unchecked")
@@ -226,8 +243,7 @@ def test_split_own_keeps_order_and_every_item() -> None:
 def test_split_own_by_name_for_a_record_without_tokens() -> None:
     """A record read back (an xdist worker's) has no tokens: the reports tell the test's own by its name,
     and list a dead session's offender as the reports always did."""
-    items = [leaked(EARLIER), leaked(ME), leaked(MY_FIXTURE), dataclasses.replace(leaked(ME),
-                                                                                     found_by="dead session")]
+    items = [leaked(EARLIER), leaked(ME), leaked(MY_FIXTURE), leaked(ME).replace(found_by="dead session")]
     own, earlier = split_own(items, lambda o: o.name == NODEID, ("test",), dead_sessions_theirs=False)
     assert own == items[1:]
     assert earlier == items[:1]
@@ -235,8 +251,8 @@ def test_split_own_by_name_for_a_record_without_tokens() -> None:
 
 # ---- what `gpuclean reap` may end, on this host and on a Ray cluster -----------------------------------
 
-MINE = dataclasses.replace(PROC, cmdline="python hold.py\n--mib 64")
-ROOTS = dataclasses.replace(PROC, uid=0, user="root", cmdline="python serve.py")
+MINE = PROC.replace(cmdline="python hold.py\n--mib 64")
+ROOTS = PROC.replace(uid=0, user="root", cmdline="python serve.py")
 ON_GPU0 = (("GPU 0", 64.0),)
 NODE_A = "node aaaaaaaa"
 
@@ -307,6 +323,43 @@ def test_reap_plan_considers_a_pid_once_per_place() -> None:
 
 
 def test_reap_plan_cuts_command_lines_at_the_width() -> None:
-    _, [line] = plan_reap([cand(gpuclean_itself=True, info=dataclasses.replace(MINE, cmdline="x" * 300))],
+    _, [line] = plan_reap([cand(gpuclean_itself=True, info=MINE.replace(cmdline="x" * 300))],
                           my_uid=PROC.uid, cmd_width=20)
     assert len(line.split("(", 1)[1].split(")", 1)[0]) <= 20
+
+
+# ---- what a Ray cluster's check finds: ordinary findings that name their node -----------------------------
+
+def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster that does not answer is ``unreachable`` (for the whole cluster: node ''), not memory; the
+    check is an ordinary ``CheckResult`` whose JSON the schema takes."""
+    import jsonschema
+
+    from pytest_gpuclean.core.ownership import Ownership
+    from pytest_gpuclean.ray import cluster as ray_cluster
+
+    def no_answer(*args: object, **kwargs: object) -> None:
+        raise ray_cluster.ClusterError("the Ray cluster at 127.0.0.1:6379 did not answer (census) within 5s")
+
+    check = ray_cluster.RayCheck("127.0.0.1:6379", Ownership("t"))
+    monkeypatch.setattr(check, "_call", no_answer)
+    result = check.check_cluster("teardown", tolerance_mib=0, timeout=5.0)
+    assert not result.clean and result.cluster is not None and result.cluster.address == "127.0.0.1:6379"
+    assert [(o.reason, o.node, o.process) for o in result.offenders] == [("unreachable", "", None)]
+    assert check.sweep(include_session=True, timeout=5.0).offenders[0].reason == "unreachable"
+    record = Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, cluster_after=result)
+    assert outcome(record) == "not_clean" and not jsonreport.leaked_json(record)
+    document = jsonreport.record_json(record)
+    assert document["cluster_after"]["findings"][0]["reason"] == "unreachable"
+    jsonschema.validate(document, {"$defs": jsonreport.load_schema()["$defs"], "$ref": "#/$defs/test"})
+    assert "unreachable: the Ray cluster at 127.0.0.1:6379 did not answer" in report.check_report(result, "x")
+
+
+def test_a_dead_or_unreadable_node_is_unreachable_and_named() -> None:
+    from pytest_gpuclean.ray import cluster as ray_cluster
+
+    census = ray_cluster.Census(nodes=(ray_cluster.NodeReport("b" * 56, 0, (), (), "probe failed: boom"),),
+                                dead_nodes=(("a" * 56, "node crashed"),), actors=(), our_jobs=(), took_s=0.1)
+    found = ray_cluster.node_findings(census, 0, set())
+    assert [(o.reason, o.node) for o in found] == [("unreachable", "a" * 56), ("unreachable", "b" * 56)]
+    assert "Ray node aaaaaaaa died: node crashed" in found[0].detail

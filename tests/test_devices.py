@@ -29,7 +29,7 @@ from pytest_gpuclean.core.devices import (
     select_devices,
     simulated_uuid,
 )
-from pytest_gpuclean.model.readings import MIB, DeviceInfo
+from pytest_gpuclean.model.records import MIB, DeviceInfo
 from pytest_gpuclean.simulate import allocate
 
 GPU0 = DeviceInfo(0, "GPU-1a2b3c4d-0000-4000-8000-000000000000", "H200")

@@ -17,10 +17,11 @@ ROOT = "pytest_gpuclean"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # (bottom first; the layers of one row are independent: neither may import the other)
     ("pytest_gpuclean",),  # the version, nothing else
-    ("pytest_gpuclean.model",),  # plain records: readings, findings, results, the Ray cluster's records
+    ("pytest_gpuclean.model",),  # the records (one module), the decisions over them, text
     ("pytest_gpuclean.core", "pytest_gpuclean.report"),  # reading and checking; formatting and shipping
-    ("pytest_gpuclean.ray",),  # the Ray extension: a cluster read and reaped, its CLI commands
-    ("pytest_gpuclean.session",),  # the pytest integration below the hooks
+    ("pytest_gpuclean.session",),  # the pytest integration below the hooks, and gpuclean's own hook specs
+    ("pytest_gpuclean.ray",),  # the Ray extension: a plugin of gpuclean's hooks, a cluster read and reaped,
+    # its CLI commands
     ("pytest_gpuclean.plugin", "pytest_gpuclean.cli",
      "pytest_gpuclean.simulate"),  # the entry points: pytest's, the gpuclean command, the device simulator
     ("pytest_gpuclean.__main__",),  # python -m pytest_gpuclean: the gpuclean command
@@ -169,10 +170,10 @@ def test_the_contract_catches_what_it_is_for() -> None:
 
 
 def test_imports_are_read_where_they_hide() -> None:
-    # A function-level import (the session loads the Ray checks only with --gpuclean-ray) ...
-    assert "pytest_gpuclean.session.cluster_checks" in GRAPH["pytest_gpuclean.session.session"]
-    # ... one under TYPE_CHECKING (a result names its findings in annotations only) ...
-    assert "pytest_gpuclean.model.findings" in GRAPH["pytest_gpuclean.model.results"]
+    # A function-level import (the plugin loads the Ray checks only with --gpuclean-ray) ...
+    assert "pytest_gpuclean.ray.checks" in GRAPH["pytest_gpuclean.plugin"]
+    # ... one under TYPE_CHECKING (the plugin names the records in annotations only) ...
+    assert "pytest_gpuclean.model.records" in GRAPH["pytest_gpuclean.plugin"]
     # ... and ``from pkg import mod`` names the module, not its package.
     assert "pytest_gpuclean.core.devices" in GRAPH["pytest_gpuclean.session.session"]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pytest_gpuclean.model.readings import DeviceInfo
+from pytest_gpuclean.model.records import DeviceInfo
 from pytest_gpuclean.ray.cluster import node_devices
 
 GPUS = tuple(DeviceInfo(i, f"GPU-{i}{i}{i}{i}aaaa-0000", "H200") for i in range(4))

@@ -21,7 +21,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from helpers import alive, kill_all, read_pids, run_inner
 
-from pytest_gpuclean.model.readings import MIB
+from pytest_gpuclean.model.records import MIB
 from pytest_gpuclean.report import jsonreport
 from pytest_gpuclean.report.report import NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda

@@ -481,7 +481,7 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
     import sys
     import time
 
-    from pytest_gpuclean.session.cluster_checks import GCS_SERVER, gcs_address
+    from pytest_gpuclean.ray.checks import GCS_SERVER, gcs_address
 
     fake = tmp_path / GCS_SERVER  # a Python named like Ray's GCS server
     fake.symlink_to(sys.executable)
@@ -516,7 +516,7 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
     # returns) often starts in the fixture's last tick, after its truncated end: still the fixture's.
     from pytest_gpuclean.core import procfs
     from pytest_gpuclean.core.ownership import Ownership, Window
-    from pytest_gpuclean.model.readings import Owner
+    from pytest_gpuclean.model.records import Owner
     from pytest_gpuclean.ray.cluster import RayCheck
 
     ownership = Ownership("gc.test")

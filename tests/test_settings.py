@@ -19,7 +19,7 @@ from pytest_gpuclean.core.settings import (
     resolve,
     resolve_options,
 )
-from pytest_gpuclean.model import readings as model
+from pytest_gpuclean.model import records as model
 
 
 def ini_of(values: dict[str, Any]) -> Callable[[str], Any]:

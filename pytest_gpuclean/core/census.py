@@ -23,7 +23,7 @@ from pytest_gpuclean.core.ownership import (
     dead_session_of,
     innermost_session,
 )
-from pytest_gpuclean.model.readings import FoundBy, Owner, OwnerKind
+from pytest_gpuclean.model.records import FoundBy, Owner, OwnerKind
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"

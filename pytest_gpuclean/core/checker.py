@@ -9,11 +9,9 @@ line drive the same ``Checker``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from pytest_gpuclean.core import decide, pools, processes, procfs, reaping
 from pytest_gpuclean.core.census import Census, Found, Sibling
@@ -23,22 +21,23 @@ from pytest_gpuclean.core.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
 from pytest_gpuclean.core.outside import OutsideMemory, OutsideState, known_outside, outside_of
 from pytest_gpuclean.core.ownership import PREEXISTING, SESSION, Ownership
 from pytest_gpuclean.core.settings import DEFAULT_GRACE_S
-from pytest_gpuclean.model.readings import (
+from pytest_gpuclean.model.records import (
     MIB,
     UNKNOWN_OWNER,
+    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     EndedBy,
+    Offender,
     Outside,
     Owner,
     Phase,
+    ProcessInfo,
+    Reaped,
+    SiblingUse,
 )
-from pytest_gpuclean.model.results import CheckResult
 from pytest_gpuclean.model.text import mib_list as report_mib
 from pytest_gpuclean.model.text import one_line
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import Offender, ProcessInfo, Reaped, SiblingUse
 
 POLL_S = 0.02
 """Polling interval while waiting for a device to come clean."""
@@ -428,11 +427,10 @@ class _Check:
         if known is not None:
             if sum(m for _, m in held) > sum(m for _, m in known.mib_per_device):
                 key = (pid, known.process.start_ticks)
-                self.siblings[key] = dataclasses.replace(known, mib_per_device=held)
+                self.siblings[key] = known.replace(mib_per_device=held)
             return
         info = processes.describe(pid)
         if info is not None:
-            from pytest_gpuclean.model.findings import SiblingUse  # (only on a finding)
             key = (info.pid, info.start_ticks)
             self.siblings[key] = SiblingUse(info, sibling.owner, sibling.worker, held)
 
@@ -529,7 +527,7 @@ class _Check:
                               f"replaced (a process pool or supervisor outside our reach?)")
         still = {(o.process.pid, o.process.start_ticks) for o in offenders if o.process is not None}
         lingered = tuple(
-            dataclasses.replace(o, detail=f"outlived its test, ended by itself within {waited:.2f}s "
+            o.replace(detail=f"outlived its test, ended by itself within {waited:.2f}s "
                                 "(reaping is off)")
             for key, o in self.first_seen.items() if key not in still)
         me = c.procs.me
@@ -625,7 +623,6 @@ class _Check:
             if info is not None and c.ignore and processes.matches_any(info.cmdline, c.ignore):
                 ignored.add(pid)
                 continue
-            from pytest_gpuclean.model.findings import Offender  # (only on a finding)
             offenders.append(Offender("foreign", info or reaping.vanished(pid), None, "gpu",
                                       decide.mib_of(pid, snaps),
                                       detail="not started by this session: waited for, never killed"))
@@ -633,7 +630,6 @@ class _Check:
             info = processes.describe(f.pid, f.start_ticks)
             if info is None:
                 continue
-            from pytest_gpuclean.model.findings import Offender  # (only on a finding)
             offenders.append(Offender("leaked", info, c.owner_of(f), f.found_by, decide.mib_of(f.pid, snaps),
                                       detail=decide.leak_detail(info.uid, info.user, info.state, c.uid,
                                                                 reap_enabled)))
@@ -641,7 +637,6 @@ class _Check:
         for snap, extra in decide.excess_memory(snaps, excused, overhead, tolerance, blamed):
             holders = sorted(ignored & {p.pid for p in snap.processes})
             by = f"allowlisted pid(s) {holders}" if holders else "no process we can see"
-            from pytest_gpuclean.model.findings import Offender  # (only on a finding)
             offenders.append(Offender(
                 "memory", None, None, "gpu", ((snap.device.label, extra / MIB),),
                 detail=f"{extra / MIB:.0f} MiB used on {snap.device.label} beyond the tolerance "
@@ -654,7 +649,6 @@ class _Check:
             for pid in sorted(strays - c.procs.siblings(strays).keys()):
                 info = processes.describe(pid)
                 if info is not None:
-                    from pytest_gpuclean.model.findings import Offender  # (only on a finding)
                     offenders.append(Offender(
                         "host", info, None, "host", (),
                         detail="Python process of this user (host scope): never killed"))
@@ -665,7 +659,6 @@ class _Check:
         for f in unknown:
             info = processes.describe(f.pid, f.start_ticks)
             if info is not None:
-                from pytest_gpuclean.model.findings import Offender  # (only on a finding)
                 offenders.append(Offender(
                     "leaked", info, UNKNOWN_OWNER, f.found_by, decide.mib_of(f.pid, snaps),
                     detail="no evidence of which test or fixture started it: left alone, never signalled"))
@@ -674,7 +667,6 @@ class _Check:
     def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
-        from pytest_gpuclean.model.findings import Reaped  # (only on a finding)
         self.collected.append(Reaped(info or reaping.vanished(f.pid), self.c.owner_of(f), f.found_by, how, (),
                                      None))
 

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
-from pytest_gpuclean.model.readings import MIB, DeviceSnapshot
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import Offender
+from pytest_gpuclean.model.records import MIB, DeviceSnapshot, Offender
 
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process (9 MiB on an H200:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from pytest_gpuclean.core import procfs
-from pytest_gpuclean.model.readings import DeviceHealth, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, GpuProcess
 
 DEFAULT_SIM_TOTAL = 80 * 1024**3
 SIM_NAME = "Simulated GPU"

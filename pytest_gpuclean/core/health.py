@@ -13,16 +13,19 @@ No pytest here: ``testcheck.py`` calls the watch around each test and turns its 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 from pytest_gpuclean.core.devices import DeviceLost, HealthSource
-from pytest_gpuclean.model.readings import DeviceHealth, DeviceInfo, HealthEffect, HealthKind, Phase
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import HealthFinding, Reaped
+from pytest_gpuclean.model.records import (
+    DeviceHealth,
+    DeviceInfo,
+    HealthEffect,
+    HealthFinding,
+    HealthKind,
+    Phase,
+    Reaped,
+)
 
 XID_CATALOGUE = "https://docs.nvidia.com/deploy/xid-errors/"
 XIDS: dict[int, tuple[HealthEffect, str]] = {
@@ -102,8 +105,6 @@ def device_problems(health: DeviceHealth) -> list[str]:
 
 def finding(kind: HealthKind, effect: HealthEffect, device: DeviceInfo, message: str, phase: Phase,
             xid: int | None = None) -> HealthFinding:
-    from pytest_gpuclean.model.findings import HealthFinding  # (only on a finding)
-
     return HealthFinding(kind, effect, device.label, device.uuid, message, phase, xid)
 
 
@@ -195,7 +196,7 @@ class HealthWatch:
             self._probe([d for d in probe if d.uuid not in self.unusable and d.uuid not in self.lost],
                         "setup")
         # (Found earlier, maybe after another test: this test meets them at its setup.)
-        return [dataclasses.replace(f, phase="setup") for device in devices
+        return [f.replace(phase="setup") for device in devices
                 for f in (self.lost.get(device.uuid), self.unusable.get(device.uuid)) if f is not None]
 
     def after(self, nodeid: str, devices: Sequence[DeviceInfo], reaped: Sequence[Reaped],

@@ -18,12 +18,9 @@ import fcntl
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import Offender
+from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, Offender
 
 STATE_VAR = "GPUCLEAN_OUTSIDE_STATE"
 """Set by an xdist controller for its workers: the file where they share what held a GPU from outside."""

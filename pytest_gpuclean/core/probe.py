@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from pytest_gpuclean.model.readings import DeviceInfo
+from pytest_gpuclean.model.records import DeviceInfo
 
 PROBE_BYTES = 1 << 20
 

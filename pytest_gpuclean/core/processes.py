@@ -16,13 +16,10 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from pytest_gpuclean.core import procfs
-from pytest_gpuclean.model.readings import ProcessState
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import ProcessInfo
+from pytest_gpuclean.model.records import ProcessInfo, ProcessState
 
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.005
@@ -94,9 +91,7 @@ def describe(pid: int, start_ticks: int | None = None) -> ProcessInfo | None:
     except psutil.NoSuchProcess:
         return None
     except psutil.Error:
-        from pytest_gpuclean.model.findings import ProcessInfo  # (only on a finding)
         return ProcessInfo(pid, stat.start_ticks, stat.ppid, -1, "?", "?", state_name(stat.state))
-    from pytest_gpuclean.model.findings import ProcessInfo  # (only on a finding)
     return ProcessInfo(pid=pid, start_ticks=stat.start_ticks, ppid=stat.ppid, uid=uid, user=user,
                        cmdline=cmdline, state=state_name(stat.state))
 
@@ -132,7 +127,6 @@ def _zombie_leader(pid: int, stat: procfs.ProcStat) -> ProcessInfo | None:
         user = pwd.getpwuid(uid).pw_name
     except KeyError:
         user = str(uid)
-    from pytest_gpuclean.model.findings import ProcessInfo  # (only on a finding)
     return ProcessInfo(pid=pid, start_ticks=stat.start_ticks, ppid=stat.ppid, uid=uid, user=user,
                        cmdline=cmdline or f"[{pid}]", state="running (main thread exited)")
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pytest_gpuclean.model.findings import ProcessInfo
-from pytest_gpuclean.model.readings import FoundBy
+from pytest_gpuclean.model.records import FoundBy, ProcessInfo
 from pytest_gpuclean.model.text import one_line
 
 

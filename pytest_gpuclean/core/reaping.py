@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from pytest_gpuclean.core import processes
 from pytest_gpuclean.core.devices import DeviceError
-from pytest_gpuclean.model.readings import DeviceInfo, DeviceSnapshot, FoundBy, Owner
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import ProcessInfo, Reaped
+from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot, FoundBy, Owner, ProcessInfo, Reaped
 
 RELEASE_POLL_S = 0.005
 
@@ -83,7 +79,6 @@ class ReleaseWatch:
 
 def vanished(pid: int) -> ProcessInfo:
     """A stand-in for a process that ended before it could be described."""
-    from pytest_gpuclean.model.findings import ProcessInfo  # (only on a finding)
     return ProcessInfo(pid, 0, 0, -1, "?", "(exited)", "gone")
 
 
@@ -92,5 +87,4 @@ def reaped_record(info: ProcessInfo | None, pid: int, owner: Owner | None, found
                   held: tuple[tuple[str, float], ...]) -> Reaped:
     """What the kill ladder did to one process, as reported."""
     outcome, release = ended
-    from pytest_gpuclean.model.findings import Reaped  # (only on a finding)
     return Reaped.after_kill(info or vanished(pid), owner, found_by, held, outcome, release)

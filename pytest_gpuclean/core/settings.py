@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     import pytest
 
     from pytest_gpuclean.core.devices import Backend, NvmlOpening, Selection
-    from pytest_gpuclean.model.readings import OnOff, OutsideAction, Scope
+    from pytest_gpuclean.model.records import OnOff, OutsideAction, Scope
 
 # The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
 # that they agree), spelt out: every pytest run with the plugin installed imports this module, and
-# model.py is not cheap.
+# model/records.py is not cheap.
 SCOPES: tuple[Scope, ...] = ("session", "host")
 ON_OFF: tuple[OnOff, ...] = ("on", "off")
 OUTSIDE_ACTIONS: tuple[OutsideAction, ...] = ("fail", "skip", "stop")

@@ -24,10 +24,7 @@ from typing import Any, TextIO
 from pytest_gpuclean import __version__
 from pytest_gpuclean.core import reap_plan, settings
 from pytest_gpuclean.core.ownership import Ownership
-from pytest_gpuclean.model.findings import ProcessInfo
-from pytest_gpuclean.model.ray_model import ClusterFinding
-from pytest_gpuclean.model.readings import MIB
-from pytest_gpuclean.model.results import CheckResult
+from pytest_gpuclean.model.records import MIB, CheckResult, ClusterReading, NodeReading, Offender, ProcessInfo
 from pytest_gpuclean.ray import cluster
 from pytest_gpuclean.report import jsonreport, report
 
@@ -96,17 +93,13 @@ def cmd_status(args: argparse.Namespace, out: TextIO, resolved: settings.Setting
 
 # ---- check -------------------------------------------------------------------------------------------
 
-def verdict(census: cluster.Census, tolerance_mib: int, ignore: Sequence[str]) -> list[ClusterFinding]:
-    """Why the cluster is not clean: any process on a node's device (whatever it holds), memory no process
-    accounts for beyond the tolerance, an unreadable node."""
-    return cluster.node_findings(census, tolerance_mib, set(), ignore)
-
-
-def as_check(census: cluster.Census, findings: Sequence[ClusterFinding], tolerance_mib: int, waited: float
-             ) -> CheckResult:
-    devices = tuple(s for n in census.nodes for s in n.devices)
-    return CheckResult("check", not findings, devices, tuple(f.offender for f in findings), (), waited,
-                       waited if not findings else None, (), tolerance_mib)
+def as_check(address: str, census: cluster.Census, findings: Sequence[Offender], tolerance_mib: int,
+             waited: float) -> CheckResult:
+    """``check --ray``'s verdict: a cluster's check like the plugin's, its findings naming their node."""
+    nodes = tuple(NodeReading(n.node_id, n.devices, n.error) for n in census.nodes)
+    return CheckResult("check", not findings, (), tuple(findings), (), waited,
+                       waited if not findings else None, (), tolerance_mib,
+                       cluster=ClusterReading(address, nodes))
 
 
 def cmd_check(args: argparse.Namespace, out: TextIO, resolved: settings.Settings, address: str,
@@ -116,19 +109,21 @@ def cmd_check(args: argparse.Namespace, out: TextIO, resolved: settings.Settings
     try:
         while True:
             census = _census(agent, resolved)
-            findings = verdict(census, resolved.tolerance_mib, resolved.ignore)
+            # Any process on a node's device (whatever it holds), memory no process accounts for beyond
+            # the tolerance, an unreadable or dead node.
+            findings = cluster.node_findings(census, resolved.tolerance_mib, set(), resolved.ignore)
             waited = time.monotonic() - started
             if not findings or waited >= args.wait:
                 break
             time.sleep(min(0.5, max(0.0, args.wait - waited)))
     finally:
         agent.stop()
-    result = as_check(census, findings, resolved.tolerance_mib, waited)
+    result = as_check(agent.address, census, findings, resolved.tolerance_mib, waited)
     if args.json:
         print_json({**status_json(agent, census), "clean": result.clean,
                     "tolerance_mib": result.tolerance_mib, "waited_s": round(waited, 6),
-                    "offenders": [{**jsonreport.offender_json(f.offender), "node_id": f.node_id}
-                                  for f in findings], "notes": []}, out)
+                    "offenders": [{**jsonreport.offender_json(o), "node_id": o.node or ""}
+                                  for o in findings], "notes": []}, out)
     else:
         lines = check_lines(result, args.wait, os.getuid())
         print(f"{lines[0]} [{_header(agent, census)}]", file=out)
@@ -193,13 +188,11 @@ def cmd_reap(args: argparse.Namespace, out: TextIO, resolved: settings.Settings,
             print("gpuclean reap: nothing to end", file=out)
             return 0
         if args.dry_run:
-            print(f"gpuclean reap: --dry-run: would end {len(targets)} process(es):", file=out)
-            for t in targets:
-                how = "ray.kill" if t.actor is not None and t.actor.name else "the signal ladder"
-                print(f"  node {t.node.node_id[:8]}: pid {t.process.info.pid} (user {t.process.info.user}, "
-                      f"job {t.process.job_id or '-'}) by {how}: held {report.mib_list(t.mib) or 'nothing'}",
-                      file=out)
-                print(f"      cmd: {report.one_line(t.process.info.cmdline, 200)}", file=out)
+            for line in report.dry_run_lines("gpuclean", [
+                    (f"node {t.node.node_id[:8]}: ", t.process.info, f"job {t.process.job_id or '-'}, by "
+                     + ("ray.kill" if t.actor is not None and t.actor.name else "the signal ladder"), t.mib)
+                    for t in targets]):
+                print(line, file=out)
             return 0
         survived = _end(agent, targets, resolved, out)
     finally:
@@ -227,7 +220,7 @@ def _end(agent: cluster.RayCheck, targets: list[_Target], resolved: settings.Set
         for t in node_targets:
             outcome = outcomes.get(t.process.info.pid, (t.process.info.pid, "ladder", "survived", None,
                                                         "no answer"))
-            item = cluster.node_reaped(t.process.info, None, outcome, t.mib, end)
+            item = cluster.node_reaped(t.process.info, None, outcome, t.mib, end, node=node_id)
             survived = survived or item.ended_by == "survived"
             lines = report.reaped_lines(item)
             lines[0] += f" [via {outcome[1]}]"

@@ -17,7 +17,6 @@ signalled.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import importlib
 import os
@@ -32,17 +31,21 @@ from typing import Any, cast, get_args
 
 from pytest_gpuclean.core import procfs, settings
 from pytest_gpuclean.core.ownership import SESSION, Ownership
-from pytest_gpuclean.model.findings import Offender, ProcessInfo, Reaped
-from pytest_gpuclean.model.ray_model import (
-    ClusterCheck,
-    ClusterFinding,
-    ClusterNode,
-    ClusterPhase,
-    ClusterReaped,
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    ClusterReading,
+    DeviceInfo,
+    DeviceSnapshot,
+    EndedBy,
+    NodeReading,
     NodeRelease,
+    Offender,
+    Owner,
+    Phase,
+    ProcessInfo,
+    Reaped,
 )
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, EndedBy, Owner, Phase
-from pytest_gpuclean.model.results import CheckResult
 
 OFF = "off"
 AUTO = "auto"
@@ -640,9 +643,10 @@ class RayCheck:
             drivers[pid] = max(self.since, procfs.ticks_to_wall(stat.start_ticks) - 0.5)
         return drivers
 
-    def check_cluster(self, phase: ClusterPhase, *, tolerance_mib: int, timeout: float, sweep: str = ""
-                      ) -> ClusterCheck:
-        """Check every alive node; reap the test's leaks (Ray first, then the ladder on the node).
+    def check_cluster(self, phase: Phase, *, tolerance_mib: int, timeout: float, sweep: str = ""
+                      ) -> CheckResult:
+        """Check every alive node; reap the test's leaks (Ray first, then the ladder on the node). Its
+        offenders and reaped name their node; ``cluster`` holds the nodes' devices.
 
         ``sweep`` (session end): only the session's leftovers matter, not the devices' state.
         """
@@ -655,7 +659,7 @@ class RayCheck:
         try:
             census: Census = self._call("census", drivers, timeout, timeout=timeout)
             leaks = self.leaks(census, sweep)
-            reaped: list[ClusterReaped] = []
+            reaped: list[Reaped] = []
             releases: list[NodeRelease] = []
             if leaks and self.reap:
                 reaped, releases = self._reap(leaks, census, notes,
@@ -664,34 +668,33 @@ class RayCheck:
                 leaks = self.leaks(census, sweep)
         except ClusterError as exc:
             self.unreachable = str(exc)
-            finding = ClusterFinding("", Offender("memory", None, None, "gpu", detail=str(exc)))
-            return ClusterCheck(self.address, phase, False, (), (finding,),
-                                waited_s=time.monotonic() - started)
-        findings = [ClusterFinding(leak.node, self._offender(leak, census)) for leak in leaks]
+            return self.unreachable_result(phase, time.monotonic() - started)
+        findings = [self._offender(leak, census) for leak in leaks]
         if not sweep:
             findings += self._node_findings(census, tolerance_mib)
-        nodes = tuple(ClusterNode(n.node_id, n.devices, n.error) for n in census.nodes)
-        return ClusterCheck(self.address, phase, not findings, nodes, tuple(findings), tuple(reaped),
-                            tuple(releases), time.monotonic() - started, tuple(notes))
+        nodes = tuple(NodeReading(n.node_id, n.devices, n.error) for n in census.nodes)
+        waited = time.monotonic() - started
+        return CheckResult(phase, not findings, (), tuple(findings), tuple(reaped), waited,
+                           waited if not findings else None, tuple(notes), tolerance_mib,
+                           cluster=ClusterReading(self.address, nodes, tuple(releases)))
 
-    @staticmethod
-    def result(check: ClusterCheck) -> CheckResult:
-        """``as_result``, for callers that hold only this object (the plugin never imports this module)."""
-        return as_result(check)
+    def unreachable_result(self, phase: Phase, waited_s: float = 0.0) -> CheckResult:
+        """A check that could not reach the cluster (``unreachable`` says why): not clean."""
+        finding = Offender("unreachable", None, None, "gpu", detail=self.unreachable, node="")
+        return CheckResult(phase, False, (), (finding,), (), waited_s, cluster=ClusterReading(self.address))
 
-    def sweep(self, *, include_session: bool, timeout: float) -> ClusterCheck:
+    def sweep(self, *, include_session: bool, timeout: float) -> CheckResult:
         """At session end: end what the session's tests and fixtures (and, with ``include_session``, its
         set-up) left on the cluster; only what is provably the session's (its jobs' actors and the
         processes their workers started)."""
         if include_session and self.unreachable:
             # The sweep after the last test could not reach it: do not wait for it a second time.
-            finding = ClusterFinding("", Offender("memory", None, None, "gpu", detail=self.unreachable))
-            return ClusterCheck(self.address, "session end", False, (), (finding,))
-        return self.check_cluster("session end", tolerance_mib=0, timeout=timeout,
+            return self.unreachable_result("check")
+        return self.check_cluster("check", tolerance_mib=0, timeout=timeout,
                                   sweep="all" if include_session else "tests")
 
     def _reap(self, leaks: list[_Leak], census: Census, notes: list[str], timeout: float
-              ) -> tuple[list[ClusterReaped], list[NodeRelease]]:
+              ) -> tuple[list[Reaped], list[NodeRelease]]:
         # Named actors end through Ray (ray.kill frees their GPU through Ray's own path); anonymous ones
         # cannot be looked up from another job, so their worker gets the ladder, which Ray sees as the
         # actor's death. Each node's reaping runs on that node, which times its devices' release.
@@ -699,7 +702,7 @@ class RayCheck:
         by_node: dict[str, list[_Leak]] = {}
         for lk in leaks:
             by_node.setdefault(lk.node, []).append(lk)
-        results: list[ClusterReaped] = []
+        results: list[Reaped] = []
         releases: list[NodeRelease] = []
         for node, node_leaks in by_node.items():
             actors = []
@@ -726,13 +729,10 @@ class RayCheck:
                 outcome = by_pid.get(pid)
                 if outcome is None:
                     continue  # an anonymous actor whose worker was not found: still a finding
-                via = outcome[1]
-                reaped = node_reaped(self._info(lk), self.ownership.owner(lk.token), outcome,
-                                     self._held(lk, census), end)
-                results.append(ClusterReaped(node, "ray.kill" if via == "ray.kill" else "ladder", reaped,
-                                             lk.actor.actor_id if lk.actor else "",
-                                             lk.process.job_id if lk.process else lk.actor.job_id
-                                             if lk.actor else ""))
+                results.append(node_reaped(
+                    self._info(lk), self.ownership.owner(lk.token), outcome, self._held(lk, census), end,
+                    node=node, actor_id=lk.actor.actor_id if lk.actor else "",
+                    job_id=lk.process.job_id if lk.process else lk.actor.job_id if lk.actor else ""))
             releases.append(NodeRelease(node, end.release_s, end.held))
         return results, releases
 
@@ -758,27 +758,27 @@ class RayCheck:
 
     def _offender(self, leak: _Leak, census: Census) -> Offender:
         return Offender("leaked", self._info(leak), self.ownership.owner(leak.token), "gpu",
-                        self._held(leak, census), detail="Ray actor" if leak.actor else "")
+                        self._held(leak, census), detail="Ray actor" if leak.actor else "", node=leak.node)
 
-    def _node_findings(self, census: Census, tolerance_mib: int) -> list[ClusterFinding]:
+    def _node_findings(self, census: Census, tolerance_mib: int) -> list[Offender]:
         return node_findings(census, tolerance_mib, set(census.our_jobs))
 
 
 def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
-                  ignore: Sequence[str] = ()) -> list[ClusterFinding]:
-    """Dead nodes, unreadable nodes, processes on a device that no explained job accounts for (foreign),
-    and memory no process accounts for beyond the tolerance."""
-    found: list[ClusterFinding] = []
+                  ignore: Sequence[str] = ()) -> list[Offender]:
+    """Dead nodes and unreadable nodes (``unreachable``), processes on a device that no explained job
+    accounts for (foreign), and memory no process accounts for beyond the tolerance; each names its node."""
+    found: list[Offender] = []
     for node_id, why in census.dead_nodes:
-        found.append(ClusterFinding(node_id, Offender(
-            "memory", None, None, "gpu", detail=f"Ray node {node_id[:8]} died: {why}; its workers may live "
-            "on as orphans that no check can reach")))
+        found.append(Offender(
+            "unreachable", None, None, "gpu", detail=f"Ray node {node_id[:8]} died: {why}; its workers may "
+            "live on as orphans that no check can reach", node=node_id))
     for node in census.nodes:
         known = {p.info.pid: p for p in node.processes}
         explained = {pid for pid, p in known.items() if p.job_id in explained_jobs}
         if node.error:
-            found.append(ClusterFinding(node.node_id, Offender(
-                "memory", None, None, "gpu", detail=f"Ray node {node.node_id[:8]}: {node.error}")))
+            found.append(Offender("unreachable", None, None, "gpu",
+                                  detail=f"Ray node {node.node_id[:8]}: {node.error}", node=node.node_id))
         for s in node.devices:
             listed = sum(p.used_bytes or 0 for p in s.processes)
             for gp in s.processes:
@@ -788,45 +788,30 @@ def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
                 if proc is not None and any(fnmatch.fnmatchcase(proc.info.cmdline, g) for g in ignore):
                     continue
                 where = f"[node {node.node_id[:8]}]"
-                info = (dataclasses.replace(proc.info, cmdline=f"{where} {proc.info.cmdline}")
+                info = (proc.info.replace(cmdline=f"{where} {proc.info.cmdline}")
                         if proc is not None else
                         ProcessInfo(gp.pid, 0, 0, -1, "?", f"[node {node.node_id[:8]}] pid {gp.pid} (not "
                                     "visible on its node)", "?"))
-                found.append(ClusterFinding(node.node_id, Offender(
+                found.append(Offender(
                     "foreign", info, None, "gpu", ((s.device.label, (gp.used_bytes or 0) / MIB),),
-                    detail=f"on {s.device.name}")))
+                    detail=f"on {s.device.name}", node=node.node_id))
             if s.used_bytes - listed > tolerance_mib * MIB:
-                found.append(ClusterFinding(node.node_id, Offender("memory", None, None, "gpu", (
+                found.append(Offender("memory", None, None, "gpu", (
                     (s.device.label, (s.used_bytes - listed) / MIB),),
-                    detail=f"{s.device.name}: memory no process accounts for")))
+                    detail=f"{s.device.name}: memory no process accounts for", node=node.node_id))
     return found
 
 
-def as_result(check: ClusterCheck, tolerance_mib: int = 0) -> CheckResult:
-    """A cluster check as the plain check result the text reports are made from."""
-    phase: Phase = "check" if check.phase == "session end" else check.phase
-    devices = tuple(s for n in check.nodes for s in n.devices)
-    notes = [*check.notes]
-    for r in check.releases:
-        if r.pids:
-            notes.append(f"node {r.node_id[:8]}: devices released in {r.release_s:.2f}s" if r.release_s
-                         is not None else f"node {r.node_id[:8]}: devices still list pid(s) "
-                         f"{', '.join(map(str, r.pids))} at the deadline")
-    via = [f"pid {r.reaped.process.pid} by ray.kill" for r in check.reaped if r.via == "ray.kill"]
-    if via:
-        notes.append("ended through Ray: " + ", ".join(via))
-    return CheckResult(phase, check.clean, devices, tuple(f.offender for f in check.findings),
-                       tuple(r.reaped for r in check.reaped), check.waited_s,
-                       check.waited_s if check.clean else None, tuple(notes), tolerance_mib)
-
-
 def node_reaped(info: ProcessInfo, owner: Owner | None, outcome: tuple[int, str, str, float | None, str],
-                held: tuple[tuple[str, float], ...], end: NodeEnd) -> Reaped:
-    """A node's answer ``(pid, via, ended_by, exit_s, state)`` for one process, as a ``Reaped``."""
+                held: tuple[tuple[str, float], ...], end: NodeEnd, *, node: str | None = None,
+                actor_id: str = "", job_id: str = "") -> Reaped:
+    """A node's answer ``(pid, via, ended_by, exit_s, state)`` for one process, as a ``Reaped`` on
+    ``node``."""
     pid, via, ended, exit_s, state = outcome
     how = ended_by(via, ended)
     return Reaped(info, owner, "gpu", how, held, exit_s, end.release_s if pid in end.held else None,
-                  survived_as=state if how == "survived" else "")
+                  survived_as=state if how == "survived" else "", node=node,
+                  via="ray.kill" if via == "ray.kill" else "ladder", actor_id=actor_id, job_id=job_id)
 
 
 def ended_by(via: str, ended: str) -> EndedBy:
@@ -847,7 +832,7 @@ def _process_start(pid: int) -> float:
 
 def resolve_address(value: str) -> str | None:
     """The address ``--gpuclean-ray`` names: None for ``off``; ``auto`` is ``RAY_ADDRESS`` if set (a cluster
-    the session starts itself is found by ``cluster_checks.ClusterChecks.discover``)."""
+    the session starts itself is found by ``checks.RayChecks.discover``)."""
     if value == OFF:
         return None
     if value == AUTO:

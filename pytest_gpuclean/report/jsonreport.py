@@ -1,8 +1,8 @@
-"""The JSON shapes gpuclean publishes (schema version 1), built from the plain dataclasses of ``model``.
+"""The JSON shapes gpuclean publishes (schema version 1), built from the records of ``model/records.py``.
 
 Pure functions, no pytest: the ``--gpuclean-report`` file and ``gpuclean status --json`` share the
 device and process shapes. ``report_schema.json`` next to this module is the contract; the
-documentation is docs/report-schema.md. The internal dataclasses may change; these shapes only change
+documentation is docs/report-schema.md. The internal records may change; these shapes only change
 with ``SCHEMA_VERSION``.
 """
 
@@ -16,15 +16,24 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, DeviceSnapshot, Owner
-from pytest_gpuclean.model.results import CheckResult, FixtureLeak, OwnLeaks, TestRecord, own_leaks
-from pytest_gpuclean.model.results import outcome as results_outcome
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import HealthFinding, Offender, ProcessInfo, Reaped, SiblingUse
-    from pytest_gpuclean.model.ray_model import ClusterCheck, ClusterReaped
+from pytest_gpuclean.model.decisions import OwnLeaks, own_leaks
+from pytest_gpuclean.model.decisions import outcome as results_outcome
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    DeviceInfo,
+    DeviceSnapshot,
+    FixtureLeak,
+    HealthFinding,
+    Offender,
+    Owner,
+    ProcessInfo,
+    Reaped,
+    SiblingUse,
+    TestRecord,
+)
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report_schema.json")
@@ -115,42 +124,46 @@ def outside_json(check: CheckResult) -> JsonDict | None:
             "waited": outside.same_as is None}
 
 
-def cluster_reaped_json(item: ClusterReaped) -> JsonDict:
+def cluster_reaped_json(reaped: Reaped) -> JsonDict:
     """Something the cluster check ended on a Ray node: the reaped shape plus node, actor, job and how."""
-    return {**reaped_json(item.reaped), "node_id": item.node_id, "via": item.via, "actor_id": item.actor_id,
-            "job_id": item.job_id}
+    return {**reaped_json(reaped), "node_id": reaped.node or "", "via": reaped.via or "ladder",
+            "actor_id": reaped.actor_id, "job_id": reaped.job_id}
 
 
-def cluster_check_json(check: ClusterCheck) -> JsonDict:
+def cluster_check_json(check: CheckResult, phase: str | None = None) -> JsonDict:
     """One check of a Ray cluster: each alive node with its devices, the findings (with their node), what
-    was ended (``via`` ``ray.kill`` or ``ladder``) and how long each node's devices took to let go."""
-    return {"address": check.address, "phase": check.phase, "clean": check.clean,
-            "waited_s": _seconds(check.waited_s),
+    was ended (``via`` ``ray.kill`` or ``ladder``) and how long each node's devices took to let go.
+    ``phase``: ``session end`` for the session's sweeps."""
+    cluster = check.cluster
+    return {"address": cluster.address if cluster is not None else "", "phase": phase or check.phase,
+            "clean": check.clean, "waited_s": _seconds(check.waited_s),
             "nodes": [{"node_id": n.node_id, "error": n.error,
-                       "devices": [snapshot_json(s) for s in n.devices]} for n in check.nodes],
-            "findings": [{**offender_json(f.offender), "node_id": f.node_id} for f in check.findings],
+                       "devices": [snapshot_json(s) for s in n.devices]}
+                      for n in (cluster.nodes if cluster is not None else ())],
+            "findings": [{**offender_json(o), "node_id": o.node or ""} for o in check.offenders],
             "reaped": [cluster_reaped_json(r) for r in check.reaped],
             "releases": [{"node_id": r.node_id, "release_s": _seconds(r.release_s), "pids": list(r.pids)}
-                         for r in check.releases],
+                         for r in (cluster.releases if cluster is not None else ())],
             "notes": list(check.notes)}
 
 
-def ray_json(address: str, version: str, sweeps: Sequence[ClusterCheck]) -> JsonDict:
+def ray_json(address: str, version: str, sweeps: Sequence[CheckResult]) -> JsonDict:
     """The session's Ray cluster (``--gpuclean-ray``) and its session-end sweeps."""
     return {"address": address, "ray_version": version,
-            "session_end": [cluster_check_json(c) for c in sweeps]}
+            "session_end": [cluster_check_json(c, "session end") for c in sweeps]}
 
 
 def own_reaped(record: TestRecord) -> list[Reaped]:
     """Processes the after-check reaped that this test (or a fixture ending with it) leaked
-    (``results.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
+    (``decisions.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
     return own_leaks(record).reaped
 
 
 def _reaped_leak_json(reaped: Reaped, found: str) -> JsonDict:
     return {"pid": reaped.process.pid, "user": reaped.process.user, "cmdline": reaped.process.cmdline,
             "owner": owner_json(reaped.owner), "found": found, "ended_by": reaped.how_ended,
-            "release_s": _seconds(reaped.release_s)}
+            "release_s": _seconds(reaped.release_s),
+            **({} if reaped.node is None else {"node_id": reaped.node, "via": reaped.via or "ladder"})}
 
 
 def _offender_leak_json(offender: Offender, ended_by: str | None) -> JsonDict | None:
@@ -158,11 +171,12 @@ def _offender_leak_json(offender: Offender, ended_by: str | None) -> JsonDict | 
     if offender.reason != "leaked" or proc is None:
         return None
     return {"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline, "owner": owner_json(offender.owner),
-            "found": "teardown", "ended_by": ended_by, "release_s": None}
+            "found": "teardown", "ended_by": ended_by, "release_s": None,
+            **({} if offender.node is None else {"node_id": offender.node, "via": None})}
 
 
 def leaked_json(record: TestRecord) -> list[JsonDict]:
-    """Every process this test left behind (``results.own_leaks``): reaped after it, found by a later
+    """Every process this test left behind (``decisions.own_leaks``): reaped after it, found by a later
     check, or not reapable."""
     leaks = own_leaks(record)
     leaked: list[JsonDict] = [*(_reaped_leak_json(r, "teardown") for r in leaks.reaped),
@@ -194,23 +208,12 @@ def cluster_leaked_json(record: TestRecord) -> list[JsonDict]:
 
 
 def _cluster_leaked_json(leaks: OwnLeaks) -> list[JsonDict]:
-    leaked: list[JsonDict] = []
-    for item in leaks.cluster_reaped:
-        r = item.reaped
-        leaked.append({"pid": r.process.pid, "user": r.process.user, "cmdline": r.process.cmdline,
-                       "owner": owner_json(r.owner), "found": "teardown", "ended_by": r.how_ended,
-                       "release_s": _seconds(r.release_s), "node_id": item.node_id, "via": item.via})
-    for finding in leaks.cluster_left:
-        proc = finding.offender.process
-        assert proc is not None  # (own_leaks keeps only findings with a process)
-        leaked.append({"pid": proc.pid, "user": proc.user, "cmdline": proc.cmdline,
-                       "owner": owner_json(finding.offender.owner), "found": "teardown", "ended_by": None,
-                       "release_s": None, "node_id": finding.node_id, "via": None})
-    return leaked
+    return [*(_reaped_leak_json(r, "teardown") for r in leaks.cluster_reaped),
+            *(e for o in leaks.cluster_left if (e := _offender_leak_json(o, None)) is not None)]
 
 
 def outcome(record: TestRecord) -> str:
-    """The test's outcome (``results.outcome``, which every output uses)."""
+    """The test's outcome (``decisions.outcome``, which every output uses)."""
     return results_outcome(record)
 
 

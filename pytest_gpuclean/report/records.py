@@ -11,14 +11,11 @@ load where a record is first made or shipped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import Reaped
-    from pytest_gpuclean.model.ray_model import ClusterCheck
-    from pytest_gpuclean.model.results import TestRecord
+from pytest_gpuclean.model.records import CheckResult, Reaped, SiblingUse, TestRecord
 
 Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""
@@ -46,12 +43,15 @@ class SessionRecords:
         """xdist controller: each worker's payload, sent when the worker ends."""
         self.streamed: dict[str, TestRecord] = {}
         """xdist controller: each worker's records as its tests ended (stand-ins for a lost payload)."""
-        self.cluster_sweeps: list[ClusterCheck] = []
+        self.cluster_sweeps: list[CheckResult] = []
         """The Ray cluster's session-end sweeps (``--gpuclean-ray``)."""
+        self.cluster_address = ""
+        self.ray_version = ""
+        """The (last) Ray cluster checked and its Ray version ('' for none: ``--gpuclean-ray`` off, or
+        ``auto`` found none)."""
 
     def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord:
         """A record for a test that is checked now."""
-        from pytest_gpuclean.model.results import TestRecord
 
         record = TestRecord(nodeid, location=location)
         self.records.append(record)
@@ -64,7 +64,6 @@ class SessionRecords:
                 return record
         found = self.late.get(nodeid)
         if found is None:
-            from pytest_gpuclean.model.results import TestRecord
 
             found = self.late[nodeid] = TestRecord(nodeid)
         return found
@@ -91,10 +90,10 @@ class SessionRecords:
 
     def payload(self) -> Payload:
         """This process's findings, for an xdist worker's ``workeroutput``."""
-        from pytest_gpuclean.report.serialize import reaped_to_dict, record_to_dict
+        from pytest_gpuclean.report.serialize import to_dict
 
-        return {"records": [record_to_dict(r) for r in self.own()],
-                "session_reaped": [reaped_to_dict(r) for r in self.session_reaped],
+        return {"records": [to_dict(r) for r in self.own()],
+                "session_reaped": [to_dict(r) for r in self.session_reaped],
                 "notes": list(self.notes)}
 
     def add_worker(self, payload: Payload) -> None:
@@ -102,16 +101,16 @@ class SessionRecords:
 
     def stream(self, nodeid: str, record: dict[str, Any]) -> None:
         """A worker's record of ``nodeid`` as the test ended."""
-        from pytest_gpuclean.report.serialize import record_from_dict
+        from pytest_gpuclean.report.serialize import from_dict
 
-        self.streamed[nodeid] = record_from_dict(record)
+        self.streamed[nodeid] = from_dict(TestRecord, record)
 
     def ship(self) -> Payload:
         """What a forked child found, for the session's process; forgotten here (the child ends)."""
-        from pytest_gpuclean.report.serialize import reaped_to_dict, record_to_dict, to_dict
+        from pytest_gpuclean.report.serialize import to_dict
 
-        shipped = {"records": [record_to_dict(r) for r in self.records],
-                   "found_later": {nodeid: [reaped_to_dict(r) for r in record.found_later]
+        shipped = {"records": [to_dict(r) for r in self.records],
+                   "found_later": {nodeid: [to_dict(r) for r in record.found_later]
                                    for nodeid, record in self.late.items()},
                    "gpu_without_lock": {nodeid: [to_dict(u) for u in record.gpu_without_lock]
                                         for nodeid, record in self.late.items() if record.gpu_without_lock}}
@@ -120,12 +119,11 @@ class SessionRecords:
 
     def receive(self, shipped: Payload) -> None:
         """Take in what a forked child shipped (``ship``)."""
-        from pytest_gpuclean.model.findings import SiblingUse
-        from pytest_gpuclean.report.serialize import from_dict, reaped_from_dict, record_from_dict
+        from pytest_gpuclean.report.serialize import from_dict
 
-        self.records.extend(record_from_dict(r) for r in shipped["records"])
+        self.records.extend(from_dict(TestRecord, r) for r in shipped["records"])
         for nodeid, reaped in shipped["found_later"].items():
-            self.record_for(nodeid).found_later.extend(reaped_from_dict(r) for r in reaped)
+            self.record_for(nodeid).found_later.extend(from_dict(Reaped, r) for r in reaped)
         for nodeid, uses in shipped.get("gpu_without_lock", {}).items():
             self.record_for(nodeid).gpu_without_lock.extend(from_dict(SiblingUse, u) for u in uses)
 
@@ -135,14 +133,14 @@ class SessionRecords:
 
     def merged(self) -> Merged:
         """Records, session-end reaps and notes of this process and of the workers."""
-        from pytest_gpuclean.report.serialize import reaped_from_dict, record_from_dict
+        from pytest_gpuclean.report.serialize import from_dict
 
         records = self.own()
         session_reaped = list(self.session_reaped)
         notes = list(self.notes)
         for payload in self.worker_payloads:
-            records.extend(record_from_dict(r) for r in payload["records"])
-            session_reaped.extend(reaped_from_dict(r) for r in payload["session_reaped"])
+            records.extend(from_dict(TestRecord, r) for r in payload["records"])
+            session_reaped.extend(from_dict(Reaped, r) for r in payload["session_reaped"])
             notes.extend(payload["notes"])
         # A worker's session-end payload has everything; its tests' records as they ended stand in for it
         # when it never came (the run was interrupted, the worker crashed).

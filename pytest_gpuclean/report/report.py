@@ -1,18 +1,23 @@
-"""Pure formatting of gpuclean's findings: the same dataclasses feed text, JSON and JUnit output."""
+"""Pure formatting of gpuclean's findings: the same records feed text, JSON and JUnit output."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from pytest_gpuclean.model.readings import MIB, DeviceSnapshot
-from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord
+from pytest_gpuclean.model.decisions import has_findings, outcome
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    DeviceSnapshot,
+    FixtureLeak,
+    Offender,
+    ProcessInfo,
+    Reaped,
+    TestRecord,
+)
 from pytest_gpuclean.model.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checker.py's messages use them too)
 from pytest_gpuclean.model.text import mib_list as mib_list
 from pytest_gpuclean.model.text import one_line as one_line
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.model.findings import Offender, Reaped
 
 LEAK_PREFIX = "gpuclean: test leaked"
 FIXTURE_LEAK_PREFIX = "gpuclean: fixture"
@@ -99,11 +104,39 @@ def check_report(result: CheckResult, heading: str) -> str:
             lines.extend(offender_lines(offender))
     elif result.clean_after_s is not None and result.reaped:
         lines.append(f"GPUs and processes clean again {result.clean_after_s:.2f}s after the check started")
-    lines.extend(f"note: {n}" for n in result.notes)
-    if result.devices and result.error is None:  # (after an error, some devices only: its line says it)
+    lines.extend(f"note: {n}" for n in (*result.notes, *_cluster_notes(result)))
+    devices = result.devices if result.cluster is None else tuple(
+        s for n in result.cluster.nodes for s in n.devices)
+    if devices and result.error is None:  # (after an error, some devices only: its line says it)
         lines.append(f"devices (tolerance {result.tolerance_mib} MiB):")
-        lines.extend("  " + device_line(s) for s in result.devices)
+        lines.extend("  " + device_line(s) for s in devices)
     return "\n".join(lines)
+
+
+def _cluster_notes(result: CheckResult) -> list[str]:
+    """A Ray cluster's check: how long each node's devices took to let go, and what Ray ended itself."""
+    if result.cluster is None:
+        return []
+    notes = [f"node {r.node_id[:8]}: devices released in {r.release_s:.2f}s" if r.release_s is not None
+             else f"node {r.node_id[:8]}: devices still list pid(s) {', '.join(map(str, r.pids))} at the "
+             "deadline" for r in result.cluster.releases if r.pids]
+    via = [f"pid {r.process.pid} by ray.kill" for r in result.reaped if r.via == "ray.kill"]
+    if via:
+        notes.append("ended through Ray: " + ", ".join(via))
+    return notes
+
+
+def dry_run_lines(prog: str, targets: Sequence[tuple[str, ProcessInfo, str, tuple[tuple[str, float], ...]]]
+                  ) -> list[str]:
+    """``reap --dry-run``'s list, on this host (``gpuclean reap``) or a Ray cluster's nodes (``--ray``):
+    each target as ``(where, process, how, mib_per_device)``: ``where`` is '' or ``node ab12cd34: ``,
+    ``how`` how it was found or will end."""
+    lines = [f"{prog} reap: --dry-run: would end {len(targets)} process(es):"]
+    for where, info, how, mib in targets:
+        lines.append(f"  {where}pid {info.pid} (user {info.user}, {how}): held "
+                     f"{mib_list(mib) or 'no GPU memory'}")
+        lines.append(f"      cmd: {one_line(info.cmdline, CMDLINE_CHARS)}")
+    return lines
 
 
 def leak_heading(reaped: Sequence[Reaped], leaked: Sequence[Offender], reap_enabled: bool) -> str:
@@ -179,7 +212,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
                   notes: Sequence[str]) -> list[str]:
     """The terminal summary: one block per test that leaked or met dirty GPUs, then totals."""
     lines: list[str] = []
-    dirty = [r for r in records if r.dirty]
+    dirty = [r for r in records if has_findings(r)]
     for record in dirty:
         parts: list[str] = []
         for check in (record.before, record.after):
@@ -256,22 +289,23 @@ def cluster_parts(record: TestRecord) -> list[str]:
     for check in (record.cluster_before, record.cluster_after):
         if check is None or (check.clean and not check.reaped):
             continue
-        nodes = sorted({r.node_id for r in check.reaped} | {f.node_id for f in check.findings})
+        nodes = sorted({r.node or "" for r in check.reaped} | {o.node or "" for o in check.offenders})
+        releases = check.cluster.releases if check.cluster is not None else ()
         for node in nodes:
             where = f"node {node[:8]}" if node else "the cluster"
-            ended = [r for r in check.reaped if r.node_id == node]
+            ended = [r for r in check.reaped if (r.node or "") == node]
             bits = []
             if ended:
                 bits.append("reaped " + ", ".join(
-                    f"pid {r.reaped.process.pid} "
-                    + ("by ray.kill" if r.via == "ray.kill" else r.reaped.how_ended) for r in ended))
-            release = next((x for x in check.releases if x.node_id == node and x.pids), None)
+                    f"pid {r.process.pid} " + ("by ray.kill" if r.via == "ray.kill" else r.how_ended)
+                    for r in ended))
+            release = next((x for x in releases if x.node_id == node and x.pids), None)
             if release is not None:
                 bits.append(f"devices released in {release.release_s:.2f}s" if release.release_s is not None
                             else "devices did NOT let go")
-            left = [f for f in check.findings if f.node_id == node]
+            left = [o for o in check.offenders if (o.node or "") == node]
             if left:
-                bits.append("not clean (" + ", ".join(_short(f.offender) for f in left) + ")")
+                bits.append("not clean (" + ", ".join(_short(o) for o in left) + ")")
             parts.append(f"Ray {check.phase} on {where}: " + ", ".join(bits))
     return parts
 
@@ -293,13 +327,13 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped])
     (apart from the test at whose teardown it was found).
     """
     checked = [r for r in records if r.before is not None]
-    unchecked_leakers = sum(1 for r in records if r.before is None and r.leaked)
+    unchecked_leakers = sum(1 for r in records if r.before is None and outcome(r) == "leaked")
     timeouts = sum(1 for r in records if r.lock_timeout is not None)
     fixtures = sum(len(r.fixture_leaks) for r in records)
     unreadable = sum(1 for r in records if any(c is not None and c.error is not None
                                                for c in (r.before, r.after)))
     without_lock = sum(1 for r in records if r.gpu_without_lock)
-    parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if r.dirty)} with findings"]
+    parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if has_findings(r))} with findings"]
     if fixtures:
         parts.append(f"{fixtures} fixture(s) that leaked processes")
     if unchecked_leakers:

@@ -19,14 +19,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean.model.readings import DeviceInfo
-from pytest_gpuclean.model.results import FixtureLeak, TestRecord
+from pytest_gpuclean.model.records import DeviceInfo, FixtureLeak, Reaped, TestRecord
 from pytest_gpuclean.report import records, report
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.devices import Backend
     from pytest_gpuclean.core.settings import Settings
-    from pytest_gpuclean.model.findings import Reaped
     from pytest_gpuclean.report import jsonreport
 
 TITLE_LEAK = "GPU leak"
@@ -263,14 +261,13 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 
 # ---- the hooks ---------------------------------------------------------------------------------------
 
-def _ray_session_json(started: StartedSession | None, found: records.SessionRecords) -> jsonreport.JsonDict:
+def _ray_session_json(found: records.SessionRecords) -> jsonreport.JsonDict:
     from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
 
     # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
-    if started is None or started.cluster is None or not started.cluster.address:
+    if not found.cluster_address:
         return {}  # (with auto: no cluster found)
-    cluster = started.cluster
-    return {"ray": jsonreport.ray_json(cluster.address, cluster.version, found.cluster_sweeps)}
+    return {"ray": jsonreport.ray_json(found.cluster_address, found.ray_version, found.cluster_sweeps)}
 
 
 def _report_path(value: str, source: str, base: Path) -> Path:
@@ -322,8 +319,6 @@ class StartedSession(Protocol):
     backend: Backend | None
     devices: tuple[DeviceInfo, ...]
     unavailable: str | None
-    cluster: Any
-    """The Ray cluster's checks (``cluster_checks.ClusterChecks``) with ``--gpuclean-ray``, else None."""
 
 
 class CheckingSession(Protocol):
@@ -360,9 +355,9 @@ class PerTestOutputs:
                     # xdist ships a report's attributes to the controller as each test ends: if the run is
                     # interrupted, the controller still knows what the finished tests found (the worker's
                     # session-end payload never comes).
-                    from pytest_gpuclean.report.serialize import record_to_dict
+                    from pytest_gpuclean.report.serialize import to_dict
 
-                    setattr(test_report, RECORD_ATTRIBUTE, record_to_dict(record))
+                    setattr(test_report, RECORD_ATTRIBUTE, to_dict(record))
         return test_report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -422,14 +417,14 @@ class OutputHooks:
                          "probe": settings.probe,
                          "outside": settings.outside},
             "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
-            **self._ray_part(started),
+            **self._ray_part(),
         }
 
-    def _ray_part(self, started: StartedSession | None) -> jsonreport.JsonDict:
+    def _ray_part(self) -> jsonreport.JsonDict:
         # As at the first write: the Ray cluster's very last sweep, after pytest_unconfigure, is printed on
         # stderr (docs/multinode.md), and a report written again for the local one does not take it in.
         if self._ray is None:
-            self._ray = _ray_session_json(started, self.found)
+            self._ray = _ray_session_json(self.found)
         return self._ray
 
     @pytest.hookimpl(wrapper=True, trylast=True)

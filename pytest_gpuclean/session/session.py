@@ -24,15 +24,13 @@ from pytest_gpuclean.core.locks import GpuLocks
 from pytest_gpuclean.core.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean.core.ownership import SESSION_OWNER
 from pytest_gpuclean.core.signals import quiet_interrupts
-from pytest_gpuclean.model.readings import MIB, DeviceInfo, Owner
+from pytest_gpuclean.model.records import MIB, DeviceInfo, HealthFinding, Owner, ProcessInfo, Reaped
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import MARKER, GpuCleanWarning
 from pytest_gpuclean.session.testcheck import ItemChecks
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.health import HealthWatch
-    from pytest_gpuclean.model.findings import HealthFinding, ProcessInfo, Reaped
-    from pytest_gpuclean.session.cluster_checks import ClusterChecks
     from pytest_gpuclean.session.names import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}
@@ -54,7 +52,6 @@ class CheckedSession:
         self.backend: devices.Backend | None = None
         self.devices: tuple[DeviceInfo, ...] = ()
         self.locks: GpuLocks | None = None
-        self.cluster: ClusterChecks | None = None
         self.left_alone: list[ProcessInfo] = []
         """Set by ``close``: processes under pytest that existed before the session (never signalled)."""
         self.health: HealthWatch | None = None
@@ -115,12 +112,8 @@ class CheckedSession:
         self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
         if self.backend is not None and self.devices:
             self._watch_health()
-        if resolved.ray != "off":
-            from pytest_gpuclean.session.cluster_checks import ClusterChecks, open_cluster, watches
-
-            ray = open_cluster(resolved, self.checker)
-            if ray is not None or watches(resolved):
-                self.cluster = ClusterChecks(ray, self, watch=ray is None)
+        # An extension (the Ray cluster's checks, with --gpuclean-ray) sets up what it checks.
+        self.config.hook.pytest_gpuclean_session_start(session=self)
 
     def _watch_health(self) -> None:
         from pytest_gpuclean.core import health, probe
@@ -182,9 +175,9 @@ class CheckedSession:
         found = self.found
         try:
             found.session_reaped = self.checker.final_sweep(self.devices)
-            if self.cluster is not None:
-                found.session_reaped += self.cluster.sweep(include_session=False,
-                                                           timeout=self.settings.timeout)
+            for reaped in self.config.hook.pytest_gpuclean_sweep(session=self, include_session=False,
+                                                                 timeout=self.settings.timeout):
+                found.session_reaped += reaped
         finally:
             self.checker.hurry = None
             restore()
@@ -201,8 +194,7 @@ class CheckedSession:
         """After every pytest_unconfigure: reap what the session set-up started (a conftest's server, a
         plugin's daemon) and its owner did not stop, which would otherwise outlive pytest. What it reaped
         joins the session's ``session_reaped``; the plugin says so and has the report written again."""
-        if self.cluster is not None:
-            self.cluster.stop()
+        self.config.hook.pytest_gpuclean_session_finish(session=self)
         if self._shared is not None:
             import shutil
 

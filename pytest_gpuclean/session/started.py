@@ -1,5 +1,6 @@
-"""What a test's check (``testcheck.py``) and the Ray cluster's checks (``cluster_checks.py``) need of a
-started session, as protocols: ``session.py`` makes both and passes itself, and neither imports it back.
+"""What a test's check (``testcheck.py``) and an extension's hooks (``plugin.GpuCleanHooks``: the Ray
+cluster's checks) need of a started session, as a protocol: ``session.py`` passes itself, and neither
+imports it back.
 
 Also a test's state from its setup to the end of its teardown (``ItemState``), which both hand around.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Protocol
 
+from pytest_gpuclean.model.records import DeviceInfo, Owner, Reaped
+
 if TYPE_CHECKING:
     import pytest
 
@@ -16,9 +19,6 @@ if TYPE_CHECKING:
     from pytest_gpuclean.core.health import HealthWatch
     from pytest_gpuclean.core.locks import GpuLocks, HeldLocks
     from pytest_gpuclean.core.settings import Settings
-    from pytest_gpuclean.model.findings import Reaped
-    from pytest_gpuclean.model.readings import DeviceInfo, Owner
-    from pytest_gpuclean.model.results import TestRecord
     from pytest_gpuclean.report.records import SessionRecords
 
 
@@ -40,16 +40,6 @@ class ItemState:
         self.previous_visible: tuple[bool, str | None] | None = None
         self.torch_before: dict[int, int] | None = None
         self.fixture_tokens: list[str] = []
-
-
-class ClusterHooks(Protocol):
-    """The Ray cluster's part of each test's check (``cluster_checks.ClusterChecks``)."""
-
-    def discover(self, phase: str, nodeid: str) -> bool: ...
-
-    def before(self, state: ItemState, record: TestRecord) -> None: ...
-
-    def after(self, state: ItemState, record: TestRecord, *, appeared: bool = False) -> str | None: ...
 
 
 class Started(Protocol):
@@ -78,9 +68,6 @@ class Started(Protocol):
 
     @property
     def health(self) -> HealthWatch | None: ...
-
-    @property
-    def cluster(self) -> ClusterHooks | None: ...
 
     def set_owner_env(self, token: str) -> tuple[str | None, str | None]: ...
 

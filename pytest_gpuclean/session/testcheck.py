@@ -7,7 +7,6 @@ Part of a started session (``session.py``); the plugin's setup and teardown hook
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import os
 import sys
@@ -22,18 +21,27 @@ from pytest_gpuclean.core import health as health_mod
 from pytest_gpuclean.core import settings
 from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.core.locks import LockTimeout, describe_holders, take_notices
-from pytest_gpuclean.model.readings import MIB, OutsideAction, Owner, Phase
-from pytest_gpuclean.model.results import CheckResult, FixtureLeak, TestRecord, split_own
+from pytest_gpuclean.model.decisions import split_own
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    FixtureLeak,
+    HealthFinding,
+    OutsideAction,
+    Owner,
+    Phase,
+    TestRecord,
+)
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.locks import HeldLocks
-    from pytest_gpuclean.model.findings import HealthFinding
 
 
 _STATE = pytest.StashKey[ItemState]()
+_EXTENSION_HOOKS = ("pytest_gpuclean_check_before", "pytest_gpuclean_check_after", "pytest_gpuclean_checked")
 
 
 class ItemChecks:
@@ -48,6 +56,12 @@ class ItemChecks:
         self._tearing_down: ItemState | None = None
         self._warned_own_context = False
         self._warned_own_cuda = False
+        hook = session.config.hook
+        # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
+        # only when one implements them: three calls that find nothing would cost each checked test ~70k
+        # instructions (callgrind).
+        extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
+        self._hook: Any = hook if extended else None
 
     def setup(self, item: pytest.Item, *, checked: bool) -> CheckResult | None:
         """Open the test's ownership window; if it is ``checked``, lock its GPUs and check them (fails or
@@ -75,8 +89,11 @@ class ItemChecks:
         unusable = self._health_before(item, state, record)
         if unusable:
             pytest.fail(unusable, pytrace=False)  # at once: waiting would not make the GPU usable
-        if session.cluster is not None:
-            session.cluster.before(state, record)
+        # An extension's check (the Ray cluster's) first: what it ends, it ends its own way.
+        hook = self._hook
+        if hook is not None and (failures := hook.pytest_gpuclean_check_before(session=session, state=state,
+                                                                               record=record)):
+            pytest.fail("\n\n".join(failures), pytrace=False)
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
                                        where=state.nodeid)
@@ -97,8 +114,9 @@ class ItemChecks:
                 raise _skip(f"{report.outside_line('setup', result, state.timeout)} "
                             f"({self._outside_source()})")
             pytest.fail(report.check_report(result, heading), pytrace=False)
-        if session.cluster is not None and session.cluster.discover("before", state.nodeid):
-            session.cluster.before(state, record)
+        if hook is not None and (failures := hook.pytest_gpuclean_checked(session=session, state=state,
+                                                                          record=record, phase="setup")):
+            pytest.fail("\n\n".join(failures), pytrace=False)
         return result
 
     def _outside_action(self, item: pytest.Item, record: TestRecord, result: CheckResult
@@ -214,14 +232,15 @@ class ItemChecks:
     def _after(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         if record.before is None or not record.before.clean:
             return None  # the test never ran on clean GPUs: its setup error already says why
-        cluster = self.session.cluster
-        ray_failure = cluster.after(state, record) if cluster is not None else None
+        session, hook = self.session, self._hook
+        failures: list[str] = [] if hook is None else hook.pytest_gpuclean_check_after(
+            session=session, state=state, record=record)
         local_failure = self._after_local(item, state, record)
         health_failure = self._health_after(item, state, record)
-        if cluster is not None and cluster.discover("after", state.nodeid):
-            # Started during the test: checked from now on, this test's own leftovers there included.
-            ray_failure = cluster.after(state, record, appeared=True)
-        return "\n\n".join(f for f in (ray_failure, local_failure, health_failure) if f) or None
+        if hook is not None:
+            failures += hook.pytest_gpuclean_checked(session=session, state=state, record=record,
+                                                     phase="teardown")
+        return "\n\n".join(f for f in (*failures, local_failure, health_failure) if f) or None
 
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         session = self.session
@@ -314,7 +333,7 @@ class ItemChecks:
             key = (use.process.pid, use.process.start_ticks)
             if all((u.process.pid, u.process.start_ticks) != key for u in record.gpu_without_lock):
                 record.gpu_without_lock.append(
-                    dataclasses.replace(use, seen_by=state.nodeid, seen_worker=worker, phase=result.phase))
+                    use.replace(seen_by=state.nodeid, seen_worker=worker, phase=result.phase))
 
     # ---- GPU health (health.py) ---------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from pytest_gpuclean.core.devices import NvmlBackend
-from pytest_gpuclean.model.readings import DeviceInfo
+from pytest_gpuclean.model.records import DeviceInfo
 
 HOLD_MIB = 1024
 HOLDER = r'''

@@ -63,7 +63,7 @@ INNER = f'''
 import subprocess, sys
 import pytest
 from pytest_gpuclean.core import probe
-from pytest_gpuclean.model.readings import DeviceInfo
+from pytest_gpuclean.model.records import DeviceInfo
 
 FAULT = {FAULT!r}
 exec(FAULT.replace('if __name__ == "__main__":', "if False:"))

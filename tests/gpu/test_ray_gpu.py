@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuclean.core.devices import NvmlBackend
-from pytest_gpuclean.model.readings import MIB
+from pytest_gpuclean.model.records import MIB
 
 INNER = '''
 import os

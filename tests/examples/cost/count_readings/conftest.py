@@ -5,7 +5,7 @@ import os
 
 
 def pytest_unconfigure(config):
-    from pytest_gpuclean.model.readings import DeviceSnapshot
+    from pytest_gpuclean.model.records import DeviceSnapshot
     from pytest_gpuclean.plugin import DeviceState
     alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (DeviceSnapshot, DeviceState))]
     with open(os.environ["STATE_FILE"], "w") as f:

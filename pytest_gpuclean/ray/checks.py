@@ -1,14 +1,15 @@
 """The Ray cluster's part of a session's checks (``--gpuclean-ray``): before and after each test, and the
-cluster's sweep at the session's end.
+cluster's sweep at the session's end. A plugin that implements gpuclean's own hooks
+(``plugin.GpuCleanHooks``), registered by ``plugin.py`` only when ``--gpuclean-ray`` is on: the per-test
+check calls the hooks and knows nothing of Ray.
 
 ``cluster.py`` (and Ray, which it drives) is imported only when the option names a cluster, or, with
 ``auto`` and no ``RAY_ADDRESS``, once the session's own processes include a Ray GCS server: a cluster the
-session's tests or fixtures started (``ClusterChecks.discover``).
+session's tests or fixtures started (``RayChecks.discover``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -17,15 +18,16 @@ import pytest
 
 from pytest_gpuclean.core import procfs
 from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
-from pytest_gpuclean.model.results import ALL_KINDS, split_own
+from pytest_gpuclean.model.decisions import ALL_KINDS, split_own
+from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
 from pytest_gpuclean.report import report
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.checker import Checker
     from pytest_gpuclean.core.settings import Settings
-    from pytest_gpuclean.model.findings import Reaped
-    from pytest_gpuclean.model.results import TestRecord
     from pytest_gpuclean.session.started import ItemState, Started
+
+PLUGIN_NAME = "gpuclean-ray"
 
 
 GCS_SERVER = "gcs_server"
@@ -102,7 +104,7 @@ def _command_name(pid: int) -> str:
         return ""
 
 
-class ClusterChecks:
+class RayChecks:
     """Checks the cluster around each checked test, and sweeps it at the end (``ray``: a ``RayCheck``).
 
     With ``watch`` (``auto`` and no ``RAY_ADDRESS``) there is no cluster to begin with: each check's
@@ -111,19 +113,54 @@ class ClusterChecks:
     (the fixture that started the cluster shut it down): then the session watches again.
     """
 
-    def __init__(self, ray: Any, session: Started, *, watch: bool = False) -> None:
-        self.ray = ray
-        self.session = session
-        self.watch = watch
+    def __init__(self) -> None:
+        self.ray: Any = None
+        self.session: Started | None = None
+        self.watch = False
         self.gcs: tuple[int, int] | None = None
         """The discovered cluster's GCS server (pid, start ticks), while its cluster is checked."""
         self._looked: dict[tuple[int, int], bool] = {}
         """The session's processes looked at so far (pid, start ticks): whether each is a GCS server."""
         self._refused: set[tuple[int, int]] = set()
         """GCS servers whose cluster could not be used: not tried again."""
-        self.address = ray.address if ray is not None else ""
-        self.version = ray.version if ray is not None else ""
-        """The (last) cluster checked, for the report."""
+
+    # ---- gpuclean's hooks (plugin.GpuCleanHooks) ----------------------------------------------------
+
+    def pytest_gpuclean_session_start(self, session: Started) -> None:
+        self.session = session
+        self.ray = open_cluster(session.settings, session.checker)
+        self.watch = self.ray is None and watches(session.settings)
+        if self.ray is not None:
+            self._connected(self.ray.address, self.ray.version)
+
+    def pytest_gpuclean_check_before(self, state: ItemState, record: TestRecord) -> str | None:
+        return self.before(state, record)
+
+    def pytest_gpuclean_check_after(self, state: ItemState, record: TestRecord) -> str | None:
+        return self.after(state, record)
+
+    def pytest_gpuclean_checked(self, state: ItemState, record: TestRecord, phase: Phase) -> str | None:
+        if not self.discover("before" if phase == "setup" else "after", state.nodeid):
+            return None
+        if phase == "setup":
+            return self.before(state, record)
+        # Started during the test: checked from now on, this test's own leftovers there included.
+        return self.after(state, record, appeared=True)
+
+    def pytest_gpuclean_sweep(self, include_session: bool, timeout: float) -> list[Reaped]:
+        return self.sweep(include_session=include_session, timeout=timeout)
+
+    def pytest_gpuclean_session_finish(self) -> None:
+        self.stop()
+
+    @property
+    def _session(self) -> Started:
+        assert self.session is not None  # (every hook but the first comes after the session started)
+        return self.session
+
+    def _connected(self, address: str, version: str) -> None:
+        # The (last) cluster checked, for the JSON report.
+        self._session.found.cluster_address, self._session.found.ray_version = address, version
 
     # ---- a cluster the session started (``auto``) ---------------------------------------------------
 
@@ -135,7 +172,7 @@ class ClusterChecks:
             return False
         looked: dict[tuple[int, int], bool] = {}
         found = None
-        for f in self.session.checker.last_census:
+        for f in self._session.checker.last_census:
             if f.debris_of is not None or not f.live:
                 continue
             is_gcs = self._looked.get(f.key)
@@ -152,19 +189,20 @@ class ClusterChecks:
             return False
         from pytest_gpuclean.ray import cluster
 
-        resolved = self.session.settings
-        check = _new_check(address, resolved, self.session.checker)
+        resolved = self._session.settings
+        check = _new_check(address, resolved, self._session.checker)
         try:
             check.start(resolved.timeout)
         except cluster.ClusterError as exc:
             self._refused.add(found.key)
-            self.session.found.note(f"gpuclean: --gpuclean-ray=auto: found the Ray cluster at {address} that "
-                                    f"this session started (GCS server pid {found.pid}) at the check {phase} "
-                                    f"{nodeid}, but cannot check it: {exc}")
+            self._session.found.note(
+                f"gpuclean: --gpuclean-ray=auto: found the Ray cluster at {address} that this session "
+                f"started (GCS server pid {found.pid}) at the check {phase} {nodeid}, but cannot check it: "
+                f"{exc}")
             return False
         self.ray, self.gcs = check, found.key
-        self.address, self.version = address, check.version
-        self.session.found.note(f"gpuclean: --gpuclean-ray=auto: checking the Ray cluster at {address} (GCS "
+        self._connected(address, check.version)
+        self._session.found.note(f"gpuclean: --gpuclean-ray=auto: checking the Ray cluster at {address} (GCS "
                                 f"server pid {found.pid}, started by this session) from the check {phase} "
                                 f"{nodeid} on")
         return True
@@ -187,7 +225,8 @@ class ClusterChecks:
         return True
 
     def _let_go(self) -> None:
-        self.session.found.note(f"gpuclean: --gpuclean-ray=auto: the Ray cluster at {self.address} shut down "
+        self._session.found.note(f"gpuclean: --gpuclean-ray=auto: the Ray cluster at {self.ray.address} shut "
+                                 "down "
                                 "(its GCS server exited); watching for another")
         self.ray.stop()
         self.ray = None
@@ -195,19 +234,18 @@ class ClusterChecks:
 
     # ---- the checks ---------------------------------------------------------------------------------
 
-    def before(self, state: ItemState, record: TestRecord) -> None:
-        """Check the cluster before the test; fails the setup if it is not clean."""
+    def before(self, state: ItemState, record: TestRecord) -> str | None:
+        """Check the cluster before the test; the failure (it is not clean), if any."""
         if not self._active():
-            return
-        check = self.ray.check_cluster("setup", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+            return None
+        result = self.ray.check_cluster("setup", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
         if self._gone():
-            return
-        record.cluster_before = check
-        result = self.ray.result(check)
-        self.session.attribute_earlier(result.reaped, state.nodeid, result.notes)
+            return None
+        record.cluster_before = result
+        self._session.attribute_earlier(result.reaped, state.nodeid, result.notes)
         if not result.clean:
-            pytest.fail(report.check_report(result, "gpuclean: the Ray cluster is not clean before the test"),
-                        pytrace=False)
+            return report.check_report(result, "gpuclean: the Ray cluster is not clean before the test")
+        return None
 
     def after(self, state: ItemState, record: TestRecord, *, appeared: bool = False) -> str | None:
         """Check the cluster after the test; the failure to report, if any.
@@ -219,19 +257,18 @@ class ClusterChecks:
         """
         if not self._active():
             return None
-        check = self.ray.check_cluster("teardown", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
+        result = self.ray.check_cluster("teardown", tolerance_mib=state.tolerance_mib, timeout=state.timeout)
         if self._gone():
             return None
-        result = self.ray.result(check)
+        session = self._session
         own_tokens = {state.token, *state.fixture_tokens}
         # Every kind of owner is judged here: on the cluster, only what carries this test's (or its fixtures')
         # token is its own; the session's is charged to the session.
-        own, earlier = split_own(result.reaped, lambda owner: self.session.token_of(owner) in own_tokens,
+        own, earlier = split_own(result.reaped, lambda owner: session.token_of(owner) in own_tokens,
                                  ALL_KINDS)
-        self.session.attribute_earlier(earlier, state.nodeid, result.notes)
+        session.attribute_earlier(earlier, state.nodeid, result.notes)
         result = result.replace(reaped=tuple(own))
-        record.cluster_after = dataclasses.replace(check, reaped=tuple(r for r in check.reaped
-                                                                       if r.reaped in own))
+        record.cluster_after = result
         leaked = [o for o in result.offenders if o.reason == "leaked"]
         if own or leaked:
             return report.check_report(result, report.leak_heading(own, leaked, self.ray.reap)
@@ -242,7 +279,7 @@ class ClusterChecks:
 
     def sweep(self, *, include_session: bool, timeout: float) -> list[Reaped]:
         """The cluster's part of the final sweep: what the session left on the cluster, reaped."""
-        found = self.session.found
+        found = self._session.found
         if not self._active():
             return []
         try:
@@ -254,19 +291,19 @@ class ClusterChecks:
         if self._gone():
             return []
         found.cluster_sweeps.append(check)
-        reaped = [r.reaped for r in check.reaped]
+        reaped = list(check.reaped)
         if include_session and (reaped or not check.clean):
             # After the reports: say it where the user looks.
             sys.stderr.write("gpuclean: the Ray cluster at the very end: " + "; ".join(
-                [f"reaped pid {r.reaped.process.pid} "
-                 f"{'by ray.kill' if r.via == 'ray.kill' else r.reaped.how_ended} "
-                 f"({report.one_line(r.reaped.process.cmdline, 80)})" for r in check.reaped]
-                + [report.one_line(f.offender.detail or str(f.offender.process), 120)
-                   for f in check.findings]) + "\n")
+                [f"reaped pid {r.process.pid} {'by ray.kill' if r.via == 'ray.kill' else r.how_ended} "
+                 f"({report.one_line(r.process.cmdline, 80)})" for r in reaped]
+                + [report.one_line(o.detail or str(o.process), 120) for o in check.offenders]) + "\n")
         return reaped
 
     def stop(self) -> None:
         """The last sweep (the session set-up's leftovers too), then the cluster's agent stops."""
+        if self.session is None:
+            return  # (the session never started: nothing was opened)
         self.sweep(include_session=True, timeout=self.session.settings.timeout)
         if self.ray is not None:
             self.ray.stop()

@@ -1,0 +1,128 @@
+"""The decisions over the records: whose a process is (``split_own``), and what a test's outcome is
+(``own_leaks``, ``outcome``, ``has_findings``). Plain functions over plain data, so every output (summary,
+JSON, JUnit, annotations, the checks' own filtering) asks the same question the same way, and a table of
+records tests them without processes (tests/test_decisions.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+from typing import Final, Literal, NamedTuple, Protocol, TypeVar
+
+from pytest_gpuclean.model.records import FoundBy, Offender, Owner, OwnerKind, Reaped, TestRecord
+
+
+class _Owned(Protocol):
+    @property
+    def owner(self) -> Owner | None: ...
+    @property
+    def found_by(self) -> FoundBy: ...
+
+
+_O = TypeVar("_O", bound=_Owned)
+
+ALL_KINDS: Final[tuple[OwnerKind, ...]] = ("test", "fixture", "session", "unknown")
+_TESTS: Final[tuple[OwnerKind, ...]] = ("test",)
+
+
+def split_own(found: Iterable[_O], mine: Callable[[Owner], bool],
+              judged: Collection[OwnerKind] = ("test", "fixture"), *,
+              dead_sessions_theirs: bool = True) -> tuple[list[_O], list[_O]]:
+    """``(own, earlier)``: which of ``found`` (reaped processes or offenders) are this test's own, and which
+    belong to an earlier test (or a dead session), to be charged to it instead.
+
+    An owner of a kind in ``judged`` is this test's only if ``mine`` says so (its token is the test's or a
+    fixture's ending with it; or, in a record that lost the tokens, its name is the test's); an unknown
+    owner, or one of a kind not judged (the session's), is the finder's. A dead session's debris is that
+    session's leak, never this test's (``dead_sessions_theirs``).
+    """
+    own: list[_O] = []
+    earlier: list[_O] = []
+    for item in found:
+        owner = item.owner
+        if dead_sessions_theirs and item.found_by == "dead session":
+            earlier.append(item)
+        elif owner is None or owner.kind not in judged or mine(owner):
+            own.append(item)
+        else:
+            earlier.append(item)
+    return own, earlier
+
+
+class OwnLeaks(NamedTuple):
+    """Every process a test left behind, by where it was found (the order the reports list them in)."""
+
+    reaped: list[Reaped]
+    """Reaped by the check after it."""
+    later: list[Reaped]
+    """Found (and reaped) by a later check."""
+    offenders: list[tuple[Offender, str | None]]
+    """Not reaped: still running (``None``: reaping off, or it survived), or gone by itself while the check
+    waited (``"exited by itself"``)."""
+    cluster_reaped: list[Reaped]
+    cluster_left: list[Offender]
+    """Still on the Ray cluster after it."""
+
+    def any(self) -> bool:
+        return any(self)
+
+
+def own_leaks(record: TestRecord) -> OwnLeaks:
+    """What ``record``'s test leaked, its own only: the after-check also reaps leftovers of earlier,
+    unchecked tests; those are charged to the test that spawned them (its ``found_later``)."""
+    after = record.after
+    nodeid = record.nodeid
+
+    def mine(owner: Owner) -> bool:
+        return owner.name == nodeid
+
+    reaped: list[Reaped] = []
+    offenders: list[tuple[Offender, str | None]] = []
+    if after is not None:
+        # (The check already set a dead session's reaped debris apart; an offender that is one is listed,
+        # as the reports always did.)
+        reaped = split_own(after.reaped, mine, _TESTS, dead_sessions_theirs=False)[0]
+        for found, ended_by in ((after.offenders, None), (after.lingered, "exited by itself")):
+            leaked = [o for o in found if o.reason == "leaked" and o.process is not None]
+            offenders.extend((o, ended_by) for o in split_own(leaked, mine, _TESTS,
+                                                              dead_sessions_theirs=False)[0])
+    cluster = record.cluster_after
+    cluster_reaped = [] if cluster is None else list(cluster.reaped)
+    cluster_left = [] if cluster is None else [
+        o for o in cluster.offenders if o.reason == "leaked" and o.process is not None]
+    return OwnLeaks(reaped, list(record.found_later), offenders, cluster_reaped, cluster_left)
+
+
+Outcome = Literal["leaked", "not_clean", "gpu_fault", "clean", "unchecked"]
+
+
+def outcome(record: TestRecord) -> Outcome:
+    """``leaked``, ``not_clean``, ``gpu_fault``, ``clean`` or ``unchecked`` (no check finished for this
+    test: see ``lock_timeout`` for one that never got its GPU locks).
+
+    A GPU that is not usable (it needs a reset, is lost, failed the probe) is not clean; ``gpu_fault``: the
+    test's GPUs were clean, but an Xid it caused (or a setting it changed) fails it. A fixture's leak is
+    the fixture's (``fixture_leaks``), not the test's; a leak found by a later check is the test's."""
+    if own_leaks(record).any():
+        return "leaked"
+    if any(c is not None and not c.clean for c in (record.before, record.after)) or any(
+            c is not None and not c.clean for c in (record.cluster_before, record.cluster_after)) or any(
+            f.effect in ("unusable", "lost") for f in record.health):
+        return "not_clean"
+    if any(f.effect == "fault" for f in record.health):
+        return "gpu_fault"
+    return "clean" if record.before is not None else "unchecked"
+
+
+def has_findings(record: TestRecord) -> bool:
+    """True if any check around this test failed or found something: an outcome other than clean, or a
+    finding that does not fail it (a collected zombie, an earlier test's leftover reaped, torch memory
+    grown in-process, a lock wait given up, a GPU used without its lock, a health notice)."""
+    after, cluster = record.after, record.cluster_after
+    return outcome(record) not in ("clean", "unchecked") or bool(
+        record.found_later or record.in_process_mib or record.gpu_without_lock) or (
+        record.lock_timeout is not None) or (after is not None and bool(after.lingered)) or (
+        cluster is not None and (bool(cluster.reaped) or any(o.reason == "leaked" for o in cluster.offenders))
+    ) or any(
+            c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
+            for c in (record.before, record.after)) or any(f.effect != "info" for f in record.health)
