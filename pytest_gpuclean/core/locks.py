@@ -322,13 +322,15 @@ def _marks(uuid: str) -> _Marks:
     return _Marks(uuid)
 
 
+_MARK_ERROR = "cannot mark it (open file description locks: Linux 3.15 or later)"
+
+
 def _mark(state: _Dir, request: bytes, fd: int | None = None) -> None:
     """Set (or clear) a mark of ours on the directory, through ``state.fd`` unless ``fd`` is given."""
     try:
         fcntl.fcntl(state.fd if fd is None else fd, fcntl.F_OFD_SETLK, request)
     except OSError as exc:
-        raise _dir_error(state.path, "cannot mark it (open file description locks: Linux 3.15 or later)",
-                         exc) from None
+        raise _dir_error(state.path, _MARK_ERROR, exc) from None
 
 
 def _mark_at(state: _Dir, kind: int, offset: int, fd: int | None = None) -> None:
@@ -767,7 +769,10 @@ class GpuLocks:
                             continue
                         held.add(fd)
                     taken.append((uuid, fd))
-                    _mark(state, marks.set_hold)
+                    try:  # (_mark, inline)
+                        fcntl.fcntl(state.fd, fcntl.F_OFD_SETLK, marks.set_hold)
+                    except OSError as exc:
+                        raise _dir_error(state.path, _MARK_ERROR, exc) from None
                     if careful and _marked(state, marks.make) is not None:
                         # Somebody saw the name missing and is making a file: ours may be a deleted one.
                         taken.pop()
