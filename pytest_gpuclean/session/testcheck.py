@@ -150,10 +150,10 @@ class ItemChecks:
         state.devices = session.devices
         if session.locks is not None and session.devices:
             state.locks = self._lock_gpus(item, record, count or len(session.devices))
-            state.devices = tuple(d for d in session.devices if d.uuid in state.locks.uuids)
+            state.devices = tuple([d for d in session.devices if d.uuid in state.locks.uuids])
         elif count is not None:
             state.devices = session.devices[:count]
-        record.devices = tuple(d.uuid for d in state.devices)
+        record.devices = tuple([d.uuid for d in state.devices])  # (a list: no generator frame per GPU)
         if count is not None:
             state.previous_visible = ("CUDA_VISIBLE_DEVICES" in os.environ,
                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
