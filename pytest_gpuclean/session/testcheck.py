@@ -54,8 +54,9 @@ class ItemChecks:
         skips the setup). The setup check's result, for a checked test."""
         session = self.session
         session.follow_fork()
-        token = session.test_token(item.nodeid)
-        state = ItemState(item.nodeid, token, session.set_owner_env(token))
+        nodeid = item.nodeid  # (a property that builds the string on each use, under pytest 9)
+        token = session.test_token(nodeid)
+        state = ItemState(nodeid, token, session.set_owner_env(token))
         item.stash[_STATE] = state
         if records.TEST in item.stash:
             del item.stash[records.TEST]  # a test run again (a rerun plugin) starts a new record
@@ -69,7 +70,7 @@ class ItemChecks:
         session = self.session
         applied = self._applied(item)
         state.tolerance_mib, state.timeout = applied.tolerance_mib, applied.timeout
-        record = session.found.new(item.nodeid, (item.location[0], (item.location[1] or 0) + 1))
+        record = session.found.new(state.nodeid, (item.location[0], (item.location[1] or 0) + 1))
         item.stash[records.TEST] = record
         self._choose_devices(item, state, record, applied.count)
         unusable = self._health_before(item, state, record)
@@ -324,7 +325,7 @@ class ItemChecks:
         watch = self.session.health
         if watch is None:
             return None
-        found = watch.before(item.nodeid, state.devices, item.session.testsfailed)
+        found = watch.before(state.nodeid, state.devices, item.session.testsfailed)
         if not found:
             return None
         record.health.extend(found)
@@ -337,7 +338,7 @@ class ItemChecks:
         if watch is None:
             return None
         reaped = record.after.reaped if record.after is not None else ()
-        found = watch.after(item.nodeid, state.devices, reaped, item.session.testsfailed)
+        found = watch.after(state.nodeid, state.devices, reaped, item.session.testsfailed)
         if not found:
             return None
         record.health.extend(found)
