@@ -139,6 +139,9 @@ def test_the_marker_applies_below_command_line_environment_and_ini() -> None:
     assert (applied.tolerance_mib, applied.timeout, applied.count) == (100, 2.0, 1)
     unset = for_marker(Settings(), {"tolerance_mib": 5}, "t.py::test")
     assert (unset.tolerance_mib, unset.timeout, unset.count) == (5, settings.DEFAULT_TIMEOUT_S, None)
+    bare = for_marker(resolve({}, {}, ini_of({"gpuclean_tolerance_mib": "100", "gpuclean_timeout": "7"})),
+                      {}, "t.py::test")  # (the bare marker's shortcut)
+    assert (bare.tolerance_mib, bare.timeout, bare.count) == (100, 7.0, None)
 
 
 @pytest.mark.parametrize(("args", "kwargs", "message"), [

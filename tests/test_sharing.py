@@ -628,10 +628,11 @@ def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.M
     locks = GpuLocks(str(tmp_path / "locks"))
     real_try = GpuLocks._try
 
-    def interrupted(self: GpuLocks, state: Any, uuid: str) -> int | None:
-        if uuid == "GPU-b":
+    def interrupted(self: GpuLocks, state: Any, name: str) -> int | None:
+        # (A new lock directory: each lock file is opened and locked through _try.)
+        if name == "GPU-b.lock":
             raise KeyboardInterrupt  # as pytest-timeout's SIGALRM would, between two locks
-        return real_try(self, state, uuid)
+        return real_try(self, state, name)
 
     monkeypatch.setattr(GpuLocks, "_try", interrupted)
     # Keep the traceback (and so acquire's frame) alive, as pytest's reports and sys.last_traceback do.

@@ -163,13 +163,20 @@ class Census:
         # later tests (forkserver's own waitpid would fail). They exit with pytest. The
         # ``multiprocess`` package (dill-based, used by vLLM's tests) has the same helpers.
         helpers: set[int] = set()
+        modules = sys.modules
         for package in MULTIPROCESSING_PACKAGES:
-            tracker = getattr(sys.modules.get(f"{package}.resource_tracker"), "_resource_tracker", None)
-            if getattr(tracker, "_pid", None):
-                helpers.add(tracker._pid)  # type: ignore[union-attr]
-            forkserver = getattr(sys.modules.get(f"{package}.forkserver"), "_forkserver", None)
-            if getattr(forkserver, "_forkserver_pid", None):
-                helpers.add(forkserver._forkserver_pid)  # type: ignore[union-attr]
+            # (each getattr only where the module was imported: this runs on every check, and most
+            # sessions never import them)
+            module = modules.get(f"{package}.resource_tracker")
+            if module is not None:
+                tracker = getattr(module, "_resource_tracker", None)
+                if getattr(tracker, "_pid", None):
+                    helpers.add(tracker._pid)  # type: ignore[union-attr]
+            module = modules.get(f"{package}.forkserver")
+            if module is not None:
+                forkserver = getattr(module, "_forkserver", None)
+                if getattr(forkserver, "_forkserver_pid", None):
+                    helpers.add(forkserver._forkserver_pid)  # type: ignore[union-attr]
         return helpers
 
     def _walk(self) -> list[tuple[int, int, int]]:

@@ -135,7 +135,9 @@ class Checker:
         for device in devices:
             reading = self.backend.snapshot(device)
             previous = last.get(device.uuid)
-            if previous is not None and previous == reading:
+            # (``is`` first: an idle simulated device's reading is the same object each time, and this
+            # spares a Python-level ``__eq__`` per device and check)
+            if previous is reading or (previous is not None and previous == reading):
                 reading = previous
             else:
                 last[device.uuid] = reading
@@ -363,7 +365,12 @@ class _Check:
             return None
         c = self.c
         snaps = c.snapshot(self.devices)
-        found = c.procs.take() if all(not s.processes and s.used_bytes <= 0 for s in snaps) else None
+        found: list[Found] | None = None
+        for s in snaps:  # (a loop, not all() over a generator: one frame per device and check less)
+            if s.processes or s.used_bytes > 0:
+                break
+        else:
+            found = c.procs.take()
         if found is None or found:
             self._first = (snaps, found)
             return None

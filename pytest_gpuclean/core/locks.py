@@ -297,12 +297,17 @@ _UNHOLD_ALL = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1 << _SLOT_BITS, 0)
 
 
 class _Marks:
-    """The offsets of one GPU's marks, and its hold mark's requests packed once. (A plain class: see
-    ``ownership.Window``.)"""
+    """The offsets of one GPU's marks, its hold mark's requests packed once, and its files' names. (A plain
+    class: see ``ownership.Window``.)"""
 
-    __slots__ = ("hold", "make", "queue", "set_hold", "unset_hold")
+    __slots__ = ("file", "hold", "lock", "make", "queue", "set_hold", "tail", "unset_hold")
 
     def __init__(self, uuid: str) -> None:
+        self.file = _file_name(uuid)
+        self.lock = f"{self.file}.lock"
+        """The lock file's name."""
+        self.tail = f', "uuid": {json.dumps(uuid)}}}'
+        """The end of its holder record (see ``GpuLocks._record``)."""
         digest = hashlib.blake2b(uuid.encode(), digest_size=8).digest()
         slot = int.from_bytes(digest, "big") >> (64 - _SLOT_BITS)
         self.hold = slot
@@ -317,13 +322,15 @@ def _marks(uuid: str) -> _Marks:
     return _Marks(uuid)
 
 
+_MARK_ERROR = "cannot mark it (open file description locks: Linux 3.15 or later)"
+
+
 def _mark(state: _Dir, request: bytes, fd: int | None = None) -> None:
     """Set (or clear) a mark of ours on the directory, through ``state.fd`` unless ``fd`` is given."""
     try:
         fcntl.fcntl(state.fd if fd is None else fd, fcntl.F_OFD_SETLK, request)
     except OSError as exc:
-        raise _dir_error(state.path, "cannot mark it (open file description locks: Linux 3.15 or later)",
-                         exc) from None
+        raise _dir_error(state.path, _MARK_ERROR, exc) from None
 
 
 def _mark_at(state: _Dir, kind: int, offset: int, fd: int | None = None) -> None:
@@ -353,9 +360,14 @@ def _let_go(state: _Dir, taken: Sequence[tuple[str, int | None]]) -> None:
     """Unlock and unmark the GPUs of an attempt (or of a test), and drop the directory's shared lock."""
     last = state.shared <= 1  # no other acquire of this process holds marks: one request clears them all
     marked = False
+    held = state.held
     for uuid, fd in taken:
         if fd is not None:
-            _unlock(state, fd)
+            held.discard(fd)  # (_unlock, inline: per GPU and test)
+            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
             marked = True
             if not last:
                 _clear(state, _marks(uuid).unset_hold)
@@ -375,7 +387,7 @@ class HeldLocks:
 
     def __init__(self, taken: list[tuple[str, int | None]], waited_s: float,
                  inherited: dict[str, tuple[int, int]], state: _Dir | None) -> None:
-        self.uuids = tuple(u for u, _ in taken)
+        self.uuids = tuple([u for u, _ in taken])
         self.locks = [fd for _, fd in taken if fd is not None]
         """Open descriptors of the locked files."""
         self._taken = taken
@@ -691,10 +703,10 @@ class GpuLocks:
                     found[uuid]["lock_user"], found[uuid]["lock_cmd"] = _describe_process(pid)
         return found
 
-    def _try(self, state: _Dir, uuid: str) -> int | None:
-        """Lock ``uuid``'s file: its descriptor, None if it is busy, ``_MISSING`` if there is no such file.
-        (Not yet trusted: see ``_attempt``.)"""
-        name = f"{_file_name(uuid)}.lock"
+    def _try(self, state: _Dir, name: str) -> int | None:
+        """Lock the GPU's file ``name``: its descriptor, None if it is busy, ``_MISSING`` if there is no such
+        file. (Not yet trusted: see ``_attempt``, which does the usual case, an open file not held yet,
+        itself.)"""
         fd = state.lock_fds.get(name)
         if fd is None:
             fd = _cache_lock(state, name)
@@ -707,9 +719,8 @@ class GpuLocks:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return None
-            raise _dir_error(state.path, f"cannot lock {name}", exc) from None
+            _busy_or_raise(state, name, exc)
+            return None
         state.held.add(fd)
         return fd
 
@@ -730,6 +741,9 @@ class GpuLocks:
         if not _share(state):
             return "closed"
         taken: list[tuple[str, int | None]] = []
+        # One loop per GPU, its usual steps written out in it (the lock, the hold mark, the name's check):
+        # a helper call per step and GPU was most of the locks' Python cost per test.
+        lock_fds, held = state.lock_fds, state.held
         try:
             for uuid in ordered:
                 if uuid in inherited:
@@ -739,14 +753,26 @@ class GpuLocks:
                     if careful and uuid not in queued and _marked(state, marks.queue) is not None:
                         seen[uuid] = "queued"  # a session that has waited long for it goes first
                         continue
-                    fd = self._try(state, uuid)
-                    if fd is None:
-                        continue
-                    if fd == _MISSING:
-                        seen[uuid] = "missing"
-                        continue
+                    fd = lock_fds.get(marks.lock)
+                    if fd is None or fd in held:
+                        fd = self._try(state, marks.lock)  # to be opened, or held by another acquire of ours
+                        if fd is None:
+                            continue
+                        if fd == _MISSING:
+                            seen[uuid] = "missing"
+                            continue
+                    else:
+                        try:
+                            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        except OSError as exc:
+                            _busy_or_raise(state, marks.lock, exc)
+                            continue
+                        held.add(fd)
                     taken.append((uuid, fd))
-                    _mark(state, marks.set_hold)
+                    try:  # (_mark, inline)
+                        fcntl.fcntl(state.fd, fcntl.F_OFD_SETLK, marks.set_hold)
+                    except OSError as exc:
+                        raise _dir_error(state.path, _MARK_ERROR, exc) from None
                     if careful and _marked(state, marks.make) is not None:
                         # Somebody saw the name missing and is making a file: ours may be a deleted one.
                         taken.pop()
@@ -771,8 +797,11 @@ class GpuLocks:
                 _let_go(state, taken)  # it was replaced: lock in the new one
                 return "again"
             ctime = info.st_ctime_ns
+            verified = state.verified
             for _uuid, fd in taken:
-                if fd is not None and not _still_named(state, name := state.lock_names[fd], fd, ctime):
+                if fd is None or verified.get(fd) == ctime:
+                    continue  # (_still_named's first answer, without its call per GPU)
+                if not _still_named(state, name := state.lock_names[fd], fd, ctime):
                     # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
                     # nothing. Look at what the name holds now.
                     _let_go(state, taken)
@@ -801,7 +830,8 @@ class GpuLocks:
         keep a waiter out for ever; the queued compete among themselves as everyone did before.
         """
         inherited = {u: h for u, h in self.inherited().items() if u in candidates}
-        ordered = sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
+        ordered = (sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
+                   if inherited or prefer else sorted(candidates))  # (the same order: no key call per GPU)
         started = time.monotonic()
         notified = False
         careful = False
@@ -909,18 +939,31 @@ class GpuLocks:
                                              "host": _HOST, "uid": os.geteuid()})[:-1]
         common = f'{head}, "test": {json.dumps(holder_id)}, "since": {time.time()!r}'
         uid = os.geteuid()
+        holder_fds, written = state.holder_fds, held.holder_fds
         for uuid, fd in taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
-            tail = encoded.get(uuid)
-            if tail is None:
-                tail = encoded[uuid] = f', "uuid": {json.dumps(uuid)}}}'
-            record = (common + tail).encode()
-            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
-                held.holder_fds.append(_write_holder(state, _holder_name(uuid, uid), record))
+            marks = _marks(uuid)
+            record = (common + marks.tail).encode()
+            name = f"{marks.file}.{uid}.holder"  # (_holder_name)
+            try:
+                holder_fd = holder_fds.get(name)
+                if holder_fd is not None and len(record) <= _RECORD_BYTES:
+                    # _write_holder's usual case, inline (per GPU and test)
+                    os.pwrite(holder_fd, record.ljust(_RECORD_BYTES), 0)
+                    written.append((holder_fd, True))
+                else:
+                    written.append(_write_holder(state, name, record))
             except OSError:
                 pass  # best effort: the lock itself is what protects the GPU
         return held
+
+
+def _busy_or_raise(state: _Dir, name: str, exc: OSError) -> None:
+    """A refused ``lockf`` of lock file ``name``: returns if another process holds it; raises otherwise."""
+    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        return
+    raise _dir_error(state.path, f"cannot lock {name}", exc) from None
 
 
 def _open_dir_once(path: str) -> _Dir:

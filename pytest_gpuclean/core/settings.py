@@ -416,6 +416,8 @@ def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: 
 
     Raises ``ValueError`` with a message naming the marker argument and the test.
     """
+    if not kwargs and not args:  # a bare marker (most tests): the session's settings, no checks per test
+        return TestSettings(tolerance_mib=settings.tolerance_mib, timeout=settings.timeout, count=None)
     if args:
         # needs_clean_gpus(2) reads as "2 GPUs" to some and "2 MiB" to others: make the reader say which.
         given = ", ".join(map(repr, args))

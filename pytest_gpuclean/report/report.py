@@ -262,7 +262,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
         lines.append(f"session end: reaped {len(session_reaped)} leftover process(es): "
                      + ", ".join(f"pid {r.process.pid} ({r.owner}) {r.how_ended}" for r in session_reaped))
     lines.extend(notes)
-    lines.append(totals_line(records, session_reaped))
+    lines.append(totals_line(records, session_reaped, dirty))
     return lines
 
 
@@ -317,23 +317,37 @@ def health_parts(record: TestRecord) -> list[str]:
             for f in record.health if f.effect != "info"]
 
 
-def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
+def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
+                dirty: Sequence[TestRecord] | None = None) -> str:
     """``3 checked test(s), 1 with findings, 2 process(es) reaped``.
 
     A test that was not checked has a record only when a later check found processes it leaked, when it
     gave up waiting for its GPU locks, or when another xdist worker found its process on a GPU whose lock
     that worker held: each is counted on its own, not as a checked test with findings. A check that could
     not read a device counts (its test was checked, with a finding), and so does a fixture that leaked
-    (apart from the test at whose teardown it was found).
+    (apart from the test at whose teardown it was found). ``dirty``: the records with findings, if the
+    caller has them already.
     """
-    checked = [r for r in records if r.before is not None]
-    unchecked_leakers = sum(1 for r in records if r.before is None and outcome(r) == "leaked")
-    timeouts = sum(1 for r in records if r.lock_timeout is not None)
-    fixtures = sum(len(r.fixture_leaks) for r in records)
-    unreadable = sum(1 for r in records if any(c is not None and c.error is not None
-                                               for c in (r.before, r.after)))
-    without_lock = sum(1 for r in records if r.gpu_without_lock)
-    parts = [f"{len(checked)} checked test(s)", f"{sum(1 for r in checked if has_findings(r))} with findings"]
+    # One loop over the records, not one generator each: this runs once per test of the session.
+    checked = unchecked_leakers = timeouts = fixtures = unreadable = without_lock = 0
+    for r in records:
+        before, after = r.before, r.after
+        if before is not None:
+            checked += 1
+        elif outcome(r) == "leaked":
+            unchecked_leakers += 1
+        if r.lock_timeout is not None:
+            timeouts += 1
+        if r.fixture_leaks:
+            fixtures += len(r.fixture_leaks)
+        if (before is not None and before.error is not None) or (
+                after is not None and after.error is not None):
+            unreadable += 1
+        if r.gpu_without_lock:
+            without_lock += 1
+    with_findings = sum(1 for r in (dirty if dirty is not None else (r for r in records if has_findings(r)))
+                        if r.before is not None)
+    parts = [f"{checked} checked test(s)", f"{with_findings} with findings"]
     if fixtures:
         parts.append(f"{fixtures} fixture(s) that leaked processes")
     if unchecked_leakers:
@@ -351,9 +365,14 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped])
 def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:
     """Processes ended by any check (a fixture's included, which its test's record no longer holds) and at
     session end."""
-    return sum(len(c.reaped) for r in records for c in (r.before, r.after, r.cluster_before,
-                                                        r.cluster_after) if c) + sum(
-        len(f.reaped) for r in records for f in r.fixture_leaks) + len(session_reaped)
+    count = len(session_reaped)
+    for r in records:  # (a loop: once per test of the session)
+        for c in (r.before, r.after, r.cluster_before, r.cluster_after):
+            if c:
+                count += len(c.reaped)
+        for f in r.fixture_leaks:
+            count += len(f.reaped)
+    return count
 
 
 def _short(offender: Offender) -> str:

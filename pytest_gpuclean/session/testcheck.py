@@ -68,8 +68,9 @@ class ItemChecks:
         skips the setup). The setup check's result, for a checked test."""
         session = self.session
         session.follow_fork()
-        token = session.test_token(item.nodeid)
-        state = ItemState(item.nodeid, token, session.set_owner_env(token))
+        nodeid = item.nodeid  # (a property that builds the string on each use, under pytest 9)
+        token = session.test_token(nodeid)
+        state = ItemState(nodeid, token, session.set_owner_env(token))
         item.stash[_STATE] = state
         if records.TEST in item.stash:
             del item.stash[records.TEST]  # a test run again (a rerun plugin) starts a new record
@@ -83,7 +84,7 @@ class ItemChecks:
         session = self.session
         applied = self._applied(item)
         state.tolerance_mib, state.timeout = applied.tolerance_mib, applied.timeout
-        record = session.found.new(item.nodeid, (item.location[0], (item.location[1] or 0) + 1))
+        record = session.found.new(state.nodeid, (item.location[0], (item.location[1] or 0) + 1))
         item.stash[records.TEST] = record
         self._choose_devices(item, state, record, applied.count)
         unusable = self._health_before(item, state, record)
@@ -168,10 +169,10 @@ class ItemChecks:
         state.devices = session.devices
         if session.locks is not None and session.devices:
             state.locks = self._lock_gpus(item, record, count or len(session.devices))
-            state.devices = tuple(d for d in session.devices if d.uuid in state.locks.uuids)
+            state.devices = tuple([d for d in session.devices if d.uuid in state.locks.uuids])
         elif count is not None:
             state.devices = session.devices[:count]
-        record.devices = tuple(d.uuid for d in state.devices)
+        record.devices = tuple([d.uuid for d in state.devices])  # (a list: no generator frame per GPU)
         if count is not None:
             state.previous_visible = ("CUDA_VISIBLE_DEVICES" in os.environ,
                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -343,7 +344,7 @@ class ItemChecks:
         watch = self.session.health
         if watch is None:
             return None
-        found = watch.before(item.nodeid, state.devices, item.session.testsfailed)
+        found = watch.before(state.nodeid, state.devices, item.session.testsfailed)
         if not found:
             return None
         record.health.extend(found)
@@ -356,7 +357,7 @@ class ItemChecks:
         if watch is None:
             return None
         reaped = record.after.reaped if record.after is not None else ()
-        found = watch.after(item.nodeid, state.devices, reaped, item.session.testsfailed)
+        found = watch.after(state.nodeid, state.devices, reaped, item.session.testsfailed)
         if not found:
             return None
         record.health.extend(found)
