@@ -735,6 +735,7 @@ def test_later(n):
 """
 
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_crashed_xdist_worker_leak_is_reaped_and_blamed(
         inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
     pidfile = inner(XDIST_CRASH)
@@ -757,6 +758,7 @@ def test_crashed_xdist_worker_leak_is_reaped_and_blamed(
 
 # ---- debris of dead sessions ------------------------------------------------------------------
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_session_killed_with_sigkill_leaves_debris_that_the_next_session_reaps(
         inner: Callable[[str], Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
     pidfile = inner(SLEEPER_LEAK.format(extra="") + """
@@ -805,6 +807,7 @@ def cookie_holders(sim: Path, tmp_path: Path) -> Iterator[Callable[[str], int]]:
         proc.wait()
 
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_only_provably_dead_sessions_leave_debris(pytester: pytest.Pytester, inner: Callable[[str], Path],
                                                    cookie_holders: Callable[[str], int]) -> None:
     me = procfs.read_stat(os.getpid())
@@ -851,6 +854,7 @@ def test_other_session():
         kill_all(read_pids(pidfile))
 
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_cli_reaps_dead_sessions_only_when_asked(sim: Path) -> None:
     me = procfs.read_stat(os.getpid())
     assert me is not None
