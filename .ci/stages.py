@@ -3,11 +3,11 @@
     python3 .ci/stages.py [--jobs N] NAME=COMMAND ...
 
 Each COMMAND is a bash command line, run from the checkout's root with its output (stdout and stderr) in a
-file of its own. At most N run at a time (default: CI_JOBS, else 2), started in the order given, so the
-longest go first. Each stage's output is printed whole, in the order given, as soon as it and every stage
+file of its own. At most N run at a time (default 2), started in the order given: the callers list the
+longest first. Each stage's output is printed whole, in the order given, as soon as it and every stage
 before it have ended: the log reads as if the stages had run one after the other, each under its heading
 with its wall time, its CPU time (user + system of every process below it that was waited for) and its exit
-status. The first stage's output is also shown as it comes (it is the one a reader waits for). A table of
+status. The first stage not yet printed is shown as its output comes (the one a reader waits for). A table of
 all stages, with when each started and ended, closes the log. The exit status is 1 if any stage failed,
 after every stage has run (a failure does not stop the others: one CI run shows every failure).
 
@@ -64,8 +64,7 @@ def _show_new(stage: Stage) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", "-j", type=int, default=int(os.environ.get("CI_JOBS") or 2),
-                        help="stages run at once (default: CI_JOBS, else 2)")
+    parser.add_argument("--jobs", "-j", type=int, default=2, help="stages run at once (default 2)")
     parser.add_argument("stages", nargs="+", metavar="NAME=COMMAND")
     args = parser.parse_args()
     if args.jobs < 1:
