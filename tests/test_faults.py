@@ -815,10 +815,11 @@ def test_only_provably_dead_sessions_leave_debris(pytester: pytest.Pytester, inn
     namespace = procfs.pid_namespace()
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that is certainly gone now
-    debris = cookie_holders(f"gc.{dead.pid}.1.{namespace}.0badc0de:t3")
     live_session = cookie_holders(f"gc.{os.getpid()}.{me.start_ticks}.{namespace}.0badc0de:t3")
     other_namespace = cookie_holders(f"gc.{dead.pid}.1.{namespace + 1}.0badc0de:t3")
     not_ours = cookie_holders("buildkite-1234:job")
+    # Last: until the inner session's first check, any session of this user that starts reaps it.
+    debris = cookie_holders(f"gc.{dead.pid}.1.{namespace}.0badc0de:t3")
     inner("""
 @pytest.mark.needs_clean_gpus(timeout=1)
 def test_first():
