@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from example_suite.checks import ALL_LAYERS, LONG_PROMPT, EngineSettings, HfReference, Tp1Reference
+from example_suite.reference import HfReference, Tp1Reference
 from example_suite.runtime import (
     VLLM_MISSING,
     VllmRuntime,
@@ -25,6 +25,7 @@ from example_suite.runtime import (
     vllm_installed,
 )
 from example_suite.samples import Prompt, read_sample
+from example_suite.settings import ALL_LAYERS, LONG_PROMPT, EngineSettings
 
 MARKER = "needs_clean_gpus"
 

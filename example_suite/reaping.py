@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import psutil
 
@@ -63,3 +63,28 @@ def _still_there(process: psutil.Process) -> bool:
     except ChildProcessError:
         return True  # a zombie of another parent, which should wait for it (or die, and leave it to us)
     return psutil.pid_exists(process.pid)
+
+
+@contextlib.contextmanager
+def orphans_reaped(grace_s: float = 10.0) -> Iterator[None]:
+    """Around running a subprocess: afterwards, wait for those of its descendants re-parented to this process.
+
+    gpuclean makes pytest a child subreaper, so orphans of a subprocess become our children instead of init's.
+    One always appears: a subprocess that used multiprocessing's spawn (vLLM does) has a resource tracker that
+    exits by itself just after the subprocess, and then stays our zombie until someone waits for it. A new
+    child still running after ``grace_s`` is a real leak: it is left to gpuclean, not killed.
+    """
+    known_children = {c.pid for c in psutil.Process().children()}
+    try:
+        yield
+    finally:
+        orphans = [c for c in psutil.Process().children() if c.pid not in known_children]
+        wait_and_reap(orphans, grace_s, kill_survivors=False)
+
+
+def gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (a zombie counts as gone: it holds no memory)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -17,13 +17,13 @@ from example_suite.runtime import VLLM_MISSING, VllmRuntime
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import (
-    EngineSettings,
+from example_suite.leaks import (
     assert_engine_reaped_and_blamed,
     leaving_tp,
     remove_engine_debris,
     run_leaving_session,
 )
+from example_suite.settings import EngineSettings
 
 pytestmark = pytest.mark.needs_clean_gpus
 

@@ -16,9 +16,12 @@ from example_suite.runtime import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import EngineSettings, HfReference, assert_matches_hf, run_cli, tolerance
+from example_suite.compare import assert_matches_hf, tolerance
+from example_suite.reference import HfReference
 from example_suite.runtime import VllmRuntime
 from example_suite.samples import Prompt, read_sample
+from example_suite.settings import EngineSettings
+from example_suite.subprocesses import run_cli
 
 pytestmark = pytest.mark.needs_clean_gpus
 

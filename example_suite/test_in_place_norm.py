@@ -21,9 +21,10 @@ from example_suite.runtime import VLLM_MISSING, VllmRuntime
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import NUM_LAYERS, EngineSettings, HfReference
 from example_suite.offline import OfflineExtractor
+from example_suite.reference import HfReference
 from example_suite.samples import read_sample
+from example_suite.settings import NUM_LAYERS, EngineSettings
 
 pytestmark = pytest.mark.needs_clean_gpus
 

@@ -13,17 +13,7 @@ from example_suite.runtime import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import (
-    ALL_LAYERS,
-    NUM_LAYERS,
-    EngineSettings,
-    HfReference,
-    Tp1Reference,
-    assert_files_match,
-    assert_files_match_hf,
-    report_margins,
-    tolerance,
-)
+from example_suite.compare import assert_files_match, assert_files_match_hf, report_margins, tolerance
 from example_suite.hidden_states import (
     ExtractionError,
     default_layer_ids,
@@ -33,9 +23,11 @@ from example_suite.hidden_states import (
 )
 from example_suite.offline import OfflineExtractor
 from example_suite.reaping import descendants
+from example_suite.reference import HfReference, Tp1Reference
 from example_suite.runtime import VllmRuntime
 from example_suite.samples import Prompt, read_sample
 from example_suite.server import VllmServer
+from example_suite.settings import ALL_LAYERS, NUM_LAYERS, EngineSettings
 
 pytestmark = pytest.mark.needs_clean_gpus
 

@@ -20,26 +20,22 @@ from example_suite.runtime import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import (
-    ALL_LAYERS,
-    BLOCK_SIZE,
-    LONG_PROMPT,
-    MAX_MODEL_LEN,
-    EngineSettings,
-    HfReference,
+from example_suite.client import HiddenStatesClient
+from example_suite.compare import (
     assert_close,
     assert_files_match,
     assert_files_match_hf,
     assert_matches_hf,
     report_margins,
-    run_cli,
     tolerance,
 )
-from example_suite.client import HiddenStatesClient
 from example_suite.hidden_states import ExtractionError
+from example_suite.reference import HfReference
 from example_suite.runtime import VllmRuntime
 from example_suite.samples import Prompt, read_sample
 from example_suite.server import VllmServer
+from example_suite.settings import ALL_LAYERS, BLOCK_SIZE, LONG_PROMPT, MAX_MODEL_LEN, EngineSettings
+from example_suite.subprocesses import run_cli
 
 pytestmark = pytest.mark.needs_clean_gpus
 

@@ -20,10 +20,10 @@ from example_suite.runtime import VLLM_MISSING
 
 pytest.importorskip("vllm", reason=VLLM_MISSING)
 
-from example_suite.checks import EngineSettings
 from example_suite.client import HiddenStatesClient
 from example_suite.runtime import DEV_SHM, KMP_ENTRY, VllmRuntime
 from example_suite.server import VllmServer
+from example_suite.settings import EngineSettings
 
 pytestmark = pytest.mark.needs_clean_gpus
 

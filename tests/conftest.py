@@ -4,9 +4,11 @@ modules; plain helpers are in helpers.py."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,7 +32,23 @@ def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         if name.startswith("GPUCLEAN_") and name not in ("GPUCLEAN_SIMULATE", "GPUCLEAN_LOCK_DIR",
                                                           "GPUCLEAN_TEST"):
             monkeypatch.delenv(name)
+    # The debris of dead sessions is any session's of this user, wherever it runs: an inner session would
+    # reap what another test, running beside this one (xdist, CI's stages side by side), deliberately left
+    # as a dead session's debris. The tests of that opt in (--gpuclean-dead-sessions=on), one at a time.
+    monkeypatch.setenv("GPUCLEAN_DEAD_SESSIONS", "off")
     return root
+
+
+@pytest.fixture
+def dead_sessions_on(sim: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For a test of what dead sessions leave: its inner sessions reap dead sessions' debris (the default,
+    which ``sim`` turns off), and no other such test of this user runs meanwhile (xdist workers, another
+    run of the suite on the box): it would reap this test's debris first, or this one its."""
+    monkeypatch.setenv("GPUCLEAN_DEAD_SESSIONS", "on")
+    lock = Path(tempfile.gettempdir()) / f"gpuclean-tests-dead-sessions-{os.getuid()}.lock"
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture

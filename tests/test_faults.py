@@ -423,6 +423,7 @@ def test_a_device_that_stays_unreadable_fails_each_later_check_in_one_line_or_st
     assert "Traceback" not in result.stdout.str()
 
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_crashed_xdist_worker_leak_is_reaped_and_blamed(
         example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
     pidfile = example("faults/xdist_crash")
@@ -445,6 +446,7 @@ def test_crashed_xdist_worker_leak_is_reaped_and_blamed(
 
 # ---- debris of dead sessions ------------------------------------------------------------------
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_session_killed_with_sigkill_leaves_debris_that_the_next_session_reaps(
         example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
     pidfile = example("faults/sleeper")
@@ -489,6 +491,7 @@ def cookie_holders(sim: Path, tmp_path: Path) -> Iterator[Callable[[str], int]]:
         proc.wait()
 
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_only_provably_dead_sessions_leave_debris(pytester: pytest.Pytester, inner: Callable[[str], Path],
                                                    cookie_holders: Callable[[str], int]) -> None:
     me = procfs.read_stat(os.getpid())
@@ -496,10 +499,11 @@ def test_only_provably_dead_sessions_leave_debris(pytester: pytest.Pytester, inn
     namespace = procfs.pid_namespace()
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that is certainly gone now
-    debris = cookie_holders(f"gc.{dead.pid}.1.{namespace}.0badc0de:t3")
     live_session = cookie_holders(f"gc.{os.getpid()}.{me.start_ticks}.{namespace}.0badc0de:t3")
     other_namespace = cookie_holders(f"gc.{dead.pid}.1.{namespace + 1}.0badc0de:t3")
     not_ours = cookie_holders("buildkite-1234:job")
+    # Last: until the inner session's first check, any session of this user that starts reaps it.
+    debris = cookie_holders(f"gc.{dead.pid}.1.{namespace}.0badc0de:t3")
     inner("""
 @pytest.mark.needs_clean_gpus(timeout=1)
 def test_first():
@@ -531,6 +535,7 @@ def test_concurrent_live_session_processes_are_never_debris(
         kill_all(read_pids(pidfile))
 
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_cli_reaps_dead_sessions_only_when_asked(sim: Path) -> None:
     me = procfs.read_stat(os.getpid())
     assert me is not None

@@ -19,8 +19,6 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     # Loopback-only nodes: without this the driver rewrites 127.0.0.1 to the host's address and hangs.
     # Read when Ray is imported, so set first; the inner session's driver inherits it.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ.update({"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "2",
-                       "RAY_gcs_rpc_server_connect_timeout_s": "1"})
     ray = pytest.importorskip("ray", reason="Ray is not installed: pip install ray==2.60.0")
     from ray.cluster_utils import Cluster
     root = tmp_path_factory.mktemp("nodes")

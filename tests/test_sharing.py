@@ -50,8 +50,10 @@ class Sessions:
         self.started: list[subprocess.Popen[str]] = []
 
     def start(self, *args: str, **env: str) -> subprocess.Popen[str]:
+        # (GPUCLEAN_DEAD_SESSIONS as ``sim`` or ``dead_sessions_on`` set it: conftest.py says why.)
         environ = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("PYTEST_", "GPUCLEAN_")) and k != "CUDA_VISIBLE_DEVICES"}
+                   if (not k.startswith(("PYTEST_", "GPUCLEAN_")) or k == "GPUCLEAN_DEAD_SESSIONS")
+                   and k != "CUDA_VISIBLE_DEVICES"}
         environ.update(env, PYTHONDONTWRITEBYTECODE="1")
         with children_sigint():  # a test interrupts a session with SIGINT
             proc = subprocess.Popen(
@@ -496,6 +498,7 @@ def test_xdist_host_scope_names_no_sibling_worker_nor_what_it_runs(sessions: Ses
     assert not run & named, (run, victim, out)
 
 
+@pytest.mark.usefixtures("dead_sessions_on")
 def test_xdist_sibling_keeps_what_its_dead_nested_session_left(sessions: Sessions, sim: Path,
                                                                tmp_path: Path) -> None:
     """A dead nested session's debris inside a live sibling worker's test is that worker's to reap, never
@@ -560,6 +563,7 @@ def test_pytest_timeout_counts_the_lock_wait_unless_func_only(sessions: Sessions
 
 
 @pytest.mark.parametrize("dead_sessions", ["on", "off"])
+@pytest.mark.usefixtures("dead_sessions_on")  # (the option on the command line says which, for the 2nd)
 def test_pytest_timeout_thread_method_exits_without_teardown(example: Callable[..., Path],
                                                              pytester: pytest.Pytester,
                                                              dead_sessions: str) -> None:

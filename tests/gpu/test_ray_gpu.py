@@ -97,8 +97,6 @@ def gpu_cluster() -> Iterator[dict[str, Any]]:
     # and vLLM requires each node's workers to agree with Ray's node IP (127.0.0.1 here): the raylets
     # started below pass this to every worker (H200 run 21: "Every node should have a unique IP address").
     os.environ["VLLM_HOST_IP"] = "127.0.0.1"
-    os.environ.update({"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "2",
-                       "RAY_gcs_rpc_server_connect_timeout_s": "1"})
     pytest.importorskip("ray", reason="Ray is not installed: tests/gpu/ray_gpu.sh installs it offline")
     from ray.cluster_utils import Cluster
 
