@@ -138,7 +138,6 @@ class HealthWatch:
         self.incidents: set[str] = set()
         """UUIDs on which a test had an Xid, a reaped GPU process or an error: probed before the next test
         on them (``--gpuclean-probe=after-incident``)."""
-        self.watching = False
         self.probe_s: list[float] = []
         """Seconds each probe run took (``probe.py``): for the report's readers and the benchmark."""
         self._by_uuid = {d.uuid: d for d in self.devices}
@@ -152,7 +151,7 @@ class HealthWatch:
     def start(self) -> list[HealthFinding]:
         """Register for Xid events, read every device's health (the baseline) and, with
         ``--gpuclean-probe=start``, probe them. Returns what is wrong already (for the header)."""
-        self.watching = self.source.watch_xids(self.devices)
+        self.source.watch_xids(self.devices)
         found: list[HealthFinding] = []
         for device in self.devices:
             try:

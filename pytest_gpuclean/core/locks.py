@@ -1024,12 +1024,6 @@ def _forget(state: _Dir, name: str) -> None:
             os.close(fd)
 
 
-def _unlock_all(state: _Dir, taken: list[tuple[str, int | None]]) -> None:
-    for _uuid, fd in taken:
-        if fd is not None:
-            _unlock(state, fd)
-
-
 # ---- holder records: written by us, read as untrusted input ------------------------------------------
 
 def _holder_name(uuid: str, uid: int) -> str:

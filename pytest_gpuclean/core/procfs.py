@@ -257,8 +257,6 @@ class DescendantWalk:
         self._full_cost = 0
         """Files the last full walk read: one per process and one per thread in the tree."""
         self._space = pid_max()
-        self.full_walks = 0
-        """How many full walks ran (for tests and benchmarks)."""
         self.stats: dict[int, ProcStat] = {}
         """The stat each process of the last incremental walk was placed by (empty after a full walk)."""
 
@@ -312,7 +310,6 @@ class DescendantWalk:
             return found
 
         found = _tree(root, counted)
-        self.full_walks += 1
         self._root = root
         self._full_at = clock
         self._full_cost = cost

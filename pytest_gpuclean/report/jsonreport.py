@@ -201,13 +201,9 @@ def fixture_json(leak: FixtureLeak) -> JsonDict:
             "reaped": [reaped_json(r) for r in leak.reaped]}
 
 
-def cluster_leaked_json(record: TestRecord) -> list[JsonDict]:
-    """What this test left on a Ray cluster (``--gpuclean-ray``): ended after it, or still there; each
-    entry names its node and, when ended, whether through ``ray.kill`` or the ladder (``via``)."""
-    return _cluster_leaked_json(own_leaks(record))
-
-
 def _cluster_leaked_json(leaks: OwnLeaks) -> list[JsonDict]:
+    """What a test left on a Ray cluster (``--gpuclean-ray``): ended after it, or still there; each
+    entry names its node and, when ended, whether through ``ray.kill`` or the ladder (``via``)."""
     return [*(_reaped_leak_json(r, "teardown") for r in leaks.cluster_reaped),
             *(e for o in leaks.cluster_left if (e := _offender_leak_json(o, None)) is not None)]
 

@@ -20,7 +20,6 @@ from pytest_gpuclean.model.text import mib_list as mib_list
 from pytest_gpuclean.model.text import one_line as one_line
 
 LEAK_PREFIX = "gpuclean: test leaked"
-FIXTURE_LEAK_PREFIX = "gpuclean: fixture"
 NOT_CLEAN_PREFIX = "gpuclean: GPUs not clean"
 UNREADABLE_PREFIX = "gpuclean: could not check the GPUs"
 SUMMARY_TITLE = "gpuclean"
