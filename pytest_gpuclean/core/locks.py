@@ -705,8 +705,7 @@ class GpuLocks:
 
     def _try(self, state: _Dir, name: str) -> int | None:
         """Lock the GPU's file ``name``: its descriptor, None if it is busy, ``_MISSING`` if there is no such
-        file. (Not yet trusted: see ``_attempt``, which does the usual case, an open file not held yet,
-        itself.)"""
+        file. (Not yet trusted: see ``_attempt``.)"""
         fd = state.lock_fds.get(name)
         if fd is None:
             fd = _cache_lock(state, name)
@@ -741,9 +740,8 @@ class GpuLocks:
         if not _share(state):
             return "closed"
         taken: list[tuple[str, int | None]] = []
-        # One loop per GPU, its usual steps written out in it (the lock, the hold mark, the name's check):
-        # a helper call per step and GPU was most of the locks' Python cost per test.
-        lock_fds, held = state.lock_fds, state.held
+        # One loop per GPU (the lock, the hold mark; the names' check after it, one look for all GPUs): a
+        # helper call per step and GPU was most of the locks' Python cost per test.
         try:
             for uuid in ordered:
                 if uuid in inherited:
@@ -753,26 +751,14 @@ class GpuLocks:
                     if careful and uuid not in queued and _marked(state, marks.queue) is not None:
                         seen[uuid] = "queued"  # a session that has waited long for it goes first
                         continue
-                    fd = lock_fds.get(marks.lock)
-                    if fd is None or fd in held:
-                        fd = self._try(state, marks.lock)  # to be opened, or held by another acquire of ours
-                        if fd is None:
-                            continue
-                        if fd == _MISSING:
-                            seen[uuid] = "missing"
-                            continue
-                    else:
-                        try:
-                            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        except OSError as exc:
-                            _busy_or_raise(state, marks.lock, exc)
-                            continue
-                        held.add(fd)
+                    fd = self._try(state, marks.lock)
+                    if fd is None:
+                        continue
+                    if fd == _MISSING:
+                        seen[uuid] = "missing"
+                        continue
                     taken.append((uuid, fd))
-                    try:  # (_mark, inline)
-                        fcntl.fcntl(state.fd, fcntl.F_OFD_SETLK, marks.set_hold)
-                    except OSError as exc:
-                        raise _dir_error(state.path, _MARK_ERROR, exc) from None
+                    _mark(state, marks.set_hold)
                     if careful and _marked(state, marks.make) is not None:
                         # Somebody saw the name missing and is making a file: ours may be a deleted one.
                         taken.pop()
