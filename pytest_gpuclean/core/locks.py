@@ -360,14 +360,9 @@ def _let_go(state: _Dir, taken: Sequence[tuple[str, int | None]]) -> None:
     """Unlock and unmark the GPUs of an attempt (or of a test), and drop the directory's shared lock."""
     last = state.shared <= 1  # no other acquire of this process holds marks: one request clears them all
     marked = False
-    held = state.held
     for uuid, fd in taken:
         if fd is not None:
-            held.discard(fd)  # (_unlock, inline: per GPU and test)
-            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
-                fcntl.lockf(fd, fcntl.LOCK_UN)
-            except OSError:
-                pass
+            _unlock(state, fd)
             marked = True
             if not last:
                 _clear(state, _marks(uuid).unset_hold)
