@@ -1,5 +1,5 @@
-"""The package's layers, held: data flows one way (readings -> snapshot -> verdict -> report), and no import
-circle comes back (docs/architecture.md draws them).
+"""The package's layers, held: data flows one way (readings -> snapshot -> verdict -> report), no import
+circle comes back, and no import chain grows past six modules (docs/architecture.md draws them).
 
 Read from the source with ``ast``, so every import counts: the module-level ones, those inside a function
 (a lazy import is still a dependency: it only moves the cost) and those under ``if TYPE_CHECKING:`` (a
