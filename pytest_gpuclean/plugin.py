@@ -209,11 +209,16 @@ def check_device_list(config: pytest.Config, resolved: settings.Settings) -> Non
     from pytest_gpuclean.core import devices
 
     try:
-        backend = settings.open_devices(resolved)
+        backend = devices.open_backend(resolved.simulate)
     except devices.BackendUnavailable:
         return  # no driver: nothing to hold the list against (a checked test would be skipped)
+    except devices.SimulationError as exc:
+        raise pytest.UsageError(resolved.refused("simulate", exc)) from None
     try:
-        settings.select_devices(backend, resolved)
+        devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
+                               option=settings.option("devices").cli)
+    except devices.DeviceSelectionError as exc:
+        raise pytest.UsageError(str(exc)) from None
     finally:
         backend.close()
 

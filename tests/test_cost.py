@@ -52,7 +52,8 @@ def test_a_session_that_checks_nothing_does_nothing(sim: Path, pytester: pytest.
 def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
         sim: Path, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # The explicit list is held against the devices (README): the backend is opened for that and closed;
-    # nothing else of a started session comes with it.
+    # nothing else of a started session comes with it. (The list's syntax, ``device_list``, is checked
+    # with the option, before any device is read.)
     pytester.copy_example("cost/unchecked")
     pytester.copy_example("cost/record_state")
     state_file = tmp_path / "state.json"
@@ -62,10 +63,11 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 0
     assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
-                                "pytest_gpuclean.core.devices", "pytest_gpuclean.core.procfs",
-                                "pytest_gpuclean.core.settings", "pytest_gpuclean.model",
-                                "pytest_gpuclean.model.records", "pytest_gpuclean.plugin",
-                                "pytest_gpuclean.session", "pytest_gpuclean.session.names"]
+                                "pytest_gpuclean.core.device_list", "pytest_gpuclean.core.devices",
+                                "pytest_gpuclean.core.procfs", "pytest_gpuclean.core.settings",
+                                "pytest_gpuclean.model", "pytest_gpuclean.model.records",
+                                "pytest_gpuclean.plugin", "pytest_gpuclean.session",
+                                "pytest_gpuclean.session.names"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
 

@@ -10,7 +10,14 @@ import pytest
 
 from pytest_gpuclean.core.reap_plan import Candidate
 from pytest_gpuclean.core.reap_plan import plan as plan_reap
-from pytest_gpuclean.model.decisions import ALL_KINDS, has_findings, outcome, own_leaks, split_own
+from pytest_gpuclean.model.decisions import (
+    ALL_KINDS,
+    has_findings,
+    outcome,
+    own_leaks,
+    reaped_count,
+    split_own,
+)
 from pytest_gpuclean.model.records import (
     CheckResult,
     ClusterReading,
@@ -181,6 +188,21 @@ def test_totals_count_what_outcome_decides() -> None:
     assert report.totals_line(records, []).startswith(
         f"{len(checked)} checked test(s), {sum(1 for r in checked if has_findings(r))} with findings, "
         f"1 fixture(s) that leaked processes, {unchecked_leaked} unchecked test(s) that leaked processes, ")
+
+
+def test_reaped_count_counts_each_process_where_it_was_ended() -> None:
+    # By the check before or after a test, on the Ray cluster, with a fixture, at the session's end; a leak
+    # found by a later check is counted by that check, not again in its test's record.
+    record = Record(NODEID, before=CLEAN_BEFORE.replace(reaped=(reaped(EARLIER),)),
+                    after=after(reaped=(reaped(ME), reaped(ME))),
+                    cluster_before=cluster(reaped_=(on_node(reaped(EARLIER)),)),
+                    cluster_after=cluster(reaped_=(on_node(reaped(ME)),)),
+                    fixture_leaks=[FIXTURE_LEAK], found_later=[reaped(ME)])
+    records, session_reaped = [record, Record("t.py::test_unchecked")], [reaped(SESSION)]
+    assert reaped_count(records, session_reaped) == 1 + 2 + 1 + 1 + 1 + 1
+    # The summary line and the JSON report ask it, so they agree.
+    assert jsonreport.summary_json(records, session_reaped)["reaped"] == 7
+    assert ", 7 process(es) reaped" in report.totals_line(records, session_reaped)
 
 
 def test_own_leaks_lists_each_place_in_report_order() -> None:

@@ -12,6 +12,7 @@ import pytest
 from helpers import run_inner
 
 from pytest_gpuclean.core import procfs
+from pytest_gpuclean.core.device_list import parse_device_list, repeated_tokens
 from pytest_gpuclean.core.devices import (
     DEFAULT_SIM_TOTAL,
     BackendUnavailable,
@@ -24,8 +25,6 @@ from pytest_gpuclean.core.devices import (
     SimulatedBackend,
     SimulationError,
     choose_devices,
-    parse_device_list,
-    repeated_tokens,
     select_devices,
     simulated_uuid,
 )

@@ -1,5 +1,5 @@
-"""The package's layers, held: data flows one way (readings -> snapshot -> verdict -> report), and no import
-circle comes back (docs/architecture.md draws them).
+"""The package's layers, held: data flows one way (readings -> snapshot -> verdict -> report), no import
+circle comes back, and no import chain grows past six modules (docs/architecture.md draws them).
 
 Read from the source with ``ast``, so every import counts: the module-level ones, those inside a function
 (a lazy import is still a dependency: it only moves the cost) and those under ``if TYPE_CHECKING:`` (a
@@ -33,6 +33,12 @@ CHECK_FLOW: tuple[tuple[str, ...], ...] = (
     ("pytest_gpuclean.core.census", "pytest_gpuclean.core.reaping"),  # the processes read; the reap ladder
     ("pytest_gpuclean.core.checker",),  # one check: readings -> decisions -> reaping -> verdict
 )
+
+
+MAX_FLOORS = 6
+"""The package's floors: modules on its longest import chain (each imports the next), at most this many. A
+chain longer than the layers need is a module reaching over the ones beside it for a type or a helper
+(move the helper down, or name what it needs as a protocol); the layers above stay cheap to read."""
 
 
 def _modules() -> dict[str, Path]:
@@ -128,6 +134,24 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest import chain: modules, each importing the next (the first of the longest, by name)."""
+    longest: dict[str, tuple[str, ...]] = {}
+    none: tuple[str, ...] = ()
+
+    def chain_from(module: str, path: frozenset[str]) -> tuple[str, ...]:
+        if module in path:
+            return none  # a circle: test_no_import_circle names it
+        if module not in longest:
+            below = [chain_from(target, path | {module}) for target in sorted(graph.get(module, ()))]
+            longest[module] = (module, *max(below, key=len, default=none))
+        return longest[module]
+
+    chains = [chain_from(module, frozenset()) for module in sorted(graph)]
+    tallest = max(chains, key=len, default=none)
+    return list(tallest)
+
+
 def test_every_module_is_on_a_layer() -> None:
     for module in MODULES:
         _layer(module)
@@ -139,6 +163,11 @@ def test_no_import_runs_up_a_layer() -> None:
 
 def test_no_import_circle() -> None:
     assert circles(GRAPH) == []
+
+
+def test_the_longest_import_chain_has_at_most_six_floors() -> None:
+    chain = longest_chain(GRAPH)
+    assert len(chain) <= MAX_FLOORS, f"{len(chain)} floors (at most {MAX_FLOORS}): {' -> '.join(chain)}"
 
 
 def test_a_layer_package_imports_none_of_its_modules() -> None:
@@ -167,6 +196,12 @@ def test_the_contract_catches_what_it_is_for() -> None:
         "(pytest_gpuclean.core): an independent layer"}
     loop = circles(added("pytest_gpuclean.core.procfs", "pytest_gpuclean.core.checker"))
     assert any({"pytest_gpuclean.core.checker", "pytest_gpuclean.core.procfs"} <= set(c) for c in loop)
+    # And a floor too many: the protocols of a started session naming the checker itself again.
+    assert longest_chain({"a": {"b", "d"}, "b": {"c"}, "c": set(), "d": set()}) == ["a", "b", "c"]
+    taller = longest_chain(added("pytest_gpuclean.session.started", "pytest_gpuclean.core.checker"))
+    assert len(taller) > MAX_FLOORS
+    started = taller.index("pytest_gpuclean.session.started")
+    assert taller[started + 1] == "pytest_gpuclean.core.checker", taller
 
 
 def test_imports_are_read_where_they_hide() -> None:

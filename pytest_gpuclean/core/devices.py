@@ -708,6 +708,8 @@ def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, opti
         return Selection(available, "all devices", len(available))
     # Processes pinned to some GPUs through CUDA_VISIBLE_DEVICES check and reap only those; its tokens
     # are CUDA ordinals, which may not be NVML's order.
+    from pytest_gpuclean.core.device_list import parse_device_list  # (only for a list: see select_devices)
+
     ordinal_uuids = None
     if (any(t.isdigit() for t in parse_device_list(visible))
             and not cuda_order_matches_nvml(available) and backend.kind == "nvml"):
@@ -718,19 +720,6 @@ def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, opti
         raise DeviceSelectionError(f"{option}: {exc} (from environment variable CUDA_VISIBLE_DEVICES="
                                    f"{visible!r}; pass {option} to choose devices explicitly)") from None
     return Selection(chosen, f"from CUDA_VISIBLE_DEVICES={visible!r}", len(available))
-
-
-def parse_device_list(spec: str) -> list[str]:
-    """Split a CUDA_VISIBLE_DEVICES-style list into tokens; CUDA stops at ``-1``."""
-    tokens: list[str] = []
-    for raw in spec.split(","):
-        token = raw.strip()
-        if not token:
-            continue
-        if token.startswith("-"):
-            break  # CUDA treats a negative index as the end of the list
-        tokens.append(token)
-    return tokens
 
 
 def select_devices(
@@ -746,6 +735,10 @@ def select_devices(
     ``cuda_ordinals``, indices are CUDA ordinals (as in CUDA_VISIBLE_DEVICES) and ``ordinal_uuids`` gives
     the UUID of each ordinal when CUDA's order differs from NVML's; otherwise they are NVML indices.
     """
+    # Here, not at the top: a session that checks all devices (no list, no CUDA_VISIBLE_DEVICES) never
+    # loads the list's syntax (a module costs a few tenths of a millisecond to import).
+    from pytest_gpuclean.core.device_list import parse_device_list
+
     by_uuid = {d.uuid.lower(): d for d in available}
     chosen: list[DeviceInfo] = []
     named_by: list[str] = []
@@ -780,20 +773,6 @@ def select_devices(
         chosen.append(device)
         named_by.append(token)
     return tuple(chosen)
-
-
-def repeated_tokens(tokens: Sequence[str]) -> tuple[str, str] | None:
-    """Two tokens of a device list that name the same device whatever the devices are, or None: the same
-    index (``0,00``), or the same UUID or one a prefix of the other, case aside (a UUID prefix names a
-    single device or is an error). Needs no backend."""
-    for i, later in enumerate(tokens):
-        for earlier in tokens[:i]:
-            if earlier.isdigit() != later.isdigit():
-                continue  # an index and a UUID: only the devices can tell
-            a, b = earlier.lower(), later.lower()
-            if int(a) == int(b) if a.isdigit() else a.startswith(b) or b.startswith(a):
-                return earlier, later
-    return None
 
 
 def cuda_order_matches_nvml(available: Sequence[DeviceInfo]) -> bool:

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     import pytest
 
-    from pytest_gpuclean.core.devices import Backend, NvmlOpening, Selection
     from pytest_gpuclean.model.records import OnOff, OutsideAction, Scope
 
 # The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
@@ -92,8 +91,8 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _device_list(text: str) -> str:
-    # Only when the option is set (see SCOPES): a session that checks nothing never loads the devices module.
-    from pytest_gpuclean.core.devices import parse_device_list, repeated_tokens
+    # Only when the option is set (see SCOPES): a session that checks nothing never loads the list's syntax.
+    from pytest_gpuclean.core.device_list import parse_device_list, repeated_tokens
 
     # An empty list would check nothing while looking like a choice: refuse it rather than guess.
     tokens = parse_device_list(text)
@@ -302,6 +301,11 @@ class Settings:
         """True if ``name`` was set on the command line, in the environment or in the ini file."""
         return name in self.sources
 
+    def refused(self, name: str, why: object) -> str:
+        """The line for a value of ``name`` that proved unusable only once used (simulated devices that
+        cannot be read): ``--gpuclean-<name>: <why> (<where the value came from>)``."""
+        return f"{option(name).cli}: {why} ({self.sources.get(name)})"
+
 
 SETTINGS_FIELDS: tuple[str, ...] = (*(name for name in Settings.__annotations__ if name != "sources"),
                                     "lock_dir")
@@ -368,33 +372,6 @@ def resolve(
     try:
         return resolve_options(OPTIONS, cli, env, ini, inifile)
     except SettingError as exc:
-        raise pytest.UsageError(str(exc)) from None
-
-
-def open_devices(resolved: Settings, opening: NvmlOpening | None = None) -> Backend:
-    """The device backend the options name (``opening``: NVML's start, begun earlier). Raises
-    ``devices.BackendUnavailable`` (no driver), or ``pytest.UsageError`` for unusable simulated devices."""
-    import pytest
-
-    from pytest_gpuclean.core import devices  # (lazy start: a session that checks nothing never loads it)
-
-    try:
-        return devices.open_backend(resolved.simulate, opening)
-    except devices.SimulationError as exc:
-        raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({resolved.sources.get('simulate')})") from None
-
-
-def select_devices(backend: Backend, resolved: Settings) -> Selection:
-    """The devices to check; ``pytest.UsageError`` for a list that names a device the backend lacks, or one
-    device twice."""
-    import pytest
-
-    from pytest_gpuclean.core import devices  # (lazy start, as in open_devices)
-
-    try:
-        return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
-                                      option=option("devices").cli)
-    except devices.DeviceSelectionError as exc:
         raise pytest.UsageError(str(exc)) from None
 
 

@@ -1,12 +1,13 @@
-"""The decisions over the records: whose a process is (``split_own``), and what a test's outcome is
-(``own_leaks``, ``outcome``, ``has_findings``). Plain functions over plain data, so every output (summary,
-JSON, JUnit, annotations, the checks' own filtering) asks the same question the same way, and a table of
-records tests them without processes (tests/test_decisions.py).
+"""The decisions over the records: whose a process is (``split_own``), what a test's outcome is
+(``own_leaks``, ``outcome``, ``has_findings``), how many processes a session reaped (``reaped_count``).
+Plain functions over plain data, so every output (summary, JSON, JUnit, annotations, the checks' own
+filtering) asks the same question the same way, and a table of records tests them without processes
+(tests/test_decisions.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Final, Literal, NamedTuple, Protocol, TypeVar
 
 from pytest_gpuclean.model.records import FoundBy, Offender, Owner, OwnerKind, Reaped, TestRecord
@@ -126,3 +127,16 @@ def has_findings(record: TestRecord) -> bool:
     ) or any(
             c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
             for c in (record.before, record.after)) or any(f.effect != "info" for f in record.health)
+
+
+def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:
+    """Processes ended by any check (a fixture's included, which its test's record no longer holds) and at
+    session end: the summary line's count and the JSON report's."""
+    count = len(session_reaped)
+    for r in records:  # (a loop: once per test of the session)
+        for c in (r.before, r.after, r.cluster_before, r.cluster_after):
+            if c:
+                count += len(c.reaped)
+        for f in r.fixture_leaks:
+            count += len(f.reaped)
+    return count

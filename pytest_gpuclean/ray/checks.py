@@ -23,9 +23,8 @@ from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
 from pytest_gpuclean.report import report
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.checker import Checker
     from pytest_gpuclean.core.settings import Settings
-    from pytest_gpuclean.session.started import ItemState, Started
+    from pytest_gpuclean.session.started import CheckerView, ItemState, Started
 
 PLUGIN_NAME = "gpuclean-ray"
 
@@ -39,7 +38,7 @@ def watches(resolved: Settings) -> bool:
     return resolved.ray == "auto" and not os.environ.get("RAY_ADDRESS")
 
 
-def open_cluster(resolved: Settings, checker: Checker) -> Any:
+def open_cluster(resolved: Settings, checker: CheckerView) -> Any:
     """The cluster's check (``cluster.RayCheck``, started), or None when the option names no cluster (or,
     with ``auto`` and no ``RAY_ADDRESS``, none yet). Raises ``pytest.UsageError`` for a cluster that
     cannot be reached."""
@@ -59,7 +58,7 @@ def open_cluster(resolved: Settings, checker: Checker) -> Any:
     return check
 
 
-def _new_check(address: str, resolved: Settings, checker: Checker) -> Any:
+def _new_check(address: str, resolved: Settings, checker: CheckerView) -> Any:
     from pytest_gpuclean.ray import cluster
 
     # The agent is the session's own helper, whenever it starts (a cluster found during a test, an agent

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuclean.model.decisions import OwnLeaks, own_leaks
+from pytest_gpuclean.model.decisions import OwnLeaks, own_leaks, reaped_count
 from pytest_gpuclean.model.decisions import outcome as results_outcome
 from pytest_gpuclean.model.records import (
     MIB,
@@ -263,8 +263,6 @@ def _cluster_keys(record: TestRecord) -> JsonDict:
 
 def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> JsonDict:
     """Counts over the whole session."""
-    from pytest_gpuclean.report.report import reaped_count
-
     outcomes = [outcome(r) for r in records]
     without_lock = sum(1 for r in records if r.gpu_without_lock)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pytest_gpuclean.model.decisions import has_findings, outcome
+from pytest_gpuclean.model.decisions import has_findings, outcome, reaped_count
 from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
@@ -359,19 +359,6 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
     if without_lock:
         parts.append(f"{without_lock} used a GPU another xdist worker held the lock of")
     return ", ".join(parts)
-
-
-def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:
-    """Processes ended by any check (a fixture's included, which its test's record no longer holds) and at
-    session end."""
-    count = len(session_reaped)
-    for r in records:  # (a loop: once per test of the session)
-        for c in (r.before, r.after, r.cluster_before, r.cluster_after):
-            if c:
-                count += len(c.reaped)
-        for f in r.fixture_leaks:
-            count += len(f.reaped)
-    return count
 
 
 def _short(offender: Offender) -> str:

@@ -65,9 +65,11 @@ class CheckedSession:
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
         try:
-            self.backend = settings.open_devices(resolved, opening)
+            self.backend = devices.open_backend(resolved.simulate, opening)
         except devices.BackendUnavailable as exc:
             self.unavailable = str(exc)
+        except devices.SimulationError as exc:
+            raise pytest.UsageError(resolved.refused("simulate", exc)) from None
         try:
             self._open(exported)
         except BaseException:
@@ -79,7 +81,12 @@ class CheckedSession:
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings
         if self.backend is not None:
-            selection = settings.select_devices(self.backend, resolved)
+            try:
+                selection = devices.choose_devices(self.backend, resolved.devices,
+                                                   resolved.sources.get("devices", ""),
+                                                   option=settings.option("devices").cli)
+            except devices.DeviceSelectionError as exc:
+                raise pytest.UsageError(str(exc)) from None
             self.devices = selection.devices
             if not self.devices:
                 # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
@@ -131,8 +138,7 @@ class CheckedSession:
                                              note=self.found.note)
             self.health_at_start = self.health.start()
         except devices.SimulationError as exc:
-            source_of = resolved.sources.get("simulate")
-            raise pytest.UsageError(f"--gpuclean-simulate: {exc} ({source_of})") from None
+            raise pytest.UsageError(resolved.refused("simulate", exc)) from None
 
     def header_lines(self) -> list[str]:
         """What the session checks, for the header: the backend, the devices and what they hold."""

@@ -2,6 +2,13 @@
 cluster's checks) need of a started session, as a protocol: ``session.py`` passes itself, and neither
 imports it back.
 
+The session's checker, health watch and records are protocols here too, of only what those two use
+(``CheckerView``, ``HealthView``, ``RecordsView``): this module names only the core's lower modules
+(``devices``, ``ownership``, ``locks``, ``settings``), not the checker, the health watch or the report, so
+the per-test check stands on them rather than on the whole check (``tests/test_layers.py`` holds the
+package's longest import chain). They are annotations only: the check calls the session's ``Checker``,
+``HealthWatch`` and ``SessionRecords`` directly, and mypy holds that those fit.
+
 Also a test's state from its setup to the end of its teardown (``ItemState``), which both hand around.
 """
 
@@ -13,13 +20,15 @@ from typing import TYPE_CHECKING, Protocol
 from pytest_gpuclean.model.records import DeviceInfo, Owner, Reaped
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import pytest
 
-    from pytest_gpuclean.core.checker import Checker
-    from pytest_gpuclean.core.health import HealthWatch
+    from pytest_gpuclean.core.devices import DeviceLost
     from pytest_gpuclean.core.locks import GpuLocks, HeldLocks
+    from pytest_gpuclean.core.ownership import Ownership, SessionRef
     from pytest_gpuclean.core.settings import Settings
-    from pytest_gpuclean.report.records import SessionRecords
+    from pytest_gpuclean.model.records import CheckResult, HealthFinding, Phase, TestRecord
 
 
 class ItemState:
@@ -42,6 +51,75 @@ class ItemState:
         self.fixture_tokens: list[str] = []
 
 
+class CensusEntry(Protocol):
+    """A process of the last census (``census.Found``), as ``--gpuclean-ray=auto`` looks at it for a
+    GCS server."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def key(self) -> tuple[int, int]: ...
+
+    @property
+    def live(self) -> bool: ...
+
+    @property
+    def debris_of(self) -> SessionRef | None: ...
+
+
+class CheckerView(Protocol):
+    """The session's checker (``checker.Checker``) as a test's check and the cluster's checks use
+    it."""
+
+    @property
+    def ownership(self) -> Ownership: ...
+
+    @property
+    def reap_enabled(self) -> bool: ...
+
+    @property
+    def last_lost(self) -> DeviceLost | None: ...
+
+    @property
+    def last_census(self) -> Sequence[CensusEntry]: ...
+
+    def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int,
+              timeout: float, device_errors: bool = False, where: str = "an earlier check"
+              ) -> CheckResult: ...
+
+    def is_older(self, pid: int, start_ticks: int) -> bool: ...
+
+
+class HealthView(Protocol):
+    """The session's health watch (``health.HealthWatch``) as a test's check uses it."""
+
+    def before(self, nodeid: str, devices: Sequence[DeviceInfo], tests_failed: int
+               ) -> list[HealthFinding]: ...
+
+    def after(self, nodeid: str, devices: Sequence[DeviceInfo], reaped: Sequence[Reaped],
+              tests_failed: int) -> list[HealthFinding]: ...
+
+    def lost_now(self, exc: DeviceLost, phase: Phase) -> HealthFinding: ...
+
+
+class RecordsView(Protocol):
+    """The session's records (``report.records.SessionRecords``) as a test's check and the cluster's
+    checks fill them."""
+
+    cluster_address: str
+    ray_version: str
+
+    @property
+    def cluster_sweeps(self) -> list[CheckResult]: ...
+
+    def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord: ...
+
+    def record_for(self, nodeid: str) -> TestRecord: ...
+
+    def note(self, message: str, once: bool = False) -> None: ...
+
+
 class Started(Protocol):
     """A started session (``session.CheckedSession``) as a test's check and the cluster's checks see it."""
 
@@ -52,10 +130,10 @@ class Started(Protocol):
     def settings(self) -> Settings: ...
 
     @property
-    def found(self) -> SessionRecords: ...
+    def found(self) -> RecordsView: ...
 
     @property
-    def checker(self) -> Checker: ...
+    def checker(self) -> CheckerView: ...
 
     @property
     def unavailable(self) -> str | None: ...
@@ -67,7 +145,7 @@ class Started(Protocol):
     def locks(self) -> GpuLocks | None: ...
 
     @property
-    def health(self) -> HealthWatch | None: ...
+    def health(self) -> HealthView | None: ...
 
     def set_owner_env(self, token: str) -> tuple[str | None, str | None]: ...
 
