@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
             help="fraction of each GPU vLLM may take (CUDA only)",
         )
     offline.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default 64)")
+    offline.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no compiled graphs (vLLM's enforce_eager): a faster start, slower steps",
+    )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument(
@@ -134,6 +139,7 @@ def _extract(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             **_gpu_args(args),
+            **({"enforce_eager": True} if args.enforce_eager else {}),
         ) as extractor:
             extractor.extract(
                 prompts, args.out, resume=args.resume, progress=True, batch_size=args.batch_size
