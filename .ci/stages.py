@@ -1,10 +1,13 @@
 """Run CI stages side by side and report them one after the other (called by .ci/test and .ci/setup).
 
-    python3 .ci/stages.py [--jobs N] NAME=COMMAND ...
+    python3 .ci/stages.py [--jobs N] NAME[:SHARE]=COMMAND ...
 
 Each COMMAND is a bash command line, run from the checkout's root with its output (stdout and stderr) in a
-file of its own. At most N run at a time (default 2), started in the order given: the callers list the
-longest first. Each stage's output is printed whole, in the order given, as soon as it and every stage
+file of its own. Stages start in the order given (the callers list the longest first) while the CPU shares
+of those running add up to at most N (default 2: the box's cores). A stage's SHARE (default 1) is how much
+of a core it keeps busy: a stage that mostly waits (for a Ray cluster to start, for a test's timeout) says
+0.5, and two such run beside one that computes. When the next stage does not fit, a later one that does
+starts first. Each stage's output is printed whole, in the order given, as soon as it and every stage
 before it have ended: the log reads as if the stages had run one after the other, each under its heading
 with its wall time, its CPU time (user + system of every process below it that was waited for) and its exit
 status. The first stage not yet printed is shown as its output comes (the one a reader waits for). A table of
@@ -35,6 +38,7 @@ class Stage:
     name: str
     command: str
     log: Path
+    share: float = 1.0
     proc: subprocess.Popen[bytes] | None = None
     started: float | None = None
     ended: float | None = None
@@ -64,18 +68,26 @@ def _show_new(stage: Stage) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", "-j", type=int, default=2, help="stages run at once (default 2)")
-    parser.add_argument("stages", nargs="+", metavar="NAME=COMMAND")
+    parser.add_argument("--jobs", "-j", type=int, default=2,
+                        help="the CPU shares of the stages running at once add up to at most this (default 2)")
+    parser.add_argument("stages", nargs="+", metavar="NAME[:SHARE]=COMMAND")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs: {args.jobs} is less than 1")
     logs = Path(tempfile.mkdtemp(prefix="ci-stages-"))
     stages: list[Stage] = []
     for spec in args.stages:
-        name, sep, command = spec.partition("=")
+        head, sep, command = spec.partition("=")
+        name, colon, share_text = head.partition(":")
         if not sep or not name or not command:
-            parser.error(f"{spec!r} is not NAME=COMMAND")
-        stages.append(Stage(name, command, logs / f"{len(stages):02d}-{name.replace('/', '_')}.log"))
+            parser.error(f"{spec!r} is not NAME[:SHARE]=COMMAND")
+        try:
+            share = float(share_text) if colon else 1.0
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= args.jobs:
+            parser.error(f"{spec!r}: SHARE {share_text!r} is not a number above 0 and at most --jobs")
+        stages.append(Stage(name, command, logs / f"{len(stages):02d}-{name.replace('/', '_')}.log", share))
     t0 = time.monotonic()
     pending = list(stages)
     running: dict[int, Stage] = {}
@@ -83,8 +95,14 @@ def main() -> int:
     # Our own SIGINT/SIGTERM reach the stages too (they are in our process group); wait for them to end.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     while pending or running:
-        while pending and len(running) < args.jobs:
-            stage = pending.pop(0)
+        while True:
+            busy = sum(s.share for s in running.values())
+            # (The first pending stage that fits: in the order given, unless a later, lighter one fits now.)
+            fits = [s for s in pending if busy + s.share <= args.jobs + 1e-9]
+            if not fits:
+                break
+            stage = fits[0]
+            pending.remove(stage)
             with stage.log.open("wb") as out:
                 stage.proc = subprocess.Popen(["bash", "-c", f"set -euo pipefail; {stage.command}"], cwd=ROOT,
                                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -123,7 +141,7 @@ def main() -> int:
               f"{_minutes((s.ended or t0) - t0):>9} {_minutes((s.ended or 0) - (s.started or 0)):>9} "
               f"{_minutes(s.cpu_s):>9}")
     print(f"{'all':<16} {'':<7} {'':>9} {_minutes(total):>9} {_minutes(total):>9} "
-          f"{_minutes(children.ru_utime + children.ru_stime):>9}  ({args.jobs} at a time)")
+          f"{_minutes(children.ru_utime + children.ru_stime):>9}  (CPU shares up to {args.jobs} at a time)")
     failed = [s.name for s in stages if s.status != 0]
     if failed:
         print(f"FAILED: {', '.join(failed)}")
