@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -221,3 +222,67 @@ def test_clean_tests_share_their_device_readings(example: Callable[..., Path], p
     # Two simulated devices: their readings (two before they were first shared, at most), not 41 x 2 x 2.
     assert alive["DeviceSnapshot"] <= 4, alive
     assert alive["DeviceState"] == 0, alive
+
+
+# A process that forks children on command: "main" from its main thread; "thread" from a second thread that
+# lives on until "end" (the kernel lists a child under the thread that forked it; once that thread ends, the
+# child is re-parented to a live thread of the same process). It answers each command with the child's pid.
+_FORKER = """
+import subprocess, sys, threading
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+done = threading.Event()
+children = []
+def from_thread():
+    children.append(subprocess.Popen(SLEEP))
+    print(children[-1].pid, flush=True)
+    done.wait()
+for line in sys.stdin:
+    if line.strip() == "main":
+        children.append(subprocess.Popen(SLEEP))
+        print(children[-1].pid, flush=True)
+    elif line.strip() == "thread":
+        thread = threading.Thread(target=from_thread)
+        thread.start()
+    elif line.strip() == "end":
+        done.set()
+        thread.join()
+        print(0, flush=True)
+for child in children:
+    child.kill()
+"""
+
+
+def test_the_walk_finds_children_of_a_lone_thread_and_of_each_thread() -> None:
+    # One thread: its children file is read without listing the task folder (its link count says one thread,
+    # and that thread is the process's own pid); several: each thread's file.
+    from pytest_gpuclean.core import procfs
+
+    forker = subprocess.Popen([sys.executable, "-c", _FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+
+    def ask(command: str) -> int:
+        assert forker.stdin is not None and forker.stdout is not None
+        forker.stdin.write(command + "\n")
+        forker.stdin.flush()
+        return int(forker.stdout.readline())
+
+    def threads() -> int:
+        return len(os.listdir(f"/proc/{forker.pid}/task"))
+
+    try:
+        first = ask("main")
+        assert threads() == 1
+        assert procfs.children(forker.pid) == [first]
+        second = ask("thread")
+        assert threads() == 2
+        assert sorted(procfs.children(forker.pid)) == sorted([first, second])
+        ask("end")  # the thread that forked the second child has ended: the child is the main thread's now
+        deadline = time.monotonic() + 10
+        while threads() != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threads() == 1
+        assert sorted(procfs.children(forker.pid)) == sorted([first, second])
+    finally:
+        if forker.stdin is not None:
+            forker.stdin.close()
+        forker.wait(timeout=30)

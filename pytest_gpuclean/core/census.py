@@ -179,9 +179,12 @@ class Census:
                     helpers.add(forkserver._forkserver_pid)  # type: ignore[union-attr]
         return helpers
 
-    def _walk(self) -> list[tuple[int, int, int]]:
-        """Our descendants as (pid, depth, parent pid), parents before their children."""
-        return self._tree.walk(self.me)
+    def _walk(self, me: int | None = None) -> list[tuple[int, int, int]]:
+        """Our descendants as (pid, depth, parent pid), parents before their children. ``me``: this
+        process's pid, if the caller has just read it (``self.me``)."""
+        if me is None:
+            me = self.me
+        return self._tree.walk(me, me)
 
     def _pin(self, pid: int) -> tuple[processes.Handle, procfs.ProcStat] | None:
         """A pinned process and its current stat; pinned once, from the moment it is first found."""
@@ -235,10 +238,10 @@ class Census:
         found: list[Found] = []
         helpers = self.helper_pids()
         by_pid: dict[int, Found] = {}
-        me = self.me
-        my_sid = self.my_sid
+        me = self.me  # (one getpid per census: the pid cannot change during it, nothing here forks)
+        my_sid: int | None = None  # (read when a direct child needs it: the clean path has none)
         seen_keys: set[tuple[int, int]] = set()
-        for pid, depth, parent in self._walk():
+        for pid, depth, parent in self._walk(me):
             if pid in helpers:
                 continue
             pinned = self._pin(pid)
@@ -251,7 +254,12 @@ class Census:
             token = self._token(pid, stat.start_ticks, parent_found.token if parent_found else None,
                                 parent_found is not None)
             # A direct child in another session escaped with setsid and was re-parented to our subreaper.
-            found_by: FoundBy = "adopted" if depth == 1 and stat.sid != my_sid else "descendant"
+            found_by: FoundBy = "descendant"
+            if depth == 1:
+                if my_sid is None:
+                    my_sid = self.my_sid
+                if stat.sid != my_sid:
+                    found_by = "adopted"
             state = "R" if procfs.live_state(pid, stat.state) else stat.state
             entry = Found(pid, stat.start_ticks, depth, found_by, token, state, handle)
             if entry.key in self._debris:

@@ -417,10 +417,11 @@ class SimulatedBackend:
         if not self.root.is_dir():
             raise BackendUnavailable(f"simulated device directory {str(self.root)!r} does not exist")
         self._idle: dict[int, DeviceSnapshot] = {}
-        self._settled: dict[int, tuple[int, int]] = {}
-        """Per device index, (inode, ctime) of its folder when it was last read empty and that ctime was
-        settled: while they stay the same the folder is still empty, and a ``stat`` does instead of a
-        ``listdir`` (a third of the cost, on every check's every device)."""
+        self._settled: dict[int, tuple[str, int, int, DeviceSnapshot]] = {}
+        """Per device index, its folder, that folder's inode and ctime when it was last read empty and that
+        ctime was settled, and the idle reading: while they stay the same the folder is still empty, and a
+        ``stat`` does instead of a ``listdir`` (a third of the cost, on every check's every device). One
+        lookup per device and reading in that case (its folder and its reading come with it)."""
         self._xid_path = str(self.root / "xid")
         self._xid_read: int | None = None
         """How many bytes of ``DIR/xid`` were read (None: not watching)."""
@@ -449,12 +450,14 @@ class SimulatedBackend:
         return self._devices
 
     def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
+        settled = self._settled.get(device.index)
         # A str path from _enumerate: this runs on every poll, and a Path per call is not free.
-        where = self._folders.get(device.index) or str(self.root / str(device.index))
+        where = (settled[0] if settled is not None
+                 else self._folders.get(device.index) or str(self.root / str(device.index)))
         try:
             info = os.stat(where)
-            if self._settled.get(device.index) == (info.st_ino, info.st_ctime_ns):
-                return self._idle[device.index]
+            if settled is not None and settled[1] == info.st_ino and settled[2] == info.st_ctime_ns:
+                return settled[3]
             names = os.listdir(where)
         except FileNotFoundError:
             raise DeviceLost(device, f"vanished ({where} is gone)") from None
@@ -463,11 +466,11 @@ class SimulatedBackend:
         if not names:
             # An idle device, the clean path's every check: its reading is always the same. Adding or
             # removing a file moves the folder's ctime, once that ctime is settled (procfs.SETTLED_NS).
-            if time.time_ns() - info.st_ctime_ns > procfs.SETTLED_NS:
-                self._settled[device.index] = (info.st_ino, info.st_ctime_ns)
             idle = self._idle.get(device.index)
             if idle is None:
                 idle = self._idle[device.index] = DeviceSnapshot(device, 0, DEFAULT_SIM_TOTAL, ())
+            if time.time_ns() - info.st_ctime_ns > procfs.SETTLED_NS:
+                self._settled[device.index] = (where, info.st_ino, info.st_ctime_ns, idle)
             return idle
         self._settled.pop(device.index, None)
         try:

@@ -123,7 +123,7 @@ class _Dir:
 class _ProcessCache:
     """What this process keeps of the lock directories: a forked child starts with none of it."""
 
-    __slots__ = ("dirs", "encoded", "held_values", "me", "notices", "owner_pid")
+    __slots__ = ("dirs", "encoded", "held_values", "me", "notices", "owner_pid", "uid")
 
     def __init__(self) -> None:
         self.dirs: dict[tuple[int, int], _Dir] = {}
@@ -139,6 +139,9 @@ class _ProcessCache:
         self.encoded: dict[str, str] = {}
         """Holder records' fixed parts as JSON: ``""``, this process's (up to its ``test``), and per UUID
         the end of its record."""
+        self.uid = -1
+        """The effective uid that ``encoded[""]`` names, read with it: the records are written into that
+        uid's holder files (a ``geteuid`` per test spared)."""
         self.held_values: dict[tuple[str, tuple[str, ...], tuple[tuple[str, tuple[int, int]], ...]], str] = {}
         """``HELD_VAR``'s value per directory, set of GPUs held and GPUs inherited."""
 
@@ -153,6 +156,7 @@ class _ProcessCache:
         self.owner_pid = os.getpid()
         self.me = None
         self.encoded.clear()  # (they name the parent's pid)
+        self.uid = -1
         self.held_values.clear()
 
     def me_now(self) -> tuple[int, int] | None:
@@ -160,6 +164,14 @@ class _ProcessCache:
         if me is None or me[0] != os.getpid():
             found = procfs.read_stat(os.getpid())
             me = self.me = None if found is None else (found.pid, found.start_ticks)
+        return me
+
+    def me_checked(self) -> tuple[int, int] | None:
+        """``me_now`` where the caller has just made sure that ``owner_pid`` is this process's pid
+        (``GpuLocks._cached``, earlier in the same acquire: nothing between forks): no ``getpid``."""
+        me = self.me
+        if me is None or me[0] != self.owner_pid:
+            return self.me_now()
         return me
 
 
@@ -906,7 +918,7 @@ class GpuLocks:
     def _record(self, state: _Dir, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
                 inherited: dict[str, tuple[int, int]]) -> HeldLocks:
         held = HeldLocks(taken, waited_s, {u: inherited[u] for u, fd in taken if fd is None}, state)
-        me = _cache.me_now()
+        me = _cache.me_checked()  # (acquire began with _cached(): this process's own cache)
         if me is not None:
             previous = os.environ.get(HELD_VAR)
             os.environ[HELD_VAR] = ours = self._held_value(held, me)
@@ -916,10 +928,11 @@ class GpuLocks:
         encoded = _cache.encoded
         head = encoded.get("")
         if head is None:
-            head = encoded[""] = json.dumps({"pid": os.getpid(), "start": me[1] if me else None,
-                                             "host": _HOST, "uid": os.geteuid()})[:-1]
+            _cache.uid = os.geteuid()
+            head = encoded[""] = json.dumps({"pid": _cache.owner_pid, "start": me[1] if me else None,
+                                             "host": _HOST, "uid": _cache.uid})[:-1]
         common = f'{head}, "test": {json.dumps(holder_id)}, "since": {time.time()!r}'
-        uid = os.geteuid()
+        uid = _cache.uid
         holder_fds, written = state.holder_fds, held.holder_fds
         for uuid, fd in taken:
             if fd is None:

@@ -200,8 +200,12 @@ def children(pid: int) -> list[int]:
 def _children(pid: int) -> tuple[list[int], int]:
     """Direct children of ``pid``, and how many files that took."""
     result: list[int] = []
+    where = f"/proc/{pid}/task"
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        # The task folder's link count is 2 + the process's threads (a leader that exited before its other
+        # threads still counts, a zombie, as it is still listed): at 3 its one entry is the process's own
+        # pid, and a stat is one system call where the listing takes five (a checked test walks twice).
+        tasks = [str(pid)] if os.stat(where).st_nlink == 3 else os.listdir(where)
     except OSError:
         return result, 1
     for tid in tasks:
@@ -260,10 +264,11 @@ class DescendantWalk:
         self.stats: dict[int, ProcStat] = {}
         """The stat each process of the last incremental walk was placed by (empty after a full walk)."""
 
-    def walk(self, root: int) -> list[tuple[int, int, int]]:
-        """``root``'s descendants as (pid, depth, parent pid), parents before their children."""
+    def walk(self, root: int, me: int | None = None) -> list[tuple[int, int, int]]:
+        """``root``'s descendants as (pid, depth, parent pid), parents before their children. ``me``: this
+        process's pid, if the caller has just read it (spares a ``getpid``)."""
         clock = time.monotonic()
-        if root != self._root or clock - self._full_at >= WALK_FULL_EVERY_S or not _own_namespace():
+        if root != self._root or clock - self._full_at >= WALK_FULL_EVERY_S or not _own_namespace(me):
             return self._full(root, last_pid(), clock)
         if self._full_cost <= 2:
             # A lone process with one thread: its one children file is the cheapest look there is. (No
@@ -338,9 +343,11 @@ def _tree(root: int, children_of: Callable[[int], Iterable[int]]) -> list[tuple[
 _NAMESPACE_OK: dict[int, bool] = {}
 
 
-def _own_namespace() -> bool:
-    """Whether /proc shows this process's pid namespace (pid numbers and ``ns_last_pid`` agree)."""
-    me = os.getpid()
+def _own_namespace(me: int | None = None) -> bool:
+    """Whether /proc shows this process's pid namespace (pid numbers and ``ns_last_pid`` agree). ``me``:
+    this process's pid, read by the caller just now (else read here)."""
+    if me is None:
+        me = os.getpid()
     if me not in _NAMESPACE_OK:
         try:
             _NAMESPACE_OK[me] = os.readlink("/proc/self") == str(me)

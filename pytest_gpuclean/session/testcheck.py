@@ -98,12 +98,17 @@ class ItemChecks:
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
                                        where=state.nodeid)
-        self._note_lost(record, result, "setup")
+        # (each helper only where its result has something for it: a clean check has nothing, and the
+        # calls would be a tenth of the plugin's Python calls per test)
+        if result.device_lost:
+            self._note_lost(record, result, "setup")
         record.before = result
         record.before_s = result.waited_s
         self._note_own_context(result)
-        session.attribute_earlier(result.reaped, state.nodeid, result.notes)
-        self._record_siblings(state, result)
+        if result.reaped:
+            session.attribute_earlier(result.reaped, state.nodeid, result.notes)
+        if result.siblings:
+            self._record_siblings(state, result)
         state.torch_before = _torch_allocated()
         if result.error is not None:
             self._stop_if_lost(item, result)
@@ -248,14 +253,16 @@ class ItemChecks:
         result = session.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
                                        where=state.nodeid)
-        self._note_lost(record, result, "teardown")
-        own_tokens = {state.token, *state.fixture_tokens}
-        # A dead session's debris is that session's leak, never this test's.
-        own, earlier = split_own(result.reaped, lambda owner: session.token_of(owner) in own_tokens)
-        session.attribute_earlier(earlier, state.nodeid, result.notes)
-        # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
-        if len(own) != len(result.reaped):
-            result = result.replace(reaped=tuple(own))
+        if result.device_lost:
+            self._note_lost(record, result, "teardown")
+        if result.reaped:
+            own_tokens = {state.token, *state.fixture_tokens}
+            # A dead session's debris is that session's leak, never this test's.
+            own, earlier = split_own(result.reaped, lambda owner: session.token_of(owner) in own_tokens)
+            session.attribute_earlier(earlier, state.nodeid, result.notes)
+            # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
+            if len(own) != len(result.reaped):
+                result = result.replace(reaped=tuple(own))
         # What a fixture that ended with this test left is that fixture's finding: pytest reports the
         # fixture's teardown here, but the test may not even use it.
         fixtures = self._fixture_leaks(item, state, result)
@@ -265,7 +272,8 @@ class ItemChecks:
             mine = _without(result, fixtures)
         record.after = mine
         record.after_s = result.waited_s
-        self._record_siblings(state, result)
+        if result.siblings:
+            self._record_siblings(state, result)
         self._note_torch_growth(item, state, record)
         headings: list[str] = []
         if result.error is not None:
@@ -438,8 +446,10 @@ class ItemChecks:
         warnings.warn(GpuCleanWarning(message), stacklevel=1)
 
     def _note_torch_growth(self, item: pytest.Item, state: ItemState, record: TestRecord) -> None:
+        if state.torch_before is None:
+            return  # (torch had not initialised CUDA before the test: nothing to compare with)
         torch_after = _torch_allocated()
-        if state.torch_before is None or torch_after is None:
+        if torch_after is None:
             return
         grown = [(f"cuda:{i}", (torch_after.get(i, 0) - before) / MIB)
                  for i, before in state.torch_before.items() if torch_after.get(i, 0) > before]
