@@ -69,7 +69,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", "-j", type=int, default=2,
-                        help="the CPU shares of the stages running at once add up to at most this (default 2)")
+                        help="the CPU shares of the stages running at once add up to at most this "
+                        "(default 2)")
     parser.add_argument("stages", nargs="+", metavar="NAME[:SHARE]=COMMAND")
     args = parser.parse_args()
     if args.jobs < 1:
