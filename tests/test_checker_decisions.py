@@ -136,6 +136,20 @@ def test_sort_census(ownership: Ownership, process: Found, judged: bool, excused
     assert {ME, PARENT, 77} <= excused_pids  # this process, its ancestors, multiprocessing's helpers
 
 
+@pytest.mark.parametrize(("process", "at_session_end", "at_the_very_end"), [
+    pytest.param(found(301, "t1"), True, True, id="a test's"),
+    pytest.param(found(302, "f2"), True, True, id="a fixture's"),
+    pytest.param(found(303, SESSION), False, True, id="the session set-up's: only at the very end"),
+    pytest.param(found(304, PREEXISTING), False, False, id="older than the session: never"),
+    pytest.param(found(305, None), False, False, id="unknown birth: never (reported, not signalled)"),
+    pytest.param(found(306, "t1", state="Z"), False, False, id="exited: holds nothing"),
+])
+def test_of_the_sweep(process: Found, at_session_end: bool, at_the_very_end: bool) -> None:
+    # The session-end sweep and, with reaping off, the closing note of what it would have ended: one rule.
+    assert (process in decide.of_the_sweep([process], (PREEXISTING, SESSION))) == at_session_end
+    assert (process in decide.of_the_sweep([process], (PREEXISTING,))) == at_the_very_end
+
+
 def test_sort_census_once_the_session_is_over(ownership: Ownership) -> None:
     # The very last sweep: what the session set-up started is no longer protected; a live fixture's is.
     ownership.session_over = True

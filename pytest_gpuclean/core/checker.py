@@ -240,16 +240,12 @@ class Checker:
         """
         self.ownership.active_fixtures.clear()
         self.ownership.session_over = include_session
-        found = []
-        for f in self.census(scan_cookies=True):
-            if f.live:
-                found.append(f)
-            else:
+        census = self.census(scan_cookies=True)
+        for f in census:
+            if not f.live:
                 # Exited, holding nothing: collected (if ours to wait for), not reported as a leftover.
                 processes.reap_if_child(f.pid)
-        if not include_session:
-            found = [f for f in found if f.token != SESSION]
-        found = [f for f in found if f.token is not None and f.token != PREEXISTING]
+        found = decide.of_the_sweep(census, (PREEXISTING,) if include_session else (PREEXISTING, SESSION))
         if not found or not self.reap_enabled:
             return []
         try:
@@ -279,8 +275,8 @@ class Checker:
 
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
-        infos = (processes.describe(f.pid, f.start_ticks) for f in self.census(scan_cookies=True)
-                 if f.live and f.token not in (SESSION, PREEXISTING))  # zombies hold nothing
+        infos = (processes.describe(f.pid, f.start_ticks)
+                 for f in decide.of_the_sweep(self.census(scan_cookies=True), (PREEXISTING, SESSION)))
         return [info for info in infos if info is not None]
 
     def no_part_of_the_session(self) -> list[ProcessInfo]:

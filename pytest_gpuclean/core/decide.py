@@ -8,7 +8,7 @@ is unit-tested without processes (``tests/test_checker_decisions.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Protocol, TypeVar
 
@@ -142,6 +142,14 @@ def leak_detail(process_uid: int, user: str, state: str, my_uid: int, reap_enabl
     if not reap_enabled:
         return "reaping is off"
     return f"could not be reaped ({state})"
+
+
+def of_the_sweep(found: Iterable[C], excluded: Collection[str]) -> list[C]:
+    """What a session-end sweep ends of a census: each live process of known birth (a token: a test's, a
+    fixture's, the session set-up's) whose token is not ``excluded`` (what is older than the session, and,
+    until the very end, the session set-up's). One of unknown birth is reported, never signalled; an exited
+    one holds nothing. The sweep reaps these, and with reaping off the session's closing note lists them."""
+    return [f for f in found if f.live and f.token is not None and f.token not in excluded]
 
 
 def may_signal(pid: int, process_uid: int | None, never_touch: Collection[int], my_uid: int,
