@@ -207,18 +207,14 @@ def check_device_list(config: pytest.Config, resolved: settings.Settings) -> Non
     if not resolved.explicit("devices") or hasattr(config, "workerinput"):
         return
     from pytest_gpuclean.core import devices
+    from pytest_gpuclean.session.opening import open_devices, select_devices
 
     try:
-        backend = devices.open_backend(resolved.simulate)
+        backend = open_devices(resolved)
     except devices.BackendUnavailable:
         return  # no driver: nothing to hold the list against (a checked test would be skipped)
-    except devices.SimulationError as exc:
-        raise pytest.UsageError(resolved.refused("simulate", exc)) from None
     try:
-        devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
-                               option=settings.option("devices").cli)
-    except devices.DeviceSelectionError as exc:
-        raise pytest.UsageError(str(exc)) from None
+        select_devices(backend, resolved)
     finally:
         backend.close()
 

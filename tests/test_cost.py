@@ -68,7 +68,7 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
                                 "pytest_gpuclean.core.procfs", "pytest_gpuclean.core.settings",
                                 "pytest_gpuclean.model", "pytest_gpuclean.model.records",
                                 "pytest_gpuclean.plugin", "pytest_gpuclean.session",
-                                "pytest_gpuclean.session.names"]
+                                "pytest_gpuclean.session.names", "pytest_gpuclean.session.opening"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
 

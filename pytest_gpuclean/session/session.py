@@ -27,6 +27,7 @@ from pytest_gpuclean.core.signals import quiet_interrupts
 from pytest_gpuclean.model.records import MIB, DeviceInfo, HealthFinding, Owner, ProcessInfo, Reaped
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import MARKER, GpuCleanWarning
+from pytest_gpuclean.session.opening import open_devices, select_devices
 from pytest_gpuclean.session.testcheck import ItemChecks
 
 if TYPE_CHECKING:
@@ -65,11 +66,9 @@ class CheckedSession:
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
         try:
-            self.backend = devices.open_backend(resolved.simulate, opening)
+            self.backend = open_devices(resolved, opening)
         except devices.BackendUnavailable as exc:
             self.unavailable = str(exc)
-        except devices.SimulationError as exc:
-            raise pytest.UsageError(resolved.refused("simulate", exc)) from None
         try:
             self._open(exported)
         except BaseException:
@@ -81,12 +80,7 @@ class CheckedSession:
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings
         if self.backend is not None:
-            try:
-                selection = devices.choose_devices(self.backend, resolved.devices,
-                                                   resolved.sources.get("devices", ""),
-                                                   option=settings.option("devices").cli)
-            except devices.DeviceSelectionError as exc:
-                raise pytest.UsageError(str(exc)) from None
+            selection = select_devices(self.backend, resolved)
             self.devices = selection.devices
             if not self.devices:
                 # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
