@@ -123,7 +123,7 @@ class _Dir:
 class _ProcessCache:
     """What this process keeps of the lock directories: a forked child starts with none of it."""
 
-    __slots__ = ("dirs", "encoded", "held_values", "me", "notices", "owner_pid", "uid")
+    __slots__ = ("dirs", "held_values", "me", "notices", "owner_pid", "record_head", "uid")
 
     def __init__(self) -> None:
         self.dirs: dict[tuple[int, int], _Dir] = {}
@@ -136,11 +136,11 @@ class _ProcessCache:
         self.owner_pid = os.getpid()
         self.me: tuple[int, int] | None = None
         """(pid, start ticks) of this process, read once."""
-        self.encoded: dict[str, str] = {}
-        """Holder records' fixed parts as JSON: ``""``, this process's (up to its ``test``), and per UUID
-        the end of its record."""
+        self.record_head: str | None = None
+        """This process's part of its holder records as JSON (up to their ``test``), encoded once; each GPU's
+        end of the record is ``_Marks.tail``."""
         self.uid = -1
-        """The effective uid that ``encoded[""]`` names, read with it: the records are written into that
+        """The effective uid that ``record_head`` names, read with it: the records are written into that
         uid's holder files (a ``geteuid`` per test spared)."""
         self.held_values: dict[tuple[str, tuple[str, ...], tuple[tuple[str, tuple[int, int]], ...]], str] = {}
         """``HELD_VAR``'s value per directory, set of GPUs held and GPUs inherited."""
@@ -155,7 +155,7 @@ class _ProcessCache:
         self.notices.clear()
         self.owner_pid = os.getpid()
         self.me = None
-        self.encoded.clear()  # (they name the parent's pid)
+        self.record_head = None  # (it names the parent's pid)
         self.uid = -1
         self.held_values.clear()
 
@@ -790,11 +790,8 @@ class GpuLocks:
                 _let_go(state, taken)  # it was replaced: lock in the new one
                 return "again"
             ctime = info.st_ctime_ns
-            verified = state.verified
             for _uuid, fd in taken:
-                if fd is None or verified.get(fd) == ctime:
-                    continue  # (_still_named's first answer, without its call per GPU)
-                if not _still_named(state, name := state.lock_names[fd], fd, ctime):
+                if fd is not None and not _still_named(state, name := state.lock_names[fd], fd, ctime):
                     # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
                     # nothing. Look at what the name holds now.
                     _let_go(state, taken)
@@ -925,29 +922,20 @@ class GpuLocks:
             held._env = (previous, ours)
         # Only the test and the time change from one record to the next: the rest is encoded once per
         # process and GPU (the json.dumps calls of a record cost as much as writing it).
-        encoded = _cache.encoded
-        head = encoded.get("")
+        head = _cache.record_head
         if head is None:
             _cache.uid = os.geteuid()
-            head = encoded[""] = json.dumps({"pid": _cache.owner_pid, "start": me[1] if me else None,
-                                             "host": _HOST, "uid": _cache.uid})[:-1]
+            head = _cache.record_head = json.dumps({"pid": _cache.owner_pid, "start": me[1] if me else None,
+                                                    "host": _HOST, "uid": _cache.uid})[:-1]
         common = f'{head}, "test": {json.dumps(holder_id)}, "since": {time.time()!r}'
         uid = _cache.uid
-        holder_fds, written = state.holder_fds, held.holder_fds
+        written = held.holder_fds
         for uuid, fd in taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
-            marks = _marks(uuid)
-            record = (common + marks.tail).encode()
-            name = f"{marks.file}.{uid}.holder"  # (_holder_name)
-            try:
-                holder_fd = holder_fds.get(name)
-                if holder_fd is not None and len(record) <= _RECORD_BYTES:
-                    # _write_holder's usual case, inline (per GPU and test)
-                    os.pwrite(holder_fd, record.ljust(_RECORD_BYTES), 0)
-                    written.append((holder_fd, True))
-                else:
-                    written.append(_write_holder(state, name, record))
+            record = (common + _marks(uuid).tail).encode()
+            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
+                written.append(_write_holder(state, _holder_name(uuid, uid), record))
             except OSError:
                 pass  # best effort: the lock itself is what protects the GPU
         return held
@@ -1021,7 +1009,7 @@ def _forget(state: _Dir, name: str) -> None:
 # ---- holder records: written by us, read as untrusted input ------------------------------------------
 
 def _holder_name(uuid: str, uid: int) -> str:
-    return f"{_file_name(uuid)}.{uid}.holder"
+    return f"{_marks(uuid).file}.{uid}.holder"
 
 
 def _holder_fd(state: _Dir, name: str) -> int:
