@@ -43,6 +43,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def exec_done(proc: subprocess.Popen[Any], timeout: float = 10.0) -> subprocess.Popen[Any]:
+    """``proc`` once /proc shows its command line and environment. ``Popen`` returns when the exec closed
+    its error pipe, but the kernel sets the new program's argument and environment bounds only after that
+    (``create_elf_tables``): a read of /proc/<pid>/environ in between finds it empty, and a check that
+    looks for the test's cookie there finds none (a CI run failed so)."""
+    argv = proc.args if isinstance(proc.args, list) else [proc.args]
+    wanted = b"".join(os.fsencode(a) + b"\0" for a in argv)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if (Path(f"/proc/{proc.pid}/cmdline").read_bytes() == wanted
+                    and Path(f"/proc/{proc.pid}/environ").read_bytes()):
+                return proc
+        time.sleep(0.001)
+    raise AssertionError(f"{argv} did not start within {timeout}s")
+
+
 def wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
     """Wait until every pid is gone; return those still alive at the deadline."""
     deadline = time.monotonic() + timeout

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import exec_done
 
 from pytest_gpuclean.core.checker import Checker, _Check
 from pytest_gpuclean.model.records import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
@@ -293,8 +294,8 @@ def test_a_foreign_process_of_our_xdist_run_is_not_outside(backend: FakeBackend,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # A sibling worker's leftover is the run's, not outside the session: never remembered, so never
     # spared the wait (its worker accounts for it).
-    sibling = subprocess.Popen(["sleep", "600"], env={**os.environ,
-                                                      "GPUCLEAN_TEST": "gc.1.2.3.aa:session/gc.4.5.3.bb:t7"})
+    cookie = "gc.1.2.3.aa:session/gc.4.5.3.bb:t7"
+    sibling = exec_done(subprocess.Popen(["sleep", "600"], env={**os.environ, "GPUCLEAN_TEST": cookie}))
     try:
         backend.set(GPU0, 512, (sibling.pid, 512))
         checker = Checker(backend, reap=False, dead_sessions=False, xdist_run="run1",

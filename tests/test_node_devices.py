@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from helpers import exec_done
 
 from pytest_gpuclean.model.records import DeviceInfo
 from pytest_gpuclean.ray.cluster import node_devices
@@ -23,7 +24,9 @@ def raylet() -> Iterator[dict[str, int]]:
 
     def start(**env: str) -> int:
         clean = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**clean, **env})
+        # (what /proc shows of its environment, once the exec has set it: that is what is read)
+        proc = exec_done(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                          env={**clean, **env}))
         started.append(proc)
         return proc.pid
 

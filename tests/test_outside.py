@@ -19,7 +19,7 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from helpers import alive, kill_all, read_pids, run_inner
+from helpers import alive, exec_done, kill_all, read_pids, run_inner
 
 from pytest_gpuclean.model.records import MIB
 from pytest_gpuclean.report import jsonreport
@@ -318,7 +318,7 @@ def test_stop_in_an_xdist_worker_ends_the_run(example: Callable[..., Path], pyte
 
 @contextlib.contextmanager
 def _running(cookie: str) -> Iterator[int]:
-    proc = subprocess.Popen(["sleep", "600"], env={**os.environ, "GPUCLEAN_TEST": cookie})
+    proc = exec_done(subprocess.Popen(["sleep", "600"], env={**os.environ, "GPUCLEAN_TEST": cookie}))
     try:
         yield proc.pid
     finally:

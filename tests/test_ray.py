@@ -477,7 +477,8 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
     # on port 0 publishes the port it bound in its session directory, once it listens.
     import subprocess
     import sys
-    import time
+
+    from helpers import exec_done
 
     from pytest_gpuclean.ray.checks import GCS_SERVER, gcs_address
 
@@ -487,11 +488,7 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
     session.mkdir()
 
     def started(*args: str) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([str(fake), "-c", "import time; time.sleep(60)", *args])
-        # Popen returns as the exec begins; the command line shows once the exec is through.
-        while proc.poll() is None and not Path(f"/proc/{proc.pid}/cmdline").read_bytes():
-            time.sleep(0.01)
-        return proc
+        return exec_done(subprocess.Popen([str(fake), "-c", "import time; time.sleep(60)", *args]))
 
     fixed = started("--gcs_server_port=6390", "--node-ip-address=10.1.2.3")
     picked = started("--gcs_server_port=0", "--node-ip-address=127.0.0.1", f"--session-dir={session}",
