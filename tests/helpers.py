@@ -47,8 +47,10 @@ def exec_done(proc: subprocess.Popen[Any], timeout: float = 10.0) -> subprocess.
     """``proc`` once /proc shows its command line and environment. ``Popen`` returns when the exec closed
     its error pipe, but the kernel sets the new program's argument and environment bounds only after that
     (``create_elf_tables``): a read of /proc/<pid>/environ in between finds it empty, and a check that
-    looks for the test's cookie there finds none (a CI run failed so)."""
-    argv = proc.args if isinstance(proc.args, list) else [proc.args]
+    looks for the test's cookie there finds none (a CI run failed so). For a process started from an argument
+    list, with an environment that is not empty."""
+    argv = proc.args
+    assert isinstance(argv, (list, tuple)), f"exec_done needs an argument list, not {argv!r}"
     wanted = b"".join(os.fsencode(a) + b"\0" for a in argv)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
