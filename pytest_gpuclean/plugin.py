@@ -471,7 +471,8 @@ class GpuCleanPlugin:
                                 ) -> Generator[None, None, None]:
         if self.session is None:
             return (yield)
-        return (yield from self.session.tests.teardown(item))
+        return (yield from self.session.tests.teardown(
+            item, nextitem is not None and self._should_check(nextitem)))
 
     def reap_crashed(self, nodeid: str) -> None:
         """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran."""

@@ -28,7 +28,7 @@ from helpers import EXAMPLES, alive
 
 from pytest_gpuclean.core import locks as locks_mod
 from pytest_gpuclean.core import procfs
-from pytest_gpuclean.core.locks import GpuLocks, LockDirError, LockTimeout
+from pytest_gpuclean.core.locks import HELD_VAR, GpuLocks, LockDirError, LockTimeout
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="acting as another user or mounting a tmpfs needs root")
@@ -354,6 +354,75 @@ def test_a_newcomer_leaves_a_free_gpu_to_a_session_that_has_waited_long(tmp_path
         held = locks.acquire(["GPU-a"], 1, 10, "third::test")
         held.release()
         assert held.waited_s >= locks_mod._QUEUE_AFTER_S  # (it could not have it before it queued)
+
+
+def other_session_tries(lock_dir: str, uuid: str) -> str:
+    """Another session (not a child of this one's test: no ``HELD_VAR``) tries to lock ``uuid`` for 0.3 s:
+    "locked", or why not (its LockTimeout)."""
+    script = ("import sys; from pytest_gpuclean.core.locks import GpuLocks, LockTimeout\n"
+              "try: GpuLocks(sys.argv[1]).acquire([sys.argv[2]], 1, 0.3, 'other::test').release()\n"
+              "except LockTimeout as exc: print(exc)\n"
+              "else: print('locked')")
+    env = {k: v for k, v in os.environ.items() if k != HELD_VAR}
+    return subprocess.run([sys.executable, "-c", script, lock_dir, uuid], capture_output=True, text=True,
+                          check=True, env=env).stdout
+
+
+def test_locks_kept_for_the_next_test_are_that_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # HeldLocks.park: between two tests of one session nobody waits, so the locks stay; the next acquire
+    # that needs just those GPUs takes them as they are (its own records), one that needs others lets
+    # them go first.
+    monkeypatch.delenv(HELD_VAR, raising=False)  # (a session whose test holds GPUs would inherit them)
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    locks.prepare(["GPU-a", "GPU-b"])
+    held = locks.acquire(["GPU-a", "GPU-b"], 1, 5, "first::test")
+    assert held.uuids == ("GPU-a",) and held.park()
+    assert HELD_VAR not in os.environ  # (set only while a test holds them)
+    assert locks.holder("GPU-a")["test"] == "first::test"
+    assert "GPU-a: pid" in other_session_tries(lock_dir, "GPU-a")  # still locked: nobody else gets it
+    again = locks.acquire(["GPU-a", "GPU-b"], 1, 5, "second::test", parked=held)
+    assert again is held and not held.parked and HELD_VAR in os.environ
+    assert locks.holder("GPU-a")["test"] == "second::test"
+    assert held.park()
+    both = locks.acquire(["GPU-a", "GPU-b"], 2, 5, "third::test", parked=held)
+    assert both is not held and both.uuids == ("GPU-a", "GPU-b") and not held.locks
+    both.release()
+    assert locks.holder("GPU-a") == {} and locks.holder("GPU-b") == {}
+
+
+@pytest.mark.parametrize("mark", ["queue", "make"])
+def test_locks_are_not_kept_while_another_session_waits(tmp_path: Path, mark: str) -> None:
+    # A queue mark: a session has waited a second for a GPU (for this one or not: one request looks at
+    # all); a make mark: one is making a lock file. Either way the test boundary is its chance.
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    locks.prepare(["GPU-b"])
+    held = locks.acquire(["GPU-b"], 1, 5, "first::test")
+    with marking(lock_dir, mark):  # (GPU-a's mark: another GPU than the one held)
+        assert not held.park()
+    held.release()
+    held = locks.acquire(["GPU-b"], 1, 5, "second::test")
+    assert held.park()
+    held.release()
+    assert locks.holder("GPU-b") == {}
+
+
+def test_lock_file_deleted_while_its_lock_is_kept_is_seen_at_the_next_test(tmp_path: Path) -> None:
+    # Deleted between two tests (a tmp cleaner): the kept lock is on an inode nobody else sees, so the
+    # next test lets it go (saying so), makes a new file and locks that one.
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    locks.prepare(["GPU-a"])
+    held = locks.acquire(["GPU-a"], 1, 5, "first::test")
+    assert held.park()
+    os.unlink(tmp_path / "locks" / "GPU-a.lock")
+    again = locks.acquire(["GPU-a"], 1, 5, "second::test", parked=held)
+    assert again is not held
+    assert any(f"lock file {lock_dir}/GPU-a.lock was deleted or replaced" in n
+               for n in locks_mod.take_notices())
+    assert "second::test" in other_session_tries(lock_dir, "GPU-a")  # the new file is the one locked
+    again.release()
 
 
 STREAM = """

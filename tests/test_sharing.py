@@ -290,6 +290,56 @@ def test_a_stream_of_tests_keeps_out_neither_another_gpu_nor_a_waiter(sessions: 
     assert rc == 0, out
 
 
+def test_a_session_keeps_its_locks_only_from_one_checked_test_to_the_next(sessions: Sessions, sim: Path,
+                                                                          tmp_path: Path) -> None:
+    # Between two checked tests the GPUs stay locked (nobody else waits for them), the records name each
+    # test in turn; before an unchecked test, after the last one and when the next test needs other GPUs,
+    # they are let go.
+    events = tmp_path / "events.jsonl"
+    copy_example("sharing/kept", sessions.suite)
+    rc, out = sessions.finish(sessions.start("test_kept.py", LOCK_DIR=str(sessions.lock_dir),
+                                             EVENTS=str(events)))
+    assert rc == 0, out
+    both = sorted(f"{u}.lock" for u in uuids_of(sim))
+    seen = {(e.get("during") or e.get("between") or "end", "during" in e): e for e in read_events(events)}
+
+    def between(test: str) -> list[str]:
+        return list(seen[f"test_kept.py::{test}", False]["held"])
+
+    def during(test: str) -> dict[str, Any]:
+        return seen[f"test_kept.py::{test}", True]
+
+    assert during("test_a")["held"] == both and between("test_a") == both  # kept: test_b is checked
+    assert during("test_b")["records"] == ["test_kept.py::test_b"] * 2  # the records name each test
+    assert between("test_b") == []  # let go before an unchecked test
+    assert during("test_unchecked")["held"] == []
+    one = during("test_one")["held"]
+    assert len(one) == 1 and between("test_one") == one and during("test_one_again")["held"] == one
+    assert during("test_one_again")["records"] == ["test_kept.py::test_one_again"]
+    assert f"{during('test_one_again')['visible']}.lock" == one[0]
+    assert between("test_one_again") == one  # kept, though test_both needs one more
+    assert during("test_both")["held"] == both
+    assert during("test_both")["records"] == ["test_kept.py::test_both"] * 2
+    assert between("test_both") == []  # the last test
+    assert seen["end", False]["records"] == []  # every record released
+
+
+def test_locks_kept_for_a_test_that_never_runs_are_let_go(sessions: Sessions, tmp_path: Path) -> None:
+    # The session stops between test_first, whose teardown kept the locks for test_never_runs, and that
+    # test (pytest.exit from a hook there, as a Ctrl-C would): the session's end lets them go. A record
+    # left up would name a holder that is gone.
+    events = tmp_path / "events.jsonl"
+    copy_example("sharing/kept", sessions.suite)
+    rc, out = sessions.finish(sessions.start("test_stops.py", LOCK_DIR=str(sessions.lock_dir),
+                                             EVENTS=str(events), EXIT_AFTER="test_stops.py::test_first"))
+    assert rc == pytest.ExitCode.INTERRUPTED, out
+    assert "stopped between two tests" in out and "1 passed" in out, out
+    recorded = read_events(events)
+    assert recorded[1] == {"between": "test_stops.py::test_first", "held": recorded[0]["held"]}
+    assert len(recorded[0]["held"]) == 2  # kept for test_never_runs
+    assert recorded[-1] == {"end": True, "held": [], "records": []}
+
+
 @pytest.mark.parametrize("inner_devices", ["own", "more"])
 def test_nested_session_makes_lock_files_while_its_outer_session_holds_gpus(
         sessions: Sessions, sim: Path, tmp_path: Path, inner_devices: str) -> None:
@@ -625,7 +675,9 @@ def test_waiting_reports_holders_once(tmp_path: Path) -> None:
         held.release()
     assert [sorted(t) for t in told] == [["GPU-a", "GPU-b"]]
     assert told[0]["GPU-a"]["test"] == "first::test"
-    assert locks.acquire(["GPU-a", "GPU-b"], 2, 0, "fourth::test").uuids == ("GPU-a", "GPU-b")
+    fourth = locks.acquire(["GPU-a", "GPU-b"], 2, 0, "fourth::test")
+    fourth.release()  # (else this worker's later tests would inherit them through HELD_VAR)
+    assert fourth.uuids == ("GPU-a", "GPU-b")
 
 
 def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -412,6 +412,37 @@ class HeldLocks:
         self._mtime_ns = state.mtime_ns if state is not None else 0
         """The directory's mtime when the acquire began: if it changed by release, an entry was removed or
         added, maybe a held lock file."""
+        self.parked = False
+        """Kept after its test for this session's next one (see ``park``)."""
+
+    def park(self) -> bool:
+        """Keep the locks for this process's next test instead of releasing them, if nobody else is waiting:
+        True if kept (hand them to the next ``GpuLocks.acquire`` as ``parked``, or ``release`` them), False
+        if the caller must release them now.
+
+        Why: letting go of a GPU between two tests of one session and taking it again was half of what a
+        checked test cost (five system calls per GPU), and nobody could use that gap: a waiter that looks
+        every 20 to 100 ms almost never looks in the few hundred microseconds it lasts, so it gets a GPU only
+        once it queues (``_QUEUE_AFTER_S``). So the locks are kept unless another session has a queue or a
+        make mark up (one request covers every GPU), and a waiter gets them at the next test boundary as it
+        did before. Not kept either if the directory had an entry added, removed or renamed since the
+        acquire (``release`` then checks that the lock files are still ours), in a forked child, or with
+        GPUs inherited from an ancestor.
+        """
+        state = self._dir
+        if (state is None or self.inherited or _cache.dirs.get(state.ident) is not state
+                or _cache.owner_pid != os.getpid()):
+            return False
+        try:
+            info = os.fstat(state.fd)
+            if (info.st_mtime_ns != self._mtime_ns or info.st_ctime_ns != state.ctime_ns
+                    or _marked(state, _MAKE_BASE, _MARKS_LEN) is not None):
+                return False
+        except OSError:
+            return False
+        self._restore_env()
+        self.parked = True
+        return True
 
     def release(self) -> None:
         # Holder record first: once the lock is free, the next holder writes its own. A blank file is
@@ -438,6 +469,10 @@ class HeldLocks:
             _let_go(state, self._taken)
         self.locks = []
         self._taken = []
+        self.parked = False
+        self._restore_env()
+
+    def _restore_env(self) -> None:
         previous, ours = self._env
         if ours is not None and os.environ.get(HELD_VAR) == ours:
             if previous is None:
@@ -806,8 +841,12 @@ class GpuLocks:
 
     def acquire(self, candidates: Sequence[str], count: int, timeout: float, holder_id: str,
                 prefer: Sequence[str] = (),
-                on_wait: Callable[[dict[str, dict[str, object]]], None] | None = None) -> HeldLocks:
+                on_wait: Callable[[dict[str, dict[str, object]]], None] | None = None,
+                parked: HeldLocks | None = None) -> HeldLocks:
         """Lock ``count`` of ``candidates`` (all of them when ``count == len(candidates)``).
+
+        ``parked``: the previous test's locks, kept by ``HeldLocks.park``. If they are what this acquire
+        needs, they are this test's (its holder records rewritten); else they are released first.
 
         GPUs that an ancestor process holds (see ``HELD_VAR``) count as taken, and come first; then free
         devices are taken in UUID order, those listed in ``prefer`` first. If fewer than ``count`` are
@@ -819,6 +858,10 @@ class GpuLocks:
         next test, waits its turn instead of taking a GPU the instant it is freed, so a stream of them can't
         keep a waiter out for ever; the queued compete among themselves as everyone did before.
         """
+        if parked is not None:
+            if self._resume(parked, candidates, count, holder_id):
+                return parked
+            parked.release()
         inherited = {u: h for u, h in self.inherited().items() if u in candidates}
         ordered = (sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
                    if inherited or prefer else sorted(candidates))  # (the same order: no key call per GPU)
@@ -912,9 +955,34 @@ class GpuLocks:
             value = _cache.held_values[key] = json.dumps({"dir": self.directory, "holders": holders})
         return value
 
+    def _resume(self, parked: HeldLocks, candidates: Sequence[str], count: int, holder_id: str) -> bool:
+        """Make the parked locks this test's, if they are ``count`` of ``candidates`` (and nothing is
+        inherited now: a nested session's first test releases them)."""
+        state = parked._dir
+        if (not parked.parked or state is None or len(parked.uuids) != count
+                or not set(parked.uuids).issubset(candidates) or os.environ.get(HELD_VAR)
+                or self._cached() is not state):
+            return False
+        try:  # (as at ``park``: an entry changed since, and ``release`` checks the lock files' names)
+            info = os.fstat(state.fd)
+        except OSError:
+            return False
+        if info.st_mtime_ns != parked._mtime_ns or info.st_ctime_ns != state.ctime_ns:
+            return False
+        parked.parked = False
+        parked.waited_s = 0.0
+        self._write_records(state, parked, holder_id)
+        return True
+
     def _record(self, state: _Dir, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
                 inherited: dict[str, tuple[int, int]]) -> HeldLocks:
         held = HeldLocks(taken, waited_s, {u: inherited[u] for u, fd in taken if fd is None}, state)
+        self._write_records(state, held, holder_id)
+        return held
+
+    def _write_records(self, state: _Dir, held: HeldLocks, holder_id: str) -> None:
+        """Set ``HELD_VAR`` and write this user's holder records of the GPUs ``held`` locked, naming the test
+        ``holder_id``."""
         me = _cache.me_checked()  # (acquire began with _cached(): this process's own cache)
         if me is not None:
             previous = os.environ.get(HELD_VAR)
@@ -929,8 +997,8 @@ class GpuLocks:
                                                     "host": _HOST, "uid": _cache.uid})[:-1]
         common = f'{head}, "test": {json.dumps(holder_id)}, "since": {time.time()!r}'
         uid = _cache.uid
-        written = held.holder_fds
-        for uuid, fd in taken:
+        written = held.holder_fds = []
+        for uuid, fd in held._taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
             record = (common + _marks(uuid).tail).encode()
@@ -938,7 +1006,6 @@ class GpuLocks:
                 written.append(_write_holder(state, _holder_name(uuid, uid), record))
             except OSError:
                 pass  # best effort: the lock itself is what protects the GPU
-        return held
 
 
 def _busy_or_raise(state: _Dir, name: str, exc: OSError) -> None:

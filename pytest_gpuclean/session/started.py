@@ -147,6 +147,10 @@ class Started(Protocol):
     @property
     def health(self) -> HealthView | None: ...
 
+    @property
+    def pid(self) -> int:
+        """The session's own process (a test run in a forked child runs in another)."""
+
     def set_owner_env(self, token: str) -> tuple[str | None, str | None]: ...
 
     def owned_by(self, token: str) -> contextlib.AbstractContextManager[None]: ...

@@ -54,6 +54,8 @@ class ItemChecks:
         """Token -> the fixture it was made for, until the check after the fixture ended (its name, scope
         and, on a finding, where it is defined)."""
         self._tearing_down: ItemState | None = None
+        self._parked: HeldLocks | None = None
+        """The last test's GPU locks, kept for the next checked test (``HeldLocks.park``)."""
         self._warned_own_context = False
         self._warned_own_cuda = False
         hook = session.config.hook
@@ -76,6 +78,7 @@ class ItemChecks:
             del item.stash[records.TEST]  # a test run again (a rerun plugin) starts a new record
         session.checker.ownership.open_window(token)
         if not checked:
+            self.release_parked()  # (its teardown said the next test was checked: a marker removed since)
             return None
         state.checked = True
         return self._before(item, state)
@@ -192,9 +195,11 @@ class ItemChecks:
             waiting.append(True)
             session.say(f"gpuclean: {item.nodeid} waits for GPU lock(s) held by: {describe_holders(holders)}")
 
+        parked, self._parked = self._parked, None
         try:
             held = session.locks.acquire([d.uuid for d in session.devices], wanted,
-                                         session.settings.lock_timeout, item.nodeid, on_wait=on_wait)
+                                         session.settings.lock_timeout, item.nodeid, on_wait=on_wait,
+                                         parked=parked)
         except LockTimeout as exc:
             # A finding, not a skip: the test never ran on GPUs it could call its own.
             record.lock_wait_s = exc.waited_s
@@ -211,9 +216,10 @@ class ItemChecks:
                         f"{held.waited_s:.1f}s")
         return held
 
-    def teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+    def teardown(self, item: pytest.Item, next_checked: bool) -> Generator[None, None, None]:
         """Around the test's teardown (the plugin's outermost wrapper delegates here): after every fixture
-        is torn down, check the GPUs; fails the teardown with what the test leaked."""
+        is torn down, check the GPUs; fails the teardown with what the test leaked. ``next_checked``: the
+        next test is checked too, so the GPU locks may be kept for it."""
         state = item.stash.get(_STATE, None)
         self._tearing_down = state
         try:
@@ -227,7 +233,8 @@ class ItemChecks:
         finally:
             self._tearing_down = None
             if state is not None:
-                self._end(state)
+                # (an interrupt, or pytest.exit: the session ends, so nothing is kept)
+                self._end(state, next_checked and (outcome is None or isinstance(outcome, Exception)))
         if outcome is not None:
             if failure:
                 item.add_report_section("teardown", "gpuclean", failure)
@@ -387,7 +394,7 @@ class ItemChecks:
             # One line, instead of every later test waiting out its timeout on a GPU that is gone.
             item.session.shouldstop = health_mod.stop_reason(lost)
 
-    def _end(self, state: ItemState) -> None:
+    def _end(self, state: ItemState, keep_locks: bool) -> None:
         for token in state.fixture_tokens:
             self._fixture_defs.pop(token, None)
         self.session.checker.ownership.close_window(state.token)
@@ -396,9 +403,23 @@ class ItemChecks:
         if state.previous_visible is not None:
             was_set, value = state.previous_visible
             restore_env("CUDA_VISIBLE_DEVICES", value if was_set else None)
-        if state.locks is not None:
-            state.locks.release()
-            state.locks = None
+        held, state.locks = state.locks, None
+        if held is not None and not (keep_locks and os.getpid() == self.session.pid and held.park()):
+            held.release()
+        elif held is not None:
+            self._parked = held
+        if not keep_locks:
+            self.release_parked()  # (a test skipped before it locked anything leaves the earlier ones)
+        if held is not None:
+            for notice in take_notices():
+                self.session.found.note(notice, once=True)
+
+    def release_parked(self) -> None:
+        """Let go of the GPU locks kept for a next test that will not take them (the session ends, or the
+        next test is not checked)."""
+        parked, self._parked = self._parked, None
+        if parked is not None:
+            parked.release()
             for notice in take_notices():
                 self.session.found.note(notice, once=True)
 
