@@ -443,8 +443,13 @@ class GpuCleanPlugin:
     def _should_check(self, item: pytest.Item) -> bool:
         if self.controller:
             return False
-        return (self.settings.all or item.get_closest_marker(MARKER) is not None
-                or FIXTURE in getattr(item, "fixturenames", ()))
+        if item.stash.get(_CHECKED, False):
+            return True  # (the previous test's teardown asked; only a yes is kept: a marker may come later)
+        checked = (self.settings.all or item.get_closest_marker(MARKER) is not None
+                   or FIXTURE in getattr(item, "fixturenames", ()))
+        if checked:
+            item.stash[_CHECKED] = True
+        return checked
 
     # trylast: the innermost wrapper. Our check may fail the setup before ``yield``, and wrappers
     # outside us (logging, capture) must have run their own setup so that their teardown finds it.
@@ -481,6 +486,7 @@ class GpuCleanPlugin:
 
 
 _CLEAN_GPUS: pytest.StashKey[tuple[DeviceSnapshot, ...]] = pytest.StashKey()
+_CHECKED: pytest.StashKey[bool] = pytest.StashKey()
 
 
 @pytest.fixture

@@ -378,17 +378,22 @@ def test_locks_kept_for_the_next_test_are_that_tests(tmp_path: Path, monkeypatch
     locks.prepare(["GPU-a", "GPU-b"])
     held = locks.acquire(["GPU-a", "GPU-b"], 1, 5, "first::test")
     assert held.uuids == ("GPU-a",) and held.park()
-    assert HELD_VAR not in os.environ  # (set only while a test holds them)
+    assert HELD_VAR in os.environ  # (they are held: a session started now would inherit them)
     assert locks.holder("GPU-a")["test"] == "first::test"
     assert "GPU-a: pid" in other_session_tries(lock_dir, "GPU-a")  # still locked: nobody else gets it
     again = locks.acquire(["GPU-a", "GPU-b"], 1, 5, "second::test", parked=held)
     assert again is held and not held.parked and HELD_VAR in os.environ
     assert locks.holder("GPU-a")["test"] == "second::test"
+    # A record too long for the padded size, then a short one again: each reads back whole.
+    for name in ("long::test[" + "x" * 600 + "]", "short::test"):
+        assert held.park()
+        assert locks.acquire(["GPU-a", "GPU-b"], 1, 5, name, parked=held) is held
+        assert str(locks.holder("GPU-a")["test"])[:100] == name[:100]  # (texts are cut when read)
     assert held.park()
     both = locks.acquire(["GPU-a", "GPU-b"], 2, 5, "third::test", parked=held)
     assert both is not held and both.uuids == ("GPU-a", "GPU-b") and not held.locks
     both.release()
-    assert locks.holder("GPU-a") == {} and locks.holder("GPU-b") == {}
+    assert locks.holder("GPU-a") == {} and locks.holder("GPU-b") == {} and HELD_VAR not in os.environ
 
 
 @pytest.mark.parametrize("mark", ["queue", "make"])

@@ -312,7 +312,8 @@ def test_a_session_keeps_its_locks_only_from_one_checked_test_to_the_next(sessio
     assert during("test_a")["held"] == both and between("test_a") == both  # kept: test_b is checked
     assert during("test_b")["records"] == ["test_kept.py::test_b"] * 2  # the records name each test
     assert between("test_b") == []  # let go before an unchecked test
-    assert during("test_unchecked")["held"] == []
+    assert during("test_unchecked")["held"] == [] and during("test_unchecked")["inherits"] is None
+    assert during("test_b")["inherits"] is not None  # (what a session it starts inherits)
     one = during("test_one")["held"]
     assert len(one) == 1 and between("test_one") == one and during("test_one_again")["held"] == one
     assert during("test_one_again")["records"] == ["test_kept.py::test_one_again"]

@@ -414,6 +414,9 @@ class HeldLocks:
         added, maybe a held lock file."""
         self.parked = False
         """Kept after its test for this session's next one (see ``park``)."""
+        self.record_slots: list[tuple[int, str]] = []
+        """(descriptor, end of the record) of each holder record last written, if all were padded: the next
+        test of a kept lock rewrites just these."""
 
     def park(self) -> bool:
         """Keep the locks for this process's next test instead of releasing them, if nobody else is waiting:
@@ -440,8 +443,7 @@ class HeldLocks:
                 return False
         except OSError:
             return False
-        self._restore_env()
-        self.parked = True
+        self.parked = True  # (``HELD_VAR`` stays: they are held, and the next test would set it again)
         return True
 
     def release(self) -> None:
@@ -960,8 +962,8 @@ class GpuLocks:
         inherited now: a nested session's first test releases them)."""
         state = parked._dir
         if (not parked.parked or state is None or len(parked.uuids) != count
-                or not set(parked.uuids).issubset(candidates) or os.environ.get(HELD_VAR)
-                or self._cached() is not state):
+                or not set(parked.uuids).issubset(candidates)
+                or os.environ.get(HELD_VAR) != parked._env[1] or self._cached() is not state):
             return False
         try:  # (as at ``park``: an entry changed since, and ``release`` checks the lock files' names)
             info = os.fstat(state.fd)
@@ -984,7 +986,7 @@ class GpuLocks:
         """Set ``HELD_VAR`` and write this user's holder records of the GPUs ``held`` locked, naming the test
         ``holder_id``."""
         me = _cache.me_checked()  # (acquire began with _cached(): this process's own cache)
-        if me is not None:
+        if me is not None and held._env[1] is None:  # (set already for locks kept from the last test)
             previous = os.environ.get(HELD_VAR)
             os.environ[HELD_VAR] = ours = self._held_value(held, me)
             held._env = (previous, ours)
@@ -996,16 +998,34 @@ class GpuLocks:
             head = _cache.record_head = json.dumps({"pid": _cache.owner_pid, "start": me[1] if me else None,
                                                     "host": _HOST, "uid": _cache.uid})[:-1]
         common = f'{head}, "test": {json.dumps(holder_id)}, "since": {time.time()!r}'
+        for holder, tail in held.record_slots:  # (locks kept from the last test: the files it wrote)
+            record = (common + tail).encode()
+            if len(record) > _RECORD_BYTES:
+                break  # (a long test id: written the general way below)
+            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
+                os.pwrite(holder, record.ljust(_RECORD_BYTES), 0)
+            except OSError:
+                pass
+        else:
+            if held.record_slots:
+                return
+        for holder, padded in held.holder_fds:
+            if not padded:  # (the last test's record was longer than the padding: a shorter one would
+                with contextlib.suppress(OSError):  # leave its end behind; rare, so no per-test cost)
+                    os.ftruncate(holder, 0)
         uid = _cache.uid
         written = held.holder_fds = []
+        slots: list[tuple[int, str]] = []
         for uuid, fd in held._taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
-            record = (common + _marks(uuid).tail).encode()
-            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
-                written.append(_write_holder(state, _holder_name(uuid, uid), record))
+            tail = _marks(uuid).tail
+            try:
+                written.append(_write_holder(state, _holder_name(uuid, uid), (common + tail).encode()))
             except OSError:
-                pass  # best effort: the lock itself is what protects the GPU
+                continue  # best effort: the lock itself is what protects the GPU
+            slots.append((written[-1][0], tail))
+        held.record_slots = slots if all(padded for _fd, padded in written) else []
 
 
 def _busy_or_raise(state: _Dir, name: str, exc: OSError) -> None:

@@ -6,7 +6,7 @@ from conftest import held_by_us, log, recorded_tests
 
 def during(request):
     log(during=request.node.nodeid, held=held_by_us(), records=recorded_tests(),
-        visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        visible=os.environ.get("CUDA_VISIBLE_DEVICES"), inherits=os.environ.get("GPUCLEAN_HELD_LOCKS"))
 
 
 @pytest.mark.needs_clean_gpus
