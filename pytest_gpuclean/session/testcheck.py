@@ -233,6 +233,9 @@ class ItemChecks:
         finally:
             self._tearing_down = None
             if state is not None:
+                # (every item lives to the session's end, and so would its state: garbage collections
+                # walk what is kept, and their cost per test grows with the session)
+                del item.stash[_STATE]
                 # (an interrupt, or pytest.exit: the session ends, so nothing is kept)
                 self._end(state, next_checked and (outcome is None or isinstance(outcome, Exception)))
         if outcome is not None:
