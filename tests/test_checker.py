@@ -87,7 +87,7 @@ def test_idle_devices_are_clean(backend: FakeBackend) -> None:
 
 def test_an_idle_check_takes_the_short_way_to_the_same_result(backend: FakeBackend,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # Nothing of ours alive and every device idle: _Check.quiet answers without the rounds' bookkeeping.
+    # Nothing of ours alive and every device idle: Checker._quiet answers without a _Check's bookkeeping.
     # Its result must be the one a full round gives, and anything there must take the full round.
     checker = Checker(backend, reap=False)
     devices = (GPU0, GPU1)

@@ -153,19 +153,50 @@ class Checker:
         A device that cannot be read raises ``DeviceError``; with ``device_errors`` it ends the check
         instead, not clean, with the error (``CheckResult.error``) and what was reaped without readings.
         """
+        started = time.monotonic()
         dead_sessions = self.dead_sessions and not self._debris_checked
         self._debris_checked = True  # at start-up once; later only when something is unexplained
-        check = _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                       self.reap_enabled if reap is None else reap, where)
         self.last_lost = None
-        if not device_errors:
-            return check.run()
+        first: tuple[tuple[DeviceSnapshot, ...], list[Found] | None] | None = None
+        check: _Check | None = None
         try:
+            if not (scan_cookies or dead_sessions or self.host_scope):
+                quiet = self._quiet(phase, devices, tolerance_mib, started)
+                if isinstance(quiet, CheckResult):
+                    return quiet
+                first = quiet
+            check = _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
+                           self.reap_enabled if reap is None else reap, where, started, first)
             return check.run()
         except DeviceError as exc:
+            if not device_errors:
+                raise
             if isinstance(exc, DeviceLost):
                 self.last_lost = exc
+            if check is None:  # (the first reading failed: nothing was reaped yet)
+                check = _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
+                               self.reap_enabled if reap is None else reap, where, started)
             return check.unreadable(exc)
+
+    def _quiet(self, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int, started: float
+               ) -> CheckResult | tuple[tuple[DeviceSnapshot, ...], list[Found] | None]:
+        """The clean path's result, if nothing at all is there: no process of ours alive, and every device
+        idle (no process listed, no memory used). It is what a check's rounds conclude then, without
+        their bookkeeping (a ``_Check`` and its dozen containers), which is most of a clean check's cost.
+        Otherwise the readings taken, for the check's first round."""
+        snaps = self.snapshot(devices)
+        found: list[Found] | None = None
+        for s in snaps:  # (a loop, not all() over a generator: one frame per device and check less)
+            if s.processes or s.used_bytes > 0:
+                break
+        else:
+            found = self.procs.take()
+        if found is None or found:
+            return snaps, found
+        self.outside.forget(d.uuid for d in devices)  # what held them from outside is gone
+        waited = time.monotonic() - started
+        return CheckResult(phase=phase, clean=True, devices=snaps, offenders=(), waited_s=waited,
+                           clean_after_s=waited, tolerance_mib=tolerance_mib)
 
     def _relays_to_others(self, f: Found, info: ProcessInfo | None, everyone: Sequence[Found]) -> str | None:
         """Why signalling ``f`` would reach another user's process (``su``, ``sudo`` relay signals)."""
@@ -294,7 +325,8 @@ class _Check:
 
     def __init__(self, checker: Checker, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
                  timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool,
-                 where: str = "an earlier check") -> None:
+                 where: str = "an earlier check", started: float | None = None,
+                 first: tuple[tuple[DeviceSnapshot, ...], list[Found] | None] | None = None) -> None:
         self.c = checker
         self.where = where
         self.phase = phase
@@ -305,7 +337,7 @@ class _Check:
         self.scan_cookies = scan_cookies
         self.dead_sessions = dead_sessions
         self.reap_enabled = reap
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.reaped: list[Reaped] = []
         self.notes: list[str] = []
         self.attempted: set[tuple[int, int]] = set()
@@ -326,17 +358,14 @@ class _Check:
         self.self_cuda: set[str] = set()
         self.outside_seen: dict[str, OutsideState] = {}
         """Per device UUID: its outside state as this check last found it, and since when unchanged."""
-        self._first: tuple[tuple[DeviceSnapshot, ...], list[Found] | None] | None = None
-        """The readings ``quiet`` took, for the first round."""
+        self._first = first
+        """The readings ``Checker._quiet`` took, for the first round."""
         self.siblings: dict[tuple[int, int], SiblingUse] = {}
         """Processes of live sibling xdist workers seen on these devices, by identity."""
         self.peers: set[int] = set()
         """Sibling xdist workers themselves seen on these devices (their own CUDA contexts)."""
 
     def run(self) -> CheckResult:
-        quiet = self.quiet()
-        if quiet is not None:
-            return quiet
         while True:
             self.observe()
             if self.needs_cookie_scan():
@@ -351,29 +380,6 @@ class _Check:
             if result is not None:
                 return result
             time.sleep(POLL_S)
-
-    def quiet(self) -> CheckResult | None:
-        """The clean path's result, if nothing at all is there: no process of ours alive, and every device
-        idle (no process listed, no memory used). It is what the rounds below conclude then, without
-        their bookkeeping, which is most of a clean check's cost. Otherwise None, and the first round
-        reuses these readings."""
-        if self.scan_cookies or self.dead_sessions or self.c.host_scope:
-            return None
-        c = self.c
-        snaps = c.snapshot(self.devices)
-        found: list[Found] | None = None
-        for s in snaps:  # (a loop, not all() over a generator: one frame per device and check less)
-            if s.processes or s.used_bytes > 0:
-                break
-        else:
-            found = c.procs.take()
-        if found is None or found:
-            self._first = (snaps, found)
-            return None
-        c.outside.forget(d.uuid for d in self.devices)  # what held them from outside is gone
-        waited = time.monotonic() - self.started
-        return CheckResult(phase=self.phase, clean=True, devices=snaps, offenders=(), waited_s=waited,
-                           clean_after_s=waited, tolerance_mib=self.tolerance_mib)
 
     def observe(self) -> None:
         c = self.c
