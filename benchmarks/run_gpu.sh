@@ -3,7 +3,7 @@
 # (bench_release_gpu.py: leak-to-clean latency, timeline), plus the timeline plot. About 2 minutes.
 #
 #   bash benchmarks/run_gpu.sh            # from the repository root; writes to $OUT
-#   SIMULATE=1 PYTHON=.venv-dev/bin/python OUT=/tmp/x bash benchmarks/run_gpu.sh   # dry run without a GPU
+#   SIMULATE=1 PYTHON=.venv/bin/python OUT=/tmp/x bash benchmarks/run_gpu.sh   # dry run without a GPU
 #
 # Files written to $OUT (default benchmarks/results/gpu): run.log, clean_path_real.json,
 # release_results.json, release_timeline.json, release_timeline.png, holders.log.
