@@ -396,6 +396,27 @@ def test_locks_kept_for_the_next_test_are_that_tests(tmp_path: Path, monkeypatch
     assert locks.holder("GPU-a") == {} and locks.holder("GPU-b") == {} and HELD_VAR not in os.environ
 
 
+def test_kept_locks_interrupted_while_the_next_test_takes_them_are_let_go(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ctrl-C (or a pytest-timeout signal) while the next test rewrites the records: its caller no longer
+    # has the kept locks to let go of, so the acquire does.
+    monkeypatch.delenv(HELD_VAR, raising=False)
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    locks.prepare(["GPU-a"])  # (as a session's start does: a record file made later changes the directory)
+    held = locks.acquire(["GPU-a"], 1, 5, "first::test")
+    assert held.park()
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(GpuLocks, "_write_records", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        locks.acquire(["GPU-a"], 1, 5, "second::test", parked=held)
+    monkeypatch.undo()
+    assert other_session_tries(lock_dir, "GPU-a") == "locked\n" and HELD_VAR not in os.environ
+
+
 @pytest.mark.parametrize("mark", ["queue", "make"])
 def test_locks_are_not_kept_while_another_session_waits(tmp_path: Path, mark: str) -> None:
     # A queue mark: a session has waited a second for a GPU (for this one or not: one request looks at

@@ -861,8 +861,12 @@ class GpuLocks:
         keep a waiter out for ever; the queued compete among themselves as everyone did before.
         """
         if parked is not None:
-            if self._resume(parked, candidates, count, holder_id):
-                return parked
+            try:
+                if self._resume(parked, candidates, count, holder_id):
+                    return parked
+            except BaseException:
+                parked.release()  # (an interrupt: the caller no longer has them to let go)
+                raise
             parked.release()
         inherited = {u: h for u, h in self.inherited().items() if u in candidates}
         ordered = (sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
@@ -958,8 +962,9 @@ class GpuLocks:
         return value
 
     def _resume(self, parked: HeldLocks, candidates: Sequence[str], count: int, holder_id: str) -> bool:
-        """Make the parked locks this test's, if they are ``count`` of ``candidates`` (and nothing is
-        inherited now: a nested session's first test releases them)."""
+        """Make the parked locks this test's, if they are ``count`` of ``candidates``, ``HELD_VAR`` still
+        says what they set (else something changed the environment between the tests), and the directory
+        is unchanged."""
         state = parked._dir
         if (not parked.parked or state is None or len(parked.uuids) != count
                 or not set(parked.uuids).issubset(candidates)

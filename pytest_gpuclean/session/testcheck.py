@@ -407,15 +407,16 @@ class ItemChecks:
             was_set, value = state.previous_visible
             restore_env("CUDA_VISIBLE_DEVICES", value if was_set else None)
         held, state.locks = state.locks, None
-        if held is not None and not (keep_locks and os.getpid() == self.session.pid and held.park()):
-            held.release()
-        elif held is not None:
-            self._parked = held
-        if not keep_locks:
-            self.release_parked()  # (a test skipped before it locked anything leaves the earlier ones)
         if held is not None:
+            # (not in a forked child: the session's process never sees its next test)
+            if keep_locks and os.getpid() == self.session.pid and held.park():
+                self._parked = held
+            else:
+                held.release()
             for notice in take_notices():
                 self.session.found.note(notice, once=True)
+        if not keep_locks:
+            self.release_parked()  # (a test skipped before it locked anything leaves the earlier ones)
 
     def release_parked(self) -> None:
         """Let go of the GPU locks kept for a next test that will not take them (the session ends, or the
