@@ -417,6 +417,26 @@ def test_kept_locks_interrupted_while_the_next_test_takes_them_are_let_go(
     assert other_session_tries(lock_dir, "GPU-a") == "locked\n" and HELD_VAR not in os.environ
 
 
+def test_kept_locks_after_a_test_scrubbed_the_environment_are_taken_anew(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A test that cleared os.environ (or a hook between two tests) took HELD_VAR away: what a session the
+    # next test starts would inherit no longer says these locks, so they are let go and taken afresh,
+    # and HELD_VAR says them again.
+    monkeypatch.delenv(HELD_VAR, raising=False)
+    lock_dir = str(tmp_path / "locks")
+    locks = GpuLocks(lock_dir)
+    locks.prepare(["GPU-a"])
+    held = locks.acquire(["GPU-a"], 1, 5, "first::test")
+    assert held.park()
+    del os.environ[HELD_VAR]
+    again = locks.acquire(["GPU-a"], 1, 5, "second::test", parked=held)
+    assert again is not held and not held.locks and HELD_VAR in os.environ
+    assert locks.holder("GPU-a")["test"] == "second::test"
+    assert "second::test" in other_session_tries(lock_dir, "GPU-a")
+    again.release()
+    assert HELD_VAR not in os.environ
+
+
 @pytest.mark.parametrize("mark", ["queue", "make"])
 def test_locks_are_not_kept_while_another_session_waits(tmp_path: Path, mark: str) -> None:
     # A queue mark: a session has waited a second for a GPU (for this one or not: one request looks at

@@ -437,14 +437,18 @@ class HeldLocks:
                 or _cache.owner_pid != os.getpid()):
             return False
         try:
-            info = os.fstat(state.fd)
-            if (info.st_mtime_ns != self._mtime_ns or info.st_ctime_ns != state.ctime_ns
-                    or _marked(state, _MAKE_BASE, _MARKS_LEN) is not None):
+            if not self._directory_unchanged(state) or _marked(state, _MAKE_BASE, _MARKS_LEN) is not None:
                 return False
         except OSError:
             return False
         self.parked = True  # (``HELD_VAR`` stays: they are held, and the next test would set it again)
         return True
+
+    def _directory_unchanged(self, state: _Dir) -> bool:
+        """No entry of the directory was added, removed or renamed since these locks were taken (else
+        ``release`` checks that the lock files are still the ones locked)."""
+        info = os.fstat(state.fd)
+        return info.st_mtime_ns == self._mtime_ns and info.st_ctime_ns == state.ctime_ns
 
     def release(self) -> None:
         # Holder record first: once the lock is free, the next holder writes its own. A blank file is
@@ -970,11 +974,10 @@ class GpuLocks:
                 or not set(parked.uuids).issubset(candidates)
                 or os.environ.get(HELD_VAR) != parked._env[1] or self._cached() is not state):
             return False
-        try:  # (as at ``park``: an entry changed since, and ``release`` checks the lock files' names)
-            info = os.fstat(state.fd)
+        try:
+            if not parked._directory_unchanged(state):  # (looked at again: pytest ran hooks since ``park``)
+                return False
         except OSError:
-            return False
-        if info.st_mtime_ns != parked._mtime_ns or info.st_ctime_ns != state.ctime_ns:
             return False
         parked.parked = False
         parked.waited_s = 0.0
@@ -1003,17 +1006,8 @@ class GpuLocks:
             head = _cache.record_head = json.dumps({"pid": _cache.owner_pid, "start": me[1] if me else None,
                                                     "host": _HOST, "uid": _cache.uid})[:-1]
         common = f'{head}, "test": {json.dumps(holder_id)}, "since": {time.time()!r}'
-        for holder, tail in held.record_slots:  # (locks kept from the last test: the files it wrote)
-            record = (common + tail).encode()
-            if len(record) > _RECORD_BYTES:
-                break  # (a long test id: written the general way below)
-            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
-                os.pwrite(holder, record.ljust(_RECORD_BYTES), 0)
-            except OSError:
-                pass
-        else:
-            if held.record_slots:
-                return
+        if held.record_slots and _rewrite_records(held.record_slots, common):
+            return  # (locks kept from the last test: the files it wrote, rewritten in place)
         for holder, padded in held.holder_fds:
             if not padded:  # (the last test's record was longer than the padding: a shorter one would
                 with contextlib.suppress(OSError):  # leave its end behind; rare, so no per-test cost)
@@ -1031,6 +1025,20 @@ class GpuLocks:
                 continue  # best effort: the lock itself is what protects the GPU
             slots.append((written[-1][0], tail))
         held.record_slots = slots if all(padded for _fd, padded in written) else []
+
+
+def _rewrite_records(slots: Sequence[tuple[int, str]], common: str) -> bool:
+    """Rewrite padded holder records in place, each ``common`` + its end; False (having stopped) at one too
+    long for the padding (a long test id), which the caller writes the general way."""
+    for holder, tail in slots:
+        record = (common + tail).encode()
+        if len(record) > _RECORD_BYTES:
+            return False
+        try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
+            os.pwrite(holder, record.ljust(_RECORD_BYTES), 0)
+        except OSError:
+            pass
+    return True
 
 
 def _busy_or_raise(state: _Dir, name: str, exc: OSError) -> None:

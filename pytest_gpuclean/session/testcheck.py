@@ -413,8 +413,7 @@ class ItemChecks:
                 self._parked = held
             else:
                 held.release()
-            for notice in take_notices():
-                self.session.found.note(notice, once=True)
+            self._note_lock_notices()
         if not keep_locks:
             self.release_parked()  # (a test skipped before it locked anything leaves the earlier ones)
 
@@ -424,8 +423,12 @@ class ItemChecks:
         parked, self._parked = self._parked, None
         if parked is not None:
             parked.release()
-            for notice in take_notices():
-                self.session.found.note(notice, once=True)
+            self._note_lock_notices()
+
+    def _note_lock_notices(self) -> None:
+        """What letting go of locks noticed about the lock directory (a deleted lock file), once each."""
+        for notice in take_notices():
+            self.session.found.note(notice, once=True)
 
     # ---- fixtures owned by a scope wider than a test ----------------------------------------------
 
