@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,20 +38,23 @@ def absent_pid() -> int:
 class FakeBackend:
     """Devices whose readings the test sets: ``used`` MiB and ``(pid, MiB)`` listed processes."""
 
-    readings: dict[str, tuple[float, tuple[tuple[int, float | None], ...]]] = field(default_factory=dict)
+    values: dict[str, tuple[float, tuple[tuple[int, float | None], ...]]] = field(default_factory=dict)
     cuda: dict[int, frozenset[str]] = field(default_factory=dict)
     kind: str = "simulated"
 
     def set(self, device: DeviceInfo, used_mib: float, *listed: tuple[int, float | None]) -> None:
-        self.readings[device.uuid] = (used_mib, listed)
+        self.values[device.uuid] = (used_mib, listed)
 
     def devices(self) -> tuple[DeviceInfo, ...]:
         return (GPU0, GPU1)
 
     def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
-        used, listed = self.readings.get(device.uuid, (0, ()))
+        used, listed = self.values.get(device.uuid, (0, ()))
         return DeviceSnapshot(device, int(used * MIB), 1000 * MIB, tuple(
             GpuProcess(pid, None if mib is None else int(mib * MIB)) for pid, mib in listed))
+
+    def readings(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
+        return tuple(self.snapshot(d) for d in devices)
 
     def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
         return {pid: self.cuda[pid] for pid in pids if pid in self.cuda}
@@ -103,10 +106,10 @@ def test_an_idle_check_takes_the_short_way_to_the_same_result(backend: FakeBacke
     assert [getattr(quiet, n) for n in same] == [getattr(full, n) for n in same]
     assert quiet.clean and quiet.clean_after_s is not None
     # Memory charged to no process (within the tolerance): the full round, which looks at whose it is.
-    backend.readings[GPU1.uuid] = (1, ())
+    backend.values[GPU1.uuid] = (1, ())
     assert checker.check("setup", devices, tolerance_mib=5, timeout=0).clean
     assert rounds == [1, 1]
-    backend.readings.clear()
+    backend.values.clear()
     # A process of ours alive, holding no GPU memory: the full round, which weighs it (started outside
     # any test, it is the session set-up's here: protected, and the check is clean).
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

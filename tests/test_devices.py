@@ -228,21 +228,81 @@ def test_nvml_gpu_is_lost_is_a_lost_device_other_errors_are_read_errors(
 def test_an_idle_folder_read_by_its_ctime_still_sees_memory_come_and_go(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # An idle simulated device whose folder has not changed for a while is read with a stat, not a
-    # listdir (SimulatedBackend._settled): a file added or removed must still show at once.
+    # listdir (SimulatedBackend._settled, in the checks' ``readings``): a file added or removed must still
+    # show at once, and a removed folder is a lost device.
     (tmp_path / "0").mkdir()
     backend = SimulatedBackend(tmp_path)
     device = backend.devices()[0]
     time.sleep(procfs.SETTLED_NS / 1e9 + 0.02)
-    assert backend.snapshot(device).used_bytes == 0  # (a listdir: the ctime is recorded)
+
+    def used() -> int:
+        [reading] = backend.readings((device,))
+        return reading.used_bytes
+
+    assert used() == 0  # (a listdir: the ctime is recorded)
     listed: list[str] = []
     real_listdir = os.listdir
     monkeypatch.setattr(os, "listdir", lambda path: listed.append(str(path)) or real_listdir(path))
-    assert backend.snapshot(device).used_bytes == 0
+    assert used() == 0
     assert listed == []  # the fast path is taken
     held = allocate(str(tmp_path), 0, 64)  # this very process "allocates": it is alive
-    assert backend.snapshot(device).used_bytes == 64 * MIB
+    assert used() == 64 * MIB
     held.unlink()
-    assert backend.snapshot(device).used_bytes == 0
+    assert used() == 0
+    time.sleep(procfs.SETTLED_NS / 1e9 + 0.02)
+    assert used() == 0  # settled again
+    (tmp_path / "0").rmdir()
+    with pytest.raises(DeviceLost, match="vanished"):
+        used()
+
+
+def test_a_reading_equal_to_the_last_one_is_that_object(tmp_path: Path) -> None:
+    # The session keeps every test's record, and a record keeps its checks' readings: equal readings are
+    # one object, whatever the device's state, so that clean tests add no readings of their own.
+    (tmp_path / "0").mkdir()
+    (tmp_path / "1").mkdir()
+    backend = SimulatedBackend(tmp_path)
+    held = allocate(str(tmp_path), 1, 64)
+    first = backend.readings(backend.devices())
+    second = backend.readings(backend.devices())
+    assert [r.used_bytes for r in second] == [0, 64 * MIB]
+    assert all(a is b for a, b in zip(first, second, strict=True))
+    held.write_text(str(65 * MIB))
+    third = backend.readings(backend.devices())
+    assert third[0] is first[0] and third[1] is not first[1] and third[1].used_bytes == 65 * MIB
+    held.unlink()
+
+
+def test_nvml_readings_share_equal_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    pynvml = pytest.importorskip("pynvml")
+    used = [0]
+
+    class Memory:
+        total = 1000 * MIB
+
+        @property
+        def used(self) -> int:
+            return used[0]
+
+    def not_mig(handle: object) -> tuple[int, int]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    for name, value in (("nvmlInit", lambda: None), ("nvmlDeviceGetCount", lambda: 1),
+                        ("nvmlDeviceGetHandleByIndex", lambda i: object()),
+                        ("nvmlDeviceGetName", lambda h: "GPU"), ("nvmlDeviceGetMinorNumber", lambda h: 0),
+                        ("nvmlDeviceGetMigMode", not_mig), ("nvmlDeviceGetUUID", lambda h: GPU0.uuid),
+                        ("nvmlDeviceGetMemoryInfo", lambda h, version=None: Memory()),
+                        ("nvmlDeviceGetComputeRunningProcesses", lambda h: []),
+                        ("nvmlDeviceGetGraphicsRunningProcesses", lambda h: [])):
+        monkeypatch.setattr(pynvml, name, value)
+    backend = NvmlBackend(NvmlOpening(thread=False))
+    devices = backend.devices()
+    first, second = backend.readings(devices), backend.readings(devices)
+    assert first[0] is second[0] and first[0].used_bytes == 0
+    used[0] = 5 * MIB
+    third = backend.readings(devices)
+    assert third[0] is not first[0] and third[0].used_bytes == 5 * MIB
+    assert backend.readings(devices)[0] is third[0]
 
 
 @pytest.mark.parametrize("thread", [True, False])

@@ -30,6 +30,7 @@ XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
 MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
 """Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
 dill-based fork that vLLM's tests use)."""
+_HELPER_MODULES = tuple((f"{p}.resource_tracker", f"{p}.forkserver") for p in MULTIPROCESSING_PACKAGES)
 
 
 class Found:
@@ -164,15 +165,15 @@ class Census:
         # ``multiprocess`` package (dill-based, used by vLLM's tests) has the same helpers.
         helpers: set[int] = set()
         modules = sys.modules
-        for package in MULTIPROCESSING_PACKAGES:
+        for tracker_name, forkserver_name in _HELPER_MODULES:
             # (each getattr only where the module was imported: this runs on every check, and most
             # sessions never import them)
-            module = modules.get(f"{package}.resource_tracker")
+            module = modules.get(tracker_name)
             if module is not None:
                 tracker = getattr(module, "_resource_tracker", None)
                 if getattr(tracker, "_pid", None):
                     helpers.add(tracker._pid)  # type: ignore[union-attr]
-            module = modules.get(f"{package}.forkserver")
+            module = modules.get(forkserver_name)
             if module is not None:
                 forkserver = getattr(module, "_forkserver", None)
                 if getattr(forkserver, "_forkserver_pid", None):

@@ -9,6 +9,7 @@ line drive the same ``Checker``.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,8 @@ MAX_REAP_ROUNDS = 4
 MAX_FREEZE_PASSES = 20
 """Census passes while freezing a respawning set: each pass stops what the previous one missed, and a
 stopped process forks no more, so this ends after as many passes as the tree is deep."""
+_LISTED = operator.attrgetter("processes")
+_USED = operator.attrgetter("used_bytes")
 
 
 class Checker:
@@ -78,7 +81,6 @@ class Checker:
         self.hurry: Callable[[], bool] | None = None
         """Set while an interrupt asks the reaping to be quick: the grace ends at once."""
         self._debris_checked = False
-        self._last_readings: dict[str, DeviceSnapshot] = {}
         self.outside = OutsideMemory()
         """Per device UUID: the outside state a check waited out. A later check that finds the very same,
         unchanged for as long as its own timeout, does not wait for it again. (An xdist worker's session
@@ -127,22 +129,7 @@ class Checker:
     def snapshot(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
         if self.backend is None or not devices:
             return ()
-        # A reading equal to the device's previous one is that object: the records of clean tests then
-        # share their readings instead of each keeping two per device (the session keeps every record
-        # for its report, and every full garbage collection, pytest's last ones included, walks them).
-        last = self._last_readings
-        readings = []
-        for device in devices:
-            reading = self.backend.snapshot(device)
-            previous = last.get(device.uuid)
-            # (``is`` first: an idle simulated device's reading is the same object each time, and this
-            # spares a Python-level ``__eq__`` per device and check)
-            if previous is reading or (previous is not None and previous == reading):
-                reading = previous
-            else:
-                last[device.uuid] = reading
-            readings.append(reading)
-        return tuple(readings)
+        return self.backend.readings(devices)
 
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
               scan_cookies: bool = False, reap: bool | None = None,
@@ -186,10 +173,8 @@ class Checker:
         Otherwise the readings taken, for the check's first round."""
         snaps = self.snapshot(devices)
         found: list[Found] | None = None
-        for s in snaps:  # (a loop, not all() over a generator: one frame per device and check less)
-            if s.processes or s.used_bytes > 0:
-                break
-        else:
+        # (C-level passes, no frame per device: a device with processes listed or memory used is busy)
+        if not any(map(_LISTED, snaps)) and not any(map(_USED, snaps)):
             found = self.procs.take()
         if found is None or found:
             return snaps, found

@@ -78,6 +78,11 @@ class Backend(Protocol):
         """Read memory and processes of one device."""
         ...
 
+    def readings(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
+        """Read ``devices``, in order: what every check does, so its per-device work is in one loop. A
+        reading equal to the device's last one is that same object (``LastReadings``)."""
+        ...
+
     def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
         """Those of ``pids`` that have initialised CUDA, with the UUIDs of the devices they have open,
         whether the driver lists them there or not.
@@ -175,6 +180,24 @@ class NvmlOpening:
         return self._opened
 
 
+class LastReadings:
+    """Each device's last reading: a reading equal to it is that object. The records of clean tests then
+    share their readings instead of each keeping two per device (the session keeps every record for its
+    report, and every full garbage collection, pytest's last ones included, walks them)."""
+
+    __slots__ = ("_by_uuid",)
+
+    def __init__(self) -> None:
+        self._by_uuid: dict[str, DeviceSnapshot] = {}
+
+    def same(self, reading: DeviceSnapshot) -> DeviceSnapshot:
+        previous = self._by_uuid.get(reading.device.uuid)
+        if previous is not None and previous == reading:
+            return previous
+        self._by_uuid[reading.device.uuid] = reading
+        return reading
+
+
 class NvmlBackend:
     """Real GPUs through NVML. ``nvmlInit`` is slow next to a device query, so it is done once per process."""
 
@@ -195,6 +218,7 @@ class NvmlBackend:
         self._memory_v2 = True
         # pynvml functions are not safe to interleave from several threads (shared ctypes state).
         self._lock = threading.Lock()
+        self._last = LastReadings()
 
     def _enumerate(self, handles: list[Any]) -> tuple[DeviceInfo, ...]:
         nvml = self._nvml
@@ -268,6 +292,10 @@ class NvmlBackend:
             total_bytes=int(memory.total),
             processes=tuple(GpuProcess(pid, used) for pid, used in sorted(processes.items())),
         )
+
+    def readings(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
+        same = self._last.same
+        return tuple([same(self.snapshot(device)) for device in devices])
 
     def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
         users: dict[int, frozenset[str]] = {}
@@ -422,6 +450,7 @@ class SimulatedBackend:
         ctime was settled, and the idle reading: while they stay the same the folder is still empty, and a
         ``stat`` does instead of a ``listdir`` (a third of the cost, on every check's every device). One
         lookup per device and reading in that case (its folder and its reading come with it)."""
+        self._last = LastReadings()
         self._xid_path = str(self.root / "xid")
         self._xid_read: int | None = None
         """How many bytes of ``DIR/xid`` were read (None: not watching)."""
@@ -449,15 +478,28 @@ class SimulatedBackend:
     def devices(self) -> tuple[DeviceInfo, ...]:
         return self._devices
 
+    def readings(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
+        # The clean path of every check: a settled empty folder is one stat, its reading the idle one.
+        settled = self._settled
+        found: list[DeviceSnapshot] = []
+        for device in devices:
+            known = settled.get(device.index)
+            if known is not None:
+                try:
+                    info = os.stat(known[0])
+                except OSError:
+                    info = None  # (gone or unreadable: ``snapshot`` says which)
+                if info is not None and known[1] == info.st_ino and known[2] == info.st_ctime_ns:
+                    found.append(known[3])
+                    continue
+            found.append(self.snapshot(device))
+        return tuple(found)
+
     def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
-        settled = self._settled.get(device.index)
         # A str path from _enumerate: this runs on every poll, and a Path per call is not free.
-        where = (settled[0] if settled is not None
-                 else self._folders.get(device.index) or str(self.root / str(device.index)))
+        where = self._folders.get(device.index) or str(self.root / str(device.index))
         try:
             info = os.stat(where)
-            if settled is not None and settled[1] == info.st_ino and settled[2] == info.st_ctime_ns:
-                return settled[3]
             names = os.listdir(where)
         except FileNotFoundError:
             raise DeviceLost(device, f"vanished ({where} is gone)") from None
@@ -474,7 +516,7 @@ class SimulatedBackend:
             return idle
         self._settled.pop(device.index, None)
         try:
-            return self._read(device, Path(where), names)
+            return self._last.same(self._read(device, Path(where), names))
         except SimulationError as exc:
             exc.device = device  # the file names the folder; a failed check's line names the device too
             raise

@@ -137,8 +137,8 @@ class _ProcessCache:
         self.me: tuple[int, int] | None = None
         """(pid, start ticks) of this process, read once."""
         self.record_head: str | None = None
-        """This process's part of its holder records as JSON (up to their ``test``), encoded once; each GPU's
-        end of the record is ``_Marks.tail``."""
+        """This process's part of its holder records as JSON (up to the GPU's ``_Marks.uuid_field``), encoded
+        once; the test and the time come last (``GpuLocks._write_records``)."""
         self.uid = -1
         """The effective uid that ``record_head`` names, read with it: the records are written into that
         uid's holder files (a ``geteuid`` per test spared)."""
@@ -312,14 +312,14 @@ class _Marks:
     """The offsets of one GPU's marks, its hold mark's requests packed once, and its files' names. (A plain
     class: see ``ownership.Window``.)"""
 
-    __slots__ = ("file", "hold", "lock", "make", "queue", "set_hold", "tail", "unset_hold")
+    __slots__ = ("file", "hold", "lock", "make", "queue", "set_hold", "unset_hold", "uuid_field")
 
     def __init__(self, uuid: str) -> None:
         self.file = _file_name(uuid)
         self.lock = f"{self.file}.lock"
         """The lock file's name."""
-        self.tail = f', "uuid": {json.dumps(uuid)}}}'
-        """The end of its holder record (see ``GpuLocks._record``)."""
+        self.uuid_field = f', "uuid": {json.dumps(uuid)}'
+        """Its holder record's field that names it (see ``GpuLocks._write_records``)."""
         digest = hashlib.blake2b(uuid.encode(), digest_size=8).digest()
         slot = int.from_bytes(digest, "big") >> (64 - _SLOT_BITS)
         self.hold = slot
@@ -414,9 +414,9 @@ class HeldLocks:
         added, maybe a held lock file."""
         self.parked = False
         """Kept after its test for this session's next one (see ``park``)."""
-        self.record_slots: list[tuple[int, str]] = []
-        """(descriptor, end of the record) of each holder record last written, if all were padded: the next
-        test of a kept lock rewrites just these."""
+        self.record_slots: list[tuple[int, int]] = []
+        """(descriptor, where the test's part starts) of each holder record last written, if all were padded:
+        the next test of a kept lock rewrites just that part of these."""
 
     def park(self) -> bool:
         """Keep the locks for this process's next test instead of releasing them, if nobody else is waiting:
@@ -998,15 +998,17 @@ class GpuLocks:
             previous = os.environ.get(HELD_VAR)
             os.environ[HELD_VAR] = ours = self._held_value(held, me)
             held._env = (previous, ours)
-        # Only the test and the time change from one record to the next: the rest is encoded once per
-        # process and GPU (the json.dumps calls of a record cost as much as writing it).
+        # Only the test and the time change from one record to the next, and they come last: the rest is
+        # encoded once per process and GPU, and a kept lock's record is rewritten from where they start,
+        # with the same bytes for every GPU (the encoding and padding of a record per GPU and test cost as
+        # much as writing it).
         head = _cache.record_head
         if head is None:
             _cache.uid = os.geteuid()
             head = _cache.record_head = json.dumps({"pid": _cache.owner_pid, "start": me[1] if me else None,
                                                     "host": _HOST, "uid": _cache.uid})[:-1]
-        common = f'{head}, "test": {json.dumps(holder_id)}, "since": {time.time()!r}'
-        if held.record_slots and _rewrite_records(held.record_slots, common):
+        current = f', "since": {time.time()!r}, "test": {json.dumps(holder_id)}}}'.encode()
+        if held.record_slots and _rewrite_records(held.record_slots, current):
             return  # (locks kept from the last test: the files it wrote, rewritten in place)
         for holder, padded in held.holder_fds:
             if not padded:  # (the last test's record was longer than the padding: a shorter one would
@@ -1014,28 +1016,32 @@ class GpuLocks:
                     os.ftruncate(holder, 0)
         uid = _cache.uid
         written = held.holder_fds = []
-        slots: list[tuple[int, str]] = []
+        slots: list[tuple[int, int]] = []
         for uuid, fd in held._taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
-            tail = _marks(uuid).tail
+            fixed = (head + _marks(uuid).uuid_field).encode()
             try:
-                written.append(_write_holder(state, _holder_name(uuid, uid), (common + tail).encode()))
+                written.append(_write_holder(state, _holder_name(uuid, uid), fixed + current))
             except OSError:
                 continue  # best effort: the lock itself is what protects the GPU
-            slots.append((written[-1][0], tail))
+            slots.append((written[-1][0], len(fixed)))
         held.record_slots = slots if all(padded for _fd, padded in written) else []
 
 
-def _rewrite_records(slots: Sequence[tuple[int, str]], common: str) -> bool:
-    """Rewrite padded holder records in place, each ``common`` + its end; False (having stopped) at one too
-    long for the padding (a long test id), which the caller writes the general way."""
-    for holder, tail in slots:
-        record = (common + tail).encode()
-        if len(record) > _RECORD_BYTES:
-            return False
+def _rewrite_records(slots: Sequence[tuple[int, int]], current: bytes) -> bool:
+    """Rewrite padded holder records in place from where their ``current`` part (the test and the time)
+    starts; False (having stopped) at one too long for the padding (a long test id), which the caller
+    writes the general way."""
+    padded: dict[int, bytes] = {}  # (GPU UUIDs are of one length: one padded copy serves every record)
+    for holder, start in slots:
+        data = padded.get(start)
+        if data is None:
+            if start + len(current) > _RECORD_BYTES:
+                return False
+            data = padded[start] = current.ljust(_RECORD_BYTES - start)
         try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
-            os.pwrite(holder, record.ljust(_RECORD_BYTES), 0)
+            os.pwrite(holder, data, start)
         except OSError:
             pass
     return True

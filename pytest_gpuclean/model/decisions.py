@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Final, Literal, NamedTuple, Protocol, TypeVar
 
-from pytest_gpuclean.model.records import FoundBy, Offender, Owner, OwnerKind, Reaped, TestRecord
+from pytest_gpuclean.model.records import CheckResult, FoundBy, Offender, Owner, OwnerKind, Reaped, TestRecord
 
 
 class _Owned(Protocol):
@@ -94,6 +94,14 @@ def own_leaks(record: TestRecord) -> OwnLeaks:
     return OwnLeaks(reaped, list(record.found_later), offenders, cluster_reaped, cluster_left)
 
 
+def _may_have_leaked(record: TestRecord) -> bool:
+    """Whether ``own_leaks`` has anything to look at: what every clean test's outcome, asked by every
+    output once per test, settles without building its lists."""
+    after = record.after
+    return bool(record.found_later) or record.cluster_after is not None or (
+        after is not None and bool(after.reaped or after.offenders or after.lingered))
+
+
 Outcome = Literal["leaked", "not_clean", "gpu_fault", "clean", "unchecked"]
 
 
@@ -104,29 +112,37 @@ def outcome(record: TestRecord) -> Outcome:
     A GPU that is not usable (it needs a reset, is lost, failed the probe) is not clean; ``gpu_fault``: the
     test's GPUs were clean, but an Xid it caused (or a setting it changed) fails it. A fixture's leak is
     the fixture's (``fixture_leaks``), not the test's; a leak found by a later check is the test's."""
-    if own_leaks(record).any():
+    # (no generator over a test's checks or an empty health list: every output asks this once per test)
+    if _may_have_leaked(record) and own_leaks(record).any():
         return "leaked"
-    if any(c is not None and not c.clean for c in (record.before, record.after)) or any(
-            c is not None and not c.clean for c in (record.cluster_before, record.cluster_after)) or any(
-            f.effect in ("unusable", "lost") for f in record.health):
+    before, health = record.before, record.health
+    if _not_clean(before) or _not_clean(record.after) or _not_clean(record.cluster_before) or _not_clean(
+            record.cluster_after) or (health and any(f.effect in ("unusable", "lost") for f in health)):
         return "not_clean"
-    if any(f.effect == "fault" for f in record.health):
+    if health and any(f.effect == "fault" for f in health):
         return "gpu_fault"
-    return "clean" if record.before is not None else "unchecked"
+    return "clean" if before is not None else "unchecked"
+
+
+def _not_clean(check: CheckResult | None) -> bool:
+    return check is not None and not check.clean
+
+
+def _found_something(check: CheckResult | None) -> bool:
+    return check is not None and bool(not check.clean or check.offenders or check.reaped or check.collected)
 
 
 def has_findings(record: TestRecord) -> bool:
     """True if any check around this test failed or found something: an outcome other than clean, or a
     finding that does not fail it (a collected zombie, an earlier test's leftover reaped, torch memory
     grown in-process, a lock wait given up, a GPU used without its lock, a health notice)."""
-    after, cluster = record.after, record.cluster_after
+    after, cluster, health = record.after, record.cluster_after, record.health
     return outcome(record) not in ("clean", "unchecked") or bool(
         record.found_later or record.in_process_mib or record.gpu_without_lock) or (
         record.lock_timeout is not None) or (after is not None and bool(after.lingered)) or (
         cluster is not None and (bool(cluster.reaped) or any(o.reason == "leaked" for o in cluster.offenders))
-    ) or any(
-            c is not None and (not c.clean or c.offenders or c.reaped or c.collected)
-            for c in (record.before, record.after)) or any(f.effect != "info" for f in record.health)
+    ) or _found_something(record.before) or _found_something(after) or bool(
+        health and any(f.effect != "info" for f in health))
 
 
 def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:

@@ -38,6 +38,7 @@ from pytest_gpuclean.session.started import ItemState, Started
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.locks import HeldLocks
+    from pytest_gpuclean.model.records import DeviceInfo
 
 
 _STATE = pytest.StashKey[ItemState]()
@@ -56,6 +57,9 @@ class ItemChecks:
         self._tearing_down: ItemState | None = None
         self._parked: HeldLocks | None = None
         """The last test's GPU locks, kept for the next checked test (``HeldLocks.park``)."""
+        self._candidates = tuple([d.uuid for d in session.devices])
+        """The UUIDs of every device the session checks: what each test may lock."""
+        self._by_locks: dict[tuple[str, ...], tuple[tuple[DeviceInfo, ...], tuple[str, ...]]] = {}
         self._warned_own_context = False
         self._warned_own_cuda = False
         hook = session.config.hook
@@ -174,17 +178,25 @@ class ItemChecks:
         # The devices this test checks: those it locked, else the first ``count``; with a count, the test
         # sees exactly those.
         session = self.session
-        state.devices = session.devices
         if session.locks is not None and session.devices:
             state.locks = self._lock_gpus(item, record, count or len(session.devices))
-            state.devices = tuple([d for d in session.devices if d.uuid in state.locks.uuids])
-        elif count is not None:
-            state.devices = session.devices[:count]
-        record.devices = tuple([d.uuid for d in state.devices])  # (a list: no generator frame per GPU)
+            state.devices, record.devices = self._locked_devices(state.locks.uuids)
+        else:
+            state.devices = session.devices if count is None else session.devices[:count]
+            record.devices = tuple([d.uuid for d in state.devices])  # (a list: no generator frame per GPU)
         if count is not None:
             state.previous_visible = ("CUDA_VISIBLE_DEVICES" in os.environ,
                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.uuid for d in state.devices)
+
+    def _locked_devices(self, uuids: tuple[str, ...]) -> tuple[tuple[DeviceInfo, ...], tuple[str, ...]]:
+        """The session's devices whose locks are held (``uuids``), in the session's order, and their UUIDs:
+        the same tuples from test to test (made once per set of GPUs, and shared by the records)."""
+        chosen = self._by_locks.get(uuids)
+        if chosen is None:
+            devices = tuple([d for d in self.session.devices if d.uuid in uuids])
+            chosen = self._by_locks[uuids] = (devices, tuple([d.uuid for d in devices]))
+        return chosen
 
     def _lock_gpus(self, item: pytest.Item, record: TestRecord, wanted: int) -> HeldLocks:
         session = self.session
@@ -197,7 +209,7 @@ class ItemChecks:
 
         parked, self._parked = self._parked, None
         try:
-            held = session.locks.acquire([d.uuid for d in session.devices], wanted,
+            held = session.locks.acquire(self._candidates, wanted,
                                          session.settings.lock_timeout, item.nodeid, on_wait=on_wait,
                                          parked=parked)
         except LockTimeout as exc:
