@@ -99,7 +99,7 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
     ("leaked: exited by itself while the check waited",
      Record(NODEID, before=CLEAN_BEFORE, after=after(lingered=(leaked(ME),))), "leaked", True),
     ("leaked: found by a later check (the test was not checked)",
-     Record(NODEID, found_later=[reaped(ME)]), "leaked", True),
+     Record(NODEID, found_later=(reaped(ME),)), "leaked", True),
     ("leaked: left on the Ray cluster",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
                 cluster_after=cluster(reaped_=(on_node(reaped(ME), via="ray.kill"),))), "leaked",
@@ -140,20 +140,20 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
             cluster_after=cluster(False, findings=(UNREACHABLE,))),
      "not_clean", True),
     ("health: a GPU that needs a reset",
-     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("unusable")]), "not_clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=(health("unusable"),)), "not_clean",
      True),
     ("health: a lost GPU",
-     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("lost")]), "not_clean", True),
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=(health("lost"),)), "not_clean", True),
     ("health: an Xid the test caused",
-     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("fault")]), "gpu_fault", True),
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=(health("fault"),)), "gpu_fault", True),
     ("health: information only",
-     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=[health("info")]), "clean", False),
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=(health("info"),)), "clean", False),
     ("an earlier test's process ended by itself while the check waited: a finding, clean",
      Record(NODEID, before=CLEAN_BEFORE, after=after(lingered=(leaked(EARLIER),))), "clean", True),
     ("a zombie collected: a finding, clean",
      Record(NODEID, before=CLEAN_BEFORE, after=after(collected=(reaped(ME),))), "clean", True),
     ("torch memory grew in-process: a finding, clean",
-     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, in_process_mib=[("cuda:0", 2.0)]), "clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, in_process_mib=(("cuda:0", 2.0),)), "clean",
      True),
     ("dirty from outside, skipped",
      Record(NODEID, before=CLEAN_BEFORE.replace(clean=False, offenders=(MEMORY,)), outside_action="skip"),
@@ -197,7 +197,7 @@ def test_reaped_count_counts_each_process_where_it_was_ended() -> None:
                     after=after(reaped=(reaped(ME), reaped(ME))),
                     cluster_before=cluster(reaped_=(on_node(reaped(EARLIER)),)),
                     cluster_after=cluster(reaped_=(on_node(reaped(ME)),)),
-                    fixture_leaks=[FIXTURE_LEAK], found_later=[reaped(ME)])
+                    fixture_leaks=(FIXTURE_LEAK,), found_later=(reaped(ME),))
     records, session_reaped = [record, Record("t.py::test_unchecked")], [reaped(SESSION)]
     assert reaped_count(records, session_reaped) == 1 + 2 + 1 + 1 + 1 + 1
     # The summary line and the JSON report ask it, so they agree.
@@ -211,7 +211,7 @@ def test_own_leaks_lists_each_place_in_report_order() -> None:
                         after=after(clean=False, reaped=(reaped(ME), reaped(EARLIER)),
                                     offenders=(leaked(ME), leaked(EARLIER), leaked(ME, None), MEMORY),
                                     lingered=(lingering,)),
-                        found_later=[reaped(ME, "cookie")])
+                        found_later=(reaped(ME, "cookie"),))
     leaks = own_leaks(record)
     assert leaks.reaped == [reaped(ME)]
     assert leaks.later == [reaped(ME, "cookie")]

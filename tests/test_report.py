@@ -49,7 +49,7 @@ AFTER = CheckResult("teardown", False, (SNAP,), (LEAKED, MEMORY), reaped=(REAPED
                     clean_after_s=None, notes=("a note",), tolerance_mib=16, collected=(REAPED,),
                     lingered=(LEAKED,), self_mib=(("GPU 0", 3.0),), self_cuda_only=("GPU 1/MIG 2",))
 BEFORE = CheckResult("setup", True, (SNAP,), ())
-RECORD = Record("t.py::test_leaks", ("t.py", 12), BEFORE, AFTER, [SURVIVED], [("cuda:0", 1.5)],
+RECORD = Record("t.py::test_leaks", ("t.py", 12), BEFORE, AFTER, (SURVIVED,), (("cuda:0", 1.5),),
                 ("GPU-0000",), lock_wait_s=0.5, before_s=0.01, after_s=1.5)
 NO_LOCKS = Record("t.py::test_waits", ("t.py", 20), lock_wait_s=600.0,
                   lock_timeout="waited 600s for 1 of 1 GPU lock(s); held by: GPU-0000: pid 1")
@@ -68,11 +68,11 @@ SIBLING = SiblingUse(PROC, TEST, "gw0", (("GPU 0", 512.0),), "t.py::test_victim"
 SEEN_SIBLING = CheckResult("teardown", True, (SNAP,), (),
                            siblings=(SIBLING.replace(seen_by="", seen_worker="", phase=None),),
                            notes=("pid 4242: in use by gw0's test ...",))
-UNCHECKED_USER = Record("t.py::test_leaks", gpu_without_lock=[SIBLING])
+UNCHECKED_USER = Record("t.py::test_leaks", gpu_without_lock=(SIBLING,))
 
 XID = HealthFinding("xid", "fault", "GPU 0", "GPU-0000", "GPU 0: Xid 31 (MMU fault)", "teardown", 31)
 HEALTH = model.DeviceHealth(1, False, 2, "Default", "off", "on")
-FAULTED = Record("t.py::test_faults", ("t.py", 40), BEFORE, BEFORE, health=[XID])
+FAULTED = Record("t.py::test_faults", ("t.py", 40), BEFORE, BEFORE, health=(XID,))
 
 OUTSIDE = Outside((("GPU 0", 88.0),), only=True, same_as="t.py::test_leaks")
 OUTSIDE_CHECK = CheckResult("setup", False, (SNAP,), (MEMORY,), waited_s=0.01, tolerance_mib=16,
@@ -163,8 +163,8 @@ def test_round_trip_through_json_gives_an_equal_object(example: Any) -> None:
 
 def test_a_record_keeps_its_sequence_types() -> None:
     back = from_dict(Record, json.loads(json.dumps(to_dict(RECORD))))
-    assert isinstance(back.in_process_mib, list) and back.in_process_mib[0] == ("cuda:0", 1.5)
-    assert isinstance(back.found_later, list) and isinstance(back.devices, tuple)
+    assert isinstance(back.in_process_mib, tuple) and back.in_process_mib[0] == ("cuda:0", 1.5)
+    assert isinstance(back.found_later, tuple) and isinstance(back.devices, tuple)
     assert back.after is not None and isinstance(back.after.offenders[0].mib_per_device[0], tuple)
 
 
@@ -231,7 +231,7 @@ def test_leak_heading_counts_live_processes_and_zombies_apart(
 def test_totals_count_unchecked_leakers_apart_from_checked_tests() -> None:
     # An unchecked test has a record only because a later check found what it leaked.
     clean = Record("t.py::test_clean", before=BEFORE, after=BEFORE.replace(phase="teardown"))
-    unchecked = Record("t.py::test_unmarked", found_later=[REAPED])
+    unchecked = Record("t.py::test_unmarked", found_later=(REAPED,))
     assert report.totals_line([clean, unchecked], [REAPED]) == (
         "1 checked test(s), 0 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped")
     assert report.totals_line([clean, RECORD], []) == (
@@ -313,7 +313,7 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
 
     # Found by another xdist worker, in a record of its own: the controller folds it into the test's
     # record (from the worker that ran the test), which the same process also found later.
-    found_later = Record("t.py::test_leaks", found_later=[REAPED])
+    found_later = Record("t.py::test_leaks", found_later=(REAPED,))
     victim = Record("t.py::test_victim", ("t.py", 3), BEFORE, SEEN_SIBLING)
     store = records.SessionRecords()
     store.add_worker({"records": [to_dict(victim), to_dict(UNCHECKED_USER)],
@@ -321,7 +321,7 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
     store.add_worker({"records": [to_dict(found_later)], "session_reaped": [], "notes": []})
     merged = store.merged()
     assert [r.nodeid for r in merged.records] == ["t.py::test_victim", "t.py::test_leaks"]
-    assert merged.records[1].found_later == [REAPED] and merged.records[1].gpu_without_lock == [SIBLING]
+    assert merged.records[1].found_later == (REAPED,) and merged.records[1].gpu_without_lock == (SIBLING,)
     assert store.merged() == merged  # (folded anew for each output, nothing changed in place)
     assert not has_findings(merged.records[0]) and has_findings(merged.records[1])
     assert report.summary_lines(merged.records, [], [])[0] == (
@@ -350,10 +350,10 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
     assert "gpu_without_lock" not in jsonreport.summary_json([victim], [])
     # A forked child ships it like what a later check found.
     child = records.SessionRecords()
-    child.record_for("t.py::test_leaks").gpu_without_lock.append(SIBLING)
+    child.record_for("t.py::test_leaks").gpu_without_lock += (SIBLING,)
     parent = records.SessionRecords()
     parent.receive(json.loads(json.dumps(child.ship())))
-    assert parent.record_for("t.py::test_leaks").gpu_without_lock == [SIBLING]
+    assert parent.record_for("t.py::test_leaks").gpu_without_lock == (SIBLING,)
 
 
 def test_the_annotation_of_a_test_that_used_a_gpu_without_its_lock() -> None:
@@ -363,7 +363,7 @@ def test_the_annotation_of_a_test_that_used_a_gpu_without_its_lock() -> None:
         outputs.TITLE_WITHOUT_LOCK,
         "t.py::test_leaks used a GPU whose lock another xdist worker's test held\n"
         "pid 4242 held GPU 0 512 MiB while gw1's t.py::test_victim held the GPU lock: python -c 'hold()'")
-    title, message = outputs.annotation_message(UNCHECKED_USER.replace(found_later=[REAPED])) or ("", "")
+    title, message = outputs.annotation_message(UNCHECKED_USER.replace(found_later=(REAPED,))) or ("", "")
     assert title == outputs.TITLE_LEAK and message.splitlines()[2:] == [
         "and used a GPU whose lock another xdist worker's test held:",
         "pid 4242 held GPU 0 512 MiB while gw1's t.py::test_victim held the GPU lock: python -c 'hold()'"]

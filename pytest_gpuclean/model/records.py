@@ -619,9 +619,9 @@ class TestRecord(Fields):
     location: tuple[str, int]
     before: CheckResult | None
     after: CheckResult | None
-    found_later: list[Reaped]
+    found_later: tuple[Reaped, ...]
     """Processes this test leaked that a later check found (e.g. the test was not checked)."""
-    in_process_mib: list[tuple[str, float]]
+    in_process_mib: tuple[tuple[str, float], ...]
     """Growth of ``torch.cuda.memory_allocated`` during the test, per device."""
     devices: tuple[str, ...]
     """UUIDs the test held the locks of."""
@@ -635,12 +635,13 @@ class TestRecord(Fields):
     cluster_after: CheckResult | None
     fixture_leaks: tuple[FixtureLeak, ...]
     """Leaks of fixtures wider than a test that ended at this test's teardown: found by its check, but
-    the fixtures' findings (its ``after`` keeps only what is this test's own). A tuple: the empty one is
-    shared by every record (the session keeps them all, and the garbage collector walks them)."""
-    gpu_without_lock: list[SiblingUse]
+    the fixtures' findings (its ``after`` keeps only what is this test's own). Like the other collections
+    of a record, a tuple: the empty one is shared by every record (the session keeps them all, and the
+    garbage collector walks them)."""
+    gpu_without_lock: tuple[SiblingUse, ...]
     """Processes this test started that another xdist worker found holding memory on a GPU whose lock
     that worker's test held (recorded there, merged in by the controller)."""
-    health: list[HealthFinding]
+    health: tuple[HealthFinding, ...]
     """What the health watch (``health.py``) found on this test's GPUs: Xid events, a GPU that needs a reset,
     a changed setting, a lost GPU, a failed probe, clock event reasons."""
     outside_action: OutsideAction | None
@@ -648,21 +649,21 @@ class TestRecord(Fields):
     (``--gpuclean-outside``); None if none did."""
 
     def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
-                 after: CheckResult | None = None, found_later: list[Reaped] | None = None,
-                 in_process_mib: list[tuple[str, float]] | None = None, devices: tuple[str, ...] = (),
+                 after: CheckResult | None = None, found_later: tuple[Reaped, ...] = (),
+                 in_process_mib: tuple[tuple[str, float], ...] = (), devices: tuple[str, ...] = (),
                  lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
                  after_s: float = 0.0, cluster_before: CheckResult | None = None,
                  cluster_after: CheckResult | None = None,
                  fixture_leaks: tuple[FixtureLeak, ...] = (),
-                 gpu_without_lock: list[SiblingUse] | None = None,
-                 health: list[HealthFinding] | None = None,
+                 gpu_without_lock: tuple[SiblingUse, ...] = (),
+                 health: tuple[HealthFinding, ...] = (),
                  outside_action: OutsideAction | None = None) -> None:
         self.nodeid = nodeid
         self.location = location
         self.before = before
         self.after = after
-        self.found_later = [] if found_later is None else found_later
-        self.in_process_mib = [] if in_process_mib is None else in_process_mib
+        self.found_later = found_later
+        self.in_process_mib = in_process_mib
         self.devices = devices
         self.lock_wait_s = lock_wait_s
         self.lock_timeout = lock_timeout
@@ -671,6 +672,6 @@ class TestRecord(Fields):
         self.cluster_before = cluster_before
         self.cluster_after = cluster_after
         self.fixture_leaks = fixture_leaks
-        self.gpu_without_lock = [] if gpu_without_lock is None else gpu_without_lock
-        self.health = [] if health is None else health
+        self.gpu_without_lock = gpu_without_lock
+        self.health = health
         self.outside_action = outside_action

@@ -74,7 +74,8 @@ class SessionRecords:
         owner = reaped.owner
         nodeid = owner.name if owner is not None and owner.kind == "test" else otherwise
         if nodeid is not None:
-            self.record_for(nodeid).found_later.append(reaped)
+            record = self.record_for(nodeid)
+            record.found_later += (reaped,)
 
     def note(self, message: str, once: bool = False) -> None:
         """Add a line to the session's notes (``once``: unless it is there already)."""
@@ -123,9 +124,11 @@ class SessionRecords:
 
         self.records.extend(from_dict(TestRecord, r) for r in shipped["records"])
         for nodeid, reaped in shipped["found_later"].items():
-            self.record_for(nodeid).found_later.extend(from_dict(Reaped, r) for r in reaped)
+            record = self.record_for(nodeid)
+            record.found_later += tuple(from_dict(Reaped, r) for r in reaped)
         for nodeid, uses in shipped.get("gpu_without_lock", {}).items():
-            self.record_for(nodeid).gpu_without_lock.extend(from_dict(SiblingUse, u) for u in uses)
+            record = self.record_for(nodeid)
+            record.gpu_without_lock += tuple(from_dict(SiblingUse, u) for u in uses)
 
     def forget(self) -> None:
         """Drop the records (a forked child's copy of its parent's: the parent keeps its own)."""
@@ -174,8 +177,8 @@ def _one_per_test(records: list[TestRecord]) -> list[TestRecord]:
         uses = list(target.gpu_without_lock)
         seen = {(u.process.pid, u.process.start_ticks) for u in uses}
         uses.extend(u for u in record.gpu_without_lock if (u.process.pid, u.process.start_ticks) not in seen)
-        folded[id(into)] = target.replace(found_later=[*target.found_later, *record.found_later],
-                                          gpu_without_lock=uses)
+        folded[id(into)] = target.replace(found_later=(*target.found_later, *record.found_later),
+                                          gpu_without_lock=tuple(uses))
     if not folded:
         return records
     return [folded.get(id(r), r) for r in records

@@ -363,8 +363,8 @@ class ItemChecks:
             record = found.record_for(use.owner.name)
             key = (use.process.pid, use.process.start_ticks)
             if all((u.process.pid, u.process.start_ticks) != key for u in record.gpu_without_lock):
-                record.gpu_without_lock.append(
-                    use.replace(seen_by=state.nodeid, seen_worker=worker, phase=result.phase))
+                record.gpu_without_lock += (
+                    use.replace(seen_by=state.nodeid, seen_worker=worker, phase=result.phase),)
 
     # ---- GPU health (health.py) ---------------------------------------------------------------------
 
@@ -377,7 +377,7 @@ class ItemChecks:
         found = watch.before(state.nodeid, state.devices, item.session.testsfailed)
         if not found:
             return None
-        record.health.extend(found)
+        record.health += tuple(found)
         self._stop_on_health_lost(item, found)
         return health_mod.failure_text(found, "setup")
 
@@ -390,7 +390,7 @@ class ItemChecks:
         found = watch.after(state.nodeid, state.devices, reaped, item.session.testsfailed)
         if not found:
             return None
-        record.health.extend(found)
+        record.health += tuple(found)
         self._stop_on_health_lost(item, found)
         return health_mod.failure_text(found, "teardown")
 
@@ -400,7 +400,7 @@ class ItemChecks:
         lost = self.session.checker.last_lost
         watch = self.session.health
         if result.device_lost and lost is not None and watch is not None:
-            record.health.append(watch.lost_now(lost, phase))
+            record.health += (watch.lost_now(lost, phase),)
 
     @staticmethod
     def _stop_on_health_lost(item: pytest.Item, found: list[HealthFinding]) -> None:
@@ -494,7 +494,7 @@ class ItemChecks:
         grown = [(f"cuda:{i}", (torch_after.get(i, 0) - before) / MIB)
                  for i, before in state.torch_before.items() if torch_after.get(i, 0) > before]
         if grown:
-            record.in_process_mib = grown
+            record.in_process_mib = tuple(grown)
             growth = ", ".join(f"{d} +{m:.1f} MiB" for d, m in grown)
             warnings.warn(GpuCleanWarning(
                 f"{item.nodeid}: torch.cuda.memory_allocated grew during the test in the pytest process "
