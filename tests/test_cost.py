@@ -252,6 +252,51 @@ for child in children:
 """
 
 
+def test_a_walk_of_an_empty_lone_process_reads_only_the_last_pid_until_one_is_allocated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The clean path's usual walk: one thread, nothing under it. After a full look, the next walk reads
+    # ns_last_pid alone while no pid was allocated; the first pid allocated after it (here: the process
+    # forks) makes it look again, and the child is found, from whichever thread it was forked.
+    from pytest_gpuclean.core import procfs
+
+    if procfs.last_pid() is None:
+        pytest.skip("the kernel does not say the last pid here")
+    forker = subprocess.Popen([sys.executable, "-c", _FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    reads: list[int] = []
+    real_children = procfs._children
+    monkeypatch.setattr(procfs, "_children", lambda pid: reads.append(pid) or real_children(pid))
+
+    def ask(command: str) -> int:
+        assert forker.stdin is not None and forker.stdout is not None
+        forker.stdin.write(command + "\n")
+        forker.stdin.flush()
+        return int(forker.stdout.readline())
+
+    try:
+        walk = procfs.DescendantWalk()
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{forker.pid}/task")) != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the interpreter's start-up may still have a thread)
+        assert walk.walk(forker.pid) == [] and reads == [forker.pid]
+        unchanged = 0
+        for _ in range(20):  # (another process of the host may allocate a pid between two walks)
+            before = procfs.last_pid()
+            found = walk.walk(forker.pid)
+            assert found == []
+            unchanged += procfs.last_pid() == before
+        assert unchanged and len(reads) <= 1 + 20 - unchanged  # no children file read while nothing changed
+        first = ask("main")
+        assert [pid for pid, _depth, _parent in walk.walk(forker.pid)] == [first]
+        second = ask("thread")  # forked by a second thread: listed under that thread only
+        assert sorted(pid for pid, _depth, _parent in walk.walk(forker.pid)) == sorted([first, second])
+        ask("end")
+    finally:
+        if forker.stdin is not None:
+            forker.stdin.close()
+        forker.wait(timeout=30)
+
+
 def test_the_walk_finds_children_of_a_lone_thread_and_of_each_thread() -> None:
     # One thread: its children file is read without listing the task folder (its link count says one thread,
     # and that thread is the process's own pid); several: each thread's file.

@@ -270,16 +270,15 @@ class DescendantWalk:
         clock = time.monotonic()
         if root != self._root or clock - self._full_at >= WALK_FULL_EVERY_S or not _own_namespace(me):
             return self._full(root, last_pid(), clock)
-        if self._full_cost <= 2:
-            # A lone process with one thread: its one children file is the cheapest look there is. (No
-            # cursor: were the next walk incremental, it would need one; it is full, and takes one then.)
-            return self._full(root, None, clock)
         now = last_pid()
         span = None if now is None or self._cursor is None else (now - self._cursor) % self._space
         if span is None or span + len(self._pending) + len(self._known) > min(WALK_RANGE_LIMIT,
                                                                               self._full_cost):
             return self._full(root, now, clock)
         assert self._cursor is not None
+        if not span and not self._known and not self._pending:
+            self.stats = {}
+            return []  # no pid allocated since an empty tree was seen: still empty
         born = [(self._cursor + i) % self._space for i in range(1, span + 1)]
         by_parent: dict[int, list[int]] = {}
         stats: dict[int, ProcStat] = {}
@@ -321,7 +320,13 @@ class DescendantWalk:
         self._known = {pid for pid, _depth, _parent in found}
         self._pending.clear()
         self.stats = {}
-        self._cursor = None if now is None else (now - WALK_LOOKBACK) % self._space
+        # A fork in progress during the walk has its pid but is in no children list yet: the next walk
+        # looks back at the pids allocated just before this one. Not for a lone process with one thread
+        # and nothing under it (that thread is the one walking, nobody else of the tree can fork), the
+        # clean path's usual case: its next walk, if no pid was allocated since, costs one reading of
+        # ``ns_last_pid`` instead of a stat and a children file.
+        lookback = 0 if cost <= 2 and not found else WALK_LOOKBACK
+        self._cursor = None if now is None else (now - lookback) % self._space
         return found
 
 

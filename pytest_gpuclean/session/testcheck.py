@@ -301,11 +301,14 @@ class ItemChecks:
         if result.error is not None:
             self._stop_if_lost(item, result)
             headings.append(report.unreadable_heading(result))
-        leaked_offenders = [o for o in (*mine.offenders, *mine.lingered) if o.reason == "leaked"]
+        # (each only where there is something: the clean path builds no list and no generator)
+        leaked_offenders = [o for o in (*mine.offenders, *mine.lingered) if o.reason == "leaked"] if (
+            mine.offenders or mine.lingered) else []
         if mine.reaped or leaked_offenders:
             # The processes are reported even if reaping made everything clean: the test leaked them.
             headings.append(report.leak_heading(mine.reaped, leaked_offenders, session.checker.reap_enabled))
-        headings.extend(report.fixture_leak_heading(f, session.checker.reap_enabled) for f in fixtures)
+        if fixtures:
+            headings.extend(report.fixture_leak_heading(f, session.checker.reap_enabled) for f in fixtures)
         if headings:
             # The body lists every process, each with who spawned it (the test or the fixture).
             return report.check_report(result, "\n".join(headings))
