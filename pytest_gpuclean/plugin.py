@@ -43,7 +43,7 @@ from pytest_gpuclean.session.names import GpuCleanWarning as GpuCleanWarning
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.signals import SigtermAsInterrupt
-    from pytest_gpuclean.model.records import DeviceSnapshot, Phase, Reaped, TestRecord
+    from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
     from pytest_gpuclean.session.session import CheckedSession
     from pytest_gpuclean.session.started import ItemState, Started
 
@@ -441,32 +441,30 @@ class GpuCleanPlugin:
     # ---- around each test -------------------------------------------------------------------------
 
     def _should_check(self, item: pytest.Item) -> bool:
+        return self._marked(item)[0]
+
+    def _marked(self, item: pytest.Item) -> tuple[bool, pytest.Mark | None]:
+        """Whether ``item`` is checked, and its marker (looked up once per test: the check's settings come
+        from it too)."""
         if self.controller:
-            return False
-        if item.stash.get(_CHECKED, False):
-            return True  # (the previous test's teardown asked; only a yes is kept: a marker may come later)
-        checked = (self.settings.all or item.get_closest_marker(MARKER) is not None
-                   or FIXTURE in getattr(item, "fixturenames", ()))
-        if checked:
-            item.stash[_CHECKED] = True
-        return checked
+            return False, None
+        marker = item.get_closest_marker(MARKER)
+        checked = self.settings.all or marker is not None or FIXTURE in getattr(item, "fixturenames", ())
+        return checked, marker
 
     # trylast: the innermost wrapper. Our check may fail the setup before ``yield``, and wrappers
     # outside us (logging, capture) must have run their own setup so that their teardown finds it.
     # Every wrapper still runs before the function-scoped fixtures are set up.
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        checked, marker = self._marked(item)
         if self.session is None:
-            if not self._should_check(item):
+            if not checked:
                 return (yield)
             # Checked after all, though the collection did not say so (a marker added since): start now.
             self.start()
         assert self.session is not None
-        result = self.session.tests.setup(item, checked=self._should_check(item))
-        if result is not None:
-            # The readings, not the fixture's value: that is built only for a test that asks for it (every
-            # item lives to the end of the session, and so does what its stash holds).
-            item.stash[_CLEAN_GPUS] = result.devices
+        self.session.tests.setup(item, checked=checked, marker=marker)
         return (yield)
 
     # tryfirst: the outermost wrapper, so the check after ``yield`` runs after every fixture (and every
@@ -476,17 +474,12 @@ class GpuCleanPlugin:
                                 ) -> Generator[None, None, None]:
         if self.session is None:
             return (yield)
-        return (yield from self.session.tests.teardown(
-            item, nextitem is not None and self._should_check(nextitem)))
+        return (yield from self.session.tests.teardown(item, has_next=nextitem is not None))
 
     def reap_crashed(self, nodeid: str) -> None:
         """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran."""
         if self.session is not None:
             self.session.reap_crashed(nodeid)
-
-
-_CLEAN_GPUS: pytest.StashKey[tuple[DeviceSnapshot, ...]] = pytest.StashKey()
-_CHECKED: pytest.StashKey[bool] = pytest.StashKey()
 
 
 @pytest.fixture
@@ -495,11 +488,15 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
 
     Requesting this fixture checks the test like the ``needs_clean_gpus`` marker does.
     """
-    found = request.node.stash.get(_CLEAN_GPUS, None)
-    if found is None:
+    from pytest_gpuclean.report.records import TEST
+
+    # (from the test's record: its setup check's readings; the fixture's value is built only for a test that
+    # asks for it)
+    record = request.node.stash.get(TEST, None)
+    if record is None or record.before is None:
         pytest.skip("gpuclean is not checking this session (xdist controller or disabled)")
     return CleanGpus(tuple(DeviceState(s.device.index, s.device.uuid, s.device.name, s.used_bytes,
-                                       s.total_bytes) for s in found))
+                                       s.total_bytes) for s in record.before.devices))
 
 
 class _IdleSession:

@@ -232,25 +232,27 @@ def test_an_idle_folder_read_by_its_ctime_still_sees_memory_come_and_go(
     # show at once, and a removed folder is a lost device.
     (tmp_path / "0").mkdir()
     backend = SimulatedBackend(tmp_path)
-    device = backend.devices()[0]
+    devices = backend.devices()  # (one tuple: a test's devices are, from check to check)
     time.sleep(procfs.SETTLED_NS / 1e9 + 0.02)
 
     def used() -> int:
-        [reading] = backend.readings((device,))
+        [reading] = backend.readings(devices)
         return reading.used_bytes
 
     assert used() == 0  # (a listdir: the ctime is recorded)
     listed: list[str] = []
     real_listdir = os.listdir
     monkeypatch.setattr(os, "listdir", lambda path: listed.append(str(path)) or real_listdir(path))
-    assert used() == 0
-    assert listed == []  # the fast path is taken
+    first = backend.readings(devices)
+    assert backend.readings(devices) is first  # unchanged: the last readings, the same tuple
+    assert backend.readings((devices[0],)) == first  # (other devices' tuple: the same reading, one stat)
+    assert listed == []  # the fast paths are taken
     held = allocate(str(tmp_path), 0, 64)  # this very process "allocates": it is alive
     assert used() == 64 * MIB
     held.unlink()
     assert used() == 0
     time.sleep(procfs.SETTLED_NS / 1e9 + 0.02)
-    assert used() == 0  # settled again
+    assert used() == 0 and used() == 0  # settled again, and its readings kept
     (tmp_path / "0").rmdir()
     with pytest.raises(DeviceLost, match="vanished"):
         used()

@@ -290,11 +290,11 @@ def test_a_stream_of_tests_keeps_out_neither_another_gpu_nor_a_waiter(sessions: 
     assert rc == 0, out
 
 
-def test_a_session_keeps_its_locks_only_from_one_checked_test_to_the_next(sessions: Sessions, sim: Path,
-                                                                          tmp_path: Path) -> None:
-    # Between two checked tests the GPUs stay locked (nobody else waits for them), the records name each
-    # test in turn; before an unchecked test, after the last one and when the next test needs other GPUs,
-    # they are let go.
+def test_a_session_keeps_its_locks_between_its_tests_and_no_unchecked_test_runs_with_them(
+        sessions: Sessions, sim: Path, tmp_path: Path) -> None:
+    # Between two tests the GPUs stay locked (nobody else waits for them), the records name each checked
+    # test in turn; an unchecked test's setup lets them go (it runs with nothing locked), and so does the
+    # setup of a test that needs other GPUs, and the end of the last test.
     events = tmp_path / "events.jsonl"
     copy_example("sharing/kept", sessions.suite)
     rc, out = sessions.finish(sessions.start("test_kept.py", LOCK_DIR=str(sessions.lock_dir),
@@ -311,8 +311,9 @@ def test_a_session_keeps_its_locks_only_from_one_checked_test_to_the_next(sessio
 
     assert during("test_a")["held"] == both and between("test_a") == both  # kept: test_b is checked
     assert during("test_b")["records"] == ["test_kept.py::test_b"] * 2  # the records name each test
-    assert between("test_b") == []  # let go before an unchecked test
+    assert between("test_b") == both  # kept for whatever follows: whether it is checked, its setup says
     assert during("test_unchecked")["held"] == [] and during("test_unchecked")["inherits"] is None
+    assert between("test_unchecked") == []
     assert during("test_b")["inherits"] is not None  # (what a session it starts inherits)
     one = during("test_one")["held"]
     assert len(one) == 1 and between("test_one") == one and during("test_one_again")["held"] == one

@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from pytest_gpuclean.model.records import DeviceInfo
 
 
-_STATE = pytest.StashKey[ItemState]()
 _EXTENSION_HOOKS = ("pytest_gpuclean_check_before", "pytest_gpuclean_check_after", "pytest_gpuclean_checked")
 
 
@@ -55,8 +54,12 @@ class ItemChecks:
         """Token -> the fixture it was made for, until the check after the fixture ended (its name, scope
         and, on a finding, where it is defined)."""
         self._tearing_down: ItemState | None = None
+        self._current: tuple[pytest.Item, ItemState] | None = None
+        """The test being run and its state, from its setup to the end of its teardown (not in the item's
+        stash: every item lives to the session's end, and full garbage collections walk what it keeps)."""
         self._parked: HeldLocks | None = None
-        """The last test's GPU locks, kept for the next checked test (``HeldLocks.park``)."""
+        """The last test's GPU locks, kept for the next test (``HeldLocks.park``): its setup takes them, or
+        lets them go if it is not checked or needs other GPUs."""
         self._candidates = tuple([d.uuid for d in session.devices])
         """The UUIDs of every device the session checks: what each test may lock."""
         self._by_locks: dict[tuple[str, ...], tuple[tuple[DeviceInfo, ...], tuple[str, ...]]] = {}
@@ -69,27 +72,28 @@ class ItemChecks:
         extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
         self._hook: Any = hook if extended else None
 
-    def setup(self, item: pytest.Item, *, checked: bool) -> CheckResult | None:
-        """Open the test's ownership window; if it is ``checked``, lock its GPUs and check them (fails or
-        skips the setup). The setup check's result, for a checked test."""
+    def setup(self, item: pytest.Item, *, checked: bool, marker: pytest.Mark | None = None
+              ) -> CheckResult | None:
+        """Open the test's ownership window; if it is ``checked`` (by its ``marker``, or otherwise), lock its
+        GPUs and check them (fails or skips the setup). The setup check's result, for a checked test."""
         session = self.session
         session.follow_fork()
         nodeid = item.nodeid  # (a property that builds the string on each use, under pytest 9)
         token = session.test_token(nodeid)
         state = ItemState(nodeid, token, session.set_owner_env(token))
-        item.stash[_STATE] = state
+        self._current = (item, state)
         if records.TEST in item.stash:
             del item.stash[records.TEST]  # a test run again (a rerun plugin) starts a new record
         session.checker.ownership.open_window(token)
         if not checked:
-            self.release_parked()  # (its teardown said the next test was checked: a marker removed since)
+            self.release_parked()  # (kept by the last test's teardown, for a test that is not checked)
             return None
         state.checked = True
-        return self._before(item, state)
+        return self._before(item, state, marker)
 
-    def _before(self, item: pytest.Item, state: ItemState) -> CheckResult:
+    def _before(self, item: pytest.Item, state: ItemState, marker: pytest.Mark | None) -> CheckResult:
         session = self.session
-        applied = self._applied(item)
+        applied = self._applied(item, marker)
         state.tolerance_mib, state.timeout = applied.tolerance_mib, applied.timeout
         record = session.found.new(state.nodeid, (item.location[0], (item.location[1] or 0) + 1))
         item.stash[records.TEST] = record
@@ -152,10 +156,9 @@ class ItemChecks:
         source = self.session.settings.sources.get("outside", "the default")
         return f"{settings.option('outside').cli}={value}, {source}"
 
-    def _applied(self, item: pytest.Item) -> settings.TestSettings:
+    def _applied(self, item: pytest.Item, marker: pytest.Mark | None) -> settings.TestSettings:
         # The session's settings with the marker's applied; skips or fails a test that cannot be checked.
         session = self.session
-        marker = item.get_closest_marker(MARKER)
         try:
             applied = settings.for_marker(session.settings, marker.kwargs if marker else {}, item.nodeid,
                                           marker.args if marker else ())
@@ -228,11 +231,12 @@ class ItemChecks:
                         f"{held.waited_s:.1f}s")
         return held
 
-    def teardown(self, item: pytest.Item, next_checked: bool) -> Generator[None, None, None]:
+    def teardown(self, item: pytest.Item, *, has_next: bool) -> Generator[None, None, None]:
         """Around the test's teardown (the plugin's outermost wrapper delegates here): after every fixture
-        is torn down, check the GPUs; fails the teardown with what the test leaked. ``next_checked``: the
-        next test is checked too, so the GPU locks may be kept for it."""
-        state = item.stash.get(_STATE, None)
+        is torn down, check the GPUs; fails the teardown with what the test leaked. ``has_next``: another
+        test follows, so the GPU locks may be kept for it (its setup lets them go if it is not checked)."""
+        current = self._current
+        state = current[1] if current is not None and current[0] is item else None
         self._tearing_down = state
         try:
             outcome: BaseException | None = None
@@ -245,11 +249,9 @@ class ItemChecks:
         finally:
             self._tearing_down = None
             if state is not None:
-                # (every item lives to the session's end, and so would its state: garbage collections
-                # walk what is kept, and their cost per test grows with the session)
-                del item.stash[_STATE]
+                self._current = None
                 # (an interrupt, or pytest.exit: the session ends, so nothing is kept)
-                self._end(state, next_checked and (outcome is None or isinstance(outcome, Exception)))
+                self._end(state, has_next and (outcome is None or isinstance(outcome, Exception)))
         if outcome is not None:
             if failure:
                 item.add_report_section("teardown", "gpuclean", failure)
