@@ -414,9 +414,10 @@ class HeldLocks:
         added, maybe a held lock file."""
         self.parked = False
         """Kept after its test for this session's next one (see ``park``)."""
-        self.record_slots: list[tuple[int, int]] = []
-        """(descriptor, where the test's part starts) of each holder record last written, if all were padded:
-        the next test of a kept lock rewrites just that part of these."""
+        self.record_slots: list[tuple[int, list[int]]] = []
+        """Where the test's part of the holder records last written starts, and their descriptors (one entry
+        per start: GPU UUIDs are of one length), if all were padded: the next test of a kept lock rewrites
+        just that part of these."""
 
     def park(self) -> bool:
         """Keep the locks for this process's next test instead of releasing them, if nobody else is waiting:
@@ -1016,7 +1017,7 @@ class GpuLocks:
                     os.ftruncate(holder, 0)
         uid = _cache.uid
         written = held.holder_fds = []
-        slots: list[tuple[int, int]] = []
+        slots: dict[int, list[int]] = {}
         for uuid, fd in held._taken:
             if fd is None:
                 continue  # the ancestor's record stays: it is the holder
@@ -1025,25 +1026,23 @@ class GpuLocks:
                 written.append(_write_holder(state, _holder_name(uuid, uid), fixed + current))
             except OSError:
                 continue  # best effort: the lock itself is what protects the GPU
-            slots.append((written[-1][0], len(fixed)))
-        held.record_slots = slots if all(padded for _fd, padded in written) else []
+            slots.setdefault(len(fixed), []).append(written[-1][0])
+        held.record_slots = list(slots.items()) if all(padded for _fd, padded in written) else []
 
 
-def _rewrite_records(slots: Sequence[tuple[int, int]], current: bytes) -> bool:
+def _rewrite_records(slots: Sequence[tuple[int, list[int]]], current: bytes) -> bool:
     """Rewrite padded holder records in place from where their ``current`` part (the test and the time)
-    starts; False (having stopped) at one too long for the padding (a long test id), which the caller
-    writes the general way."""
-    padded: dict[int, bytes] = {}  # (GPU UUIDs are of one length: one padded copy serves every record)
-    for holder, start in slots:
-        data = padded.get(start)
-        if data is None:
-            if start + len(current) > _RECORD_BYTES:
-                return False
-            data = padded[start] = current.ljust(_RECORD_BYTES - start)
-        try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
-            os.pwrite(holder, data, start)
-        except OSError:
-            pass
+    starts, one padded copy per start; False (having stopped) at one too long for the padding (a long
+    test id), which the caller writes the general way."""
+    for start, holders in slots:
+        if start + len(current) > _RECORD_BYTES:
+            return False
+        data = current.ljust(_RECORD_BYTES - start)
+        for holder in holders:
+            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
+                os.pwrite(holder, data, start)
+            except OSError:
+                pass
     return True
 
 

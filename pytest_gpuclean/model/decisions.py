@@ -136,13 +136,16 @@ def has_findings(record: TestRecord) -> bool:
     """True if any check around this test failed or found something: an outcome other than clean, or a
     finding that does not fail it (a collected zombie, an earlier test's leftover reaped, torch memory
     grown in-process, a lock wait given up, a GPU used without its lock, a health notice)."""
+    # Every outcome other than clean is one of these findings (``outcome`` is not asked: this runs once per
+    # test of the session): a leak is a process reaped or left after the test (its check found something),
+    # lingering, found later, or the cluster's; not clean is a check that was not; a fault is in ``health``.
     after, cluster, health = record.after, record.cluster_after, record.health
-    return outcome(record) not in ("clean", "unchecked") or bool(
-        record.found_later or record.in_process_mib or record.gpu_without_lock) or (
+    return bool(record.found_later or record.in_process_mib or record.gpu_without_lock) or (
         record.lock_timeout is not None) or (after is not None and bool(after.lingered)) or (
-        cluster is not None and (bool(cluster.reaped) or any(o.reason == "leaked" for o in cluster.offenders))
-    ) or _found_something(record.before) or _found_something(after) or bool(
-        health and any(f.effect != "info" for f in health))
+        cluster is not None and (not cluster.clean or bool(cluster.reaped)
+                                 or any(o.reason == "leaked" for o in cluster.offenders))
+    ) or _not_clean(record.cluster_before) or _found_something(record.before) or _found_something(after) or (
+        bool(health) and any(f.effect != "info" for f in health))
 
 
 def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:

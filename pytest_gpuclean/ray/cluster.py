@@ -176,7 +176,7 @@ def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Seque
         try:
             listed = backend.devices()
             owned = listed if simulated else node_devices(listed, raylet, gpus)
-            snaps = tuple(backend.snapshot(d) for d in owned)
+            snaps = backend.readings(owned)
         except devices.DeviceError as exc:
             error = f"devices unreadable: {exc}"
         finally:
@@ -257,7 +257,7 @@ def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Seque
         if backend is None:
             return set()
         try:
-            return {p.pid for d in listed_devices for p in backend.snapshot(d).processes}
+            return {p.pid for s in backend.readings(listed_devices) for p in s.processes}
         except devices.DeviceError:
             return set()
 
