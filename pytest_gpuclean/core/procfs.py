@@ -272,13 +272,15 @@ class DescendantWalk:
             return self._full(root, last_pid(), clock)
         now = last_pid()
         span = None if now is None or self._cursor is None else (now - self._cursor) % self._space
-        if span is None or span + len(self._pending) + len(self._known) > min(WALK_RANGE_LIMIT,
-                                                                              self._full_cost):
-            return self._full(root, now, clock)
-        assert self._cursor is not None
-        if not span and not self._known and not self._pending:
+        if span == 0 and not self._known and not self._pending:
             self.stats = {}
             return []  # no pid allocated since an empty tree was seen: still empty
+        # A lone process with one thread (``_full_cost`` 2) looks at its one children file again: the stat of
+        # even one pid born since costs as much, and on a busy host others' pids are born all the time.
+        if span is None or self._full_cost <= 2 or span + len(self._pending) + len(self._known) > min(
+                WALK_RANGE_LIMIT, self._full_cost):
+            return self._full(root, now, clock)
+        assert self._cursor is not None
         born = [(self._cursor + i) % self._space for i in range(1, span + 1)]
         by_parent: dict[int, list[int]] = {}
         stats: dict[int, ProcStat] = {}
