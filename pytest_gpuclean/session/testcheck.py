@@ -72,8 +72,7 @@ class ItemChecks:
         extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
         self._hook: Any = hook if extended else None
 
-    def setup(self, item: pytest.Item, *, checked: bool, marker: pytest.Mark | None = None
-              ) -> CheckResult | None:
+    def setup(self, item: pytest.Item, *, checked: bool, marker: pytest.Mark | None) -> CheckResult | None:
         """Open the test's ownership window; if it is ``checked`` (by its ``marker``, or otherwise), lock its
         GPUs and check them (fails or skips the setup). The setup check's result, for a checked test."""
         session = self.session
