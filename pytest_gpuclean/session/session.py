@@ -169,7 +169,7 @@ class CheckedSession:
     def sweep(self) -> None:
         """The final sweep: what the session's tests left behind; a second interrupt only makes it
         quicker."""
-        self.tests.release_parked()  # (a session stopped by -x or an interrupt between two checked tests)
+        self.tests.release_parked()  # (kept for a test that never ran: -x, or an interrupt between two tests)
         hurry = threading.Event()
         restore = quiet_interrupts(hurry)
         self.checker.hurry = hurry.is_set

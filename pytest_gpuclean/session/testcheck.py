@@ -72,9 +72,9 @@ class ItemChecks:
         extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
         self._hook: Any = hook if extended else None
 
-    def setup(self, item: pytest.Item, *, checked: bool, marker: pytest.Mark | None) -> CheckResult | None:
+    def setup(self, item: pytest.Item, *, checked: bool, marker: pytest.Mark | None) -> None:
         """Open the test's ownership window; if it is ``checked`` (by its ``marker``, or otherwise), lock its
-        GPUs and check them (fails or skips the setup). The setup check's result, for a checked test."""
+        GPUs and check them (fails or skips the setup; the result is in the test's record)."""
         session = self.session
         session.follow_fork()
         nodeid = item.nodeid  # (a property that builds the string on each use, under pytest 9)
@@ -86,11 +86,11 @@ class ItemChecks:
         session.checker.ownership.open_window(token)
         if not checked:
             self.release_parked()  # (kept by the last test's teardown, for a test that is not checked)
-            return None
+            return
         state.checked = True
-        return self._before(item, state, marker)
+        self._before(item, state, marker)
 
-    def _before(self, item: pytest.Item, state: ItemState, marker: pytest.Mark | None) -> CheckResult:
+    def _before(self, item: pytest.Item, state: ItemState, marker: pytest.Mark | None) -> None:
         session = self.session
         applied = self._applied(item, marker)
         state.tolerance_mib, state.timeout = applied.tolerance_mib, applied.timeout
@@ -133,7 +133,6 @@ class ItemChecks:
         if hook is not None and (failures := hook.pytest_gpuclean_checked(session=session, state=state,
                                                                           record=record, phase="setup")):
             pytest.fail("\n\n".join(failures), pytrace=False)
-        return result
 
     def _outside_action(self, item: pytest.Item, record: TestRecord, result: CheckResult
                         ) -> OutsideAction | None:
