@@ -84,7 +84,7 @@ def quiet_interrupts(hurry: threading.Event) -> Callable[[], None]:
 
     def on_signal(signum: int, frame: Any) -> None:
         if os.getpid() != pid:  # (a child forked meanwhile: the signal is its own, handled as before)
-            signal.signal(signum, previous.get(signum, signal.SIG_DFL))
+            signal.signal(signum, previous.get(signal.Signals(signum)) or signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         hurry.set()
