@@ -383,9 +383,14 @@ def boot_ticks_now() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLOCK_TICKS)
 
 
+def wall_minus_boot() -> float:
+    """The wall clock's time at boot, as the wall clock says now (it moves when the wall clock is set)."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 def ticks_to_wall(ticks: int) -> float:
     """Convert a start time in ticks since boot to a wall-clock timestamp."""
-    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / CLOCK_TICKS
+    return wall_minus_boot() + ticks / CLOCK_TICKS
 
 
 def read_environ_var(pid: int, name: str) -> str | None:
