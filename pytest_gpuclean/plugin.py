@@ -181,6 +181,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "allowed per device; timeout: seconds to wait for clean GPUs; count: GPUs the test needs "
         "(it gets exactly those through CUDA_VISIBLE_DEVICES).",
     )
+    if not hasattr(config, "workerinput"):  # (an xdist worker's would repeat its controller's)
+        for line in settings.unknown_variables(os.environ):
+            config.issue_config_time_warning(GpuCleanWarning(line), stacklevel=2)
     inifile = str(config.inipath) if config.inipath else None
     resolved = settings.resolve(vars(config.option), os.environ, config.getini, inifile)
     plugin = GpuCleanPlugin(config, resolved)
