@@ -294,6 +294,11 @@ class GpuCleanPlugin:
             late = self.session.close(controller=self.controller) if self.session is not None else []
             if late:
                 self._report_late(late)
+            ended = self.session.helpers_ended if self.session is not None else []
+            if ended:
+                self._say_last(f"gpuclean: ended {len(ended)} helper process(es) of the pytest process at "
+                               "the session's end (--gpuclean-helpers; not leaks): "
+                               + ", ".join(f"pid {r.process.pid} {r.how_ended}" for r in ended))
             older = self.session.left_alone if self.session is not None else []
             if older:
                 # Never signalled; said once, so that nobody wonders why gpuclean left them.

@@ -207,6 +207,12 @@ OPTIONS: tuple[Option, ...] = (
            _boolean, flag=True),
     Option("ignore", "glob patterns of command lines that are never stray (host scope, GPU processes); "
            "comma-separated, repeatable", _patterns, "GLOBS", listed=True),
+    Option("helpers", "glob patterns of command lines of the pytest process's children that serve it for "
+           "the session (a library's worker pool): not leaks, said once, ended at the session's end; "
+           "comma-separated, repeatable", _patterns, "GLOBS", listed=True),
+    Option("persistent", "glob patterns of command lines of processes meant to outlive the session (a warm "
+           "model server): never signalled, their GPU memory excused, said once; comma-separated, repeatable",
+           _patterns, "GLOBS", listed=True),
     Option("grace", f"seconds between SIGTERM and SIGKILL when reaping (default {DEFAULT_GRACE_S:g})",
            parse_seconds, "S"),
     Option("settle", "seconds leftover processes get to exit by themselves before reaping starts "
@@ -280,6 +286,8 @@ class Settings:
     simulate: str | None = None
     require_gpu: bool = False
     ignore: tuple[str, ...] = ()
+    helpers: tuple[str, ...] = ()
+    persistent: tuple[str, ...] = ()
     grace: float = DEFAULT_GRACE_S
     settle: float = DEFAULT_SETTLE_S
     reap: OnOff = "on"

@@ -84,6 +84,9 @@ class CheckerView(Protocol):
     @property
     def last_census(self) -> Sequence[CensusEntry]: ...
 
+    @property
+    def notices(self) -> list[str]: ...
+
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int,
               timeout: float, device_errors: bool = False, where: str = "an earlier check"
               ) -> CheckResult: ...

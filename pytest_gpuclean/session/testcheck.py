@@ -116,6 +116,8 @@ class ItemChecks:
             self._note_lost(record, result, "setup")
         record.before = result
         record.before_s = result.waited_s
+        if session.checker.notices:
+            self._take_notices()
         self._note_own_context(result)
         if result.reaped:
             session.attribute_earlier(result.reaped, state.nodeid, result.notes)
@@ -296,6 +298,8 @@ class ItemChecks:
             mine = _without(result, fixtures)
         record.after = mine
         record.after_s = result.waited_s
+        if session.checker.notices:
+            self._take_notices()
         if result.siblings:
             self._record_siblings(state, result)
         self._note_torch_growth(item, state, record)
@@ -343,6 +347,12 @@ class ItemChecks:
                                      fixture_location(fixturedef, item.config.rootpath), state.nodeid,
                                      reaped, leaked, lingered))
         return leaks
+
+    def _take_notices(self) -> None:
+        notices = self.session.checker.notices
+        for line in notices:
+            self.session.found.note(line, once=True)
+        notices.clear()
 
     def _stop_if_lost(self, item: pytest.Item, result: CheckResult) -> None:
         # A lost GPU fails every later check and runs every later test on a GPU that is gone: one line,
