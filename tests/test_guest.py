@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import fnmatch
 import json
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -56,9 +55,13 @@ CHECKED = {CHECKING: {"test_a_marked", "test_c_count"}, XDIST: {"test_a_marked",
 SESSION_ID = r"gc\.<session>"  # (the probe masks the pid and random parts of a session id)
 PLAIN_IMPORTS = "pytest_gpuclean._PlainImports"
 ON_SIGTERM = "pytest_gpuclean.core.signals.SigtermAsInterrupt._on_sigterm"
+SAME_EVERYWHERE = ("threads", "os_threads", "excepthook", "threading_excepthook", "unraisablehook", "atexit",
+                   "warning_filters", "gc", "rlimits", "sigmask", "umask", "cwd", "nice", "affinity",
+                   "path_hooks", "faulthandler", "switchinterval", "recursionlimit", "flags")
+"""What no exception covers, in any mode or role: asserted equal one by one, besides the diff."""
 THIRD_PARTY = {"pytest_gpuclean", "psutil", "pynvml"}
 """What the plugin may import into the test's process besides the standard library: itself and its two
-dependencies (psutil only once a check needs it, pynvml only on real GPUs)."""
+dependencies (psutil only when a finding names a process, pynvml only on real GPUs)."""
 
 
 class Diff(NamedTuple):
@@ -133,11 +136,13 @@ EXCEPTIONS: tuple[Exception_, ...] = (
                # (a test's token and node id; in a session that checks nothing, the session's own; under xdist
                # the controller's session id prefixes the worker's)
                fits=lambda d: d.plain == ABSENT and (
-                   re.fullmatch(f"({SESSION_ID}:session/)?{SESSION_ID}" + r":([a-z]+\d+|session)", str(d.plugin)) is not None
+                   re.fullmatch(f"({SESSION_ID}:session/)?{SESSION_ID}" + r":([a-z]+\d+|session)",
+                                str(d.plugin)) is not None
                    or d.plugin in (f"test_inner.py::{d.test}", "pytest session"))),
     Exception_(_keys(ENV_ROLES, "env.GPUCLEAN_HELD_LOCKS"),
                "while a checked test holds GPU locks: which, so that a gpuclean session the test starts "
-               "(a nested pytest) takes those GPUs instead of waiting for its parent's locks (docs/sharing.md)",
+               "(a nested pytest) takes those GPUs instead of waiting for its parent's locks "
+               "(docs/sharing.md)",
                "test_nested_session_uses_the_gpu_its_test_holds (tests/test_sharing.py)",
                modes=STARTED, fits=lambda d: d.plain == ABSENT and _checked(d)),
     Exception_(_keys(ENV_ROLES, "env.CUDA_VISIBLE_DEVICES"),
@@ -172,8 +177,8 @@ EXCEPTIONS: tuple[Exception_, ...] = (
                "test_the_pytest_process_takes_sigterm_as_an_interrupt; "
                "test_signal_to_pytest_runs_the_sweep_and_writes_the_reports (tests/test_faults.py)",
                modes=STARTED, fits=lambda d: (d.plain, d.plugin) == ("SIG_DFL", ON_SIGTERM)),
-    Exception_(_keys(FORKED, "signals.SIGTERM")
-               + ("experiments.sigterm_fork.*", "experiments.mp_fork_terminate.*"),
+    Exception_((*_keys(FORKED, "signals.SIGTERM"), "experiments.sigterm_fork.*",
+                "experiments.mp_fork_terminate.*"),
                "BREAK (issue 37, item 2): a forked child inherits the pytest process's SIGTERM handler, so "
                "SIGTERM raises KeyboardInterrupt in it: finally blocks run, it exits 1 and prints "
                "'KeyboardInterrupt: SIGTERM'; POSIX says it dies of signal 15",
@@ -196,8 +201,8 @@ EXCEPTIONS: tuple[Exception_, ...] = (
                known_break="ns_last_pid descriptor in forked children"),
     Exception_(("rawfork.lock_owners",),
                "a child forked from C sees the GPU lock files it inherited: held by the test's process, "
-               "free, or held by another process (under xdist, the sibling worker whose test holds them), never "
-               "by itself",
+               "free, or held by another process (under xdist, the sibling worker whose test holds them), "
+               "never by itself",
                "test_lock_descriptors_reach_no_child",
                fits=_only_added(lambda owner: owner in ("the test's process", "free", "another process"))),
     Exception_(_keys(("body", *FORKED), "meta_path"),
@@ -208,8 +213,9 @@ EXCEPTIONS: tuple[Exception_, ...] = (
                "test_the_plugins_import_finder_leaves_user_imports_alone",
                fits=lambda d: d.plugin == [PLAIN_IMPORTS, *d.plain]),
     Exception_(_keys(("body", *FORKED), "modules"),
-               "the plugin's own modules and the standard library modules they import (psutil once a check "
-               "needs it, pynvml on real GPUs); nothing else, and no module the plain run has is missing",
+               "the plugin's own modules and the standard library modules they import (psutil when a "
+               "finding names a process, pynvml on real GPUs); nothing else, and no module the plain run "
+               "has is missing",
                "test_what_a_test_observes_is_as_without_the_plugin (prints them)",
                fits=_only_added(_plugin_module)),
 )
@@ -318,7 +324,8 @@ def test_what_a_test_observes_is_as_without_the_plugin(guest: Guest, mode: str) 
                 table[(allowed.known_break and "KNOWN BREAK") or "exception", allowed.shown_by].add(diff.key)
     for (kind, shown_by), keys in sorted(table.items()):
         print(f"{mode}: {kind}: {', '.join(sorted(keys))} -> {shown_by}")
-    added = sorted(set(plugin["test_b_unmarked"]["body"]["modules"]) - set(plain["test_b_unmarked"]["body"]["modules"]))
+    added = sorted(set(plugin["test_b_unmarked"]["body"]["modules"])
+                   - set(plain["test_b_unmarked"]["body"]["modules"]))
     print(f"{mode}: modules the plugin imported into the test's process: {', '.join(added)}")
     assert not breaks, "differences on no list (breaks of the contract):\n" + "\n".join(breaks)
     # What the plugin must not bring at all, stated once more where a reader looks for it: no thread (Python
@@ -329,9 +336,7 @@ def test_what_a_test_observes_is_as_without_the_plugin(guest: Guest, mode: str) 
         if mode != XDIST:  # (xdist's own execnet thread is there with or without the plugin)
             assert plugin[test]["experiments"]["threads_at_fork"] == {"python_threads": 1, "os_threads": 1}
         for role in ("body", *FORKED, *EXECED, "scrubbed"):
-            for key in ("threads", "os_threads", "excepthook", "threading_excepthook", "unraisablehook",
-                        "atexit", "warning_filters", "gc", "rlimits", "sigmask", "umask", "cwd", "nice",
-                        "affinity", "path_hooks", "faulthandler", "switchinterval", "recursionlimit", "flags"):
+            for key in SAME_EVERYWHERE:
                 assert plugin[test][role][key] == plain[test][role][key], (test, role, key)
         if mode in STARTED:  # the exceptions are there where they are said to be
             assert plugin[test]["body"]["subreaper"] == 1
@@ -347,7 +352,7 @@ def test_the_cookie_names_the_test_in_what_it_starts(effects: Guest) -> None:
     plain, plugin = effects.both("-k", "test_a_checked or test_cookie", passed=2)
     assert plain["test_cookie"] == {"child": [None, None], "scrubbed": [None, None]}
     cookie, owner = plugin["test_cookie"]["child"]
-    assert re.fullmatch(r"gc\.\d+\.\d+\.\d+\.[0-9a-f]+:[a-z]+\d+", cookie), cookie  # <session id>:<test token>
+    assert re.fullmatch(r"gc\.\d+\.\d+\.\d+\.[0-9a-f]+:[a-z]+\d+", cookie), cookie  # <session>:<test token>
     assert owner == "test_inner.py::test_cookie"
     # A child started with a scrubbed environment carries no cookie: it is the test's by ancestry alone.
     assert plugin["test_cookie"]["scrubbed"] == [None, None]
@@ -391,7 +396,7 @@ def test_the_pytest_process_takes_sigterm_as_an_interrupt(effects: Guest) -> Non
                           "'KeyboardInterrupt: SIGTERM', where POSIX has it die of signal 15")
 def test_forked_children_die_of_sigterm_as_posix_says(effects: Guest) -> None:
     plain, plugin = effects.both("-k", "test_a_checked or test_forked_sigterm", passed=2)
-    posix = {"fork": [15, False], "mp_exitcode": -15}  # [killed by signal, a finally block ran]
+    posix = {"fork": [15, False], "rawfork": [15, False], "mp_exitcode": -15}  # [killed by, finally ran]
     assert plain["test_forked_sigterm"] == posix
     # An unmarked test, in a session that checks another one.
     assert plugin["test_forked_sigterm"] == posix
@@ -409,7 +414,8 @@ def test_lock_descriptors_reach_no_child(effects: Guest) -> None:
     found = plugin["test_lock_fds"]
     # The test's process holds the lock directory, two lock files and two holder records (two GPUs), all
     # close-on-exec: no exec'ed child gets them, even with close_fds=False.
-    assert len(of_locks(found["body"])) == 5 and all(fd.endswith(" cloexec") for fd in of_locks(found["body"]))
+    held = of_locks(found["body"])
+    assert len(held) == 5 and all(fd.endswith(" cloexec") for fd in held), held
     assert not of_locks(found["nocloexec"]["fds"]) and found["nocloexec"]["owners"] == []
     # os.fork (and multiprocessing's fork): the at-fork hook closed them in the child.
     assert not of_locks(found["fork"]["fds"]) and found["fork"]["owners"] == []
@@ -420,9 +426,9 @@ def test_lock_descriptors_reach_no_child(effects: Guest) -> None:
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="break (minor): core/procfs.py keeps /proc/sys/kernel/ns_last_pid open in the pytest "
-                          "process, also in a session that checks nothing; close-on-exec, but every child "
-                          "forked through Python inherits it")
+                   reason="break (minor): core/procfs.py keeps /proc/sys/kernel/ns_last_pid open in the "
+                          "pytest process, also in a session that checks nothing; close-on-exec, but every "
+                          "child forked through Python inherits it")
 def test_forked_children_inherit_no_descriptor_of_the_plugin(effects: Guest) -> None:
     plain, plugin = effects.both("-k", "test_fork_fds", passed=1)  # (a session that checks nothing)
     assert plugin["test_fork_fds"]["child"] == plain["test_fork_fds"]["child"]

@@ -12,7 +12,8 @@ import probe
 import pytest
 
 OUT = os.environ["GUEST_OUT"]
-SHOW_COOKIE = "import json, os; print(json.dumps([os.environ.get('GPUCLEAN_TEST'), os.environ.get('GPUCLEAN_OWNER')]))"
+SHOW_COOKIE = ("import json, os; "
+               "print(json.dumps([os.environ.get('GPUCLEAN_TEST'), os.environ.get('GPUCLEAN_OWNER')]))")
 
 
 def record(request, **found):
@@ -82,20 +83,18 @@ def test_sigterm_handler(request):
     record(request, handler=probe._name(signal.getsignal(signal.SIGTERM)))
 
 
-def test_forked_sigterm(request):
-    # POSIX: a child killed by SIGTERM (default disposition) dies of it at once; no finally runs.
-    def sleeper():
-        try:
-            os.write(w, b"x")
-            time.sleep(30)
-        finally:
-            os.write(w, b"finally")
-
+def _sigtermed(fork):
+    """A child made by ``fork`` sleeps in a try/finally and gets SIGTERM: [the signal that ended it, whether
+    its finally block ran]. POSIX: a child at SIGTERM's default disposition dies of it at once."""
     r, w = os.pipe()
-    pid = os.fork()
+    pid = fork()
     if pid == 0:
         try:
-            sleeper()
+            try:
+                os.write(w, b"x")
+                time.sleep(30)
+            finally:
+                os.write(w, b"finally")
         finally:
             os._exit(1)
     os.read(r, 1)
@@ -104,6 +103,11 @@ def test_forked_sigterm(request):
     status = os.waitpid(pid, 0)[1]
     os.close(w)
     ran_finally = os.read(r, 16) == b"finally"
+    os.close(r)
+    return [os.WTERMSIG(status) if os.WIFSIGNALED(status) else None, ran_finally]
+
+
+def test_forked_sigterm(request):
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -114,14 +118,16 @@ def test_forked_sigterm(request):
     time.sleep(0.05)
     process.terminate()
     process.join(30)
-    record(request, fork=[os.WTERMSIG(status) if os.WIFSIGNALED(status) else None, ran_finally],
+    # A fork from C (ctypes.PyDLL: the GIL stays held, as in os.fork) runs no at-fork hook of Python.
+    record(request, fork=_sigtermed(os.fork), rawfork=_sigtermed(ctypes.PyDLL(None).fork),
            mp_exitcode=process.exitcode)
 
 
 @pytest.mark.needs_clean_gpus
 def test_lock_fds(request):
     me = os.getpid()
-    paths = {role: os.path.join(OUT, f"{request.node.name}.{role}.json") for role in ("fork", "rawfork", "nocloexec")}
+    paths = {role: os.path.join(OUT, f"{request.node.name}.{role}.json")
+             for role in ("fork", "rawfork", "nocloexec")}
     forked(lambda: probe.child(paths["fork"], me))
     pid = ctypes.PyDLL(None).fork()  # a fork from C: no at-fork hook of Python runs in the child
     if pid == 0:
@@ -153,7 +159,8 @@ def test_imports(request):
         helper.check(2)
     record(request, message=str(raised.value).splitlines()[0], loader=type(helper.__loader__).__name__,
            meta_path=[probe._name(type(f)) for f in sys.meta_path],
-           finds_user_module=[type(f).__name__ for f in sys.meta_path if f.find_spec("helper", None) is not None])
+           finds_user_module=[type(f).__name__ for f in sys.meta_path
+                              if f.find_spec("helper", None) is not None])
 
 
 @pytest.mark.needs_clean_gpus

@@ -31,8 +31,8 @@ SIGNALS = ("SIGTERM", "SIGINT", "SIGCHLD", "SIGPIPE", "SIGUSR1", "SIGHUP", "SIGQ
 # Values that change from run to run with or without the plugin (the worker xdist gave a test to, too):
 # their key is kept, the value masked.
 _SESSION_ID = re.compile(r"gc\.\d+\.\d+\.\d+\.[0-9a-f]+")
-_VARYING_ENV = ("GUEST_OUT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER", "GPUCLEAN_HELD_LOCKS", "GPUCLEAN_XDIST_WORKERS_SINCE",
-                "GPUCLEAN_OUTSIDE_STATE")
+_VARYING_ENV = ("GUEST_OUT", "PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER", "GPUCLEAN_HELD_LOCKS",
+                "GPUCLEAN_XDIST_WORKERS_SINCE", "GPUCLEAN_OUTSIDE_STATE")
 
 
 def _name(obj):
@@ -94,8 +94,9 @@ def _os_threads():
 
 
 def _filters():
-    return [[action, getattr(message, "pattern", message), category.__name__, getattr(module, "pattern", module),
-             lineno] for action, message, category, module, lineno in warnings.filters]
+    return [[action, getattr(message, "pattern", message), category.__name__,
+             getattr(module, "pattern", module), lineno]
+            for action, message, category, module, lineno in warnings.filters]
 
 
 def _relation(parent_pid):
@@ -137,7 +138,8 @@ def snapshot(test_pid=None, ignore=()):
         "faulthandler": faulthandler.is_enabled(),
         "atexit": atexit._ncallbacks(),
         "warning_filters": _filters(),
-        "gc": {"enabled": gc.isenabled(), "threshold": list(gc.get_threshold()), "callbacks": len(gc.callbacks)},
+        "gc": {"enabled": gc.isenabled(), "threshold": list(gc.get_threshold()),
+               "callbacks": len(gc.callbacks)},
         "switchinterval": sys.getswitchinterval(),
         "recursionlimit": sys.getrecursionlimit(),
         "flags": {name: getattr(sys.flags, name) for name in dir(sys.flags)

@@ -157,7 +157,8 @@ def _mp_fork_terminate(capfd):
     time.sleep(0.05)
     process.terminate()
     process.join(30)
-    return {"exitcode": process.exitcode, "printed_KeyboardInterrupt": "KeyboardInterrupt" in capfd.readouterr().err}
+    return {"exitcode": process.exitcode,
+            "printed_KeyboardInterrupt": "KeyboardInterrupt" in capfd.readouterr().err}
 
 
 def observe(request, capfd):
