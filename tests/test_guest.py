@@ -8,7 +8,7 @@ xdist. Each test of the probe records its body's process, its children's (``os.f
 child that calls ``setsid``, a fork from C, multiprocessing's fork and spawn, ``subprocess``, ``env -i``,
 ``close_fds=False``) and how a forked child dies of SIGTERM. Every difference must be on ``EXCEPTIONS``,
 each with its reason and the test here that shows what it changes for the user; the rest are breaks. The
-entries marked ``known_break`` are breaks being fixed: a strict xfail test holds each.
+entries marked ``known_break`` are breaks being fixed (none now): a strict xfail test holds each.
 """
 
 from __future__ import annotations
@@ -177,13 +177,13 @@ EXCEPTIONS: tuple[Exception_, ...] = (
                "test_the_pytest_process_takes_sigterm_as_an_interrupt; "
                "test_signal_to_pytest_runs_the_sweep_and_writes_the_reports (tests/test_faults.py)",
                modes=STARTED, fits=lambda d: (d.plain, d.plugin) == ("SIG_DFL", ON_SIGTERM)),
-    Exception_((*_keys(FORKED, "signals.SIGTERM"), "experiments.sigterm_fork.*",
-                "experiments.mp_fork_terminate.*"),
-               "BREAK (issue 37, item 2): a forked child inherits the pytest process's SIGTERM handler, so "
-               "SIGTERM raises KeyboardInterrupt in it: finally blocks run, it exits 1 and prints "
-               "'KeyboardInterrupt: SIGTERM'; POSIX says it dies of signal 15",
+    Exception_(("rawfork.signals.SIGTERM",),
+               "a child forked from C runs none of Python's at-fork hooks, so it still shows the pytest "
+               "process's SIGTERM handler; the handler acts in the pytest process only: in that child it "
+               "puts the default back and re-sends the signal, so the child dies of SIGTERM as POSIX says "
+               "(children forked through Python get the default back right after the fork)",
                "test_forked_children_die_of_sigterm_as_posix_says",
-               modes=STARTED, known_break="issue 37 item 2"),
+               modes=STARTED, fits=lambda d: (d.plain, d.plugin) == ("SIG_DFL", ON_SIGTERM)),
     Exception_(("body.fds", "rawfork.fds"),
                "the plugin's own descriptors in the pytest process (ns_last_pid kept open; in a checking "
                "session the lock directory, the GPU lock files and this user's holder records), all "
@@ -192,13 +192,6 @@ EXCEPTIONS: tuple[Exception_, ...] = (
                "(POSIX locks are the pytest process's)",
                "test_lock_descriptors_reach_no_child",
                fits=_only_added(_plugin_fd)),
-    Exception_(_keys(PYTHON_FORKS, "fds"),
-               "BREAK (minor): the descriptor of /proc/sys/kernel/ns_last_pid that the plugin keeps open "
-               "(core/procfs.py, also in a session that checks nothing) is inherited by every child forked "
-               "through Python; close-on-exec, so no exec'ed child has it",
-               "test_forked_children_inherit_no_descriptor_of_the_plugin",
-               fits=lambda d: d.added() == ([], ["/proc/sys/kernel/ns_last_pid cloexec"]),
-               known_break="ns_last_pid descriptor in forked children"),
     Exception_(("rawfork.lock_owners",),
                "a child forked from C sees the GPU lock files it inherited: held by the test's process, "
                "free, or held by another process (under xdist, the sibling worker whose test holds them), "
@@ -390,10 +383,6 @@ def test_the_pytest_process_takes_sigterm_as_an_interrupt(effects: Guest) -> Non
     assert idle["test_sigterm_handler"] == {"handler": "SIG_DFL"}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 37 item 2 (being fixed): a forked child inherits the SIGTERM handler of the "
-                          "pytest process; it exits 1 after running its finally blocks, printing "
-                          "'KeyboardInterrupt: SIGTERM', where POSIX has it die of signal 15")
 def test_forked_children_die_of_sigterm_as_posix_says(effects: Guest) -> None:
     plain, plugin = effects.both("-k", "test_a_checked or test_forked_sigterm", passed=2)
     posix = {"fork": [15, False], "rawfork": [15, False], "mp_exitcode": -15}  # [killed by, finally ran]
@@ -425,10 +414,6 @@ def test_lock_descriptors_reach_no_child(effects: Guest) -> None:
     assert found["rawfork"]["owners"] == ["the test's process", "the test's process"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="break (minor): core/procfs.py keeps /proc/sys/kernel/ns_last_pid open in the "
-                          "pytest process, also in a session that checks nothing; close-on-exec, but every "
-                          "child forked through Python inherits it")
 def test_forked_children_inherit_no_descriptor_of_the_plugin(effects: Guest) -> None:
     plain, plugin = effects.both("-k", "test_fork_fds", passed=1)  # (a session that checks nothing)
     assert plugin["test_fork_fds"]["child"] == plain["test_fork_fds"]["child"]

@@ -71,7 +71,7 @@ def test_with_findings_counts_only_the_tests_at_fault_as_the_json_does(
     assert document["summary"]["with_findings"] == 2
     out = result.stdout.str()
     assert "4 checked test(s), 2 with findings, 1 unchecked test(s) that leaked processes" in out
-    result.stdout.fnmatch_lines(["test_inner.py::test_2_victim_reaps_it_before: noticed, not its finding: "
+    result.stdout.fnmatch_lines(["test_inner.py::test_2_victim_reaps_it_before: noticed, not a finding: "
                                  "setup: reaped 1 *"])
 
 

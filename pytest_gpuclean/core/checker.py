@@ -404,7 +404,9 @@ class _Check:
             self.found = first[1]
         else:
             self.found = c.procs.take(self.scan_cookies, self.dead_sessions, listed)
-        self.dead_sessions = False
+        # Scanned once, unless it found debris: looked for again while there is some, so that a later look
+        # in this check (after the settle time) still sees it as the dead session's.
+        self.dead_sessions = self.dead_sessions and any(f.debris_of is not None for f in self.found)
         procs = c.procs
         # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
         # goes: their contexts are excused like our own; they are never killed either. So are the pytest
@@ -490,7 +492,9 @@ class _Check:
     def settle(self, fresh: Sequence[Found]) -> bool:
         """Before the first reaping, give leftovers ``settle`` seconds to exit on their own (a
         subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown).
-        True if any did, so the caller looks again."""
+        True if it waited, so the caller looks again before any signal: what exited is collected, and a child
+        that was still between its fork and its exec when the check began now shows its command line (a
+        helper or persistent process named by one)."""
         if not (self.reap_enabled and fresh and not self.rounds and not self.settled and self.c.settle > 0):
             return False
         self.settled = True
@@ -504,7 +508,7 @@ class _Check:
                     processes.reap_if_child(f.pid)
                     pending.remove(f)
                     self._collect(f, infos[f.pid], "exited by itself")
-        return len(pending) < len(fresh)
+        return True
 
     def reap_round(self, fresh: Sequence[Found]) -> bool:
         if not (self.reap_enabled and fresh and self.rounds < MAX_REAP_ROUNDS):

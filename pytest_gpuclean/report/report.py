@@ -219,7 +219,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             dirty.append(record)
             lines.append(f"{record.nodeid}: " + "; ".join(_record_parts(record)))
         elif noticed(record):
-            lines.append(f"{record.nodeid}: noticed, not its finding: " + "; ".join(_record_parts(record)))
+            lines.append(f"{record.nodeid}: noticed, not a finding: " + "; ".join(_record_parts(record)))
     for record in records:
         for leak in record.fixture_leaks:
             lines.append(f"{leak}, found at the teardown of {leak.reported_on}: " + fixture_part(leak))
