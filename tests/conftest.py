@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,22 @@ def example(pytester: pytest.Pytester, sim: Path, tmp_path: Path,
         return pidfile
 
     return copy
+
+
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    """A directory every user can reach (``tmp_path`` is in root's own, mode 700), for a command run as user
+    nobody (``helpers.unprivileged``); removed afterwards, whatever modes it left inside."""
+    base = Path(tempfile.mkdtemp(prefix="gpuclean-public-"))
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        for folder, dirs, _files in os.walk(base):
+            for name in dirs:
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(folder, name), 0o755)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
