@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import alive, read_pids, wait_dead
+from helpers import alive, clean_environment, read_pids, unprivileged, wait_dead
 
 from pytest_gpuclean import __version__, cli, simulate
 from pytest_gpuclean.core import procfs
@@ -181,6 +181,28 @@ def test_a_corrupt_simulated_device_file_is_an_error_naming_it(sim: Path, name: 
     assert result.stderr == (f"gpuclean {command}: error: --simulate: simulated device file {str(path)!r} "
                              f"holds {content!r}, not a number of bytes (a whole number >= 0) (from "
                              "environment variable GPUCLEAN_SIMULATE)\n")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("command", ["status", "check", "reap"])
+@pytest.mark.parametrize("closed", ["directory", "device"])
+def test_a_simulated_directory_the_user_may_not_read_is_one_line(public_tmp: Path, command: str,
+                                                                 closed: str) -> None:
+    # As an unprivileged user: the devices' directory (another user's, mode 700: it may look at it but not
+    # list it) was a traceback; a device folder of mode 000 was one line from check but not from status.
+    sim = public_tmp / "sim"
+    simulate.init(str(sim), 2, 1024)
+    (sim / "1").chmod(0)
+    if closed == "directory":
+        sim.chmod(0o700)
+    result = subprocess.run(unprivileged([sys.executable, "-m", "pytest_gpuclean", command, "--simulate",
+                                          str(sim)]),
+                            cwd=public_tmp, env=clean_environment(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    why = (f"simulated device directory '{sim}' cannot be read: Permission denied" if closed == "directory"
+           else f"simulated GPU 1 ({sim}/1) unreadable: [Errno 13] Permission denied: '{sim}/1'")
+    assert result.stderr == f"gpuclean {command}: error: --simulate: {why} (from the command line)\n"
     assert result.stdout == ""
 
 
