@@ -22,6 +22,10 @@ import pytest
 
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
 INNER_TIMEOUT = 180
+TEST_TIMEOUT_S = 600
+"""pytest-timeout's limit for each of these tests (conftest.py), unless the test or the command line
+(``--timeout``, ``PYTEST_TIMEOUT``) says otherwise: not ``timeout`` in pyproject.toml, whose key would warn
+in every run of an environment without pytest-timeout (README's first minute, in this checkout)."""
 EXAMPLES = Path(__file__).resolve().parent / "examples"
 """The inner suites and the scripts they start (``pytester_example_dir``)."""
 
