@@ -14,6 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDED = ("docs/gpu-logs/", "benchmarks/results/")
+HERE = "tests/test_citations.py"
+"""(Its own mentions are examples of what it looks for.)"""
 WRITTEN_BY_TESTS = {"step_summary.md", "summary.md"}
 """Files the tests write (a job summary, as GitHub's ``$GITHUB_STEP_SUMMARY``), named by the tests."""
 MENTION = re.compile(r"(?<![\w/.-])([\w./-]*[A-Za-z0-9_-]\.md)\b")
@@ -33,7 +35,7 @@ def cited_but_missing(files: list[str], root: Path = ROOT) -> list[tuple[str, st
     present = {Path(name).name for name in files if name.endswith(".md")} | WRITTEN_BY_TESTS
     missing: list[tuple[str, str]] = []
     for name in files:
-        if name.startswith(RECORDED):
+        if name.startswith(RECORDED) or name == HERE:
             continue
         try:
             text = (root / name).read_text(encoding="utf-8")

@@ -108,9 +108,10 @@ HOLD_PROG = "python -m pytest_gpuclean.simulate hold"
     (["--dir", "typo", "--mib", "1"], {},
      "--dir: 'typo' is not a directory of simulated devices: it does not exist (from the command line); make "
      "one with 'python -m pytest_gpuclean.simulate init DIR'"),
-    (["--dir", "/nonexistent", "--mib", "1"], {},
-     "--dir: '/nonexistent' is not a directory of simulated devices: it does not exist (from the command "
-     "line); make one with 'python -m pytest_gpuclean.simulate init DIR'"),
+    # Where not even root can make it (as /nonexistent for another user): was a traceback from mkdir.
+    (["--dir", "/proc/nonexistent", "--mib", "1"], {},
+     "--dir: '/proc/nonexistent' is not a directory of simulated devices: it does not exist (from the "
+     "command line); make one with 'python -m pytest_gpuclean.simulate init DIR'"),
     (["--dir", "empty", "--mib", "1"], {},
      "--dir: 'empty' holds no simulated device (DIR/<index>/) (from the command line); make them with "
      "'python -m pytest_gpuclean.simulate init DIR'"),
