@@ -14,7 +14,9 @@ import importlib.util
 import json
 import re
 import subprocess
+import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -398,6 +400,25 @@ def test_torch_compile_worker_pool_is_the_sessions_helper(example: Callable[...,
                ), summary
     # torch's own shutdown at exit ended it, with pytest.
     assert wait_dead([pool], timeout=30) == []
+
+
+def test_torch_211_compile_pools_are_found_in_torchs_own_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.11 (the H200's) registers no Finalize for its SubprocPool: the pool is found in the set where
+    # torch keeps every compile pool it started (and shuts down at exit). Before, it was reaped on the H200.
+    class SubprocPool:
+        def __init__(self, process: subprocess.Popen[bytes]) -> None:
+            self.process = process
+
+    sidecar = subprocess.Popen(["sleep", "60"])
+    try:
+        module = types.ModuleType("torch._inductor.async_compile")
+        module._pool_set = {SubprocPool(sidecar)}  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", module)
+        helpers = Checker(None).procs.helper_pids()
+        assert "a torch.compile worker pool" in helpers[sidecar.pid]
+    finally:
+        sidecar.kill()
+        sidecar.wait()
 
 
 def test_helpers_declared_by_their_command_line(example: Callable[..., Path],
