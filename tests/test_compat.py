@@ -402,6 +402,23 @@ def test_torch_compile_worker_pool_is_the_sessions_helper(example: Callable[...,
     assert wait_dead([pool], timeout=30) == []
 
 
+def test_torch_shared_memory_manager_is_the_sessions_helper(example: Callable[..., Path],
+                                                           pytester: pytest.Pytester) -> None:
+    # Found running torchmetrics' own tests unchanged (docs/compat.md): under the file_system sharing strategy
+    # the first shared tensor starts torch_shm_manager from C++; gpuclean reaped it as that test's leak, and
+    # every later share failed with "Broken pipe". The evidence: it runs the manager of the torch imported
+    # here (the file /proc names as its executable).
+    if not _installed("torch"):
+        pytest.skip("needs torch")
+    example("compat/torch_shm_manager")
+    result = compat_run(pytester, "--gpuclean-all")
+    result.assert_outcomes(passed=2)
+    summary = summary_of(result)
+    assert summary[-1] == "2 checked test(s), 0 with findings, 0 process(es) reaped"
+    assert any("is a helper of the pytest process (torch's shared-memory manager (libshm)" in line
+               for line in summary), summary
+
+
 def test_torch_211_compile_pools_are_found_in_torchs_own_set(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch 2.11 (the H200's) registers no Finalize for its SubprocPool: the pool is found in the set where
     # torch keeps every compile pool it started (and shuts down at exit). Before, it was reaped on the H200.

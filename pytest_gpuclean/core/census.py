@@ -66,6 +66,24 @@ def _shut_down_at_exit(util: object) -> dict[int, str]:
     return found
 
 
+def _torch_shm_manager() -> str | None:
+    """The executable of torch's shared-memory manager, for the torch this process imported: libshm starts it
+    from C++ (fork and exec) the first time a tensor is shared under the ``file_system`` strategy, to serve
+    this process for as long as its shared memory lives; nothing in Python holds it. None without torch."""
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if not isinstance(torch_file, str):
+        return None
+    manager = _SHM_MANAGERS.get(torch_file)
+    if manager is None:
+        # (as /proc/<pid>/exe names it: the real path, a venv's symlinks resolved)
+        manager = _SHM_MANAGERS[torch_file] = os.path.realpath(
+            os.path.join(os.path.dirname(torch_file), "bin", "torch_shm_manager"))
+    return manager
+
+
+_SHM_MANAGERS: dict[str, str] = {}
+
+
 def _processes_of(owner: object) -> set[int]:
     """The pids of the processes an object holds: a ``process`` (``Popen``, ``Process``), an executor's
     ``_processes``, a pool's ``_pool``."""
@@ -286,10 +304,16 @@ class Census:
         census. A helper whose tree holds GPU memory (``listed``) is judged like any process: the libraries'
         helpers hold none, and an excuse that covered held memory would be a clean verdict beside it."""
         roots = self.helper_pids()
-        if self.helper_globs:
+        shm_manager = _torch_shm_manager()
+        if self.helper_globs or shm_manager is not None:
             for pid, depth, _parent in walked:
-                if depth == 1 and pid not in roots and processes.matches_any(
-                        processes.command_line(pid), self.helper_globs):
+                if depth != 1 or pid in roots:
+                    continue
+                if shm_manager is not None and procfs.exe_path(pid) == shm_manager:
+                    roots[pid] = ("torch's shared-memory manager (libshm), which the pytest process's shared "
+                                  "tensors use, and which ends once no process uses it")
+                elif self.helper_globs and processes.matches_any(processes.command_line(pid),
+                                                                 self.helper_globs):
                     roots[pid] = "its command line matches --gpuclean-helpers"
         persistent = self.persistent_of([pid for pid, _, _ in walked], walked=True)
         helpers = _trees(walked, roots)

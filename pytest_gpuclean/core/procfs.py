@@ -463,6 +463,14 @@ def owned_by(pid: int, uid: int) -> bool:
         return False
 
 
+def exe_path(pid: int) -> str:
+    """The path of the executable of ``pid`` ('' if unreadable)."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
 def exe_name(pid: int) -> str:
     """Basename of the executable of ``pid`` ('' if unreadable); survives setproctitle renames."""
     try:
