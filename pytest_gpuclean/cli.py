@@ -87,6 +87,23 @@ def _settings(args: argparse.Namespace, *names: str) -> settings.Settings:
         raise CliError(str(exc)) from None
 
 
+def _check_environment(args: argparse.Namespace) -> None:
+    """Every command checks every GPUCLEAN_ variable at start-up, as a pytest session does, whether or not
+    it reads it (settings.check_environment), and warns of one nothing reads. A bad one is named as the
+    command's flag where it has one for the option (a value, not a switch like reap's --dead-sessions,
+    which is another thing), else as the plugin's option."""
+    def flag(option: settings.Option) -> str:
+        value = getattr(args, option.name, False)
+        return option.command_flag if value is None or isinstance(value, (str, list)) else option.cli
+
+    try:
+        warnings = settings.check_environment(os.environ, flag)
+    except settings.SettingError as exc:
+        raise CliError(str(exc)) from None
+    for line in warnings:
+        print(f"{PROG} {args.command}: warning: {line}", file=sys.stderr)
+
+
 def _env_note(name: str) -> str:
     return f"[env {settings.option(name).env_var}]"
 
@@ -648,6 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpuclean``; returns the exit status (argparse itself exits 2 on a malformed command line)."""
     args = build_parser().parse_args(argv)
     try:
+        _check_environment(args)
         return _COMMANDS[args.command](args, sys.stdout)
     except CliError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)

@@ -181,6 +181,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "allowed per device; timeout: seconds to wait for clean GPUs; count: GPUs the test needs "
         "(it gets exactly those through CUDA_VISIBLE_DEVICES).",
     )
+    if not hasattr(config, "workerinput"):  # (an xdist worker's would repeat its controller's)
+        for line in settings.unknown_variables(os.environ):
+            config.issue_config_time_warning(GpuCleanWarning(line), stacklevel=2)
     inifile = str(config.inipath) if config.inipath else None
     resolved = settings.resolve(vars(config.option), os.environ, config.getini, inifile)
     plugin = GpuCleanPlugin(config, resolved)
@@ -291,6 +294,11 @@ class GpuCleanPlugin:
             late = self.session.close(controller=self.controller) if self.session is not None else []
             if late:
                 self._report_late(late)
+            ended = self.session.helpers_ended if self.session is not None else []
+            if ended:
+                self._say_last(f"gpuclean: ended {len(ended)} helper process(es) of the pytest process at "
+                               "the session's end (--gpuclean-helpers; not leaks): "
+                               + ", ".join(f"pid {r.process.pid} {r.how_ended}" for r in ended))
             older = self.session.left_alone if self.session is not None else []
             if older:
                 # Never signalled; said once, so that nobody wonders why gpuclean left them.

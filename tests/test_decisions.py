@@ -13,6 +13,7 @@ from pytest_gpuclean.core.reap_plan import plan as plan_reap
 from pytest_gpuclean.model.decisions import (
     ALL_KINDS,
     has_findings,
+    noticed,
     outcome,
     own_leaks,
     reaped_count,
@@ -39,6 +40,7 @@ NODEID = "t.py::test_it"
 ME = Owner("test", NODEID)
 EARLIER = Owner("test", "t.py::test_earlier")
 MY_FIXTURE = Owner("fixture", "engine (module-scoped)")
+SESSION_FIXTURE = Owner("fixture", "server (session-scoped)")
 SESSION = Owner("session", "conftest")
 NODE = "n" * 56
 PROC = ProcessInfo(pid=4242, start_ticks=99, ppid=1, uid=1000, user="ci", cmdline="sleep 600",
@@ -88,7 +90,8 @@ FIXTURE_LEAK = FixtureLeak("engine", "module", ("conftest.py", 3), NODEID, (reap
 OUTCOMES: list[tuple[str, Record, str, bool]] = [
     ("clean", Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER), "clean", False),
     ("unchecked: no check finished", Record(NODEID), "unchecked", False),
-    ("unchecked: lock timeout", Record(NODEID, lock_timeout="waited 1s"), "unchecked", True),
+    ("unchecked: lock timeout: noticed, not a finding",
+     Record(NODEID, lock_timeout="waited 1s"), "unchecked", False),
     ("leaked: own process reaped after it",
      Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(ME),))), "leaked", True),
     ("leaked: unknown owner reaped after it is the finder's",
@@ -107,8 +110,11 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
     ("leaked: still on the Ray cluster",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
                 cluster_after=cluster(False, findings=(on_node(leaked(ME)),))), "leaked", True),
-    ("an earlier test's leftover reaped after it: a finding, not its leak",
-     Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(EARLIER),))), "clean", True),
+    ("an earlier test's leftover reaped after it: noticed, not a finding",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(EARLIER),))), "clean", False),
+    ("an earlier test's leftover reaped before it: noticed, not a finding",
+     Record(NODEID, before=CLEAN_BEFORE.replace(reaped=(reaped(EARLIER),)), after=CLEAN_AFTER), "clean",
+     False),
     ("an earlier test's leftover still there: not clean, not its leak",
      Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(leaked(EARLIER),))),
      "not_clean", True),
@@ -148,10 +154,13 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=(health("fault"),)), "gpu_fault", True),
     ("health: information only",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, health=(health("info"),)), "clean", False),
-    ("an earlier test's process ended by itself while the check waited: a finding, clean",
-     Record(NODEID, before=CLEAN_BEFORE, after=after(lingered=(leaked(EARLIER),))), "clean", True),
-    ("a zombie collected: a finding, clean",
-     Record(NODEID, before=CLEAN_BEFORE, after=after(collected=(reaped(ME),))), "clean", True),
+    ("an earlier test's process ended by itself while the check waited: noticed, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(lingered=(leaked(EARLIER),))), "clean", False),
+    ("a zombie collected: noticed, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(collected=(reaped(ME),))), "clean", False),
+    ("a session fixture's process that exited by itself during the test: noticed, clean",
+     Record(NODEID, before=CLEAN_BEFORE, after=after(collected=(reaped(SESSION_FIXTURE),))), "clean",
+     False),
     ("torch memory grew in-process: a finding, clean",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, in_process_mib=(("cuda:0", 2.0),)), "clean",
      True),
@@ -159,6 +168,9 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
      Record(NODEID, before=CLEAN_BEFORE.replace(clean=False, offenders=(MEMORY,)), outside_action="skip"),
      "not_clean", True),
 ]
+
+
+OUTCOME_NAMES = {id(row[1]): row[0] for row in OUTCOMES}
 
 
 @pytest.mark.parametrize(("record", "expected", "findings"), [row[1:] for row in OUTCOMES],
@@ -172,8 +184,12 @@ def test_outcome(record: Record, expected: str, findings: bool) -> None:
     assert has_findings(record) is findings
     assert own_leaks(record).any() is (expected == "leaked") is bool(jsonreport.leaked_json(record))
     assert ("gpuclean_outcome", expected) in outputs.junit_properties(record)
-    # A leaking test is a finding; a clean one only when a check found something that does not fail it.
-    assert findings or expected in ("clean", "unchecked")
+    assert jsonreport.record_json(record)["findings"] is findings
+    # Every outcome but clean is the test's finding; a clean one only by a finding of its own that does not
+    # fail it (torch memory grown, a GPU used without its lock). What its checks did for others is noticed.
+    assert findings is (expected not in ("clean", "unchecked") or bool(record.in_process_mib))
+    victim = "noticed" in OUTCOME_NAMES[id(record)]
+    assert noticed(record) is victim
 
 
 def test_totals_count_what_outcome_decides() -> None:
@@ -181,6 +197,7 @@ def test_totals_count_what_outcome_decides() -> None:
     records = [row[1] for row in OUTCOMES]
     summary = jsonreport.summary_json(records, [])
     decided = [outcome(r) for r in records]
+    assert summary["with_findings"] == sum(1 for r in records if r.before is not None and has_findings(r))
     for key in ("clean", "leaked", "not_clean", "gpu_fault"):
         assert summary[key] == decided.count(key)
     checked = [r for r in records if r.before is not None]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -240,6 +242,8 @@ def test_an_idle_folder_read_by_its_ctime_still_sees_memory_come_and_go(
         return reading.used_bytes
 
     assert used() == 0  # (a listdir: the ctime is recorded)
+    time.sleep(procfs.SETTLED_NS / 1e9 + 0.02)  # (and seen unchanged that long by the monotonic clock)
+    assert used() == 0
     listed: list[str] = []
     real_listdir = os.listdir
     monkeypatch.setattr(os, "listdir", lambda path: listed.append(str(path)) or real_listdir(path))
@@ -256,6 +260,62 @@ def test_an_idle_folder_read_by_its_ctime_still_sees_memory_come_and_go(
     (tmp_path / "0").rmdir()
     with pytest.raises(DeviceLost, match="vanished"):
         used()
+
+
+_REWRITER = """
+import os, sys, time
+path = os.path.join(sys.argv[1], str(os.getpid()))
+with open(path + ".ready", "w"):
+    pass
+while True:  # as a shell's `echo N > file` does, in a loop: truncated, then written
+    with open(path, "w") as f:
+        f.write(sys.argv[2])
+"""
+
+
+def test_a_holder_rewriting_its_file_in_place_is_listed_in_every_reading(tmp_path: Path) -> None:
+    # Before: a reading that met the file between its truncation and its write took the holder for gone,
+    # and a check that read then said clean beside the held memory.
+    (tmp_path / "0").mkdir()
+    backend = SimulatedBackend(tmp_path)
+    devices = backend.devices()
+    holder = subprocess.Popen([sys.executable, "-c", _REWRITER, str(tmp_path / "0"), str(64 * MIB)])
+    try:
+        ready = tmp_path / "0" / f"{holder.pid}.ready"
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ready.unlink()
+        missed = 0
+        for _ in range(3000):
+            [reading] = backend.readings(devices)
+            if holder.pid not in {p.pid for p in reading.processes}:
+                missed += 1
+        assert missed == 0
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_wall_clock_stepped_forward_does_not_free_a_holders_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A file's time is the wall clock's, a process's start the boot clock's. Before: compared through the
+    # offset between the two as it is now, a wall clock set forward (a VM resumed, NTP stepping) made a live
+    # holder's file look older than the holder, taken for a dead process's, and its memory free.
+    (tmp_path / "0").mkdir()
+    backend = SimulatedBackend(tmp_path)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 30.0)  # the step, as this process sees it
+    held = allocate(str(tmp_path), 0, 64)  # this very process: it started long before its file
+    try:
+        [reading] = backend.readings(backend.devices())
+        assert reading.used_bytes == 64 * MIB
+        # A file provably older than its process (a dead holder's, the pid reused) is still not credited.
+        os.utime(held, (real() - 3600, real() - 3600))
+        [reading] = backend.readings(backend.devices())
+        assert reading.used_bytes == 0 and reading.processes == ()
+    finally:
+        held.unlink()
 
 
 def test_a_reading_equal_to_the_last_one_is_that_object(tmp_path: Path) -> None:

@@ -288,6 +288,19 @@ def test_signal_to_pytest_runs_the_sweep_and_writes_the_reports(
     assert "session end: reaped 1 leftover process(es)" in out
 
 
+def test_forked_children_die_of_sigterm_as_without_the_plugin(
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    # The plugin takes SIGTERM in the pytest process (a cancelled job still gets its sweep). Before, a child
+    # forked by a test inherited that handler: SIGTERM ran its finally blocks, multiprocessing's terminate()
+    # gave exitcode 1 instead of -15, and each printed "KeyboardInterrupt: SIGTERM". Both a marked test and
+    # an unmarked one after it (the handler stays for the session) fork.
+    example("faults/forked_sigterm")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str() + result.stderr.str()
+    assert "KeyboardInterrupt" not in out
+
+
 def test_second_interrupt_shortens_the_grace_and_keeps_the_sweep(
         example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

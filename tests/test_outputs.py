@@ -53,6 +53,28 @@ def by_nodeid(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 # ---- JSON report -------------------------------------------------------------------------------------
 
+def test_with_findings_counts_only_the_tests_at_fault_as_the_json_does(
+        example: Callable[..., Path], pytester: pytest.Pytester) -> None:
+    # Issue 37: a test whose setup reaped an earlier test's leak was counted "with findings" beside the
+    # tests that leaked, while its JSON outcome said clean. It is a victim: noticed, not counted.
+    example("outputs/victims")
+    result = run_inner(pytester, "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=5, errors=2)
+    document = json.loads((pytester.path / "report.json").read_text())
+    validate(document)
+    by_test = {t["nodeid"].split("::")[1]: t for t in document["tests"]}
+    at_fault = sorted(name for name, t in by_test.items() if t["findings"])
+    assert at_fault == ["test_1_unchecked_leaks", "test_3_leaks", "test_5_leaks_too"]
+    assert by_test["test_2_victim_reaps_it_before"]["outcome"] == "clean"
+    assert by_test["test_2_victim_reaps_it_before"]["before"]["reaped"]  # it reaped the leak, for the leaker
+    # The count is of checked tests (the unchecked leaker has its own part), and the JSON says the same.
+    assert document["summary"]["with_findings"] == 2
+    out = result.stdout.str()
+    assert "4 checked test(s), 2 with findings, 1 unchecked test(s) that leaked processes" in out
+    result.stdout.fnmatch_lines(["test_inner.py::test_2_victim_reaps_it_before: noticed, not a finding: "
+                                 "setup: reaped 1 *"])
+
+
 def test_report_has_a_record_per_checked_test_and_matches_its_schema(
         example: Callable[..., Path], pytester: pytest.Pytester, sim: Path) -> None:
     pidfile = example("outputs/leaks_and_clean")
@@ -71,7 +93,8 @@ def test_report_has_a_record_per_checked_test_and_matches_its_schema(
     assert [d["uuid"] for d in session["devices"]] == [simulated_uuid(sim, 0), simulated_uuid(sim, 1)]
     assert session["exitstatus"] == 1 and session["settings"]["grace"] == 2
     assert document["versions"]["pytest_gpuclean"] == "0.1.0"
-    assert document["summary"] == {"tests": 2, "checked": 2, "clean": 1, "leaked": 1, "not_clean": 0,
+    assert document["summary"] == {"tests": 2, "checked": 2, "with_findings": 1, "clean": 1, "leaked": 1,
+                                   "not_clean": 0,
                                    "gpu_fault": 0, "reaped": 1, "lock_timeouts": 0, "fixture_leaks": 0,
                                    "device_errors": 0,
                                    "dirty_from_outside": 0}

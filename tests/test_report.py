@@ -257,7 +257,8 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
         "process": None, "owner": None, "mib_per_device": [{"device": "GPU 0", "mib": 88.0}]}
     assert jsonreport.snapshot_json(SNAP)["processes"][1] == {"pid": 7, "used_bytes": None, "used_mib": None}
     assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")], [REAPED]) == {
-        "tests": 3, "checked": 1, "clean": 0, "leaked": 1, "not_clean": 0, "gpu_fault": 0, "reaped": 2,
+        "tests": 3, "checked": 1, "with_findings": 1, "clean": 0, "leaked": 1, "not_clean": 0, "gpu_fault": 0,
+        "reaped": 2,
         "lock_timeouts": 1, "fixture_leaks": 0, "device_errors": 0, "dirty_from_outside": 0}
     assert jsonreport.outcome(FAULTED) == "gpu_fault"
     assert jsonreport.record_json(FAULTED)["health"] == [{

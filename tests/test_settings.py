@@ -1,13 +1,18 @@
-"""Option resolution, in-process: CLI > environment > ini > marker > default, and the source of each value."""
+"""Option resolution: marker > CLI > environment > ini > default, and the source of each value; in-process,
+then in inner sessions (pytester) and ``gpuclean`` commands where what matters is what a real run does."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
 import pytest
+from helpers import run_inner
 
 from pytest_gpuclean.core import settings
 from pytest_gpuclean.core.settings import (
@@ -62,7 +67,8 @@ def test_repeated_and_multi_line_patterns_are_joined() -> None:
     ({"gpuclean_timeout": "abc"}, {},
      "--gpuclean-timeout: 'abc' is not a number of seconds (from the command line)"),
     ({}, {"GPUCLEAN_REAP": "maybe"},
-     "--gpuclean-reap: 'maybe' is not one of on, off (from environment variable GPUCLEAN_REAP)"),
+     "--gpuclean-reap: 'maybe' is not on or off (nor 1/0, true/false, yes/no) (from environment variable "
+     "GPUCLEAN_REAP)"),
     ({"gpuclean_devices": ","}, {}, "--gpuclean-devices: ',' names no device (from the command line)"),
     ({"gpuclean_devices": "0,1,0"}, {},
      "--gpuclean-devices: '0,1,0' lists '0' twice (from the command line)"),
@@ -73,7 +79,7 @@ def test_repeated_and_multi_line_patterns_are_joined() -> None:
      "--gpuclean-outside: 'wait' is not one of fail, skip, stop "
      "(from environment variable GPUCLEAN_OUTSIDE)"),
     ({"gpuclean_all": "sometimes"}, {},
-     "--gpuclean-all: 'sometimes' is not a boolean (use true/false, 1/0, yes/no) (from the command line)"),
+     "--gpuclean-all: 'sometimes' is not on or off (nor 1/0, true/false, yes/no) (from the command line)"),
 ])
 def test_a_bad_value_is_a_usage_error_naming_option_and_source(cli: dict[str, str], env: dict[str, str],
                                                                message: str) -> None:
@@ -133,15 +139,21 @@ def test_the_spelt_out_choices_are_the_models_words() -> None:
     assert get_args(model.OutsideAction) == settings.OUTSIDE_ACTIONS
 
 
-def test_the_marker_applies_below_command_line_environment_and_ini() -> None:
-    from_ini = resolve({}, {}, ini_of({"gpuclean_tolerance_mib": "100"}))
-    applied = for_marker(from_ini, {"tolerance_mib": 5, "timeout": 2, "count": 1}, "t.py::test")
-    assert (applied.tolerance_mib, applied.timeout, applied.count) == (100, 2.0, 1)
+@pytest.mark.parametrize("where", ["cli", "env", "ini"])
+def test_the_marker_beats_command_line_environment_and_ini(where: str) -> None:
+    # The most specific setting wins, as a test's own timeout marker does in pytest-timeout.
+    given = {"tolerance_mib": "100", "timeout": "120"}
+    resolved = resolve({f"gpuclean_{k}": v for k, v in given.items()} if where == "cli" else {},
+                       {f"GPUCLEAN_{k.upper()}": v for k, v in given.items()} if where == "env" else {},
+                       ini_of({f"gpuclean_{k}": v for k, v in given.items()} if where == "ini" else {}))
+    applied = for_marker(resolved, {"tolerance_mib": 5, "timeout": 2, "count": 1}, "t.py::test")
+    assert (applied.tolerance_mib, applied.timeout, applied.count) == (5, 2.0, 1)
+    partly = for_marker(resolved, {"timeout": 2}, "t.py::test")
+    assert (partly.tolerance_mib, partly.timeout) == (100, 2.0)
     unset = for_marker(Settings(), {"tolerance_mib": 5}, "t.py::test")
     assert (unset.tolerance_mib, unset.timeout, unset.count) == (5, settings.DEFAULT_TIMEOUT_S, None)
-    bare = for_marker(resolve({}, {}, ini_of({"gpuclean_tolerance_mib": "100", "gpuclean_timeout": "7"})),
-                      {}, "t.py::test")  # (the bare marker's shortcut)
-    assert (bare.tolerance_mib, bare.timeout, bare.count) == (100, 7.0, None)
+    bare = for_marker(resolved, {}, "t.py::test")  # (the bare marker's shortcut)
+    assert (bare.tolerance_mib, bare.timeout, bare.count) == (100, 120.0, None)
 
 
 @pytest.mark.parametrize(("args", "kwargs", "message"), [
@@ -156,3 +168,191 @@ def test_bad_marker_arguments_name_the_test(args: tuple[Any, ...], kwargs: dict[
                                             message: str) -> None:
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         for_marker(Settings(), kwargs, "t.py::test", args)
+
+
+# ---- paths in the ini file (issue 38, item 6) ------------------------------------------------------------
+
+def test_a_relative_path_in_the_ini_file_is_relative_to_its_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As pytest's own ``paths`` ini values: the same ini file means the same directories from any directory.
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "tests").mkdir()
+    monkeypatch.chdir(tmp_path / "tests")
+    ini = ini_of({"gpuclean_simulate": "sim", "gpuclean_lock_dir": "locks",
+                  "gpuclean_report": "reports/gpuclean.json"})
+    resolved = resolve({}, {}, ini, str(tmp_path / "pytest.ini"))
+    assert (resolved.simulate, resolved.lock_dir, resolved.report) == (
+        str(tmp_path / "sim"), str(tmp_path / "locks"), str(tmp_path / "reports" / "gpuclean.json"))
+    message = (f"--gpuclean-simulate: 'nope' ('{tmp_path}/nope') is not an existing directory (from ini "
+               f"option gpuclean_simulate in {tmp_path}/pytest.ini)")
+    with pytest.raises(pytest.UsageError, match="^" + re.escape(message) + "$"):
+        resolve({}, {}, ini_of({"gpuclean_simulate": "nope"}), str(tmp_path / "pytest.ini"))
+
+
+@pytest.mark.parametrize("where", ["cli", "env"])
+def test_a_relative_path_elsewhere_is_relative_to_the_current_directory(
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tests" / "sim").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "tests")
+    given = {"simulate": "sim", "lock_dir": "locks", "report": "gpuclean.json"}
+    cli = {f"gpuclean_{name}": value for name, value in given.items()} if where == "cli" else {}
+    env = {f"GPUCLEAN_{name.upper()}": value for name, value in given.items()} if where == "env" else {}
+    resolved = resolve(cli, env, ini_of({}), str(tmp_path / "pytest.ini"))
+    assert (resolved.simulate, resolved.lock_dir, resolved.report) == (
+        str(tmp_path / "tests" / "sim"), "locks", "gpuclean.json")
+
+
+def test_a_session_run_from_a_subdirectory_finds_the_ini_files_paths(
+        pytester: pytest.Pytester, sim: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.copy_example("settings/ini_paths")  # tox.ini: gpuclean_simulate = sim, ...; tests/test_inner.py
+    for index in (0, 1):
+        (pytester.path / "sim" / str(index)).mkdir(parents=True)
+    monkeypatch.delenv("GPUCLEAN_SIMULATE")
+    monkeypatch.delenv("GPUCLEAN_LOCK_DIR")
+    monkeypatch.chdir(pytester.path / "tests")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpuclean: simulated devices *checking 2*"])
+    assert (pytester.path / "reports" / "gpuclean.json").is_file()
+    assert any((pytester.path / "locks").iterdir())
+    assert not (pytester.path / "tests" / "reports").exists()
+
+
+# ---- the marker beats the session's settings (issue 38, item 7) ------------------------------------------
+
+@pytest.mark.parametrize("where", ["cli", "env", "ini"])
+def test_a_markers_timeout_and_tolerance_beat_the_sessions(
+        where: str, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        outside_holder: Callable[..., int]) -> None:
+    # A global timeout longer, and a tolerance tighter, than the markers': each test gets its own, as the
+    # check reports it (not as a wall clock measures it).
+    outside_holder(mib=10)
+    pytester.copy_example("settings/marker_beats_global")
+    given = {"timeout": "5", "tolerance_mib": "0"}
+    args = [f"--gpuclean-{name.replace('_', '-')}={value}" for name, value in given.items()] \
+        if where == "cli" else []
+    if where == "env":
+        for name, value in given.items():
+            monkeypatch.setenv(f"GPUCLEAN_{name.upper()}", value)
+    ini = "".join(f"gpuclean_{name} = {value}\n" for name, value in given.items()) if where == "ini" else ""
+    pytester.makeini("[pytest]\ngpuclean_ignore = *simulate hold*\n" + ini)
+    result = run_inner(pytester, *args)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines([
+        "*ERROR at setup of test_waits_its_own_timeout*",
+        "gpuclean: GPUs not clean before the test (waited 0.5s of a 0.5s timeout)",
+    ])
+    result.stdout.fnmatch_lines(["PASSED test_inner.py::test_within_its_own_tolerance"])
+
+
+# ---- environment variables (issue 38, item 8) ------------------------------------------------------------
+
+def test_a_misspelt_or_unknown_variable_is_named_with_the_closest_known_one() -> None:
+    env = {"GPUCLEAN_TIMOUT": "5", "GPUCLEAN_FOO": "1", "GPUCLEAN_TIMEOUT": "5", "PATH": "/bin",
+           "gpuclean_timeout": "5"}
+    assert settings.unknown_variables(env) == [
+        "environment variable GPUCLEAN_FOO is not gpuclean's: ignored",
+        "environment variable GPUCLEAN_TIMOUT is not gpuclean's: ignored (did you mean GPUCLEAN_TIMEOUT?)",
+    ]
+
+
+def test_the_variables_the_package_sets_itself_are_known() -> None:
+    # Every GPUCLEAN_ constant of the package (the cookie, its owner, held locks, ...): a session's children
+    # inherit them, and an inner session must not warn of its outer session's.
+    package = Path(settings.__file__).resolve().parent.parent
+    constants = {name for path in package.rglob("*.py")
+                 for name in re.findall(r'^[A-Z_]+ = "(GPUCLEAN_[A-Z_]+)"$', path.read_text(), re.M)}
+    assert {"GPUCLEAN_TEST", "GPUCLEAN_OWNER", "GPUCLEAN_HELD_LOCKS"} <= constants
+    assert settings.unknown_variables(dict.fromkeys(constants, "x")) == []
+    assert settings.unknown_variables({o.env_var: "x" for o in OPTIONS}) == []
+
+
+ON_OFF_OPTIONS = {"reap": ("on", "off"), "dead_sessions": ("on", "off"), "lock": ("on", "off"),
+                  "all": (True, False), "require_gpu": (True, False)}
+
+
+@pytest.mark.parametrize("where", ["cli", "env", "ini"])
+@pytest.mark.parametrize(("spelling", "truth"), [
+    ("on", True), ("OFF", False), ("1", True), ("0", False), ("true", True), ("False", False), ("YES", True),
+    ("no", False)])
+def test_every_on_off_option_takes_the_same_spellings(where: str, spelling: str, truth: bool) -> None:
+    named = {f"gpuclean_{name}": spelling for name in ON_OFF_OPTIONS}
+    resolved = resolve(named if where == "cli" else {},
+                       {name.upper(): spelling for name in named} if where == "env" else {},
+                       ini_of(named if where == "ini" else {}))
+    for name, (yes, no) in ON_OFF_OPTIONS.items():
+        assert getattr(resolved, name) == (yes if truth else no), name
+
+
+def test_every_variable_set_is_checked_even_where_the_command_line_overrides_it() -> None:
+    # One rule: a variable set is a variable read, whether or not this run needs it.
+    message = ("--gpuclean-timeout: 'abc' is not a number of seconds (from environment variable "
+               "GPUCLEAN_TIMEOUT)")
+    with pytest.raises(pytest.UsageError, match="^" + re.escape(message) + "$"):
+        resolve({"gpuclean_timeout": "3"}, {"GPUCLEAN_TIMEOUT": "abc"}, ini_of({}))
+
+
+def test_a_session_warns_of_a_misspelt_variable(pytester: pytest.Pytester, sim: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCLEAN_TIMOUT", "5")
+    monkeypatch.setenv("GPUCLEAN_REAP", "0")  # accepted, as GPUCLEAN_ALL=1 is
+    pytester.copy_example("test_marked.py")
+    result = run_inner(pytester)
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["gpuclean: simulated devices*reap off*"])
+    result.stdout.fnmatch_lines([
+        "*GpuCleanWarning: environment variable GPUCLEAN_TIMOUT is not gpuclean's: ignored (did you mean "
+        "GPUCLEAN_TIMEOUT?)"])
+
+
+def gpuclean(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pytest_gpuclean", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("command", ["status", "check", "reap"])
+def test_every_command_warns_of_an_unknown_variable_and_checks_every_known_one(command: str,
+                                                                              sim: Path) -> None:
+    result = gpuclean(command, "--dry-run" if command == "reap" else "--json",
+                      env={"GPUCLEAN_FOO": "1", "GPUCLEAN_TIMOUT": "5", "GPUCLEAN_REAP": "0",
+                           "GPUCLEAN_ALL": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"gpuclean {command}: warning: environment variable GPUCLEAN_FOO is not gpuclean's: ignored",
+        f"gpuclean {command}: warning: environment variable GPUCLEAN_TIMOUT is not gpuclean's: ignored (did "
+        "you mean GPUCLEAN_TIMEOUT?)",
+    ]
+    # A variable of an option the command has no flag for is named as the plugin's; one it has, as its own.
+    bad = gpuclean(command, env={"GPUCLEAN_GRACE": "abc"})
+    assert (bad.returncode, bad.stdout) == (2, "")
+    flag = "--grace" if command == "reap" else "--gpuclean-grace"
+    assert bad.stderr == (f"gpuclean {command}: error: {flag}: 'abc' is not a number of seconds (from "
+                          "environment variable GPUCLEAN_GRACE)\n")
+
+
+# ---- markers valid with the plugin off (issue 38, item 9) ------------------------------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def markers_recipe() -> str:
+    """The ini file README.md's Usage section gives for a repository that runs with the plugin off."""
+    found = re.search(r"^<!-- markers-recipe -->\n```ini\n(.*?)^```$", README.read_text(encoding="utf-8"),
+                      re.M | re.S)
+    assert found, "README.md lost its markers recipe"
+    return found.group(1)
+
+
+def test_with_the_plugin_off_the_readmes_markers_line_keeps_strict_markers_passing(
+        pytester: pytest.Pytester, sim: Path) -> None:
+    pytester.copy_example("settings/markers_with_the_plugin_off")
+    off = ("-p", "no:gpuclean", "-p", "no:cacheprovider", "--strict-markers")
+    without = pytester.runpytest_subprocess(*off)
+    assert without.ret == pytest.ExitCode.INTERRUPTED
+    without.stdout.fnmatch_lines(["*'needs_clean_gpus' not found in `markers` configuration option*"])
+    pytester.makeini(markers_recipe())
+    pytester.runpytest_subprocess(*off, "-W", "error").assert_outcomes(passed=1)
+    # The plugin on as well: its marker and the ini file's are one marker, and the test is checked.
+    result = run_inner(pytester, "--strict-markers", "-W", "error")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*1 checked test(s)*"])

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 from pytest_gpuclean.core import processes, procfs
@@ -31,6 +32,68 @@ MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
 """Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
 dill-based fork that vLLM's tests use)."""
 _HELPER_MODULES = tuple((f"{p}.resource_tracker", f"{p}.forkserver") for p in MULTIPROCESSING_PACKAGES)
+
+
+Registry = Callable[[], Mapping[int, tuple[str, "float | None"]]]
+"""Processes a plugin keeps alive across sessions: pid -> (what it is, when the record of its pid was written
+(wall clock), or None where a live handle in this process proves it)."""
+_RECORD_SLACK_S = 1.0
+"""A recorded process must have started by the time its record was written (the clock-tick rounding of its
+start and the file system's coarse clock): a later one reuses its pid."""
+
+
+def _shut_down_at_exit(util: object) -> dict[int, str]:
+    """The processes owned by objects registered with multiprocessing's ``Finalize`` to be shut down at the
+    process's exit and tied to no object's life (no referent, an exit priority): what a library keeps for
+    the whole process (torch.compile's worker pool registers its ``shutdown`` so)."""
+    registry = getattr(util, "_finalizer_registry", None)
+    if not isinstance(registry, dict) or not registry:
+        return {}
+    found: dict[int, str] = {}
+    for finalizer in list(registry.values()):
+        key = getattr(finalizer, "_key", None)
+        # (``Finalize`` keeps a ``_weakref`` only when it has a referent)
+        if hasattr(finalizer, "_weakref") or not isinstance(key, tuple) or key[0] is None:
+            continue  # tied to an object's life (a Pool's), or run only when called: not the process's
+        callback = getattr(finalizer, "_callback", None)
+        owner = getattr(callback, "__self__", None)
+        if owner is None:
+            continue
+        how = (f"{type(owner).__module__}.{type(owner).__qualname__}, which its library shuts down at the "
+               "pytest process's exit")
+        for pid in _processes_of(owner):
+            found[pid] = how
+    return found
+
+
+def _processes_of(owner: object) -> set[int]:
+    """The pids of the processes an object holds: a ``process`` (``Popen``, ``Process``), an executor's
+    ``_processes``, a pool's ``_pool``."""
+    pids: set[int] = set()
+    pid = getattr(getattr(owner, "process", None), "pid", None)
+    if isinstance(pid, int):
+        pids.add(pid)
+    workers = getattr(owner, "_processes", None)
+    if isinstance(workers, dict):
+        pids.update(p for p in workers if isinstance(p, int))
+    pool = getattr(owner, "_pool", None)
+    if isinstance(pool, list):
+        pids.update(p.pid for p in pool if isinstance(getattr(p, "pid", None), int))
+    return pids
+
+
+def _trees(walked: Sequence[tuple[int, int, int]], roots: Mapping[int, str]) -> dict[int, int]:
+    """Each process of ``walked`` (pid, depth, parent; parents first) that is one of ``roots`` or descends
+    from one, with its root."""
+    if not roots:
+        return {}
+    root_of: dict[int, int] = {}
+    for pid, _depth, parent in walked:
+        if pid in roots:
+            root_of[pid] = pid
+        elif parent in root_of:
+            root_of[pid] = root_of[parent]
+    return root_of
 
 
 class Found:
@@ -83,8 +146,28 @@ class Census:
 
     def __init__(self, ownership: Ownership, *, uid: int, session_start_ticks: int,
                  xdist_run: str | None = None, peer_cookie: str | None = None,
-                 peers_since: int | None = None) -> None:
+                 peers_since: int | None = None, helper_globs: Sequence[str] = (),
+                 persistent_globs: Sequence[str] = (), persistent_registry: Registry | None = None) -> None:
         self.ownership = ownership
+        self.helper_globs = tuple(helper_globs)
+        """Command lines of the pytest process's children that serve it (``--gpuclean-helpers``)."""
+        self.persistent_globs = tuple(persistent_globs)
+        """Command lines of processes meant to outlive the session (``--gpuclean-persistent``)."""
+        self.persistent_registry = persistent_registry
+        """Processes a plugin keeps alive across sessions (pytest-xprocess), read when there is something to
+        look at."""
+        self.helpers: dict[int, str] = {}
+        """What the last census left out as the pytest process's helpers (each with why; a helper's
+        descendants too): never suspects, excused like this process."""
+        self.persistent: dict[int, str] = {}
+        """What the last census left out as persistent (each with why; descendants too): never signalled,
+        its memory excused."""
+        self.declared_helpers: dict[tuple[int, int], processes.Handle] = {}
+        """Helpers that only ``helper_globs`` vouched for, pinned: the session's end ends those still alive
+        (a library's own helpers end with the pytest process, as their library arranged)."""
+        self._announced: set[tuple[int, int]] = set()
+        self.notices: list[str] = []
+        """One line for each helper or persistent process when first seen, for the session's notes."""
         self.uid = uid
         self.session_start_ticks = session_start_ticks
         """When the session began (its cookie exported): a process carrying our cookie that is older is not
@@ -158,27 +241,105 @@ class Census:
 
     # ---- the census ---------------------------------------------------------------------------
 
-    def helper_pids(self) -> set[int]:
-        # multiprocessing's resource tracker and forkserver are long-lived helpers of the pytest
-        # process itself, started lazily by whichever test first needs them; killing them breaks
-        # later tests (forkserver's own waitpid would fail). They exit with pytest. The
-        # ``multiprocess`` package (dill-based, used by vLLM's tests) has the same helpers.
-        helpers: set[int] = set()
+    def helper_pids(self) -> dict[int, str]:
+        """The pytest process's own helpers that its libraries keep for the process's life, found through
+        what the libraries themselves hold in this process, each with why: multiprocessing's (and
+        ``multiprocess``'s) resource tracker and forkserver, started lazily by whichever test first needs
+        them, and any object a library registered to be shut down at the process's exit (multiprocessing's
+        ``Finalize`` with no referent and an exit priority: torch.compile's worker pool is one) together
+        with the processes it owns. Killing them breaks later tests (a forkserver's own waitpid fails, the
+        next compile loses its pool); they end with the pytest process."""
+        helpers: dict[int, str] = {}
         modules = sys.modules
         for tracker_name, forkserver_name in _HELPER_MODULES:
-            # (each getattr only where the module was imported: this runs on every check, and most
-            # sessions never import them)
+            # (each getattr only where the module was imported: most sessions never import them)
             module = modules.get(tracker_name)
             if module is not None:
                 tracker = getattr(module, "_resource_tracker", None)
                 if getattr(tracker, "_pid", None):
-                    helpers.add(tracker._pid)  # type: ignore[union-attr]
+                    helpers[tracker._pid] = f"{tracker_name}'s resource tracker"  # type: ignore[union-attr]
             module = modules.get(forkserver_name)
             if module is not None:
                 forkserver = getattr(module, "_forkserver", None)
                 if getattr(forkserver, "_forkserver_pid", None):
-                    helpers.add(forkserver._forkserver_pid)  # type: ignore[union-attr]
+                    helpers[forkserver._forkserver_pid] = (  # type: ignore[union-attr]
+                        f"{forkserver_name}'s fork server")
+        for package in MULTIPROCESSING_PACKAGES:
+            helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
         return helpers
+
+    def _left_out(self, walked: list[tuple[int, int, int]],
+                  listed: AbstractSet[int]) -> tuple[dict[int, str], dict[int, str]]:
+        """Of a walk of our descendants: the helpers (``helper_pids``, and the pytest process's children
+        whose command line a ``helper_globs`` pattern matches) and the persistent processes
+        (``persistent_globs``, ``persistent_registry``), each with its descendants, to leave out of the
+        census. A helper whose tree holds GPU memory (``listed``) is judged like any process: the libraries'
+        helpers hold none, and an excuse that covered held memory would be a clean verdict beside it."""
+        roots = self.helper_pids()
+        if self.helper_globs:
+            for pid, depth, _parent in walked:
+                if depth == 1 and pid not in roots and processes.matches_any(
+                        processes.command_line(pid), self.helper_globs):
+                    roots[pid] = "its command line matches --gpuclean-helpers"
+        persistent = self.persistent_of([pid for pid, _, _ in walked], walked=True)
+        helpers = _trees(walked, roots)
+        spoiled = {root for pid, root in helpers.items() if pid in listed}
+        self._note_new(roots, persistent, spoiled)
+        return ({pid: roots[root] for pid, root in helpers.items() if root not in spoiled},
+                {pid: persistent[root] for pid, root in _trees(walked, persistent).items()})
+
+    def persistent_of(self, pids: Iterable[int], walked: bool = False) -> dict[int, str]:
+        """Of ``pids``, the processes of this user meant to outlive the session, each with why: a command line
+        that ``persistent_globs`` matches, or a pid that ``persistent_registry`` (pytest-xprocess) keeps
+        and the process that has it now is the one it recorded (it started before the record was written:
+        not a pid reused since). ``walked``: they are our descendants (of this user by birth)."""
+        if not (self.persistent_globs or self.persistent_registry is not None):
+            return {}
+        registry = self.persistent_registry() if self.persistent_registry is not None else {}
+        found: dict[int, str] = {}
+        for pid in pids:
+            if not walked and not procfs.owned_by(pid, self.uid):
+                continue
+            record = registry.get(pid)
+            if record is not None:
+                name, recorded_at = record
+                stat = procfs.read_stat(pid)
+                if stat is not None and (recorded_at is None or procfs.ticks_to_wall(stat.start_ticks)
+                                         <= recorded_at + _RECORD_SLACK_S):
+                    found[pid] = name
+                    continue
+            if self.persistent_globs and processes.matches_any(processes.command_line(pid),
+                                                               self.persistent_globs):
+                found[pid] = "its command line matches --gpuclean-persistent"
+        if found and not walked:
+            self._note_new({}, found, set())
+        return found
+
+    def _note_new(self, helpers: dict[int, str], persistent: dict[int, str], spoiled: set[int]) -> None:
+        for pid, how in (*helpers.items(), *persistent.items()):
+            stat = procfs.read_stat(pid)
+            if stat is None:
+                continue
+            key = (pid, stat.start_ticks)
+            if pid in helpers and how.endswith("--gpuclean-helpers") and pid not in spoiled and (
+                    key not in self.declared_helpers):
+                pinned = processes.pin(pid)
+                if pinned is not None:
+                    self.declared_helpers[key] = pinned[0]
+            if key in self._announced or pid in spoiled:
+                continue
+            self._announced.add(key)
+            born = self.ownership.owner(self.ownership.token_by_birth(pid, stat.start_ticks))
+            during = f", started during {born}" if born.kind == "test" else ""
+            cmd = processes.command_line(pid)
+            if pid in persistent:
+                self.notices.append(
+                    f"gpuclean: pid {pid} is persistent ({how}{during}): left running past the session, "
+                    f"never signalled, its GPU memory excused in every check: {cmd[:80]}")
+            else:
+                self.notices.append(
+                    f"gpuclean: pid {pid} is a helper of the pytest process ({how}{during}): not a leak, "
+                    f"left to end with the session: {cmd[:80]}")
 
     def _walk(self, me: int | None = None) -> list[tuple[int, int, int]]:
         """Our descendants as (pid, depth, parent pid), parents before their children. ``me``: this
@@ -231,19 +392,25 @@ class Census:
             self._tokens[key] = token
         return self._tokens[key]
 
-    def take(self, scan_cookies: bool = False, dead_sessions: bool = False) -> list[Found]:
-        """Our processes: the descendant tree (cheap), plus cookie carriers outside it (a /proc scan).
+    def take(self, scan_cookies: bool = False, dead_sessions: bool = False,
+             listed: AbstractSet[int] = frozenset()) -> list[Found]:
+        """Our processes: the descendant tree (cheap), plus cookie carriers outside it (a /proc scan). What
+        serves the pytest process (``helpers``) and what is meant to outlive the session (``persistent``) is
+        left out; ``listed``: the pids the driver lists on the checked GPUs (a helper holds none).
 
         With ``dead_sessions``, the scan also returns the debris of dead gpuclean sessions of this user.
         """
         found: list[Found] = []
-        helpers = self.helper_pids()
         by_pid: dict[int, Found] = {}
         me = self.me  # (one getpid per census: the pid cannot change during it, nothing here forks)
         my_sid: int | None = None  # (read when a direct child needs it: the clean path has none)
         seen_keys: set[tuple[int, int]] = set()
-        for pid, depth, parent in self._walk(me):
-            if pid in helpers:
+        walked = self._walk(me)
+        # (the clean path walks nothing: no helper is looked for then)
+        self.helpers, self.persistent = self._left_out(walked, listed) if walked else ({}, {})
+        left_out = self.helpers.keys() | self.persistent.keys() if self.persistent else self.helpers
+        for pid, depth, parent in walked:
+            if pid in left_out:
                 continue
             pinned = self._pin(pid)
             if pinned is None:
@@ -270,18 +437,24 @@ class Census:
             seen_keys.add(entry.key)
             found.append(entry)
         if scan_cookies or dead_sessions:
-            found.extend(self._cookie_carriers(by_pid, helpers, dead_sessions, seen_keys))
+            found.extend(self._cookie_carriers(by_pid, self.helper_pids().keys() | self.helpers.keys(),
+                                               dead_sessions, seen_keys))
         self._forget_gone(seen_keys)
         self.last = found
         return found
 
-    def _cookie_carriers(self, known: dict[int, Found], helpers: set[int], dead_sessions: bool,
+    def _cookie_carriers(self, known: dict[int, Found], helpers: AbstractSet[int], dead_sessions: bool,
                          seen_keys: set[tuple[int, int]]) -> list[Found]:
         found: list[Found] = []
         prefix = "" if dead_sessions else self.ownership.session_id + ":"
         never_touch = self.never_touch
-        for pid, value in processes.cookie_holders(COOKIE_VAR, prefix, self.uid):
-            if pid in known or pid in never_touch or pid in helpers:
+        carriers = [(pid, value) for pid, value in processes.cookie_holders(COOKIE_VAR, prefix, self.uid)
+                    if pid not in known and pid not in never_touch and pid not in helpers]
+        # A persistent process outlives its session by design: never a dead session's debris, never ours.
+        persistent = self.persistent_of(pid for pid, _ in carriers) if carriers else {}
+        for pid, value in carriers:
+            if pid in persistent:
+                self.persistent[pid] = persistent[pid]
                 continue
             token = self.ownership.token_of_cookie(value)
             debris = None

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pytest_gpuclean.core import decide, pools, processes, procfs, reaping
-from pytest_gpuclean.core.census import Census, Found, Sibling
+from pytest_gpuclean.core.census import Census, Found, Registry, Sibling
 from pytest_gpuclean.core.cookie import new_session_id
 from pytest_gpuclean.core.devices import Backend, DeviceError, DeviceLost
 from pytest_gpuclean.core.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
@@ -59,7 +59,8 @@ class Checker:
                  session_id: str | None = None, settle: float = 0.0, xdist_run: str | None = None,
                  peer_cookie: str | None = None, dead_sessions: bool = True,
                  session_start_ticks: int | None = None, peers_since: int | None = None,
-                 session_start_pid: int | None = None) -> None:
+                 session_start_pid: int | None = None, helpers: Sequence[str] = (),
+                 persistent: Sequence[str] = (), persistent_registry: Registry | None = None) -> None:
         self.backend = backend
         self.reap_enabled = reap
         self.grace = grace
@@ -74,7 +75,9 @@ class Checker:
             session_id = new_session_id(None, *procfs.self_identity())
         self.ownership = Ownership(session_id, session_start_ticks, session_start_pid)
         self.procs = Census(self.ownership, uid=self.uid, session_start_ticks=session_start_ticks,
-                            xdist_run=xdist_run, peer_cookie=peer_cookie, peers_since=peers_since)
+                            xdist_run=xdist_run, peer_cookie=peer_cookie, peers_since=peers_since,
+                            helper_globs=helpers, persistent_globs=persistent,
+                            persistent_registry=persistent_registry)
         """The session's processes and their tokens."""
         self.last_lost: DeviceLost | None = None
         """The lost GPU that ended the last check (``check(device_errors=True)``), for the health watch."""
@@ -103,6 +106,12 @@ class Checker:
         """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
         started)."""
         return self.procs.last
+
+    @property
+    def notices(self) -> list[str]:
+        """Lines for the session's notes, once each: helpers of the pytest process and persistent processes
+        as they are first seen (taken by whoever reports them)."""
+        return self.procs.notices
 
     def census(self, scan_cookies: bool = False, dead_sessions: bool = False) -> list[Found]:
         """Our processes (``Census.take``)."""
@@ -273,6 +282,25 @@ class Checker:
         except DeviceError:
             return self.reap(found, (), (), [], everyone=found)
 
+    def end_declared_helpers(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
+        """At the very end (after every ``pytest_unconfigure``): end the helpers that only
+        ``--gpuclean-helpers`` vouched for and that are still alive: they served the pytest process, which is
+        about to exit, and nothing else would end them. A library's own helpers are left to the shutdown
+        their library registered for the process's exit."""
+        alive: list[Found] = []
+        for (pid, start_ticks), handle in list(self.procs.declared_helpers.items()):
+            if handle.exited() or not procfs.is_live(pid, start_ticks):
+                continue
+            alive.append(Found(pid, start_ticks, 1, "descendant", SESSION, "R", handle))
+        self.procs.declared_helpers.clear()
+        if not alive or not self.reap_enabled:
+            return []
+        try:
+            snaps = self.snapshot(devices)
+        except DeviceError:
+            snaps, devices = (), ()
+        return self.reap(alive, snaps, devices, [], everyone=alive)
+
     def dead_session_debris(self) -> list[Found]:
         """Live processes of this user whose cookie names a gpuclean session that provably died."""
         return [f for f in self.census(dead_sessions=True) if f.debris_of is not None and f.live]
@@ -371,18 +399,27 @@ class _Check:
         first, self._first = self._first, None
         self.snaps = first[0] if first is not None else c.snapshot(self.devices)
         self.self_cuda = set()
+        listed = {p.pid for s in self.snaps for p in s.processes}
         if first is not None and first[1] is not None:
             self.found = first[1]
         else:
-            self.found = c.procs.take(self.scan_cookies, self.dead_sessions)
-        self.dead_sessions = False
+            self.found = c.procs.take(self.scan_cookies, self.dead_sessions, listed)
+        # Scanned once, unless it found debris: looked for again while there is some, so that a later look
+        # in this check (after the settle time) still sees it as the dead session's.
+        self.dead_sessions = self.dead_sessions and any(f.debris_of is not None for f in self.found)
         procs = c.procs
         # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
-        # goes: their contexts are excused like our own; they are never killed either. Of unknown birth:
-        # no evidence says which test made it, so it is reported, never signalled.
-        listed = {p.pid for s in self.snaps for p in s.processes}
+        # goes: their contexts are excused like our own; they are never killed either. So are the pytest
+        # process's helpers (they hold no GPU memory: the census judges one that does) and what is meant to
+        # outlive the session (persistent: a warm model server's memory is its own, said once). Of unknown
+        # birth: no evidence says which test made it, so it is reported, never signalled.
         self.ours, self.unknown, excused, unexplained = decide.sort_census(
-            self.found, procs.is_protected, procs.never_touch, procs.helper_pids(), listed)
+            self.found, procs.is_protected, procs.never_touch, procs.helpers.keys() | procs.persistent.keys(),
+            listed)
+        if unexplained and (persistent := procs.persistent_of(unexplained)):
+            procs.persistent.update(persistent)
+            excused |= persistent.keys()
+            unexplained -= persistent.keys()
         peers = procs.peer_pids(unexplained)
         self.peers |= peers
         excused |= peers
@@ -455,7 +492,9 @@ class _Check:
     def settle(self, fresh: Sequence[Found]) -> bool:
         """Before the first reaping, give leftovers ``settle`` seconds to exit on their own (a
         subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown).
-        True if any did, so the caller looks again."""
+        True if it waited, so the caller looks again before any signal: what exited is collected, and a child
+        that was still between its fork and its exec when the check began now shows its command line (a
+        helper or persistent process named by one)."""
         if not (self.reap_enabled and fresh and not self.rounds and not self.settled and self.c.settle > 0):
             return False
         self.settled = True
@@ -469,7 +508,7 @@ class _Check:
                     processes.reap_if_child(f.pid)
                     pending.remove(f)
                     self._collect(f, infos[f.pid], "exited by itself")
-        return len(pending) < len(fresh)
+        return True
 
     def reap_round(self, fresh: Sequence[Found]) -> bool:
         if not (self.reap_enabled and fresh and self.rounds < MAX_REAP_ROUNDS):

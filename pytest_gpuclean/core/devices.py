@@ -451,6 +451,10 @@ class SimulatedBackend:
         ``stat`` does instead of a ``listdir`` (a third of the cost, on every check's every device). One
         lookup per device and reading in that case (its folder and its reading come with it)."""
         self._last = LastReadings()
+        self._allocations = _Allocations()
+        self._empty_since: dict[int, tuple[int, int, float]] = {}
+        """Per device index: the folder's inode and ctime when it was first read empty with that ctime, and
+        then (``time.monotonic``): settled once it stayed so for SETTLED_NS of this clock too."""
         self._last_batch: tuple[Sequence[DeviceInfo], list[tuple[str, int, int]],
                                 tuple[DeviceSnapshot, ...]] | None = None
         """The devices of the last ``readings``, each one's folder, inode and settled ctime, and the readings,
@@ -532,7 +536,14 @@ class SimulatedBackend:
             idle = self._idle.get(device.index)
             if idle is None:
                 idle = self._idle[device.index] = DeviceSnapshot(device, 0, DEFAULT_SIM_TOTAL, ())
-            if time.time_ns() - info.st_ctime_ns > procfs.SETTLED_NS:
+            # Settled: past the ctime's tick by the wall clock that stamps it, and unchanged for as long by a
+            # clock no one can set (a wall clock stepped forward alone would call a fresh ctime settled).
+            now = time.monotonic()
+            seen = self._empty_since.get(device.index)
+            if seen is None or seen[:2] != (info.st_ino, info.st_ctime_ns):
+                self._empty_since[device.index] = (info.st_ino, info.st_ctime_ns, now)
+            elif (now - seen[2]) * 1e9 > procfs.SETTLED_NS and (
+                    time.time_ns() - info.st_ctime_ns > procfs.SETTLED_NS):
                 self._settled[device.index] = (where, info.st_ino, info.st_ctime_ns, idle)
             return idle
         self._settled.pop(device.index, None)
@@ -559,8 +570,8 @@ class SimulatedBackend:
                     raise DeviceLost(device, _read_text(folder / name) or "simulated (its file 'lost')")
                 continue
             pid = int(name)
-            used = _counted_allocation(folder / name, pid)
-            if used is not None:
+            held, used = self._allocations.of(folder / name, pid)
+            if held:
                 processes.append(GpuProcess(pid, used))
         processes.sort(key=lambda p: p.pid)
         # Like the real driver: each context, and each process with CUDA initialised but no context,
@@ -583,7 +594,7 @@ class SimulatedBackend:
                 listed = {int(n) for n in os.listdir(where) if n.isdigit()} & wanted
             try:
                 on_device = self._live_cuda_users(where / "cuda") & wanted
-                on_device |= {pid for pid in listed if _counted_allocation(where / str(pid), pid) is not None}
+                on_device |= {pid for pid in listed if self._allocations.of(where / str(pid), pid)[0]}
             except SimulationError as exc:
                 exc.device = device
                 raise
@@ -591,13 +602,12 @@ class SimulatedBackend:
                 users.setdefault(pid, set()).add(device.uuid)
         return {pid: frozenset(uuids) for pid, uuids in users.items()}
 
-    @staticmethod
-    def _live_cuda_users(folder: Path) -> set[int]:
+    def _live_cuda_users(self, folder: Path) -> set[int]:
         try:
             names = os.listdir(folder)
         except OSError:
             return set()
-        return {int(n) for n in names if n.isdigit() and _counted_allocation(folder / n, int(n)) is not None}
+        return {int(n) for n in names if n.isdigit() and self._allocations.of(folder / n, int(n))[0]}
 
     def driver_version(self) -> str:
         return "simulated"
@@ -689,25 +699,58 @@ class SimulatedBackend:
         pass
 
 
-# A real holder writes its file after it starts; a pid reused by a newer process starts after the
-# file was written. The slack covers clock-tick rounding of the start time.
-_STALE_SLACK_S = 0.25
+# A real holder writes its file after it starts; a pid reused by a newer process starts after the file was
+# written. The slack covers clock-tick rounding of the start time and the file system's coarse clock; the
+# error it allows (a dead holder's file credited to a process that reused its pid within it) makes a device
+# dirty, never clean.
+_STALE_SLACK_S = 1.0
+_EMPTY_RETRIES = 5
 
 
-def _counted_allocation(path: Path, pid: int) -> int | None:
-    stat = procfs.read_stat(pid)
-    if stat is None or not procfs.live_state(pid, stat.state):
-        return None
-    try:
-        mtime = path.stat().st_mtime
-        content = path.read_text().strip()
-    except OSError:
-        return None  # the holder removed it while we looked
-    if procfs.ticks_to_wall(stat.start_ticks) > mtime + _STALE_SLACK_S:
-        return None
-    if not content:
-        return None  # being written right now (a shell's ``echo N > file`` truncates first)
-    return _bytes_in(path, content, 0)
+class _Allocations:
+    """Which files of the simulated devices are the allocations of live processes, as the driver would list
+    them. A wrong "no" is the worst a reading can say (a clean verdict beside held memory), so each doubt
+    lists the process:
+
+    - A file's time is the wall clock's, a process's start the boot clock's; the two are compared through
+      the earliest offset between them seen since this backend began, so a wall clock stepped forward later
+      (a VM resumed, NTP) cannot make a live holder's file look older than it, and the verdict for a file
+      (its inode and mtime) and a process (its pid and start) is kept once made.
+    - A file being rewritten in place (a shell's ``echo N > file`` truncates first) is read again; if it is
+      still empty, its process is listed with its amount unknown, as NVML lists a process it cannot size.
+    """
+
+    def __init__(self) -> None:
+        self._offset = procfs.wall_minus_boot()
+        self._fresh: dict[str, tuple[tuple[int, int, int, int], bool]] = {}
+
+    def of(self, path: Path, pid: int) -> tuple[bool, int | None]:
+        """(whether ``pid`` holds memory through ``path``, how much: None when the file cannot tell)."""
+        stat = procfs.read_stat(pid)
+        if stat is None or not procfs.live_state(pid, stat.state):
+            return False, None
+        where = str(path)
+        try:
+            info = os.stat(where)
+        except OSError:
+            return False, None  # the holder removed it while we looked
+        key = (pid, stat.start_ticks, info.st_ino, info.st_mtime_ns)
+        known = self._fresh.get(where)
+        if known is None or known[0] != key:
+            self._offset = min(self._offset, procfs.wall_minus_boot())
+            started = self._offset + stat.start_ticks / procfs.CLOCK_TICKS
+            known = self._fresh[where] = (key, started <= info.st_mtime_ns / 1e9 + _STALE_SLACK_S)
+        if not known[1]:
+            return False, None  # left by a dead process whose pid a newer one reuses
+        for attempt in range(_EMPTY_RETRIES):
+            try:
+                content = Path(where).read_text().strip()
+            except OSError:
+                return False, None
+            if content:
+                return True, _bytes_in(path, content, 0)
+            time.sleep(0.001 * (attempt + 1))
+        return True, None
 
 
 def _bytes_in(path: Path, content: str, default: int) -> int:

@@ -1,9 +1,14 @@
-"""gpuclean's options: declared once, resolved once (CLI > environment > ini > marker > default).
+"""gpuclean's options: declared once, resolved once (marker > CLI > environment > ini > default).
 
 Every value remembers where it came from, so a bad one is reported as e.g.
 ``--gpuclean-timeout: 'abc' is not a number (from environment variable GPUCLEAN_TIMEOUT)``.
 The ``gpuclean`` command resolves its options through the same table and parsers (without an ini file),
 so this module imports pytest only where the plugin needs it.
+
+One rule for the environment, in a pytest session and in every ``gpuclean`` command alike: every
+``GPUCLEAN_<NAME>`` variable of an option that is set is checked at start-up, whether or not this run reads
+it (``check_environment``), and a ``GPUCLEAN_`` variable that is neither an option's nor one the package
+sets itself is warned of, with the closest option's (``unknown_variables``).
 """
 
 from __future__ import annotations
@@ -72,13 +77,23 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+_TRUE = ("on", "1", "true", "yes")
+_FALSE = ("off", "0", "false", "no")
+
+
 def _boolean(text: str) -> bool:
+    # The same spellings for every on/off option, switch or not, wherever it is set: a CI file that says
+    # GPUCLEAN_ALL=1 says GPUCLEAN_REAP=0 too.
     lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
+    if lowered in _TRUE:
         return True
-    if lowered in ("0", "false", "no", "off", ""):
+    if lowered in _FALSE:
         return False
-    raise ValueError(f"{text!r} is not a boolean (use true/false, 1/0, yes/no)")
+    raise ValueError(f"{text!r} is not on or off (nor 1/0, true/false, yes/no)")
+
+
+def _on_off(text: str) -> OnOff:
+    return "on" if _boolean(text) else "off"
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -108,14 +123,14 @@ def _device_list(text: str) -> str:
     return text
 
 
-def _path(text: str) -> str:
+def _path(text: str, base: str = "") -> str:
     # ``--gpuclean-simulate=~/sim``: no shell expands ``~`` after ``=``, nor in an ini file or a variable
-    # quoted in a CI config.
-    return os.path.expanduser(text)
+    # quoted in a CI config. ``base``: the ini file's directory for a value from it (see ``Option.path``).
+    return os.path.join(base, os.path.expanduser(text))
 
 
-def _existing_dir(text: str) -> str:
-    path = _path(text)
+def _existing_dir(text: str, base: str = "") -> str:
+    path = _path(text, base)
     if not os.path.isdir(path):
         shown = repr(text) if path == text else f"{text!r} ({path!r})"
         raise ValueError(f"{shown} is not an existing directory")
@@ -140,10 +155,19 @@ class Option(NamedTuple):
 
     name: str
     help: str
-    parse: Callable[[str], Any]
+    parse: Callable[..., Any]
+    """Text to value; raises ``ValueError`` with a message for the user. A ``path`` option's also takes the
+    directory a relative path is relative to."""
     metavar: str | None = None
     flag: bool = False
     """A CLI switch without a value (``--gpuclean-all``)."""
+    listed: bool = False
+    """A list: repeatable on the command line, one value per line in the ini file (``linelist``), and
+    comma-separated anywhere (``--gpuclean-ignore``)."""
+    path: bool = False
+    """A file-system path: from the ini file, a relative one is relative to the ini file's directory, as
+    pytest's own ``paths`` ini values are, so that the same ini file means the same place from any
+    directory; from the command line or the environment, relative to the current directory."""
 
     @property
     def cli(self) -> str:
@@ -178,35 +202,41 @@ OPTIONS: tuple[Option, ...] = (
     Option("scope", "session: our processes and the GPUs; host: also every Python process of this user "
            "that is not pytest or an ancestor (default session)", _choice(SCOPES), "SCOPE"),
     Option("simulate", "use simulated devices in DIR instead of NVML (DIR/<index>/<pid> holds bytes)",
-           _existing_dir, "DIR"),
+           _existing_dir, "DIR", path=True),
     Option("require_gpu", "make marked tests error instead of skip when no GPU/NVML is available",
            _boolean, flag=True),
     Option("ignore", "glob patterns of command lines that are never stray (host scope, GPU processes); "
-           "comma-separated, repeatable", _patterns, "GLOBS"),
+           "comma-separated, repeatable", _patterns, "GLOBS", listed=True),
+    Option("helpers", "glob patterns of command lines of the pytest process's children that serve it for "
+           "the session (a library's worker pool): not leaks, said once, ended at the session's end; "
+           "comma-separated, repeatable", _patterns, "GLOBS", listed=True),
+    Option("persistent", "glob patterns of command lines of processes meant to outlive the session (a warm "
+           "model server): never signalled, their GPU memory excused, said once; comma-separated, repeatable",
+           _patterns, "GLOBS", listed=True),
     Option("grace", f"seconds between SIGTERM and SIGKILL when reaping (default {DEFAULT_GRACE_S:g})",
            parse_seconds, "S"),
     Option("settle", "seconds leftover processes get to exit by themselves before reaping starts "
            f"(default {DEFAULT_SETTLE_S:g}); those that do are reported, not counted as leaks",
            parse_seconds, "S"),
-    Option("reap", "on: kill what a test leaked; off: only report (default on)", _choice(ON_OFF), "MODE"),
+    Option("reap", "on: kill what a test leaked; off: only report (default on)", _on_off, "MODE"),
     Option("dead_sessions", "on: reap what dead gpuclean sessions of this user left behind (their pytest "
            "was killed), found at the first check and whenever a GPU holds something unexplained; off: "
-           "leave it (default on)", _choice(ON_OFF), "MODE"),
+           "leave it (default on)", _on_off, "MODE"),
     Option("outside", "what a test gets when its GPUs are dirty only from outside the session (processes "
            "that are not the session's, memory held by no process we can see): fail (default), skip, or "
            "stop the session; a check that already waited out the same outside state does not wait again",
            _choice(OUTSIDE_ACTIONS), "ACTION"),
     Option("lock", "on: hold a cross-process lock per GPU while a checked test runs (default on)",
-           _choice(ON_OFF), "MODE"),
+           _on_off, "MODE"),
     Option("lock_dir", "directory of the per-GPU lock files shared by all sessions on this host "
-           "(default: <tmp>/gpuclean-locks)", _path, "DIR"),
+           "(default: <tmp>/gpuclean-locks)", _path, "DIR", path=True),
     Option("lock_timeout", f"seconds to wait for another session's GPU lock (default "
            f"{DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
     Option("probe", "CUDA sanity probe (a subprocess: context, allocation, write and read back on each "
            "device, within the check's timeout): off; start (once, at session start); after-incident (before "
            "the next test on a GPU where a test had an Xid, a reaped GPU process or a failure); each (before "
            f"every checked test) (default {DEFAULT_PROBE})", _choice(PROBE_MODES), "MODE"),
-    Option("report", "write a JSON report of every checked test to PATH", _path, "PATH"),
+    Option("report", "write a JSON report of every checked test to PATH", _path, "PATH", path=True),
     Option("ray", "check every node of a Ray cluster too: its GCS address (host:port); auto (RAY_ADDRESS if "
            "set, else a cluster the session's tests or fixtures start, found at the next check once its GCS "
            "server runs under pytest); or off (default off; with off, or auto before a cluster is found, "
@@ -230,13 +260,13 @@ def add_options(parser: pytest.Parser) -> None:
         if option.flag:
             group.addoption(option.cli, action="store_const", const="true", default=None, dest=option.dest,
                             help=option.help + env_note)
-        elif option.name == "ignore":
+        elif option.listed:
             group.addoption(option.cli, action="append", default=None, dest=option.dest,
                             metavar=option.metavar, help=option.help + env_note)
         else:
             group.addoption(option.cli, action="store", default=None, dest=option.dest,
                             metavar=option.metavar, help=option.help + env_note)
-        if option.name == "ignore":
+        if option.listed:
             parser.addini(option.ini, option.help, type="linelist")
         else:
             parser.addini(option.ini, option.help, type="string")
@@ -256,6 +286,8 @@ class Settings:
     simulate: str | None = None
     require_gpu: bool = False
     ignore: tuple[str, ...] = ()
+    helpers: tuple[str, ...] = ()
+    persistent: tuple[str, ...] = ()
     grace: float = DEFAULT_GRACE_S
     settle: float = DEFAULT_SETTLE_S
     reap: OnOff = "on"
@@ -325,6 +357,21 @@ def _no_ini(name: str) -> None:
     return None
 
 
+def _parse(option: Option, raw: Any, kind: str, inifile: str | None, flag: Callable[[Option], str]
+           ) -> tuple[Any, str]:
+    """``raw`` from source ``kind`` as ``option``'s value, and the words for where it came from."""
+    if isinstance(raw, list):
+        raw = ",".join(raw)
+    source = _describe_source(kind, option, inifile)
+    try:
+        if option.path:
+            base = os.path.dirname(inifile) if kind == "ini" and inifile else ""
+            return option.parse(str(raw), base), source
+        return option.parse(str(raw)), source
+    except ValueError as exc:
+        raise SettingError(f"{flag(option)}: {exc} ({source})") from None
+
+
 def resolve_options(
     options: Iterable[Option],
     cli: Mapping[str, Any],
@@ -335,29 +382,68 @@ def resolve_options(
     flag: Callable[[Option], str] = lambda option: option.cli,
 ) -> Settings:
     """Build ``Settings`` from ``options`` as found in the sources (``cli`` is keyed by ``Option.dest``);
-    the others keep their defaults. Raises ``SettingError`` naming the option (as ``flag`` spells it)."""
+    the others keep their defaults. Raises ``SettingError`` naming the option (as ``flag`` spells it).
+
+    An option's variable that is set is checked even where the command line overrides it (the module's
+    one rule for the environment)."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for option in options:
-        raw: Any = cli.get(option.dest)
-        kind = "cli"
-        if raw is None and env.get(option.env_var) not in (None, ""):
-            raw, kind = env[option.env_var], "env"
-        if raw is None:
+        found: tuple[Any, str] | None = None
+        if cli.get(option.dest) is not None:
+            found = _parse(option, cli[option.dest], "cli", inifile, flag)
+        if env.get(option.env_var) not in (None, ""):
+            from_env = _parse(option, env[option.env_var], "env", inifile, flag)
+            found = from_env if found is None else found
+        if found is None:
             ini_value = ini(option.ini)
             if ini_value not in ("", [], None):
-                raw, kind = ini_value, "ini"
-        if raw is None:
-            continue
-        if isinstance(raw, list):
-            raw = ",".join(raw)
-        source = _describe_source(kind, option, inifile)
-        try:
-            values[option.name] = option.parse(str(raw))
-        except ValueError as exc:
-            raise SettingError(f"{flag(option)}: {exc} ({source})") from None
-        sources[option.name] = source
+                found = _parse(option, ini_value, "ini", inifile, flag)
+        if found is not None:
+            values[option.name], sources[option.name] = found
     return Settings(**values, sources=sources)
+
+
+INTERNAL_VARIABLES = frozenset((
+    "GPUCLEAN_TEST",  # cookie.COOKIE_VAR
+    "GPUCLEAN_OWNER",  # cookie.OWNER_VAR
+    "GPUCLEAN_XDIST_WORKERS_SINCE",  # cookie.WORKERS_SINCE_VAR
+    "GPUCLEAN_HELD_LOCKS",  # locks.HELD_VAR
+    "GPUCLEAN_OUTSIDE_STATE",  # outside.STATE_VAR
+))
+"""The variables the package sets itself for the processes it starts, spelt out (tests/test_settings.py
+checks them against the package's constants): importing ``locks`` or ``outside`` to ask would cost every
+pytest run of the environment, and a session inherits them from an outer one (a CI job's cookie, the test
+of an outer session)."""
+VARIABLE_PREFIX = "GPUCLEAN_"
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """A line for each ``GPUCLEAN_`` variable in ``env`` that nothing reads, naming the closest option's
+    variable: ``GPUCLEAN_TIMOUT=5`` would otherwise change nothing, silently."""
+    options = {option.env_var for option in OPTIONS}
+    unknown = sorted(name for name in env if name.startswith(VARIABLE_PREFIX)
+                     and name not in options and name not in INTERNAL_VARIABLES)
+    if not unknown:
+        return []
+    import difflib  # only for a slip: every pytest run of the environment imports this module
+
+    # Matched without the prefix, which every candidate shares: GPUCLEAN_FOO is like none of them.
+    suffixes = {name[len(VARIABLE_PREFIX):]: name for name in sorted(options)}
+    lines = []
+    for name in unknown:
+        close = difflib.get_close_matches(name[len(VARIABLE_PREFIX):], list(suffixes), n=1)
+        hint = f" (did you mean {suffixes[close[0]]}?)" if close else ""
+        lines.append(f"environment variable {name} is not gpuclean's: ignored{hint}")
+    return lines
+
+
+def check_environment(env: Mapping[str, str], flag: Callable[[Option], str]) -> list[str]:
+    """What the ``gpuclean`` command does with the environment at start-up, as a pytest session does
+    (``resolve``): every option's variable that is set is checked, whether or not the command reads it
+    (``SettingError`` naming it as ``flag`` says), and the lines to warn of unknown ``GPUCLEAN_`` ones."""
+    resolve_options(OPTIONS, {}, env, flag=flag)
+    return unknown_variables(env)
 
 
 def resolve(
@@ -389,7 +475,9 @@ class TestSettings:
 
 def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: Sequence[Any] = ()
                ) -> TestSettings:
-    """Apply a ``needs_clean_gpus(...)`` marker's arguments below CLI, environment and ini.
+    """Apply a ``needs_clean_gpus(...)`` marker's arguments over the session's settings, wherever those
+    came from: the most specific setting wins, as a test's own timeout marker does in pytest-timeout (a
+    CI-wide ``GPUCLEAN_TIMEOUT`` must not undo the one test that says it needs longer, or less).
 
     Raises ``ValueError`` with a message naming the marker argument and the test.
     """
@@ -421,9 +509,5 @@ def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: 
     count = pick("count", _non_negative_int)
     if count == 0:
         raise ValueError(f"needs_clean_gpus(count=0) on {where}: count must be >= 1")
-    return TestSettings(
-        tolerance_mib=settings.tolerance_mib if settings.explicit("tolerance_mib") or tolerance is None
-        else tolerance,
-        timeout=settings.timeout if settings.explicit("timeout") or timeout is None else timeout,
-        count=count,
-    )
+    return TestSettings(tolerance_mib=settings.tolerance_mib if tolerance is None else tolerance,
+                        timeout=settings.timeout if timeout is None else timeout, count=count)

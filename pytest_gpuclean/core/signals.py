@@ -7,6 +7,7 @@ Imported by a session that starts checking, or that writes a report (a cancelled
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -18,11 +19,19 @@ from typing import Any
 class SigtermAsInterrupt:
     """A cancelled CI job sends SIGTERM: taken like Ctrl-C, so that the final sweep runs and the reports
     are written, then the process dies of SIGTERM as the job runner expects. A handler that the suite (or
-    another plugin) installed is left alone."""
+    another plugin) installed is left alone.
+
+    The handler acts in the pytest process only. A child that a test forks (``os.fork``, multiprocessing's
+    fork context) inherits Python's signal handlers: there SIGTERM must end the child as POSIX says (status
+    -15, no ``finally`` blocks, no ``KeyboardInterrupt`` on stderr), as it does without the plugin. So the
+    disposition is given back in every forked child right after the fork, and a handler that still runs in
+    another process (a signal that arrived before that) ends it the default way.
+    """
 
     def __init__(self) -> None:
         self._previous: Any = None
         self._terminated = False
+        self._pid = 0
 
     def install(self) -> None:
         """Take SIGTERM, if nobody else did (in the main thread only: no handler can be set elsewhere)."""
@@ -30,15 +39,29 @@ class SigtermAsInterrupt:
             return
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
             return
+        self._pid = os.getpid()
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        _forked_children_restore(self)
 
     def uninstall(self) -> None:
         """Give SIGTERM back, unless someone replaced our handler since."""
         if self._previous is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, self._previous)
         self._previous = None
+        _at_fork[:] = [h for h in _at_fork if h is not self]
+
+    def restore_in_child(self) -> None:
+        """In a forked child: SIGTERM as it was before the plugin took it, if the handler is still ours."""
+        if self._previous is not None and os.getpid() != self._pid and (
+                signal.getsignal(signal.SIGTERM) == self._on_sigterm):
+            signal.signal(signal.SIGTERM, self._previous)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:
+            # A forked child that got SIGTERM before its at-fork hook ran: die of it, as without the plugin.
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if not self._terminated:
             self._terminated = True
             atexit.register(_die_of, signal.SIGTERM)
@@ -57,8 +80,13 @@ def quiet_interrupts(hurry: threading.Event) -> Callable[[], None]:
         return lambda: None
     previous = {sig: handler for sig in (signal.SIGINT, signal.SIGTERM)
                 if (handler := signal.getsignal(sig)) is not signal.SIG_IGN}
+    pid = os.getpid()
 
     def on_signal(signum: int, frame: Any) -> None:
+        if os.getpid() != pid:  # (a child forked meanwhile: the signal is its own, handled as before)
+            signal.signal(signum, previous.get(signal.Signals(signum)) or signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         hurry.set()
 
     for sig in previous:
@@ -69,6 +97,24 @@ def quiet_interrupts(hurry: threading.Event) -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
+
+
+_at_fork: list[SigtermAsInterrupt] = []
+"""The installed handler whose disposition forked children get back: ``os.register_at_fork`` has no way to
+unregister, so one hook is registered once per process and looks here."""
+
+
+def _forked_children_restore(handler: SigtermAsInterrupt) -> None:
+    if not _at_fork:
+        os.register_at_fork(after_in_child=_restore_in_child)
+    _at_fork[:] = [handler]
+
+
+def _restore_in_child() -> None:
+    for handler in _at_fork:
+        # (never raise out of an at-fork hook: CPython would print it in every child)
+        with contextlib.suppress(ValueError, OSError):
+            handler.restore_in_child()
 
 
 def _die_of(signum: int) -> None:

@@ -133,19 +133,30 @@ def _found_something(check: CheckResult | None) -> bool:
 
 
 def has_findings(record: TestRecord) -> bool:
-    """True if any check around this test failed or found something: an outcome other than clean, or a
-    finding that does not fail it (a collected zombie, an earlier test's leftover reaped, torch memory
-    grown in-process, a lock wait given up, a GPU used without its lock, a health notice)."""
-    # Every outcome other than clean is one of these findings (``outcome`` is not asked: this runs once per
-    # test of the session): a leak is a process reaped or left after the test (its check found something),
-    # lingering, found later, or the cluster's; not clean is a check that was not; a fault is in ``health``.
-    after, cluster, health = record.after, record.cluster_after, record.health
-    return bool(record.found_later or record.in_process_mib or record.gpu_without_lock) or (
-        record.lock_timeout is not None) or (after is not None and bool(after.lingered)) or (
-        cluster is not None and (not cluster.clean or bool(cluster.reaped)
-                                 or any(o.reason == "leaked" for o in cluster.offenders))
-    ) or _not_clean(record.cluster_before) or _found_something(record.before) or _found_something(after) or (
-        bool(health) and any(f.effect != "info" for f in health))
+    """Whether the test is at fault: its outcome is not clean (``leaked``, ``not_clean``, ``gpu_fault``), or
+    it has a finding of its own that does not fail it (torch memory grown in-process beyond what counts, a GPU
+    used while another xdist worker's test held its lock). The summary's count of tests "with findings" and
+    the JSON report's ``findings`` and ``with_findings`` are this.
+
+    What a check around the test did for others is ``noticed``, not this test's finding: an earlier test's
+    leftover reaped (charged to that test), a fixture's or an earlier test's process that exited by itself
+    while the check waited, a zombie collected, a lock wait given up (the test never ran: ``unchecked``)."""
+    if record.in_process_mib or record.gpu_without_lock:
+        return True
+    return outcome(record) in _AT_FAULT
+
+
+_AT_FAULT: Final[tuple[Outcome, ...]] = ("leaked", "not_clean", "gpu_fault")
+
+
+def noticed(record: TestRecord) -> bool:
+    """Whether a check around the test found something that is not its finding (``has_findings``): worth a
+    line in the summary, not a count."""
+    # (the clean path asks nothing more than its checks' fields: every output asks this once per test)
+    before, after, health = record.before, record.after, record.health
+    return (record.lock_timeout is not None or _found_something(before) or _found_something(after)
+            or (after is not None and bool(after.lingered)) or (
+                bool(health) and any(f.effect != "info" for f in health))) and not has_findings(record)
 
 
 def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuclean.model.decisions import OwnLeaks, own_leaks, reaped_count
+from pytest_gpuclean.model.decisions import OwnLeaks, has_findings, own_leaks, reaped_count
 from pytest_gpuclean.model.decisions import outcome as results_outcome
 from pytest_gpuclean.model.records import (
     MIB,
@@ -227,6 +227,7 @@ def record_json(record: TestRecord) -> JsonDict:
         "file": record.location[0],
         "line": record.location[1],
         "outcome": outcome(record),
+        "findings": has_findings(record),
         "devices": list(record.devices),
         "before": None if record.before is None else check_json(record.before),
         "after": None if record.after is None else check_json(record.after),
@@ -266,6 +267,7 @@ def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     outcomes = [outcome(r) for r in records]
     without_lock = sum(1 for r in records if r.gpu_without_lock)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
+            "with_findings": sum(1 for r in records if r.before is not None and has_findings(r)),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
             "not_clean": outcomes.count("not_clean"), "gpu_fault": outcomes.count("gpu_fault"),
             "reaped": reaped_count(records, session_reaped),

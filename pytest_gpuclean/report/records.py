@@ -82,6 +82,14 @@ class SessionRecords:
         if not once or message not in self.notes:
             self.notes.append(message)
 
+    def note_replacing(self, prefix: str, message: str) -> None:
+        """Put ``message`` in place of the note that starts with ``prefix`` (a running count), or add it."""
+        for i, note in enumerate(self.notes):
+            if note.startswith(prefix):
+                self.notes[i] = message
+                return
+        self.notes.append(message)
+
     def own(self) -> list[TestRecord]:
         """This process's records: the checked tests', then the late ones."""
         known = {id(r) for r in self.records}

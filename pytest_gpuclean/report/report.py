@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pytest_gpuclean.model.decisions import has_findings, outcome, reaped_count
+from pytest_gpuclean.model.decisions import has_findings, noticed, outcome, reaped_count
 from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
@@ -209,51 +209,17 @@ def outside_cause(result: CheckResult) -> str:
 
 def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
                   notes: Sequence[str]) -> list[str]:
-    """The terminal summary: one block per test that leaked or met dirty GPUs, then totals."""
+    """The terminal summary: one line per test with findings (``has_findings``: at fault), one per test
+    whose checks noticed something that is not its finding (an earlier test's leftover reaped there, a
+    fixture's process that exited by itself), then totals."""
     lines: list[str] = []
-    dirty = [r for r in records if has_findings(r)]
-    for record in dirty:
-        parts: list[str] = []
-        for check in (record.before, record.after):
-            if check is None:
-                continue
-            if check.error is not None:
-                parts.append(f"{check.phase}: could not read the devices: {check.error}")
-            if check.reaped:
-                releases = [r.release_s for r in check.reaped if r.release_s is not None]
-                parts.append(f"{check.phase}: reaped {len(check.reaped)} "
-                             f"({', '.join(f'pid {r.process.pid} {r.how_ended}' for r in check.reaped)})"
-                             + (f", driver release {max(releases):.2f}s" if releases else "")
-                             + (f", clean after {check.clean_after_s:.2f}s"
-                                if check.clean_after_s is not None else ""))
-            if check.offenders:
-                parts.append(f"{check.phase}: not clean ({', '.join(_short(o) for o in check.offenders)})")
-        if collected := [r for c in (record.before, record.after) if c for r in c.collected]:
-            parts.append(f"collected {len(collected)} process(es) that exited by themselves ("
-                         + ", ".join(f"pid {r.process.pid} spawned by {r.owner}" for r in collected) + ")")
-        if record.after is not None and record.after.lingered:
-            lingered = record.after.lingered
-            parts.append(f"{len(lingered)} process(es) outlived the test and ended by themselves "
-                         f"({', '.join(_short(o) for o in lingered)})")
-        if record.found_later:
-            parts.append(f"leaked {len(record.found_later)} process(es) found by a later check "
-                         f"({', '.join(f'pid {r.process.pid} {r.how_ended}' for r in record.found_later)})")
-        if record.in_process_mib:
-            parts.append("torch memory grew in-process: " + _held(record.in_process_mib))
-        if record.lock_timeout is not None:
-            parts.append(f"never got its GPU locks: {record.lock_timeout}")
-        if record.gpu_without_lock:
-            parts.append("used a GPU whose lock another xdist worker's test held: " + ", ".join(
-                f"pid {u.process.pid} {_held(u.mib_per_device)} while {u.seen_worker or 'a worker'}'s "
-                f"{u.seen_by} held it" for u in record.gpu_without_lock))
-        if record.outside_action is not None:
-            again = any(c is not None and c.outside is not None and c.outside.same_as is not None
-                        for c in (record.before, record.after))
-            parts.append(f"GPUs dirty from outside the session: {record.outside_action}"
-                         + (" (not waited for again)" if again else ""))
-        parts.extend(cluster_parts(record))
-        parts.extend(health_parts(record))
-        lines.append(f"{record.nodeid}: " + "; ".join(parts))
+    dirty: list[TestRecord] = []
+    for record in records:
+        if has_findings(record):
+            dirty.append(record)
+            lines.append(f"{record.nodeid}: " + "; ".join(_record_parts(record)))
+        elif noticed(record):
+            lines.append(f"{record.nodeid}: noticed, not a finding: " + "; ".join(_record_parts(record)))
     for record in records:
         for leak in record.fixture_leaks:
             lines.append(f"{leak}, found at the teardown of {leak.reported_on}: " + fixture_part(leak))
@@ -263,6 +229,50 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
     lines.extend(notes)
     lines.append(totals_line(records, session_reaped, dirty))
     return lines
+
+
+def _record_parts(record: TestRecord) -> list[str]:
+    parts: list[str] = []
+    for check in (record.before, record.after):
+        if check is None:
+            continue
+        if check.error is not None:
+            parts.append(f"{check.phase}: could not read the devices: {check.error}")
+        if check.reaped:
+            releases = [r.release_s for r in check.reaped if r.release_s is not None]
+            parts.append(f"{check.phase}: reaped {len(check.reaped)} "
+                         f"({', '.join(f'pid {r.process.pid} {r.how_ended}' for r in check.reaped)})"
+                         + (f", driver release {max(releases):.2f}s" if releases else "")
+                         + (f", clean after {check.clean_after_s:.2f}s"
+                            if check.clean_after_s is not None else ""))
+        if check.offenders:
+            parts.append(f"{check.phase}: not clean ({', '.join(_short(o) for o in check.offenders)})")
+    if collected := [r for c in (record.before, record.after) if c for r in c.collected]:
+        parts.append(f"collected {len(collected)} process(es) that exited by themselves ("
+                     + ", ".join(f"pid {r.process.pid} spawned by {r.owner}" for r in collected) + ")")
+    if record.after is not None and record.after.lingered:
+        lingered = record.after.lingered
+        parts.append(f"{len(lingered)} process(es) outlived the test and ended by themselves "
+                     f"({', '.join(_short(o) for o in lingered)})")
+    if record.found_later:
+        parts.append(f"leaked {len(record.found_later)} process(es) found by a later check "
+                     f"({', '.join(f'pid {r.process.pid} {r.how_ended}' for r in record.found_later)})")
+    if record.in_process_mib:
+        parts.append("torch memory grew in-process: " + _held(record.in_process_mib))
+    if record.lock_timeout is not None:
+        parts.append(f"never got its GPU locks: {record.lock_timeout}")
+    if record.gpu_without_lock:
+        parts.append("used a GPU whose lock another xdist worker's test held: " + ", ".join(
+            f"pid {u.process.pid} {_held(u.mib_per_device)} while {u.seen_worker or 'a worker'}'s "
+            f"{u.seen_by} held it" for u in record.gpu_without_lock))
+    if record.outside_action is not None:
+        again = any(c is not None and c.outside is not None and c.outside.same_as is not None
+                    for c in (record.before, record.after))
+        parts.append(f"GPUs dirty from outside the session: {record.outside_action}"
+                     + (" (not waited for again)" if again else ""))
+    parts.extend(cluster_parts(record))
+    parts.extend(health_parts(record))
+    return parts
 
 
 def set_up_reaped_line(late: Sequence[Reaped]) -> str:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_gpuclean.core import devices, processes, settings
+from pytest_gpuclean.core.census import Registry
 from pytest_gpuclean.core.checker import Checker
 from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, WORKERS_SINCE_VAR, restore_env
 from pytest_gpuclean.core.locks import GpuLocks
@@ -54,6 +57,8 @@ class CheckedSession:
         self.devices: tuple[DeviceInfo, ...] = ()
         self.locks: GpuLocks | None = None
         self.left_alone: list[ProcessInfo] = []
+        self.helpers_ended: list[Reaped] = []
+        """The helpers that only ``--gpuclean-helpers`` vouched for, ended at the very end."""
         """Set by ``close``: processes under pytest that existed before the session (never signalled)."""
         self.health: HealthWatch | None = None
         """Xid events, GPUs that need a reset, lost GPUs, the CUDA probe (``health.py``)."""
@@ -104,7 +109,9 @@ class CheckedSession:
                                peer_cookie=exported.inherited, peers_since=_ticks(WORKERS_SINCE_VAR),
                                dead_sessions=resolved.dead_sessions == "on",
                                session_start_ticks=exported.started_ticks,
-                               session_start_pid=exported.last_pid)
+                               session_start_pid=exported.last_pid, helpers=resolved.helpers,
+                               persistent=resolved.persistent,
+                               persistent_registry=_xprocess_registry(self.config))
         shared = os.environ.get(STATE_VAR) if worker else None
         if shared:
             self.checker.outside = OutsideMemory(shared)  # the run's other workers' too
@@ -190,6 +197,14 @@ class CheckedSession:
                            + ", ".join(f"pid {p.pid} {report.one_line(p.cmdline, 60)}" for p in left))
         for reaped in found.session_reaped:
             found.found_later(reaped)
+        self.take_notices()
+
+    def take_notices(self) -> None:
+        """The checker's lines about helpers and persistent processes, into the session's notes."""
+        notices = self.checker.notices
+        for line in notices:
+            self.found.note(line, once=True)
+        notices.clear()
 
     def close(self, *, controller: bool) -> list[Reaped]:
         """After every pytest_unconfigure: reap what the session set-up started (a conftest's server, a
@@ -209,6 +224,7 @@ class CheckedSession:
             if not controller:
                 late = self.checker.final_sweep(self.devices, include_session=True)
                 older = self.checker.no_part_of_the_session()
+                self.helpers_ended = self.checker.end_declared_helpers(self.devices)
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
             sys.stderr.write(f"gpuclean: the last sweep failed: {exc!r}\n")
         self.found.session_reaped.extend(late)
@@ -314,6 +330,40 @@ class CheckedSession:
         capture = self.config.pluginmanager.get_plugin("capturemanager")
         with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
             reporter.write_line(line)
+
+
+def _xprocess_registry(config: pytest.Config) -> Registry | None:
+    """What pytest-xprocess keeps alive across sessions, if it is loaded: ``xprocess.ensure`` starts a server
+    once and reuses it while it runs, in later sessions too. Its records are the evidence that a process is
+    meant to outlive the session: the pid file of each process it started (an earlier session's server
+    among them), and the ``Popen`` of what it started in this session."""
+    if not config.pluginmanager.hasplugin("xprocess"):
+        return None
+    # Where pytest's cache provider keeps its directory (the ``cache_dir`` ini value, from the root
+    # directory), and in it xprocess's (``config.cache.makedir(".xprocess")``); not made here.
+    cache_dir = os.path.expanduser(os.path.expandvars(str(config.getini("cache_dir"))))
+    root = Path(config.rootpath, cache_dir, "d", ".xprocess")
+
+    def registry() -> dict[int, tuple[str, float | None]]:
+        found: dict[int, tuple[str, float | None]] = {}
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(root):
+                pidfile = os.path.join(entry.path, "xprocess.PID")
+                try:
+                    recorded = os.stat(pidfile).st_mtime
+                    pid = int(Path(pidfile).read_text().strip())
+                except (OSError, ValueError):
+                    continue
+                found[pid] = (f"pytest-xprocess keeps {entry.name!r}", recorded)
+        xprocess = getattr(config, "_xprocess", None)  # (xprocess's own attribute: its live processes)
+        for resource in getattr(xprocess, "resources", None) or ():
+            popen, info = getattr(resource, "popen", None), getattr(resource, "info", None)
+            if isinstance(popen, subprocess.Popen) and popen.returncode is None:
+                name = getattr(info[0], "name", "?") if isinstance(info, tuple) and info else "?"
+                found[popen.pid] = (f"pytest-xprocess keeps {name!r}", None)
+        return found
+
+    return registry
 
 
 def _ticks(name: str) -> int | None:
