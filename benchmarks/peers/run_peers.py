@@ -254,6 +254,7 @@ class Suite:
                *WAY_ARGS[way], *self.args.pytest_args]
         if way != "off":
             cmd.append(f"--gpuclean-report={self.work / f'{tag}.json'}")
+            cmd.extend(self.args.gpuclean_args)
         env = dict(self.env)
         env.update({name: value.replace("{tag}", tag) for name, value in self.tag_env.items()})
         if keep_file is not None:
@@ -427,7 +428,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=["torch", "vllm", "dir"])
     parser.add_argument("files", nargs="*", help="vllm: test files or directories under --vllm-dir; dir: "
-                        "pytest's arguments in --suite-dir, after `--` (files, folders, node ids, --ignore=...)")
+                        "pytest's arguments in --suite-dir, after `--` (files, node ids, --ignore=...)")
     parser.add_argument("--suite-dir", help="dir: the folder pytest runs in (a staged suite)")
     parser.add_argument("--name", help="dir: the suite's name in the output (default: the folder's name)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
@@ -443,6 +444,8 @@ def main() -> int:
                         help="vllm: do not preload libiomp5 (CPU vLLM needs it; CUDA vLLM does not)")
     parser.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of off,marked,all")
     parser.add_argument("--way-timeout", type=float, default=3600, help="seconds one way may take")
+    parser.add_argument("--gpuclean-args", default="", help="extra pytest arguments of the ways under "
+                        "gpuclean only (one string), e.g. --gpuclean-helpers=GLOB")
     parser.add_argument("--max-reruns", type=int, default=40,
                         help="run at most this many differing tests again alone (each way)")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -461,6 +464,7 @@ def main() -> int:
     args = parser.parse_args(argv[:after])
     args.files += argv[after + 1:]
     args.pytest_args = args.pytest_args.split()
+    args.gpuclean_args = args.gpuclean_args.split()
     if args.suite == "vllm" and not args.vllm_dir:
         parser.error("vllm needs --vllm-dir")
     if args.suite == "dir":

@@ -23,7 +23,8 @@
 # Settings (environment): PYTHON (default python3), SUITE_TEST_TIMEOUT (seconds a test may take, default 120),
 # WAY_TIMEOUT_<SUITE> (seconds one way of that suite may take; defaults below), SUITES_SHARD=K (run the 1 test
 # in K whose node id hashes to 0: benchmarks/peers/peers_select.py; default 1, all), SUITES_WORK (scratch folder,
-# default a new one under /tmp), SIMULATE (1: simulated devices; default: 1 where nvidia-smi finds no GPU).
+# default a new one under /tmp), SIMULATE (1: simulated devices; default: 1 where nvidia-smi finds no GPU),
+# SUITES_GPUCLEAN_ARGS (more arguments for the gpuclean way only, e.g. --gpuclean-helpers=torch_shm_manager).
 # The suites run from a copy outside the checkout, so that pytest finds each suite's own configuration and
 # never this project's pyproject.toml.
 set -uo pipefail
@@ -117,7 +118,8 @@ for suite in "${suites[@]}"; do
     args=(dir --suite-dir "$work/suites/$suite" --name "$suite" --libs "$libs" --ways off,all
           --keep-work "$work/$suite" --out "$work/$suite.json" --way-timeout "$way_timeout" --max-reruns 40
           --shard "${SUITES_SHARD:-1}"
-          "${common_env[@]}" "${env[@]}" --pytest-args="--timeout=${SUITE_TEST_TIMEOUT:-120} -rfE --durations=10")
+          "${common_env[@]}" "${env[@]}" --pytest-args="--timeout=${SUITE_TEST_TIMEOUT:-120} -rfE --durations=10"
+          --gpuclean-args="${SUITES_GPUCLEAN_ARGS:-}")
     [ "$SIMULATE" = 1 ] && args+=(--simulate)
     started=$(date +%s)
     # Two ways and, at worst, the reruns of up to 40 differing tests: never more than 4 ways' time.
