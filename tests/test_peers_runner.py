@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,8 @@ def test_a_staged_suite_runs_both_ways_in_its_own_config_with_caches_of_its_own(
         "tests.test_suite.TestNested::test_param[a/b]": "passed",
         "tests.test_suite.TestNested::test_param[c[d]]": "passed",
         "tests.test_suite::test_cache_is_this_runs_own": "passed",
-        "tests.test_suite::test_leaks_a_sleeper": "passed"}
+        "tests.test_suite::test_leaks_a_sleeper": "passed",
+        "tests.test_suite::test_sleeps_when_asked": "passed"}
     assert sorted(p.name for p in work.glob("cache-*")) == ["cache-all", "cache-off"]
     assert result["results"]["all"]["finding_records"] == [] and result["results"]["all"]["differences"] == []
 
@@ -170,8 +172,22 @@ def test_a_staged_suites_leaks_are_findings_with_their_processes_and_reruns_find
                              capture_output=True, text=True, timeout=60)
     assert summary.returncode == 1, summary.stdout + summary.stderr
     document = json.loads((tmp_path / "suites.json").read_text())
-    assert document["totals"] == {"tests": 6, "identical": 4, "differences": 2, "findings": 2}
+    assert document["totals"] == {"tests": 7, "identical": 5, "differences": 2, "findings": 2}
     (suite,) = document["suites"]
-    assert suite["source"]["tag"] == "v1.0" and suite["ways"]["all"]["identical"] == 4
+    assert suite["source"]["tag"] == "v1.0" and suite["ways"]["all"]["identical"] == 5
     assert ("stand-in: differs: tests.test_suite::test_leaks_a_sleeper: off passed, all error"
             in summary.stdout)
+
+
+def test_a_budget_ends_each_way_in_time(tmp_path: Path) -> None:
+    # A test that hangs (120 s): with --budget 40 each way gets what is left (less 15 s for the results) and
+    # is killed then; the run ends well inside the budget and says why the comparison failed.
+    work = tmp_path / "work"
+    started = time.monotonic()
+    done = _run_dir(tmp_path, work, "--env", "PEER_SLOW=1", "--budget", "40")
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert took < 60, took
+    result = json.loads((work / "out.json").read_text())
+    assert "(--way-timeout, --budget): killed" in result["results"]["off"]["hung"]
+    assert "the plugin-off run produced no JUnit outcomes" in result["failures"][0]

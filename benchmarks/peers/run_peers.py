@@ -36,6 +36,7 @@ import contextlib
 import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -213,6 +214,7 @@ class Suite:
         self.env["PEERS_SHARD"] = str(args.shard)
         self.env.pop("GPUCLEAN_TEST", None)
         self.tag_env: dict[str, str] = {}
+        self.deadline = time.monotonic() + args.budget if args.budget else 0.0
         if args.suite == "torch":
             temp_dir = work / "torch-temp"
             for sub in ("barrier", "test_dir", "init_dir"):
@@ -248,6 +250,10 @@ class Suite:
             self.env["GPUCLEAN_SIMULATE"] = str(sim)
             self.env["GPUCLEAN_LOCK_DIR"] = str(work / "locks")
 
+    def left(self) -> float:
+        """Seconds --budget has left (inf without one)."""
+        return self.deadline - time.monotonic() if self.deadline else math.inf
+
     def command(self, way: str, tag: str, keep_file: Path | None = None) -> tuple[list[str], dict[str, str]]:
         cmd = [sys.executable, "-m", "pytest", *self.targets, "-p", "peers_select", "-p", "no:cacheprovider",
                "-p", "no:randomly", "-q", "-rfEs", f"--junitxml={self.work / f'{tag}.xml'}",
@@ -261,6 +267,12 @@ class Suite:
             env["PEERS_KEEP_FILE"] = str(keep_file)
         return cmd, env
 
+
+BUDGET_RESERVE_S = 15.0
+"""What --budget keeps back from the ways: the leftovers' settle and end, the comparison, the JSON."""
+
+RERUN_MIN_S = 45.0
+"""Differences run again alone only while --budget has this much left (for the two reruns)."""
 
 EXIT_GRACE_S = 30.0
 """How long pytest may take to exit after writing its JUnit XML (a peer test's non-daemon thread can keep
@@ -302,11 +314,14 @@ def end_leftovers() -> list[str]:
     return [d for d in described if "(zombie)" not in d]
 
 
-def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None) -> dict[str, Any]:
+def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None,
+            limit: float | None = None) -> dict[str, Any]:
     cmd, env = suite.command(way, tag, keep_file)
     log = suite.work / f"{tag}.log"
     xml = suite.work / f"{tag}.xml"
     started = time.monotonic()
+    # --way-timeout, or less: what --budget has left (minus time to write the results), or ``limit``
+    limit = min(suite.args.way_timeout, suite.left() - BUDGET_RESERVE_S, limit or math.inf)
     hung = None
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=suite.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -319,8 +334,8 @@ def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None) -> 
                 written_at = now
             if written_at is not None and now - written_at > EXIT_GRACE_S:
                 hung = f"pytest did not exit {EXIT_GRACE_S:.0f}s after the session ended: killed"
-            elif now - started > suite.args.way_timeout:
-                hung = f"the way ran past {suite.args.way_timeout:.0f}s: killed"
+            elif now - started > limit:
+                hung = f"the way ran past {limit:.0f}s (--way-timeout, --budget): killed"
             if hung:
                 proc.kill()
                 proc.wait()
@@ -410,7 +425,9 @@ def keep_file_for(suite: Suite, keys: list[str], tag: str) -> Path:
            "-p", "no:gpuclean", "--collect-only", "-q", *suite.args.pytest_args]
     env = dict(suite.env, PEERS_LIST_FILE=str(listing))
     env.update({name: value.replace("{tag}", tag) for name, value in suite.tag_env.items()})
-    subprocess.run(cmd, cwd=suite.cwd, env=env, capture_output=True, text=True)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run(cmd, cwd=suite.cwd, env=env, capture_output=True, text=True,
+                       timeout=min(600.0, max(30.0, suite.left() - BUDGET_RESERVE_S)))
     wanted = set(keys)
     nodeids = []
     if listing.exists():
@@ -446,6 +463,8 @@ def main() -> int:
     parser.add_argument("--way-timeout", type=float, default=3600, help="seconds one way may take")
     parser.add_argument("--gpuclean-args", default="", help="extra pytest arguments of the ways under "
                         "gpuclean only (one string), e.g. --gpuclean-helpers=GLOB")
+    parser.add_argument("--budget", type=float, default=0, help="seconds the whole run may take (0: none)"
+                        ": a way gets at most what is left; differences run again only while time is left")
     parser.add_argument("--max-reruns", type=int, default=40,
                         help="run at most this many differing tests again alone (each way)")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -530,11 +549,15 @@ def main() -> int:
             cut = {k for k in differs
                    if (k not in outcomes and res["hung"]) or (k not in base and results["off"]["hung"])}
             rerun = [k for k in differs if k not in cut][:args.max_reruns]
+            no_time = bool(rerun) and suite.left() < RERUN_MIN_S
+            if no_time:
+                rerun = []
             again_off: dict[str, str] = {}
             again_way: dict[str, str] = {}
             if rerun:
                 keep = keep_file_for(suite, rerun, f"{way}-rerun")
-                again_off = run_way(suite, "off", f"{way}-rerun-off", keep)["outcomes"]
+                share = (suite.left() - BUDGET_RESERVE_S) / 2
+                again_off = run_way(suite, "off", f"{way}-rerun-off", keep, share)["outcomes"]
                 again_way = run_way(suite, way, f"{way}-rerun-{way}", keep)["outcomes"]
             for key in differs:
                 record = {"test": key, "off": base.get(key), way: outcomes.get(key),
@@ -543,6 +566,7 @@ def main() -> int:
                 if key not in rerun:
                     record["why_not_rerun"] = (
                         "a run was killed at its time limit before the test" if key in cut
+                        else "--budget had no time left" if no_time
                         else f"more than --max-reruns {args.max_reruns} differences")
                 elif again_off.get(key) == base.get(key) and again_way.get(key) == outcomes.get(key):
                     record["reproduced"] = True
@@ -552,7 +576,10 @@ def main() -> int:
                     res["flaky"].append(f"{key}: {base.get(key)} -> {outcomes.get(key)}, alone "
                                         f"{again_off.get(key)} -> {again_way.get(key)}")
                 res["differences"].append(record)
-            if len(rerun) < len(differs) - len(cut):
+            if no_time:
+                failures.append(f"{way}: {len(differs) - len(cut)} outcomes differ; --budget left no time to "
+                                "run them again alone")
+            elif len(rerun) < len(differs) - len(cut):
                 failures.append(f"{way}: {len(differs) - len(cut)} outcomes differ, more than --max-reruns "
                                 f"{args.max_reruns}: only the first {len(rerun)} ran again alone")
         for finding in res["findings"]:

@@ -30,3 +30,10 @@ def test_cache_is_this_runs_own() -> None:
 def test_leaks_a_sleeper() -> None:
     if os.environ.get("PEER_LEAK") == "1":
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_sleeps_when_asked() -> None:
+    if os.environ.get("PEER_SLOW") == "1":
+        import time
+
+        time.sleep(120)
