@@ -20,14 +20,18 @@
 #   suites.txt       the table and run_peers.py's own output per suite
 #   suites-logs.tgz  each run's pytest log, JUnit XML and gpuclean report
 #
-# Settings (environment): PYTHON (default python3), SUITE_TEST_TIMEOUT (seconds a test may take, default 120),
-# WAY_TIMEOUT_<SUITE> (seconds one way of that suite may take; defaults below), SUITES_DEADLINE (seconds the
-# whole call may take: each suite's runs keep within what is left, a suite that cannot get one way's time is
-# not started; on the GPU machine 540, under the device's 600 s a call), SUITES_SHARD=K (run the 1 test
-# in K whose node id hashes to 0: benchmarks/peers/peers_select.py; default 1, all; SHARD_<SUITE> for one
-# suite), SUITES_SITE (where the carried wheels go; default /tmp/gpuclean-suites-site), SUITES_WORK (scratch folder,
-# default a new one under /tmp), SIMULATE (1: simulated devices; default: 1 where nvidia-smi finds no GPU),
-# SUITES_GPUCLEAN_ARGS (more arguments for the gpuclean way only, e.g. --gpuclean-helpers=torch_shm_manager).
+# Settings (environment):
+#   PYTHON                python3 by default
+#   SUITE_TEST_TIMEOUT    seconds a test may take (pytest-timeout; default 120)
+#   WAY_TIMEOUT_<SUITE>   seconds one way of that suite may take (defaults below)
+#   SUITES_DEADLINE       seconds the whole call may take: each suite keeps within what is left, a suite that
+#                         cannot get one way's time is not started (on the GPU machine: 540, under 600 a call)
+#   SUITES_SHARD=K        run the 1 test in K whose node id hashes to 0 (benchmarks/peers/peers_select.py;
+#                         default 1: all); SHARD_<SUITE>=K for one suite
+#   SUITES_SITE           where the carried wheels go (default /tmp/gpuclean-suites-site)
+#   SUITES_WORK           scratch folder (default a new one under /tmp)
+#   SIMULATE              1: simulated devices (default: 1 where nvidia-smi finds no GPU)
+#   SUITES_GPUCLEAN_ARGS  more arguments for the gpuclean way only, e.g. --gpuclean-helpers=torch_shm_manager
 # The suites run from a copy outside the checkout, so that pytest finds each suite's own configuration and
 # never this project's pyproject.toml.
 set -uo pipefail
@@ -47,10 +51,22 @@ log="$out/suites.txt"
 : > "$log"
 say() { echo "$@" | tee -a "$log"; }
 
-# The plugin under test is this checkout's (installed offline where python3 does not import it from here).
-if [ "$("$py" -c 'import os, pytest_gpuclean; print(os.path.dirname(os.path.dirname(pytest_gpuclean.__file__)))' \
-        2>/dev/null)" != "$root" ]; then
-    PATH="$(dirname "$py"):$PATH" bash .ci/install-offline
+if [ -z "${SIMULATE:-}" ]; then
+    SIMULATE=1
+    nvidia-smi -L >/dev/null 2>&1 && SIMULATE=0
+fi
+# The plugin under test is this checkout's: on the GPU machine it is installed offline (editable) where
+# python3 does not import it from here; elsewhere, say so rather than repoint a venv's install.
+plugin=$("$py" -c 'import os, pytest_gpuclean; print(os.path.dirname(os.path.dirname(pytest_gpuclean.__file__)))' \
+         2>/dev/null)
+if [ "$plugin" != "$root" ]; then
+    if [ "$SIMULATE" = 0 ] || [ "${SUITES_INSTALL_PLUGIN:-0}" = 1 ]; then
+        PATH="$(dirname "$py"):$PATH" bash .ci/install-offline
+    else
+        echo "run_suites.sh: $py imports pytest_gpuclean from ${plugin:-nowhere}, not $root: PYTHONPATH=$root" \
+             "(or SUITES_INSTALL_PLUGIN=1 to install it there, offline and editable)" >&2
+        exit 2
+    fi
 fi
 # The suites' test helpers the machine lacks (stage_suites.sh put them in .suites/wheels), in a folder of their
 # own: never over what the machine has.
@@ -64,10 +80,6 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MPLBACKEND=Agg PYTHONUNBUFFERED=1 \
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset PL_RUN_STANDALONE_TESTS PL_RUN_CUDA_TESTS GPUCLEAN_SIMULATE GPUCLEAN_REPORT
-if [ -z "${SIMULATE:-}" ]; then
-    SIMULATE=1
-    nvidia-smi -L >/dev/null 2>&1 && SIMULATE=0
-fi
 say "== run_suites.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname): suites ${suites[*]}, simulate=$SIMULATE, work $work"
 [ "$SIMULATE" = 1 ] || nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv \
     | tee -a "$log"
@@ -90,7 +102,8 @@ for suite in "${suites[@]}"; do
         # Of test_spike.py's 24 runs of one Fabric launch (16 of them 2 ranks, ddp_spawn: 4 of the suite's 5
         # minutes on the CPU box), the 6 with no spike value are kept: the 18 that inject nan/inf launch the
         # same processes.
-        targets=(tests/tests_fabric -k "not (spike_detection_integration and (nan or inf))"); libs=lightning,pytorch-lightning,torch; env=(); way_default=200 ;;
+        targets=(tests/tests_fabric -k "not (spike_detection_integration and (nan or inf))")
+        libs=lightning,pytorch-lightning,torch; env=(); way_default=200 ;;
     pyg)  # PyG's whole suite (its pyproject deselects the `rag` and `dataset` marks, which download); every
         # @withCUDA / @withDevice test runs on cpu and cuda:0; torch.compile tests, DataLoader workers.
         targets=(test); libs=torch-geometric,torch; env=(); way_default=220 ;;
@@ -99,9 +112,11 @@ for suite in "${suites[@]}"; do
         # start (USE_PYTEST_POOL=1, as its GPU CI runs them). Left out: files whose reference library is not
         # on the H200 image (properscoring, permetrics, torch-fidelity).
         targets=(tests/unittests/regression tests/unittests/bases tests/unittests/wrappers
-                 --ignore=tests/unittests/regression/test_crps.py --ignore=tests/unittests/regression/test_mean_error.py
+                 --ignore=tests/unittests/regression/test_crps.py
+                 --ignore=tests/unittests/regression/test_mean_error.py
                  --ignore=tests/unittests/wrappers/test_feature_share.py)
-        libs=torchmetrics,torch; env=(--env USE_PYTEST_POOL=1 --env "PYTEST_REFERENCE_CACHE={work}/cache-{tag}/references")
+        libs=torchmetrics,torch
+        env=(--env USE_PYTEST_POOL=1 --env "PYTEST_REFERENCE_CACHE={work}/cache-{tag}/references")
         way_default=90 ;;
     accelerate)  # everything but test_cli.py and test_examples.py (they need tests/test_configs, the examples
         # and the hub, which the sdist does not ship) and test_tracking.py (loggers, no GPU work).
