@@ -61,7 +61,9 @@ plugin=$("$py" -c 'import os, pytest_gpuclean; print(os.path.dirname(os.path.dir
          2>/dev/null)
 if [ "$plugin" != "$root" ]; then
     if [ "$SIMULATE" = 0 ] || [ "${SUITES_INSTALL_PLUGIN:-0}" = 1 ]; then
-        PATH="$(dirname "$py"):$PATH" bash .ci/install-offline
+        # (.ci/install-offline uses python3: the one named by PYTHON where that is a path)
+        if [[ $py == */* ]]; then PATH="$(dirname "$py"):$PATH" bash .ci/install-offline
+        else bash .ci/install-offline; fi
     else
         echo "run_suites.sh: $py imports pytest_gpuclean from ${plugin:-nowhere}, not $root: PYTHONPATH=$root" \
              "(or SUITES_INSTALL_PLUGIN=1 to install it there, offline and editable)" >&2
@@ -72,7 +74,8 @@ fi
 # own: never over what the machine has.
 site=${SUITES_SITE:-/tmp/gpuclean-suites-site}
 if [ -d .suites/wheels ] && [ ! -f "$site/.done" ]; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" .suites/wheels/*.whl && touch "$site/.done"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" .suites/wheels/*.whl \
+        && touch "$site/.done"
 fi
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 # Nothing is fetched: the GPU machine has no network, and a test that would download must fail at once the
@@ -117,7 +120,7 @@ for suite in "${suites[@]}"; do
                  --ignore=tests/unittests/wrappers/test_feature_share.py)
         libs=torchmetrics,torch
         env=(--env USE_PYTEST_POOL=1 --env "PYTEST_REFERENCE_CACHE={work}/cache-{tag}/references")
-        way_default=90 ;;
+        way_default=120 ;;
     accelerate)  # everything but test_cli.py and test_examples.py (they need tests/test_configs, the examples
         # and the hub, which the sdist does not ship) and test_tracking.py (loggers, no GPU work).
         targets=(tests --ignore=tests/test_cli.py --ignore=tests/test_examples.py --ignore=tests/test_tracking.py)
@@ -140,7 +143,7 @@ for suite in "${suites[@]}"; do
     if [ -n "${SUITES_DEADLINE:-}" ]; then
         left=$((started_all + SUITES_DEADLINE - $(date +%s) - 30))
         if [ "$left" -lt "$way_timeout" ]; then
-            say "== $suite: not started: ${left}s left of SUITES_DEADLINE=${SUITES_DEADLINE}, one way may take ${way_timeout}s"
+            say "== $suite: not started: ${left}s left of SUITES_DEADLINE=$SUITES_DEADLINE, a way may take ${way_timeout}s"
             continue
         fi
         [ "$suite_budget" -le "$left" ] || suite_budget=$left
@@ -162,7 +165,8 @@ for suite in "${suites[@]}"; do
     # (run_peers.py keeps to --budget; the timeout is the last resort, and loses the suite's result.)
     timeout -k 10 $((suite_budget + 30)) "$py" benchmarks/peers/run_peers.py "${args[@]}" -- "${targets[@]}" \
         2>&1 | tee -a "$log"
-    say "== $suite: run_peers.py exit ${PIPESTATUS[0]} after $(( $(date +%s) - started ))s"
+    rc=${PIPESTATUS[0]}
+    say "== $suite: run_peers.py exit $rc after $(( $(date +%s) - started ))s"
     "$py" benchmarks/peers/suites_summary.py --work "$work" --staged .suites --out "$out/suites.json" \
         "${suites[@]}" >/dev/null
     tar czf "$out/suites-logs.tgz" -C "$work" --exclude='suites' --exclude='cache-*' --exclude='sim' \
