@@ -100,7 +100,9 @@ done
 # Test helpers the suites import and the H200 image lacks (pure Python, for its Python 3.12): Lightning's
 # and torchmetrics' `flaky` marker (pytest-rerunfailures, with --strict-markers), torchmetrics'
 # --doctest-plus (pytest-doctestplus) and reference cache (cachier, which needs watchdog), accelerate's
-# `parameterized`, and tensorboardX (one Lightning test imports it by name).
+# `parameterized`. Not tensorboardX, although one Lightning test imports it by name: where it is there,
+# Lightning's loggers use it rather than the image's tensorboard, and its conftest then waits 20 s for
+# tensorboardX's queue thread after each of 7 tests.
 if [ "${SUITES_WHEELS:-1}" = 0 ]; then  # (CI installs the libraries itself: .ci/peers setup-suites)
     du -sh "$dest"
     exit 0
@@ -108,8 +110,7 @@ fi
 rm -rf "$dest/wheels" && mkdir -p "$dest/wheels"
 "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 --platform any -d "$dest/wheels" \
-    pytest-rerunfailures==16.1 pytest-doctestplus==1.4.0 cachier==4.1.0 watchdog==6.0.0 parameterized==0.9.0 \
-    tensorboardX==2.6.5
+    pytest-rerunfailures==16.1 pytest-doctestplus==1.4.0 cachier==4.1.0 watchdog==6.0.0 parameterized==0.9.0
 ls "$dest/wheels"
 echo "test files: $(for s in "${all[@]}"; do [ -d "$dest/$s" ] && printf '%s %s  ' "$s" \
     "$(find "$dest/$s" -name 'test_*.py' | wc -l)"; done)"
