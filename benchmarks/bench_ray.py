@@ -28,7 +28,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, summary, table, write_json
 
-# Loopback-only nodes need this in every driver (RAY-FACTS.md §2); read when Ray is imported.
+# Loopback-only nodes need this in every driver: without it, ray.init("127.0.0.1:PORT") rewrites loopback
+# to the host's address, where no GCS listens, and the driver retries with no error after 240 s (Ray 2.60.0
+# on the 2-core CI box, 2026-12-01); read when Ray is imported.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 INNER = """

@@ -4,7 +4,9 @@
 * ``gpuclean check [--wait S] [--json]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or
   driver error, 3 a GPU is not usable (it needs a reset, or is lost): take the runner out of service.
 * ``gpuclean reap [--dry-run] [--json]``: post-job cleanup of the invoking user's GPU processes (and of the
-  processes carrying a ``--cookie``), with the plugin's TERM -> grace -> KILL ladder.
+  processes carrying a ``--cookie``), with the plugin's TERM -> grace -> KILL ladder; exit 0 done, 1 a
+  process survived, 2 usage or driver error, 3 a GPU could not be read (what was provably the job's was
+  ended all the same; the output names the GPU).
 
 Nothing here talks to NVML or signals a process itself: devices come from ``devices.open_backend``,
 verdicts from ``checker.Checker``, process details and kills from ``processes``, option values from
@@ -49,7 +51,9 @@ EXIT_ERROR = 2
 """A usage error (the message names the option) or the devices could not be read."""
 EXIT_UNHEALTHY = 3
 """``check``: a GPU needs a reset (row remapping pending or failed, uncorrectable ECC errors), its compute
-mode is Prohibited, or it is lost. Waiting does not help: the runner should be taken out of service."""
+mode is Prohibited, or it is lost. Waiting does not help: the runner should be taken out of service.
+``reap``: a GPU could not be read (lost, or its reads fail); what could be proven the job's (its cookie's
+carriers, this user's processes on the other GPUs) was ended all the same, and a survivor is named too."""
 
 PROG = "gpuclean"
 CMDLINE_WIDTH = 200
@@ -207,15 +211,16 @@ class _Health:
     lost: str | None = None
 
 
-def _read_health(found: _Devices) -> list[_Health]:
-    """Each chosen device's health (the slow NVML reads: milliseconds per GPU, nothing for a command)."""
+def _read_health(found: _Devices, chosen: Sequence[DeviceInfo] | None = None) -> list[_Health]:
+    """Each chosen device's health (the slow NVML reads: milliseconds per GPU, nothing for a command); of
+    ``chosen`` where given."""
     from pytest_gpuclean.core.health import device_problems
 
     source = found.backend
     if not isinstance(source, devices.HealthSource):
         return []
     read: list[_Health] = []
-    for device in found.chosen:
+    for device in found.chosen if chosen is None else chosen:
         try:
             reading = source.health(device)
             source.snapshot(device)  # a lost GPU may still answer the health reads
@@ -496,13 +501,71 @@ def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[i
     return reaped, all_released
 
 
+@dataclass(frozen=True)
+class _Unreadable:
+    """A device ``reap`` could not read: what it holds, and whose, is unknown."""
+
+    device: DeviceInfo
+    error: devices.DeviceError
+
+    @property
+    def lost(self) -> bool:
+        return isinstance(self.error, devices.DeviceLost)
+
+    @property
+    def why(self) -> str:
+        error = self.error
+        return f"lost: {error.reason}" if isinstance(error, devices.DeviceLost) else str(error)
+
+
+def read_what_can_be_read(checker: Checker, chosen: Sequence[DeviceInfo],
+                          unreadable: list[_Unreadable]) -> tuple[DeviceSnapshot, ...]:
+    """The readings of ``chosen``, less the devices that cannot be read, which go to ``unreadable`` (once
+    each) and are not read again: ``reap`` needs no device to end what carries the job's cookie, and a lost
+    GPU must not cost the job's cleanup on the others (as ``Checker.final_sweep`` copes)."""
+    skip = {u.device.uuid for u in unreadable}
+    readable = [d for d in chosen if d.uuid not in skip]
+    try:
+        return checker.snapshot(readable)
+    except devices.DeviceError:
+        pass
+    snaps: list[DeviceSnapshot] = []
+    for device in readable:
+        try:
+            snaps.extend(checker.snapshot([device]))
+        except devices.DeviceError as exc:
+            unreadable.append(_Unreadable(device, exc))
+    return tuple(snaps)
+
+
+def unreadable_lines(unreadable: Sequence[_Unreadable], cookie: str | None) -> list[str]:
+    """Which devices ``reap`` could not read, and what that means for what ran on them."""
+    if not unreadable:
+        return []
+    lines = [f"{PROG} reap: could not read {u.device.label} ({u.device.uuid}): {u.why}" for u in unreadable]
+    labels = ", ".join(u.device.label for u in unreadable)
+    if cookie is not None:
+        reach = f"a process on {labels} was ended only if it carries the cookie {cookie!r}"
+    else:
+        reach = f"no process on {labels} could be found (--cookie finds the job's wherever they run)"
+    lines.append(f"{PROG} reap: {reach}; a GPU that cannot be read is no GPU for the next job: exit "
+                 f"{EXIT_UNHEALTHY}, take this runner out of service (gpuclean never resets a GPU)")
+    return lines
+
+
 def reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str | None, dry_run: bool,
               targets: dict[int, _Target], left_alone: Sequence[str], notes: Sequence[str],
-              reaped: Sequence[Reaped], released_s: float | None) -> dict[str, Any]:
+              reaped: Sequence[Reaped], released_s: float | None,
+              unreadable: Sequence[_Unreadable] = ()) -> dict[str, Any]:
     """``gpuclean reap --json``: the ``status --json`` document of the devices as last read (after the
     reaping; before it with ``--dry-run`` or nothing to end), what it set out to end (``targets``: with
-    ``--dry-run``, what it would end), how each one ended, what it left alone and why."""
-    return {**_status_json(found, snaps, _described(snaps)), "health": health_json(_read_health(found)),
+    ``--dry-run``, what it would end), how each one ended, what it left alone and why, and the devices it
+    could not read."""
+    skip = {u.device.uuid for u in unreadable if not u.lost}  # (a lost one's health says it is lost)
+    health = _read_health(found, [d for d in found.chosen if d.uuid not in skip])
+    return {**_status_json(found, snaps, _described(snaps)), "health": health_json(health),
+            "unreadable": [{"device": u.device.label, "uuid": u.device.uuid, "lost": u.lost, "error": u.why}
+                           for u in unreadable],
             "cookie": cookie, "dry_run": dry_run,
             "targets": [{"process": jsonreport.process_json(t.info), "found_by": t.found_by,
                          "mib_per_device": jsonreport.mib_pairs_json(t.mib)}
@@ -533,7 +596,8 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         raise CliError("--all-users: only root may end other users' processes")
     with _open_devices(resolved) as found:
         checker = _checker(found.backend, grace=resolved.grace)
-        snaps = checker.snapshot(found.chosen)
+        unreadable: list[_Unreadable] = []
+        snaps = read_what_can_be_read(checker, found.chosen, unreadable)
         targets, left_alone = plan_reap(snaps, my_uid=checker.uid, never_touch=checker.never_touch,
                                         all_users=args.all_users, cookie=args.cookie,
                                         require_device_file=found.backend.kind == "nvml")
@@ -555,7 +619,14 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
             if args.json:
                 _print_json(reap_json(found, now, cookie=args.cookie, dry_run=args.dry_run, targets=targets,
                                       left_alone=left_alone, notes=debris_notes, reaped=reaped,
-                                      released_s=released_s), out)
+                                      released_s=released_s, unreadable=unreadable), out)
+
+        def ending(status: int) -> int:
+            # A device that could not be read says so last, where a hook's log ends, and in the status:
+            # what could be proven the job's was ended all the same.
+            for line in unreadable_lines(unreadable, args.cookie):
+                print(line, file=text)
+            return EXIT_UNHEALTHY if unreadable else status
 
         print(f"{PROG} reap: {_header(found)}" + (f"; cookie {args.cookie!r}" if args.cookie else ""),
               file=text)
@@ -566,14 +637,15 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         if not targets:
             print(f"{PROG} reap: nothing to end", file=text)
             account(snaps)
-            return EXIT_CLEAN
+            return ending(EXIT_CLEAN)
         if args.dry_run:
             for line in report.dry_run_lines(PROG, [("", t.info, f"found as {t.found_by}", t.mib)
                                                     for _, t in sorted(targets.items())]):
                 print(line, file=text)
             account(snaps)
-            return EXIT_CLEAN
-        reaped, released_s = reap_targets(checker, found.chosen, targets)
+            return ending(EXIT_CLEAN)
+        readable = [s.device for s in snaps]
+        reaped, released_s = reap_targets(checker, readable, targets)
         print(f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {resolved.grace:g}s):",
               file=text)
         for item in reaped:
@@ -582,12 +654,12 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         if released_s is not None:
             print(f"{PROG} reap: the driver released their GPU memory {released_s:.2f}s after the first "
                   "signal", file=text)
-        now = checker.snapshot(found.chosen)
+        now = read_what_can_be_read(checker, readable, unreadable)
         for snap in now:
             print("  now: " + report.device_line(snap), file=text)
         account(now, reaped, released_s)
-    survived = [r for r in reaped if r.ended_by == "survived"]
-    return EXIT_DIRTY if survived else EXIT_CLEAN
+        survived = [r for r in reaped if r.ended_by == "survived"]
+        return ending(EXIT_DIRTY if survived else EXIT_CLEAN)
 
 
 # ---- entry point -------------------------------------------------------------------------------------
@@ -613,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "and reaper as a command).",
         epilog="exit status: 0 clean / done, 1 not clean (check) or a process survived (reap), "
                "2 usage error or the devices could not be read, 3 a GPU is not usable: it needs a reset or "
-               "is lost (check)")
+               "is lost (check), or could not be read, the rest reaped all the same (reap)")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -4,7 +4,9 @@
 --remap-pending 1`` (and the other health states: ``--help``) sets its health (docs/ci.md).
 
 ``init`` makes ``DIR/<index>/`` with a ``total`` capacity file for each device (devices.SimulatedBackend
-reads the layout). A holder "allocates" by writing ``DIR/<device>/<pid>`` and keeps the memory until it is
+reads the layout). The other commands take ``--dir`` from ``GPUCLEAN_SIMULATE`` (the plugin's variable) when
+it is not given, and refuse a directory ``init`` did not make or a device it lacks: a typo never makes a new
+tree or a new GPU. A holder "allocates" by writing ``DIR/<device>/<pid>`` and keeps the memory until it is
 killed, like a CUDA process: the simulated backend stops counting it the moment the process dies. Tests
 use it to make realistic leakers: children, SIGTERM-ignoring processes and setsid daemons.
 """
@@ -17,6 +19,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 MIB = 1024 * 1024
 # devices.DEFAULT_SIM_TOTAL, what a device without a ``total`` file has; not imported from there: a holder
@@ -76,10 +79,58 @@ def set_state(root: str, device: int, name: str, value: str | None) -> None:
     os.replace(tmp, folder / name)
 
 
+SIMULATE_VAR = "GPUCLEAN_SIMULATE"
+"""The plugin's variable for the devices' directory: the default of ``--dir`` here, so that a shell set up
+for the plugin (README's first minute) needs no ``--dir``."""
+
+
+def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def _number(parser: argparse.ArgumentParser, option: str, text: str | None, what: str, *,
+            whole: bool = False) -> float:
+    """``text`` as a number >= 0 (a whole one with ``whole``); one line and exit 2 otherwise."""
+    try:
+        value = float(int(text)) if whole and text is not None else float(text or "")
+    except ValueError:
+        value = -1.0
+    if not (0 <= value < float("inf")):
+        _refuse(parser, f"{option}: {text!r} is not {what} >= 0")
+    return value
+
+
+def _device_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
+    """The folder of ``--device`` in ``--dir`` (or ``GPUCLEAN_SIMULATE``), which ``init`` made: a typo in
+    either must not make a new tree or a new device, nor end in a traceback."""
+    if args.dir is not None:
+        given, source = args.dir, "from the command line"
+    else:
+        given, source = os.environ.get(SIMULATE_VAR, ""), f"from environment variable {SIMULATE_VAR}"
+        if not given:
+            _refuse(parser, f"--dir is required (or set {SIMULATE_VAR})")
+    root = Path(os.path.expanduser(given))
+    index = int(_number(parser, "--device", args.device, "a whole number", whole=True))
+    try:
+        if not root.is_dir():
+            _refuse(parser, f"--dir: {given!r} is not a directory of simulated devices: "
+                            f"{'not a directory' if root.exists() else 'it does not exist'} ({source}); "
+                            "make one with 'python -m pytest_gpuclean.simulate init DIR'")
+        devices = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+    except OSError as exc:
+        _refuse(parser, f"--dir: {given!r} cannot be read: {exc.strerror or exc} ({source})")
+    if not devices:
+        _refuse(parser, f"--dir: {given!r} holds no simulated device (DIR/<index>/) ({source}); make them "
+                        "with 'python -m pytest_gpuclean.simulate init DIR'")
+    if index not in devices:
+        _refuse(parser, f"--device: {args.device!r} is not a device of {given!r} (it has "
+                        f"{', '.join(map(str, devices))})")
+    return root / str(index)
+
+
 def _state(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    folder = Path(args.dir) / str(args.device)
-    if not folder.is_dir():
-        parser.exit(2, f"{parser.prog}: error: {str(folder)!r} is not a simulated device folder\n")
+    folder = _device_folder(args, parser)
+    args.dir, args.device = str(folder.parent), int(folder.name)
     if args.clear:
         for name in HEALTH_FILES:
             (folder / name).unlink(missing_ok=True)
@@ -91,6 +142,16 @@ def _state(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for name, value in given.items():
         if value is not None:
             set_state(args.dir, args.device, name, str(value))
+
+
+def _check_hold(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse a bad ``hold`` before it forks or holds anything."""
+    folder = _device_folder(args, parser)
+    args.dir, args.device = str(folder.parent), int(folder.name)
+    args.mib = _number(parser, "--mib", args.mib, "a number of MiB")
+    args.children = int(_number(parser, "--children", args.children, "a whole number", whole=True))
+    if args.seconds is not None:
+        args.seconds = _number(parser, "--seconds", args.seconds, "a number of seconds")
 
 
 def _hold(args: argparse.Namespace) -> None:
@@ -181,22 +242,25 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--devices", type=_positive, default=1, metavar="N", help="how many (default 1)")
     make.add_argument("--total-mib", type=_positive, default=DEFAULT_TOTAL_MIB, metavar="MIB",
                       help=f"capacity of each (default {DEFAULT_TOTAL_MIB}, an 80 GB GPU)")
-    hold = commands.add_parser("hold", help="hold simulated GPU memory until killed")
-    hold.add_argument("--dir", required=True, help="simulated devices directory (GPUCLEAN_SIMULATE)")
-    hold.add_argument("--device", type=int, default=0)
-    hold.add_argument("--mib", type=float, required=True)
+    # The numbers stay text here and are checked after parsing, so that a bad one is one line, as a bad
+    # --dir or --device is.
+    tree = argparse.ArgumentParser(add_help=False)
+    tree.add_argument("--dir", metavar="DIR",
+                      help=f"the simulated devices, as 'init' made them (default: ${SIMULATE_VAR}, the "
+                           "plugin's variable)")
+    tree.add_argument("--device", metavar="N", default="0", help="the device's index (default 0)")
+    hold = commands.add_parser("hold", parents=[tree], help="hold simulated GPU memory until killed")
+    hold.add_argument("--mib", metavar="MIB", required=True, help="how much (MiB, >= 0)")
     hold.add_argument("--ignore-sigterm", action="store_true", help="ignore SIGTERM (needs SIGKILL)")
     hold.add_argument("--daemonize", action="store_true", help="double-fork and setsid before holding")
-    hold.add_argument("--children", type=int, default=0, help="fork K children that hold the same amount")
+    hold.add_argument("--children", metavar="K", default="0",
+                      help="fork K children that hold the same amount")
     hold.add_argument("--pidfile", help="append each holder's pid to this file once it holds memory")
-    hold.add_argument("--seconds", type=float, help="exit by itself after this many seconds")
-    raise_xid = commands.add_parser("xid", help="raise an Xid event on a simulated device")
-    raise_xid.add_argument("--dir", required=True, help="simulated devices directory (GPUCLEAN_SIMULATE)")
-    raise_xid.add_argument("--device", type=int, default=0)
+    hold.add_argument("--seconds", metavar="S", help="exit by itself after this many seconds")
+    raise_xid = commands.add_parser("xid", parents=[tree], help="raise an Xid event on a simulated device")
     raise_xid.add_argument("--code", type=int, required=True, help="the Xid code, e.g. 31 (an MMU fault)")
-    state = commands.add_parser("state", help="set the health of a simulated device (what NVML would report)")
-    state.add_argument("--dir", required=True, help="simulated devices directory (GPUCLEAN_SIMULATE)")
-    state.add_argument("--device", type=int, default=0)
+    state = commands.add_parser("state", parents=[tree],
+                                help="set the health of a simulated device (what NVML would report)")
     state.add_argument("--remap-pending", type=int, metavar="ROWS", help="memory rows waiting for a reset")
     state.add_argument("--remap-failed", action="store_true", help="a row remapping failed")
     state.add_argument("--ecc-uncorrected", type=int, metavar="N", help="volatile uncorrectable ECC errors")
@@ -215,11 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         _init(args, make)
         return 0
     if args.command == "xid":
-        xid(args.dir, args.device, args.code)
+        folder = _device_folder(args, raise_xid)
+        xid(str(folder.parent), int(folder.name), args.code)
         return 0
     if args.command == "state":
         _state(args, state)
         return 0
+    _check_hold(args, hold)
     if args.daemonize:
         _daemonize()
     _hold(args)

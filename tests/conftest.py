@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import INNER_PRELUDE, alive, kill_all, read_pids, reap_orphans, wait_dead
+from helpers import INNER_PRELUDE, TEST_TIMEOUT_S, alive, kill_all, read_pids, reap_orphans, wait_dead
 
 # The inner suites the tests copy into their pytester sessions (pytester_example_dir): not tests of this run.
 collect_ignore = ["examples"]
@@ -102,6 +103,22 @@ def example(pytester: pytest.Pytester, sim: Path, tmp_path: Path,
     return copy
 
 
+@pytest.fixture
+def public_tmp() -> Iterator[Path]:
+    """A directory every user can reach (``tmp_path`` is in root's own, mode 700), for a command run as user
+    nobody (``helpers.unprivileged``); removed afterwards, whatever modes it left inside."""
+    base = Path(tempfile.mkdtemp(prefix="gpuclean-public-"))
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        for folder, dirs, _files in os.walk(base):
+            for name in dirs:
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(folder, name), 0o755)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _no_leftovers(tmp_path: Path) -> Iterator[None]:
     # Whatever a test's holders were, none may outlive it (the point of this project).
@@ -126,7 +143,18 @@ def _nvml_reason() -> str | None:
     return None if count else "NVML sees no GPU"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def _give_each_test_a_timeout(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    if config.getoption("timeout", None) is not None or os.environ.get("PYTEST_TIMEOUT"):
+        return
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _give_each_test_a_timeout(config, items)
     # tests/gpu/ needs a real GPU (run it on the H200: docs/gpu.md); elsewhere say why it is skipped.
     gpu_items = [item for item in items if "tests/gpu/" in item.nodeid or item.nodeid.startswith("gpu/")]
     if not gpu_items:

@@ -22,6 +22,10 @@ import pytest
 
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
 INNER_TIMEOUT = 180
+TEST_TIMEOUT_S = 600
+"""pytest-timeout's limit for each of these tests (conftest.py), unless the test or the command line
+(``--timeout``, ``PYTEST_TIMEOUT``) says otherwise: not ``timeout`` in pyproject.toml, whose key would warn
+in every run of an environment without pytest-timeout (README's first minute, in this checkout)."""
 EXAMPLES = Path(__file__).resolve().parent / "examples"
 """The inner suites and the scripts they start (``pytester_example_dir``)."""
 
@@ -133,6 +137,36 @@ def children_sigint(ignored: bool = False) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+NOBODY_UID = 65534
+
+
+def unprivileged(command: list[str]) -> list[str]:
+    """``command`` as user nobody where this runs as root (root passes every permission check, so a
+    directory of mode 000 stops only another user), else as it is. Skips the test where that cannot be:
+    no ``setpriv``, or nobody cannot run this interpreter with gpuclean (a checkout under root's home)."""
+    if os.geteuid() != 0:
+        return command
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv to run a command as user nobody")
+    prefix = [setpriv, f"--reuid={NOBODY_UID}", f"--regid={NOBODY_UID}", "--clear-groups"]
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import pytest, pytest_gpuclean.plugin"],
+                           cwd="/", capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"user nobody cannot run {sys.executable} with gpuclean: "
+                    f"{(probe.stderr.strip().splitlines() or ['?'])[-1]}")
+    return [*prefix, *command]
+
+
+def clean_environment(**extra: str) -> dict[str, str]:
+    """This process's environment without gpuclean's and pytest's settings (the session's cookie kept: what
+    a command starts stays this session's), plus ``extra``."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(("GPUCLEAN_", "PYTEST_")) or name == "GPUCLEAN_TEST"}
+    env.update(extra)
+    return env
 
 
 def run_inner(pytester: pytest.Pytester, *args: str, timeout: float = INNER_TIMEOUT) -> pytest.RunResult:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import alive, read_pids, wait_dead
+from helpers import alive, clean_environment, read_pids, unprivileged, wait_dead
 
 from pytest_gpuclean import __version__, cli, simulate
 from pytest_gpuclean.core import procfs
@@ -184,6 +184,28 @@ def test_a_corrupt_simulated_device_file_is_an_error_naming_it(sim: Path, name: 
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("command", ["status", "check", "reap"])
+@pytest.mark.parametrize("closed", ["directory", "device"])
+def test_a_simulated_directory_the_user_may_not_read_is_one_line(public_tmp: Path, command: str,
+                                                                 closed: str) -> None:
+    # As an unprivileged user: the devices' directory (another user's, mode 700: it may look at it but not
+    # list it) was a traceback; a device folder of mode 000 was one line from check but not from status.
+    sim = public_tmp / "sim"
+    simulate.init(str(sim), 2, 1024)
+    (sim / "1").chmod(0)
+    if closed == "directory":
+        sim.chmod(0o700)
+    result = subprocess.run(unprivileged([sys.executable, "-m", "pytest_gpuclean", command, "--simulate",
+                                          str(sim)]),
+                            cwd=public_tmp, env=clean_environment(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    why = (f"simulated device directory '{sim}' cannot be read: Permission denied" if closed == "directory"
+           else f"simulated GPU 1 ({sim}/1) unreadable: [Errno 13] Permission denied: '{sim}/1'")
+    assert result.stderr == f"gpuclean {command}: error: --simulate: {why} (from the command line)\n"
+    assert result.stdout == ""
+
+
 def test_check_waits_for_the_gpus_to_become_clean(sim: Path, holder: Callable[..., int]) -> None:
     holder("--seconds", "1", device=0)
     result = gpuclean("check", "--wait", "60")
@@ -337,6 +359,44 @@ def test_reap_json_dry_run_lists_what_it_would_end(sim: Path, holder: Callable[.
     assert alive(pid)
     nothing = json.loads(gpuclean("reap", "--json", "--devices", "0").stdout)
     assert (nothing["targets"], nothing["reaped"], nothing["left_alone"]) == ([], [], [])
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_reap_with_a_lost_gpu_ends_what_is_provably_the_jobs_and_says_which_gpu(
+        sim: Path, holder: Callable[..., int], spawn: Callable[..., subprocess.Popen[bytes]],
+        as_json: bool) -> None:
+    # The post-job hook on a runner whose GPU 0 fell off the bus: the job's processes carry its cookie (one
+    # holds GPU 0, one GPU 1, one no GPU), and this user has a process on GPU 1 without it. Ownership needs
+    # no reading of GPU 0: all four are ended. It used to print "GPU 0 ... is lost", exit 2, and end none.
+    job = {**os.environ, "GPUCLEAN_TEST": "job42:step"}
+    on_lost = holder(device=0, mib=64, env=job)
+    on_other = holder(device=1, mib=128, env=job)
+    mine = holder(device=1, mib=32)
+    sleeper = spawn(["sleep", "600"], env=job).pid
+    simulate.set_state(str(sim), 0, "lost", "fell off the bus")
+    result = gpuclean("reap", "--cookie", "job42:", "--grace", "1", *(["--json"] if as_json else []))
+    assert result.returncode == 3, result.stdout + result.stderr  # a GPU could not be read: see the lines
+    assert wait_dead([on_lost, on_other, mine, sleeper]) == []
+    gpu0 = DeviceInfo(0, simulated_uuid(sim, 0), "Simulated GPU")
+    if as_json:
+        document = json.loads(result.stdout)
+        assert document["unreadable"] == [{"device": "GPU 0", "uuid": gpu0.uuid, "lost": True,
+                                           "error": "lost: fell off the bus"}]
+        ended = sorted((r["process"]["pid"], r["found_by"], r["ended_by"]) for r in document["reaped"])
+        assert ended == sorted([(on_lost, "cookie", "SIGTERM"), (on_other, "gpu", "SIGTERM"),
+                                (mine, "gpu", "SIGTERM"), (sleeper, "cookie", "SIGTERM")])
+        assert [d["index"] for d in document["devices"]] == [1]  # as read: GPU 1 alone
+        assert [h["lost"] for h in document["health"]] == [True, False]
+        return
+    lines = result.stdout.splitlines()
+    assert "gpuclean reap: ended 4 process(es) (SIGTERM, SIGKILL after 1s):" in lines
+    assert f"  pid {on_lost} ended by SIGTERM" in result.stdout
+    assert lines[-2:] == [
+        f"gpuclean reap: could not read GPU 0 ({gpu0.uuid}): lost: fell off the bus",
+        "gpuclean reap: a process on GPU 0 was ended only if it carries the cookie 'job42:'; a GPU that "
+        "cannot be read is no GPU for the next job: exit 3, take this runner out of service (gpuclean never "
+        "resets a GPU)"]
+    assert result.stderr == ""
 
 
 def test_reap_json_is_refused_with_ray_rather_than_answered_in_text(sim: Path) -> None:

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import alive, run_inner, wait_dead
+from helpers import alive, clean_environment, run_inner, unprivileged, wait_dead
 
 from pytest_gpuclean.core.devices import simulated_uuid
 from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
-from pytest_gpuclean.simulate import init_cuda
+from pytest_gpuclean.simulate import init, init_cuda
 
 
 def test_clean_session_passes_and_shows_devices(example: Callable[..., Path],
@@ -287,6 +287,37 @@ def test_bad_option_values_are_usage_errors_naming_their_source(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert alive(bystander)  # no stray kill on the way out
+
+
+@pytest.mark.parametrize(("args", "env", "closed", "why", "source"), [
+    (["--gpuclean-simulate=sim"], {}, "directory", "simulated device directory '{sim}' cannot be read: "
+     "Permission denied", "from the command line"),
+    ([], {"GPUCLEAN_SIMULATE": "{sim}"}, "device", "simulated GPU 1 ({sim}/1) unreadable: [Errno 13] "
+     "Permission denied: '{sim}/1'", "from environment variable GPUCLEAN_SIMULATE"),
+    # A session that checks no test opens the devices to hold an explicit device list against them.
+    (["--gpuclean-simulate=sim", "--gpuclean-devices=0", "-m", "not needs_clean_gpus"], {}, "directory",
+     "simulated device directory '{sim}' cannot be read: Permission denied", "from the command line"),
+], ids=["cli-directory", "env-device", "unchecked-directory"])
+def test_a_simulated_directory_the_user_may_not_read_is_a_usage_error(
+        public_tmp: Path, args: list[str], env: dict[str, str], closed: str, why: str, source: str) -> None:
+    # As an unprivileged user: another user's directory (mode 700: it may look at it, not list it), or a
+    # device folder of mode 000, was an INTERNALERROR (a DeviceError, or a PermissionError).
+    sim = public_tmp / "sim"
+    init(str(sim), 2, 1024)
+    (sim / "1").chmod(0)
+    if closed == "directory":
+        sim.chmod(0o700)
+    (public_tmp / "test_a.py").write_text("import pytest\n\n\n@pytest.mark.needs_clean_gpus\n"
+                                          "def test_a():\n    pass\n")
+    command = unprivileged([sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider",
+                            *args, "test_a.py"])
+    environment = clean_environment(GPUCLEAN_LOCK_DIR=str(public_tmp / "locks"),
+                                    **{name: value.format(sim=sim) for name, value in env.items()})
+    result = subprocess.run(command, cwd=public_tmp, env=environment, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert "INTERNALERROR" not in result.stdout + result.stderr
+    assert result.stderr.strip() == f"ERROR: --gpuclean-simulate: {why.format(sim=sim)} ({source})"
 
 
 @pytest.mark.parametrize(("args", "env", "ini", "message"), [

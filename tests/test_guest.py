@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -284,6 +285,10 @@ def guest(pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pyt
                  "GPUCLEAN_OUTSIDE_STATE", "CUDA_VISIBLE_DEVICES", "PYTEST_XDIST_TESTRUNUID",
                  "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
         monkeypatch.delenv(name, raising=False)
+    if os.environ.get("GUEST_REAL_GPU") == "1":
+        # On a GPU box (docs/gpu.md): the plugin's runs read NVML, which opens the driver's device files and
+        # may start threads in the pytest process, neither of which simulated devices show.
+        monkeypatch.delenv("GPUCLEAN_SIMULATE")
     return Guest(pytester, monkeypatch, tmp_path)
 
 

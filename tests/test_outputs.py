@@ -3,9 +3,12 @@ GitHub annotations and the job summary; inner pytest sessions over simulated dev
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +16,7 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from helpers import alive, read_pids, run_inner, wait_dead
+from helpers import alive, clean_environment, read_pids, run_inner, unprivileged, wait_dead
 
 from pytest_gpuclean.core.devices import simulated_uuid
 from pytest_gpuclean.report import jsonreport
@@ -234,6 +237,9 @@ LONG_NAME = "x" * 300  # over NAME_MAX: its mkdir fails after reports/ was made
     ([], {"GPUCLEAN_REPORT": f"reports/{LONG_NAME}/r.json"},
      "ERROR: --gpuclean-report: cannot create directory '*/reports/xxx*': File name too long (from "
      "environment variable GPUCLEAN_REPORT)"),
+    # The report's own name too long: the first look at the path fails (was an INTERNALERROR).
+    ([f"--gpuclean-report={LONG_NAME}.json"], {},
+     "ERROR: --gpuclean-report: cannot use '*/xxx*.json': File name too long (from the command line)"),
 ])
 def test_a_bad_report_path_is_a_usage_error_at_startup(
         example: Callable[..., Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
@@ -248,6 +254,34 @@ def test_a_bad_report_path_is_a_usage_error_at_startup(
     assert (pytester.path / "afile").read_text() == ""
     assert not (pytester.path / "reports").exists()  # what it made before the failure is gone again
     assert not (pytester.path / "leak.pids").exists()  # no test ran
+
+
+@pytest.mark.parametrize(("args", "env", "ini", "path", "source"), [
+    (["--gpuclean-report=closed/r.json"], {}, "", "closed/r.json", "from the command line"),
+    ([], {"GPUCLEAN_REPORT": "closed/r.json"}, "", "closed/r.json",
+     "from environment variable GPUCLEAN_REPORT"),
+    ([], {}, "[pytest]\ngpuclean_report = closed/r.json\n", "closed/r.json",
+     "from ini option gpuclean_report in */pytest.ini"),
+    (["--gpuclean-report=closed/sub/r.json"], {}, "", "closed/sub/r.json", "from the command line"),
+], ids=["cli", "env", "ini", "cli-below"])
+def test_a_report_path_the_user_may_not_reach_is_a_usage_error(
+        public_tmp: Path, args: list[str], env: dict[str, str], ini: str, path: str, source: str) -> None:
+    # As an unprivileged user, a report under a directory it may not search (another user's home): the
+    # first look at the path is refused (EACCES), which was an INTERNALERROR of 30 lines.
+    closed = public_tmp / "closed"
+    closed.mkdir()
+    closed.chmod(0)
+    (public_tmp / "test_a.py").write_text("def test_a():\n    pass\n")
+    if ini:
+        (public_tmp / "pytest.ini").write_text(ini)
+    command = unprivileged([sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider",
+                            *args])
+    result = subprocess.run(command, cwd=public_tmp, env=clean_environment(**env), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert "INTERNALERROR" not in result.stdout + result.stderr
+    wanted = f"ERROR: --gpuclean-report: cannot use '{public_tmp / path}': Permission denied ({source})"
+    assert fnmatch.fnmatch(result.stderr.strip(), wanted), result.stderr
 
 
 # ---- JUnit -------------------------------------------------------------------------------------------

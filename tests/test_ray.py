@@ -370,9 +370,9 @@ def _node_processes(cluster: Any) -> list[Any]:
 
 
 def _end_stragglers(procs: list[Any]) -> None:
-    """End what is left of a cluster whose GCS was killed: its agents outlive the raylet for minutes
-    (RAY-FACTS.md), and the next gpuclean session on this box reaped them as this session's debris (CI saw
-    it). ``psutil.Process`` remembers each one's start time, so a reused pid is never signalled."""
+    """End what is left of a cluster whose GCS was killed: its agents outlive it for minutes, and in CI the
+    next gpuclean session on the box reaped them as this session's debris (.ci/test, stage ray).
+    ``psutil.Process`` remembers each one's start time, so a reused pid is never signalled."""
     import psutil
 
     _gone, alive = psutil.wait_procs(procs, timeout=10)

@@ -266,6 +266,16 @@ class Census:
                         f"{forkserver_name}'s fork server")
         for package in MULTIPROCESSING_PACKAGES:
             helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
+        # torch.compile keeps every worker pool it starts in one set, and shuts them all down at exit
+        # (``shutdown_compile_workers``); torch 2.13 also registers each pool's shutdown with
+        # Finalize (above), torch 2.11 does not (seen on the H200, docs/gpu.md).
+        compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
+        if compile_pools:
+            for pool in list(compile_pools):
+                how = (f"{type(pool).__module__}.{type(pool).__qualname__}, a torch.compile worker pool, "
+                       "which torch shuts down at the pytest process's exit")
+                for pid in _processes_of(pool):
+                    helpers.setdefault(pid, how)
         return helpers
 
     def _left_out(self, walked: list[tuple[int, int, int]],

@@ -15,6 +15,7 @@ import time
 import uuid as uuid_mod
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from stat import S_ISDIR
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from pytest_gpuclean.core import procfs
@@ -57,7 +58,9 @@ class DeviceLost(DeviceError):
 
 
 class SimulationError(DeviceError):
-    """A file of the simulated devices holds something no driver would report (``abc`` bytes)."""
+    """A file of the simulated devices holds something no driver would report (``abc`` bytes), or the
+    devices' directory or a device folder cannot be read when they are opened (another user's): a set-up
+    mistake, which the plugin and the command report as a bad value of the option that named them."""
 
 
 class DeviceSelectionError(ValueError):
@@ -442,7 +445,14 @@ class SimulatedBackend:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        if not self.root.is_dir():
+        try:
+            is_dir = S_ISDIR(os.stat(self.root).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            is_dir = False
+        except OSError as exc:  # a directory it may not search (another user's), a name too long
+            raise SimulationError(f"simulated device directory {str(self.root)!r} cannot be read: "
+                                  f"{exc.strerror or exc}") from None
+        if not is_dir:
             raise BackendUnavailable(f"simulated device directory {str(self.root)!r} does not exist")
         self._idle: dict[int, DeviceSnapshot] = {}
         self._settled: dict[int, tuple[str, int, int, DeviceSnapshot]] = {}
@@ -466,14 +476,24 @@ class SimulatedBackend:
         """Device index -> the watched UUIDs with that index."""
         self._devices = self._enumerate()
         for device in self._devices:
-            # A corrupt file is a set-up mistake: say so now, not in the first test. A lost device is
-            # the session's finding, at its first check.
-            with contextlib.suppress(DeviceLost):
+            # A corrupt file, or a device folder this user may not read, is a set-up mistake: say so now,
+            # not in the first test. A lost device is the session's finding, at its first check.
+            try:
                 self.snapshot(device)
+            except DeviceLost:
+                pass
+            except SimulationError:
+                raise
+            except DeviceError as exc:
+                raise SimulationError(str(exc)) from None
 
     def _enumerate(self) -> tuple[DeviceInfo, ...]:
         found: list[DeviceInfo] = []
-        indices = sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+        try:
+            indices = sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+        except OSError as exc:  # listed only by its owner (mode 700, another user's home)
+            raise SimulationError(f"simulated device directory {str(self.root)!r} cannot be read: "
+                                  f"{exc.strerror or exc}") from None
         self._folders: dict[int, str] = {}
         for index in indices:
             folder = self.root / str(index)

@@ -271,12 +271,21 @@ def _ray_session_json(found: records.SessionRecords) -> jsonreport.JsonDict:
 
 
 def _report_path(value: str, source: str, base: Path) -> Path:
-    # Checked at startup so that a typo fails in a second, not after an hour of GPU tests.
-    path = (base / Path(value).expanduser()).absolute()
-    if path.is_dir():
-        raise pytest.UsageError(f"{REPORT_OPTION}: {value!r} is a directory; give a file path ({source})")
-    if not path.parent.is_dir():
-        _make_report_dir(path.parent, source)
+    # Checked at startup so that a typo fails in a second, not after an hour of GPU tests. Every way the
+    # path can fail is the user's to fix: a directory that may not be searched (another user's home), a
+    # name too long, a loop of links; each is one line naming the option, not an INTERNALERROR.
+    try:
+        path = (base / Path(value).expanduser()).absolute()
+    except RuntimeError as exc:  # ~name of no such user, or no home directory to expand ~ to
+        raise pytest.UsageError(f"{REPORT_OPTION}: cannot use {value!r}: {exc} ({source})") from None
+    try:
+        if path.is_dir():
+            raise pytest.UsageError(f"{REPORT_OPTION}: {value!r} is a directory; give a file path ({source})")
+        if not path.parent.is_dir():
+            _make_report_dir(path.parent, source)
+    except OSError as exc:
+        raise pytest.UsageError(f"{REPORT_OPTION}: cannot use {str(path)!r}: {exc.strerror or exc} "
+                                f"({source})") from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise pytest.UsageError(
             f"{REPORT_OPTION}: directory {str(path.parent)!r} is not writable ({source})")

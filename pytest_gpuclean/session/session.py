@@ -341,7 +341,10 @@ def _xprocess_registry(config: pytest.Config) -> Registry | None:
         return None
     # Where pytest's cache provider keeps its directory (the ``cache_dir`` ini value, from the root
     # directory), and in it xprocess's (``config.cache.makedir(".xprocess")``); not made here.
-    cache_dir = os.path.expanduser(os.path.expandvars(str(config.getini("cache_dir"))))
+    try:
+        cache_dir = os.path.expanduser(os.path.expandvars(str(config.getini("cache_dir"))))
+    except ValueError:  # (-p no:cacheprovider: no such ini value, and xprocess has no records)
+        return None
     root = Path(config.rootpath, cache_dir, "d", ".xprocess")
 
     def registry() -> dict[int, tuple[str, float | None]]:

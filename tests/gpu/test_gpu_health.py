@@ -2,8 +2,10 @@
 Xid 31, which gpuclean names and blames on the test whose kernel did it (in its own process and in a child
 process), and the next test passes on the same GPU. No GPU is reset and no setting is changed here.
 
-The kernel is PTX loaded through the CUDA driver API with ctypes (no torch), as GPU-FACTS.md measured:
-``cuCtxSynchronize`` returns 700 (CUDA_ERROR_ILLEGAL_ADDRESS) in the process that launched it.
+The kernel is PTX loaded through the CUDA driver API with ctypes (no torch). Tried on the H200 (driver
+580.159.04) before this test was written: ``cuCtxSynchronize`` returns 700 (CUDA_ERROR_ILLEGAL_ADDRESS) in
+the process that launched it, and an NVML event set delivers Xid 31 within a millisecond; this test's own
+run there is docs/gpu.md run 38.
 
 "Its own test" runs the kernel in the inner pytest process itself: that process's context keeps the
 sticky error (CUDA cannot be used in it again), which is why the inner session is a process of its own
