@@ -8,7 +8,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 PEERS = Path(__file__).resolve().parent.parent / "benchmarks" / "peers"
 EXAMPLES = Path(__file__).resolve().parent / "examples"
@@ -90,3 +93,101 @@ def test_a_recorded_off_run_stands_in_and_a_difference_is_still_rerun_both_ways(
                        "--ways", "off")
     assert other.returncode == 0, other.stdout + other.stderr
     assert f"plugin-off outcomes: no reference in {reference}" in other.stdout
+
+
+# ---- any staged suite (`run_peers.py dir`), as benchmarks/peers/run_suites.sh runs third-party suites ----
+
+
+def _run_dir(tmp_path: Path, work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    suite = tmp_path / "suite"
+    if not suite.exists():
+        shutil.copytree(EXAMPLES / "peers_dir", suite)
+    env = dict(os.environ, GPUCLEAN_DEAD_SESSIONS="off")
+    return subprocess.run([sys.executable, str(PEERS / "run_peers.py"), "dir", "--suite-dir", str(suite),
+                           "--name", "stand-in", "--libs", "pytest", "--ways", "off,all", "--simulate",
+                           "--keep-work", str(work), "--out", str(work / "out.json"),
+                           "--env", "PEER_CACHE={work}/cache-{tag}/peer", *extra,
+                           "--", "tests", "--ignore=tests/test_ignored.py"],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_staged_suite_runs_both_ways_in_its_own_config_with_caches_of_its_own(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    done = _run_dir(tmp_path, work)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stand-in: 1 passed, 0 failed" in done.stdout
+    result = json.loads((work / "out.json").read_text())
+    assert result["name"] == "stand-in" and result["libs"] == {"pytest": pytest.__version__}
+    off, on = result["results"]["off"]["outcomes"], result["results"]["all"]["outcomes"]
+    # Everything after `--` went to pytest (the ignored file did not run); the names with brackets and
+    # slashes are JUnit's; each run had a cache of its own (the second way did not find the first's).
+    assert off == on == {
+        "tests.test_fixture_leak::test_uses_the_server": "passed",
+        "tests.test_suite::test_passes": "passed",
+        "tests.test_suite.TestNested::test_param[a/b]": "passed",
+        "tests.test_suite.TestNested::test_param[c[d]]": "passed",
+        "tests.test_suite::test_cache_is_this_runs_own": "passed",
+        "tests.test_suite::test_leaks_a_sleeper": "passed",
+        "tests.test_suite::test_sleeps_when_asked": "passed"}
+    assert sorted(p.name for p in work.glob("cache-*")) == ["cache-all", "cache-off"]
+    assert result["results"]["all"]["finding_records"] == [] and result["results"]["all"]["differences"] == []
+
+
+def test_a_staged_suites_leaks_are_findings_with_their_processes_and_reruns_find_the_tests(
+        tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    done = _run_dir(tmp_path, work, "--env", "PEER_LEAK=1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads((work / "out.json").read_text())
+    on = result["results"]["all"]
+    # The leaking test, and the one at whose teardown the leaking fixture ended, error under gpuclean, alone
+    # too: their node ids were found from their JUnit keys although the suite's own `-vv` changes what
+    # --collect-only prints.
+    assert (work / "all-rerun.keep").read_text().split() == [
+        "tests/test_fixture_leak.py::test_uses_the_server", "tests/test_suite.py::test_leaks_a_sleeper"]
+    assert on["differences"] == [
+        {"test": test, "off": "passed", "all": "error", "alone_off": "passed", "alone_all": "error",
+         "rerun": True, "reproduced": True}
+        for test in ("tests.test_fixture_leak::test_uses_the_server",
+                     "tests.test_suite::test_leaks_a_sleeper")]
+    # Both findings, with their processes: the fixture's too (a report's `fixtures`, not a test's outcome).
+    by_where = {f["where"]: f for f in on["finding_records"]}
+    assert sorted(by_where) == ["fixture", "test"]
+    (leaked,) = by_where["test"]["processes"]
+    assert by_where["test"]["nodeid"] == "tests/test_suite.py::test_leaks_a_sleeper"
+    assert leaked["found_by"] == "descendant" and leaked["ended_by"] == "SIGTERM"
+    assert "time.sleep(60)" in leaked["cmdline"]
+    assert by_where["fixture"]["outcome"] == ("fixture server (module-scoped, tests/test_fixture_leak.py:11) "
+                                              "leaked")
+    assert "time.sleep(61)" in by_where["fixture"]["processes"][0]["cmdline"]
+    assert any("leaked pid" in text and "found by descendant" in text for text in on["findings"])
+
+    # The one-file summary of run_suites.sh: the comparison, each difference, each finding.
+    staged = tmp_path / "staged"
+    (staged / "stand-in").mkdir(parents=True)
+    (staged / "stand-in" / "SOURCE").write_text("suite=stand-in\nversion=1.0\ntag=v1.0\n")
+    (work / "out.json").rename(tmp_path / "stand-in.json")
+    summary = subprocess.run([sys.executable, str(PEERS / "suites_summary.py"), "--work", str(tmp_path),
+                              "--staged", str(staged), "--out", str(tmp_path / "suites.json"), "stand-in"],
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 1, summary.stdout + summary.stderr
+    document = json.loads((tmp_path / "suites.json").read_text())
+    assert document["totals"] == {"tests": 7, "identical": 5, "differences": 2, "findings": 2}
+    (suite,) = document["suites"]
+    assert suite["source"]["tag"] == "v1.0" and suite["ways"]["all"]["identical"] == 5
+    assert ("stand-in: differs: tests.test_suite::test_leaks_a_sleeper: off passed, all error"
+            in summary.stdout)
+
+
+def test_a_budget_ends_each_way_in_time(tmp_path: Path) -> None:
+    # A test that hangs (120 s): with --budget 40 each way gets what is left (less 15 s for the results) and
+    # is killed then; the run ends well inside the budget and says why the comparison failed.
+    work = tmp_path / "work"
+    started = time.monotonic()
+    done = _run_dir(tmp_path, work, "--env", "PEER_SLOW=1", "--budget", "40")
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert took < 60, took
+    result = json.loads((work / "out.json").read_text())
+    assert "(--way-timeout, --budget): killed" in result["results"]["off"]["hung"]
+    assert "the plugin-off run produced no JUnit outcomes" in result["failures"][0]

@@ -5,7 +5,9 @@ the tests' names, not on the order, the machine or the Python hash seed); ``PEER
 hashes the test's name within its class (the driver's file name differs between machines),
 ``nodeid`` (the default) its node id relative to the rootdir. ``PEERS_SHARD`` unset or 1 keeps all.
 ``PEERS_KEEP_FILE=PATH`` keeps only the node ids listed in PATH (one a line): the re-run of a test whose
-outcome differed between two runs.
+outcome differed between two runs. ``PEERS_LIST_FILE=PATH`` writes each kept test's JUnit key
+(``classname::name``, as pytest's junitxml names it) and node id to PATH, a tab between them, one test a
+line: how run_peers.py finds the node id of a test it knows from JUnit XML.
 """
 
 from __future__ import annotations
@@ -14,6 +16,22 @@ import hashlib
 import os
 
 import pytest
+
+try:
+    from _pytest.junitxml import mangle_test_address
+except ImportError:  # (private: should a pytest move it, the plain form of its rule)
+    def mangle_test_address(address: str) -> list[str]:
+        path, bracket, params = address.partition("[")
+        names = path.split("::")
+        names[0] = names[0].replace("/", ".").removesuffix(".py")
+        names[-1] += bracket + params
+        return names
+
+
+def junit_key(nodeid: str) -> str:
+    """``classname::name`` of a test as pytest's JUnit XML writes it (no junit_prefix)."""
+    names = mangle_test_address(nodeid)
+    return f"{'.'.join(names[:-1])}::{names[-1]}"
 
 
 def shard_key(item: pytest.Item, key: str) -> str:
@@ -47,3 +65,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+    listing = os.environ.get("PEERS_LIST_FILE")
+    if listing:
+        with open(listing, "w", encoding="utf-8") as f:
+            f.writelines(f"{junit_key(item.nodeid)}\t{item.nodeid}\n" for item in selected)

