@@ -121,6 +121,12 @@ def _plugin_fd(item: str) -> bool:
                         item) is not None
 
 
+def _driver_fd(item: str) -> bool:
+    # With NVML open (real GPUs): the driver's device files, its thread's eventfds and pipes.
+    return _plugin_fd(item) or re.fullmatch(r"(/dev/nvidia[-\w/]*|anon_inode:\[eventfd\]|pipe:\[N\]) cloexec",
+                                            item) is not None
+
+
 def _plugin_module(name: str) -> bool:
     top = name.split(".")[0]
     return top in THIRD_PARTY or top in sys.stdlib_module_names
@@ -204,9 +210,7 @@ EXCEPTIONS: tuple[Exception_, ...] = (
                "child gets them",
                "docs/gpu.md run 64 (benchmarks/nvml_threads.py: 6 descriptors after nvmlInit, none after "
                "nvmlShutdown)",
-               modes=STARTED, fits=lambda d: REAL_GPU and _only_added(
-                   lambda item: _plugin_fd(item) or re.fullmatch(
-                       r"(/dev/nvidia[-\w/]*|anon_inode:\[eventfd\]|pipe:\[N\]) cloexec", item) is not None)(d)),
+               modes=STARTED, fits=lambda d: REAL_GPU and _only_added(_driver_fd)(d)),
     Exception_(("body.os_threads", "experiments.threads_at_fork.os_threads"),
                "real GPUs only (GUEST_REAL_GPU=1): nvmlInit starts one thread of the driver's (cuda0000...) "
                "that stays for the process's life, even after nvmlShutdown; Python 3.12 then warns at each "
