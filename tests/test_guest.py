@@ -357,7 +357,9 @@ def test_what_a_test_observes_is_as_without_the_plugin(guest: Guest, mode: str) 
         if REAL_GPU and mode in STARTED:  # (the driver's thread: EXCEPTIONS, asserted there)
             continue
         assert plugin[test]["experiments"]["threads_at_fork"] == plain[test]["experiments"]["threads_at_fork"]
-        if mode != XDIST:  # (xdist's own execnet thread is there with or without the plugin)
+        # (xdist's own execnet thread is there with or without the plugin; the H200 image's libraries start 16
+        # in every pytest process, plugin or not: docs/gpu.md run 65)
+        if mode != XDIST and not REAL_GPU:
             assert plugin[test]["experiments"]["threads_at_fork"] == {"python_threads": 1, "os_threads": 1}
         for role in ("body", *FORKED, *EXECED, "scrubbed"):
             for key in SAME_EVERYWHERE:
