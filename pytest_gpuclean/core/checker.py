@@ -273,14 +273,20 @@ class Checker:
         found = decide.of_the_sweep(census, (PREEXISTING,) if include_session else (PREEXISTING, SESSION))
         if not found or not self.reap_enabled:
             return []
+        return self._reap_unread(found, devices)
+
+    def _reap_unread(self, found: list[Found], devices: Sequence[DeviceInfo],
+                     notes: list[str] | None = None) -> list[Reaped]:
+        """Reap ``found`` at the session's edges: the devices only time the release, and one that cannot be
+        read (a GPU lost at the end) does not stop it."""
         try:
             snaps = self.snapshot(devices)
         except DeviceError:
             snaps, devices = (), ()
         try:
-            return self.reap(found, snaps, devices, [], everyone=found)
+            return self.reap(found, snaps, devices, [] if notes is None else notes, everyone=found)
         except DeviceError:
-            return self.reap(found, (), (), [], everyone=found)
+            return self.reap(found, (), (), [] if notes is None else notes, everyone=found)
 
     def end_declared_helpers(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
         """At the very end (after every ``pytest_unconfigure``): end the helpers that only
@@ -295,11 +301,7 @@ class Checker:
         self.procs.declared_helpers.clear()
         if not alive or not self.reap_enabled:
             return []
-        try:
-            snaps = self.snapshot(devices)
-        except DeviceError:
-            snaps, devices = (), ()
-        return self.reap(alive, snaps, devices, [], everyone=alive)
+        return self._reap_unread(alive, devices)
 
     def dead_session_debris(self) -> list[Found]:
         """Live processes of this user whose cookie names a gpuclean session that provably died."""
@@ -311,11 +313,7 @@ class Checker:
         if not debris or not self.reap_enabled:
             return [], []
         notes: list[str] = []
-        try:
-            snaps = self.snapshot(devices)
-        except DeviceError:
-            snaps, devices = (), ()
-        return self.reap(debris, snaps, devices, notes, everyone=debris), notes
+        return self._reap_unread(debris, devices, notes), notes
 
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
