@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -543,6 +544,27 @@ def test_pytest_xprocess_servers_are_persistent(example: Callable[..., Path], py
         pytester.runpytest_subprocess("--xkill", "-p", "no:gpuclean", timeout=INNER_TIMEOUT)
         if seen.exists():
             assert wait_dead(read_pids(seen), timeout=10) == []
+
+
+def test_an_xprocess_record_of_another_user_vouches_for_nothing(example: Callable[..., Path],
+                                                                 pytester: pytest.Pytester) -> None:
+    # A cache directory others can write to (a shared checkout): a pid file another user planted there must
+    # not make our leak persistent (its memory excused, never reaped). One of ours, beside it, does.
+    if not _installed("xprocess"):
+        pytest.skip("needs pytest-xprocess (CI: the compat venvs)")
+    if os.getuid() != 0:
+        pytest.skip("needs root, to give a file to another user")
+    pidfile = example("compat/xprocess_planted")
+    result = pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:randomly", "-rA",
+                                           timeout=INNER_TIMEOUT)
+    planted_for, ours = read_pids(pidfile, expected=2)
+    try:
+        result.assert_outcomes(passed=2, errors=1)
+        result.stdout.fnmatch_lines(["*ERROR at teardown of test_record_planted_by_another_user*"])
+        assert wait_dead([planted_for], timeout=10) == []
+        assert alive(ours)
+    finally:
+        kill_all([ours])
 
 
 def test_persistence_needs_the_very_process_a_record_names() -> None:

@@ -346,6 +346,7 @@ def _xprocess_registry(config: pytest.Config) -> Registry | None:
     except ValueError:  # (-p no:cacheprovider: no such ini value, and xprocess has no records)
         return None
     root = Path(config.rootpath, cache_dir, "d", ".xprocess")
+    uid = os.getuid()
 
     def registry() -> dict[int, tuple[str, float | None]]:
         found: dict[int, tuple[str, float | None]] = {}
@@ -353,10 +354,13 @@ def _xprocess_registry(config: pytest.Config) -> Registry | None:
             for entry in os.scandir(root):
                 pidfile = os.path.join(entry.path, "xprocess.PID")
                 try:
-                    recorded = os.stat(pidfile).st_mtime
+                    record = os.stat(pidfile)
                     pid = int(Path(pidfile).read_text().strip())
                 except (OSError, ValueError):
                     continue
+                if record.st_uid != uid:
+                    continue  # another user's file in a shared cache directory vouches for nothing of ours
+                recorded = record.st_mtime
                 found[pid] = (f"pytest-xprocess keeps {entry.name!r}", recorded)
         xprocess = getattr(config, "_xprocess", None)  # (xprocess's own attribute: its live processes)
         for resource in getattr(xprocess, "resources", None) or ():
