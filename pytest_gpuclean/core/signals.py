@@ -101,13 +101,37 @@ def quiet_interrupts(hurry: threading.Event) -> Callable[[], None]:
 
 _at_fork: list[SigtermAsInterrupt] = []
 """The installed handler whose disposition forked children get back: ``os.register_at_fork`` has no way to
-unregister, so one hook is registered once per process and looks here."""
+unregister, so the hooks are registered once per process and look here."""
+_hooked: list[bool] = []
+_fork = threading.local()
+"""Per forking thread: whether the hook before the fork blocked SIGTERM (and the hooks after unblock it)."""
 
 
 def _forked_children_restore(handler: SigtermAsInterrupt) -> None:
-    if not _at_fork:
-        os.register_at_fork(after_in_child=_restore_in_child)
+    if not _hooked:
+        os.register_at_fork(before=_block_before_fork, after_in_parent=_unblock_after_fork,
+                            after_in_child=_restore_in_child)
+        _hooked.append(True)
     _at_fork[:] = [handler]
+
+
+def _block_before_fork() -> None:
+    # A SIGTERM sent to the child before its hook below has put the default back would reach the plugin's
+    # handler there, and Python drops a signal whose handler is replaced before it runs: the child would live
+    # on (seen on CI: multiprocessing's terminate() right after start(), exitcode 0). Blocked across the
+    # fork, it stays pending in the kernel until the default is back, then ends the child as POSIX says. The
+    # test's own mask is as it was once the fork returns, in both processes.
+    if not _at_fork:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        _fork.unblock = signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def _unblock_after_fork() -> None:
+    if getattr(_fork, "unblock", False):
+        _fork.unblock = False
+        with contextlib.suppress(ValueError, OSError):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _restore_in_child() -> None:
@@ -115,6 +139,7 @@ def _restore_in_child() -> None:
         # (never raise out of an at-fork hook: CPython would print it in every child)
         with contextlib.suppress(ValueError, OSError):
             handler.restore_in_child()
+    _unblock_after_fork()
 
 
 def _die_of(signum: int) -> None:
