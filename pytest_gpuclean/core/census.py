@@ -82,6 +82,8 @@ def _torch_shm_manager() -> str | None:
 
 
 _SHM_MANAGERS: dict[str, str] = {}
+_DECLARED = "its command line matches --gpuclean-helpers"
+"""Why a helper that only ``--gpuclean-helpers`` vouches for is one (the session's end ends it)."""
 
 
 def _processes_of(owner: object) -> set[int]:
@@ -296,14 +298,14 @@ class Census:
                     helpers.setdefault(pid, how)
         return helpers
 
-    def _left_out(self, walked: list[tuple[int, int, int]],
-                  listed: AbstractSet[int]) -> tuple[dict[int, str], dict[int, str]]:
+    def _left_out(self, walked: list[tuple[int, int, int]], listed: AbstractSet[int],
+                  roots: dict[int, str]) -> tuple[dict[int, str], dict[int, str]]:
         """Of a walk of our descendants: the helpers (``helper_pids``, and the pytest process's children
         whose command line a ``helper_globs`` pattern matches) and the persistent processes
         (``persistent_globs``, ``persistent_registry``), each with its descendants, to leave out of the
         census. A helper whose tree holds GPU memory (``listed``) is judged like any process: the libraries'
-        helpers hold none, and an excuse that covered held memory would be a clean verdict beside it."""
-        roots = self.helper_pids()
+        helpers hold none, and an excuse that covered held memory would be a clean verdict beside it.
+        ``roots``: ``helper_pids()``, as the census just read it (added to here)."""
         shm_manager = _torch_shm_manager()
         if self.helper_globs or shm_manager is not None:
             for pid, depth, _parent in walked:
@@ -314,7 +316,7 @@ class Census:
                                   "tensors use, and which ends once no process uses it")
                 elif self.helper_globs and processes.matches_any(processes.command_line(pid),
                                                                  self.helper_globs):
-                    roots[pid] = "its command line matches --gpuclean-helpers"
+                    roots[pid] = _DECLARED
         persistent = self.persistent_of([pid for pid, _, _ in walked], walked=True)
         helpers = _trees(walked, roots)
         spoiled = {root for pid, root in helpers.items() if pid in listed}
@@ -355,7 +357,7 @@ class Census:
             if stat is None:
                 continue
             key = (pid, stat.start_ticks)
-            if pid in helpers and how.endswith("--gpuclean-helpers") and pid not in spoiled and (
+            if pid in helpers and how == _DECLARED and pid not in spoiled and (
                     key not in self.declared_helpers):
                 pinned = processes.pin(pid)
                 if pinned is not None:
@@ -441,7 +443,9 @@ class Census:
         seen_keys: set[tuple[int, int]] = set()
         walked = self._walk(me)
         # (the clean path walks nothing: no helper is looked for then)
-        self.helpers, self.persistent = self._left_out(walked, listed) if walked else ({}, {})
+        library = self.helper_pids() if walked or scan_cookies or dead_sessions else {}
+        self.helpers, self.persistent = (self._left_out(walked, listed, dict(library)) if walked
+                                         else ({}, {}))
         left_out = self.helpers.keys() | self.persistent.keys() if self.persistent else self.helpers
         for pid, depth, parent in walked:
             if pid in left_out:
@@ -471,8 +475,8 @@ class Census:
             seen_keys.add(entry.key)
             found.append(entry)
         if scan_cookies or dead_sessions:
-            found.extend(self._cookie_carriers(by_pid, self.helper_pids().keys() | self.helpers.keys(),
-                                               dead_sessions, seen_keys))
+            found.extend(self._cookie_carriers(by_pid, library.keys() | self.helpers.keys(), dead_sessions,
+                                               seen_keys))
         self._forget_gone(seen_keys)
         self.last = found
         return found

@@ -279,14 +279,15 @@ class Checker:
                      notes: list[str] | None = None) -> list[Reaped]:
         """Reap ``found`` at the session's edges: the devices only time the release, and one that cannot be
         read (a GPU lost at the end) does not stop it."""
+        notes = [] if notes is None else notes
         try:
             snaps = self.snapshot(devices)
         except DeviceError:
             snaps, devices = (), ()
         try:
-            return self.reap(found, snaps, devices, [] if notes is None else notes, everyone=found)
+            return self.reap(found, snaps, devices, notes, everyone=found)
         except DeviceError:
-            return self.reap(found, (), (), [] if notes is None else notes, everyone=found)
+            return self.reap(found, (), (), notes, everyone=found)
 
     def end_declared_helpers(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
         """At the very end (after every ``pytest_unconfigure``): end the helpers that only

@@ -59,8 +59,7 @@ class SigtermAsInterrupt:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:
             # A forked child that got SIGTERM before its at-fork hook ran: die of it, as without the plugin.
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            _as_before(signum, self._previous)
             return
         if not self._terminated:
             self._terminated = True
@@ -84,8 +83,7 @@ def quiet_interrupts(hurry: threading.Event) -> Callable[[], None]:
 
     def on_signal(signum: int, frame: Any) -> None:
         if os.getpid() != pid:  # (a child forked meanwhile: the signal is its own, handled as before)
-            signal.signal(signum, previous.get(signal.Signals(signum)) or signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            _as_before(signum, previous.get(signal.Signals(signum)))
             return
         hurry.set()
 
@@ -99,19 +97,27 @@ def quiet_interrupts(hurry: threading.Event) -> Callable[[], None]:
     return restore
 
 
+def _as_before(signum: int, handler: Any) -> None:
+    """In a child that inherited one of the plugin's handlers: ``signum`` handled as it was before the plugin
+    took it (``handler``; the default where none was kept), sent again."""
+    signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 _at_fork: list[SigtermAsInterrupt] = []
 """The installed handler whose disposition forked children get back: ``os.register_at_fork`` has no way to
 unregister, so the hooks are registered once per process and look here."""
-_hooked: list[bool] = []
+_hooked = False
 _fork = threading.local()
 """Per forking thread: whether the hook before the fork blocked SIGTERM (and the hooks after unblock it)."""
 
 
 def _forked_children_restore(handler: SigtermAsInterrupt) -> None:
+    global _hooked
     if not _hooked:
         os.register_at_fork(before=_block_before_fork, after_in_parent=_unblock_after_fork,
                             after_in_child=_restore_in_child)
-        _hooked.append(True)
+        _hooked = True
     _at_fork[:] = [handler]
 
 

@@ -65,7 +65,7 @@ class ItemChecks:
         self._by_locks: dict[tuple[str, ...], tuple[tuple[DeviceInfo, ...], tuple[str, ...]]] = {}
         self._warned_own_context = False
         self._warned_own_cuda = False
-        self._cache_growth: list[tuple[str, list[tuple[str, float]]]] = []
+        self._cache_growth = _CacheGrowth()
         """Tests whose in-process torch growth stayed within the floor, and by how much (a session note)."""
         hook = session.config.hook
         # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
@@ -117,7 +117,7 @@ class ItemChecks:
         record.before = result
         record.before_s = result.waited_s
         if session.checker.notices:
-            self._take_notices()
+            session.take_notices()
         self._note_own_context(result)
         if result.reaped:
             session.attribute_earlier(result.reaped, state.nodeid, result.notes)
@@ -299,7 +299,7 @@ class ItemChecks:
         record.after = mine
         record.after_s = result.waited_s
         if session.checker.notices:
-            self._take_notices()
+            session.take_notices()
         if result.siblings:
             self._record_siblings(state, result)
         self._note_torch_growth(item, state, record)
@@ -347,12 +347,6 @@ class ItemChecks:
                                      fixture_location(fixturedef, item.config.rootpath), state.nodeid,
                                      reaped, leaked, lingered))
         return leaks
-
-    def _take_notices(self) -> None:
-        notices = self.session.checker.notices
-        for line in notices:
-            self.session.found.note(line, once=True)
-        notices.clear()
 
     def _stop_if_lost(self, item: pytest.Item, result: CheckResult) -> None:
         # A lost GPU fails every later check and runs every later test on a GPU that is gone: one line,
@@ -523,25 +517,37 @@ class ItemChecks:
     def _note_cache_growth(self, nodeid: str, grown: list[tuple[str, float]], floor: int) -> None:
         # Not a finding: what torch fills once per process and keeps (cuBLAS workspaces, the autocast cache,
         # lazily made constants). One note for the session, rewritten as tests add to it, so a slow drip
-        # across many tests is still in plain sight.
-        self._cache_growth.append((nodeid, grown))
-        total: dict[str, float] = {}
-        for _, per_device in self._cache_growth:
-            for device, mib in per_device:
-                total[device] = total.get(device, 0.0) + mib
-        tests = ", ".join(f"{n} ({', '.join(f'+{m:.1f}' for _, m in g)})" for n, g in self._cache_growth[:5])
-        more = len(self._cache_growth) - 5
-        in_all = ", ".join(f"{d} +{m:.1f} MiB" for d, m in total.items())
+        # across many tests is still in plain sight. (Running totals: a session may have thousands.)
+        growth = self._cache_growth
+        growth.tests += 1
+        for device, mib in grown:
+            growth.total[device] = growth.total.get(device, 0.0) + mib
+        if len(growth.first) < 5:
+            growth.first.append(f"{nodeid} ({', '.join(f'+{m:.1f}' for _, m in grown)})")
+        more = growth.tests - len(growth.first)
+        in_all = ", ".join(f"{d} +{m:.1f} MiB" for d, m in growth.total.items())
         self.session.found.note_replacing(CACHE_GROWTH_PREFIX, (
-            f"{CACHE_GROWTH_PREFIX} {len(self._cache_growth)} test(s), within {floor} MiB per device, not "
-            f"findings ({in_all} in all: caches torch fills once per process): {tests}"
+            f"{CACHE_GROWTH_PREFIX} {growth.tests} test(s), within {floor} MiB per device, not "
+            f"findings ({in_all} in all: caches torch fills once per process): {', '.join(growth.first)}"
             + (f" and {more} more" if more > 0 else "")))
+
+
+class _CacheGrowth:
+    """The tests whose in-process torch growth stayed within the floor: how many, the growth per device in
+    all, the first few (named in the note)."""
+
+    __slots__ = ("first", "tests", "total")
+
+    def __init__(self) -> None:
+        self.tests = 0
+        self.total: dict[str, float] = {}
+        self.first: list[str] = []
 
 
 IN_PROCESS_FLOOR_MIB = 64
 """Growth of ``torch.cuda.memory_allocated`` in the pytest process up to this (or the test's tolerance, if
 larger) on each device is not a finding: torch fills caches once per process and keeps them (a cuBLAS and
-a cuBLASLt workspace per stream, the autocast weight cache, lazily made constants; docs/ownership.md)."""
+a cuBLASLt workspace per stream, the autocast weight cache, lazily made constants; README)."""
 CACHE_GROWTH_PREFIX = "gpuclean: torch memory in the pytest process grew in"
 
 
