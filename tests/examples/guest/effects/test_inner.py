@@ -22,15 +22,7 @@ def record(request, **found):
 
 def forked(body):
     """``body`` in an os.fork() child that never returns into pytest; its wait status."""
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            body()
-            status = 0
-        finally:
-            os._exit(status)
-    return os.waitpid(pid, 0)[1]
+    return os.waitpid(probe.fork(body), 0)[1]
 
 
 @pytest.mark.needs_clean_gpus

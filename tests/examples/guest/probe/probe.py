@@ -23,6 +23,7 @@ import resource
 import signal
 import sys
 import threading
+import traceback
 import warnings
 
 PR_GET_CHILD_SUBREAPER = 37
@@ -195,3 +196,18 @@ def sleeper(started):
 
 if __name__ == "__main__":
     child(sys.argv[1], int(sys.argv[2]))
+
+
+def fork(body):
+    """Run ``body`` in an os.fork() child that never returns into pytest; returns the child's pid."""
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            body()
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    return pid

@@ -24,21 +24,6 @@ def _wait_file(path, timeout=60):
         time.sleep(0.005)
 
 
-def _forked(body):
-    """Run ``body`` in an os.fork() child that never returns into pytest; returns the child's pid."""
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            body()
-            status = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(status)
-    return pid
-
-
 def _roles(base, test_pid):
     """Each child's snapshot, by role, plus what the test could do with an orphan."""
     paths = {}
@@ -53,7 +38,7 @@ def _roles(base, test_pid):
     at_fork["python_threads"] = __import__("threading").active_count()
     at_fork["os_threads"] = probe._os_threads()
     target = path("fork")
-    os.waitpid(_forked(lambda: probe.child(target, test_pid)), 0)
+    os.waitpid(probe.fork(lambda: probe.child(target, test_pid)), 0)
 
     for method in ("fork", "spawn"):
         process = multiprocessing.get_context(method).Process(target=probe.child,
@@ -82,7 +67,7 @@ def _roles(base, test_pid):
         probe.child(target, test_pid)
 
     target = path("setsid")
-    os.waitpid(_forked(setsid), 0)
+    os.waitpid(probe.fork(setsid), 0)
 
     # A double fork: the grandchild is an orphan once the middle process exits.
     grand_path = path("grandchild")
@@ -98,10 +83,10 @@ def _roles(base, test_pid):
                 time.sleep(0.002)  # until it is re-parented
             probe.child(grand_path, test_pid)
 
-        grand = _forked(grandchild)
+        grand = probe.fork(grandchild)
         os.write(ready_w, str(grand).encode())
 
-    middle_pid = _forked(middle)
+    middle_pid = probe.fork(middle)
     os.close(ready_w)
     grand = int(os.read(ready_r, 32))
     os.close(ready_r)
@@ -133,7 +118,7 @@ def _sigterm_fork(base):
                 traceback.print_exc(file=f)
             raise
 
-    pid = _forked(body)
+    pid = probe.fork(body)
     os.read(ready_r, 1)
     time.sleep(0.05)  # into its sleep
     os.kill(pid, signal.SIGTERM)
