@@ -46,9 +46,9 @@ import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 from _checked import checked_test, health_watch
 
-from pytest_gpuclean.core import devices as devices_mod
-from pytest_gpuclean.core.checker import Checker
-from pytest_gpuclean.core.locks import GpuLocks
+from pytest_gpuclean.core.checking.checker import Checker
+from pytest_gpuclean.core.locks.locks import GpuLocks
+from pytest_gpuclean.core.reading import devices as devices_mod
 from pytest_gpuclean.model.records import DeviceInfo
 
 SHELL_FULL = ("ps aux | grep python3 | grep -v grep; "

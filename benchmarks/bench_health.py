@@ -32,10 +32,10 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
-from pytest_gpuclean.core import devices as devices_mod
-from pytest_gpuclean.core import probe
-from pytest_gpuclean.core.checker import Checker
-from pytest_gpuclean.core.health import HealthWatch
+from pytest_gpuclean.core.checking.checker import Checker
+from pytest_gpuclean.core.reading import devices as devices_mod
+from pytest_gpuclean.core.reading import probe
+from pytest_gpuclean.core.reading.health import HealthWatch
 from pytest_gpuclean.model.records import DeviceInfo
 
 

@@ -39,10 +39,10 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
-from pytest_gpuclean.core import processes, procfs
-from pytest_gpuclean.core.checker import Checker
-from pytest_gpuclean.core.cookie import COOKIE_VAR
-from pytest_gpuclean.core.devices import SimulatedBackend
+from pytest_gpuclean.core.checking.checker import Checker
+from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
+from pytest_gpuclean.core.reading import processes, procfs
+from pytest_gpuclean.core.reading.devices import SimulatedBackend
 from pytest_gpuclean.model.records import Owner
 
 DEVICES = 8

@@ -57,10 +57,10 @@ sys.path.insert(1, os.path.dirname(HERE))
 import _common  # noqa: E402
 import _layers_compat  # noqa: E402, F401  # (a tree from before the layers: issue 29)
 
-from pytest_gpuclean.core import devices as devices_mod  # noqa: E402
-from pytest_gpuclean.core import processes  # noqa: E402
-from pytest_gpuclean.core.checker import Checker  # noqa: E402
-from pytest_gpuclean.core.cookie import COOKIE_VAR  # noqa: E402
+from pytest_gpuclean.core.checking.checker import Checker  # noqa: E402
+from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR  # noqa: E402
+from pytest_gpuclean.core.reading import devices as devices_mod  # noqa: E402
+from pytest_gpuclean.core.reading import processes  # noqa: E402
 from pytest_gpuclean.model.records import MIB, DeviceInfo, Owner  # noqa: E402
 
 HOLDER = r"""

@@ -348,8 +348,8 @@ def import_cost(env: dict[str, str], cwd: str, runs: int = 21) -> dict[str, floa
 
 def per_check(rounds: int, sleepers: int) -> dict[str, Any]:
     """Median cost of one clean ``Checker.check`` on 8 simulated devices, by situation."""
-    from pytest_gpuclean.core import devices as devices_mod
-    from pytest_gpuclean.core.checker import Checker
+    from pytest_gpuclean.core.checking.checker import Checker
+    from pytest_gpuclean.core.reading import devices as devices_mod
 
     tmp = tempfile.mkdtemp(prefix="gpuclean-check-")
     backend = devices_mod.SimulatedBackend(make_sim(os.path.join(tmp, "sim"), DEVICES))

@@ -30,14 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_session import make_sim, write_suite
 
 STEPS = {
-    "the two checks (Checker.check)": ("pytest_gpuclean.core.checker", "Checker", "check"),
-    "taking the GPU locks (GpuLocks.acquire)": ("pytest_gpuclean.core.locks", "GpuLocks", "acquire"),
-    "keeping them for the next test (HeldLocks.park)": ("pytest_gpuclean.core.locks", "HeldLocks", "park"),
-    "letting them go (HeldLocks.release)": ("pytest_gpuclean.core.locks", "HeldLocks", "release"),
+    "the two checks (Checker.check)": ("pytest_gpuclean.core.checking.checker", "Checker", "check"),
+    "taking the GPU locks (GpuLocks.acquire)": ("pytest_gpuclean.core.locks.locks", "GpuLocks", "acquire"),
+    "keeping them for the next test (HeldLocks.park)": ("pytest_gpuclean.core.locks.locks", "HeldLocks",
+                                                        "park"),
+    "letting them go (HeldLocks.release)": ("pytest_gpuclean.core.locks.locks", "HeldLocks", "release"),
     "the health watch (ItemChecks._health_before/_after)": ("pytest_gpuclean.session.testcheck", "ItemChecks",
                                                             "_health_before", "_health_after"),
-    "ownership windows (Ownership.open_window/close_window)": ("pytest_gpuclean.core.ownership", "Ownership",
-                                                               "open_window", "close_window"),
+    "ownership windows (Ownership.open_window/close_window)": ("pytest_gpuclean.core.ownership.evidence",
+                                                               "Ownership", "open_window", "close_window"),
     "the test's cookie in the environment (set_owner_env)": ("pytest_gpuclean.session.session",
                                                              "CheckedSession", "set_owner_env"),
 }

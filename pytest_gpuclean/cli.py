@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from pytest_gpuclean import __version__
-from pytest_gpuclean.core import devices, processes, procfs, reap_plan, settings
-from pytest_gpuclean.core.checker import Checker
-from pytest_gpuclean.core.decide import mib_of
-from pytest_gpuclean.core.ownership import COOKIE_VAR
-from pytest_gpuclean.core.reaping import reaped_record
+from pytest_gpuclean.core.acting.reaping import reaped_record
+from pytest_gpuclean.core.checking.checker import Checker
+from pytest_gpuclean.core.deciding import reap_plan
+from pytest_gpuclean.core.deciding.decide import mib_of
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.ownership.evidence import COOKIE_VAR
+from pytest_gpuclean.core.reading import devices, processes, procfs
 from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
@@ -214,7 +216,7 @@ class _Health:
 def _read_health(found: _Devices, chosen: Sequence[DeviceInfo] | None = None) -> list[_Health]:
     """Each chosen device's health (the slow NVML reads: milliseconds per GPU, nothing for a command); of
     ``chosen`` where given."""
-    from pytest_gpuclean.core.health import device_problems
+    from pytest_gpuclean.core.reading.health import device_problems
 
     source = found.backend
     if not isinstance(source, devices.HealthSource):

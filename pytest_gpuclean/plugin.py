@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
-from pytest_gpuclean.core import procfs, settings
-from pytest_gpuclean.core.cookie import (
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.ownership.cookie import (
     COOKIE_VAR,
     OWNER_VAR,
     SESSION_NAME,
@@ -32,6 +32,7 @@ from pytest_gpuclean.core.cookie import (
     new_session_id,
     restore_env,
 )
+from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.session.names import FIXTURE as FIXTURE
 from pytest_gpuclean.session.names import FORKED_REPORT_ATTR as FORKED_REPORT_ATTR
 from pytest_gpuclean.session.names import FORKING_PLUGINS as FORKING_PLUGINS
@@ -42,7 +43,7 @@ from pytest_gpuclean.session.names import ExportedCookie as ExportedCookie
 from pytest_gpuclean.session.names import GpuCleanWarning as GpuCleanWarning
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.signals import SigtermAsInterrupt
+    from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
     from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
     from pytest_gpuclean.session.session import CheckedSession
     from pytest_gpuclean.session.started import ItemState, Started
@@ -209,7 +210,7 @@ def check_device_list(config: pytest.Config, resolved: settings.Settings) -> Non
     its controller, which checked the list when it started."""
     if not resolved.explicit("devices") or hasattr(config, "workerinput"):
         return
-    from pytest_gpuclean.core import devices
+    from pytest_gpuclean.core.reading import devices
     from pytest_gpuclean.session.opening import open_devices, select_devices
 
     try:
@@ -254,7 +255,7 @@ class GpuCleanPlugin:
         lock directory."""
         if self.session is not None:
             return
-        from pytest_gpuclean.core import devices
+        from pytest_gpuclean.core.reading import devices
 
         # NVML starts first, in a thread, while the checking code is imported (devices.NvmlOpening).
         opening = None if self.settings.simulate else devices.NvmlOpening()
@@ -284,7 +285,7 @@ class GpuCleanPlugin:
 
     def _install_sigterm(self) -> None:
         if self._sigterm is None:
-            from pytest_gpuclean.core.signals import SigtermAsInterrupt
+            from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
 
             self._sigterm = SigtermAsInterrupt()
         self._sigterm.install()

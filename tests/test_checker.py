@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import exec_done
 
-from pytest_gpuclean.core.checker import Checker, _Check
+from pytest_gpuclean.core.checking.checker import Checker, _Check
 from pytest_gpuclean.model.records import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
@@ -235,7 +235,7 @@ def test_outside_memory_is_the_same_within_the_slack_or_the_tolerance(
 
 def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBackend,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuclean.core import checker as checker_module
+    from pytest_gpuclean.core.checking import checker as checker_module
 
     stranger = absent_pid()
     backend.set(GPU0, 512, (stranger, 512))
@@ -275,7 +275,7 @@ class FakeClock:
 
 def test_a_check_with_a_longer_timeout_waits_the_difference(backend: FakeBackend,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuclean.core import checker as checker_module
+    from pytest_gpuclean.core.checking import checker as checker_module
 
     clock = FakeClock()
     monkeypatch.setattr(checker_module, "time", clock)

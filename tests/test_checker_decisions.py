@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_gpuclean.core import decide
-from pytest_gpuclean.core.census import Found, is_peer, sibling_claim
-from pytest_gpuclean.core.outside import OutsideState, known_outside, outside_of
-from pytest_gpuclean.core.ownership import (
+from pytest_gpuclean.core.deciding import decide
+from pytest_gpuclean.core.deciding.outside import OutsideState, known_outside, outside_of
+from pytest_gpuclean.core.ownership.census import Found, is_peer, sibling_claim
+from pytest_gpuclean.core.ownership.evidence import (
     PREEXISTING,
     SESSION,
     Ownership,

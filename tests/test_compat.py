@@ -26,7 +26,7 @@ import psutil
 import pytest
 from helpers import INNER_TIMEOUT, alive, kill_all, read_pids, reap_orphans, run_inner, wait_dead
 
-from pytest_gpuclean.core.checker import Checker
+from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.report.report import LEAK_PREFIX
 
 PYTEST_VERSION = tuple(int(part) for part in pytest.__version__.split(".")[:2])

@@ -37,9 +37,11 @@ def test_a_session_that_checks_nothing_does_nothing(sim: Path, pytester: pytest.
     assert state["subreaper"] == 0
     # No psutil, no NVML bindings, none of the checking code: only what validates the options and
     # exports the cookie.
-    assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
-                                "pytest_gpuclean.core.procfs", "pytest_gpuclean.core.settings",
-                                "pytest_gpuclean.plugin", "pytest_gpuclean.session",
+    assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.options",
+                                "pytest_gpuclean.core.options.settings", "pytest_gpuclean.core.ownership",
+                                "pytest_gpuclean.core.ownership.cookie", "pytest_gpuclean.core.reading",
+                                "pytest_gpuclean.core.reading.procfs", "pytest_gpuclean.plugin",
+                                "pytest_gpuclean.session",
                                 "pytest_gpuclean.session.names"]
     assert state["cookie"].endswith(":session")
     if not args:
@@ -63,9 +65,11 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     result.assert_outcomes(passed=2)
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 0
-    assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.cookie",
-                                "pytest_gpuclean.core.device_list", "pytest_gpuclean.core.devices",
-                                "pytest_gpuclean.core.procfs", "pytest_gpuclean.core.settings",
+    assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.options",
+                                "pytest_gpuclean.core.options.device_list",
+                                "pytest_gpuclean.core.options.settings", "pytest_gpuclean.core.ownership",
+                                "pytest_gpuclean.core.ownership.cookie", "pytest_gpuclean.core.reading",
+                                "pytest_gpuclean.core.reading.devices", "pytest_gpuclean.core.reading.procfs",
                                 "pytest_gpuclean.model", "pytest_gpuclean.model.records",
                                 "pytest_gpuclean.plugin", "pytest_gpuclean.session",
                                 "pytest_gpuclean.session.names", "pytest_gpuclean.session.opening"]
@@ -88,7 +92,7 @@ def test_the_default_lock_directory_is_found_when_first_read() -> None:
     script = """
 import os, tempfile
 import pytest_gpuclean.plugin
-from pytest_gpuclean.core import settings
+from pytest_gpuclean.core.options import settings
 resolved = settings.Settings()
 assert tempfile.tempdir is None, "the temporary directory was looked up on import"
 assert resolved.lock_dir == os.path.join(tempfile.gettempdir(), "gpuclean-locks")
@@ -109,7 +113,7 @@ def test_a_collected_checked_test_starts_the_session(example: Callable[..., Path
     result.assert_outcomes(passed=3)
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 1
-    assert "pytest_gpuclean.core.checker" in state["modules"]
+    assert "pytest_gpuclean.core.checking.checker" in state["modules"]
     # The subreaper is set through _ctypes (processes._prctl says why): ctypes itself stays unloaded.
     assert not state["ctypes_loaded"]
     # pytest rewrote this conftest's asserts, but none of the package's modules (at most its __init__,
@@ -257,7 +261,7 @@ def test_a_walk_of_an_empty_lone_process_reads_only_the_last_pid_until_one_is_al
     # The clean path's usual walk: one thread, nothing under it. After a full look, the next walk reads
     # ns_last_pid alone while no pid was allocated; the first pid allocated after it (here: the process
     # forks) makes it look again, and the child is found, from whichever thread it was forked.
-    from pytest_gpuclean.core import procfs
+    from pytest_gpuclean.core.reading import procfs
 
     if procfs.last_pid() is None:
         pytest.skip("the kernel does not say the last pid here")
@@ -300,7 +304,7 @@ def test_a_walk_of_an_empty_lone_process_reads_only_the_last_pid_until_one_is_al
 def test_the_walk_finds_children_of_a_lone_thread_and_of_each_thread() -> None:
     # One thread: its children file is read without listing the task folder (its link count says one thread,
     # and that thread is the process's own pid); several: each thread's file.
-    from pytest_gpuclean.core import procfs
+    from pytest_gpuclean.core.reading import procfs
 
     forker = subprocess.Popen([sys.executable, "-c", _FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)

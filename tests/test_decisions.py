@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpuclean.core.reap_plan import Candidate
-from pytest_gpuclean.core.reap_plan import plan as plan_reap
+from pytest_gpuclean.core.deciding.reap_plan import Candidate
+from pytest_gpuclean.core.deciding.reap_plan import plan as plan_reap
 from pytest_gpuclean.model.decisions import (
     ALL_KINDS,
     has_findings,
@@ -374,7 +374,7 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
     check is an ordinary ``CheckResult`` whose JSON the schema takes."""
     import jsonschema
 
-    from pytest_gpuclean.core.ownership import Ownership
+    from pytest_gpuclean.core.ownership.evidence import Ownership
     from pytest_gpuclean.ray import cluster as ray_cluster
 
     def no_answer(*args: object, **kwargs: object) -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from helpers import run_inner
 
-from pytest_gpuclean.core import procfs
-from pytest_gpuclean.core.device_list import parse_device_list, repeated_tokens
-from pytest_gpuclean.core.devices import (
+from pytest_gpuclean.core.options.device_list import parse_device_list, repeated_tokens
+from pytest_gpuclean.core.reading import procfs
+from pytest_gpuclean.core.reading.devices import (
     DEFAULT_SIM_TOTAL,
     BackendUnavailable,
     DeviceError,

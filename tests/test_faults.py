@@ -27,8 +27,8 @@ from helpers import (
     wait_for_file,
 )
 
-from pytest_gpuclean.core import processes, procfs
-from pytest_gpuclean.core.devices import simulated_uuid
+from pytest_gpuclean.core.reading import processes, procfs
+from pytest_gpuclean.core.reading.devices import simulated_uuid
 from pytest_gpuclean.report.report import LEAK_PREFIX
 
 # ---- it must not kill what a fixture, a conftest or the session set-up owns -----------------------

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuclean import simulate
-from pytest_gpuclean.core import devices
-from pytest_gpuclean.core.health import HealthWatch, xid_meaning
+from pytest_gpuclean.core.reading import devices
+from pytest_gpuclean.core.reading.health import HealthWatch, xid_meaning
 
 
 def run(pytester: pytest.Pytester, suite: str, *args: str) -> tuple[pytest.RunResult, dict[str, dict]]:

@@ -27,11 +27,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_gpuclean.__main__",),  # python -m pytest_gpuclean: the gpuclean command
 )
 
-CHECK_FLOW: tuple[tuple[str, ...], ...] = (
-    # Inside the core, the check's own order (bottom first; one row's modules independent, as in LAYERS):
-    ("pytest_gpuclean.core.decide",),  # the decisions over plain data: no reading, no signal
-    ("pytest_gpuclean.core.census", "pytest_gpuclean.core.reaping"),  # the processes read; the reap ladder
-    ("pytest_gpuclean.core.checker",),  # one check: readings -> decisions -> reaping -> verdict
+STAGES: tuple[tuple[str, ...], ...] = (
+    # Inside the core, a check's stages (bottom first; one row's stages independent, as in LAYERS). A
+    # check observes (reading, ownership), decides (pure functions over what was read) and then acts.
+    ("pytest_gpuclean.core.options",  # the settings and a device list's syntax
+     "pytest_gpuclean.core.deciding"),  # decisions over plain data: no reading, no signal, no core import
+    ("pytest_gpuclean.core.reading",),  # /proc, psutil, the GPUs (NVML or simulated), their health
+    ("pytest_gpuclean.core.ownership",  # whose a process is: the cookie, ownership windows, the census
+     "pytest_gpuclean.core.acting",  # signals, the reap ladder, pools: what changes the machine
+     "pytest_gpuclean.core.locks"),  # cross-process GPU locks
+    ("pytest_gpuclean.core.checking",),  # one check: observe -> decide -> act; what lasts between checks
 )
 
 
@@ -74,25 +79,40 @@ def _imports(name: str, path: Path) -> set[str]:
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
-def _layer(module: str) -> tuple[int, str]:
-    """(row, layer) of ``module``: the longest layer name that contains it."""
+def _layer(module: str, rows: tuple[tuple[str, ...], ...] = LAYERS) -> tuple[int, str]:
+    """(row, layer) of ``module``: the longest layer name of ``rows`` that contains it."""
     best: tuple[int, str] | None = None
-    for row, layers in enumerate(LAYERS):
+    for row, layers in enumerate(rows):
         for layer in layers:
             inside = module == layer or module.startswith(layer + ".")
             if inside and (best is None or len(layer) > len(best[1])):
                 best = (row, layer)
-    assert best is not None, f"{module} is on no layer: place it in tests/test_layers.py's LAYERS"
+    assert best is not None, f"{module} is on no layer: place it in tests/test_layers.py's {_name(rows)}"
     return best
 
 
-def layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Each import that runs up a layer, or sideways into an independent one."""
+def _name(rows: tuple[tuple[str, ...], ...]) -> str:
+    return "LAYERS" if rows is LAYERS else "STAGES"
+
+
+def _in_core(module: str) -> bool:
+    return module.startswith("pytest_gpuclean.core.")
+
+
+def layer_violations(graph: dict[str, set[str]],
+                     rows: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """Each import that runs up a layer (of ``rows``: the package's, or the core's stages), or sideways into
+    an independent one."""
     wrong = []
+    stages = rows is not LAYERS
     for module, targets in sorted(graph.items()):
-        row, layer = _layer(module)
+        if stages and not _in_core(module):
+            continue
+        row, layer = _layer(module, rows)
         for target in sorted(targets):
-            target_row, target_layer = _layer(target)
+            if stages and not _in_core(target):
+                continue
+            target_row, target_layer = _layer(target, rows)
             if target_layer != layer and target_row >= row:
                 wrong.append(f"{module} ({layer}) imports {target} ({target_layer}): "
                              + ("a higher layer" if target_row > row else "an independent layer"))
@@ -188,20 +208,21 @@ def test_the_contract_catches_what_it_is_for() -> None:
     def new(graph: dict[str, set[str]]) -> set[str]:
         return set(layer_violations(graph)) - set(layer_violations(GRAPH))
 
-    assert new(added("pytest_gpuclean.core.procfs", "pytest_gpuclean.session.names")) == {
-        "pytest_gpuclean.core.procfs (pytest_gpuclean.core) imports pytest_gpuclean.session.names "
+    assert new(added("pytest_gpuclean.core.reading.procfs", "pytest_gpuclean.session.names")) == {
+        "pytest_gpuclean.core.reading.procfs (pytest_gpuclean.core) imports pytest_gpuclean.session.names "
         "(pytest_gpuclean.session): a higher layer"}
-    assert new(added("pytest_gpuclean.report.records", "pytest_gpuclean.core.checker")) == {
-        "pytest_gpuclean.report.records (pytest_gpuclean.report) imports pytest_gpuclean.core.checker "
+    checker, procfs = "pytest_gpuclean.core.checking.checker", "pytest_gpuclean.core.reading.procfs"
+    assert new(added("pytest_gpuclean.report.records", checker)) == {
+        f"pytest_gpuclean.report.records (pytest_gpuclean.report) imports {checker} "
         "(pytest_gpuclean.core): an independent layer"}
-    loop = circles(added("pytest_gpuclean.core.procfs", "pytest_gpuclean.core.checker"))
-    assert any({"pytest_gpuclean.core.checker", "pytest_gpuclean.core.procfs"} <= set(c) for c in loop)
+    loop = circles(added(procfs, checker))
+    assert any({checker, procfs} <= set(c) for c in loop)
     # And a floor too many: the protocols of a started session naming the checker itself again.
     assert longest_chain({"a": {"b", "d"}, "b": {"c"}, "c": set(), "d": set()}) == ["a", "b", "c"]
-    taller = longest_chain(added("pytest_gpuclean.session.started", "pytest_gpuclean.core.checker"))
+    taller = longest_chain(added("pytest_gpuclean.session.started", "pytest_gpuclean.core.checking.checker"))
     assert len(taller) > MAX_FLOORS
     started = taller.index("pytest_gpuclean.session.started")
-    assert taller[started + 1] == "pytest_gpuclean.core.checker", taller
+    assert taller[started + 1] == "pytest_gpuclean.core.checking.checker", taller
 
 
 def test_imports_are_read_where_they_hide() -> None:
@@ -210,14 +231,34 @@ def test_imports_are_read_where_they_hide() -> None:
     # ... one under TYPE_CHECKING (the plugin names the records in annotations only) ...
     assert "pytest_gpuclean.model.records" in GRAPH["pytest_gpuclean.plugin"]
     # ... and ``from pkg import mod`` names the module, not its package.
-    assert "pytest_gpuclean.core.devices" in GRAPH["pytest_gpuclean.session.session"]
+    assert "pytest_gpuclean.core.reading.devices" in GRAPH["pytest_gpuclean.session.session"]
 
 
-def test_the_check_flows_one_way() -> None:
-    row_of = {module: row for row, modules in enumerate(CHECK_FLOW) for module in modules}
-    wrong = [f"{module} imports {target}" for module, row in row_of.items()
-             for target in sorted(GRAPH[module]) if row_of.get(target, -1) >= row and target != module]
-    assert wrong == []
+def test_every_core_module_is_in_a_stage() -> None:
+    # The core's own package holds only the stages: a module straight under core/ is on no stage.
+    for module in MODULES:
+        if _in_core(module):
+            _layer(module, STAGES)
+
+
+def test_the_check_flows_one_way_through_the_stages() -> None:
+    assert layer_violations(GRAPH, STAGES) == []
     # The decisions need no reading: they import nothing of the core.
-    core = [t for t in GRAPH["pytest_gpuclean.core.decide"] if t.startswith("pytest_gpuclean.core.")]
+    core = [t for m in MODULES if m.startswith("pytest_gpuclean.core.deciding")
+            for t in GRAPH[m] if _in_core(t)]
     assert core == []
+
+
+def test_the_stages_catch_what_they_are_for() -> None:
+    def new(module: str, target: str) -> set[str]:
+        graph = {**GRAPH, module: GRAPH[module] | {target}}
+        return set(layer_violations(graph, STAGES)) - set(layer_violations(GRAPH, STAGES))
+
+    # Reading reaching up into the check; a decision reading /proc; acting and ownership beside each other.
+    assert new("pytest_gpuclean.core.reading.procfs", "pytest_gpuclean.core.checking.checker") == {
+        "pytest_gpuclean.core.reading.procfs (pytest_gpuclean.core.reading) imports "
+        "pytest_gpuclean.core.checking.checker (pytest_gpuclean.core.checking): a higher layer"}
+    assert new("pytest_gpuclean.core.deciding.decide", "pytest_gpuclean.core.reading.procfs") == {
+        "pytest_gpuclean.core.deciding.decide (pytest_gpuclean.core.deciding) imports "
+        "pytest_gpuclean.core.reading.procfs (pytest_gpuclean.core.reading): a higher layer"}
+    assert len(new("pytest_gpuclean.core.acting.reaping", "pytest_gpuclean.core.ownership.census")) == 1

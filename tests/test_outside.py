@@ -354,7 +354,7 @@ def _running(cookie: str) -> Iterator[int]:
 def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
     # What a sibling worker's test started carries the controller's cookie extended by that worker's
     # session: the run's, not outside the session (its own worker accounts for it).
-    from pytest_gpuclean.core.checker import Checker
+    from pytest_gpuclean.core.checking.checker import Checker
 
     worker = Checker(None, xdist_run="run1", peer_cookie="gc.1.2.3.aa:session")
     alone = Checker(None)
@@ -369,7 +369,7 @@ def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
 
 
 def test_the_shared_memory_of_an_xdist_run_round_trips_and_shrugs_off_a_bad_file(tmp_path: Path) -> None:
-    from pytest_gpuclean.core.outside import OutsideMemory, OutsideState
+    from pytest_gpuclean.core.deciding.outside import OutsideMemory, OutsideState
 
     path = tmp_path / "outside.json"
     one, other = OutsideMemory(str(path)), OutsideMemory(str(path))  # two workers

@@ -108,7 +108,7 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     # was killed by its own finalizer, with ray.kill, which only asks the actor's node to end it: on a busy
     # box (CI, four stages at once) the session may end first, so its memory is given a while to go (a
     # process that stayed would hold it for ever).
-    from pytest_gpuclean.core.devices import SimulatedBackend
+    from pytest_gpuclean.core.reading.devices import SimulatedBackend
 
     for node_dir in ray_cluster["dirs"].values():
         backend = SimulatedBackend(node_dir)
@@ -516,8 +516,8 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
     # Windows are read in clock ticks, truncated; the control store's start times in milliseconds. An
     # actor a fixture waits for before it returns (its start time comes a few ms before the first call
     # returns) often starts in the fixture's last tick, after its truncated end: still the fixture's.
-    from pytest_gpuclean.core import procfs
-    from pytest_gpuclean.core.ownership import Ownership, Window
+    from pytest_gpuclean.core.ownership.evidence import Ownership, Window
+    from pytest_gpuclean.core.reading import procfs
     from pytest_gpuclean.model.records import Owner
     from pytest_gpuclean.ray.cluster import RayCheck
 

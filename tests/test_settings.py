@@ -14,8 +14,8 @@ from typing import Any, get_args
 import pytest
 from helpers import run_inner
 
-from pytest_gpuclean.core import settings
-from pytest_gpuclean.core.settings import (
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.options.settings import (
     OPTIONS,
     SettingError,
     Settings,

@@ -33,8 +33,8 @@ from helpers import (
     wait_for_file,
 )
 
-from pytest_gpuclean.core.devices import SimulatedBackend
-from pytest_gpuclean.core.locks import HELD_VAR, GpuLocks, LockTimeout
+from pytest_gpuclean.core.locks.locks import HELD_VAR, GpuLocks, LockTimeout
+from pytest_gpuclean.core.reading.devices import SimulatedBackend
 from pytest_gpuclean.report import jsonreport
 from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 
@@ -699,7 +699,7 @@ def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.M
     assert interruption.tb is not None
     # Another process can have GPU-a at once (the one that took it was interrupted).
     other = subprocess.run([sys.executable, "-c", "import sys; "
-                            "from pytest_gpuclean.core.locks import GpuLocks; "
+                            "from pytest_gpuclean.core.locks.locks import GpuLocks; "
                             "GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'next::test')", locks.directory],
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 0, other.stderr
@@ -713,7 +713,7 @@ def test_lock_file_deleted_by_hand_is_not_trusted(tmp_path: Path) -> None:
     os.unlink(locks.lock_path("GPU-a"))
     ready = tmp_path / "ready"
     other = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from pytest_gpuclean.core.locks import GpuLocks; "
+        "import sys, time; from pathlib import Path; from pytest_gpuclean.core.locks.locks import GpuLocks; "
         "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 5, 'other::test'); "
         "Path(sys.argv[2]).write_text('x'); time.sleep(60)"), locks.directory, str(ready)])
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import read_pids
 
-from pytest_gpuclean.core.devices import DEFAULT_SIM_TOTAL, SimulatedBackend
+from pytest_gpuclean.core.reading.devices import DEFAULT_SIM_TOTAL, SimulatedBackend
 from pytest_gpuclean.simulate import MIB, allocate
 
 PROG = "python -m pytest_gpuclean.simulate init"

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean.core import procfs
-from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
+from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
+from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.decisions import ALL_KINDS, split_own
 from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
 from pytest_gpuclean.report import report
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.settings import Settings
+    from pytest_gpuclean.core.options.settings import Settings
     from pytest_gpuclean.session.started import CheckerView, ItemState, Started
 
 PLUGIN_NAME = "gpuclean-ray"

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from pytest_gpuclean import __version__
-from pytest_gpuclean.core import reap_plan, settings
-from pytest_gpuclean.core.ownership import Ownership
+from pytest_gpuclean.core.deciding import reap_plan
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.ownership.evidence import Ownership
 from pytest_gpuclean.model.records import MIB, CheckResult, ClusterReading, NodeReading, Offender, ProcessInfo
 from pytest_gpuclean.ray import cluster
 from pytest_gpuclean.report import jsonreport, report

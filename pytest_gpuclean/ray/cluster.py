@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast, get_args
 
-from pytest_gpuclean.core import procfs, settings
-from pytest_gpuclean.core.ownership import SESSION, Ownership
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.ownership.evidence import SESSION, Ownership
+from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
@@ -161,7 +162,7 @@ def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Seque
     ``actor_pids`` the workers the control store names for the watched jobs' actors on this node: a worker
     Ray started before the job asked for it has no ``RAY_JOB_ID`` in its environment.
     """
-    from pytest_gpuclean.core import devices, processes
+    from pytest_gpuclean.core.reading import devices, processes
 
     raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
     node_id = _node_id()
@@ -214,7 +215,7 @@ def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | No
     numbers the node's ``GPU`` resource from the first device on, and a node with no ``GPU`` resource
     owns none.
     """
-    from pytest_gpuclean.core import devices
+    from pytest_gpuclean.core.reading import devices
 
     visible = procfs.read_environ_vars(raylet_pid, ("CUDA_VISIBLE_DEVICES",)).get("CUDA_VISIBLE_DEVICES") \
         if raylet_pid > 0 else None
@@ -241,7 +242,7 @@ def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Seque
     task's own ancestors (its worker's raylet, the process that started the node). An actor is killed
     only if its name still resolves to the same actor id.
     """
-    from pytest_gpuclean.core import devices, processes
+    from pytest_gpuclean.core.reading import devices, processes
 
     begun = time.monotonic()
     uid = os.getuid()

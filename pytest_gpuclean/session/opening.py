@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_gpuclean.core import devices, settings
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.reading import devices
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.devices import Backend, NvmlOpening, Selection
+    from pytest_gpuclean.core.reading.devices import Backend, NvmlOpening, Selection
 
 
 def open_devices(resolved: settings.Settings, opening: NvmlOpening | None = None) -> Backend:

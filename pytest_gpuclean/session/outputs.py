@@ -23,8 +23,8 @@ from pytest_gpuclean.model.records import DeviceInfo, FixtureLeak, Reaped, TestR
 from pytest_gpuclean.report import records, report
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.devices import Backend
-    from pytest_gpuclean.core.settings import Settings
+    from pytest_gpuclean.core.options.settings import Settings
+    from pytest_gpuclean.core.reading.devices import Backend
     from pytest_gpuclean.report import jsonreport
 
 TITLE_LEAK = "GPU leak"

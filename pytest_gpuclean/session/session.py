@@ -19,14 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean.core import devices, processes, settings
-from pytest_gpuclean.core.census import Registry
-from pytest_gpuclean.core.checker import Checker
-from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, WORKERS_SINCE_VAR, restore_env
-from pytest_gpuclean.core.locks import GpuLocks
-from pytest_gpuclean.core.outside import STATE_VAR, OutsideMemory
-from pytest_gpuclean.core.ownership import SESSION_OWNER
-from pytest_gpuclean.core.signals import quiet_interrupts
+from pytest_gpuclean.core.acting.signals import quiet_interrupts
+from pytest_gpuclean.core.checking.checker import Checker
+from pytest_gpuclean.core.deciding.outside import STATE_VAR, OutsideMemory
+from pytest_gpuclean.core.locks.locks import GpuLocks
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.ownership.census import Registry
+from pytest_gpuclean.core.ownership.cookie import (
+    COOKIE_VAR,
+    OWNER_VAR,
+    SESSION_TOKEN,
+    WORKERS_SINCE_VAR,
+    restore_env,
+)
+from pytest_gpuclean.core.ownership.evidence import SESSION_OWNER
+from pytest_gpuclean.core.reading import devices, processes
 from pytest_gpuclean.model.records import MIB, DeviceInfo, HealthFinding, Owner, ProcessInfo, Reaped
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import MARKER, GpuCleanWarning
@@ -34,7 +41,7 @@ from pytest_gpuclean.session.opening import open_devices, select_devices
 from pytest_gpuclean.session.testcheck import ItemChecks
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.health import HealthWatch
+    from pytest_gpuclean.core.reading.health import HealthWatch
     from pytest_gpuclean.session.names import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}
@@ -124,7 +131,7 @@ class CheckedSession:
         self.config.hook.pytest_gpuclean_session_start(session=self)
 
     def _watch_health(self) -> None:
-        from pytest_gpuclean.core import health, probe
+        from pytest_gpuclean.core.reading import health, probe
 
         source = self.backend
         if not isinstance(source, devices.HealthSource):

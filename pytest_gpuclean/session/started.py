@@ -24,10 +24,10 @@ if TYPE_CHECKING:
 
     import pytest
 
-    from pytest_gpuclean.core.devices import DeviceLost
-    from pytest_gpuclean.core.locks import GpuLocks, HeldLocks
-    from pytest_gpuclean.core.ownership import Ownership, SessionRef
-    from pytest_gpuclean.core.settings import Settings
+    from pytest_gpuclean.core.locks.locks import GpuLocks, HeldLocks
+    from pytest_gpuclean.core.options.settings import Settings
+    from pytest_gpuclean.core.ownership.evidence import Ownership, SessionRef
+    from pytest_gpuclean.core.reading.devices import DeviceLost
     from pytest_gpuclean.model.records import CheckResult, HealthFinding, Phase, TestRecord
 
 

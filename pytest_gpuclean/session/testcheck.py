@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean.core import health as health_mod
-from pytest_gpuclean.core import settings
-from pytest_gpuclean.core.cookie import COOKIE_VAR, OWNER_VAR, restore_env
-from pytest_gpuclean.core.locks import LockTimeout, describe_holders, take_notices
+from pytest_gpuclean.core.locks.locks import LockTimeout, describe_holders, take_notices
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, restore_env
+from pytest_gpuclean.core.reading import health as health_mod
 from pytest_gpuclean.model.decisions import split_own
 from pytest_gpuclean.model.records import (
     MIB,
@@ -37,7 +37,7 @@ from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.locks import HeldLocks
+    from pytest_gpuclean.core.locks.locks import HeldLocks
     from pytest_gpuclean.model.records import DeviceInfo
 
 

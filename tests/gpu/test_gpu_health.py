@@ -64,7 +64,7 @@ if __name__ == "__main__":
 INNER = f'''
 import subprocess, sys
 import pytest
-from pytest_gpuclean.core import probe
+from pytest_gpuclean.core.reading import probe
 from pytest_gpuclean.model.records import DeviceInfo
 
 FAULT = {FAULT!r}
@@ -121,8 +121,8 @@ def test_xid_31_is_named_and_blamed_in_its_own_test_and_from_a_child(pytester: p
 
 
 def test_the_probe_passes_on_every_gpu(tmp_path: Path) -> None:
-    from pytest_gpuclean.core import probe
-    from pytest_gpuclean.core.devices import NvmlBackend
+    from pytest_gpuclean.core.reading import probe
+    from pytest_gpuclean.core.reading.devices import NvmlBackend
 
     backend = NvmlBackend()
     try:

@@ -5,9 +5,9 @@ import os
 import subprocess
 import sys
 
-from pytest_gpuclean.core.locks import HELD_VAR, GpuLocks
+from pytest_gpuclean.core.locks.locks import HELD_VAR, GpuLocks
 
-CHILD = ("import sys; from pytest_gpuclean.core.locks import GpuLocks; "
+CHILD = ("import sys; from pytest_gpuclean.core.locks.locks import GpuLocks; "
          "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'child::test'); "
          "print('CHILD', held.uuids, held.locks, sorted(held.inherited))")
 

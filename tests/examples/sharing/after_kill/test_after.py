@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from pytest_gpuclean.core.locks import GpuLocks
+from pytest_gpuclean.core.locks.locks import GpuLocks
 
 
 @pytest.mark.needs_clean_gpus

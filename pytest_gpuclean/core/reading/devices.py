@@ -18,7 +18,7 @@ from pathlib import Path
 from stat import S_ISDIR
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from pytest_gpuclean.core import procfs
+from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, GpuProcess
 
 DEFAULT_SIM_TOTAL = 80 * 1024**3
@@ -837,7 +837,9 @@ def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, opti
         return Selection(available, "all devices", len(available))
     # Processes pinned to some GPUs through CUDA_VISIBLE_DEVICES check and reap only those; its tokens
     # are CUDA ordinals, which may not be NVML's order.
-    from pytest_gpuclean.core.device_list import parse_device_list  # (only for a list: see select_devices)
+    from pytest_gpuclean.core.options.device_list import (
+        parse_device_list,  # (only for a list: see select_devices)
+    )
 
     ordinal_uuids = None
     if (any(t.isdigit() for t in parse_device_list(visible))
@@ -866,7 +868,7 @@ def select_devices(
     """
     # Here, not at the top: a session that checks all devices (no list, no CUDA_VISIBLE_DEVICES) never
     # loads the list's syntax (a module costs a few tenths of a millisecond to import).
-    from pytest_gpuclean.core.device_list import parse_device_list
+    from pytest_gpuclean.core.options.device_list import parse_device_list
 
     by_uuid = {d.uuid.lower(): d for d in available}
     chosen: list[DeviceInfo] = []

@@ -13,8 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
-from pytest_gpuclean.core import processes, procfs
-from pytest_gpuclean.core.ownership import (
+from pytest_gpuclean.core.ownership.evidence import (
     COOKIE_VAR,
     OWNER_VAR,
     PREEXISTING,
@@ -24,6 +23,7 @@ from pytest_gpuclean.core.ownership import (
     dead_session_of,
     innermost_session,
 )
+from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.model.records import FoundBy, Owner, OwnerKind
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from pytest_gpuclean.core import processes
-from pytest_gpuclean.core.devices import DeviceError
+from pytest_gpuclean.core.reading import processes
+from pytest_gpuclean.core.reading.devices import DeviceError
 from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot, FoundBy, Owner, ProcessInfo, Reaped
 
 RELEASE_POLL_S = 0.005

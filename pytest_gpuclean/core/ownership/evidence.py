@@ -14,10 +14,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from pytest_gpuclean.core import procfs
-from pytest_gpuclean.core.cookie import COOKIE_VAR as COOKIE_VAR
-from pytest_gpuclean.core.cookie import OWNER_VAR as OWNER_VAR
-from pytest_gpuclean.core.cookie import SESSION_TOKEN, cookie
+from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR as COOKIE_VAR
+from pytest_gpuclean.core.ownership.cookie import OWNER_VAR as OWNER_VAR
+from pytest_gpuclean.core.ownership.cookie import SESSION_TOKEN, cookie
+from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import UNKNOWN_OWNER, Owner
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")

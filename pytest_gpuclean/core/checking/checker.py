@@ -14,14 +14,16 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from pytest_gpuclean.core import decide, pools, processes, procfs, reaping
-from pytest_gpuclean.core.census import Census, Found, Registry, Sibling
-from pytest_gpuclean.core.cookie import new_session_id
-from pytest_gpuclean.core.devices import Backend, DeviceError, DeviceLost
-from pytest_gpuclean.core.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
-from pytest_gpuclean.core.outside import OutsideMemory, OutsideState, known_outside, outside_of
-from pytest_gpuclean.core.ownership import PREEXISTING, SESSION, Ownership
-from pytest_gpuclean.core.settings import DEFAULT_GRACE_S
+from pytest_gpuclean.core.acting import pools, reaping
+from pytest_gpuclean.core.deciding import decide
+from pytest_gpuclean.core.deciding.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
+from pytest_gpuclean.core.deciding.outside import OutsideMemory, OutsideState, known_outside, outside_of
+from pytest_gpuclean.core.options.settings import DEFAULT_GRACE_S
+from pytest_gpuclean.core.ownership.census import Census, Found, Registry, Sibling
+from pytest_gpuclean.core.ownership.cookie import new_session_id
+from pytest_gpuclean.core.ownership.evidence import PREEXISTING, SESSION, Ownership
+from pytest_gpuclean.core.reading import processes, procfs
+from pytest_gpuclean.core.reading.devices import Backend, DeviceError, DeviceLost
 from pytest_gpuclean.model.records import (
     MIB,
     UNKNOWN_OWNER,

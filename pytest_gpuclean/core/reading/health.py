@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from pytest_gpuclean.core.devices import DeviceLost, HealthSource
+from pytest_gpuclean.core.reading.devices import DeviceLost, HealthSource
 from pytest_gpuclean.model.records import (
     DeviceHealth,
     DeviceInfo,

@@ -32,7 +32,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 
-from pytest_gpuclean.core import procfs
+from pytest_gpuclean.core.reading import procfs
 
 _HOST = socket.gethostname()
 _RECORD_BYTES = 512

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, NamedTuple
 
-from pytest_gpuclean.core import procfs
+from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import ProcessInfo, ProcessState
 
 PR_SET_CHILD_SUBREAPER = 36

@@ -107,7 +107,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 def _device_list(text: str) -> str:
     # Only when the option is set (see SCOPES): a session that checks nothing never loads the list's syntax.
-    from pytest_gpuclean.core.device_list import parse_device_list, repeated_tokens
+    from pytest_gpuclean.core.options.device_list import parse_device_list, repeated_tokens
 
     # An empty list would check nothing while looking like a choice: refuse it rather than guess.
     tokens = parse_device_list(text)

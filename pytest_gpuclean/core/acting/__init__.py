@@ -1,0 +1,1 @@
+"""Acting: what changes the machine (signals, the reap ladder, pools shut down)."""

@@ -1,0 +1,1 @@
+"""Deciding: pure functions over plain readings (what is ours, what is excused, what may be signalled)."""

@@ -1,0 +1,1 @@
+"""Options: the plugin's settings, resolved once, and the syntax of a device list."""

@@ -1,0 +1,1 @@
+"""Ownership: whose a process is (the cookie, the ownership windows, the session's census)."""
