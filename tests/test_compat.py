@@ -420,6 +420,32 @@ def test_torch_shared_memory_manager_is_the_sessions_helper(example: Callable[..
                for line in summary), summary
 
 
+def test_open_mpi_singleton_daemon_is_the_sessions_helper(example: Callable[..., Path],
+                                                          pytester: pytest.Pytester,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found running Lightning Fabric's tests unchanged on the H200 (docs/compat.md): mpi4py's MPI_Init in the
+    # pytest process forked Open MPI's singleton daemon, gpuclean SIGKILLed it as the test's leak, and the
+    # next test hung. The evidence it serves the pytest process: the pipe whose closing ends it
+    # (``--singleton-died-pipe FD``) is one the pytest process holds. The daemon here follows libmpi's protocol.
+    pidfile = example("compat/mpi_singleton")
+    result = compat_run(pytester, "--gpuclean-all")
+    result.assert_outcomes(passed=2, skipped=1)
+    daemon = read_pids(pidfile)[0]
+    summary = summary_of(result)
+    assert summary[-1] == "3 checked test(s), 0 with findings, 0 process(es) reaped"  # (the skipped one too)
+    notes = [line for line in summary if "Open MPI's daemon" in line]
+    assert len(notes) == 1 and notes[0].startswith(f"gpuclean: pid {daemon} is a helper of the pytest process")
+    # It ends with the pytest process (the pipe closes), as with real Open MPI.
+    assert wait_dead([daemon], timeout=10) == []
+    # The same command line without the evidence (the pipe's other end in another child) is the test's leak.
+    pidfile.unlink()
+    monkeypatch.setenv("MPI_NEGATIVE", "1")
+    negative = compat_run(pytester, "--gpuclean-all", "-k", "another_child")
+    negative.assert_outcomes(passed=1, errors=1)
+    assert summary_of(negative)[-1] == "1 checked test(s), 1 with findings, 2 process(es) reaped"
+    assert wait_dead(read_pids(pidfile), timeout=10) == []
+
+
 def test_torch_211_compile_pools_are_found_in_torchs_own_set(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch 2.11 (the H200's) registers no Finalize for its SubprocPool: the pool is found in the set where
     # torch keeps every compile pool it started (and shuts down at exit). Before, it was reaped on the H200.

@@ -25,6 +25,7 @@ from pytest_gpuclean.core.ownership.evidence import (
 )
 from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.model.records import FoundBy, Owner, OwnerKind
+from pytest_gpuclean.model.text import one_line
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
@@ -83,6 +84,25 @@ def _torch_shm_manager() -> str | None:
 
 _SHM_MANAGERS: dict[str, str] = {}
 _DECLARED = "its command line matches --gpuclean-helpers"
+_SINGLETON_PIPE = "--singleton-died-pipe"
+
+
+def _mpi_singleton_daemon(pid: int, me: int) -> bool:
+    """Whether ``pid`` is Open MPI's daemon for this process as an MPI singleton: a process that calls
+    ``MPI_Init`` without ``mpirun`` (mpi4py's ``import mpi4py.MPI``, which Lightning's environment detection
+    does) forks ``orted --hnp --set-sid ... --singleton-died-pipe FD``, keeps the pipe's other end, and the
+    daemon exits once that end closes: it serves the process for its life, and killing it leaves the
+    process's MPI hanging in the next test. Evidence, not the name: the pipe at the daemon's ``FD`` is one
+    that this process holds."""
+    words = processes.command_line(pid).split()
+    if _SINGLETON_PIPE not in words:
+        return False
+    try:
+        fd = int(words[words.index(_SINGLETON_PIPE) + 1])
+    except (IndexError, ValueError):
+        return False
+    pipe = procfs.fd_target(pid, fd)
+    return pipe.startswith("pipe:") and pipe in procfs.pipes_of(me)
 """Why a helper that only ``--gpuclean-helpers`` vouches for is one (the session's end ends it)."""
 
 
@@ -307,16 +327,17 @@ class Census:
         helpers hold none, and an excuse that covered held memory would be a clean verdict beside it.
         ``roots``: ``helper_pids()``, as the census just read it (added to here)."""
         shm_manager = _torch_shm_manager()
-        if self.helper_globs or shm_manager is not None:
-            for pid, depth, _parent in walked:
-                if depth != 1 or pid in roots:
-                    continue
-                if shm_manager is not None and procfs.exe_path(pid) == shm_manager:
-                    roots[pid] = ("torch's shared-memory manager (libshm), which the pytest process's shared "
-                                  "tensors use, and which ends once no process uses it")
-                elif self.helper_globs and processes.matches_any(processes.command_line(pid),
-                                                                 self.helper_globs):
-                    roots[pid] = _DECLARED
+        for pid, depth, _parent in walked:
+            if depth != 1 or pid in roots:
+                continue
+            if shm_manager is not None and procfs.exe_path(pid) == shm_manager:
+                roots[pid] = ("torch's shared-memory manager (libshm), which the pytest process's shared "
+                              "tensors use, and which ends once no process uses it")
+            elif _mpi_singleton_daemon(pid, self.me):
+                roots[pid] = ("Open MPI's daemon for the pytest process as an MPI singleton, which ends when "
+                              "the pytest process does (it holds the daemon's --singleton-died-pipe)")
+            elif self.helper_globs and processes.matches_any(processes.command_line(pid), self.helper_globs):
+                roots[pid] = _DECLARED
         persistent = self.persistent_of([pid for pid, _, _ in walked], walked=True)
         helpers = _trees(walked, roots)
         spoiled = {root for pid, root in helpers.items() if pid in listed}
@@ -367,15 +388,15 @@ class Census:
             self._announced.add(key)
             born = self.ownership.owner(self.ownership.token_by_birth(pid, stat.start_ticks))
             during = f", started during {born}" if born.kind == "test" else ""
-            cmd = processes.command_line(pid)
+            cmd = one_line(processes.command_line(pid), 80)
             if pid in persistent:
                 self.notices.append(
                     f"gpuclean: pid {pid} is persistent ({how}{during}): left running past the session, "
-                    f"never signalled, its GPU memory excused in every check: {cmd[:80]}")
+                    f"never signalled, its GPU memory excused in every check: {cmd}")
             else:
                 self.notices.append(
                     f"gpuclean: pid {pid} is a helper of the pytest process ({how}{during}): not a leak, "
-                    f"left to end with the session: {cmd[:80]}")
+                    f"left to end with the session: {cmd}")
 
     def _walk(self, me: int | None = None) -> list[tuple[int, int, int]]:
         """Our descendants as (pid, depth, parent pid), parents before their children. ``me``: this

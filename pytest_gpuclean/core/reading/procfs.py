@@ -479,6 +479,32 @@ def exe_name(pid: int) -> str:
         return ""
 
 
+def fd_target(pid: int, fd: int) -> str:
+    """What ``pid``'s descriptor ``fd`` refers to ('' if unreadable): a path, or ``pipe:[inode]`` for a pipe
+    (both ends of one pipe read the same)."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def pipes_of(pid: int) -> frozenset[str]:
+    """The pipes among ``pid``'s open descriptors, as ``pipe:[inode]`` (none if its fds are unreadable)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return frozenset()
+    found = set()
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed while we looked
+        if target.startswith("pipe:"):
+            found.add(target)
+    return frozenset(found)
+
+
 def _nvidia_files(pid: int) -> Iterator[str]:
     """The ``/dev/nvidia*`` paths among ``pid``'s open files (none if its fds are unreadable)."""
     try:
