@@ -426,13 +426,15 @@ def test_open_mpi_singleton_daemon_is_the_sessions_helper(example: Callable[...,
     # Found running Lightning Fabric's tests unchanged on the H200 (docs/compat.md): mpi4py's MPI_Init in the
     # pytest process forked Open MPI's singleton daemon, gpuclean SIGKILLed it as the test's leak, and the
     # next test hung. The evidence it serves the pytest process: the pipe whose closing ends it
-    # (``--singleton-died-pipe FD``) is one the pytest process holds. The daemon here follows libmpi's protocol.
+    # (``--singleton-died-pipe FD``) is one the pytest process holds. The daemon here follows libmpi's
+    # protocol.
     pidfile = example("compat/mpi_singleton")
     result = compat_run(pytester, "--gpuclean-all")
     result.assert_outcomes(passed=2, skipped=1)
     daemon = read_pids(pidfile)[0]
     summary = summary_of(result)
-    assert summary[-1] == "3 checked test(s), 0 with findings, 0 process(es) reaped"  # (the skipped one too)
+    # (the skipped test is checked too)
+    assert summary[-1] == "3 checked test(s), 0 with findings, 0 process(es) reaped"
     notes = [line for line in summary if "Open MPI's daemon" in line]
     assert len(notes) == 1 and notes[0].startswith(f"gpuclean: pid {daemon} is a helper of the pytest process")
     # It ends with the pytest process (the pipe closes), as with real Open MPI.

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from helpers import EXAMPLES, alive
 
-from pytest_gpuclean.core.locks.locks import HELD_VAR, GpuLocks, LockDirError, LockTimeout
 from pytest_gpuclean.core.locks import locks as locks_mod
+from pytest_gpuclean.core.locks.locks import HELD_VAR, GpuLocks, LockDirError, LockTimeout
 from pytest_gpuclean.core.reading import procfs
 
 ROOT = os.geteuid() == 0
