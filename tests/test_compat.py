@@ -436,7 +436,8 @@ def test_open_mpi_singleton_daemon_is_the_sessions_helper(example: Callable[...,
     # (the skipped test is checked too)
     assert summary[-1] == "3 checked test(s), 0 with findings, 0 process(es) reaped"
     notes = [line for line in summary if "Open MPI's daemon" in line]
-    assert len(notes) == 1 and notes[0].startswith(f"gpuclean: pid {daemon} is a helper of the pytest process")
+    assert len(notes) == 1
+    assert notes[0].startswith(f"gpuclean: pid {daemon} is a helper of the pytest process")
     # It ends with the pytest process (the pipe closes), as with real Open MPI.
     assert wait_dead([daemon], timeout=10) == []
     # The same command line without the evidence (the pipe's other end in another child) is the test's leak.

@@ -1,7 +1,7 @@
-"""Open MPI's singleton start, as libmpi does it: the process that calls MPI_Init without mpirun forks a
-daemon (``orted --hnp --set-sid ... --singleton-died-pipe FD``) in a session of its own, hands it the read end
-of a pipe, keeps the write end for its life, and the daemon exits when that pipe closes. Lightning's environment
-detection (``import mpi4py.MPI``) does this in the pytest process (docs/compat.md)."""
+"""Open MPI's singleton start, as libmpi does it: the process that calls MPI_Init without mpirun forks
+a daemon (``orted --hnp --set-sid ... --singleton-died-pipe FD``) in a session of its own, hands it the read
+end of a pipe, keeps the write end for its life, and the daemon exits when that pipe closes. Lightning's
+environment detection (``import mpi4py.MPI``) does this in the pytest process (docs/compat.md)."""
 
 import os
 import subprocess
