@@ -61,13 +61,14 @@ if __name__ == "__main__":
     print(fault())
 '''
 
-INNER = f'''
+# FAULT_SOURCE becomes FAULT as a Python string literal.
+INNER = '''
 import subprocess, sys
 import pytest
 from pytest_gpuclean.core.reading import probe
 from pytest_gpuclean.model.records import DeviceInfo
 
-FAULT = {FAULT!r}
+FAULT = FAULT_SOURCE
 exec(FAULT.replace('if __name__ == "__main__":', "if False:"))
 
 
@@ -87,8 +88,8 @@ def test_own_kernel_faults():
 def test_next_passes(clean_gpus):
     # A fresh process on the same GPU: context, 1 MiB allocated, written and read back.
     devices = [DeviceInfo(d.index, d.uuid, d.name) for d in clean_gpus.devices]
-    assert probe.run(devices, simulate=None, timeout=120) == {{d.uuid: None for d in devices}}
-'''
+    assert probe.run(devices, simulate=None, timeout=120) == {d.uuid: None for d in devices}
+'''.replace("FAULT_SOURCE", repr(FAULT))
 
 
 def test_xid_31_is_named_and_blamed_in_its_own_test_and_from_a_child(pytester: pytest.Pytester,

@@ -39,14 +39,15 @@ with open(sys.argv[2], "a") as f:
 time.sleep(3600)
 '''
 
-INNER = f'''
+# TIMEOUT becomes the module's TIMEOUT.
+INNER = '''
 import pytest
 
-@pytest.mark.needs_clean_gpus(timeout={TIMEOUT})
+@pytest.mark.needs_clean_gpus(timeout=TIMEOUT)
 @pytest.mark.parametrize("n", range(4))
 def test_marked(n):
     raise AssertionError("must not run on GPUs dirty from outside")
-'''
+'''.replace("TIMEOUT", str(TIMEOUT))
 
 
 @pytest.fixture

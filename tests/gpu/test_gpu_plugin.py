@@ -35,10 +35,11 @@ with open(pidfile, "a") as f:
 time.sleep(3600)
 '''
 
-PRELUDE = f'''
+# What the inner tests start with; HOLDER_SOURCE becomes HOLDER as a Python string literal.
+PRELUDE = '''
 import os, subprocess, sys, time
 import pytest
-HOLDER = {HOLDER!r}
+HOLDER = HOLDER_SOURCE
 PIDFILE = os.environ["LEAK_PIDFILE"]
 
 def hold(mib, mode="plain"):
@@ -49,7 +50,7 @@ def hold(mib, mode="plain"):
             return int(open(PIDFILE).read().split()[0])
         time.sleep(0.05)
     raise AssertionError("CUDA holder did not start")
-'''
+'''.replace("HOLDER_SOURCE", repr(HOLDER))
 
 
 @pytest.fixture
