@@ -10,7 +10,7 @@
   the expensive part), per GPU: the cost of ``--gpuclean-probe`` each time it runs.
 
 The paired before/after of a whole checked test is ``ab_trees.py`` with ``bench_clean_path.py``, which
-includes the watch when the tree has it (docs/benchmarks.md).
+includes the watch when the tree has it (docs/benchmarks.md 7).
 
     python benchmarks/bench_health.py                     # simulated devices (CPU)
     python benchmarks/bench_health.py --real --json $OUT/health_real.json

@@ -5,7 +5,7 @@ the number of Python calls a checked test makes does not. This counts them with 
 ``bench_clean_path.py`` times (the health watch's Xid drains around the two checks, with and without the GPU
 locks) on simulated devices, and for the two checks alone while this process "holds" a CUDA context on
 every device. Compare trees with ``PYTHONPATH=<tree> python benchmarks/call_counts.py``
-(docs/benchmarks.md 8).
+(docs/lab/benchmarks-history.md 8).
 """
 
 from __future__ import annotations

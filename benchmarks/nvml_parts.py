@@ -1,4 +1,4 @@
-"""Where a checked session's start and end go with real NVML (a probe for docs/benchmarks.md 5d).
+"""Where a checked session's start and end go with real NVML (a probe for docs/benchmarks.md 2).
 
     python3 benchmarks/nvml_parts.py    # on a GPU machine, the plugin installed
 

@@ -1,4 +1,5 @@
-"""Which NVML step leaves a thread or descriptors in the process: run on a GPU machine (docs/gpu.md)."""
+"""Which NVML step leaves a thread or descriptors in the process: run on a GPU machine (docs/lab/gpu-runs.md
+run 64)."""
 
 import os
 

@@ -1,5 +1,5 @@
 """Python calls per checked test of a whole pytest session: the deterministic figure beside issue 29's
-CPU-time slope (docs/benchmarks.md 10).
+CPU-time slope (docs/benchmarks.md 1).
 
 ``call_counts.py`` counts the locks and the two checks alone; this counts everything the plugin adds to a
 test, its hook wrappers and ``testcheck.py``'s bookkeeping included: ``python -m cProfile`` over whole

@@ -1,5 +1,5 @@
 """System calls per checked test of a whole pytest session: the kernel side of issue 29's CPU-time slope,
-counted, not timed (docs/benchmarks.md 10).
+counted, not timed (docs/benchmarks.md 1).
 
 ``session_calls.py`` counts the Python calls; this counts what reaches the kernel: ``strace -f -c`` over
 whole ``pytest -q`` processes (and their children) of 50 and 650 marked tests on 8 simulated devices with

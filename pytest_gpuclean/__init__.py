@@ -17,7 +17,7 @@ class _PlainImports:
     among them) as it is imported, and keeps the rewritten code in a ``.pyc`` of its own only where it may
     write bytecode: under ``PYTHONDONTWRITEBYTECODE=1`` (the GPU image sets it) or a read-only
     ``site-packages``, every pytest run parsed, rewrote and compiled the ~10k lines a checked session
-    imports (most of its fixed cost: docs/benchmarks.md, section 10). The package's asserts only state
+    imports (most of its fixed cost: docs/benchmarks.md, section 9). The package's asserts only state
     invariants, which need no rewritten messages; imported the standard way, its ordinary (installed)
     bytecode is used.
     """

@@ -206,7 +206,7 @@ def check_device_list(config: pytest.Config, resolved: settings.Settings) -> Non
     """An explicit ``--gpuclean-devices`` (command line, environment or ini) is checked against the
     devices in every session, not only in one that starts checking: a bad list stops pytest before its
     first test, as README says. That costs this session one opening of the backend (NVML: ~40 ms on an
-    H200, docs/gpu.md run 32); a session without the option opens nothing. An xdist worker leaves it to
+    H200, docs/benchmarks.md 2); a session without the option opens nothing. An xdist worker leaves it to
     its controller, which checked the list when it started."""
     if not resolved.explicit("devices") or hasattr(config, "workerinput"):
         return

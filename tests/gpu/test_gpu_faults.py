@@ -1,7 +1,7 @@
 """Faults on a real GPU: a pytest killed with SIGKILL while its test's CUDA child holds memory, and an
 xdist worker that segfaults after leaking a CUDA child.
 
-Figures are printed so docs/gpu.md can quote them.
+Figures are printed so docs/lab/gpu-runs.md can quote them.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ with open(sys.argv[2], "a") as f:
 time.sleep(3600)
 '''
 
-PRELUDE = f'''
+# What the inner tests start with; HOLDER_SOURCE becomes HOLDER as a Python string literal.
+PRELUDE = '''
 import ctypes, os, subprocess, sys, time
 import pytest
-HOLDER = {HOLDER!r}
+HOLDER = HOLDER_SOURCE
 PIDFILE = os.environ["LEAK_PIDFILE"]
 
 def hold(mib):
@@ -41,7 +42,7 @@ def hold(mib):
             return int(open(PIDFILE).read().split()[0])
         time.sleep(0.05)
     raise AssertionError("CUDA holder did not start")
-'''
+'''.replace("HOLDER_SOURCE", repr(HOLDER))
 
 
 def _read_pid(path: Path, timeout: float = 180) -> int:

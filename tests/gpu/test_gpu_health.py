@@ -5,12 +5,12 @@ process), and the next test passes on the same GPU. No GPU is reset and no setti
 The kernel is PTX loaded through the CUDA driver API with ctypes (no torch). Tried on the H200 (driver
 580.159.04) before this test was written: ``cuCtxSynchronize`` returns 700 (CUDA_ERROR_ILLEGAL_ADDRESS) in
 the process that launched it, and an NVML event set delivers Xid 31 within a millisecond; this test's own
-run there is docs/gpu.md run 38.
+run there is docs/lab/gpu-runs.md run 38.
 
 "Its own test" runs the kernel in the inner pytest process itself: that process's context keeps the
 sticky error (CUDA cannot be used in it again), which is why the inner session is a process of its own
 and why its later tests use CUDA only in child processes (the child case, and the probe of the next test).
-Figures are printed so docs/gpu.md can quote them.
+Figures are printed so docs/lab/gpu-runs.md can quote them.
 """
 
 from __future__ import annotations
@@ -61,13 +61,14 @@ if __name__ == "__main__":
     print(fault())
 '''
 
-INNER = f'''
+# FAULT_SOURCE becomes FAULT as a Python string literal.
+INNER = '''
 import subprocess, sys
 import pytest
 from pytest_gpuclean.core.reading import probe
 from pytest_gpuclean.model.records import DeviceInfo
 
-FAULT = {FAULT!r}
+FAULT = FAULT_SOURCE
 exec(FAULT.replace('if __name__ == "__main__":', "if False:"))
 
 
@@ -87,8 +88,8 @@ def test_own_kernel_faults():
 def test_next_passes(clean_gpus):
     # A fresh process on the same GPU: context, 1 MiB allocated, written and read back.
     devices = [DeviceInfo(d.index, d.uuid, d.name) for d in clean_gpus.devices]
-    assert probe.run(devices, simulate=None, timeout=120) == {{d.uuid: None for d in devices}}
-'''
+    assert probe.run(devices, simulate=None, timeout=120) == {d.uuid: None for d in devices}
+'''.replace("FAULT_SOURCE", repr(FAULT))
 
 
 def test_xid_31_is_named_and_blamed_in_its_own_test_and_from_a_child(pytester: pytest.Pytester,

@@ -1,7 +1,7 @@
 """The plugin against a real GPU: NVML v2 memory, per-process attribution, reaping CUDA holders.
 
 Each scenario runs an inner pytest session (``-p gpuclean``, real NVML) in a subprocess, so leaks and
-kills stay there; figures are printed so docs/gpu.md can quote them.
+kills stay there; figures are printed so docs/lab/gpu-runs.md can quote them.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ with open(pidfile, "a") as f:
 time.sleep(3600)
 '''
 
-PRELUDE = f'''
+# What the inner tests start with; HOLDER_SOURCE becomes HOLDER as a Python string literal.
+PRELUDE = '''
 import os, subprocess, sys, time
 import pytest
-HOLDER = {HOLDER!r}
+HOLDER = HOLDER_SOURCE
 PIDFILE = os.environ["LEAK_PIDFILE"]
 
 def hold(mib, mode="plain"):
@@ -49,7 +50,7 @@ def hold(mib, mode="plain"):
             return int(open(PIDFILE).read().split()[0])
         time.sleep(0.05)
     raise AssertionError("CUDA holder did not start")
-'''
+'''.replace("HOLDER_SOURCE", repr(HOLDER))
 
 
 @pytest.fixture
@@ -161,9 +162,9 @@ def test_after():
 
 
 def test_own_cuda_without_a_context_is_not_a_leak(gpu_inner: Path, pytester: pytest.Pytester) -> None:
-    # What broke the example suite in run 6 (docs/gpu.md): a library asked torch whether CUDA is there, in
-    # the pytest process. That initialises CUDA without a context, and the driver then counts a few MiB
-    # per GPU as used, listed under no process, until the process exits.
+    # What broke the example suite in run 6 (docs/lab/gpu-runs.md): a library asked torch whether CUDA is
+    # there, in the pytest process. That initialises CUDA without a context, and the driver then counts a
+    # few MiB per GPU as used, listed under no process, until the process exits.
     result = _run(pytester, """
 import pynvml
 import torch

@@ -25,7 +25,8 @@ pytestmark = [
 CUDA_CHILD = ("import os, sys, time, torch; x = torch.ones(64 << 20, device='cuda'); "
               "torch.cuda.synchronize(); open(sys.argv[1], 'a').write(f'{os.getpid()}\\n'); time.sleep(600)")
 
-LEAKER = f'''
+# CUDA_CHILD_SOURCE becomes CUDA_CHILD as a Python string literal.
+LEAKER = '''
 import os, subprocess, sys, time
 from pathlib import Path
 import pytest
@@ -41,7 +42,7 @@ def wait_for(name, timeout=180):
 def test_unmarked_leak():
     # No lock taken: it starts its CUDA child while the other worker's marked test holds the GPU.
     wait_for("VICTIM_STARTED")
-    subprocess.Popen([sys.executable, "-c", {CUDA_CHILD!r}, os.environ["LEAK_PIDFILE"]])
+    subprocess.Popen([sys.executable, "-c", CUDA_CHILD_SOURCE, os.environ["LEAK_PIDFILE"]])
     wait_for("LEAK_PIDFILE")
     time.sleep(0.5)
 
@@ -50,7 +51,7 @@ def test_unmarked_leak():
 @pytest.mark.parametrize("i", range(2))
 def test_after(i):
     time.sleep(0.2)
-'''
+'''.replace("CUDA_CHILD_SOURCE", repr(CUDA_CHILD))
 
 VICTIM = '''
 import os, time

@@ -1,7 +1,8 @@
 """--gpuclean-ray on a real GPU (one H200): a one-node Ray cluster that owns the GPU; a test leaks a named
 Ray actor holding CUDA memory (reaped through ``ray.kill``), another an anonymous one (reaped by the signal
 ladder on the node); each is found on its node, attributed to its test, the GPU is back to what it was, the
-release time is reported per node, and the next test is clean. Run by tests/gpu/ray_gpu.sh (docs/gpu.md)."""
+release time is reported per node, and the next test is clean. Run by tests/gpu/ray_gpu.sh
+(docs/lab/gpu-runs.md)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pytest_gpuclean.model.records import MIB, DeviceSnapshot, Offender
 
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process (9 MiB on an H200:
-docs/gpu.md); the margin keeps other drivers' larger overheads excused too."""
+docs/benchmarks.md 9); the margin keeps other drivers' larger overheads excused too."""
 
 
 class Counted(Protocol):

@@ -308,7 +308,7 @@ class Census:
             helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
         # torch.compile keeps every worker pool it starts in one set, and shuts them all down at exit
         # (``shutdown_compile_workers``); torch 2.13 also registers each pool's shutdown with
-        # Finalize (above), torch 2.11 does not (seen on the H200, docs/gpu.md).
+        # Finalize (above), torch 2.11 does not (seen on the H200, docs/lab/gpu-runs.md).
         compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
         if compile_pools:
             for pool in list(compile_pools):

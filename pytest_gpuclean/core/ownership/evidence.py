@@ -39,7 +39,7 @@ of those whose cookie says the session set-up started them."""
 class SessionRef(NamedTuple):
     """The leader of a gpuclean session, as its id names it. (NamedTuples, not dataclasses, for the records
     of the checks' own machinery: far cheaper to create at import, in every checked session;
-    docs/benchmarks.md 5c.)"""
+    docs/benchmarks.md 9.)"""
 
     session_id: str
     pid: int
@@ -112,7 +112,7 @@ def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> Ses
 
 class Window:
     """The span of a test or higher-scoped fixture, bracketed by pid and clock readings. (A plain class: a
-    dataclass is far dearer to create at import, in every checked session; docs/benchmarks.md 5c.)"""
+    dataclass is far dearer to create at import, in every checked session; docs/benchmarks.md 9.)"""
 
     __slots__ = ("end_tick", "first_pid", "last_pid", "start_tick", "token")
 

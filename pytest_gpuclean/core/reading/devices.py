@@ -91,7 +91,7 @@ class Backend(Protocol):
         whether the driver lists them there or not.
 
         The driver charges such a process a few MiB per device even before (or without) a context,
-        and lists it under no process: 3 MiB per H200 after ``torch.cuda.is_available()`` (docs/gpu.md).
+        and lists it under no process: 3 MiB per H200 after ``torch.cuda.is_available()`` (README).
         """
         ...
 
@@ -118,7 +118,7 @@ XID_EVENT = 0x8
 class HealthSource(Protocol):
     """What the health watch (``health.py``) needs of a backend; both backends here have it.
 
-    ``health`` and ``clock_reasons`` are the slow reads (an H200's figures: docs/gpu.md); ``drain_xids`` is
+    ``health`` and ``clock_reasons`` are the slow reads (figures: docs/benchmarks.md 7); ``drain_xids`` is
     the cheap one, for every check.
     """
 
@@ -143,7 +143,7 @@ class HealthSource(Protocol):
 class NvmlOpening:
     """``import pynvml``, ``nvmlInit`` and the GPUs' handles, by default in a thread of their own.
 
-    A checked session's start waits for NVML more than for anything else (docs/benchmarks.md 5d), in C
+    A checked session's start waits for NVML more than for anything else (docs/benchmarks.md 2), in C
     calls that let go of the GIL. Started before the session imports the rest of its code, they run
     meanwhile; ``NvmlBackend`` takes the result.
     """
@@ -403,7 +403,7 @@ class NvmlBackend:
         nvml = self._nvml
         found: list[tuple[str, int]] = []
         with self._lock:
-            # A wait of 0 ms returns an event or "timeout" at once (docs/gpu.md: the health watch's cost).
+            # A wait of 0 ms returns an event or "timeout" at once (its cost: docs/benchmarks.md 7).
             for _ in range(1000):  # a GPU flooding Xids must not hold the check forever
                 try:
                     data = nvml.nvmlEventSetWait_v2(self._events, 0)

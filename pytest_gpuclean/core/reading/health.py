@@ -5,7 +5,7 @@ What it costs the quiet path: one drain of the Xid events per check (an NVML eve
 a ``stat`` per device on simulated devices). The slow reads (row remapping, ECC, compute mode) run at
 session start, and after a test only where something points at them: an Xid, a reaped GPU process, a
 failed test. Clock event reasons are read then too, and after a test that ran ``CLOCKS_AFTER_S`` or more.
-(An H200's figures: docs/gpu.md, issue 28's costs.)
+(An H200's figures: docs/benchmarks.md 7.)
 
 No pytest here: ``testcheck.py`` calls the watch around each test and turns its findings into failures;
 ``cli.py`` uses ``device_problems`` for ``gpuclean status`` and ``check``. Only ``devices.py`` talks to NVML.
