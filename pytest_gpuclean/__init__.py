@@ -7,6 +7,10 @@ from collections.abc import Sequence
 from importlib.machinery import ModuleSpec, PathFinder
 from types import ModuleType
 
+__all__ = [
+    "__version__",
+]
+
 __version__ = "0.1.0"
 
 

@@ -23,8 +23,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
 from pytest_gpuclean import __version__
 from pytest_gpuclean.core.acting.reaping import reaped_record
@@ -32,7 +31,7 @@ from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.deciding import reap_plan
 from pytest_gpuclean.core.deciding.decide import mib_of
 from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.ownership.evidence import COOKIE_VAR
+from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
 from pytest_gpuclean.core.reading import devices, processes, procfs
 from pytest_gpuclean.model.records import (
     MIB,
@@ -40,11 +39,23 @@ from pytest_gpuclean.model.records import (
     DeviceHealth,
     DeviceInfo,
     DeviceSnapshot,
+    Fields,
     FoundBy,
     ProcessInfo,
     Reaped,
 )
 from pytest_gpuclean.report import jsonreport, report
+
+# The command is the interface (README): its exit statuses, main() for __main__.py and the tests, and
+# the plan of a reap, which the tests hold against real processes.
+__all__ = [
+    "EXIT_CLEAN",
+    "EXIT_DIRTY",
+    "EXIT_ERROR",
+    "EXIT_UNHEALTHY",
+    "main",
+    "plan_reap",
+]
 
 EXIT_CLEAN = 0
 EXIT_DIRTY = 1
@@ -57,11 +68,11 @@ mode is Prohibited, or it is lost. Waiting does not help: the runner should be t
 ``reap``: a GPU could not be read (lost, or its reads fail); what could be proven the job's (its cookie's
 carriers, this user's processes on the other GPUs) was ended all the same, and a survivor is named too."""
 
-PROG = "gpuclean"
-CMDLINE_WIDTH = 200
+_PROG = "gpuclean"
+_CMDLINE_WIDTH = 200
 
 
-class CliError(Exception):
+class _CliError(Exception):
     """A problem the user must fix (bad option or environment value, no devices): exit status 2."""
 
 
@@ -90,7 +101,7 @@ def _settings(args: argparse.Namespace, *names: str) -> settings.Settings:
     try:
         return settings.resolve_options(chosen, given, os.environ, flag=lambda option: option.command_flag)
     except settings.SettingError as exc:
-        raise CliError(str(exc)) from None
+        raise _CliError(str(exc)) from None
 
 
 def _check_environment(args: argparse.Namespace) -> None:
@@ -105,9 +116,9 @@ def _check_environment(args: argparse.Namespace) -> None:
     try:
         warnings = settings.check_environment(os.environ, flag)
     except settings.SettingError as exc:
-        raise CliError(str(exc)) from None
+        raise _CliError(str(exc)) from None
     for line in warnings:
-        print(f"{PROG} {args.command}: warning: {line}", file=sys.stderr)
+        print(f"{_PROG} {args.command}: warning: {line}", file=sys.stderr)
 
 
 def _env_note(name: str) -> str:
@@ -135,7 +146,7 @@ def _ray_settings(args: argparse.Namespace, *names: str) -> tuple[str | None, se
     for name in _RAY_EXCLUSIVE:
         if getattr(args, name, None):
             flag = "--" + name.replace("_", "-")
-            raise CliError(f"{flag} cannot be combined with --ray {resolved.ray} "
+            raise _CliError(f"{flag} cannot be combined with --ray {resolved.ray} "
                            f"({resolved.sources.get('ray', '')}): each node's own devices are checked there")
     return address, resolved
 
@@ -146,17 +157,24 @@ def _ray_command(run: Callable[[], int]) -> int:
     try:
         return run()
     except cli_ray.RayCliError as exc:
-        raise CliError(str(exc)) from None
+        raise _CliError(str(exc)) from None
 
 
 # ---- devices -----------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Devices:
-    backend: devices.Backend
-    chosen: tuple[DeviceInfo, ...]
-    source: str
+class _Devices(Fields):
+    """The devices a command works on: its backend, those chosen of it, and where the choice came from."""
+
+    __slots__ = ("backend", "chosen", "source")
+    backend: Final[devices.Backend]
+    chosen: Final[tuple[DeviceInfo, ...]]
+    source: Final[str]
     """Where the device list came from, for the header and error messages."""
+
+    def __init__(self, backend: devices.Backend, chosen: tuple[DeviceInfo, ...], source: str) -> None:
+        self.backend = backend
+        self.chosen = chosen
+        self.source = source
 
 
 @contextlib.contextmanager
@@ -166,13 +184,13 @@ def _open_devices(resolved: settings.Settings) -> Iterator[_Devices]:
     try:
         backend = devices.open_backend(resolved.simulate)
     except devices.SimulationError as exc:
-        raise CliError(f"--simulate: {exc} ({resolved.sources.get('simulate')})") from None
+        raise _CliError(f"--simulate: {exc} ({resolved.sources.get('simulate')})") from None
     try:
         try:
             selection = devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
                                                option=settings.option("devices").command_flag)
         except devices.DeviceSelectionError as exc:
-            raise CliError(str(exc)) from None
+            raise _CliError(str(exc)) from None
         yield _Devices(backend, selection.devices, selection.source)
     finally:
         backend.close()
@@ -182,7 +200,7 @@ def _checker(backend: devices.Backend, *, grace: float = settings.DEFAULT_GRACE_
              ) -> Checker:
     # No xdist run: the plugin excuses sibling xdist workers of its own run; the CLI has no run, and a
     # hook started from inside a test run (as our own tests do) must not excuse that run's processes.
-    # Dead sessions' debris is listed on its own (``debris_lines``) and ended only by ``reap
+    # Dead sessions' debris is listed on its own (``_debris_lines``) and ended only by ``reap
     # --dead-sessions``: off the GPUs it does not make them dirty.
     return Checker(backend, reap=False, grace=grace, ignore=ignore, dead_sessions=False)
 
@@ -195,7 +213,7 @@ def _header(found: _Devices) -> str:
 
 def _cmd(cmdline: str) -> str:
     # One line per process: a ``python -c "<script>"`` command line carries newlines.
-    return report.one_line(cmdline, CMDLINE_WIDTH)
+    return report.one_line(cmdline, _CMDLINE_WIDTH)
 
 
 def _mib_text(num_bytes: int | None) -> str:
@@ -204,13 +222,22 @@ def _mib_text(num_bytes: int | None) -> str:
 
 # ---- health ------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Health:
-    device: DeviceInfo
-    reading: DeviceHealth | None
+class _Health(Fields):
+    """One device's health as a command shows it."""
+
+    __slots__ = ("device", "reading", "problems", "lost")
+    device: Final[DeviceInfo]
+    reading: Final[DeviceHealth | None]
     """None: the device is lost (``lost``), or its backend has no health reads."""
-    problems: tuple[str, ...]
-    lost: str | None = None
+    problems: Final[tuple[str, ...]]
+    lost: Final[str | None]
+
+    def __init__(self, device: DeviceInfo, reading: DeviceHealth | None, problems: tuple[str, ...],
+                 lost: str | None = None) -> None:
+        self.device = device
+        self.reading = reading
+        self.problems = problems
+        self.lost = lost
 
 
 def _read_health(found: _Devices, chosen: Sequence[DeviceInfo] | None = None) -> list[_Health]:
@@ -233,7 +260,7 @@ def _read_health(found: _Devices, chosen: Sequence[DeviceInfo] | None = None) ->
     return read
 
 
-def health_lines(read: Sequence[_Health]) -> list[str]:
+def _health_lines(read: Sequence[_Health]) -> list[str]:
     """One line per device: ``ok`` with its settings, or what makes it unusable."""
     lines: list[str] = []
     for item in read:
@@ -253,7 +280,7 @@ def health_lines(read: Sequence[_Health]) -> list[str]:
     return lines
 
 
-def health_json(read: Sequence[_Health]) -> list[dict[str, Any]]:
+def _health_json(read: Sequence[_Health]) -> list[dict[str, Any]]:
     """The ``health`` list of ``status --json`` and ``check --json``."""
     return [{"device": item.device.label, "uuid": item.device.uuid, "usable": not item.problems,
              "problems": list(item.problems), "lost": item.lost is not None,
@@ -266,7 +293,7 @@ def health_json(read: Sequence[_Health]) -> list[dict[str, Any]]:
 
 # ---- status ------------------------------------------------------------------------------------------
 
-def status_lines(snaps: Sequence[DeviceSnapshot], described: dict[int, ProcessInfo | None]) -> list[str]:
+def _status_lines(snaps: Sequence[DeviceSnapshot], described: dict[int, ProcessInfo | None]) -> list[str]:
     """The compact per-GPU table of ``gpuclean status``."""
     lines: list[str] = []
     for snap in snaps:
@@ -302,13 +329,13 @@ def _print_json(document: dict[str, Any], out: TextIO) -> None:
     out.write("\n")
 
 
-def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
+def _cmd_status(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean status``: memory and processes of each device; ``--json`` for machines."""
     address, ray_resolved = _ray_settings(args)
     if address is not None:
         from pytest_gpuclean.ray import cli_ray
 
-        return _ray_command(lambda: cli_ray.cmd_status(args, out, ray_resolved, address, status_lines,
+        return _ray_command(lambda: cli_ray.cmd_status(args, out, ray_resolved, address, _status_lines,
                                                        _print_json))
     with _open_devices(_settings(args, "simulate", "devices")) as found:
         read = _read_health(found)
@@ -316,17 +343,17 @@ def cmd_status(args: argparse.Namespace, out: TextIO) -> int:
         snaps = [found.backend.snapshot(d) for d in found.chosen if d.uuid not in lost]
         described = _described(snaps)
         if args.json:
-            _print_json({**_status_json(found, snaps, described), "health": health_json(read)}, out)
+            _print_json({**_status_json(found, snaps, described), "health": _health_json(read)}, out)
             return EXIT_CLEAN
-        print(f"{PROG} status: {_header(found)}", file=out)
-        for line in [*(status_lines(snaps, described) or ["(no devices)"]), *health_lines(read)]:
+        print(f"{_PROG} status: {_header(found)}", file=out)
+        for line in [*(_status_lines(snaps, described) or ["(no devices)"]), *_health_lines(read)]:
             print(line, file=out)
     return EXIT_CLEAN
 
 
 # ---- check -------------------------------------------------------------------------------------------
 
-def processes_note(result: CheckResult) -> str | None:
+def _processes_note(result: CheckResult) -> str | None:
     """Why a check with a tolerance still fails: a process on a device fails it, whatever it holds."""
     listed = [o for o in result.offenders if o.process is not None]
     if not listed or not result.tolerance_mib:
@@ -337,17 +364,17 @@ def processes_note(result: CheckResult) -> str | None:
     return f"{count}{where}; processes fail the check whatever the tolerance"
 
 
-def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
+def _check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
     """Why ``gpuclean check`` found the devices clean or not."""
     lines: list[str] = []
     if result.clean:
         waited = f", after {result.waited_s:.1f}s" if wait else ""
-        lines.append(f"{PROG} check: clean ({len(result.devices)} device(s), tolerance "
+        lines.append(f"{_PROG} check: clean ({len(result.devices)} device(s), tolerance "
                      f"{result.tolerance_mib} MiB{waited})")
     else:
         waited = f" after waiting {result.waited_s:.1f}s" if wait else ""
-        lines.append(f"{PROG} check: NOT clean{waited} (tolerance {result.tolerance_mib} MiB):")
-        note = processes_note(result)
+        lines.append(f"{_PROG} check: NOT clean{waited} (tolerance {result.tolerance_mib} MiB):")
+        note = _processes_note(result)
         if note:
             lines.append(f"  {note}")
         for offender in result.offenders:
@@ -359,16 +386,16 @@ def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
                          f"{report.mib_list(offender.mib_per_device) or 'the devices'}: {_cmd(proc.cmdline)}")
         mine = [o.process.pid for o in result.offenders if o.process is not None and o.process.uid == my_uid]
         if mine:
-            lines.append(f"  `{PROG} reap` would end the processes of this user: pid(s) "
+            lines.append(f"  `{_PROG} reap` would end the processes of this user: pid(s) "
                          + ", ".join(map(str, mine)))
     lines.extend("  " + report.device_line(s) for s in result.devices)
     return lines
 
 
-def check_json(found: _Devices, result: CheckResult, checker: Checker) -> dict[str, Any]:
+def _check_json(found: _Devices, result: CheckResult, checker: Checker) -> dict[str, Any]:
     """``gpuclean check --json``: the ``status --json`` document of the devices as the check last read
     them, plus the verdict and what ``reap --dead-sessions`` would end."""
-    note = processes_note(result)
+    note = _processes_note(result)
     debris: list[dict[str, Any]] = []
     for f in checker.dead_session_debris():
         info = processes.describe(f.pid, f.start_ticks)
@@ -382,18 +409,18 @@ def check_json(found: _Devices, result: CheckResult, checker: Checker) -> dict[s
             "notes": [*([note] if note else []), *result.notes], "dead_session_debris": debris}
 
 
-def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
+def _cmd_check(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean check``: exit 0 if the devices are clean (waiting up to ``--wait``), 1 if not."""
     address, ray_resolved = _ray_settings(args, "tolerance_mib", "ignore")
     if address is not None:
         from pytest_gpuclean.ray import cli_ray
 
-        return _ray_command(lambda: cli_ray.cmd_check(args, out, ray_resolved, address, check_lines,
+        return _ray_command(lambda: cli_ray.cmd_check(args, out, ray_resolved, address, _check_lines,
                                                       _print_json))
     resolved = _settings(args, "simulate", "devices", "tolerance_mib", "ignore")
     with _open_devices(resolved) as found:
         if not found.chosen:
-            raise CliError(f"no devices to check ({_header(found)})")
+            raise _CliError(f"no devices to check ({_header(found)})")
         read = _read_health(found)
         unusable = [h for h in read if h.problems]
         if unusable:
@@ -401,10 +428,10 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
             if args.json:
                 _print_json({"gpuclean_version": __version__, "backend": found.backend.kind,
                              "device_source": found.source, "clean": False, "usable": False,
-                             "health": health_json(read)}, out)
+                             "health": _health_json(read)}, out)
             else:
-                print(f"{PROG} check: NOT USABLE: {len(unusable)} GPU(s) need a reset or are lost; take this "
-                      "runner out of service (gpuclean never resets a GPU):", file=out)
+                print(f"{_PROG} check: NOT USABLE: {len(unusable)} GPU(s) need a reset or are lost; take "
+                      "this runner out of service (gpuclean never resets a GPU):", file=out)
                 for item in unusable:
                     print(f"  {item.device.label} ({item.device.uuid}): {'; '.join(item.problems)}", file=out)
             return EXIT_UNHEALTHY
@@ -412,15 +439,15 @@ def cmd_check(args: argparse.Namespace, out: TextIO) -> int:
         result = checker.check("check", found.chosen, tolerance_mib=resolved.tolerance_mib, timeout=args.wait,
                                reap=False)
         if args.json:
-            _print_json({**check_json(found, result, checker), "usable": True,
-                         "health": health_json(read)}, out)
+            _print_json({**_check_json(found, result, checker), "usable": True,
+                         "health": _health_json(read)}, out)
         else:
-            for line in [*check_lines(result, args.wait, checker.uid), *debris_lines(checker)]:
+            for line in [*_check_lines(result, args.wait, checker.uid), *_debris_lines(checker)]:
                 print(line, file=out)
     return EXIT_CLEAN if result.clean else EXIT_DIRTY
 
 
-def debris_lines(checker: Checker) -> list[str]:
+def _debris_lines(checker: Checker) -> list[str]:
     """What ``reap --dead-sessions`` would end: processes left by gpuclean sessions that died."""
     lines: list[str] = []
     for f in checker.dead_session_debris():
@@ -430,19 +457,26 @@ def debris_lines(checker: Checker) -> list[str]:
         owner = f", spawned by {f.owner_name}" if f.owner_name else ""
         lines.append(f"  pid {f.pid} ({_cmd(info.cmdline)}): left by {f.debris_of.describe()}{owner}")
     if lines:
-        lines.insert(0, f"{PROG} check: `{PROG} reap --dead-sessions` would end {len(lines)} process(es) "
+        lines.insert(0, f"{_PROG} check: `{_PROG} reap --dead-sessions` would end {len(lines)} process(es) "
                         "that dead pytest sessions left behind:")
     return lines
 
 
 # ---- reap --------------------------------------------------------------------------------------------
 
-@dataclass
-class _Target:
-    info: ProcessInfo
-    found_by: FoundBy
-    """``gpu`` (listed on a device) or ``cookie`` (carries the ``--cookie`` value)."""
-    mib: tuple[tuple[str, float], ...]
+class _Target(Fields):
+    """A process ``reap`` sets out to end."""
+
+    __slots__ = ("info", "found_by", "mib")
+    info: Final[ProcessInfo]
+    found_by: Final[FoundBy]
+    """``gpu`` (listed on a device), ``cookie`` (carries the ``--cookie`` value) or ``dead session``."""
+    mib: Final[tuple[tuple[str, float], ...]]
+
+    def __init__(self, info: ProcessInfo, found_by: FoundBy, mib: tuple[tuple[str, float], ...]) -> None:
+        self.info = info
+        self.found_by = found_by
+        self.mib = mib
 
 
 def _process_uids() -> set[int]:
@@ -477,7 +511,7 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
                                               gpuclean_itself=pid in never_touch, any_user=True)
 
     chosen, left_alone = reap_plan.plan(candidates(), my_uid=my_uid, all_users=all_users,
-                                        cmd_width=CMDLINE_WIDTH)
+                                        cmd_width=_CMDLINE_WIDTH)
     return {c.pid: _Target(c.info, c.found_by, c.mib) for c in chosen if c.info is not None}, left_alone
 
 
@@ -488,8 +522,8 @@ def _kill_targets(targets: dict[int, _Target]) -> list[processes.KillTarget]:
             for pid, t in targets.items()]
 
 
-def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[int, _Target]
-                 ) -> tuple[list[Reaped], float | None]:
+def _reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[int, _Target]
+                  ) -> tuple[list[Reaped], float | None]:
     """End ``targets`` with the kill ladder (and the checker's grace); returns what happened and when the
     devices let go.
 
@@ -503,12 +537,16 @@ def reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[i
     return reaped, all_released
 
 
-@dataclass(frozen=True)
-class _Unreadable:
+class _Unreadable(Fields):
     """A device ``reap`` could not read: what it holds, and whose, is unknown."""
 
-    device: DeviceInfo
-    error: devices.DeviceError
+    __slots__ = ("device", "error")
+    device: Final[DeviceInfo]
+    error: Final[devices.DeviceError]
+
+    def __init__(self, device: DeviceInfo, error: devices.DeviceError) -> None:
+        self.device = device
+        self.error = error
 
     @property
     def lost(self) -> bool:
@@ -520,8 +558,8 @@ class _Unreadable:
         return f"lost: {error.reason}" if isinstance(error, devices.DeviceLost) else str(error)
 
 
-def read_what_can_be_read(checker: Checker, chosen: Sequence[DeviceInfo],
-                          unreadable: list[_Unreadable]) -> tuple[DeviceSnapshot, ...]:
+def _read_what_can_be_read(checker: Checker, chosen: Sequence[DeviceInfo],
+                           unreadable: list[_Unreadable]) -> tuple[DeviceSnapshot, ...]:
     """The readings of ``chosen``, less the devices that cannot be read, which go to ``unreadable`` (once
     each) and are not read again: ``reap`` needs no device to end what carries the job's cookie, and a lost
     GPU must not cost the job's cleanup on the others (as ``Checker.final_sweep`` copes)."""
@@ -540,32 +578,32 @@ def read_what_can_be_read(checker: Checker, chosen: Sequence[DeviceInfo],
     return tuple(snaps)
 
 
-def unreadable_lines(unreadable: Sequence[_Unreadable], cookie: str | None) -> list[str]:
+def _unreadable_lines(unreadable: Sequence[_Unreadable], cookie: str | None) -> list[str]:
     """Which devices ``reap`` could not read, and what that means for what ran on them."""
     if not unreadable:
         return []
-    lines = [f"{PROG} reap: could not read {u.device.label} ({u.device.uuid}): {u.why}" for u in unreadable]
+    lines = [f"{_PROG} reap: could not read {u.device.label} ({u.device.uuid}): {u.why}" for u in unreadable]
     labels = ", ".join(u.device.label for u in unreadable)
     if cookie is not None:
         reach = f"a process on {labels} was ended only if it carries the cookie {cookie!r}"
     else:
         reach = f"no process on {labels} could be found (--cookie finds the job's wherever they run)"
-    lines.append(f"{PROG} reap: {reach}; a GPU that cannot be read is no GPU for the next job: exit "
+    lines.append(f"{_PROG} reap: {reach}; a GPU that cannot be read is no GPU for the next job: exit "
                  f"{EXIT_UNHEALTHY}, take this runner out of service (gpuclean never resets a GPU)")
     return lines
 
 
-def reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str | None, dry_run: bool,
-              targets: dict[int, _Target], left_alone: Sequence[str], notes: Sequence[str],
-              reaped: Sequence[Reaped], released_s: float | None,
-              unreadable: Sequence[_Unreadable] = ()) -> dict[str, Any]:
+def _reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str | None, dry_run: bool,
+               targets: dict[int, _Target], left_alone: Sequence[str], notes: Sequence[str],
+               reaped: Sequence[Reaped], released_s: float | None,
+               unreadable: Sequence[_Unreadable] = ()) -> dict[str, Any]:
     """``gpuclean reap --json``: the ``status --json`` document of the devices as last read (after the
     reaping; before it with ``--dry-run`` or nothing to end), what it set out to end (``targets``: with
     ``--dry-run``, what it would end), how each one ended, what it left alone and why, and the devices it
     could not read."""
     skip = {u.device.uuid for u in unreadable if not u.lost}  # (a lost one's health says it is lost)
     health = _read_health(found, [d for d in found.chosen if d.uuid not in skip])
-    return {**_status_json(found, snaps, _described(snaps)), "health": health_json(health),
+    return {**_status_json(found, snaps, _described(snaps)), "health": _health_json(health),
             "unreadable": [{"device": u.device.label, "uuid": u.device.uuid, "lost": u.lost, "error": u.why}
                            for u in unreadable],
             "cookie": cookie, "dry_run": dry_run,
@@ -578,28 +616,28 @@ def reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str |
             "left_alone": list(left_alone), "notes": list(notes)}
 
 
-def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
+def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
     """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers); ``--json``
     for machines."""
     address, ray_resolved = _ray_settings(args, "grace")
     if address is not None:
         if args.json:
             # Not built for a cluster yet: a hook that asked for JSON must not get text it cannot parse.
-            raise CliError(f"--json is not available with --ray {ray_resolved.ray} "
+            raise _CliError(f"--json is not available with --ray {ray_resolved.ray} "
                            f"({ray_resolved.sources.get('ray', '')}) yet; use the text output")
         from pytest_gpuclean.ray import cli_ray
 
         return _ray_command(lambda: cli_ray.cmd_reap(args, out, ray_resolved, address))
     resolved = _settings(args, "simulate", "devices", "grace")
     if args.cookie is not None and not args.cookie.strip():
-        raise CliError("--cookie: the value is empty, and an empty prefix would match every process "
+        raise _CliError("--cookie: the value is empty, and an empty prefix would match every process "
                        f"that has {COOKIE_VAR} set")
     if args.all_users and os.geteuid() != 0:
-        raise CliError("--all-users: only root may end other users' processes")
+        raise _CliError("--all-users: only root may end other users' processes")
     with _open_devices(resolved) as found:
         checker = _checker(found.backend, grace=resolved.grace)
         unreadable: list[_Unreadable] = []
-        snaps = read_what_can_be_read(checker, found.chosen, unreadable)
+        snaps = _read_what_can_be_read(checker, found.chosen, unreadable)
         targets, left_alone = plan_reap(snaps, my_uid=checker.uid, never_touch=checker.never_touch,
                                         all_users=args.all_users, cookie=args.cookie,
                                         require_device_file=found.backend.kind == "nvml")
@@ -619,44 +657,44 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         def account(now: Sequence[DeviceSnapshot], reaped: Sequence[Reaped] = (),
                     released_s: float | None = None) -> None:
             if args.json:
-                _print_json(reap_json(found, now, cookie=args.cookie, dry_run=args.dry_run, targets=targets,
+                _print_json(_reap_json(found, now, cookie=args.cookie, dry_run=args.dry_run, targets=targets,
                                       left_alone=left_alone, notes=debris_notes, reaped=reaped,
                                       released_s=released_s, unreadable=unreadable), out)
 
         def ending(status: int) -> int:
             # A device that could not be read says so last, where a hook's log ends, and in the status:
             # what could be proven the job's was ended all the same.
-            for line in unreadable_lines(unreadable, args.cookie):
+            for line in _unreadable_lines(unreadable, args.cookie):
                 print(line, file=text)
             return EXIT_UNHEALTHY if unreadable else status
 
-        print(f"{PROG} reap: {_header(found)}" + (f"; cookie {args.cookie!r}" if args.cookie else ""),
+        print(f"{_PROG} reap: {_header(found)}" + (f"; cookie {args.cookie!r}" if args.cookie else ""),
               file=text)
         for line in left_alone:
             print(f"  left alone: {line}", file=text)
         for line in debris_notes:
             print(f"  dead session: {line}", file=text)
         if not targets:
-            print(f"{PROG} reap: nothing to end", file=text)
+            print(f"{_PROG} reap: nothing to end", file=text)
             account(snaps)
             return ending(EXIT_CLEAN)
         if args.dry_run:
-            for line in report.dry_run_lines(PROG, [("", t.info, f"found as {t.found_by}", t.mib)
+            for line in report.dry_run_lines(_PROG, [("", t.info, f"found as {t.found_by}", t.mib)
                                                     for _, t in sorted(targets.items())]):
                 print(line, file=text)
             account(snaps)
             return ending(EXIT_CLEAN)
         readable = [s.device for s in snaps]
-        reaped, released_s = reap_targets(checker, readable, targets)
-        print(f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {resolved.grace:g}s):",
+        reaped, released_s = _reap_targets(checker, readable, targets)
+        print(f"{_PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {resolved.grace:g}s):",
               file=text)
         for item in reaped:
             for line in report.reaped_lines(item):
                 print(line, file=text)
         if released_s is not None:
-            print(f"{PROG} reap: the driver released their GPU memory {released_s:.2f}s after the first "
+            print(f"{_PROG} reap: the driver released their GPU memory {released_s:.2f}s after the first "
                   "signal", file=text)
-        now = read_what_can_be_read(checker, readable, unreadable)
+        now = _read_what_can_be_read(checker, readable, unreadable)
         for snap in now:
             print("  now: " + report.device_line(snap), file=text)
         account(now, reaped, released_s)
@@ -666,8 +704,8 @@ def cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
 
 # ---- entry point -------------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (exposed so the documentation and tests can use the same options)."""
+def _build_parser() -> argparse.ArgumentParser:
+    """The argument parser: the commands and their options."""
     # Option values stay text here: settings parses them with the source named in any error.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--simulate", metavar="DIR",
@@ -683,12 +721,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --ray: seconds the cluster has to answer each request (default "
                              f"{settings.DEFAULT_TIMEOUT_S:g}) {_env_note('timeout')}")
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Check and clean GPUs around CI jobs (the pytest-gpuclean plugin's check "
+        prog=_PROG, description="Check and clean GPUs around CI jobs (the pytest-gpuclean plugin's check "
                                "and reaper as a command).",
         epilog="exit status: 0 clean / done, 1 not clean (check) or a process survived (reap), "
                "2 usage error or the devices could not be read, 3 a GPU is not usable: it needs a reset or "
                "is lost (check), or could not be read, the rest reaped all the same (reap)")
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action="version", version=f"{_PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     status = commands.add_parser("status", parents=[common], help="show memory and processes per GPU")
@@ -732,24 +770,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
-    "status": cmd_status, "check": cmd_check, "reap": cmd_reap}
+    "status": _cmd_status, "check": _cmd_check, "reap": _cmd_reap}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpuclean``; returns the exit status (argparse itself exits 2 on a malformed command line)."""
-    args = build_parser().parse_args(argv)
+    args = _build_parser().parse_args(argv)
     try:
         _check_environment(args)
         return _COMMANDS[args.command](args, sys.stdout)
-    except CliError as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+    except _CliError as exc:
+        print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
     except devices.DeviceLost as exc:
         # Lost while the command ran (the health reads found it answering): not a usage error.
-        print(f"{PROG} {args.command}: {exc}", file=sys.stderr)
+        print(f"{_PROG} {args.command}: {exc}", file=sys.stderr)
         return EXIT_UNHEALTHY if args.command == "check" else EXIT_ERROR
     except devices.DeviceError as exc:
         # NVML missing or failing, or a device unreadable: the gate cannot vouch for the GPUs.
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

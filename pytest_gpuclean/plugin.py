@@ -1,6 +1,6 @@
 """pytest-gpuclean: a clean-GPU gate before and after each marked test; reaps what a test leaked.
 
-Declarations live at module level; the stateful ``GpuCleanPlugin`` is registered in ``pytest_configure``
+Declarations live at module level; the stateful ``_GpuCleanPlugin`` is registered in ``pytest_configure``
 and undone through ``config.add_cleanup``. Its hooks delegate: to the started session (``session.py``:
 device backend, locks, checker, final sweep), to each test's check (``testcheck.py``) and to the signal
 handling (``signals.py``). The Ray cluster's checks (``ray/checks.py``) are a plugin of gpuclean's own
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -33,56 +33,34 @@ from pytest_gpuclean.core.ownership.cookie import (
     restore_env,
 )
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.session.names import FIXTURE as FIXTURE
-from pytest_gpuclean.session.names import FORKED_REPORT_ATTR as FORKED_REPORT_ATTR
-from pytest_gpuclean.session.names import FORKING_PLUGINS as FORKING_PLUGINS
-from pytest_gpuclean.session.names import MARKER as MARKER
-from pytest_gpuclean.session.names import PLUGIN_NAME as PLUGIN_NAME
-from pytest_gpuclean.session.names import WORKER_OUTPUT_KEY as WORKER_OUTPUT_KEY
-from pytest_gpuclean.session.names import ExportedCookie as ExportedCookie
-from pytest_gpuclean.session.names import GpuCleanWarning as GpuCleanWarning
+from pytest_gpuclean.session.names import (
+    FIXTURE,
+    FORKED_REPORT_ATTR,
+    FORKING_PLUGINS,
+    MARKER,
+    PLUGIN_NAME,
+    WORKER_OUTPUT_KEY,
+    ExportedCookie,
+    GpuCleanWarning,
+)
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
-    from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
+    from pytest_gpuclean.model.records import CleanGpus, Phase, Reaped, TestRecord
     from pytest_gpuclean.session.session import CheckedSession
     from pytest_gpuclean.session.started import ItemState, Started
 
-
-
-class DeviceState:
-    """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check). (No
-    dataclass, which costs about a millisecond at import: ``model/records.py``'s ``Fields`` says why; nor a
-    NamedTuple, whose ``index`` is a method.)"""
-
-    __slots__ = ("index", "name", "total_bytes", "used_bytes", "uuid")
-
-    def __init__(self, index: int, uuid: str, name: str, used_bytes: int, total_bytes: int) -> None:
-        self.index, self.uuid, self.name = index, uuid, name
-        self.used_bytes, self.total_bytes = used_bytes, total_bytes
-
-    def _key(self) -> tuple[int, str, str, int, int]:
-        return self.index, self.uuid, self.name, self.used_bytes, self.total_bytes
-
-    def __eq__(self, other: object) -> bool:
-        return self._key() == other._key() if isinstance(other, DeviceState) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def __repr__(self) -> str:
-        return ("DeviceState(index={}, uuid={!r}, name={!r}, used_bytes={}, total_bytes={})"
-                .format(*self._key()))
-
-
-class CleanGpus(NamedTuple):
-    """What the ``clean_gpus`` fixture yields: the devices this test checks (and holds locks of)."""
-
-    devices: tuple[DeviceState, ...]
-
-    @property
-    def uuids(self) -> tuple[str, ...]:
-        return tuple(d.uuid for d in self.devices)
+__all__ = [
+    # What pytest and users take from the plugin: its hooks (found by name), the fixture, the specs of
+    # gpuclean's own hooks for an extension, and the warning class (``-W error::...`` names it here).
+    "GpuCleanHooks",
+    "GpuCleanWarning",
+    "clean_gpus",
+    "pytest_addhooks",
+    "pytest_addoption",
+    "pytest_configure",
+    "pytest_load_initial_conftests",
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -187,11 +165,11 @@ def pytest_configure(config: pytest.Config) -> None:
             config.issue_config_time_warning(GpuCleanWarning(line), stacklevel=2)
     inifile = str(config.inipath) if config.inipath else None
     resolved = settings.resolve(vars(config.option), os.environ, config.getini, inifile)
-    plugin = GpuCleanPlugin(config, resolved)
+    plugin = _GpuCleanPlugin(config, resolved)
     config.pluginmanager.register(plugin, PLUGIN_NAME)
     config.add_cleanup(plugin.close)
     if config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(XdistHooks(plugin), PLUGIN_NAME + "-xdist")
+        config.pluginmanager.register(_XdistHooks(plugin), PLUGIN_NAME + "-xdist")
     if resolved.ray != "off":
         # The Ray cluster's checks: idle until a session starts checking (its hooks open the cluster).
         from pytest_gpuclean.ray import checks
@@ -202,7 +180,7 @@ def pytest_configure(config: pytest.Config) -> None:
         plugin.register_outputs()
 
 
-def check_device_list(config: pytest.Config, resolved: settings.Settings) -> None:
+def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> None:
     """An explicit ``--gpuclean-devices`` (command line, environment or ini) is checked against the
     devices in every session, not only in one that starts checking: a bad list stops pytest before its
     first test, as README says. That costs this session one opening of the backend (NVML: ~40 ms on an
@@ -223,7 +201,7 @@ def check_device_list(config: pytest.Config, resolved: settings.Settings) -> Non
         backend.close()
 
 
-class GpuCleanPlugin:
+class _GpuCleanPlugin:
     """The session's hooks. They delegate to the started session (``session.CheckedSession``, made at
     ``start``), which keeps the records in ``config.stash`` (``records.SessionRecords``)."""
 
@@ -266,7 +244,7 @@ class GpuCleanPlugin:
         self.register_outputs()
         manager = self.config.pluginmanager
         if {getattr(p, "__name__", None) for p in manager.get_plugins()} & FORKING_PLUGINS:
-            manager.register(ForkedHooks(self), PLUGIN_NAME + "-forked")
+            manager.register(_ForkedHooks(self), PLUGIN_NAME + "-forked")
 
     def register_outputs(self) -> None:
         """Register the JSON report, JUnit and GitHub outputs (checks the report path)."""
@@ -364,17 +342,17 @@ class GpuCleanPlugin:
         # The end of the collection: start if anything will be checked, or if a report was asked for (the
         # session is then watched: what its unmarked tests leave behind is reaped and reported). Not for
         # --collect-only, nor when collection errors stop the run before any test. A session that does not
-        # start still holds an explicit device list against the devices (check_device_list).
+        # start still holds an explicit device list against the devices (_check_device_list).
         if self.started or self.controller:
             return
         if session.config.option.collectonly or (
                 session.testsfailed and not session.config.option.continue_on_collection_errors):
-            check_device_list(self.config, self.settings)
+            _check_device_list(self.config, self.settings)
             return
         if self.settings.report or any(self._should_check(item) for item in session.items):
             self.start()
         else:
-            check_device_list(self.config, self.settings)
+            _check_device_list(self.config, self.settings)
             # Nothing to check: off the hooks that run for every test, in favour of one that notices a
             # test that is checked after all.
             session.config.pluginmanager.unregister(self)
@@ -429,7 +407,7 @@ class GpuCleanPlugin:
         from pytest_gpuclean.report.report import SUMMARY_TITLE, summary_lines
 
         terminalreporter.write_sep("=", SUMMARY_TITLE)
-        for line in summary_lines(*merged):
+        for line in summary_lines(merged.records, merged.session_reaped, merged.notes):
             terminalreporter.write_line(line)
 
     # ---- fixtures owned by a scope wider than a test ----------------------------------------------
@@ -497,6 +475,9 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
 
     Requesting this fixture checks the test like the ``needs_clean_gpus`` marker does.
     """
+    # Here, not at the top: a session that checks nothing imports neither the model nor the session's
+    # records (a test that requests the fixture is checked, and its session has loaded both).
+    from pytest_gpuclean.model.records import CleanGpus, DeviceState
     from pytest_gpuclean.report.records import TEST
 
     # (from the test's record: its setup check's readings; the fixture's value is built only for a test that
@@ -513,7 +494,7 @@ class _IdleSession:
     pays for one hook per test, not for each of the plugin's. A test that is checked after all (a marker
     added by another plugin while the test is set up) starts the session and brings the plugin back."""
 
-    def __init__(self, plugin: GpuCleanPlugin) -> None:
+    def __init__(self, plugin: _GpuCleanPlugin) -> None:
         self.plugin = plugin
 
     @pytest.hookimpl(wrapper=True, trylast=True)
@@ -531,11 +512,11 @@ class _IdleSession:
         self.plugin.sweep(session)  # (nothing to sweep: what an xdist worker sends back all the same)
 
 
-class ForkedHooks:
+class _ForkedHooks:
     """Hooks for tests run in a forked child (pytest-forked, pytest-isolate): registered only where one of
     those is loaded, as they run for every test (three reports each)."""
 
-    def __init__(self, plugin: GpuCleanPlugin) -> None:
+    def __init__(self, plugin: _GpuCleanPlugin) -> None:
         self.plugin = plugin
 
     def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
@@ -563,10 +544,10 @@ class ForkedHooks:
             session.receive_forked(shipped)
 
 
-class XdistHooks:
+class _XdistHooks:
     """Hooks that exist only with pytest-xdist: collect each worker's findings in the controller."""
 
-    def __init__(self, plugin: GpuCleanPlugin) -> None:
+    def __init__(self, plugin: _GpuCleanPlugin) -> None:
         self.plugin = plugin
 
     @pytest.hookimpl(optionalhook=True)

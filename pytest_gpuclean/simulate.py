@@ -21,10 +21,20 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+__all__ = [
+    "MIB",
+    "allocate",
+    "init",
+    "init_cuda",
+    "main",
+    "set_state",
+    "xid",
+]
+
 MIB = 1024 * 1024
 # devices.DEFAULT_SIM_TOTAL, what a device without a ``total`` file has; not imported from there: a holder
 # starts in every leak test, and this module imports nothing of the plugin to start quickly.
-DEFAULT_TOTAL_MIB = 80 * 1024
+_DEFAULT_TOTAL_MIB = 80 * 1024
 
 
 def allocate(root: str, device: int, mib: float, pid: int | None = None) -> Path:
@@ -49,8 +59,8 @@ def init_cuda(root: str, device: int, pid: int | None = None) -> Path:
     return path
 
 
-HEALTH_FILES = ("remap_pending", "remap_failed", "ecc_uncorrected", "compute_mode", "mig_mode", "persistence",
-                "clocks_event_reasons", "lost", "probe_fails", "probe_hangs")
+_HEALTH_FILES = ("remap_pending", "remap_failed", "ecc_uncorrected", "compute_mode", "mig_mode",
+                 "persistence", "clocks_event_reasons", "lost", "probe_fails", "probe_hangs")
 """The health files ``devices.SimulatedBackend`` and the probe read in a device's folder (besides ``xid``)."""
 
 
@@ -68,8 +78,8 @@ def xid(root: str, device: int, code: int) -> Path:
 
 def set_state(root: str, device: int, name: str, value: str | None) -> None:
     """Write health file ``name`` of simulated ``device`` (``None`` removes it)."""
-    if name not in HEALTH_FILES:
-        raise ValueError(f"{name!r} is not a health file ({', '.join(HEALTH_FILES)})")
+    if name not in _HEALTH_FILES:
+        raise ValueError(f"{name!r} is not a health file ({', '.join(_HEALTH_FILES)})")
     folder = Path(root) / str(device)
     if value is None:
         (folder / name).unlink(missing_ok=True)
@@ -79,7 +89,7 @@ def set_state(root: str, device: int, name: str, value: str | None) -> None:
     os.replace(tmp, folder / name)
 
 
-SIMULATE_VAR = "GPUCLEAN_SIMULATE"
+_SIMULATE_VAR = "GPUCLEAN_SIMULATE"
 """The plugin's variable for the devices' directory: the default of ``--dir`` here, so that a shell set up
 for the plugin (README's first minute) needs no ``--dir``."""
 
@@ -106,9 +116,9 @@ def _device_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.dir is not None:
         given, source = args.dir, "from the command line"
     else:
-        given, source = os.environ.get(SIMULATE_VAR, ""), f"from environment variable {SIMULATE_VAR}"
+        given, source = os.environ.get(_SIMULATE_VAR, ""), f"from environment variable {_SIMULATE_VAR}"
         if not given:
-            _refuse(parser, f"--dir is required (or set {SIMULATE_VAR})")
+            _refuse(parser, f"--dir is required (or set {_SIMULATE_VAR})")
     root = Path(os.path.expanduser(given))
     index = int(_number(parser, "--device", args.device, "a whole number", whole=True))
     try:
@@ -132,7 +142,7 @@ def _state(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     folder = _device_folder(args, parser)
     args.dir, args.device = str(folder.parent), int(folder.name)
     if args.clear:
-        for name in HEALTH_FILES:
+        for name in _HEALTH_FILES:
             (folder / name).unlink(missing_ok=True)
     given = {"remap_pending": args.remap_pending, "remap_failed": "1" if args.remap_failed else None,
              "ecc_uncorrected": args.ecc_uncorrected, "compute_mode": args.compute_mode,
@@ -240,13 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     make = commands.add_parser("init", help="make simulated devices DIR/0, DIR/1, ... (idempotent)")
     make.add_argument("dir", metavar="DIR", help="directory of the devices, created if missing")
     make.add_argument("--devices", type=_positive, default=1, metavar="N", help="how many (default 1)")
-    make.add_argument("--total-mib", type=_positive, default=DEFAULT_TOTAL_MIB, metavar="MIB",
-                      help=f"capacity of each (default {DEFAULT_TOTAL_MIB}, an 80 GB GPU)")
+    make.add_argument("--total-mib", type=_positive, default=_DEFAULT_TOTAL_MIB, metavar="MIB",
+                      help=f"capacity of each (default {_DEFAULT_TOTAL_MIB}, an 80 GB GPU)")
     # The numbers stay text here and are checked after parsing, so that a bad one is one line, as a bad
     # --dir or --device is.
     tree = argparse.ArgumentParser(add_help=False)
     tree.add_argument("--dir", metavar="DIR",
-                      help=f"the simulated devices, as 'init' made them (default: ${SIMULATE_VAR}, the "
+                      help=f"the simulated devices, as 'init' made them (default: ${_SIMULATE_VAR}, the "
                            "plugin's variable)")
     tree.add_argument("--device", metavar="N", default="0", help="the device's index (default 0)")
     hold = commands.add_parser("hold", parents=[tree], help="hold simulated GPU memory until killed")

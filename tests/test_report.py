@@ -97,6 +97,10 @@ UNREACHABLE = Offender("unreachable", None, None, "gpu", detail="lost the Ray cl
 RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_before=RAY_BEFORE,
                     cluster_after=RAY_AFTER)
 
+# What the clean_gpus fixture gives a test.
+GPU_STATE = model.DeviceState(0, "GPU-0000", "H200", 600 * MIB, 1000 * MIB)
+CLEAN_GPUS = model.CleanGpus((GPU_STATE, model.DeviceState(3, "GPU-3333", "H200", 0, 1000 * MIB)))
+
 # One fully populated instance of every record class in the model: each must survive a round trip.
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
@@ -104,7 +108,7 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
                        RAY_AFTER.cluster, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD, SIBLING,
                        SEEN_SIBLING,
                        UNCHECKED_USER, XID, HEALTH, FAULTED, OUTSIDE, OUTSIDE_CHECK,
-                       OUTSIDE_RECORD]
+                       OUTSIDE_RECORD, GPU_STATE, CLEAN_GPUS]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:

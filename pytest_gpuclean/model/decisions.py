@@ -8,9 +8,30 @@ filtering) asks the same question the same way, and a table of records tests the
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Final, Literal, NamedTuple, Protocol, TypeVar
+from typing import Final, Literal, Protocol, TypeVar
 
-from pytest_gpuclean.model.records import CheckResult, FoundBy, Offender, Owner, OwnerKind, Reaped, TestRecord
+from pytest_gpuclean.model.records import (
+    CheckResult,
+    Fields,
+    FoundBy,
+    Offender,
+    Owner,
+    OwnerKind,
+    Reaped,
+    TestRecord,
+)
+
+__all__ = [
+    "ALL_KINDS",
+    "Outcome",
+    "OwnLeaks",
+    "has_findings",
+    "noticed",
+    "outcome",
+    "own_leaks",
+    "reaped_count",
+    "split_own",
+]
 
 
 class _Owned(Protocol):
@@ -50,22 +71,32 @@ def split_own(found: Iterable[_O], mine: Callable[[Owner], bool],
     return own, earlier
 
 
-class OwnLeaks(NamedTuple):
+class OwnLeaks(Fields):
     """Every process a test left behind, by where it was found (the order the reports list them in)."""
 
-    reaped: list[Reaped]
+    __slots__ = ("reaped", "later", "offenders", "cluster_reaped", "cluster_left")
+    reaped: Final[list[Reaped]]
     """Reaped by the check after it."""
-    later: list[Reaped]
+    later: Final[list[Reaped]]
     """Found (and reaped) by a later check."""
-    offenders: list[tuple[Offender, str | None]]
+    offenders: Final[list[tuple[Offender, str | None]]]
     """Not reaped: still running (``None``: reaping off, or it survived), or gone by itself while the check
     waited (``"exited by itself"``)."""
-    cluster_reaped: list[Reaped]
-    cluster_left: list[Offender]
+    cluster_reaped: Final[list[Reaped]]
+    cluster_left: Final[list[Offender]]
     """Still on the Ray cluster after it."""
 
+    def __init__(self, reaped: list[Reaped], later: list[Reaped],
+                 offenders: list[tuple[Offender, str | None]], cluster_reaped: list[Reaped],
+                 cluster_left: list[Offender]) -> None:
+        self.reaped = reaped
+        self.later = later
+        self.offenders = offenders
+        self.cluster_reaped = cluster_reaped
+        self.cluster_left = cluster_left
+
     def any(self) -> bool:
-        return any(self)
+        return bool(self.reaped or self.later or self.offenders or self.cluster_reaped or self.cluster_left)
 
 
 def own_leaks(record: TestRecord) -> OwnLeaks:

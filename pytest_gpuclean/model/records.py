@@ -15,6 +15,44 @@ import operator
 from collections.abc import Callable
 from typing import Any, ClassVar, Final, Literal, Protocol, TypeVar, cast, get_args
 
+__all__ = [
+    "MIB",
+    "UNKNOWN_OWNER",
+    "CheckResult",
+    "CleanGpus",
+    "ClusterReading",
+    "DeviceHealth",
+    "DeviceInfo",
+    "DeviceSnapshot",
+    "DeviceState",
+    "EndedBy",
+    "Fields",
+    "FixtureLeak",
+    "FoundBy",
+    "GpuProcess",
+    "HealthEffect",
+    "HealthFinding",
+    "HealthKind",
+    "KillResult",
+    "NodeReading",
+    "NodeRelease",
+    "Offender",
+    "OnOff",
+    "Outside",
+    "OutsideAction",
+    "Owner",
+    "OwnerKind",
+    "Phase",
+    "ProcessInfo",
+    "ProcessState",
+    "Reaped",
+    "Reason",
+    "Scope",
+    "SiblingUse",
+    "TestRecord",
+    "Via",
+]
+
 MIB = 1024 * 1024
 
 # Closed sets of words, as types so that ``mypy --strict`` catches a misspelt one. The JSON report
@@ -675,3 +713,40 @@ class TestRecord(Fields):
         self.gpu_without_lock = gpu_without_lock
         self.health = health
         self.outside_action = outside_action
+
+
+# ---- what the ``clean_gpus`` fixture gives a test ---------------------------------------------------------
+
+
+class DeviceState(Fields):
+    """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check). Made only
+    for a test that requests the fixture, from its setup check's readings."""
+
+    __slots__ = ("index", "uuid", "name", "used_bytes", "total_bytes")
+    index: Final[int]
+    """NVML index of the physical GPU (what nvidia-smi shows)."""
+    uuid: Final[str]
+    name: Final[str]
+    used_bytes: Final[int]
+    total_bytes: Final[int]
+
+    def __init__(self, index: int, uuid: str, name: str, used_bytes: int, total_bytes: int) -> None:
+        self.index = index
+        self.uuid = uuid
+        self.name = name
+        self.used_bytes = used_bytes
+        self.total_bytes = total_bytes
+
+
+class CleanGpus(Fields):
+    """What the ``clean_gpus`` fixture yields: the devices this test checks (and holds locks of)."""
+
+    __slots__ = ("devices",)
+    devices: Final[tuple[DeviceState, ...]]
+
+    def __init__(self, devices: tuple[DeviceState, ...]) -> None:
+        self.devices = devices
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(d.uuid for d in self.devices)

@@ -1,6 +1,6 @@
 """What a gpuclean session found, test by test: the bookkeeping that the summary and the CI outputs read.
 
-One ``SessionRecords`` per pytest session, kept in ``config.stash[SESSION]``; the record of the test being
+One ``SessionRecords`` per pytest session, kept in ``config.stash`` (``of``); the record of the test being
 run in ``item.stash[TEST]``. Records travel between processes as plain dicts: from an xdist worker to the
 controller (each test's record as it ends, and the worker's whole payload at session end) and from a
 forked child (pytest-forked) back to the session's process.
@@ -11,22 +11,38 @@ load where a record is first made or shipped.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Final
 
 import pytest
 
-from pytest_gpuclean.model.records import CheckResult, Reaped, SiblingUse, TestRecord
+from pytest_gpuclean.model.records import CheckResult, Fields, Reaped, SiblingUse, TestRecord
+
+__all__ = [
+    "EMPTY_PAYLOAD",
+    "TEST",
+    "Merged",
+    "Payload",
+    "SessionRecords",
+    "of",
+]
 
 Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""
 
 
-class Merged(NamedTuple):
-    """Everything a session and (in the xdist controller) its workers found."""
+class Merged(Fields):
+    """Everything a session and (in the xdist controller) its workers found: what every output reads.
+    (Declared here, not in the model: it is this module's answer, folded anew for each output.)"""
 
-    records: list[TestRecord]
-    session_reaped: list[Reaped]
-    notes: list[str]
+    __slots__ = ("records", "session_reaped", "notes")
+    records: Final[list[TestRecord]]
+    session_reaped: Final[list[Reaped]]
+    notes: Final[list[str]]
+
+    def __init__(self, records: list[TestRecord], session_reaped: list[Reaped], notes: list[str]) -> None:
+        self.records = records
+        self.session_reaped = session_reaped
+        self.notes = notes
 
 
 class SessionRecords:
@@ -193,7 +209,7 @@ def _one_per_test(records: list[TestRecord]) -> list[TestRecord]:
             if firsts[r.nodeid] is r or not _late(r)]
 
 
-SESSION = pytest.StashKey[SessionRecords]()
+_SESSION = pytest.StashKey[SessionRecords]()
 TEST = pytest.StashKey["TestRecord"]()
 """In ``item.stash``: the record of a checked test, from its setup check on."""
 
@@ -203,7 +219,7 @@ EMPTY_PAYLOAD: Payload = {"records": [], "session_reaped": [], "notes": []}
 
 def of(config: pytest.Config) -> SessionRecords:
     """The session's records (made on first use)."""
-    found = config.stash.get(SESSION, None)
+    found = config.stash.get(_SESSION, None)
     if found is None:
-        found = config.stash[SESSION] = SessionRecords()
+        found = config.stash[_SESSION] = SessionRecords()
     return found

@@ -14,7 +14,12 @@ from typing import Any, Final, TypeVar, Union, get_args, get_origin, get_type_hi
 
 from pytest_gpuclean.model.records import Fields
 
-T = TypeVar("T")
+__all__ = [
+    "from_dict",
+    "to_dict",
+]
+
+_T = TypeVar("_T")
 
 
 def to_dict(obj: Fields) -> dict[str, Any]:
@@ -63,7 +68,7 @@ def _build(hint: Any, value: Any) -> Any:
     return value  # scalars, Literal words, Mapping of scalars
 
 
-def from_dict(cls: type[T], data: Any) -> T:  # (cls: a record class)
+def from_dict(cls: type[_T], data: Any) -> _T:  # (cls: a record class)
     """Rebuild ``cls`` from ``to_dict`` output (sequences come back as tuples or lists as declared)."""
     hints = _hints(cls)  # type: ignore[arg-type]  # (a Fields class; TypeVar keeps the caller's type)
     return cls(**{name: _build(hint, data[name]) for name, hint in hints.items() if name in data})

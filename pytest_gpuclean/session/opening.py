@@ -2,7 +2,7 @@
 the core's ``devices.SimulationError`` and ``devices.DeviceSelectionError`` become ``pytest.UsageError``
 lines that name the option and where its value came from. Used where the session starts
 (``session.CheckedSession``) and where an explicit ``--gpuclean-devices`` is held against the devices in a
-session that checks nothing (``plugin.check_device_list``). ``devices.BackendUnavailable`` (no driver) is
+session that checks nothing (``plugin._check_device_list``). ``devices.BackendUnavailable`` (no driver) is
 left to each: the one skips its checked tests, the other has nothing to hold the list against.
 """
 
@@ -17,6 +17,11 @@ from pytest_gpuclean.core.reading import devices
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.reading.devices import Backend, NvmlOpening, Selection
+
+__all__ = [
+    "open_devices",
+    "select_devices",
+]
 
 
 def open_devices(resolved: settings.Settings, opening: NvmlOpening | None = None) -> Backend:

@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from pytest_gpuclean.core.reading.health import HealthWatch
     from pytest_gpuclean.session.names import ExportedCookie
 
+__all__ = [
+    "CheckedSession",
+]
+
 _SUBREAPER: dict[int, bool] = {}
 """pid -> whether PR_SET_CHILD_SUBREAPER took; once per process (xdist workers are processes too)."""
 

@@ -11,6 +11,10 @@ import sys
 import threading
 from typing import Any
 
+__all__ = [
+    "shutdown_pools",
+]
+
 
 def _worker_pids(obj: Any, pool_type: type | None, executor_type: type | None) -> set[int]:
     if pool_type is not None and isinstance(obj, pool_type):

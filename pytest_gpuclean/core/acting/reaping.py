@@ -15,7 +15,14 @@ from pytest_gpuclean.core.reading import processes
 from pytest_gpuclean.core.reading.devices import DeviceError
 from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot, FoundBy, Owner, ProcessInfo, Reaped
 
-RELEASE_POLL_S = 0.005
+__all__ = [
+    "Read",
+    "kill_and_confirm",
+    "reaped_record",
+    "vanished",
+]
+
+_RELEASE_POLL_S = 0.005
 
 Read = Callable[[Sequence[DeviceInfo]], Sequence[DeviceSnapshot]]
 """Reads the devices (``Checker.snapshot``)."""
@@ -30,7 +37,7 @@ def kill_and_confirm(targets: Sequence[processes.KillTarget], devices: Sequence[
     Returns per pid its outcome and the driver's release time, and the seconds from the first
     signal until every holder was gone from the devices (None if none held a GPU or one stayed).
     """
-    watch = ReleaseWatch(read, devices, holders)
+    watch = _ReleaseWatch(read, devices, holders)
     killed_at = time.monotonic()
     outcomes = processes.terminate(targets, grace, watch=watch.poll, hurry=hurry, kill_first=kill_first)
     watch.finish(deadline=time.monotonic() + max(grace, 10.0))
@@ -48,7 +55,7 @@ def kill_and_confirm(targets: Sequence[processes.KillTarget], devices: Sequence[
     return ended, all_released
 
 
-class ReleaseWatch:
+class _ReleaseWatch:
     """Notes when each killed GPU holder disappears from the driver's process list."""
 
     def __init__(self, read: Read, devices: Sequence[DeviceInfo], holders: set[int]) -> None:
@@ -73,7 +80,7 @@ class ReleaseWatch:
     def finish(self, deadline: float) -> None:
         self.poll()
         while len(self.gone_at) < len(self.holders) and time.monotonic() < deadline:
-            time.sleep(RELEASE_POLL_S)
+            time.sleep(_RELEASE_POLL_S)
             self.poll()
 
 

@@ -15,6 +15,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+__all__ = [
+    "SigtermAsInterrupt",
+    "quiet_interrupts",
+]
+
 
 class SigtermAsInterrupt:
     """A cancelled CI job sends SIGTERM: taken like Ctrl-C, so that the final sweep runs and the reports

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+__all__ = [
+    "parse_device_list",
+    "repeated_tokens",
+]
+
 
 def parse_device_list(spec: str) -> list[str]:
     """Split a CUDA_VISIBLE_DEVICES-style list into tokens; CUDA stops at ``-1``."""

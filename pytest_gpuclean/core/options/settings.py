@@ -24,27 +24,51 @@ if TYPE_CHECKING:
 
     from pytest_gpuclean.model.records import OnOff, OutsideAction, Scope
 
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_TOLERANCE_MIB",
+    "INTERNAL_VARIABLES",
+    "ON_OFF",
+    "OPTIONS",
+    "OUTSIDE_ACTIONS",
+    "SCOPES",
+    "SETTINGS_FIELDS",
+    "Option",
+    "SettingError",
+    "Settings",
+    "TestSettings",
+    "add_options",
+    "check_environment",
+    "for_marker",
+    "option",
+    "parse_seconds",
+    "resolve",
+    "resolve_options",
+    "unknown_variables",
+]
+
 # The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
 # that they agree), spelt out: every pytest run with the plugin installed imports this module, and
 # model/records.py is not cheap.
 SCOPES: tuple[Scope, ...] = ("session", "host")
 ON_OFF: tuple[OnOff, ...] = ("on", "off")
 OUTSIDE_ACTIONS: tuple[OutsideAction, ...] = ("fail", "skip", "stop")
-MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
-PROBE_MODES = ("off", "start", "after-incident", "each")
-"""``probe.MODES``, spelt out for the same reason as ``SCOPES``."""
-DEFAULT_PROBE = "after-incident"
+_MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
+_PROBE_MODES = ("off", "start", "after-incident", "each")
+"""The ``--gpuclean-probe`` modes, as ``health.HealthWatch`` reads them."""
+_DEFAULT_PROBE = "after-incident"
 
 DEFAULT_TOLERANCE_MIB = 0
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_GRACE_S = 5.0
-DEFAULT_SETTLE_S = 1.0
-DEFAULT_LOCK_TIMEOUT_S = 600.0
+_DEFAULT_SETTLE_S = 1.0
+_DEFAULT_LOCK_TIMEOUT_S = 600.0
 # No dataclasses in this module: every pytest run of an environment that has the plugin imports it, and
 # creating a dataclass (a compile per generated method) costs more than the rest of the module.
 
 
-def default_lock_dir() -> str:
+def _default_lock_dir() -> str:
     """``<tmp>/gpuclean-locks``. Asked for only when a session takes locks: finding the temporary
     directory writes a probe file there, and a session that checks nothing must not depend on it."""
     import tempfile
@@ -216,7 +240,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("grace", f"seconds between SIGTERM and SIGKILL when reaping (default {DEFAULT_GRACE_S:g})",
            parse_seconds, "S"),
     Option("settle", "seconds leftover processes get to exit by themselves before reaping starts "
-           f"(default {DEFAULT_SETTLE_S:g}); those that do are reported, not counted as leaks",
+           f"(default {_DEFAULT_SETTLE_S:g}); those that do are reported, not counted as leaks",
            parse_seconds, "S"),
     Option("reap", "on: kill what a test leaked; off: only report (default on)", _on_off, "MODE"),
     Option("dead_sessions", "on: reap what dead gpuclean sessions of this user left behind (their pytest "
@@ -231,11 +255,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("lock_dir", "directory of the per-GPU lock files shared by all sessions on this host "
            "(default: <tmp>/gpuclean-locks)", _path, "DIR", path=True),
     Option("lock_timeout", f"seconds to wait for another session's GPU lock (default "
-           f"{DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
+           f"{_DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
     Option("probe", "CUDA sanity probe (a subprocess: context, allocation, write and read back on each "
            "device, within the check's timeout): off; start (once, at session start); after-incident (before "
            "the next test on a GPU where a test had an Xid, a reaped GPU process or a failure); each (before "
-           f"every checked test) (default {DEFAULT_PROBE})", _choice(PROBE_MODES), "MODE"),
+           f"every checked test) (default {_DEFAULT_PROBE})", _choice(_PROBE_MODES), "MODE"),
     Option("report", "write a JSON report of every checked test to PATH", _path, "PATH", path=True),
     Option("ray", "check every node of a Ray cluster too: its GCS address (host:port); auto (RAY_ADDRESS if "
            "set, else a cluster the session's tests or fixtures start, found at the next check once its GCS "
@@ -275,7 +299,7 @@ def add_options(parser: pytest.Parser) -> None:
 class Settings:
     """Resolved options (immutable); ``sources`` says where each explicitly set value came from.
 
-    A value not given keeps its default; ``lock_dir``'s, ``default_lock_dir()``, is found when first read.
+    A value not given keeps its default; ``lock_dir``'s, ``_default_lock_dir()``, is found when first read.
     """
 
     all: bool = False
@@ -289,14 +313,14 @@ class Settings:
     helpers: tuple[str, ...] = ()
     persistent: tuple[str, ...] = ()
     grace: float = DEFAULT_GRACE_S
-    settle: float = DEFAULT_SETTLE_S
+    settle: float = _DEFAULT_SETTLE_S
     reap: OnOff = "on"
     dead_sessions: OnOff = "on"
     outside: OutsideAction = "fail"
     lock: OnOff = "on"
-    lock_timeout: float = DEFAULT_LOCK_TIMEOUT_S
+    lock_timeout: float = _DEFAULT_LOCK_TIMEOUT_S
     report: str | None = None
-    probe: str = DEFAULT_PROBE
+    probe: str = _DEFAULT_PROBE
     ray: str = "off"
     sources: Mapping[str, str]
 
@@ -310,7 +334,7 @@ class Settings:
     @property
     def lock_dir(self) -> str:
         given: str | None = self.__dict__["_lock_dir"]
-        return given if given is not None else default_lock_dir()
+        return given if given is not None else _default_lock_dir()
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Settings are immutable (cannot set {name})")
@@ -415,24 +439,24 @@ INTERNAL_VARIABLES = frozenset((
 checks them against the package's constants): importing ``locks`` or ``outside`` to ask would cost every
 pytest run of the environment, and a session inherits them from an outer one (a CI job's cookie, the test
 of an outer session)."""
-VARIABLE_PREFIX = "GPUCLEAN_"
+_VARIABLE_PREFIX = "GPUCLEAN_"
 
 
 def unknown_variables(env: Mapping[str, str]) -> list[str]:
     """A line for each ``GPUCLEAN_`` variable in ``env`` that nothing reads, naming the closest option's
     variable: ``GPUCLEAN_TIMOUT=5`` would otherwise change nothing, silently."""
     options = {option.env_var for option in OPTIONS}
-    unknown = sorted(name for name in env if name.startswith(VARIABLE_PREFIX)
+    unknown = sorted(name for name in env if name.startswith(_VARIABLE_PREFIX)
                      and name not in options and name not in INTERNAL_VARIABLES)
     if not unknown:
         return []
     import difflib  # only for a slip: every pytest run of the environment imports this module
 
     # Matched without the prefix, which every candidate shares: GPUCLEAN_FOO is like none of them.
-    suffixes = {name[len(VARIABLE_PREFIX):]: name for name in sorted(options)}
+    suffixes = {name[len(_VARIABLE_PREFIX):]: name for name in sorted(options)}
     lines = []
     for name in unknown:
-        close = difflib.get_close_matches(name[len(VARIABLE_PREFIX):], list(suffixes), n=1)
+        close = difflib.get_close_matches(name[len(_VARIABLE_PREFIX):], list(suffixes), n=1)
         hint = f" (did you mean {suffixes[close[0]]}?)" if close else ""
         lines.append(f"environment variable {name} is not gpuclean's: ignored{hint}")
     return lines
@@ -487,11 +511,11 @@ def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: 
         # needs_clean_gpus(2) reads as "2 GPUs" to some and "2 MiB" to others: make the reader say which.
         given = ", ".join(map(repr, args))
         raise ValueError(f"needs_clean_gpus({given}) on {where}: positional arguments are not accepted; "
-                         f"use keyword arguments: {', '.join(f'{name}=...' for name in MARKER_KWARGS)}")
-    unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
+                         f"use keyword arguments: {', '.join(f'{name}=...' for name in _MARKER_KWARGS)}")
+    unknown = sorted(set(kwargs) - set(_MARKER_KWARGS))
     if unknown:
         raise ValueError(f"needs_clean_gpus got unknown argument(s) {', '.join(unknown)} on {where}; "
-                         f"known: {', '.join(MARKER_KWARGS)}")
+                         f"known: {', '.join(_MARKER_KWARGS)}")
 
     def pick(name: str, check: Callable[[str], Any]) -> Any:
         if name not in kwargs or kwargs[name] is None:

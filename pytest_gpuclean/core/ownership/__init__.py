@@ -1,1 +1,3 @@
 """Ownership: whose a process is (the cookie, the ownership windows, the session's census)."""
+
+__all__: list[str] = []

@@ -12,21 +12,36 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Final
 
-from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR as COOKIE_VAR
-from pytest_gpuclean.core.ownership.cookie import OWNER_VAR as OWNER_VAR
-from pytest_gpuclean.core.ownership.cookie import SESSION_TOKEN, cookie
+from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, cookie
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.records import UNKNOWN_OWNER, Owner
+from pytest_gpuclean.model.records import UNKNOWN_OWNER, Fields, Owner
+
+__all__ = [
+    "COOKIE_VAR",
+    "OWNER_VAR",
+    "PREEXISTING",
+    "SESSION",
+    "SESSION_OWNER",
+    "Liveness",
+    "Ownership",
+    "SessionRef",
+    "Window",
+    "born_in",
+    "dead_session_of",
+    "innermost_session",
+    "older_than_session",
+    "pid_between",
+]
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
 PREEXISTING = "before"
 """Token of the processes that existed before the session began (its cookie exported), and of what they
 start: no part of the session (a container entrypoint's ``server & exec pytest``), never signalled. Other
 tokens are a letter and a count, or ``session``."""
-PREEXISTING_OWNER = Owner("unknown", "no part of the session (it, or the process that started it, existed "
-                          "before the session)")
+_PREEXISTING_OWNER = Owner("unknown", "no part of the session (it, or the process that started it, "
+                           "existed before the session)")
 
 _SESSION_ID = re.compile(r"gc\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+$")
 
@@ -36,15 +51,20 @@ SESSION = SESSION_TOKEN
 of those whose cookie says the session set-up started them."""
 
 
-class SessionRef(NamedTuple):
-    """The leader of a gpuclean session, as its id names it. (NamedTuples, not dataclasses, for the records
-    of the checks' own machinery: far cheaper to create at import, in every checked session;
-    docs/benchmarks.md 9.)"""
+class SessionRef(Fields):
+    """The leader of a gpuclean session, as its id names it."""
 
-    session_id: str
-    pid: int
-    start_ticks: int
-    pid_namespace: int
+    __slots__ = ("session_id", "pid", "start_ticks", "pid_namespace")
+    session_id: Final[str]
+    pid: Final[int]
+    start_ticks: Final[int]
+    pid_namespace: Final[int]
+
+    def __init__(self, session_id: str, pid: int, start_ticks: int, pid_namespace: int) -> None:
+        self.session_id = session_id
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.pid_namespace = pid_namespace
 
     def liveness(self) -> bool | None:
         """True when provably alive (same pid namespace, its pid still that very process), False when provably
@@ -83,7 +103,7 @@ Liveness = Callable[[SessionRef], bool | None]
 """Whether a session's leader is alive (True), dead (False) or unknowable (None): ``SessionRef.liveness``."""
 
 
-def live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
+def _live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
     """A session that encloses the cookie's innermost one and is provably alive, other than ours and those
     we run inside: the innermost such. Its test started the innermost session (a nested pytest), so what
     that session left when it died is that live session's to reap, never a dead session's debris for
@@ -102,25 +122,33 @@ def live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) -> 
 def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
     """The dead gpuclean session whose debris a process carrying ``cookie`` is: the session that spawned it
     (``innermost_session``), not ours, provably dead, and enclosed by no live session but ours and those we
-    run inside (``live_outer_session``). None otherwise: a live session's, its pid unknowable here, a live
+    run inside (``_live_outer_session``). None otherwise: a live session's, its pid unknowable here, a live
     outer session's to reap (its test ran the one that died), or no session's: never ours to reap."""
     inner = innermost_session(cookie)
     if inner is None or inner.session_id == own_session_id or liveness(inner) is not False:
         return None
-    return inner if live_outer_session(cookie, own_session_id, liveness) is None else None
+    return inner if _live_outer_session(cookie, own_session_id, liveness) is None else None
 
 
-class Window:
-    """The span of a test or higher-scoped fixture, bracketed by pid and clock readings. (A plain class: a
-    dataclass is far dearer to create at import, in every checked session; docs/benchmarks.md 9.)"""
+class Window(Fields):
+    """The span of a test or higher-scoped fixture, bracketed by pid and clock readings; closed in place
+    (``Ownership.close_window``)."""
 
-    __slots__ = ("end_tick", "first_pid", "last_pid", "start_tick", "token")
+    __slots__ = ("token", "first_pid", "start_tick", "last_pid", "end_tick")
+    __hash__ = None  # type: ignore[assignment]  # (closed in place)
+    token: Final[str]
+    first_pid: Final[int | None]
+    """The last pid allocated when the window opened: everything born in it has a later pid."""
+    start_tick: Final[int]
+    last_pid: int | None
+    """The last pid allocated when it closed (None while open, or where the kernel does not say)."""
+    end_tick: int | None
+    """When it closed; None while open."""
 
     def __init__(self, token: str, first_pid: int | None, start_tick: int, last_pid: int | None = None,
                  end_tick: int | None = None) -> None:
         self.token = token
         self.first_pid = first_pid
-        """The last pid allocated when the window opened: everything born in it has a later pid."""
         self.start_tick = start_tick
         self.last_pid = last_pid
         self.end_tick = end_tick
@@ -131,8 +159,7 @@ class Window:
 
 
 class Ownership:
-    """Who spawned what: cookie tokens, their owners, and the windows they ran in. (A plain class, as
-    ``Window``.)"""
+    """Who spawned what: cookie tokens, their owners, and the windows they ran in."""
 
     def __init__(self, session_id: str, began_tick: int | None = None, began_pid: int | None = None) -> None:
         self.session_id = session_id
@@ -205,7 +232,7 @@ class Ownership:
         if token == SESSION:
             return SESSION_OWNER
         if token == PREEXISTING:
-            return PREEXISTING_OWNER
+            return _PREEXISTING_OWNER
         return self.owners.get(token or "", UNKNOWN_OWNER)
 
     def is_protected(self, token: str | None) -> bool:
