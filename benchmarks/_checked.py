@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.locks.locks import GpuLocks
+from pytest_gpuclean.core.locks.gpus import GpuLocks
 from pytest_gpuclean.model.records import DeviceInfo
 
 

@@ -47,7 +47,7 @@ import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 from _checked import checked_test, health_watch
 
 from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.locks.locks import GpuLocks
+from pytest_gpuclean.core.locks.gpus import GpuLocks
 from pytest_gpuclean.core.reading import devices as devices_mod
 from pytest_gpuclean.model.records import DeviceInfo
 

@@ -31,10 +31,10 @@ from bench_session import make_sim, write_suite
 
 STEPS = {
     "the two checks (Checker.check)": ("pytest_gpuclean.core.checking.checker", "Checker", "check"),
-    "taking the GPU locks (GpuLocks.acquire)": ("pytest_gpuclean.core.locks.locks", "GpuLocks", "acquire"),
-    "keeping them for the next test (HeldLocks.park)": ("pytest_gpuclean.core.locks.locks", "HeldLocks",
+    "taking the GPU locks (GpuLocks.acquire)": ("pytest_gpuclean.core.locks.gpus", "GpuLocks", "acquire"),
+    "keeping them for the next test (HeldLocks.park)": ("pytest_gpuclean.core.locks.held", "HeldLocks",
                                                         "park"),
-    "letting them go (HeldLocks.release)": ("pytest_gpuclean.core.locks.locks", "HeldLocks", "release"),
+    "letting them go (HeldLocks.release)": ("pytest_gpuclean.core.locks.held", "HeldLocks", "release"),
     "the health watch (ItemChecks._health_before/_after)": ("pytest_gpuclean.session.testcheck", "ItemChecks",
                                                             "_health_before", "_health_after"),
     "ownership windows (Ownership.open_window/close_window)": ("pytest_gpuclean.core.ownership.evidence",

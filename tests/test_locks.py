@@ -26,9 +26,13 @@ from pathlib import Path
 import pytest
 from helpers import EXAMPLES, alive
 
-from pytest_gpuclean.core.locks import locks as locks_mod
-from pytest_gpuclean.core.locks.locks import HELD_VAR, GpuLocks, LockDirError, LockTimeout
+from pytest_gpuclean.core.locks import held as held_mod
+from pytest_gpuclean.core.locks.directory import HOST, QUEUE_AFTER_S, LockDirError, take_notices
+from pytest_gpuclean.core.locks.gpus import GpuLocks, LockTimeout
+from pytest_gpuclean.core.locks.held import HELD_VAR
+from pytest_gpuclean.core.locks.holders import clean_text
 from pytest_gpuclean.core.reading import procfs
+from pytest_gpuclean.model.records import LockHolder
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="acting as another user or mounting a tmpfs needs root")
@@ -246,7 +250,8 @@ def test_three_users_share_a_directory_gpuclean_made(other_user: User, shared_tm
         held = locks.acquire(["GPU-a"], 1, 5, f"user {os.getuid()}")
         recorded = locks.holder("GPU-a")
         held.release()
-        return f"ok {recorded['pid'] == os.getpid()} {recorded['user']}"
+        assert recorded is not None
+        return f"ok {recorded.pid == os.getpid()} {recorded.user}"
 
     # The other user makes the directory and the lock file; root and a third uid use them.
     assert run_as(other_user, lock_and_release) == f"ok True {other_user.name}"
@@ -283,7 +288,7 @@ def test_missing_lock_file_of_a_free_gpu_is_made_while_other_gpus_are_held(tmp_p
     with holding(lock_dir, "GPU-a") as holder:
         os.unlink(tmp_path / "locks" / "GPU-a.lock")  # deleted under its holder: stays protected
         locks = GpuLocks(lock_dir)
-        told: list[dict[str, dict[str, object]]] = []
+        told: list[dict[str, LockHolder]] = []
         held = locks.acquire(["GPU-b"], 1, 0, "second::test", on_wait=told.append)
         assert (held.uuids, told) == (("GPU-b",), [])
         held.release()
@@ -298,10 +303,10 @@ def test_missing_lock_file_of_a_free_gpu_is_made_while_other_gpus_are_held(tmp_p
 
 MARKING = """
 import fcntl, os, sys
-from pytest_gpuclean.core.locks import locks
+from pytest_gpuclean.core.locks import directory
 fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
-offset = getattr(locks._marks("GPU-a"), sys.argv[2])
-fcntl.fcntl(fd, fcntl.F_OFD_SETLK, locks._FLOCK.pack(fcntl.F_RDLCK, 0, offset, 1, 0))
+offset = getattr(directory.marks_of("GPU-a"), sys.argv[2])
+fcntl.fcntl(fd, fcntl.F_OFD_SETLK, directory._FLOCK.pack(fcntl.F_RDLCK, 0, offset, 1, 0))
 print("MARKED", flush=True)
 sys.stdin.read()
 """
@@ -309,7 +314,7 @@ sys.stdin.read()
 
 @contextlib.contextmanager
 def marking(lock_dir: str, mark: str) -> Iterator[None]:
-    """Another process keeps GPU-a's ``mark`` (see locks._Marks) up on the lock directory meanwhile."""
+    """Another process keeps GPU-a's ``mark`` (see directory._Marks) up on the lock directory meanwhile."""
     proc = subprocess.Popen([sys.executable, "-c", MARKING, lock_dir, mark], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -324,9 +329,9 @@ def marking(lock_dir: str, mark: str) -> Iterator[None]:
 
 
 def test_a_gpu_whose_lock_file_is_being_made_is_not_taken(tmp_path: Path) -> None:
-    # The holder's half of the handshake in locks._create: while another session is making GPU-a's lock file
-    # (it saw the name missing), a descriptor of an older GPU-a file may be one that was deleted, so it
-    # is not trusted; other GPUs are.
+    # The holder's half of the handshake in directory.create: while another session is making GPU-a's lock
+    # file (it saw the name missing), a descriptor of an older GPU-a file may be one that was deleted, so
+    # it is not trusted; other GPUs are.
     lock_dir = str(tmp_path / "locks")
     locks = GpuLocks(lock_dir)
     locks.prepare(["GPU-a", "GPU-b"])
@@ -353,19 +358,25 @@ def test_a_newcomer_leaves_a_free_gpu_to_a_session_that_has_waited_long(tmp_path
         # mark left up (a waiter's raw-forked child that kept its descriptor) never keeps a GPU out of use.
         held = locks.acquire(["GPU-a"], 1, 10, "third::test")
         held.release()
-        assert held.waited_s >= locks_mod._QUEUE_AFTER_S  # (it could not have it before it queued)
+        assert held.waited_s >= QUEUE_AFTER_S  # (it could not have it before it queued)
 
 
 def other_session_tries(lock_dir: str, uuid: str) -> str:
     """Another session (not a child of this one's test: no ``HELD_VAR``) tries to lock ``uuid`` for 0.3 s:
     "locked", or why not (its LockTimeout)."""
-    script = ("import sys; from pytest_gpuclean.core.locks.locks import GpuLocks, LockTimeout\n"
+    script = ("import sys; from pytest_gpuclean.core.locks.gpus import GpuLocks, LockTimeout\n"
               "try: GpuLocks(sys.argv[1]).acquire([sys.argv[2]], 1, 0.3, 'other::test').release()\n"
               "except LockTimeout as exc: print(exc)\n"
               "else: print('locked')")
     env = {k: v for k, v in os.environ.items() if k != HELD_VAR}
     return subprocess.run([sys.executable, "-c", script, lock_dir, uuid], capture_output=True, text=True,
                           check=True, env=env).stdout
+
+
+def recorded_test(locks: GpuLocks, uuid: str) -> str | None:
+    """The test that ``uuid``'s newest valid holder record names (None: no record)."""
+    record = locks.holder(uuid)
+    return None if record is None else record.test
 
 
 def test_locks_kept_for_the_next_test_are_that_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -379,21 +390,21 @@ def test_locks_kept_for_the_next_test_are_that_tests(tmp_path: Path, monkeypatch
     held = locks.acquire(["GPU-a", "GPU-b"], 1, 5, "first::test")
     assert held.uuids == ("GPU-a",) and held.park()
     assert HELD_VAR in os.environ  # (they are held: a session started now would inherit them)
-    assert locks.holder("GPU-a")["test"] == "first::test"
+    assert recorded_test(locks, "GPU-a") == "first::test"
     assert "GPU-a: pid" in other_session_tries(lock_dir, "GPU-a")  # still locked: nobody else gets it
     again = locks.acquire(["GPU-a", "GPU-b"], 1, 5, "second::test", parked=held)
     assert again is held and not held.parked and HELD_VAR in os.environ
-    assert locks.holder("GPU-a")["test"] == "second::test"
+    assert recorded_test(locks, "GPU-a") == "second::test"
     # A record too long for the padded size, then a short one again: each reads back whole.
     for name in ("long::test[" + "x" * 600 + "]", "short::test"):
         assert held.park()
         assert locks.acquire(["GPU-a", "GPU-b"], 1, 5, name, parked=held) is held
-        assert str(locks.holder("GPU-a")["test"])[:100] == name[:100]  # (texts are cut when read)
+        assert str(recorded_test(locks, "GPU-a"))[:100] == name[:100]  # (texts are cut when read)
     assert held.park()
     both = locks.acquire(["GPU-a", "GPU-b"], 2, 5, "third::test", parked=held)
     assert both is not held and both.uuids == ("GPU-a", "GPU-b") and not held.locks
     both.release()
-    assert locks.holder("GPU-a") == {} and locks.holder("GPU-b") == {} and HELD_VAR not in os.environ
+    assert locks.holder("GPU-a") is None and locks.holder("GPU-b") is None and HELD_VAR not in os.environ
 
 
 def test_kept_locks_interrupted_while_the_next_test_takes_them_are_let_go(
@@ -410,7 +421,7 @@ def test_kept_locks_interrupted_while_the_next_test_takes_them_are_let_go(
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(GpuLocks, "_write_records", interrupted)
+    monkeypatch.setattr(held_mod, "write_records", interrupted)
     with pytest.raises(KeyboardInterrupt):
         locks.acquire(["GPU-a"], 1, 5, "second::test", parked=held)
     monkeypatch.undo()
@@ -431,7 +442,7 @@ def test_kept_locks_after_a_test_scrubbed_the_environment_are_taken_anew(
     del os.environ[HELD_VAR]
     again = locks.acquire(["GPU-a"], 1, 5, "second::test", parked=held)
     assert again is not held and not held.locks and HELD_VAR in os.environ
-    assert locks.holder("GPU-a")["test"] == "second::test"
+    assert recorded_test(locks, "GPU-a") == "second::test"
     assert "second::test" in other_session_tries(lock_dir, "GPU-a")
     again.release()
     assert HELD_VAR not in os.environ
@@ -451,7 +462,7 @@ def test_locks_are_not_kept_while_another_session_waits(tmp_path: Path, mark: st
     held = locks.acquire(["GPU-b"], 1, 5, "second::test")
     assert held.park()
     held.release()
-    assert locks.holder("GPU-b") == {}
+    assert locks.holder("GPU-b") is None
 
 
 def test_lock_file_deleted_while_its_lock_is_kept_is_seen_at_the_next_test(tmp_path: Path) -> None:
@@ -466,7 +477,7 @@ def test_lock_file_deleted_while_its_lock_is_kept_is_seen_at_the_next_test(tmp_p
     again = locks.acquire(["GPU-a"], 1, 5, "second::test", parked=held)
     assert again is not held
     assert any(f"lock file {lock_dir}/GPU-a.lock was deleted or replaced" in n
-               for n in locks_mod.take_notices())
+               for n in take_notices())
     assert "second::test" in other_session_tries(lock_dir, "GPU-a")  # the new file is the one locked
     again.release()
 
@@ -474,8 +485,8 @@ def test_lock_file_deleted_while_its_lock_is_kept_is_seen_at_the_next_test(tmp_p
 STREAM = """
 import os, sys, time
 from pathlib import Path
-from pytest_gpuclean.core.locks import locks
-gpu = locks.GpuLocks(sys.argv[1])
+from pytest_gpuclean.core.locks import gpus
+gpu = gpus.GpuLocks(sys.argv[1])
 stop = Path(sys.argv[2])
 tests = 0
 while not stop.exists():
@@ -527,13 +538,13 @@ def test_a_waiter_moves_to_a_lock_directory_made_anew(tmp_path: Path) -> None:
         assert holder.poll() is None  # (still holding GPU-a in the old directory)
     assert held.waited_s > 0
     assert (lock_dir / "GPU-a.lock").exists()
-    assert any("was removed or replaced while this session ran" in n for n in locks_mod.take_notices())
+    assert any("was removed or replaced while this session ran" in n for n in take_notices())
 
 
 def test_lock_file_replaced_between_tests_is_seen_though_names_are_not_looked_up(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Once the directory has been unchanged for a while, a test's locks skip looking their names up
-    # (locks._still_named): its ctime says no entry was added or removed. Replacing a lock file changes it.
+    # (held.still_named): its ctime says no entry was added or removed. Replacing a lock file changes it.
     lock_dir = str(tmp_path / "locks")
     locks = GpuLocks(lock_dir)
     locks.prepare(["GPU-a"])
@@ -618,22 +629,22 @@ def test_child_of_a_raw_fork_and_its_parent_exclude_each_other(tmp_path: Path) -
     lock_dir = str(tmp_path / "locks")
     script = """
 import ctypes, os, sys, time
-from pytest_gpuclean.core.locks import locks
-locks.GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 5, "parent::first").release()  # GPU-a's file stays open
-held = locks.GpuLocks(sys.argv[1]).acquire(["GPU-b"], 1, 5, "parent::holds")
+from pytest_gpuclean.core.locks import gpus
+gpus.GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 5, "parent::first").release()  # GPU-a's file stays open
+held = gpus.GpuLocks(sys.argv[1]).acquire(["GPU-b"], 1, 5, "parent::holds")
 print("READY", flush=True)
 libc = ctypes.CDLL(None)
 child = libc.fork()
 if child == 0:
-    mine = locks.GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 5, "child::test")
+    mine = gpus.GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 5, "child::test")
     os.write(1, b"CHILD HOLDS\\n")
     time.sleep(120)
     os._exit(0)
 assert sys.stdin.readline() == "go\\n"
 try:
-    locks.GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 0.3, "parent::second")
+    gpus.GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 0.3, "parent::second")
     print("PARENT GOT IT TOO", flush=True)
-except locks.LockTimeout:
+except gpus.LockTimeout:
     print("PARENT KEPT OUT", flush=True)
 os.kill(child, 9)
 os.waitpid(child, 0)
@@ -671,16 +682,16 @@ def test_waiting_names_the_real_holder_not_a_stale_record(tmp_path: Path, unreap
                               str(lock_file)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert taker.stdout is not None and taker.stdout.readline() == "LOCKED\n"
-        told: list[dict[str, dict[str, object]]] = []
+        told: list[dict[str, LockHolder]] = []
         expected = r"^waited .* for 1 of 1 GPU lock\(s\); held by: GPU-a: "
         with pytest.raises(LockTimeout, match=expected) as timeout:
             GpuLocks(lock_dir).acquire(["GPU-a"], 1, 0.5, "waiter::test", on_wait=told.append)
         message = str(timeout.value)
         assert f"GPU-a: pid {taker.pid} (user root: {sys.executable} -c import fcntl" in message
         assert (f"which left no record; the newest record, pid {dead_pid} (user root) on "
-                f"{locks_mod._HOST} running holder::test, for ") in message
+                f"{HOST} running holder::test, for ") in message
         assert message.endswith("is stale (that process is gone)")
-        assert told[0]["GPU-a"]["lock_pid"] == taker.pid
+        assert told[0]["GPU-a"].lock_pid == taker.pid
     finally:
         taker.kill()
         taker.wait()
@@ -703,12 +714,12 @@ def test_hostile_holder_records_are_validated_and_cleaned(other_user: User, shar
             fd = os.open(lock_dir / f"{uuid}.lock", os.O_RDWR | os.O_CREAT, 0o666)
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             taken.append(fd)
-            record = {"pid": os.getpid(), "host": locks_mod._HOST, "uid": os.getuid(), "test": HOSTILE_TEST,
+            record = {"pid": os.getpid(), "host": HOST, "uid": os.getuid(), "test": HOSTILE_TEST,
                       "since": since, "uuid": uuid}
             (lock_dir / f"{uuid}.{os.getuid()}.holder").write_text(json.dumps(record))
         # A record under root's name, claiming root holds GPU-b for a test of its choosing.
         (lock_dir / "GPU-b.0.holder").write_text(json.dumps(
-            {"pid": 1, "host": locks_mod._HOST, "uid": 0, "test": "forged::by_another_user",
+            {"pid": 1, "host": HOST, "uid": 0, "test": "forged::by_another_user",
              "since": time.time(), "uuid": "GPU-b"}))
         globals()["_keep"] = taken
         return "holding"
@@ -729,22 +740,22 @@ def test_hostile_holder_records_are_validated_and_cleaned(other_user: User, shar
         assert f"GPU-a: pid {pid} (user {other_user.name}) on " in message
         assert f"GPU-b: pid {pid} (user {other_user.name}: " in message and "which left no record" in message
         assert "forged" not in message and "-999" not in message
-        assert locks.holder("GPU-b") == {}
+        assert locks.holder("GPU-b") is None
     # Root's own record replaces the squatter's file.
     held = GpuLocks(str(lock_dir)).acquire(["GPU-b"], 1, 5, "root::after")
     try:
         info = (lock_dir / "GPU-b.0.holder").stat()
-        assert info.st_uid == 0 and GpuLocks(str(lock_dir)).holder("GPU-b")["test"] == "root::after"
+        assert info.st_uid == 0 and recorded_test(GpuLocks(str(lock_dir)), "GPU-b") == "root::after"
     finally:
         held.release()
 
 
 def test_clean_text_neutralises_what_a_terminal_or_ci_runner_would_interpret() -> None:
-    assert locks_mod.clean_text("::error::x") == "?::error::x"
-    assert locks_mod.clean_text("  ##[error]x") == "?##[error]x"
-    assert locks_mod.clean_text("a\nb\rc\x1b[2Jd\x85e\u2028f\u200bg") == "a b c [2Jd e f g"
-    assert locks_mod.clean_text(42) == "?"
-    assert len(locks_mod.clean_text("x" * 1000)) == 300
+    assert clean_text("::error::x") == "?::error::x"
+    assert clean_text("  ##[error]x") == "?##[error]x"
+    assert clean_text("a\nb\rc\x1b[2Jd\x85e\u2028f\u200bg") == "a b c [2Jd e f g"
+    assert clean_text(42) == "?"
+    assert len(clean_text("x" * 1000)) == 300
 
 
 # ---- 5. a full file system ---------------------------------------------------------------------------

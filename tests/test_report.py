@@ -20,6 +20,8 @@ from pytest_gpuclean.model.records import (
     FixtureLeak,
     GpuProcess,
     HealthFinding,
+    HolderRecord,
+    LockHolder,
     NodeReading,
     NodeRelease,
     Offender,
@@ -100,6 +102,9 @@ RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_befo
 # What the clean_gpus fixture gives a test.
 GPU_STATE = model.DeviceState(0, "GPU-0000", "H200", 600 * MIB, 1000 * MIB)
 CLEAN_GPUS = model.CleanGpus((GPU_STATE, model.DeviceState(3, "GPU-3333", "H200", 0, 1000 * MIB)))
+HOLDER_RECORD = HolderRecord(4242, 1000, "ci", "h", "t.py::test_holds", 1.5e9, "GPU-0000", start=99)
+LOCK_HOLDER = LockHolder(HOLDER_RECORD, alive=False, lock_pid=4343, lock_user="ci",
+                         lock_cmd="python -m pytest", queued=True)
 
 # One fully populated instance of every record class in the model: each must survive a round trip.
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
@@ -108,7 +113,7 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
                        RAY_AFTER.cluster, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD, SIBLING,
                        SEEN_SIBLING,
                        UNCHECKED_USER, XID, HEALTH, FAULTED, OUTSIDE, OUTSIDE_CHECK,
-                       OUTSIDE_RECORD, GPU_STATE, CLEAN_GPUS]
+                       OUTSIDE_RECORD, GPU_STATE, CLEAN_GPUS, HOLDER_RECORD, LOCK_HOLDER]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:

@@ -33,8 +33,10 @@ from helpers import (
     wait_for_file,
 )
 
-from pytest_gpuclean.core.locks.locks import HELD_VAR, GpuLocks, LockTimeout
+from pytest_gpuclean.core.locks.gpus import GpuLocks, LockTimeout
+from pytest_gpuclean.core.locks.held import HELD_VAR
 from pytest_gpuclean.core.reading.devices import SimulatedBackend
+from pytest_gpuclean.model.records import LockHolder
 from pytest_gpuclean.report import jsonreport
 from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 
@@ -160,8 +162,9 @@ def test_sigkilled_session_frees_its_gpus(sessions: Sessions, sim: Path, tmp_pat
     assert int(wait_for_file(holding, holder)) == holder.pid
     locks = GpuLocks(str(tmp_path / "locks"))
     for uuid in uuids_of(sim):
-        assert locks.holder(uuid)["pid"] == holder.pid
-        assert locks.holder(uuid)["test"] == "test_hold.py::test_hold"
+        recorded = locks.holder(uuid)
+        assert recorded is not None and recorded.pid == holder.pid
+        assert recorded.test == "test_hold.py::test_hold"
     holder.send_signal(signal.SIGKILL)  # no teardown, no release: only the kernel frees the locks
     holder.wait()
 
@@ -663,7 +666,7 @@ def test_waiting_reports_holders_once(tmp_path: Path) -> None:
     locks = GpuLocks(str(tmp_path / "locks"))
     held = locks.acquire(["GPU-a", "GPU-b"], 1, 1.0, "first::test")
     assert held.uuids == ("GPU-a",)
-    told: list[dict[str, dict[str, object]]] = []
+    told: list[dict[str, LockHolder]] = []
     try:
         # flock conflicts between two opens of a file, even in one process.
         second = locks.acquire(["GPU-a", "GPU-b"], 1, 1.0, "second::test")
@@ -676,7 +679,8 @@ def test_waiting_reports_holders_once(tmp_path: Path) -> None:
     finally:
         held.release()
     assert [sorted(t) for t in told] == [["GPU-a", "GPU-b"]]
-    assert told[0]["GPU-a"]["test"] == "first::test"
+    record = told[0]["GPU-a"].record
+    assert record is not None and record.test == "first::test"
     fourth = locks.acquire(["GPU-a", "GPU-b"], 2, 0, "fourth::test")
     fourth.release()  # (else this worker's later tests would inherit them through HELD_VAR)
     assert fourth.uuids == ("GPU-a", "GPU-b")
@@ -699,7 +703,7 @@ def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.M
     assert interruption.tb is not None
     # Another process can have GPU-a at once (the one that took it was interrupted).
     other = subprocess.run([sys.executable, "-c", "import sys; "
-                            "from pytest_gpuclean.core.locks.locks import GpuLocks; "
+                            "from pytest_gpuclean.core.locks.gpus import GpuLocks; "
                             "GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'next::test')", locks.directory],
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 0, other.stderr
@@ -713,7 +717,7 @@ def test_lock_file_deleted_by_hand_is_not_trusted(tmp_path: Path) -> None:
     os.unlink(locks.lock_path("GPU-a"))
     ready = tmp_path / "ready"
     other = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from pytest_gpuclean.core.locks.locks import GpuLocks; "
+        "import sys, time; from pathlib import Path; from pytest_gpuclean.core.locks.gpus import GpuLocks; "
         "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 5, 'other::test'); "
         "Path(sys.argv[2]).write_text('x'); time.sleep(60)"), locks.directory, str(ready)])
     try:
@@ -775,7 +779,7 @@ def test_three_users_share_one_lock_directory() -> None:
         held = locks.acquire(["GPU-a"], 1, 5, f"user {os.getuid()}")
         recorded = locks.holder("GPU-a")
         held.release()
-        return f"ok {recorded['pid'] == os.getpid()}"
+        return f"ok {recorded is not None and recorded.pid == os.getpid()}"
 
     def lock_and_die() -> str:
         GpuLocks(lock_dir).acquire(["GPU-a"], 1, 5, f"user {os.getuid()}")

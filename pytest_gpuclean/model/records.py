@@ -1,8 +1,8 @@
 """The package's records: plain data that flows between the layers, one style, one module (as psutil keeps
-its result tuples in ``_ntuples.py``). What is read (devices, snapshots, owners) and the closed sets of
-words; what a check found (offenders, reaped processes, health findings; on a Ray node, naming it); a
-check's verdict (``CheckResult``) and a test's record (``TestRecord``). The decisions over them are
-functions in ``decisions.py``.
+its result tuples in ``_ntuples.py``). What is read (devices, snapshots, owners, who holds a GPU lock) and
+the closed sets of words; what a check found (offenders, reaped processes, health findings; on a Ray node,
+naming it); a check's verdict (``CheckResult``) and a test's record (``TestRecord``). The decisions over
+them are functions in ``decisions.py``.
 
 Only ``devices.py`` knows NVML and only ``processes.py`` knows psutil; everything else works on these.
 Every record is a ``Fields`` class, not a dataclass: every checked session imports this module (``Fields``
@@ -271,6 +271,81 @@ class Outside(Fields):
         self.devices = devices
         self.only = only
         self.same_as = same_as
+
+
+# ---- who holds a GPU lock: read by ``core/locks/holders.py``, worded by ``core/locks/describe.py`` -------
+
+class HolderRecord(Fields):
+    """A GPU lock's holder record, as its holder wrote it next to the lock (``core/locks/held.py``), read back
+    checked and cleaned: another user may have written anything there."""
+
+    __slots__ = ("pid", "uid", "user", "host", "test", "since", "uuid", "start")
+    pid: Final[int]
+    uid: Final[int]
+    """The uid the record's file is named after, and the kernel says it owns: who wrote it."""
+    user: Final[str]
+    """That uid's name here (``uid N`` if it has none)."""
+    host: Final[str]
+    """The host it was written on (``?`` if it named none that can be printed)."""
+    test: Final[str]
+    """The test that holds the GPU (its node id), cleaned for printing."""
+    since: Final[float]
+    """When it was written (``time.time``)."""
+    uuid: Final[str]
+    start: Final[int | None]
+    """The holder's start (clock ticks since boot), to tell it from a later process of the same pid."""
+
+    def __init__(self, pid: int, uid: int, user: str, host: str, test: str, since: float, uuid: str,
+                 start: int | None = None) -> None:
+        self.pid = pid
+        self.uid = uid
+        self.user = user
+        self.host = host
+        self.test = test
+        self.since = since
+        self.uuid = uuid
+        self.start = start
+
+
+class LockHolder(Fields):
+    """Who holds a GPU's lock, as a waiting session names it: the newest valid holder record, and what the
+    kernel (``/proc/locks``) and the marks on the lock directory say."""
+
+    __slots__ = ("record", "alive", "lock_pid", "lock_user", "lock_cmd", "missing", "held", "making",
+                 "queued")
+    record: Final[HolderRecord | None]
+    """The newest valid record (None: nobody recorded). The newest wins: a holder writes its record after it
+    got the lock, so an older one is left over from a session that ended without releasing (killed)."""
+    alive: Final[bool | None]
+    """Whether the recorded process still runs (None: no record, or one written on another host)."""
+    lock_pid: Final[int | None]
+    """The process that holds the POSIX lock per ``/proc/locks`` (0: one in another PID namespace; None:
+    ``/proc/locks`` names nobody)."""
+    lock_user: Final[str | None]
+    lock_cmd: Final[str | None]
+    """``lock_pid``'s user and command line, cleaned for printing (None unless it is a process we see)."""
+    missing: Final[bool]
+    """The lock file is missing."""
+    held: Final[bool]
+    """(Where ``missing``.) A session holds the GPU through its deleted lock file (its hold mark is up)."""
+    making: Final[bool]
+    """A session is creating the lock file."""
+    queued: Final[bool]
+    """Another session has waited long for it, and goes first."""
+
+    def __init__(self, record: HolderRecord | None = None, alive: bool | None = None,
+                 lock_pid: int | None = None, lock_user: str | None = None, lock_cmd: str | None = None,
+                 missing: bool = False, held: bool = False, making: bool = False, queued: bool = False
+                 ) -> None:
+        self.record = record
+        self.alive = alive
+        self.lock_pid = lock_pid
+        self.lock_user = lock_user
+        self.lock_cmd = lock_cmd
+        self.missing = missing
+        self.held = held
+        self.making = making
+        self.queued = queued
 
 
 # ---- what a check found: on this host, or on a Ray cluster's node (``node``) ---------------------------

@@ -2,9 +2,10 @@
 cluster's checks) need of a started session, as a protocol: ``session.py`` passes itself, and neither
 imports it back.
 
-The session's checker, health watch and records are protocols here too, of only what those two use
-(``CheckerView``, ``HealthView``, ``RecordsView``): this module names only the core's lower modules
-(``devices``, ``ownership``, ``locks``, ``settings``), not the checker, the health watch or the report, so
+The session's checker, health watch, records and GPU locks are protocols here too, of only what those two
+use (``CheckerView``, ``HealthView``, ``RecordsView``, ``LocksView``): this module names only the core's
+lower modules (``devices``, ``ownership``, ``locks.held``, ``settings``), not the checker, the health watch,
+the report or the module that takes the locks (``locks.gpus``), so
 the per-test check stands on them rather than on the whole check (``tests/test_layers.py`` holds the
 package's longest import chain). They are annotations only: the check calls the session's ``Checker``,
 ``HealthWatch`` and ``SessionRecords`` directly, and mypy holds that those fit.
@@ -20,15 +21,15 @@ from typing import TYPE_CHECKING, Protocol
 from pytest_gpuclean.model.records import DeviceInfo, Owner, Reaped
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     import pytest
 
-    from pytest_gpuclean.core.locks.locks import GpuLocks, HeldLocks
+    from pytest_gpuclean.core.locks.held import HeldLocks
     from pytest_gpuclean.core.options.settings import Settings
     from pytest_gpuclean.core.ownership.evidence import Ownership, SessionRef
     from pytest_gpuclean.core.reading.devices import DeviceLost
-    from pytest_gpuclean.model.records import CheckResult, HealthFinding, Phase, TestRecord
+    from pytest_gpuclean.model.records import CheckResult, HealthFinding, LockHolder, Phase, TestRecord
 
 
 class ItemState:
@@ -124,6 +125,14 @@ class RecordsView(Protocol):
     def note_replacing(self, prefix: str, message: str) -> None: ...
 
 
+class LocksView(Protocol):
+    """The session's GPU locks (``locks.gpus.GpuLocks``) as a test's check takes them."""
+
+    def acquire(self, candidates: Sequence[str], count: int, timeout: float, holder_id: str,
+                prefer: Sequence[str] = (), on_wait: Callable[[dict[str, LockHolder]], None] | None = None,
+                parked: HeldLocks | None = None) -> HeldLocks: ...
+
+
 class Started(Protocol):
     """A started session (``session.CheckedSession``) as a test's check and the cluster's checks see it."""
 
@@ -146,7 +155,7 @@ class Started(Protocol):
     def devices(self) -> tuple[DeviceInfo, ...]: ...
 
     @property
-    def locks(self) -> GpuLocks | None: ...
+    def locks(self) -> LocksView | None: ...
 
     @property
     def health(self) -> HealthView | None: ...

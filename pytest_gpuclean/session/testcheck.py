@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean.core.locks.locks import LockTimeout, describe_holders, take_notices
+from pytest_gpuclean.core.locks.describe import describe_holders
+from pytest_gpuclean.core.locks.directory import take_notices
+from pytest_gpuclean.core.locks.gpus import LockTimeout
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.core.reading import health as health_mod
@@ -37,8 +39,8 @@ from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.locks.locks import HeldLocks
-    from pytest_gpuclean.model.records import DeviceInfo
+    from pytest_gpuclean.core.locks.held import HeldLocks
+    from pytest_gpuclean.model.records import DeviceInfo, LockHolder
 
 
 _EXTENSION_HOOKS = ("pytest_gpuclean_check_before", "pytest_gpuclean_check_after", "pytest_gpuclean_checked")
@@ -208,7 +210,7 @@ class ItemChecks:
         assert session.locks is not None
         waiting: list[bool] = []
 
-        def on_wait(holders: dict[str, dict[str, object]]) -> None:
+        def on_wait(holders: dict[str, LockHolder]) -> None:
             waiting.append(True)
             session.say(f"gpuclean: {item.nodeid} waits for GPU lock(s) held by: {describe_holders(holders)}")
 

@@ -38,7 +38,7 @@ SETTLED_NS = 50_000_000
 """A file's ctime this old (50 ms: five ticks of the coarsest kernel clock) is settled: the kernel stamps
 changes with a coarse clock, so a change in the same tick as the one seen would leave a ctime as it was;
 once it is settled, any later change moves it. A directory whose settled ctime has not moved has had no
-entry added, removed or renamed (``locks._still_named``, the simulated devices' idle folders)."""
+entry added, removed or renamed (``locks.held.still_named``, the simulated devices' idle folders)."""
 
 
 def read_file(path: str, whole: bool = False) -> bytes:

@@ -8,14 +8,14 @@ import os
 import sys
 import time
 
-from pytest_gpuclean.core.locks import locks
+from pytest_gpuclean.core.locks import directory, gpus
 
-held = locks.GpuLocks(sys.argv[1]).acquire([sys.argv[2]], 1, 10, "holder::test")
+held = gpus.GpuLocks(sys.argv[1]).acquire([sys.argv[2]], 1, 10, "holder::test")
 print("READY", os.getpid(), flush=True)
 if sys.argv[3] == "wait":
     sys.stdin.read()
     held.release()
-    print(locks.take_notices(), flush=True)
+    print(directory.take_notices(), flush=True)
 elif sys.argv[3] == "die":
     os.kill(os.getpid(), 9)
 elif sys.argv[3] == "raw-fork":

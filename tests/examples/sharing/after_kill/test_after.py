@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from pytest_gpuclean.core.locks.locks import GpuLocks
+from pytest_gpuclean.core.locks.gpus import GpuLocks
 
 
 @pytest.mark.needs_clean_gpus
@@ -11,4 +11,5 @@ def test_after_kill(clean_gpus):
     print("WAITED", (time.monotonic_ns() - int(os.environ["LOGSTART_NS"])) / 1e9)
     locks = GpuLocks(os.environ["LOCK_DIR"])
     # The killed session's holder records are stale; ours are the newest.
-    assert [locks.holder(uuid)["pid"] for uuid in clean_gpus.uuids] == [os.getpid()] * 2
+    recorded = [locks.holder(uuid) for uuid in clean_gpus.uuids]
+    assert [r.pid if r else None for r in recorded] == [os.getpid()] * 2
