@@ -34,7 +34,7 @@ from helpers import (
 )
 
 from pytest_gpuclean.core.locks.locks import HELD_VAR, GpuLocks, LockTimeout
-from pytest_gpuclean.core.reading.devices import SimulatedBackend
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 from pytest_gpuclean.report import jsonreport
 from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 
