@@ -48,7 +48,8 @@ from _checked import checked_test, health_watch
 
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.locks.gpus import GpuLocks
-from pytest_gpuclean.core.reading import devices as devices_mod
+from pytest_gpuclean.core.reading.nvml import NvmlBackend
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 from pytest_gpuclean.model.records import DeviceInfo
 
 SHELL_FULL = ("ps aux | grep python3 | grep -v grep; "
@@ -73,7 +74,7 @@ def _vllm_call_nvml(devices: list[int], threshold: int, out: io.StringIO) -> Non
 
 
 def _vllm_call_sim(root: str, devices: list[int], threshold: int, out: io.StringIO) -> None:
-    backend = devices_mod.SimulatedBackend(root)  # the analogue of nvmlInit per call
+    backend = SimulatedBackend(root)  # the analogue of nvmlInit per call
     by_index = {d.index: d for d in backend.devices()}
 
     def read(index: int) -> tuple[int, int]:
@@ -191,12 +192,12 @@ def main() -> int:
     # it the vLLM-style worker (double-forked) stays out of this process's tree.
     sim_root = None
     if args.real:
-        backend: Any = devices_mod.NvmlBackend()
+        backend: Any = NvmlBackend()
     else:
         sim_root = os.path.join(tmp, "devices")
         for i in range(max(counts)):
             os.makedirs(os.path.join(sim_root, str(i)))
-        backend = devices_mod.SimulatedBackend(sim_root)
+        backend = SimulatedBackend(sim_root)
     physical = list(backend.devices())
     if not physical:
         print("no devices found", file=sys.stderr)

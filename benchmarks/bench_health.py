@@ -33,9 +33,10 @@ import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
 from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.reading import devices as devices_mod
 from pytest_gpuclean.core.reading import probe
 from pytest_gpuclean.core.reading.health import HealthWatch
+from pytest_gpuclean.core.reading.nvml import NvmlBackend
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 from pytest_gpuclean.model.records import DeviceInfo
 
 
@@ -60,12 +61,12 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="gpuclean-bench-health-")
     sim_root = None
     if args.real:
-        backend: Any = devices_mod.NvmlBackend()
+        backend: Any = NvmlBackend()
     else:
         sim_root = os.path.join(tmp, "sim")
         for index in range(args.devices):
             os.makedirs(os.path.join(sim_root, str(index)))
-        backend = devices_mod.SimulatedBackend(sim_root)
+        backend = SimulatedBackend(sim_root)
     found: tuple[DeviceInfo, ...] = backend.devices()
     checker = Checker(backend)
     watch = HealthWatch(backend, found)

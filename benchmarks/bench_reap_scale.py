@@ -42,7 +42,7 @@ import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
 from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.core.reading.devices import SimulatedBackend
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 from pytest_gpuclean.model.records import Owner
 
 DEVICES = 8

@@ -59,8 +59,9 @@ import _layers_compat  # noqa: E402, F401  # (a tree from before the layers: iss
 
 from pytest_gpuclean.core.checking.checker import Checker  # noqa: E402
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR  # noqa: E402
-from pytest_gpuclean.core.reading import devices as devices_mod  # noqa: E402
 from pytest_gpuclean.core.reading import processes  # noqa: E402
+from pytest_gpuclean.core.reading.nvml import NvmlBackend  # noqa: E402
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend  # noqa: E402
 from pytest_gpuclean.model.records import MIB, DeviceInfo, Owner  # noqa: E402
 
 HOLDER = r"""
@@ -213,9 +214,9 @@ class Bench:
         if args.simulate:
             self.sim_dir = os.path.join(self.tmp, "sim")
             os.makedirs(os.path.join(self.sim_dir, "0"))
-            self.backend: Any = devices_mod.SimulatedBackend(self.sim_dir)
+            self.backend: Any = SimulatedBackend(self.sim_dir)
         else:
-            self.backend = devices_mod.NvmlBackend()
+            self.backend = NvmlBackend()
         self.device = self.backend.devices()[0]
         self.probe = Probe(self.backend, self.device)
         processes.set_child_subreaper()  # as the plugin does

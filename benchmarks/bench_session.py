@@ -349,10 +349,10 @@ def import_cost(env: dict[str, str], cwd: str, runs: int = 21) -> dict[str, floa
 def per_check(rounds: int, sleepers: int) -> dict[str, Any]:
     """Median cost of one clean ``Checker.check`` on 8 simulated devices, by situation."""
     from pytest_gpuclean.core.checking.checker import Checker
-    from pytest_gpuclean.core.reading import devices as devices_mod
+    from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 
     tmp = tempfile.mkdtemp(prefix="gpuclean-check-")
-    backend = devices_mod.SimulatedBackend(make_sim(os.path.join(tmp, "sim"), DEVICES))
+    backend = SimulatedBackend(make_sim(os.path.join(tmp, "sim"), DEVICES))
     devices = backend.devices()
 
     def first_check() -> float:

@@ -25,7 +25,7 @@ from _checked import checked_test, health_watch
 
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.locks.gpus import GpuLocks
-from pytest_gpuclean.core.reading import devices as devices_mod
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 from pytest_gpuclean.model.records import DeviceInfo
 
 WARM, COUNTED = 50, 300
@@ -46,7 +46,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="gpuclean-calls-")
     for i in range(8):
         os.makedirs(os.path.join(root, str(i)))
-    backend = devices_mod.SimulatedBackend(root)
+    backend = SimulatedBackend(root)
     physical = list(backend.devices())
     checker = Checker(backend)
     watch = health_watch(backend, physical)

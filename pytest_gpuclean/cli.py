@@ -8,7 +8,7 @@
   process survived, 2 usage or driver error, 3 a GPU could not be read (what was provably the job's was
   ended all the same; the output names the GPU).
 
-Nothing here talks to NVML or signals a process itself: devices come from ``devices.open_backend``,
+Nothing here talks to NVML or signals a process itself: devices come from ``opening.open_backend``,
 verdicts from ``checker.Checker``, process details and kills from ``processes``, option values from
 ``settings`` (the plugin's parsers and environment variables). The CLI has no process tree of its own,
 so for it "clean" means: no process on the devices and memory within the tolerance.
@@ -32,7 +32,8 @@ from pytest_gpuclean.core.deciding import reap_plan
 from pytest_gpuclean.core.deciding.decide import mib_of
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
-from pytest_gpuclean.core.reading import devices, processes, procfs
+from pytest_gpuclean.core.reading import backends, devices, processes, procfs
+from pytest_gpuclean.core.reading.opening import open_backend
 from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
@@ -166,12 +167,12 @@ class _Devices(Fields):
     """The devices a command works on: its backend, those chosen of it, and where the choice came from."""
 
     __slots__ = ("backend", "chosen", "source")
-    backend: Final[devices.Backend]
+    backend: Final[backends.Backend]
     chosen: Final[tuple[DeviceInfo, ...]]
     source: Final[str]
     """Where the device list came from, for the header and error messages."""
 
-    def __init__(self, backend: devices.Backend, chosen: tuple[DeviceInfo, ...], source: str) -> None:
+    def __init__(self, backend: backends.Backend, chosen: tuple[DeviceInfo, ...], source: str) -> None:
         self.backend = backend
         self.chosen = chosen
         self.source = source
@@ -182,13 +183,14 @@ def _open_devices(resolved: settings.Settings) -> Iterator[_Devices]:
     # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those, as the
     # pytest sessions it runs do.
     try:
-        backend = devices.open_backend(resolved.simulate)
+        backend = open_backend(resolved.simulate)
     except devices.SimulationError as exc:
         raise _CliError(f"--simulate: {exc} ({resolved.sources.get('simulate')})") from None
     try:
         try:
-            selection = devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
-                                               option=settings.option("devices").command_flag)
+            selection = backends.choose_devices(backend, resolved.devices,
+                                                resolved.sources.get("devices", ""),
+                                                option=settings.option("devices").command_flag)
         except devices.DeviceSelectionError as exc:
             raise _CliError(str(exc)) from None
         yield _Devices(backend, selection.devices, selection.source)
@@ -196,7 +198,7 @@ def _open_devices(resolved: settings.Settings) -> Iterator[_Devices]:
         backend.close()
 
 
-def _checker(backend: devices.Backend, *, grace: float = settings.DEFAULT_GRACE_S, ignore: Sequence[str] = ()
+def _checker(backend: backends.Backend, *, grace: float = settings.DEFAULT_GRACE_S, ignore: Sequence[str] = ()
              ) -> Checker:
     # No xdist run: the plugin excuses sibling xdist workers of its own run; the CLI has no run, and a
     # hook started from inside a test run (as our own tests do) must not excuse that run's processes.
@@ -246,7 +248,7 @@ def _read_health(found: _Devices, chosen: Sequence[DeviceInfo] | None = None) ->
     from pytest_gpuclean.core.reading.health import device_problems
 
     source = found.backend
-    if not isinstance(source, devices.HealthSource):
+    if not isinstance(source, backends.HealthSource):
         return []
     read: list[_Health] = []
     for device in found.chosen if chosen is None else chosen:

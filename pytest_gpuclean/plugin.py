@@ -183,9 +183,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> None:
     """An explicit ``--gpuclean-devices`` (command line, environment or ini) is checked against the
     devices in every session, not only in one that starts checking: a bad list stops pytest before its
-    first test, as README says. That costs this session one opening of the backend (NVML: ~40 ms on an
-    H200, docs/benchmarks.md 2); a session without the option opens nothing. An xdist worker leaves it to
-    its controller, which checked the list when it started."""
+    first test, as README says. That costs this session one opening of the backend (NVML's start is slow
+    next to the rest of a session's start: docs/benchmarks.md); a session without the option opens nothing. An
+    xdist worker leaves it to its controller, which checked the list when it started."""
     if not resolved.explicit("devices") or hasattr(config, "workerinput"):
         return
     from pytest_gpuclean.core.reading import devices
@@ -233,10 +233,13 @@ class _GpuCleanPlugin:
         lock directory."""
         if self.session is not None:
             return
-        from pytest_gpuclean.core.reading import devices
+        opening = None
+        if not self.settings.simulate:
+            # NVML starts first, in a thread, while the checking code is imported (nvml.NvmlOpening); here,
+            # not at the top, to keep the lazy start (as the session's import below).
+            from pytest_gpuclean.core.reading.nvml import NvmlOpening
 
-        # NVML starts first, in a thread, while the checking code is imported (devices.NvmlOpening).
-        opening = None if self.settings.simulate else devices.NvmlOpening()
+            opening = NvmlOpening()
         from pytest_gpuclean.session.session import CheckedSession  # psutil and the checking code
 
         self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening)

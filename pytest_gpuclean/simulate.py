@@ -3,12 +3,13 @@
 ``... xid --dir DIR --device N --code 31`` raises an Xid event there and ``... state --dir DIR --device N
 --remap-pending 1`` (and the other health states: ``--help``) sets its health (docs/ci.md).
 
-``init`` makes ``DIR/<index>/`` with a ``total`` capacity file for each device (devices.SimulatedBackend
-reads the layout). The other commands take ``--dir`` from ``GPUCLEAN_SIMULATE`` (the plugin's variable) when
-it is not given, and refuse a directory ``init`` did not make or a device it lacks: a typo never makes a new
-tree or a new GPU. A holder "allocates" by writing ``DIR/<device>/<pid>`` and keeps the memory until it is
-killed, like a CUDA process: the simulated backend stops counting it the moment the process dies. Tests
-use it to make realistic leakers: children, SIGTERM-ignoring processes and setsid daemons.
+``init`` makes ``DIR/<index>/`` with a ``total`` capacity file for each device (``simulated_layout`` holds
+the layout; ``simulated.SimulatedBackend`` reads it). The other commands take ``--dir`` from
+``GPUCLEAN_SIMULATE`` (the plugin's variable) when it is not given, and refuse a directory ``init`` did not
+make or a device it lacks: a typo never makes a new tree or a new GPU. A holder "allocates" by writing
+``DIR/<device>/<pid>`` and keeps the memory until it is killed, like a CUDA process: the simulated backend
+stops counting it the moment the process dies. Tests use it to make realistic leakers: children,
+SIGTERM-ignoring processes and setsid daemons.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+# The layout only (names, defaults; it imports nothing): a holder starts in every leak test, and loads
+# nothing else of the plugin, to start quickly.
+from pytest_gpuclean.core.reading import simulated_layout as layout
+
+MIB = 1024 * 1024
+_DEFAULT_TOTAL_MIB = layout.DEFAULT_TOTAL // MIB
+
 __all__ = [
     "MIB",
     "allocate",
@@ -30,11 +38,6 @@ __all__ = [
     "set_state",
     "xid",
 ]
-
-MIB = 1024 * 1024
-# devices.DEFAULT_SIM_TOTAL, what a device without a ``total`` file has; not imported from there: a holder
-# starts in every leak test, and this module imports nothing of the plugin to start quickly.
-_DEFAULT_TOTAL_MIB = 80 * 1024
 
 
 def allocate(root: str, device: int, mib: float, pid: int | None = None) -> Path:
@@ -52,25 +55,20 @@ def init_cuda(root: str, device: int, pid: int | None = None) -> Path:
     """Mark ``pid`` (default: this process) as having initialised CUDA on simulated ``device``, without a
     context: listed under no process, it costs the device's ``context_overhead`` (as
     ``torch.cuda.is_available()`` costs a few MiB per real GPU)."""
-    folder = Path(root) / str(device) / "cuda"
+    folder = Path(root) / str(device) / layout.CUDA
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / str(pid or os.getpid())
     path.write_text("0")
     return path
 
 
-_HEALTH_FILES = ("remap_pending", "remap_failed", "ecc_uncorrected", "compute_mode", "mig_mode",
-                 "persistence", "clocks_event_reasons", "lost", "probe_fails", "probe_hangs")
-"""The health files ``devices.SimulatedBackend`` and the probe read in a device's folder (besides ``xid``)."""
-
-
 def xid(root: str, device: int, code: int) -> Path:
     """Append Xid ``code`` of simulated ``device`` to ``DIR/xid``: an event for a session watching it."""
-    path = Path(root) / "xid"
+    path = Path(root) / layout.XID
     # One write of a whole line with O_APPEND: a reader never sees half of it.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, f"{device} {code}\n".encode())
+        os.write(fd, layout.xid_line(device, code).encode())
     finally:
         os.close(fd)
     return path
@@ -78,8 +76,8 @@ def xid(root: str, device: int, code: int) -> Path:
 
 def set_state(root: str, device: int, name: str, value: str | None) -> None:
     """Write health file ``name`` of simulated ``device`` (``None`` removes it)."""
-    if name not in _HEALTH_FILES:
-        raise ValueError(f"{name!r} is not a health file ({', '.join(_HEALTH_FILES)})")
+    if name not in layout.HEALTH_FILES:
+        raise ValueError(f"{name!r} is not a health file ({', '.join(layout.HEALTH_FILES)})")
     folder = Path(root) / str(device)
     if value is None:
         (folder / name).unlink(missing_ok=True)
@@ -142,7 +140,7 @@ def _state(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     folder = _device_folder(args, parser)
     args.dir, args.device = str(folder.parent), int(folder.name)
     if args.clear:
-        for name in _HEALTH_FILES:
+        for name in layout.HEALTH_FILES:
             (folder / name).unlink(missing_ok=True)
     given = {"remap_pending": args.remap_pending, "remap_failed": "1" if args.remap_failed else None,
              "ecc_uncorrected": args.ecc_uncorrected, "compute_mode": args.compute_mode,
@@ -195,7 +193,7 @@ def init(root: str, count: int, total_mib: int) -> list[Path]:
         raise ValueError(f"{root!r} exists and is not a directory")
     if base.is_dir():
         for entry in sorted(base.iterdir()):
-            if entry.name == "xid" and entry.is_file():
+            if entry.name == layout.XID and entry.is_file():
                 continue  # the devices' Xid events
             if not (entry.name.isdigit() and entry.is_dir()):
                 raise ValueError(f"{root!r} holds {entry.name!r}, which is not a simulated device folder "
@@ -207,9 +205,9 @@ def init(root: str, count: int, total_mib: int) -> list[Path]:
     for index in range(count):
         folder = base / str(index)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / ".total.tmp"
+        tmp = folder / f".{layout.TOTAL}.tmp"
         tmp.write_text(str(total_mib * MIB))
-        os.replace(tmp, folder / "total")  # a running session reads it at any time
+        os.replace(tmp, folder / layout.TOTAL)  # a running session reads it at any time
         folders.append(folder)
     return folders
 

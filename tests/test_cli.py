@@ -19,7 +19,7 @@ from helpers import alive, clean_environment, read_pids, unprivileged, wait_dead
 
 from pytest_gpuclean import __version__, cli, simulate
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.core.reading.devices import simulated_uuid
+from pytest_gpuclean.core.reading.simulated import simulated_uuid
 from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
 
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import alive, clean_environment, run_inner, unprivileged, wait_dead
 
-from pytest_gpuclean.core.reading.devices import simulated_uuid
+from pytest_gpuclean.core.reading.simulated import simulated_uuid
 from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init, init_cuda
 

@@ -65,11 +65,18 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     result.assert_outcomes(passed=2)
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 0
+    # The device modules are those of the one backend opened (here the simulated devices: their reader and
+    # its layout; no NVML module), what it shares with NVML's (``devices``), the opener (``opening``) and
+    # the protocols and device choice (``backends``): once one module, ``devices``, split by backend.
     assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.options",
                                 "pytest_gpuclean.core.options.device_list",
                                 "pytest_gpuclean.core.options.settings", "pytest_gpuclean.core.ownership",
                                 "pytest_gpuclean.core.ownership.cookie", "pytest_gpuclean.core.reading",
-                                "pytest_gpuclean.core.reading.devices", "pytest_gpuclean.core.reading.procfs",
+                                "pytest_gpuclean.core.reading.backends",
+                                "pytest_gpuclean.core.reading.devices",
+                                "pytest_gpuclean.core.reading.opening", "pytest_gpuclean.core.reading.procfs",
+                                "pytest_gpuclean.core.reading.simulated",
+                                "pytest_gpuclean.core.reading.simulated_layout",
                                 "pytest_gpuclean.model", "pytest_gpuclean.model.records",
                                 "pytest_gpuclean.plugin", "pytest_gpuclean.session",
                                 "pytest_gpuclean.session.names", "pytest_gpuclean.session.opening"]
@@ -129,6 +136,9 @@ def test_a_collected_checked_test_starts_the_session(example: Callable[..., Path
         "pytest_gpuclean.model.text"}
     assert not [m for m in state["modules"] if m.startswith("pytest_gpuclean.ray")]
     assert "gpuclean-ray" not in state["plugins"]
+    # A session on simulated devices loads their reader only: neither NVML's module nor pynvml.
+    assert "pytest_gpuclean.core.reading.simulated" in state["modules"]
+    assert not {"pytest_gpuclean.core.reading.nvml", "pynvml"} & set(state["modules"])
     # Nor the report's and shipping code, without a report, JUnit XML or xdist; and the hooks that run
     # for every test report are those of the outputs asked for (none here) and of pytest-forked (absent).
     assert not ({"pytest_gpuclean.report.jsonreport", "pytest_gpuclean.report.serialize"}

@@ -15,22 +15,18 @@ from helpers import run_inner
 
 from pytest_gpuclean.core.options.device_list import parse_device_list, repeated_tokens
 from pytest_gpuclean.core.reading import procfs
+from pytest_gpuclean.core.reading.backends import choose_devices, select_devices
 from pytest_gpuclean.core.reading.devices import (
-    DEFAULT_SIM_TOTAL,
     BackendUnavailable,
     DeviceError,
     DeviceLost,
     DeviceSelectionError,
-    NvmlBackend,
-    NvmlOpening,
-    Selection,
-    SimulatedBackend,
     SimulationError,
-    choose_devices,
-    select_devices,
-    simulated_uuid,
 )
-from pytest_gpuclean.model.records import MIB, DeviceInfo
+from pytest_gpuclean.core.reading.nvml import NvmlBackend, NvmlOpening
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend, simulated_uuid
+from pytest_gpuclean.core.reading.simulated_layout import DEFAULT_TOTAL
+from pytest_gpuclean.model.records import MIB, DeviceInfo, Selection
 from pytest_gpuclean.simulate import allocate
 
 GPU0 = DeviceInfo(0, "GPU-1a2b3c4d-0000-4000-8000-000000000000", "H200")
@@ -172,7 +168,7 @@ def test_a_file_corrupted_later_fails_the_reading_that_meets_it(tmp_path: Path) 
     (tmp_path / "0").mkdir()
     backend = SimulatedBackend(tmp_path)
     (tmp_path / "0" / "total").write_text("")  # being written: the default, not an error
-    assert backend.snapshot(backend.devices()[0]).total_bytes == DEFAULT_SIM_TOTAL
+    assert backend.snapshot(backend.devices()[0]).total_bytes == DEFAULT_TOTAL
     (tmp_path / "0" / "total").write_text("1e9")
     with pytest.raises(SimulationError, match="holds '1e9', not a number of bytes"):
         backend.snapshot(backend.devices()[0])

@@ -28,7 +28,7 @@ from helpers import (
 )
 
 from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.core.reading.devices import simulated_uuid
+from pytest_gpuclean.core.reading.simulated import simulated_uuid
 from pytest_gpuclean.report.report import LEAK_PREFIX
 
 # ---- it must not kill what a fixture, a conftest or the session set-up owns -----------------------

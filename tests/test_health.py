@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuclean import simulate
-from pytest_gpuclean.core.reading import devices
+from pytest_gpuclean.core.reading import devices, simulated
 from pytest_gpuclean.core.reading.health import HealthWatch, xid_meaning
+from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo
 
 
 def run(pytester: pytest.Pytester, suite: str, *args: str) -> tuple[pytest.RunResult, dict[str, dict]]:
@@ -123,7 +124,7 @@ def test_a_lost_gpu_stops_the_session_with_one_line(pytester: pytest.Pytester, s
 def test_simulated_xids_are_those_appended_since_the_watch_began(tmp_path: Path) -> None:
     simulate.init(str(tmp_path), 2, 1024)
     simulate.xid(str(tmp_path), 0, 48)  # before the watch: not an event of this session
-    backend = devices.SimulatedBackend(tmp_path)
+    backend = simulated.SimulatedBackend(tmp_path)
     gpu0, gpu1 = backend.devices()
     assert backend.drain_xids() == []  # not watching yet
     assert backend.watch_xids(backend.devices())
@@ -140,7 +141,7 @@ def test_simulated_xids_are_those_appended_since_the_watch_began(tmp_path: Path)
 
 def test_the_watch_blames_only_the_tests_devices(tmp_path: Path) -> None:
     simulate.init(str(tmp_path), 2, 1024)
-    backend = devices.SimulatedBackend(tmp_path)
+    backend = simulated.SimulatedBackend(tmp_path)
     gpu0, gpu1 = backend.devices()
     notes: list[str] = []
     watch = HealthWatch(backend, (gpu0, gpu1), note=notes.append)
@@ -155,10 +156,10 @@ def test_the_watch_blames_only_the_tests_devices(tmp_path: Path) -> None:
     assert watch.incidents == {gpu0.uuid, gpu1.uuid}
 
 
-class CountingBackend(devices.SimulatedBackend):
+class CountingBackend(simulated.SimulatedBackend):
     reads = 0
 
-    def health(self, device: devices.DeviceInfo) -> devices.DeviceHealth:
+    def health(self, device: DeviceInfo) -> DeviceHealth:
         self.reads += 1
         return super().health(device)
 

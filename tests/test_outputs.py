@@ -18,7 +18,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from helpers import alive, clean_environment, read_pids, run_inner, unprivileged, wait_dead
 
-from pytest_gpuclean.core.reading.devices import simulated_uuid
+from pytest_gpuclean.core.reading.simulated import simulated_uuid
 from pytest_gpuclean.report import jsonreport
 from pytest_gpuclean.session import outputs
 

@@ -108,7 +108,7 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     # was killed by its own finalizer, with ray.kill, which only asks the actor's node to end it: on a busy
     # box (CI, four stages at once) the session may end first, so its memory is given a while to go (a
     # process that stayed would hold it for ever).
-    from pytest_gpuclean.core.reading.devices import SimulatedBackend
+    from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 
     for node_dir in ray_cluster["dirs"].values():
         backend = SimulatedBackend(node_dir)

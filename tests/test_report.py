@@ -113,7 +113,8 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
                        RAY_AFTER.cluster, RAY_RECORD, ENGINE_LEAK, UNREADABLE, FIXTURE_RECORD, SIBLING,
                        SEEN_SIBLING,
                        UNCHECKED_USER, XID, HEALTH, FAULTED, OUTSIDE, OUTSIDE_CHECK,
-                       OUTSIDE_RECORD, GPU_STATE, CLEAN_GPUS, HOLDER_RECORD, LOCK_HOLDER]
+                       OUTSIDE_RECORD, GPU_STATE, CLEAN_GPUS, HOLDER_RECORD, LOCK_HOLDER,
+                       model.Selection((GPU0, MIG), "from CUDA_VISIBLE_DEVICES='0,1'", 3)]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:

@@ -35,7 +35,7 @@ from helpers import (
 
 from pytest_gpuclean.core.locks.gpus import GpuLocks, LockTimeout
 from pytest_gpuclean.core.locks.held import HELD_VAR
-from pytest_gpuclean.core.reading.devices import SimulatedBackend
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 from pytest_gpuclean.model.records import LockHolder
 from pytest_gpuclean.report import jsonreport
 from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import read_pids
 
-from pytest_gpuclean.core.reading.devices import DEFAULT_SIM_TOTAL, SimulatedBackend
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend
+from pytest_gpuclean.core.reading.simulated_layout import DEFAULT_TOTAL
 from pytest_gpuclean.simulate import MIB, allocate
 
 PROG = "python -m pytest_gpuclean.simulate init"
@@ -37,7 +38,7 @@ def test_init_makes_devices_the_backend_reads(tmp_path: Path) -> None:
 def test_init_by_default_makes_one_device_of_the_backends_default_size(tmp_path: Path) -> None:
     assert init(tmp_path, "sim").returncode == 0
     assert sorted(p.name for p in (tmp_path / "sim").iterdir()) == ["0"]
-    assert (tmp_path / "sim" / "0" / "total").read_text() == str(DEFAULT_SIM_TOTAL)
+    assert (tmp_path / "sim" / "0" / "total").read_text() == str(DEFAULT_TOTAL)
 
 
 def test_init_again_keeps_what_the_devices_hold(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ the closed sets of words; what a check found (offenders, reaped processes, healt
 naming it); a check's verdict (``CheckResult``) and a test's record (``TestRecord``). The decisions over
 them are functions in ``decisions.py``.
 
-Only ``devices.py`` knows NVML and only ``processes.py`` knows psutil; everything else works on these.
+Only ``nvml.py`` knows NVML and only ``processes.py`` knows psutil; everything else works on these.
 Every record is a ``Fields`` class, not a dataclass: every checked session imports this module (``Fields``
 says why that matters). ``serialize`` walks the fields and their type hints.
 """
@@ -197,7 +197,8 @@ class DeviceSnapshot(Fields):
 
 
 class DeviceHealth(Fields):
-    """The slow health reads of one device (``devices.py``): None where the device cannot tell."""
+    """The slow health reads of one device (a backend's ``health``: ``backends.HealthSource``): None where the
+    device cannot tell."""
 
     __slots__ = ("remap_pending", "remap_failed", "ecc_uncorrected", "compute_mode", "mig_mode",
                  "persistence")
@@ -220,6 +221,29 @@ class DeviceHealth(Fields):
         self.compute_mode = compute_mode
         self.mig_mode = mig_mode
         self.persistence = persistence
+
+
+class Selection(Fields):
+    """The devices to check, and where that choice came from (for headers and error messages):
+    ``backends.choose_devices``' answer."""
+
+    __slots__ = ("devices", "source", "found")
+    devices: Final[tuple[DeviceInfo, ...]]
+    source: Final[str]
+    """``all devices``, ``from CUDA_VISIBLE_DEVICES='1'``, or the source of an explicit list."""
+    found: Final[int]
+    """How many devices the backend has."""
+
+    def __init__(self, devices: tuple[DeviceInfo, ...], source: str, found: int) -> None:
+        self.devices = devices
+        self.source = source
+        self.found = found
+
+    def none_reason(self, kind: str) -> str:
+        """Why there is nothing to check, when ``devices`` is empty."""
+        if not self.found:
+            return f"the {kind} backend has no devices"
+        return f"none of the {self.found} {kind} device(s) is selected ({self.source})"
 
 
 class Owner(Fields):

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, cast, get_args
+from typing import TYPE_CHECKING, Any, cast, get_args
 
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.evidence import SESSION, Ownership
@@ -47,6 +47,9 @@ from pytest_gpuclean.model.records import (
     ProcessInfo,
     Reaped,
 )
+
+if TYPE_CHECKING:
+    from pytest_gpuclean.core.reading.backends import Backend
 
 OFF = "off"
 AUTO = "auto"
@@ -170,7 +173,7 @@ def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Seque
     error = ""
     simulated = os.environ.get(settings.option("simulate").env_var) or None
     try:
-        backend = devices.open_backend(simulated)
+        backend = _open_backend(simulated)
     except devices.DeviceError:
         backend = None  # a node without GPUs (or NVML): its processes still count
     if backend is not None:
@@ -215,14 +218,14 @@ def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | No
     numbers the node's ``GPU`` resource from the first device on, and a node with no ``GPU`` resource
     owns none.
     """
-    from pytest_gpuclean.core.reading import devices
+    from pytest_gpuclean.core.reading import backends, devices
 
     visible = procfs.read_environ_vars(raylet_pid, ("CUDA_VISIBLE_DEVICES",)).get("CUDA_VISIBLE_DEVICES") \
         if raylet_pid > 0 else None
     if visible is not None:
         try:
-            return devices.select_devices(listed, visible, cuda_ordinals=True,
-                                          ordinal_uuids=devices.cuda_ordinal_uuids())
+            return backends.select_devices(listed, visible, cuda_ordinals=True,
+                                           ordinal_uuids=backends.cuda_ordinal_uuids())
         except devices.DeviceSelectionError:
             return tuple(listed)  # not ours to judge: check them all rather than none
     if gpus is None:
@@ -249,7 +252,7 @@ def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Seque
     never = processes.ancestors(os.getpid())
     backend = None
     try:
-        backend = devices.open_backend(os.environ.get(settings.option("simulate").env_var) or None)
+        backend = _open_backend(os.environ.get(settings.option("simulate").env_var) or None)
         listed_devices = backend.devices()
     except devices.DeviceError:
         listed_devices = ()
@@ -321,6 +324,20 @@ def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Seque
     if backend is not None:
         backend.close()
     return NodeEnd(tuple(outcomes), released[0] if released else None, tuple(sorted(held)), tuple(errors))
+
+
+def _open_backend(simulate_dir: str | None) -> Backend:
+    """The node's devices, as ``core.reading.opening.open_backend`` opens them (NVML without an early start).
+    Not that function: this module is four floors down the ``gpuclean`` command's imports (``__main__``,
+    ``cli``, ``cli_ray``), and the opener's own floor above the backends would make seven
+    (tests/test_layers.py allows six)."""
+    if simulate_dir:
+        from pytest_gpuclean.core.reading.simulated import SimulatedBackend
+
+        return SimulatedBackend(simulate_dir)
+    from pytest_gpuclean.core.reading.nvml import NvmlBackend
+
+    return NvmlBackend()
 
 
 def _node_id() -> str:

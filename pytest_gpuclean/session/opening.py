@@ -13,10 +13,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.reading import devices
+from pytest_gpuclean.core.reading import backends, devices
+from pytest_gpuclean.core.reading.opening import open_backend
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.reading.devices import Backend, NvmlOpening, Selection
+    from pytest_gpuclean.core.reading.backends import Backend
+    from pytest_gpuclean.core.reading.nvml import NvmlOpening
+    from pytest_gpuclean.model.records import Selection
 
 __all__ = [
     "open_devices",
@@ -27,7 +30,7 @@ __all__ = [
 def open_devices(resolved: settings.Settings, opening: NvmlOpening | None = None) -> Backend:
     """The backend ``--gpuclean-simulate`` names (``opening``: NVML's start, begun earlier)."""
     try:
-        return devices.open_backend(resolved.simulate, opening)
+        return open_backend(resolved.simulate, opening)
     except devices.SimulationError as exc:
         raise pytest.UsageError(resolved.refused("simulate", exc)) from None
 
@@ -35,7 +38,7 @@ def open_devices(resolved: settings.Settings, opening: NvmlOpening | None = None
 def select_devices(backend: Backend, resolved: settings.Settings) -> Selection:
     """The devices ``--gpuclean-devices`` (or ``CUDA_VISIBLE_DEVICES``) names of ``backend``'s."""
     try:
-        return devices.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
-                                      option=settings.option("devices").cli)
+        return backends.choose_devices(backend, resolved.devices, resolved.sources.get("devices", ""),
+                                       option=settings.option("devices").cli)
     except devices.DeviceSelectionError as exc:
         raise pytest.UsageError(str(exc)) from None

@@ -24,7 +24,7 @@ from pytest_gpuclean.report import records, report
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.options.settings import Settings
-    from pytest_gpuclean.core.reading.devices import Backend
+    from pytest_gpuclean.core.reading.backends import Backend
     from pytest_gpuclean.report import jsonreport
 
 TITLE_LEAK = "GPU leak"

@@ -33,7 +33,7 @@ from pytest_gpuclean.core.ownership.cookie import (
     restore_env,
 )
 from pytest_gpuclean.core.ownership.evidence import SESSION_OWNER
-from pytest_gpuclean.core.reading import devices, processes
+from pytest_gpuclean.core.reading import backends, devices, processes
 from pytest_gpuclean.model.records import MIB, DeviceInfo, HealthFinding, Owner, ProcessInfo, Reaped
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import MARKER, GpuCleanWarning
@@ -42,6 +42,7 @@ from pytest_gpuclean.session.testcheck import ItemChecks
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.reading.health import HealthWatch
+    from pytest_gpuclean.core.reading.nvml import NvmlOpening
     from pytest_gpuclean.session.names import ExportedCookie
 
 __all__ = [
@@ -57,14 +58,14 @@ class CheckedSession:
     lock directory or Ray cluster."""
 
     def __init__(self, config: pytest.Config, resolved: settings.Settings, exported: ExportedCookie,
-                 pid: int, opening: devices.NvmlOpening | None = None) -> None:
+                 pid: int, opening: NvmlOpening | None = None) -> None:
         self.config = config
         self.settings = resolved
         self.pid = pid
         """The session's own process (a forked child of it runs one test)."""
         self.found = records.of(config)
         self.unavailable: str | None = None
-        self.backend: devices.Backend | None = None
+        self.backend: backends.Backend | None = None
         self.devices: tuple[DeviceInfo, ...] = ()
         self.locks: GpuLocks | None = None
         self.left_alone: list[ProcessInfo] = []
@@ -138,7 +139,7 @@ class CheckedSession:
         from pytest_gpuclean.core.reading import health, probe
 
         source = self.backend
-        if not isinstance(source, devices.HealthSource):
+        if not isinstance(source, backends.HealthSource):
             return  # (a backend without health reads: none of ours)
         resolved = self.settings
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_gpuclean.core.reading.devices import NvmlBackend
+from pytest_gpuclean.core.reading.nvml import NvmlBackend
 
 
 def used_mib() -> float:

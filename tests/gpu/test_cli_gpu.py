@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuclean.core.reading.devices import NvmlBackend
+from pytest_gpuclean.core.reading.nvml import NvmlBackend
 from pytest_gpuclean.model.records import DeviceInfo
 
 HOLD_MIB = 1024

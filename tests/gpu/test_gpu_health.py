@@ -123,7 +123,7 @@ def test_xid_31_is_named_and_blamed_in_its_own_test_and_from_a_child(pytester: p
 
 def test_the_probe_passes_on_every_gpu(tmp_path: Path) -> None:
     from pytest_gpuclean.core.reading import probe
-    from pytest_gpuclean.core.reading.devices import NvmlBackend
+    from pytest_gpuclean.core.reading.nvml import NvmlBackend
 
     backend = NvmlBackend()
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuclean.core.reading.devices import NvmlBackend
+from pytest_gpuclean.core.reading.nvml import NvmlBackend
 from pytest_gpuclean.model.records import MIB
 
 # A CUDA holder: allocates MIB of device memory, then records its pid (so the test knows it holds).

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuclean.core.reading.devices import NvmlBackend
+from pytest_gpuclean.core.reading.nvml import NvmlBackend
 from pytest_gpuclean.model.records import MIB
 
 INNER = '''

@@ -23,7 +23,8 @@ from pytest_gpuclean.core.ownership.census import Census, Found, Registry, Sibli
 from pytest_gpuclean.core.ownership.cookie import new_session_id
 from pytest_gpuclean.core.ownership.evidence import PREEXISTING, SESSION, Ownership
 from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.core.reading.devices import Backend, DeviceError, DeviceLost
+from pytest_gpuclean.core.reading.backends import Backend
+from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
 from pytest_gpuclean.model.records import (
     MIB,
     UNKNOWN_OWNER,

@@ -1,6 +1,6 @@
 """A device list's syntax (``--gpuclean-devices``, ``CUDA_VISIBLE_DEVICES``): its tokens, and two that name
 the same device whatever the devices are. A leaf: the options' parser (``settings.py``) refuses a bad list
-with it before any device is read, and ``devices.py`` maps the tokens to devices.
+with it before any device is read, and ``backends.py`` maps the tokens to devices.
 """
 
 from __future__ import annotations

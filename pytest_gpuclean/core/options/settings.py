@@ -138,7 +138,7 @@ def _device_list(text: str) -> str:
     if not tokens:
         raise ValueError(f"{text!r} names no device")
     # A device listed twice is a slip (which one was meant?); this much is plain without the devices, an
-    # index and the same GPU's UUID only once they are read (devices.select_devices).
+    # index and the same GPU's UUID only once they are read (backends.select_devices).
     repeated = repeated_tokens(tokens)
     if repeated is not None:
         first, second = repeated

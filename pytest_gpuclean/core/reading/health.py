@@ -2,13 +2,13 @@
 reset, a lost GPU, settings changed under the session, and the CUDA sanity probe (``probe.py``).
 
 What it costs the quiet path: one drain of the Xid events per check (an NVML event set waited on for 0 ms;
-a ``stat`` per device on simulated devices). The slow reads (row remapping, ECC, compute mode) run at
-session start, and after a test only where something points at them: an Xid, a reaped GPU process, a
-failed test. Clock event reasons are read then too, and after a test that ran ``CLOCKS_AFTER_S`` or more.
-(An H200's figures: docs/benchmarks.md 7.)
+one ``stat`` of the events' file on simulated devices). The slow reads (row remapping, ECC, compute mode)
+run at session start, and after a test only where something points at them: an Xid, a reaped GPU process,
+a failed test. Clock event reasons are read then too, and after a test that ran ``CLOCKS_AFTER_S`` or more.
 
 No pytest here: ``testcheck.py`` calls the watch around each test and turns its findings into failures;
-``cli.py`` uses ``device_problems`` for ``gpuclean status`` and ``check``. Only ``devices.py`` talks to NVML.
+``cli.py`` uses ``device_problems`` for ``gpuclean status`` and ``check``. It reads the devices through a
+backend (``backends.HealthSource``); only ``nvml.py`` talks to NVML.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from pytest_gpuclean.core.reading.devices import DeviceLost, HealthSource
+from pytest_gpuclean.core.reading.backends import HealthSource
+from pytest_gpuclean.core.reading.devices import Device, DeviceLost
 from pytest_gpuclean.model.records import (
     DeviceHealth,
     DeviceInfo,
@@ -103,7 +104,7 @@ def device_problems(health: DeviceHealth) -> list[str]:
     return problems
 
 
-def finding(kind: HealthKind, effect: HealthEffect, device: DeviceInfo, message: str, phase: Phase,
+def finding(kind: HealthKind, effect: HealthEffect, device: Device, message: str, phase: Phase,
             xid: int | None = None) -> HealthFinding:
     return HealthFinding(kind, effect, device.label, device.uuid, message, phase, xid)
 
@@ -310,7 +311,7 @@ class HealthWatch:
         self.unusable.setdefault(item.uuid, item)
         return item
 
-    def _mark_lost(self, device: DeviceInfo, reason: str, phase: Phase) -> HealthFinding:
+    def _mark_lost(self, device: Device, reason: str, phase: Phase) -> HealthFinding:  # (a DeviceLost's)
         item = finding("lost", "lost", device, f"{device.label} is lost: {reason}", phase)
         self.lost.setdefault(device.uuid, item)
         return item

@@ -17,11 +17,14 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from pytest_gpuclean.core.reading import simulated_layout as layout
 from pytest_gpuclean.model.records import DeviceInfo
 
 PROBE_BYTES = 1 << 20
 
-_SCRIPT = r"""
+# The child's first line names the simulated devices' files that it reads (their layout's one home).
+_NAMES = f"LOST, PROBE_FAILS, PROBE_HANGS = {layout.LOST!r}, {layout.PROBE_FAILS!r}, {layout.PROBE_HANGS!r}\n"
+_SCRIPT = _NAMES + r"""
 import ctypes, json, os, sys, time
 
 def report(uuid, error, started):
@@ -33,14 +36,14 @@ def simulated(root, pairs):
         index, uuid = pair.split(":", 1)
         started = time.monotonic()
         folder = os.path.join(root, index)
-        if os.path.exists(os.path.join(folder, "probe_hangs")):
+        if os.path.exists(os.path.join(folder, PROBE_HANGS)):
             while True:
                 time.sleep(3600)
         error = None
-        if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, "lost")):
+        if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, LOST)):
             error = "cuInit returned 101 (CUDA_ERROR_INVALID_DEVICE): the device is gone"
-        elif os.path.exists(os.path.join(folder, "probe_fails")):
-            with open(os.path.join(folder, "probe_fails")) as f:
+        elif os.path.exists(os.path.join(folder, PROBE_FAILS)):
+            with open(os.path.join(folder, PROBE_FAILS)) as f:
                 error = f.read().strip() or "the simulated probe failed"
         report(uuid, error, started)
 

@@ -16,10 +16,10 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 from fnmatch import fnmatchcase
-from typing import Any, NamedTuple
+from typing import Any, Final
 
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.records import ProcessInfo, ProcessState
+from pytest_gpuclean.model.records import Fields, ProcessInfo, ProcessState
 
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.005
@@ -139,7 +139,7 @@ def ancestors(pid: int) -> set[int]:
 def cookie_holders(variable: str, prefix: str, uid: int) -> list[tuple[int, str]]:
     """Processes of ``uid`` whose environment has ``variable`` starting with ``prefix``.
 
-    A full /proc scan (milliseconds): only run when cheaper evidence says something is off.
+    A full /proc scan: only run when cheaper evidence says something is off.
     """
     found: list[tuple[int, str]] = []
     me = os.getpid()
@@ -190,6 +190,9 @@ class Handle:
     A pid can be recycled between the census that finds a process and the kill, even within one tick of
     its start time (the clock a start time is kept in); a pidfd cannot. Where the kernel has no pidfds
     (before Linux 5.3), the (pid, start ticks) identity is re-checked before each signal instead.
+
+    Not a record (``Fields``), though slotted: it owns a descriptor, which ``close`` gives back, and two
+    handles are the same only if they are one object.
     """
 
     __slots__ = ("pid", "pidfd", "start_ticks")
@@ -256,29 +259,45 @@ def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcSt
     return handle, stat
 
 
-class KillTarget(NamedTuple):
-    """A process to end; ``depth`` orders children before their parents. (A NamedTuple: see
-    ``ownership.SessionRef``.)
+class KillTarget(Fields):
+    """A process to end; ``depth`` orders children before their parents. (Declared here, not in
+    ``model/records.py``: its ``handle`` is this module's.)
 
     With a ``handle`` (pinned when the process was found) signals go through it and the caller keeps it
     open; without one, ``terminate`` pins the process by ``(pid, start_ticks)`` itself.
     """
 
-    pid: int
-    start_ticks: int
-    depth: int = 0
-    handle: Handle | None = None
+    __slots__ = ("pid", "start_ticks", "depth", "handle")
+    pid: Final[int]
+    start_ticks: Final[int]
+    depth: Final[int]
+    handle: Final[Handle | None]
+
+    def __init__(self, pid: int, start_ticks: int, depth: int = 0, handle: Handle | None = None) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.depth = depth
+        self.handle = handle
 
 
-class KillOutcome(NamedTuple):
-    """How one target ended."""
+class KillOutcome(Fields):
+    """How one target ended (``Reaped.after_kill`` makes its report entry: ``records.KillResult``)."""
 
-    pid: int
-    ended_by: str
-    exit_s: float | None
-    state: str = ""
-    signal_s: float | None = None
+    __slots__ = ("pid", "ended_by", "exit_s", "state", "signal_s")
+    pid: Final[int]
+    ended_by: Final[str]
+    exit_s: Final[float | None]
+    state: Final[str]
+    signal_s: Final[float | None]
     """When the signal that ended it was sent, in seconds from the start of ``terminate``."""
+
+    def __init__(self, pid: int, ended_by: str, exit_s: float | None, state: str = "",
+                 signal_s: float | None = None) -> None:
+        self.pid = pid
+        self.ended_by = ended_by
+        self.exit_s = exit_s
+        self.state = state
+        self.signal_s = signal_s
 
 
 class _Tracked:

@@ -2,7 +2,10 @@
 
 psutil is the richer interface (user names, command lines) and lives in ``processes.py``; the hot path
 of a clean check only needs a process's state, parent and start time, which one read of
-``/proc/<pid>/stat`` gives in a few microseconds.
+``/proc/<pid>/stat`` gives.
+
+A leaf: it imports nothing of the package. Every session loads it (the plugin names its session by this
+process's start), and it is the last floor of the package's longest import chains (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ EXITED: frozenset[KernelState] = frozenset({"Z", "X"})
 
 
 class ProcStat(NamedTuple):
-    """The fields of ``/proc/<pid>/stat`` that gpuclean uses."""
+    """The fields of ``/proc/<pid>/stat`` that gpuclean uses. (A NamedTuple, not a ``Fields`` record of
+    ``model/records.py``: this module is a leaf, see above.)"""
 
     pid: int
     state: KernelState
@@ -147,7 +151,7 @@ def last_pid() -> int | None:
 _LAST_PID_PATH = "/proc/sys/kernel/ns_last_pid"
 _last_pid_file: tuple[int, int, int] | None = None
 """(descriptor, device, inode) of ``ns_last_pid``, kept open: a reading is a ``pread`` of it, not an open,
-read and close (about 2.5 against 8 µs on the CPU box, and a checked test takes two readings). The kernel
+read and close (no path to look up, and a checked test takes two readings). The kernel
 answers each read anew, for the pid namespace of the process that reads. A forked child closes it right
 after the fork (what a test forks sees no descriptor of the plugin) and opens its own if it reads."""
 
