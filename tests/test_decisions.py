@@ -397,9 +397,10 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
 
 def test_a_dead_or_unreadable_node_is_unreachable_and_named() -> None:
     from pytest_gpuclean.ray import cluster as ray_cluster
+    from pytest_gpuclean.ray.records import Census, NodeReport
 
-    census = ray_cluster.Census(nodes=(ray_cluster.NodeReport("b" * 56, 0, (), (), "probe failed: boom"),),
-                                dead_nodes=(("a" * 56, "node crashed"),), actors=(), our_jobs=(), took_s=0.1)
+    census = Census(nodes=(NodeReport("b" * 56, 0, (), (), "probe failed: boom"),),
+                    dead_nodes=(("a" * 56, "node crashed"),), actors=(), our_jobs=(), took_s=0.1)
     found = ray_cluster.node_findings(census, 0, set())
     assert [(o.reason, o.node) for o in found] == [("unreachable", "a" * 56), ("unreachable", "b" * 56)]
     assert "Ray node aaaaaaaa died: node crashed" in found[0].detail
