@@ -290,7 +290,7 @@ class RayChecks:
         leaked = [o for o in result.offenders if o.reason == "leaked"]
         if own or leaked:
             return reporting.check_report(result, report.leak_heading(own, leaked, self.ray.reap)
-                                       + " on the Ray cluster")
+                                          + " on the Ray cluster")
         if not result.clean and not appeared:
             return reporting.check_report(result, "gpuclean: the Ray cluster is not clean after the test")
         return None
