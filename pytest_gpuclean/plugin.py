@@ -4,12 +4,14 @@ Declarations live at module level; the stateful ``_GpuCleanPlugin`` is registere
 and undone through ``config.add_cleanup``. Its hooks delegate: to the started session (``session.py``:
 device backend, locks, checker, final sweep), to each test's check (``testcheck.py``) and to the signal
 handling (``signals.py``). The Ray cluster's checks (``ray/checks.py``) are a plugin of gpuclean's own
-hooks (``GpuCleanHooks``), registered only with ``--gpuclean-ray``.
+hooks (``session/hookspecs.py``, added by ``pytest_addhooks``), registered only with ``--gpuclean-ray``.
 
 The plugin loads into every pytest run of an environment that has it installed, so it starts lazily: at
 ``pytest_configure`` it only validates its options and exports the session's cookie; ``session.py`` (and
 what it needs: the subreaper, the lock directory, the checker, psutil and NVML among them) comes at the
-end of the collection, and only if a collected test is to be checked.
+end of the collection, and only if a collected test is to be checked. Hence the function-level imports
+of the package's own modules below: each where what it loads is first needed (tests/test_cost.py holds
+what a session imports).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pytest_gpuclean.core.ownership.cookie import (
     restore_env,
 )
 from pytest_gpuclean.core.reading import procfs
+from pytest_gpuclean.session import hookspecs
 from pytest_gpuclean.session.names import (
     FIXTURE,
     FORKED_REPORT_ATTR,
@@ -46,14 +49,12 @@ from pytest_gpuclean.session.names import (
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
-    from pytest_gpuclean.model.records import CleanGpus, Phase, Reaped, TestRecord
+    from pytest_gpuclean.model.records import CleanGpus, Reaped
     from pytest_gpuclean.session.session import CheckedSession
-    from pytest_gpuclean.session.started import ItemState, Started
 
 __all__ = [
-    # What pytest and users take from the plugin: its hooks (found by name), the fixture, the specs of
-    # gpuclean's own hooks for an extension, and the warning class (``-W error::...`` names it here).
-    "GpuCleanHooks",
+    # What pytest and users take from the plugin: its hooks (found by name), the fixture and the warning
+    # class (``-W error::...`` names it here). gpuclean's own hook specs are ``session/hookspecs.py``'s.
     "GpuCleanWarning",
     "clean_gpus",
     "pytest_addhooks",
@@ -68,61 +69,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    pluginmanager.add_hookspecs(GpuCleanHooks)
-
-
-class GpuCleanHooks:
-    """gpuclean's own hooks: how an extension (the Ray cluster's checks, ``ray/checks.py``) takes part in each
-    test's check and in the session's end without the per-test check knowing of it. Added by
-    ``pytest_addhooks``, as pytest-timeout adds its ``TimeoutHooks`` (a class here, not a module like
-    xdist's ``newhooks.py``: one more module would be one more import in every pytest run); an extension is
-    a plugin that implements them, registered only when it is asked for (``--gpuclean-ray``).
-
-    A hook's ``session`` is the started session (``started.Started``); ``state`` and ``record`` the test's
-    state and record. What an extension finds goes into the record as ordinary records (``CheckResult``,
-    ``Offender``, ``Reaped``: a finding off this host names its ``node``), so every output shows it. A check
-    hook returns the failure to report (its text), or None.
-    """
-
-    @staticmethod
-    @pytest.hookspec
-    def pytest_gpuclean_session_start(session: Started) -> None:
-        """The session's checking is set up (devices, locks, checker): set up what the extension checks.
-        Raise ``pytest.UsageError`` for what cannot be (an option naming something unreachable)."""
-
-    @staticmethod
-    @pytest.hookspec
-    def pytest_gpuclean_check_before(session: Started, state: ItemState, record: TestRecord) -> str | None:
-        """A test's setup, before this host's check: the extension's check. A failure fails the setup (this
-        host is then not checked)."""
-
-    @staticmethod
-    @pytest.hookspec
-    def pytest_gpuclean_check_after(session: Started, state: ItemState, record: TestRecord) -> str | None:
-        """A test's teardown, after its last fixture, before this host's check: the extension's check, so
-        that what it knows how to end (a Ray actor, through Ray) is ended its way first. A failure fails the
-        teardown, with this host's."""
-
-    @staticmethod
-    @pytest.hookspec
-    def pytest_gpuclean_checked(session: Started, state: ItemState, record: TestRecord, phase: Phase
-                                ) -> str | None:
-        """After this host's check of ``phase`` (at setup, only a clean one): its census of the session's
-        processes is ``session.checker.last_census``, where the extension may find something to check from
-        now on (a Ray cluster the session started) and check it at once. A failure fails that phase."""
-
-    @staticmethod
-    @pytest.hookspec
-    def pytest_gpuclean_sweep(session: Started, include_session: bool, timeout: float) -> list[Reaped]:
-        """The session's final sweep (after the last test): what the extension ended of the session's tests'
-        (and, with ``include_session``, its set-up's) leftovers."""
-        raise NotImplementedError  # (a specification: the extensions implement it)
-
-    @staticmethod
-    @pytest.hookspec
-    def pytest_gpuclean_session_finish(session: Started) -> None:
-        """The session's very end (after every ``pytest_unconfigure``): the extension's last sweep, then it
-        stops."""
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 _COOKIE = pytest.StashKey[ExportedCookie]()
@@ -171,7 +118,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(plugin), PLUGIN_NAME + "-xdist")
     if resolved.ray != "off":
-        # The Ray cluster's checks: idle until a session starts checking (its hooks open the cluster).
+        # The Ray cluster's checks: idle until a session starts checking (its hooks open the cluster);
+        # imported only with the option.
         from pytest_gpuclean.ray import checks
 
         config.pluginmanager.register(checks.RayChecks(), checks.PLUGIN_NAME)
@@ -410,7 +358,10 @@ class _GpuCleanPlugin:
         from pytest_gpuclean.report.report import SUMMARY_TITLE, summary_lines
 
         terminalreporter.write_sep("=", SUMMARY_TITLE)
-        for line in summary_lines(merged.records, merged.session_reaped, merged.notes):
+        extension = self.config.hook.pytest_gpuclean_summary_parts  # (an extension's parts of a test's line)
+        for line in summary_lines(merged.records, merged.session_reaped, merged.notes,
+                                  more_parts=lambda record: [
+                                      part for parts in extension(record=record) for part in parts]):
             terminalreporter.write_line(line)
 
     # ---- fixtures owned by a scope wider than a test ----------------------------------------------

@@ -36,12 +36,12 @@ def test_a_session_that_checks_nothing_does_nothing(sim: Path, pytester: pytest.
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 0
     # No psutil, no NVML bindings, none of the checking code: only what validates the options and
-    # exports the cookie.
+    # exports the cookie, and gpuclean's own hook specs (pytest_addhooks adds them in every run).
     assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.options",
                                 "pytest_gpuclean.core.options.settings", "pytest_gpuclean.core.ownership",
                                 "pytest_gpuclean.core.ownership.cookie", "pytest_gpuclean.core.reading",
                                 "pytest_gpuclean.core.reading.procfs", "pytest_gpuclean.plugin",
-                                "pytest_gpuclean.session",
+                                "pytest_gpuclean.session", "pytest_gpuclean.session.hookspecs",
                                 "pytest_gpuclean.session.names"]
     assert state["cookie"].endswith(":session")
     if not args:
@@ -79,7 +79,8 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
                                 "pytest_gpuclean.core.reading.simulated_layout",
                                 "pytest_gpuclean.model", "pytest_gpuclean.model.records",
                                 "pytest_gpuclean.plugin", "pytest_gpuclean.session",
-                                "pytest_gpuclean.session.names", "pytest_gpuclean.session.opening"]
+                                "pytest_gpuclean.session.hookspecs", "pytest_gpuclean.session.names",
+                                "pytest_gpuclean.session.opening"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
 

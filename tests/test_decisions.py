@@ -376,6 +376,7 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
 
     from pytest_gpuclean.core.ownership.evidence import Ownership
     from pytest_gpuclean.ray import cluster as ray_cluster
+    from pytest_gpuclean.ray import reporting as ray_reporting
 
     def no_answer(*args: object, **kwargs: object) -> None:
         raise ray_cluster.ClusterError("the Ray cluster at 127.0.0.1:6379 did not answer (census) within 5s")
@@ -388,7 +389,7 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
     assert check.sweep(include_session=True, timeout=5.0).offenders[0].reason == "unreachable"
     record = Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, cluster_after=result)
     assert outcome(record) == "not_clean" and not jsonreport.leaked_json(record)
-    document = jsonreport.record_json(record)
+    document = jsonreport.record_json(record, ray_reporting.record_keys)
     assert document["cluster_after"]["findings"][0]["reason"] == "unreachable"
     jsonschema.validate(document, {"$defs": jsonreport.load_schema()["$defs"], "$ref": "#/$defs/test"})
     assert "unreachable: the Ray cluster at 127.0.0.1:6379 did not answer" in report.check_report(result, "x")
@@ -396,9 +397,10 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
 
 def test_a_dead_or_unreadable_node_is_unreachable_and_named() -> None:
     from pytest_gpuclean.ray import cluster as ray_cluster
+    from pytest_gpuclean.ray.records import Census, NodeReport
 
-    census = ray_cluster.Census(nodes=(ray_cluster.NodeReport("b" * 56, 0, (), (), "probe failed: boom"),),
-                                dead_nodes=(("a" * 56, "node crashed"),), actors=(), our_jobs=(), took_s=0.1)
+    census = Census(nodes=(NodeReport("b" * 56, 0, (), (), "probe failed: boom"),),
+                    dead_nodes=(("a" * 56, "node crashed"),), actors=(), our_jobs=(), took_s=0.1)
     found = ray_cluster.node_findings(census, 0, set())
     assert [(o.reason, o.node) for o in found] == [("unreachable", "a" * 56), ("unreachable", "b" * 56)]
     assert "Ray node aaaaaaaa died: node crashed" in found[0].detail

@@ -1,6 +1,6 @@
-"""gpuclean's own hooks (``plugin.GpuCleanHooks``): an extension takes part in each checked test's check and
-in the session's end without the per-test check knowing of it (the Ray cluster's checks are one:
-tests/test_ray.py).
+"""gpuclean's own hooks (``session/hookspecs.py``): an extension takes part in each checked test's check, in
+the session's end and in the outputs without the per-test check or the outputs knowing of it (the Ray
+cluster's checks are one: tests/test_ray.py).
 """
 
 from __future__ import annotations
@@ -92,3 +92,69 @@ def test_an_extension_checks_each_checked_test_through_the_hooks(
         ("check_before", "test_b_refused"),
         # An unchecked test: no hook.
         ("sweep", False), ("session_finish",)]
+
+
+# A third-party extension's report hooks: its parts of a test's summary line and of the JSON report.
+REPORTING = '''
+class Reporting:
+    def pytest_gpuclean_summary_parts(self, record):
+        return [f"acme saw {record.nodeid.split('::')[1]}"]
+
+    def pytest_gpuclean_report_test(self, record):
+        return {"acme": {"reaped": len(record.after.reaped) if record.after else None}}
+
+    def pytest_gpuclean_report_session(self, config):
+        return {"acme_session": {"rootdir": config.rootpath.name}}
+
+
+class Silent:  # an extension with nothing to say of this session
+    def pytest_gpuclean_summary_parts(self, record):
+        return []
+
+    def pytest_gpuclean_report_test(self, record):
+        return None
+
+    def pytest_gpuclean_report_session(self):
+        return None
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(Reporting(), "acme-reporting")
+    config.pluginmanager.register(Silent(), "acme-silent")
+'''
+
+REPORTED = '''
+import subprocess, sys
+import pytest
+
+
+@pytest.mark.needs_clean_gpus
+def test_a_leaks():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+@pytest.mark.needs_clean_gpus
+def test_b_clean():
+    pass
+'''
+
+
+def test_an_extension_adds_its_parts_to_the_summary_and_the_report(
+        sim: Path, pytester: pytest.Pytester, tmp_path: Path) -> None:
+    pytester.makeconftest(REPORTING)
+    pytester.makepyfile(test_inner=REPORTED)
+    report = tmp_path / "report.json"
+    result = run_inner(pytester, "--gpuclean-grace=2", "--gpuclean-settle=0", f"--gpuclean-report={report}")
+    result.assert_outcomes(passed=2, errors=1)
+    # Its part comes after what gpuclean says of the test's own checks; a test without findings has no line.
+    result.stdout.re_match_lines([r"test_inner.py::test_a_leaks: teardown: reaped 1 \(pid \d+ SIGTERM\)"
+                                  r".*; acme saw test_a_leaks$"])
+    assert "acme saw test_b_clean" not in result.stdout.str()
+    document = json.loads(report.read_text())
+    tests = {t["nodeid"].split("::")[1]: t for t in document["tests"]}
+    # Each test's keys after its timings; the session's after xdist_workers; gpuclean's own keys as ever.
+    assert tests["test_a_leaks"]["acme"] == {"reaped": 1} and tests["test_b_clean"]["acme"] == {"reaped": 0}
+    assert list(tests["test_a_leaks"])[-2:] == ["timings", "acme"]
+    assert list(document["session"])[-2:] == ["xdist_workers", "acme_session"]
+    assert document["session"]["acme_session"] == {"rootdir": pytester.path.name}
+    assert tests["test_a_leaks"]["outcome"] == "leaked" and document["summary"]["reaped"] == 1

@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_gpuclean.model",),  # the records (one module), the decisions over them, text
     ("pytest_gpuclean.core", "pytest_gpuclean.report"),  # reading and checking; formatting and shipping
     ("pytest_gpuclean.session",),  # the pytest integration below the hooks, and gpuclean's own hook specs
+    # (session/hookspecs.py: beside the session modules that call them, below ray/ and plugin.py)
     ("pytest_gpuclean.ray",),  # the Ray extension: a plugin of gpuclean's hooks, a cluster read and reaped,
     # its CLI commands
     ("pytest_gpuclean.plugin", "pytest_gpuclean.cli",
@@ -232,6 +233,21 @@ def test_imports_are_read_where_they_hide() -> None:
     assert "pytest_gpuclean.model.records" in GRAPH["pytest_gpuclean.plugin"]
     # ... and ``from pkg import mod`` names the module, not its package.
     assert "pytest_gpuclean.core.reading.devices" in GRAPH["pytest_gpuclean.session.session"]
+
+
+def test_the_hook_specs_are_within_reach_of_who_calls_and_implements_them() -> None:
+    # gpuclean's own hook specs: the session's modules call them (config.hook), the Ray extension implements
+    # them, plugin.py adds them. Each may import the specs (for their names, their documentation) without
+    # an import up a layer: they sit on the lowest layer of the three.
+    specs = "pytest_gpuclean.session.hookspecs"
+    assert specs in GRAPH["pytest_gpuclean.plugin"]
+    row = _layer(specs)[0]
+    for user in ("pytest_gpuclean.session.session", "pytest_gpuclean.session.testcheck",
+                 "pytest_gpuclean.session.outputs", "pytest_gpuclean.ray.checks", "pytest_gpuclean.plugin"):
+        assert _layer(user)[0] >= row, user
+    users = ("pytest_gpuclean.session.testcheck", "pytest_gpuclean.session.outputs",
+             "pytest_gpuclean.ray.checks")
+    assert not layer_violations({**GRAPH, **{user: GRAPH[user] | {specs} for user in users}})
 
 
 def test_every_core_module_is_in_a_stage() -> None:

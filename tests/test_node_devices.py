@@ -1,4 +1,4 @@
-"""Which of a host's GPUs a Ray node checks (cluster.node_devices): several raylets can share one host, and
+"""Which of a host's GPUs a Ray node checks (node.node_devices): several raylets can share one host, and
 NVML shows each of them every GPU; a GPU must be checked by the node that owns it only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from helpers import exec_done
 
 from pytest_gpuclean.model.records import DeviceInfo
-from pytest_gpuclean.ray.cluster import node_devices
+from pytest_gpuclean.ray.node import node_devices
 
 GPUS = tuple(DeviceInfo(i, f"GPU-{i}{i}{i}{i}aaaa-0000", "H200") for i in range(4))
 

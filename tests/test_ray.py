@@ -534,6 +534,82 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
     assert check._token_at(procfs.ticks_to_wall(now - 450)) == test
 
 
+def _census() -> Any:
+    from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot, GpuProcess, ProcessInfo
+    from pytest_gpuclean.ray.records import ActorRecord, Census, JobRecord, NodeProcess, NodeReport
+
+    info = ProcessInfo(4242, 99, 1, 1000, "ci", "ray::Holder.hold", "sleeping")
+    snap = DeviceSnapshot(DeviceInfo(0, "GPU-0000", "node 3f2a9c1b: H200"), 512, 1024,
+                          (GpuProcess(4242, 512),))
+    node = NodeReport("3f2a9c1b" * 7, 77, (snap,), (NodeProcess(info, "01000000", 1.5, True),))
+    return Census((node, NodeReport("b" * 56, 0, (), (), "probe failed: boom")), (("a" * 56, "died"),),
+                  (ActorRecord("a" * 32, "01000000", "3f2a9c1b" * 7, 4242, "ALIVE", 1.25, "holder", "ns",
+                               True, "Holder"),), ("01000000",), 0.5, (JobRecord("01000000", 4241, False),))
+
+
+# What the agent sends back (its answers, pickled): a child process reads each from a pipe and sends it
+# back, as the agent's main loop does.
+_ECHO = """
+import sys
+from multiprocessing.connection import Connection
+inbox, outbox = Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False)
+while True:
+    try:
+        outbox.send(inbox.recv())
+    except EOFError:
+        break
+"""
+
+
+def test_the_records_that_cross_the_ray_boundary_pickle() -> None:
+    # Ray ships a node's answer (NodeReport, NodeEnd) with its cloudpickle; the agent's pipe pickles its
+    # answers (Census, NodeEnd). Records with slots and no __dict__ must come back whole, equal and usable.
+    import pickle
+    import subprocess
+    from multiprocessing.connection import Connection
+
+    from pytest_gpuclean.ray.records import NodeEnd
+
+    census = _census()
+    end = NodeEnd(((4242, "ray.kill", "ray.kill", 0.01, ""), (4243, "ladder", "SIGTERM", None, "")), 0.41,
+                  (4242,), ("an error",))
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        node_process = census.nodes[0].processes[0]
+        for record in (census, end, *census.nodes, *census.actors, *census.jobs, node_process):
+            back = pickle.loads(pickle.dumps(record, protocol))
+            assert back == record and type(back) is type(record) and hash(back) == hash(record)
+    back = pickle.loads(pickle.dumps(census))
+    assert back.replace(took_s=1.0).took_s == 1.0 and back.nodes[0].devices[0].bytes_of({4242}) == 512
+    cloudpickles = [m for m in (_importable("ray.cloudpickle"), _importable("cloudpickle")) if m is not None]
+    for cloudpickle in cloudpickles:
+        assert cloudpickle.loads(cloudpickle.dumps(census)) == census
+        assert cloudpickle.loads(cloudpickle.dumps(end)) == end
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    child = subprocess.Popen([sys.executable, "-c", _ECHO, str(to_child_r), str(from_child_w)],
+                             pass_fds=(to_child_r, from_child_w))
+    os.close(to_child_r)
+    os.close(from_child_w)
+    outbox, inbox = Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
+    try:
+        for answer in (("ok", census), ("ok", end)):
+            outbox.send(answer)
+            assert inbox.poll(30) and inbox.recv() == answer
+    finally:
+        outbox.close()
+        assert child.wait(timeout=30) == 0
+        inbox.close()
+
+
+def _importable(name: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
 
 # ---- the plugin's own helper driver, its job and its workers are never a test's -------------------------
 

@@ -32,6 +32,7 @@ from pytest_gpuclean.model.records import (
     SiblingUse,
 )
 from pytest_gpuclean.model.records import TestRecord as Record  # (a Test* name would be collected
+from pytest_gpuclean.ray import reporting as ray_reporting
 from pytest_gpuclean.report import jsonreport, records, report
 from pytest_gpuclean.report.serialize import from_dict, to_dict
 from pytest_gpuclean.session import outputs
@@ -118,18 +119,23 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
+    # The Ray extension's parts (ray/reporting.py), as its report hooks give them to the summary and report.
     import jsonschema
 
-    lines = report.summary_lines([RAY_RECORD], [], [])
+    lines = report.summary_lines([RAY_RECORD], [], [], ray_reporting.summary_parts)
     assert lines[0] == (f"t.py::test_ray: Ray teardown on node {NODE[:8]}: reaped pid 4242 by ray.kill, "
                         "pid 4242 SIGTERM, devices released in 0.41s, not clean (leaked pid 4242)")
     assert lines[-1] == "1 checked test(s), 1 with findings, 2 process(es) reaped"
+    # Without the extension's parts, the line keeps what gpuclean itself says of the test (the counts
+    # include the cluster's findings: they are ordinary records).
+    assert report.summary_lines([RAY_RECORD], [], [])[0] == "t.py::test_ray: "
     document = jsonreport.report_document(records=[RAY_RECORD], session_reaped=[], notes=[], session={
         "start": "2026-12-01T00:00:00.000+00:00", "end": "2026-12-01T00:00:01.000+00:00", "duration_s": 1.0,
         "exitstatus": 1, "host": "h", "backend": "simulated", "driver": "simulated", "unavailable": None,
         "devices": [], "settings": {"all": False, "tolerance_mib": 0, "timeout": 60.0, "scope": "session",
                                     "reap": "on", "grace": 5.0, "lock": "on", "require_gpu": False},
-        "xdist_workers": None, "ray": jsonreport.ray_json("127.0.0.1:6379", "2.60.0", [RAY_AFTER])})
+        "xdist_workers": None, "ray": ray_reporting.ray_json("127.0.0.1:6379", "2.60.0", [RAY_AFTER])},
+        test_keys=ray_reporting.record_keys)
     jsonschema.validate(document, jsonreport.load_schema())
     (test,) = document["tests"]
     assert test["outcome"] == "leaked" and document["summary"]["reaped"] == 2
@@ -140,8 +146,11 @@ def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
     assert after["nodes"][0]["devices"][0]["name"] == f"node {NODE[:8]}: H200"
     assert after["findings"][0]["node_id"] == NODE
     assert test["cluster_before"]["nodes"][0]["error"] == "devices unreadable"
+    # After timings, where the extension's keys go.
+    assert list(test)[list(test).index("timings") + 1:] == ["cluster_before", "cluster_after"]
     # Without a cluster, a test's record keeps its old keys only.
-    assert "cluster_after" not in jsonreport.record_json(RECORD)
+    assert ray_reporting.record_keys(RECORD) == {}
+    assert jsonreport.record_json(RECORD, ray_reporting.record_keys) == jsonreport.record_json(RECORD)
 
 
 def test_every_record_class_has_a_round_trip_example() -> None:

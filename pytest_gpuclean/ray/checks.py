@@ -1,11 +1,13 @@
-"""The Ray cluster's part of a session's checks (``--gpuclean-ray``): before and after each test, and the
-cluster's sweep at the session's end. A plugin that implements gpuclean's own hooks
-(``plugin.GpuCleanHooks``), registered by ``plugin.py`` only when ``--gpuclean-ray`` is on: the per-test
-check calls the hooks and knows nothing of Ray.
+"""The Ray cluster's part of a session's checks (``--gpuclean-ray``): before and after each test, the
+cluster's sweep at the session's end, and its part of what the session reports. A plugin that implements
+gpuclean's own hooks (``session/hookspecs.py``), registered by ``plugin.py`` only when ``--gpuclean-ray`` is
+on: the per-test check and the outputs call the hooks and know nothing of Ray (``reporting.py`` words the
+cluster's part).
 
-``cluster.py`` (and Ray, which it drives) is imported only when the option names a cluster, or, with
-``auto`` and no ``RAY_ADDRESS``, once the session's own processes include a Ray GCS server: a cluster the
-session's tests or fixtures started (``RayChecks.discover``).
+``cluster.py`` (which drives the agent, and through it Ray) is imported only when the option names a
+cluster, or, with ``auto`` and no ``RAY_ADDRESS``, once the session's own processes include a Ray GCS
+server: a cluster the session's tests or fixtures started (``RayChecks.discover``). A session that finds
+none never imports it (tests/examples/ray/no_ray_auto), hence its function-level imports here.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import pytest
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.decisions import ALL_KINDS, split_own
-from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
+from pytest_gpuclean.model.records import CheckResult, Phase, Reaped, TestRecord
+from pytest_gpuclean.ray import reporting
 from pytest_gpuclean.report import report
 
 if TYPE_CHECKING:
@@ -44,7 +47,7 @@ def open_cluster(resolved: Settings, checker: CheckerView) -> Any:
     cannot be reached."""
     if resolved.ray == "off" or watches(resolved):
         return None
-    from pytest_gpuclean.ray import cluster
+    from pytest_gpuclean.ray import cluster  # (once a cluster is named: the module's docstring says why)
 
     address = cluster.resolve_address(resolved.ray)
     if address is None:
@@ -59,7 +62,7 @@ def open_cluster(resolved: Settings, checker: CheckerView) -> Any:
 
 
 def _new_check(address: str, resolved: Settings, checker: CheckerView) -> Any:
-    from pytest_gpuclean.ray import cluster
+    from pytest_gpuclean.ray import cluster  # (once a cluster is named or found: the module's docstring)
 
     # The agent is the session's own helper, whenever it starts (a cluster found during a test, an agent
     # started again after a lost connection): never a test's leak.
@@ -122,8 +125,13 @@ class RayChecks:
         """The session's processes looked at so far (pid, start ticks): whether each is a GCS server."""
         self._refused: set[tuple[int, int]] = set()
         """GCS servers whose cluster could not be used: not tried again."""
+        self.address = ""
+        self.version = ""
+        """The (last) cluster checked and its Ray version ('' for none: ``auto`` found none)."""
+        self.sweeps: list[CheckResult] = []
+        """The cluster's session-end sweeps."""
 
-    # ---- gpuclean's hooks (plugin.GpuCleanHooks) ----------------------------------------------------
+    # ---- gpuclean's hooks (session/hookspecs.py) ------------------------------------------------------
 
     def pytest_gpuclean_session_start(self, session: Started) -> None:
         self.session = session
@@ -152,14 +160,25 @@ class RayChecks:
     def pytest_gpuclean_session_finish(self) -> None:
         self.stop()
 
+    def pytest_gpuclean_summary_parts(self, record: TestRecord) -> list[str]:
+        return reporting.summary_parts(record)
+
+    def pytest_gpuclean_report_test(self, record: TestRecord) -> reporting.JsonDict:
+        return reporting.record_keys(record)
+
+    def pytest_gpuclean_report_session(self) -> reporting.JsonDict:
+        # Only once a cluster was checked: a report without one keeps exactly its old shape.
+        if not self.address:
+            return {}  # (with auto: no cluster found)
+        return {"ray": reporting.ray_json(self.address, self.version, self.sweeps)}
+
     @property
     def _session(self) -> Started:
         assert self.session is not None  # (every hook but the first comes after the session started)
         return self.session
 
     def _connected(self, address: str, version: str) -> None:
-        # The (last) cluster checked, for the JSON report.
-        self._session.found.cluster_address, self._session.found.ray_version = address, version
+        self.address, self.version = address, version  # (the last cluster checked, for the JSON report)
 
     # ---- a cluster the session started (``auto``) ---------------------------------------------------
 
@@ -186,7 +205,7 @@ class RayChecks:
         address = gcs_address(found.pid)
         if address is None:
             return False
-        from pytest_gpuclean.ray import cluster
+        from pytest_gpuclean.ray import cluster  # (once a cluster is found: the module's docstring says why)
 
         resolved = self._session.settings
         check = _new_check(address, resolved, self._session.checker)
@@ -243,7 +262,7 @@ class RayChecks:
         record.cluster_before = result
         self._session.attribute_earlier(result.reaped, state.nodeid, result.notes)
         if not result.clean:
-            return report.check_report(result, "gpuclean: the Ray cluster is not clean before the test")
+            return reporting.check_report(result, "gpuclean: the Ray cluster is not clean before the test")
         return None
 
     def after(self, state: ItemState, record: TestRecord, *, appeared: bool = False) -> str | None:
@@ -270,10 +289,10 @@ class RayChecks:
         record.cluster_after = result
         leaked = [o for o in result.offenders if o.reason == "leaked"]
         if own or leaked:
-            return report.check_report(result, report.leak_heading(own, leaked, self.ray.reap)
-                                       + " on the Ray cluster")
+            return reporting.check_report(result, report.leak_heading(own, leaked, self.ray.reap)
+                                          + " on the Ray cluster")
         if not result.clean and not appeared:
-            return report.check_report(result, "gpuclean: the Ray cluster is not clean after the test")
+            return reporting.check_report(result, "gpuclean: the Ray cluster is not clean after the test")
         return None
 
     def sweep(self, *, include_session: bool, timeout: float) -> list[Reaped]:
@@ -289,7 +308,7 @@ class RayChecks:
             return []
         if self._gone():
             return []
-        found.cluster_sweeps.append(check)
+        self.sweeps.append(check)
         reaped = list(check.reaped)
         if include_session and (reaped or not check.clean):
             # After the reports: say it where the user looks.

@@ -18,15 +18,23 @@ import argparse
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
 from pytest_gpuclean import __version__
 from pytest_gpuclean.core.deciding import reap_plan
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.evidence import Ownership
-from pytest_gpuclean.model.records import MIB, CheckResult, ClusterReading, NodeReading, Offender, ProcessInfo
+from pytest_gpuclean.model.records import (
+    MIB,
+    CheckResult,
+    ClusterReading,
+    Fields,
+    NodeReading,
+    Offender,
+    ProcessInfo,
+)
 from pytest_gpuclean.ray import cluster
+from pytest_gpuclean.ray.records import ActorRecord, Census, NodeProcess, NodeReport
 from pytest_gpuclean.report import jsonreport, report
 
 
@@ -44,28 +52,28 @@ def connect(address: str, resolved: settings.Settings) -> cluster.RayCheck:
     return check
 
 
-def _census(agent: cluster.RayCheck, resolved: settings.Settings) -> cluster.Census:
+def _census(agent: cluster.RayCheck, resolved: settings.Settings) -> Census:
     try:
         return agent.census(resolved.timeout)
     except cluster.ClusterError as exc:
         raise RayCliError(f"--ray: {exc} ({resolved.sources.get('ray', 'from the command line')})") from None
 
 
-def _header(agent: cluster.RayCheck, census: cluster.Census) -> str:
+def _header(agent: cluster.RayCheck, census: Census) -> str:
     return f"Ray cluster at {agent.address} (Ray {agent.version}), {len(census.nodes)} alive node(s)"
 
 
-def _described(node: cluster.NodeReport) -> dict[int, ProcessInfo | None]:
+def _described(node: NodeReport) -> dict[int, ProcessInfo | None]:
     known = {p.info.pid: p.info for p in node.processes}
     return {gp.pid: known.get(gp.pid) for s in node.devices for gp in s.processes}
 
 
-def _node_line(node: cluster.NodeReport) -> str:
+def _node_line(node: NodeReport) -> str:
     error = f"; {node.error}" if node.error else ""
     return f"node {node.node_id}: {len(node.devices)} device(s){error}"
 
 
-def status_json(agent: cluster.RayCheck, census: cluster.Census) -> dict[str, Any]:
+def status_json(agent: cluster.RayCheck, census: Census) -> dict[str, Any]:
     """``status --ray --json``: each alive node with its devices (named with the node) and processes."""
     return {"gpuclean_version": __version__, "ray": {"address": agent.address, "version": agent.version},
             "nodes": [{"node_id": n.node_id, "error": n.error,
@@ -94,7 +102,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO, resolved: settings.Setting
 
 # ---- check -------------------------------------------------------------------------------------------
 
-def as_check(address: str, census: cluster.Census, findings: Sequence[Offender], tolerance_mib: int,
+def as_check(address: str, census: Census, findings: Sequence[Offender], tolerance_mib: int,
              waited: float) -> CheckResult:
     """``check --ray``'s verdict: a cluster's check like the plugin's, its findings naming their node."""
     nodes = tuple(NodeReading(n.node_id, n.devices, n.error) for n in census.nodes)
@@ -135,19 +143,28 @@ def cmd_check(args: argparse.Namespace, out: TextIO, resolved: settings.Settings
 
 # ---- reap --------------------------------------------------------------------------------------------
 
-@dataclass
-class _Target:
-    node: cluster.NodeReport
-    process: cluster.NodeProcess
-    actor: cluster.ActorRecord | None
-    mib: tuple[tuple[str, float], ...]
+class _Target(Fields):
+    """A process ``reap --ray`` ends: on ``node``, an actor's worker or not, holding ``mib``."""
+
+    __slots__ = ("node", "process", "actor", "mib")
+    node: Final[NodeReport]
+    process: Final[NodeProcess]
+    actor: Final[ActorRecord | None]
+    mib: Final[tuple[tuple[str, float], ...]]
+
+    def __init__(self, node: NodeReport, process: NodeProcess, actor: ActorRecord | None,
+                 mib: tuple[tuple[str, float], ...]) -> None:
+        self.node = node
+        self.process = process
+        self.actor = actor
+        self.mib = mib
 
 
 def _is_daemon(cmdline: str) -> bool:
     return any(d in cmdline.split(" ", 1)[0] or cmdline.startswith(d) for d in cluster.RAY_DAEMONS)
 
 
-def plan(census: cluster.Census, my_uid: int) -> tuple[list[_Target], list[str]]:
+def plan(census: Census, my_uid: int) -> tuple[list[_Target], list[str]]:
     """What ``reap --ray`` may end on each node, and a line for each GPU process it leaves alone (and why):
     the facts of each process on a node's devices, decided by ``reap_plan.plan``."""
     jobs = {j.job_id: j for j in census.jobs}

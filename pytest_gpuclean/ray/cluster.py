@@ -1,11 +1,12 @@
-"""The check across a Ray cluster (``--gpuclean-ray``): every alive node's devices and the test's Ray
-actors and processes, through Ray's own records.
+"""The check across a Ray cluster (``--gpuclean-ray``), the pytest process's side: every alive node's devices
+and the test's Ray actors and processes, through Ray's own records.
 
-The pytest process never imports Ray. A helper driver (``_agent_main``, in a Python process of its own),
-a job of its own, reads the control store's tables (no dashboard needed), runs a probe pinned to each
-node (node affinity, ``num_cpus=0`` so that a busy node still answers) and ends what the check decides
-is a test's leak. It talks to the pytest process over a pipe; every request has a deadline, and an
-agent that misses it is killed and reported, so an unreachable cluster never hangs a test.
+The pytest process never imports Ray. ``RayCheck`` starts the agent (``agent.py``: a helper driver in a
+Python process of its own, a job of its own), which reads the control store's tables and runs a probe pinned
+to each node (``node.py``); from the census it sends back, ``RayCheck`` decides what is a test's leak, has
+the agent end it on its node, and gives the verdict as an ordinary ``CheckResult``. It talks to the agent
+over a pipe; every request has a deadline, and an agent that misses it is killed and reported, so an
+unreachable cluster never hangs a test.
 
 Attribution: a Ray actor belongs to a test when its job's driver is this pytest process and Ray's
 record says it started inside the test's window (the same windows as the local check); a process on
@@ -18,16 +19,14 @@ signalled.
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import os
 import pickle
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, cast, get_args
+from typing import Any, Final, cast, get_args
 
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.evidence import SESSION, Ownership
@@ -36,9 +35,8 @@ from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
     ClusterReading,
-    DeviceInfo,
-    DeviceSnapshot,
     EndedBy,
+    Fields,
     NodeReading,
     NodeRelease,
     Offender,
@@ -47,13 +45,11 @@ from pytest_gpuclean.model.records import (
     ProcessInfo,
     Reaped,
 )
-
-if TYPE_CHECKING:
-    from pytest_gpuclean.core.reading.backends import Backend
+from pytest_gpuclean.ray.records import ActorRecord, Census, NodeEnd, NodeProcess, Outcome
 
 OFF = "off"
 AUTO = "auto"
-# Without these, ray.init to a dead address retries for about 14 minutes before it gives up.
+# Without these, ray.init to a dead address retries for many minutes before it gives up.
 CONNECT_ENV = {
     "RAY_gcs_server_port_wait_time_s": "1",
     "RAY_py_gcs_connect_timeout_s": "2",
@@ -66,441 +62,65 @@ RAY_DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAg
                "dashboard.py", "log_monitor.py", "monitor.py", "runtime_env/agent")
 
 
-# Not ``-m``: what the agent pickles (results, the probe Ray ships to the nodes) must name this module,
-# not ``__main__``.
-AGENT_COMMAND = ("import sys; from pytest_gpuclean.ray.cluster import _agent_main; "
-                 "sys.exit(_agent_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))")
+# Not ``-m``: what the agent pickles (its answers, the functions Ray ships to the nodes) must name their
+# modules, not ``__main__``.
+AGENT_COMMAND = ("import sys; from pytest_gpuclean.ray.agent import main; "
+                 "sys.exit(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))")
 
 
 class ClusterError(Exception):
     """The cluster cannot be reached or used (wrong address, Ray missing, another Ray version)."""
 
 
-# ---- what a node probe returns (plain data, pickled through Ray) -------------------------------------
+class _Leak(Fields):
+    """Something of ours alive on the cluster and not protected: an actor, its worker or a process of one of
+    our jobs, on ``node``, owned by ``token``'s window."""
 
-
-@dataclass(frozen=True)
-class NodeProcess:
-    """A process on a node that matters to the check: on a device, or of a watched job."""
-
-    info: ProcessInfo
-    job_id: str
-    """``RAY_JOB_ID`` from its environment ('' when none)."""
-    start_wall: float
-    ray_worker: bool
-    """A Ray worker (its title starts with ``ray::``)."""
-
-
-@dataclass(frozen=True)
-class NodeReport:
-    """One node's devices and the processes that matter, as its probe saw them."""
-
-    node_id: str
-    raylet_pid: int
-    devices: tuple[DeviceSnapshot, ...]
-    processes: tuple[NodeProcess, ...]
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class ActorRecord:
-    """An actor as the control store records it."""
-
-    actor_id: str
-    job_id: str
-    node_id: str
-    pid: int
-    state: str
-    start_wall: float
-    name: str
-    namespace: str
-    detached: bool
-    class_name: str
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A job (one driver) as the control store records it."""
-
-    job_id: str
-    driver_pid: int
-    dead: bool
-    """Its driver has disconnected (``ray.shutdown()`` or exited)."""
-
-
-@dataclass(frozen=True)
-class NodeEnd:
-    """What ``end_on_node`` did on one node."""
-
-    outcomes: tuple[tuple[int, str, str, float | None, str], ...]
-    """(pid, via, ended_by, exit_s, state): via ``ray.kill`` or ``ladder``; state when it survived."""
-    release_s: float | None
-    """Seconds from the first kill until the node's devices listed none of the ended GPU holders."""
-    held: tuple[int, ...]
-    """The targets the node's devices listed when the reaping began."""
-    errors: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Census:
-    """The cluster at one moment: nodes, actors, which jobs are ours, and each alive node's report."""
-
-    nodes: tuple[NodeReport, ...]
-    dead_nodes: tuple[tuple[str, str], ...]
-    """(node id, why) of nodes that died since the agent connected."""
-    actors: tuple[ActorRecord, ...]
-    our_jobs: tuple[str, ...]
-    took_s: float
-    jobs: tuple[JobRecord, ...] = ()
-    """Every job the control store knows (for ``gpuclean reap --ray``: is a job over?)."""
-
-
-# ---- node side ------------------------------------------------------------------------------------
-
-
-def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Sequence[int] = ()) -> NodeReport:
-    """On a node (inside a Ray worker): its devices and the processes that matter, this user's only.
-
-    ``gpus`` is the node's "GPU" resource as the control store has it (see ``node_devices``);
-    ``actor_pids`` the workers the control store names for the watched jobs' actors on this node: a worker
-    Ray started before the job asked for it has no ``RAY_JOB_ID`` in its environment.
-    """
-    from pytest_gpuclean.core.reading import devices, processes
-
-    raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
-    node_id = _node_id()
-    snaps: tuple[DeviceSnapshot, ...] = ()
-    error = ""
-    simulated = os.environ.get(settings.option("simulate").env_var) or None
-    try:
-        backend = _open_backend(simulated)
-    except devices.DeviceError:
-        backend = None  # a node without GPUs (or NVML): its processes still count
-    if backend is not None:
-        try:
-            listed = backend.devices()
-            owned = listed if simulated else node_devices(listed, raylet, gpus)
-            snaps = backend.readings(owned)
-        except devices.DeviceError as exc:
-            error = f"devices unreadable: {exc}"
-        finally:
-            backend.close()
-    on_device = {p.pid for s in snaps for p in s.processes}
-    uid = os.getuid()
-    me = os.getpid()
-    found: list[NodeProcess] = []
-    named = set(actor_pids)
-    for pid in actor_pids:  # and what those workers started
-        named.update(child for child, _ in procfs.descendants(pid))
-    for pid in set(procfs.pids_of_uid(uid)) | on_device:
-        if pid == me:
-            continue
-        env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
-        job = env.get("RAY_JOB_ID", "")
-        # A process of a watched job on this node (its raylet's), or anything a device lists.
-        if pid not in on_device and pid not in named and not (
-                job in jobs and env.get("RAY_RAYLET_PID") == str(raylet)):
-            continue
-        info = processes.describe(pid)
-        if info is None:
-            continue
-        found.append(NodeProcess(info, job, procfs.ticks_to_wall(info.start_ticks),
-                                 info.cmdline.startswith("ray::")))
-    return NodeReport(node_id, raylet, _named(snaps, node_id), tuple(found), error)
-
-
-def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | None) -> tuple[DeviceInfo, ...]:
-    """The GPUs of the host that belong to this Ray node.
-
-    Several raylets can share a host (a test cluster, or one raylet per GPU): NVML shows each of them
-    every GPU, and a GPU seen by two nodes would be checked, and its holders blamed, twice. A raylet owns
-    what its ``CUDA_VISIBLE_DEVICES`` lists (Ray schedules GPU tasks within it); without the variable Ray
-    numbers the node's ``GPU`` resource from the first device on, and a node with no ``GPU`` resource
-    owns none.
-    """
-    from pytest_gpuclean.core.reading import backends, devices
-
-    visible = procfs.read_environ_vars(raylet_pid, ("CUDA_VISIBLE_DEVICES",)).get("CUDA_VISIBLE_DEVICES") \
-        if raylet_pid > 0 else None
-    if visible is not None:
-        try:
-            return backends.select_devices(listed, visible, cuda_ordinals=True,
-                                           ordinal_uuids=backends.cuda_ordinal_uuids())
-        except devices.DeviceSelectionError:
-            return tuple(listed)  # not ours to judge: check them all rather than none
-    if gpus is None:
-        return tuple(listed)
-    return tuple(sorted(listed, key=lambda d: d.index))[:int(gpus)]
-
-
-def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Sequence[tuple[int, int, str]],
-                raylet_pid: int, grace: float, release_wait: float) -> NodeEnd:
-    """On a node: ``ray.kill`` of named actors ``(name, namespace, actor id, worker pid, start ticks)``,
-    then the TERM -> grace -> KILL ladder for the ``(pid, start ticks, job id)`` targets still alive,
-    then wait (up to ``release_wait``) until the node's devices list none of what was ended, timed on
-    this node from the first kill.
-
-    Each target is checked again here, where the pid means something: same start time, this user's,
-    this node's raylet, the job the check blamed (or, for ``job id`` '', no Ray job at all); never this
-    task's own ancestors (its worker's raylet, the process that started the node). An actor is killed
-    only if its name still resolves to the same actor id.
-    """
-    from pytest_gpuclean.core.reading import devices, processes
-
-    begun = time.monotonic()
-    uid = os.getuid()
-    never = processes.ancestors(os.getpid())
-    backend = None
-    try:
-        backend = _open_backend(os.environ.get(settings.option("simulate").env_var) or None)
-        listed_devices = backend.devices()
-    except devices.DeviceError:
-        listed_devices = ()
-
-    def on_devices() -> set[int]:
-        if backend is None:
-            return set()
-        try:
-            return {p.pid for s in backend.readings(listed_devices) for p in s.processes}
-        except devices.DeviceError:
-            return set()
-
-    wanted = {pid for pid, _, _ in targets} | {a[3] for a in actors}
-    held = on_devices() & wanted
-    released: list[float] = []
-
-    def watch() -> None:
-        if held and not released and not (on_devices() & held):
-            released.append(time.monotonic() - begun)
-
-    errors: list[str] = []
-    outcomes: list[tuple[int, str, str, float | None, str]] = []
-    ray = _ray()
-    by_ray: dict[int, tuple[int, float]] = {}
-    for name, namespace, actor_id, pid, start_ticks in actors:
-        try:
-            handle = ray.get_actor(name, namespace=namespace)
-            if handle._actor_id.hex() != actor_id:
-                errors.append(f"actor {name!r} is now another actor: left alone")
-                continue
-            sent = time.monotonic()
-            ray.kill(handle, no_restart=True)
-            by_ray[pid] = (start_ticks, sent)
-        except Exception as exc:
-            errors.append(f"ray.kill of actor {name!r} failed: {type(exc).__name__}: {exc}")
-    # Ray ends a killed actor's worker at once (about 10 ms); the ladder takes what is still there after
-    # the grace period.
-    deadline = time.monotonic() + grace
-    pending = dict(by_ray)
-    while pending and time.monotonic() < deadline:
-        for pid, (start_ticks, sent) in list(pending.items()):
-            stat = procfs.read_stat(pid)
-            if stat is None or stat.start_ticks != start_ticks or stat.state == "Z":
-                outcomes.append((pid, "ray.kill", "ray.kill", time.monotonic() - sent, ""))
-                del pending[pid]
-        watch()
-        time.sleep(0.005)
-    done = {o[0] for o in outcomes}
-    verified: list[processes.KillTarget] = []
-    for pid, start_ticks, job in targets:
-        if pid in done:
-            continue
-        stat = procfs.read_stat(pid)
-        env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
-        if stat is None or stat.start_ticks != start_ticks:
-            outcomes.append((pid, "ladder", "already exited" if stat is None else "pid reused", None, ""))
-        elif pid in never or os.stat(f"/proc/{pid}").st_uid != uid or env.get("RAY_JOB_ID", "") != job or (
-                job and env.get("RAY_RAYLET_PID") != str(raylet_pid)):
-            outcomes.append((pid, "ladder", "survived", None, "not provably the test's: left alone"))
-        else:
-            verified.append(processes.KillTarget(pid, start_ticks, 0, None))
-    for o in processes.terminate(verified, grace, watch=watch):
-        outcomes.append((o.pid, "ladder", o.ended_by, o.exit_s, o.state))
-    limit = time.monotonic() + release_wait
-    while held and not released and time.monotonic() < limit:
-        watch()
-        if not released:
-            time.sleep(0.01)
-    if backend is not None:
-        backend.close()
-    return NodeEnd(tuple(outcomes), released[0] if released else None, tuple(sorted(held)), tuple(errors))
-
-
-def _open_backend(simulate_dir: str | None) -> Backend:
-    """The node's devices, as ``core.reading.opening.open_backend`` opens them (NVML without an early start).
-    Not that function: this module is four floors down the ``gpuclean`` command's imports (``__main__``,
-    ``cli``, ``cli_ray``), and the opener's own floor above the backends would make seven
-    (tests/test_layers.py allows six)."""
-    if simulate_dir:
-        from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-
-        return SimulatedBackend(simulate_dir)
-    from pytest_gpuclean.core.reading.nvml import NvmlBackend
-
-    return NvmlBackend()
-
-
-def _node_id() -> str:
-    ray = _ray()
-    return str(ray.get_runtime_context().get_node_id())
-
-
-def _ray() -> Any:
-    # Typed as Any: Ray is optional, and mypy must pass where it is not installed.
-    return importlib.import_module("ray")
-
-
-def _named(snaps: tuple[DeviceSnapshot, ...], node_id: str) -> tuple[DeviceSnapshot, ...]:
-    # Devices carry their node in the name, so that reports across nodes say where a GPU is.
-    out = []
-    for s in snaps:
-        device = DeviceInfo(s.device.index, s.device.uuid, f"node {node_id[:8]}: {s.device.name}",
-                            s.device.mig_index)
-        out.append(DeviceSnapshot(device, s.used_bytes, s.total_bytes, s.processes))
-    return tuple(out)
-
-
-# ---- the agent: a driver of its own ------------------------------------------------------------------
-
-
-class _Agent:
-    def __init__(self, address: str) -> None:
-        ray = self.ray = _ray()
-        strategies = importlib.import_module("ray.util.scheduling_strategies")
-        self.affinity = strategies.NodeAffinitySchedulingStrategy
-        self.gcs_pb2: Any = importlib.import_module("ray.core.generated.gcs_pb2")
-        self.state: Any = importlib.import_module("ray._private.state")
-        ray.init(address=address, namespace="gpuclean", log_to_driver=False, logging_level="ERROR",
-                 configure_logging=False)
-        self.probe = ray.remote(num_cpus=0, max_retries=0)(probe_node)
-        self.ender = ray.remote(num_cpus=0, max_retries=0)(end_on_node)
-        self.known_alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        self.version = ray.__version__
-        # This host as the control store names drivers' hosts: the address of this agent's own job.
-        self.job_id = str(ray.get_runtime_context().get_job_id())
-
-    def census(self, drivers: dict[int, float], timeout: float) -> Census:
-        """``drivers``: pids on this host whose jobs are ours, each with the earliest start such a job
-        may have (a job older than its driver's process belongs to an earlier process of that pid)."""
-        ray = self.ray
-        started = time.monotonic()
-        accessor = self.state.state._connect_and_get_accessor()
-        jobs = []
-        all_jobs: list[JobRecord] = []
-        gcs_pb2 = self.gcs_pb2
-        table = [gcs_pb2.JobTableData.FromString(raw) for raw in accessor.get_job_table(
-            skip_submission_job_info_field=True, skip_is_running_tasks_field=True)]
-        here = next((j.driver_ip_address for j in table if j.job_id.hex() == self.job_id), None)
-        for job in table:
-            all_jobs.append(JobRecord(job.job_id.hex(), job.driver_pid, job.is_dead))
-            if job.job_id.hex() == self.job_id:
-                # This agent's own job, as Ray named it when the agent connected: the plugin's helper, and
-                # so are its workers, whenever Ray starts one (the probes' workers start on a node at its
-                # first check, and again once Ray has let an idle one go). Never a test's.
-                continue
-            # Dead jobs too: a driver that called ray.shutdown() leaves its detached actors behind. A pid
-            # means something only on its own host: the driver must run where this agent does.
-            since = drivers.get(job.driver_pid)
-            if since is not None and job.start_time / 1000.0 >= since and job.driver_ip_address == here:
-                jobs.append(job.job_id.hex())
-        actors = []
-        for raw in accessor.get_actor_table(None, None):
-            a = gcs_pb2.ActorTableData.FromString(raw)
-            actors.append(ActorRecord(a.actor_id.hex(), a.job_id.hex(), a.address.node_id.hex(), a.pid,
-                                      gcs_pb2.ActorTableData.ActorState.Name(a.state), a.start_time / 1000.0,
-                                      a.name, a.ray_namespace, a.is_detached, a.class_name))
-        our_jobs = set(jobs)
-        nodes = ray.nodes()
-        dead = tuple((n["NodeID"], n.get("DeathReasonMessage") or "dead") for n in nodes
-                     if not n["Alive"] and n["NodeID"] in self.known_alive)
-        alive = [n["NodeID"] for n in nodes if n["Alive"]]
-        gpus = {n["NodeID"]: float(n.get("Resources", {}).get("GPU", 0.0)) for n in nodes if n["Alive"]}
-        workers = {node: sorted(a.pid for a in actors if a.node_id == node and a.job_id in our_jobs
-                                and a.state == "ALIVE" and a.pid) for node in alive}
-        refs = {node: self.probe.options(scheduling_strategy=self.affinity(node, soft=False)).remote(
-            sorted(our_jobs), gpus[node], workers[node]) for node in alive}
-        reports = []
-        deadline = started + timeout
-        for node, ref in refs.items():
-            try:
-                reports.append(ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
-            except Exception as exc:  # a node that died or hangs: a finding, not a hang
-                ray.cancel(ref, force=True)
-                reports.append(NodeReport(node, 0, (), (), f"probe failed: {type(exc).__name__}: "
-                                          f"{str(exc).splitlines()[0] if str(exc) else ''}"))
-        took = time.monotonic() - started
-        return Census(tuple(reports), dead, tuple(actors), tuple(sorted(our_jobs)), took, tuple(all_jobs))
-
-    def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
-            targets: Sequence[tuple[int, int, str]], grace: float, release_wait: float, timeout: float
-            ) -> NodeEnd:
-        ref = self.ender.options(scheduling_strategy=self.affinity(node, soft=False)).remote(
-            list(actors), list(targets), raylet, grace, release_wait)
-        end: NodeEnd = self.ray.get(ref, timeout=timeout)
-        return end
-
-
-def _agent_main(address: str, read_fd: int, write_fd: int) -> int:
-    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    try:
-        agent = _Agent(address)
-    except ModuleNotFoundError as exc:
-        if exc.name != "ray":
-            raise
-        outbox.send(("error", f"Ray is not installed for {sys.executable} (pip install ray)"))
-        return 1
-    except BaseException as exc:  # unreachable, another version: say so and stop
-        outbox.send(("error", f"{type(exc).__name__}: {exc}"))
-        return 1
-    outbox.send(("ready", agent.version))
-    while True:
-        try:
-            request = inbox.recv()
-        except EOFError:
-            return 0
-        op, args = request
-        try:
-            outbox.send(("ok", getattr(agent, op)(*args)))
-        except Exception as exc:
-            outbox.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
-# ---- the pytest side ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Leak:
+    __slots__ = ("process", "actor", "node", "token")
+    __hash__ = None  # type: ignore[assignment]  # (an actor's leak takes its worker once found)
     process: NodeProcess | None
-    actor: ActorRecord | None
-    node: str
-    token: str
+    actor: Final[ActorRecord | None]
+    node: Final[str]
+    token: Final[str]
+
+    def __init__(self, process: NodeProcess | None, actor: ActorRecord | None, node: str, token: str) -> None:
+        self.process = process
+        self.actor = actor
+        self.node = node
+        self.token = token
 
 
-@dataclass
+def _never_older(pid: int, start_ticks: int) -> bool:
+    return False
+
+
 class RayCheck:
-    """Drives the agent from the pytest process: census, attribution, reaping, the verdict."""
+    """Drives the agent from the pytest process: census, attribution, reaping, the verdict. (Not a record:
+    it owns the agent's process and pipe.)"""
 
-    address: str
-    ownership: Ownership
-    reap: bool = True
-    grace: float = settings.DEFAULT_GRACE_S
-    agent_env: dict[str, str] = field(default_factory=dict)
-    """Set in the agent's environment (the session's cookie: the agent is the session's helper)."""
-    _proc: subprocess.Popen[bytes] | None = None
-    _inbox: Connection | None = None
-    _outbox: Connection | None = None
-    version: str = ""
-    since: float = field(default_factory=lambda: _process_start(os.getpid()))
-    """Jobs whose driver is this process and started since then are this session's: a job started before
-    this process existed had a driver of the same pid (reused)."""
-    notes: list[str] = field(default_factory=list)
-    unreachable: str = ""
-    """Why the last check could not reach the cluster ('' when it could)."""
-    _tree: procfs.DescendantWalk = field(default_factory=procfs.DescendantWalk, repr=False)
-    """This process's descendants, walked at a cost independent of its thread count (as the checker's)."""
-    older: Callable[[int, int], bool] = field(default=lambda pid, start_ticks: False, repr=False)
-    """Whether a descendant (pid, start ticks) is no part of the session: it existed before it (the local
-    checker says so). Such a driver's jobs are not the session's, nor are those of what it starts."""
+    def __init__(self, address: str, ownership: Ownership, reap: bool = True,
+                 grace: float = settings.DEFAULT_GRACE_S, agent_env: dict[str, str] | None = None,
+                 older: Callable[[int, int], bool] = _never_older) -> None:
+        self.address = address
+        self.ownership = ownership
+        self.reap = reap
+        self.grace = grace
+        self.agent_env = dict(agent_env or {})
+        """Set in the agent's environment (the session's cookie: the agent is the session's helper)."""
+        self.older = older
+        """Whether a descendant (pid, start ticks) is no part of the session: it existed before it (the local
+        checker says so). Such a driver's jobs are not the session's, nor are those of what it starts."""
+        self.version = ""
+        self.since = _process_start(os.getpid())
+        """Jobs whose driver is this process and started since then are this session's: a job started
+        before this process existed had a driver of the same pid (reused)."""
+        self.unreachable = ""
+        """Why the last check could not reach the cluster ('' when it could)."""
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._inbox: Connection | None = None
+        self._outbox: Connection | None = None
+        self._tree = procfs.DescendantWalk()
+        """This process's descendants, walked at a cost independent of its thread count (as the checker's)."""
 
     def start(self, timeout: float) -> None:
         """Start the agent and connect it; ``ClusterError`` if that fails or takes over ``timeout``."""
@@ -568,7 +188,7 @@ class RayCheck:
     def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
             targets: Sequence[tuple[int, int, str]], grace: float, release_wait: float, timeout: float
             ) -> NodeEnd:
-        """``end_on_node`` on ``node`` (see there)."""
+        """``node.end_on_node`` on ``node``, through the agent (see there)."""
         end: NodeEnd = self._call("end", node, raylet, actors, targets, grace, release_wait, timeout,
                                   timeout=timeout)
         return end
@@ -820,7 +440,7 @@ def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
     return found
 
 
-def node_reaped(info: ProcessInfo, owner: Owner | None, outcome: tuple[int, str, str, float | None, str],
+def node_reaped(info: ProcessInfo, owner: Owner | None, outcome: Outcome,
                 held: tuple[tuple[str, float], ...], end: NodeEnd, *, node: str | None = None,
                 actor_id: str = "", job_id: str = "") -> Reaped:
     """A node's answer ``(pid, via, ended_by, exit_s, state)`` for one process, as a ``Reaped`` on

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -45,7 +45,8 @@ def _mib(num_bytes: int | float) -> float:
     return round(num_bytes / MIB, 3)
 
 
-def _seconds(value: float | None) -> float | None:
+def seconds(value: float | None) -> float | None:
+    """A duration as the report writes it."""
     # Microseconds are plenty for anything gpuclean times, and keep the file readable.
     return None if value is None else round(value, 6)
 
@@ -99,14 +100,14 @@ def offender_json(offender: Offender) -> JsonDict:
 def reaped_json(reaped: Reaped) -> JsonDict:
     """A process gpuclean ended, how, and how long the driver took to release its memory."""
     return {"process": process_json(reaped.process), "owner": owner_json(reaped.owner),
-            "found_by": reaped.found_by, "ended_by": reaped.how_ended, "exit_s": _seconds(reaped.exit_s),
-            "release_s": _seconds(reaped.release_s), "mib_per_device": mib_pairs_json(reaped.mib_per_device)}
+            "found_by": reaped.found_by, "ended_by": reaped.how_ended, "exit_s": seconds(reaped.exit_s),
+            "release_s": seconds(reaped.release_s), "mib_per_device": mib_pairs_json(reaped.mib_per_device)}
 
 
 def check_json(check: CheckResult) -> JsonDict:
     """One check (before or after a test)."""
-    return {"phase": check.phase, "clean": check.clean, "waited_s": _seconds(check.waited_s),
-            "clean_after_s": _seconds(check.clean_after_s), "tolerance_mib": check.tolerance_mib,
+    return {"phase": check.phase, "clean": check.clean, "waited_s": seconds(check.waited_s),
+            "clean_after_s": seconds(check.clean_after_s), "tolerance_mib": check.tolerance_mib,
             "devices": [snapshot_json(s) for s in check.devices],
             "offenders": [offender_json(o) for o in check.offenders],
             "reaped": [reaped_json(r) for r in check.reaped],
@@ -124,35 +125,6 @@ def outside_json(check: CheckResult) -> JsonDict | None:
             "waited": outside.same_as is None}
 
 
-def cluster_reaped_json(reaped: Reaped) -> JsonDict:
-    """Something the cluster check ended on a Ray node: the reaped shape plus node, actor, job and how."""
-    return {**reaped_json(reaped), "node_id": reaped.node or "", "via": reaped.via or "ladder",
-            "actor_id": reaped.actor_id, "job_id": reaped.job_id}
-
-
-def cluster_check_json(check: CheckResult, phase: str | None = None) -> JsonDict:
-    """One check of a Ray cluster: each alive node with its devices, the findings (with their node), what
-    was ended (``via`` ``ray.kill`` or ``ladder``) and how long each node's devices took to let go.
-    ``phase``: ``session end`` for the session's sweeps."""
-    cluster = check.cluster
-    return {"address": cluster.address if cluster is not None else "", "phase": phase or check.phase,
-            "clean": check.clean, "waited_s": _seconds(check.waited_s),
-            "nodes": [{"node_id": n.node_id, "error": n.error,
-                       "devices": [snapshot_json(s) for s in n.devices]}
-                      for n in (cluster.nodes if cluster is not None else ())],
-            "findings": [{**offender_json(o), "node_id": o.node or ""} for o in check.offenders],
-            "reaped": [cluster_reaped_json(r) for r in check.reaped],
-            "releases": [{"node_id": r.node_id, "release_s": _seconds(r.release_s), "pids": list(r.pids)}
-                         for r in (cluster.releases if cluster is not None else ())],
-            "notes": list(check.notes)}
-
-
-def ray_json(address: str, version: str, sweeps: Sequence[CheckResult]) -> JsonDict:
-    """The session's Ray cluster (``--gpuclean-ray``) and its session-end sweeps."""
-    return {"address": address, "ray_version": version,
-            "session_end": [cluster_check_json(c, "session end") for c in sweeps]}
-
-
 def own_reaped(record: TestRecord) -> list[Reaped]:
     """Processes the after-check reaped that this test (or a fixture ending with it) leaked
     (``decisions.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
@@ -162,7 +134,7 @@ def own_reaped(record: TestRecord) -> list[Reaped]:
 def _reaped_leak_json(reaped: Reaped, found: str) -> JsonDict:
     return {"pid": reaped.process.pid, "user": reaped.process.user, "cmdline": reaped.process.cmdline,
             "owner": owner_json(reaped.owner), "found": found, "ended_by": reaped.how_ended,
-            "release_s": _seconds(reaped.release_s),
+            "release_s": seconds(reaped.release_s),
             **({} if reaped.node is None else {"node_id": reaped.node, "via": reaped.via or "ladder"})}
 
 
@@ -202,8 +174,8 @@ def fixture_json(leak: FixtureLeak) -> JsonDict:
 
 
 def _cluster_leaked_json(leaks: OwnLeaks) -> list[JsonDict]:
-    """What a test left on a Ray cluster (``--gpuclean-ray``): ended after it, or still there; each
-    entry names its node and, when ended, whether through ``ray.kill`` or the ladder (``via``)."""
+    """What a test left where an extension's check after it found it (``cluster_after``): ended after it,
+    or still there; each entry names its node and, when ended, how (``via``)."""
     return [*(_reaped_leak_json(r, "teardown") for r in leaks.cluster_reaped),
             *(e for o in leaks.cluster_left if (e := _offender_leak_json(o, None)) is not None)]
 
@@ -220,8 +192,9 @@ def health_json(found: HealthFinding) -> JsonDict:
             "phase": found.phase, "xid": found.xid, "message": found.message}
 
 
-def record_json(record: TestRecord) -> JsonDict:
-    """Everything gpuclean saw around one test."""
+def record_json(record: TestRecord, more_keys: Callable[[TestRecord], JsonDict] | None = None) -> JsonDict:
+    """Everything gpuclean saw around one test; ``more_keys``: an extension's keys of it
+    (``hookspecs.pytest_gpuclean_report_test``), after ``timings``."""
     return {
         "nodeid": record.nodeid,
         "file": record.location[0],
@@ -237,9 +210,9 @@ def record_json(record: TestRecord) -> JsonDict:
         "lock_timeout": record.lock_timeout,
         "health": [health_json(f) for f in record.health],
         "outside_action": record.outside_action,
-        "timings": {"lock_wait_s": _seconds(record.lock_wait_s), "before_s": _seconds(record.before_s),
-                    "after_s": _seconds(record.after_s)},
-        **_cluster_keys(record),
+        "timings": {"lock_wait_s": seconds(record.lock_wait_s), "before_s": seconds(record.before_s),
+                    "after_s": seconds(record.after_s)},
+        **(more_keys(record) if more_keys is not None else {}),
         # Only under xdist, when another worker found one: a report without it keeps exactly its old shape.
         **({"gpu_without_lock": [sibling_use_json(u) for u in record.gpu_without_lock]}
            if record.gpu_without_lock else {}),
@@ -251,15 +224,6 @@ def sibling_use_json(use: SiblingUse) -> JsonDict:
     return {"process": process_json(use.process), "owner": owner_json(use.owner), "worker": use.worker,
             "mib_per_device": mib_pairs_json(use.mib_per_device),
             "lock_held_by": {"nodeid": use.seen_by, "worker": use.seen_worker, "phase": use.phase}}
-
-
-def _cluster_keys(record: TestRecord) -> JsonDict:
-    # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
-    if record.cluster_before is None and record.cluster_after is None:
-        return {}
-    before, after = record.cluster_before, record.cluster_after
-    return {"cluster_before": None if before is None else cluster_check_json(before),
-            "cluster_after": None if after is None else cluster_check_json(after)}
 
 
 def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> JsonDict:
@@ -300,14 +264,16 @@ def iso_time(timestamp: float) -> str:
 
 
 def report_document(*, records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
-                    notes: Sequence[str], session: JsonDict) -> JsonDict:
-    """The whole ``--gpuclean-report`` document; ``session`` is built by the caller (it knows pytest)."""
+                    notes: Sequence[str], session: JsonDict,
+                    test_keys: Callable[[TestRecord], JsonDict] | None = None) -> JsonDict:
+    """The whole ``--gpuclean-report`` document; ``session`` is built by the caller (it knows pytest), and
+    so are an extension's keys of each test (``test_keys``: see ``record_json``)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "versions": versions(),
         "session": session,
         "summary": summary_json(records, session_reaped),
-        "tests": [record_json(r) for r in records],
+        "tests": [record_json(r, test_keys) for r in records],
         "fixtures": [fixture_json(f) for r in records for f in r.fixture_leaks],
         "session_reaped": [reaped_json(r) for r in session_reaped],
         "notes": list(notes),

@@ -5,8 +5,10 @@ run in ``item.stash[TEST]``. Records travel between processes as plain dicts: fr
 controller (each test's record as it ends, and the worker's whole payload at session end) and from a
 forked child (pytest-forked) back to the session's process.
 
-Imported only by a session that checks something, and then cheaply: the model and its (de)serialisation
-load where a record is first made or shipped.
+Imported only by a session that checks something, and then cheaply: the records' (de)serialisation
+(``serialize.py``) is imported by the methods that ship or take in records, when they first run, so that a
+session without xdist, pytest-forked or a report never loads it (the lazy start: tests/test_cost.py).
+Hence their function-level imports here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Final
 
 import pytest
 
-from pytest_gpuclean.model.records import CheckResult, Fields, Reaped, SiblingUse, TestRecord
+from pytest_gpuclean.model.records import Fields, Reaped, SiblingUse, TestRecord
 
 __all__ = [
     "EMPTY_PAYLOAD",
@@ -59,12 +61,6 @@ class SessionRecords:
         """xdist controller: each worker's payload, sent when the worker ends."""
         self.streamed: dict[str, TestRecord] = {}
         """xdist controller: each worker's records as its tests ended (stand-ins for a lost payload)."""
-        self.cluster_sweeps: list[CheckResult] = []
-        """The Ray cluster's session-end sweeps (``--gpuclean-ray``)."""
-        self.cluster_address = ""
-        self.ray_version = ""
-        """The (last) Ray cluster checked and its Ray version ('' for none: ``--gpuclean-ray`` off, or
-        ``auto`` found none)."""
 
     def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord:
         """A record for a test that is checked now."""
@@ -115,7 +111,7 @@ class SessionRecords:
 
     def payload(self) -> Payload:
         """This process's findings, for an xdist worker's ``workeroutput``."""
-        from pytest_gpuclean.report.serialize import to_dict
+        from pytest_gpuclean.report.serialize import to_dict  # (lazy: the module's docstring says why)
 
         return {"records": [to_dict(r) for r in self.own()],
                 "session_reaped": [to_dict(r) for r in self.session_reaped],
@@ -126,13 +122,13 @@ class SessionRecords:
 
     def stream(self, nodeid: str, record: dict[str, Any]) -> None:
         """A worker's record of ``nodeid`` as the test ended."""
-        from pytest_gpuclean.report.serialize import from_dict
+        from pytest_gpuclean.report.serialize import from_dict  # (lazy: the module's docstring says why)
 
         self.streamed[nodeid] = from_dict(TestRecord, record)
 
     def ship(self) -> Payload:
         """What a forked child found, for the session's process; forgotten here (the child ends)."""
-        from pytest_gpuclean.report.serialize import to_dict
+        from pytest_gpuclean.report.serialize import to_dict  # (lazy: the module's docstring says why)
 
         shipped = {"records": [to_dict(r) for r in self.records],
                    "found_later": {nodeid: [to_dict(r) for r in record.found_later]
@@ -144,7 +140,7 @@ class SessionRecords:
 
     def receive(self, shipped: Payload) -> None:
         """Take in what a forked child shipped (``ship``)."""
-        from pytest_gpuclean.report.serialize import from_dict
+        from pytest_gpuclean.report.serialize import from_dict  # (lazy: the module's docstring says why)
 
         self.records.extend(from_dict(TestRecord, r) for r in shipped["records"])
         for nodeid, reaped in shipped["found_later"].items():
@@ -160,7 +156,7 @@ class SessionRecords:
 
     def merged(self) -> Merged:
         """Records, session-end reaps and notes of this process and of the workers."""
-        from pytest_gpuclean.report.serialize import from_dict
+        from pytest_gpuclean.report.serialize import from_dict  # (lazy: the module's docstring says why)
 
         records = self.own()
         session_reaped = list(self.session_reaped)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pytest_gpuclean.model.decisions import has_findings, noticed, outcome, reaped_count
 from pytest_gpuclean.model.records import (
@@ -82,8 +82,11 @@ def reaped_lines(reaped: Reaped) -> list[str]:
     ]
 
 
-def check_report(result: CheckResult, heading: str) -> str:
-    """The long text of a failed or leaking check, shown as the test's setup/teardown error."""
+def check_report(result: CheckResult, heading: str, *, more_notes: Sequence[str] = (),
+                 devices: Sequence[DeviceSnapshot] | None = None) -> str:
+    """The long text of a failed or leaking check, shown as the test's setup/teardown error. An extension's
+    check adds its own notes (``more_notes``) and names the devices it read (``devices``: the check's own
+    by default)."""
     lines = [heading]
     if result.reaped:
         lines.append(f"reaped {len(result.reaped)} process(es):")
@@ -103,33 +106,20 @@ def check_report(result: CheckResult, heading: str) -> str:
             lines.extend(offender_lines(offender))
     elif result.clean_after_s is not None and result.reaped:
         lines.append(f"GPUs and processes clean again {result.clean_after_s:.2f}s after the check started")
-    lines.extend(f"note: {n}" for n in (*result.notes, *_cluster_notes(result)))
-    devices = result.devices if result.cluster is None else tuple(
-        s for n in result.cluster.nodes for s in n.devices)
+    lines.extend(f"note: {n}" for n in (*result.notes, *more_notes))
+    if devices is None:
+        devices = result.devices
     if devices and result.error is None:  # (after an error, some devices only: its line says it)
         lines.append(f"devices (tolerance {result.tolerance_mib} MiB):")
         lines.extend("  " + device_line(s) for s in devices)
     return "\n".join(lines)
 
 
-def _cluster_notes(result: CheckResult) -> list[str]:
-    """A Ray cluster's check: how long each node's devices took to let go, and what Ray ended itself."""
-    if result.cluster is None:
-        return []
-    notes = [f"node {r.node_id[:8]}: devices released in {r.release_s:.2f}s" if r.release_s is not None
-             else f"node {r.node_id[:8]}: devices still list pid(s) {', '.join(map(str, r.pids))} at the "
-             "deadline" for r in result.cluster.releases if r.pids]
-    via = [f"pid {r.process.pid} by ray.kill" for r in result.reaped if r.via == "ray.kill"]
-    if via:
-        notes.append("ended through Ray: " + ", ".join(via))
-    return notes
-
-
 def dry_run_lines(prog: str, targets: Sequence[tuple[str, ProcessInfo, str, tuple[tuple[str, float], ...]]]
                   ) -> list[str]:
-    """``reap --dry-run``'s list, on this host (``gpuclean reap``) or a Ray cluster's nodes (``--ray``):
-    each target as ``(where, process, how, mib_per_device)``: ``where`` is '' or ``node ab12cd34: ``,
-    ``how`` how it was found or will end."""
+    """``reap --dry-run``'s list, on this host (``gpuclean reap``) or an extension's nodes: each target as
+    ``(where, process, how, mib_per_device)``: ``where`` is '' or ``node ab12cd34: ``, ``how`` how it was
+    found or will end."""
     lines = [f"{prog} reap: --dry-run: would end {len(targets)} process(es):"]
     for where, info, how, mib in targets:
         lines.append(f"  {where}pid {info.pid} (user {info.user}, {how}): held "
@@ -207,21 +197,22 @@ def outside_cause(result: CheckResult) -> str:
             f"({mib_list(outside.devices)}; {', '.join(who)})")
 
 
-def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
-                  notes: Sequence[str]) -> list[str]:
+def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped], notes: Sequence[str],
+                  more_parts: Callable[[TestRecord], Sequence[str]] | None = None) -> list[str]:
     """The terminal summary: one line per test with findings (``has_findings``: at fault), one per test
     whose checks noticed something that is not its finding (an earlier test's leftover reaped there, a
-    fixture's process that exited by itself), then totals."""
+    fixture's process that exited by itself), then totals. ``more_parts``: an extension's parts of a test's
+    line (``hookspecs.pytest_gpuclean_summary_parts``)."""
     lines: list[str] = []
     dirty: list[TestRecord] = []
     for record in records:
         if has_findings(record):
             dirty.append(record)
-            lines.append(f"{record.nodeid}: " + "; ".join(_record_parts(record)))
+            lines.append(f"{record.nodeid}: " + "; ".join(_record_parts(record, more_parts)))
         elif noticed(record):
             # (a test that never got its GPU locks did not run: said as it is, counted apart in the totals)
             label = "" if record.lock_timeout is not None else "noticed, not a finding: "
-            lines.append(f"{record.nodeid}: {label}" + "; ".join(_record_parts(record)))
+            lines.append(f"{record.nodeid}: {label}" + "; ".join(_record_parts(record, more_parts)))
     for record in records:
         for leak in record.fixture_leaks:
             lines.append(f"{leak}, found at the teardown of {leak.reported_on}: " + fixture_part(leak))
@@ -233,7 +224,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
     return lines
 
 
-def _record_parts(record: TestRecord) -> list[str]:
+def _record_parts(record: TestRecord, more_parts: Callable[[TestRecord], Sequence[str]] | None) -> list[str]:
     parts: list[str] = []
     for check in (record.before, record.after):
         if check is None:
@@ -248,14 +239,14 @@ def _record_parts(record: TestRecord) -> list[str]:
                          + (f", clean after {check.clean_after_s:.2f}s"
                             if check.clean_after_s is not None else ""))
         if check.offenders:
-            parts.append(f"{check.phase}: not clean ({', '.join(_short(o) for o in check.offenders)})")
+            parts.append(f"{check.phase}: not clean ({', '.join(short(o) for o in check.offenders)})")
     if collected := [r for c in (record.before, record.after) if c for r in c.collected]:
         parts.append(f"collected {len(collected)} process(es) that exited by themselves ("
                      + ", ".join(f"pid {r.process.pid} spawned by {r.owner}" for r in collected) + ")")
     if record.after is not None and record.after.lingered:
         lingered = record.after.lingered
         parts.append(f"{len(lingered)} process(es) outlived the test and ended by themselves "
-                     f"({', '.join(_short(o) for o in lingered)})")
+                     f"({', '.join(short(o) for o in lingered)})")
     if record.found_later:
         parts.append(f"leaked {len(record.found_later)} process(es) found by a later check "
                      f"({', '.join(f'pid {r.process.pid} {r.how_ended}' for r in record.found_later)})")
@@ -272,7 +263,8 @@ def _record_parts(record: TestRecord) -> list[str]:
                     for c in (record.before, record.after))
         parts.append(f"GPUs dirty from outside the session: {record.outside_action}"
                      + (" (not waited for again)" if again else ""))
-    parts.extend(cluster_parts(record))
+    if more_parts is not None:
+        parts.extend(more_parts(record))
     parts.extend(health_parts(record))
     return parts
 
@@ -291,34 +283,6 @@ def fixture_part(leak: FixtureLeak) -> str:
     ended += [f"pid {o.process.pid} NOT reaped" for o in leak.leaked if o.process is not None]
     ended += [f"pid {o.process.pid} exited by itself" for o in leak.lingered if o.process is not None]
     return f"leaked {len(ended)} process(es) ({', '.join(ended)})"
-
-
-def cluster_parts(record: TestRecord) -> list[str]:
-    """The Ray cluster's part of a test's summary line: per node, what was ended and how (``ray.kill`` or
-    the signal ladder), what is still there, and how long the node's devices took to let go."""
-    parts: list[str] = []
-    for check in (record.cluster_before, record.cluster_after):
-        if check is None or (check.clean and not check.reaped):
-            continue
-        nodes = sorted({r.node or "" for r in check.reaped} | {o.node or "" for o in check.offenders})
-        releases = check.cluster.releases if check.cluster is not None else ()
-        for node in nodes:
-            where = f"node {node[:8]}" if node else "the cluster"
-            ended = [r for r in check.reaped if (r.node or "") == node]
-            bits = []
-            if ended:
-                bits.append("reaped " + ", ".join(
-                    f"pid {r.process.pid} " + ("by ray.kill" if r.via == "ray.kill" else r.how_ended)
-                    for r in ended))
-            release = next((x for x in releases if x.node_id == node and x.pids), None)
-            if release is not None:
-                bits.append(f"devices released in {release.release_s:.2f}s" if release.release_s is not None
-                            else "devices did NOT let go")
-            left = [o for o in check.offenders if (o.node or "") == node]
-            if left:
-                bits.append("not clean (" + ", ".join(_short(o) for o in left) + ")")
-            parts.append(f"Ray {check.phase} on {where}: " + ", ".join(bits))
-    return parts
 
 
 def health_parts(record: TestRecord) -> list[str]:
@@ -373,7 +337,8 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
     return ", ".join(parts)
 
 
-def _short(offender: Offender) -> str:
+def short(offender: Offender) -> str:
+    """``leaked pid 4242``, or what the finding says when it is no process (memory, unreachable)."""
     if offender.process is None:
         return offender.detail
     return f"{offender.reason} pid {offender.process.pid}"

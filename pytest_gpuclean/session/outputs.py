@@ -3,7 +3,13 @@
 
 ``OutputHooks`` reads the session's records (``records.py``); it never checks or reaps anything itself. Under
 pytest-xdist the workers add JUnit properties to their own reports (xdist ships them to the
-controller's junitxml) and the controller writes everything else from the records the workers sent.
+controller's junitxml) and the controller writes everything else from the records the workers sent. An
+extension's parts of the report come through gpuclean's report hooks (``hookspecs.py``).
+
+Every checked session registers these hooks, but one without a report, JUnit XML, GitHub or xdist makes
+no output: the JSON shapes (``jsonreport.py``) and the records' shipping (``serialize.py``) are imported by
+the functions that make one, when they first run, so that such a session never loads them (the lazy start:
+tests/test_cost.py). Hence their function-level imports here.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import html
 import os
 import socket
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -82,7 +88,7 @@ def annotation_message(record: TestRecord) -> tuple[str, str] | None:
 
 
 def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
-    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
 
     if record.lock_timeout is not None:
         return TITLE_LOCK_TIMEOUT, f"{record.nodeid} never got its GPU locks: {record.lock_timeout}"
@@ -124,7 +130,7 @@ def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
 
 def fixture_annotation_message(leak: FixtureLeak) -> str:
     """The annotation of a fixture that leaked, shown at its definition."""
-    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
 
     leaked = jsonreport.fixture_leaked_json(leak)
     return "\n".join([f"{leak} leaked {len(leaked)} process(es), found at the teardown of {leak.reported_on}"]
@@ -173,7 +179,7 @@ def _cell(text: str) -> str:
 
 def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> str:
     """Markdown for ``$GITHUB_STEP_SUMMARY``: totals, then a row per test with findings."""
-    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
 
     totals = jsonreport.summary_json(records, session_reaped)
     timeouts = f", {totals['lock_timeouts']} gave up waiting for GPU locks" if totals["lock_timeouts"] else ""
@@ -232,7 +238,7 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
 
 def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
     """``user_properties`` of a checked test, as known at the end of its teardown."""
-    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
+    from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
 
     own = jsonreport.own_reaped(record)
     leaked = jsonreport.leaked_json(record)
@@ -260,15 +266,6 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
 
 
 # ---- the hooks ---------------------------------------------------------------------------------------
-
-def _ray_session_json(found: records.SessionRecords) -> jsonreport.JsonDict:
-    from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
-
-    # Only with --gpuclean-ray: a report without a cluster keeps exactly its old shape.
-    if not found.cluster_address:
-        return {}  # (with auto: no cluster found)
-    return {"ray": jsonreport.ray_json(found.cluster_address, found.ray_version, found.cluster_sweeps)}
-
 
 def _report_path(value: str, source: str, base: Path) -> Path:
     # Checked at startup so that a typo fails in a second, not after an hour of GPU tests. Every way the
@@ -364,7 +361,7 @@ class PerTestOutputs:
                     # xdist ships a report's attributes to the controller as each test ends: if the run is
                     # interrupted, the controller still knows what the finished tests found (the worker's
                     # session-end payload never comes).
-                    from pytest_gpuclean.report.serialize import to_dict
+                    from pytest_gpuclean.report.serialize import to_dict  # (lazy: the module's docstring)
 
                     setattr(test_report, RECORD_ATTRIBUTE, to_dict(record))
         return test_report
@@ -395,7 +392,8 @@ class OutputHooks:
         self._merged: records.Merged | None = None
         self._session: pytest.Session | None = None
         """Set once the outputs were written at the session's end."""
-        self._ray: jsonreport.JsonDict | None = None
+        self._extension_keys: jsonreport.JsonDict | None = None
+        """The extensions' keys of the report's ``session`` object, as at the report's first write."""
 
     def per_test(self) -> bool:
         """Whether ``PerTestOutputs`` has work (an xdist controller is known to be one at its session's
@@ -403,7 +401,7 @@ class OutputHooks:
         return self.junit or self.worker or self.plugin.controller
 
     def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
-        from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
+        from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
 
         plugin = self.plugin
         started = plugin.session
@@ -426,15 +424,31 @@ class OutputHooks:
                          "probe": settings.probe,
                          "outside": settings.outside},
             "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
-            **self._ray_part(),
+            **self._session_keys(),
         }
 
-    def _ray_part(self) -> jsonreport.JsonDict:
-        # As at the first write: the Ray cluster's very last sweep, after pytest_unconfigure, is printed on
-        # stderr (docs/multinode.md), and a report written again for the local one does not take it in.
-        if self._ray is None:
-            self._ray = _ray_session_json(self.found)
-        return self._ray
+    def _session_keys(self) -> jsonreport.JsonDict:
+        # As at the first write: what an extension finds at the session's very end (its last sweep, after
+        # pytest_unconfigure) it says itself, and a report written again for this host's does not take it in.
+        if self._extension_keys is None:
+            self._extension_keys = {}
+            for keys in self.plugin.config.hook.pytest_gpuclean_report_session(config=self.plugin.config):
+                self._extension_keys.update(keys or {})
+        return self._extension_keys
+
+    def _test_keys(self) -> Callable[[TestRecord], jsonreport.JsonDict] | None:
+        """The extensions' keys of each test's object (None where no extension has any)."""
+        hook = self.plugin.config.hook.pytest_gpuclean_report_test
+        if not hook.get_hookimpls():
+            return None
+
+        def keys(record: TestRecord) -> jsonreport.JsonDict:
+            found: jsonreport.JsonDict = {}
+            for part in hook(record=record):
+                found.update(part or {})
+            return found
+
+        return keys
 
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
@@ -460,11 +474,11 @@ class OutputHooks:
     def _write_report(self, session: pytest.Session, merged: records.Merged) -> None:
         if self.report_path is None:
             return
-        from pytest_gpuclean.report import jsonreport  # (loaded when an output is made)
+        from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
 
         document = jsonreport.report_document(
             records=merged.records, session_reaped=merged.session_reaped, notes=merged.notes,
-            session=self._session_json(session.exitstatus))
+            session=self._session_json(session.exitstatus), test_keys=self._test_keys())
         try:
             jsonreport.write_atomic(self.report_path, document)
         except OSError as exc:

@@ -1,4 +1,4 @@
-"""What a test's check (``testcheck.py``) and an extension's hooks (``plugin.GpuCleanHooks``: the Ray
+"""What a test's check (``testcheck.py``) and an extension's hooks (``hookspecs.py``: the Ray
 cluster's checks) need of a started session, as a protocol: ``session.py`` passes itself, and neither
 imports it back.
 
@@ -110,12 +110,6 @@ class HealthView(Protocol):
 class RecordsView(Protocol):
     """The session's records (``report.records.SessionRecords``) as a test's check and the cluster's
     checks fill them."""
-
-    cluster_address: str
-    ray_version: str
-
-    @property
-    def cluster_sweeps(self) -> list[CheckResult]: ...
 
     def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord: ...
 

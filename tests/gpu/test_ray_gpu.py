@@ -102,7 +102,7 @@ def gpu_cluster() -> Iterator[dict[str, Any]]:
     from ray.cluster_utils import Cluster
 
     # Two nodes on one host, as the issue asks: the head owns the GPU, the second node has none (it must
-    # neither check nor blame the head's GPU: cluster.node_devices). Drivers on this host attach to the
+    # neither check nor blame the head's GPU: node.node_devices). Drivers on this host attach to the
     # head (Ray prefers it among the host's raylets), where vLLM wants its first GPU bundle.
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=2, num_gpus=1, include_dashboard=False, node_ip_address="127.0.0.1"))

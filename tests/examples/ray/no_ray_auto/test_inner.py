@@ -12,3 +12,4 @@ def test_x():
 def test_y():
     assert "ray" not in sys.modules
     assert "pytest_gpuclean.ray.cluster" not in sys.modules
+    assert "pytest_gpuclean.ray.agent" not in sys.modules and "pytest_gpuclean.ray.node" not in sys.modules

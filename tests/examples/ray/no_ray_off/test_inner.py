@@ -7,3 +7,4 @@ import pytest
 def test_x():
     assert "ray" not in sys.modules
     assert "pytest_gpuclean.ray.cluster" not in sys.modules
+    assert "pytest_gpuclean.ray.agent" not in sys.modules and "pytest_gpuclean.ray.node" not in sys.modules

@@ -1,0 +1,205 @@
+"""The node side of the check across a Ray cluster: what runs on each node, inside a Ray worker of the
+agent's job (``agent.py`` pins each task to its node: node affinity, ``num_cpus=0`` so that a busy node still
+answers). ``probe_node`` reads the node's devices and the processes that matter; ``end_on_node`` ends what
+the pytest process decided is a test's leak, checking each target again where its pid means something.
+
+What they return (``records.py``) travels back through Ray. Ray pickles these functions by reference, so a
+node imports this module (and what it reads with: ``devices``, ``processes``) from its own installation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pytest_gpuclean.core.options import settings
+from pytest_gpuclean.core.reading import backends, devices, processes, procfs
+from pytest_gpuclean.core.reading.opening import open_backend
+from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot
+from pytest_gpuclean.ray.records import NodeEnd, NodeProcess, NodeReport, Outcome
+
+
+def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Sequence[int] = ()) -> NodeReport:
+    """On a node (inside a Ray worker): its devices and the processes that matter, this user's only.
+
+    ``gpus`` is the node's "GPU" resource as the control store has it (see ``node_devices``);
+    ``actor_pids`` the workers the control store names for the watched jobs' actors on this node: a worker
+    Ray started before the job asked for it has no ``RAY_JOB_ID`` in its environment.
+    """
+    raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
+    node_id = _node_id()
+    snaps: tuple[DeviceSnapshot, ...] = ()
+    error = ""
+    simulated = os.environ.get(settings.option("simulate").env_var) or None
+    try:
+        backend = open_backend(simulated)
+    except devices.DeviceError:
+        backend = None  # a node without GPUs (or NVML): its processes still count
+    if backend is not None:
+        try:
+            listed = backend.devices()
+            owned = listed if simulated else node_devices(listed, raylet, gpus)
+            snaps = backend.readings(owned)
+        except devices.DeviceError as exc:
+            error = f"devices unreadable: {exc}"
+        finally:
+            backend.close()
+    on_device = {p.pid for s in snaps for p in s.processes}
+    uid = os.getuid()
+    me = os.getpid()
+    found: list[NodeProcess] = []
+    named = set(actor_pids)
+    for pid in actor_pids:  # and what those workers started
+        named.update(child for child, _ in procfs.descendants(pid))
+    for pid in set(procfs.pids_of_uid(uid)) | on_device:
+        if pid == me:
+            continue
+        env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
+        job = env.get("RAY_JOB_ID", "")
+        # A process of a watched job on this node (its raylet's), or anything a device lists.
+        if pid not in on_device and pid not in named and not (
+                job in jobs and env.get("RAY_RAYLET_PID") == str(raylet)):
+            continue
+        info = processes.describe(pid)
+        if info is None:
+            continue
+        found.append(NodeProcess(info, job, procfs.ticks_to_wall(info.start_ticks),
+                                 info.cmdline.startswith("ray::")))
+    return NodeReport(node_id, raylet, _named(snaps, node_id), tuple(found), error)
+
+
+def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | None) -> tuple[DeviceInfo, ...]:
+    """The GPUs of the host that belong to this Ray node.
+
+    Several raylets can share a host (a test cluster, or one raylet per GPU): NVML shows each of them
+    every GPU, and a GPU seen by two nodes would be checked, and its holders blamed, twice. A raylet owns
+    what its ``CUDA_VISIBLE_DEVICES`` lists (Ray schedules GPU tasks within it); without the variable Ray
+    numbers the node's ``GPU`` resource from the first device on, and a node with no ``GPU`` resource
+    owns none.
+    """
+    visible = procfs.read_environ_vars(raylet_pid, ("CUDA_VISIBLE_DEVICES",)).get("CUDA_VISIBLE_DEVICES") \
+        if raylet_pid > 0 else None
+    if visible is not None:
+        try:
+            return backends.select_devices(listed, visible, cuda_ordinals=True,
+                                           ordinal_uuids=backends.cuda_ordinal_uuids())
+        except devices.DeviceSelectionError:
+            return tuple(listed)  # not ours to judge: check them all rather than none
+    if gpus is None:
+        return tuple(listed)
+    return tuple(sorted(listed, key=lambda d: d.index))[:int(gpus)]
+
+
+def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Sequence[tuple[int, int, str]],
+                raylet_pid: int, grace: float, release_wait: float) -> NodeEnd:
+    """On a node: ``ray.kill`` of named actors ``(name, namespace, actor id, worker pid, start ticks)``,
+    then the TERM -> grace -> KILL ladder for the ``(pid, start ticks, job id)`` targets still alive,
+    then wait (up to ``release_wait``) until the node's devices list none of what was ended, timed on
+    this node from the first kill.
+
+    Each target is checked again here, where the pid means something: same start time, this user's,
+    this node's raylet, the job the check blamed (or, for ``job id`` '', no Ray job at all); never this
+    task's own ancestors (its worker's raylet, the process that started the node). An actor is killed
+    only if its name still resolves to the same actor id.
+    """
+    begun = time.monotonic()
+    uid = os.getuid()
+    never = processes.ancestors(os.getpid())
+    backend = None
+    try:
+        backend = open_backend(os.environ.get(settings.option("simulate").env_var) or None)
+        listed_devices = backend.devices()
+    except devices.DeviceError:
+        listed_devices = ()
+
+    def on_devices() -> set[int]:
+        if backend is None:
+            return set()
+        try:
+            return {p.pid for s in backend.readings(listed_devices) for p in s.processes}
+        except devices.DeviceError:
+            return set()
+
+    wanted = {pid for pid, _, _ in targets} | {a[3] for a in actors}
+    held = on_devices() & wanted
+    released: list[float] = []
+
+    def watch() -> None:
+        if held and not released and not (on_devices() & held):
+            released.append(time.monotonic() - begun)
+
+    errors: list[str] = []
+    outcomes: list[Outcome] = []
+    ray = ray_module()
+    by_ray: dict[int, tuple[int, float]] = {}
+    for name, namespace, actor_id, pid, start_ticks in actors:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+            if handle._actor_id.hex() != actor_id:
+                errors.append(f"actor {name!r} is now another actor: left alone")
+                continue
+            sent = time.monotonic()
+            ray.kill(handle, no_restart=True)
+            by_ray[pid] = (start_ticks, sent)
+        except Exception as exc:
+            errors.append(f"ray.kill of actor {name!r} failed: {type(exc).__name__}: {exc}")
+    # Ray ends a killed actor's worker at once; the ladder takes what is still there after the grace period.
+    deadline = time.monotonic() + grace
+    pending = dict(by_ray)
+    while pending and time.monotonic() < deadline:
+        for pid, (start_ticks, sent) in list(pending.items()):
+            stat = procfs.read_stat(pid)
+            if stat is None or stat.start_ticks != start_ticks or stat.state == "Z":
+                outcomes.append((pid, "ray.kill", "ray.kill", time.monotonic() - sent, ""))
+                del pending[pid]
+        watch()
+        time.sleep(0.005)
+    done = {o[0] for o in outcomes}
+    verified: list[processes.KillTarget] = []
+    for pid, start_ticks, job in targets:
+        if pid in done:
+            continue
+        stat = procfs.read_stat(pid)
+        env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
+        if stat is None or stat.start_ticks != start_ticks:
+            outcomes.append((pid, "ladder", "already exited" if stat is None else "pid reused", None, ""))
+        elif pid in never or os.stat(f"/proc/{pid}").st_uid != uid or env.get("RAY_JOB_ID", "") != job or (
+                job and env.get("RAY_RAYLET_PID") != str(raylet_pid)):
+            outcomes.append((pid, "ladder", "survived", None, "not provably the test's: left alone"))
+        else:
+            verified.append(processes.KillTarget(pid, start_ticks, 0, None))
+    for o in processes.terminate(verified, grace, watch=watch):
+        outcomes.append((o.pid, "ladder", o.ended_by, o.exit_s, o.state))
+    limit = time.monotonic() + release_wait
+    while held and not released and time.monotonic() < limit:
+        watch()
+        if not released:
+            time.sleep(0.01)
+    if backend is not None:
+        backend.close()
+    return NodeEnd(tuple(outcomes), released[0] if released else None, tuple(sorted(held)), tuple(errors))
+
+
+def _node_id() -> str:
+    ray = ray_module()
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def ray_module() -> Any:
+    """Ray, imported by name."""
+    # Typed as Any: Ray is optional, and mypy must pass where it is not installed.
+    return importlib.import_module("ray")
+
+
+def _named(snaps: tuple[DeviceSnapshot, ...], node_id: str) -> tuple[DeviceSnapshot, ...]:
+    # Devices carry their node in the name, so that reports across nodes say where a GPU is.
+    out = []
+    for s in snaps:
+        device = DeviceInfo(s.device.index, s.device.uuid, f"node {node_id[:8]}: {s.device.name}",
+                            s.device.mig_index)
+        out.append(DeviceSnapshot(device, s.used_bytes, s.total_bytes, s.processes))
+    return tuple(out)
+
