@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 
     from pytest_gpuclean.core.locks.locks import GpuLocks, HeldLocks
     from pytest_gpuclean.core.options.settings import Settings
-    from pytest_gpuclean.core.ownership.evidence import Ownership, SessionRef
+    from pytest_gpuclean.core.ownership.evidence import Ownership
     from pytest_gpuclean.core.reading.devices import DeviceLost
-    from pytest_gpuclean.model.records import CheckResult, HealthFinding, Phase, TestRecord
+    from pytest_gpuclean.model.records import CensusEntry, CheckResult, HealthFinding, Phase, TestRecord
 
 
 class ItemState:
@@ -51,23 +51,6 @@ class ItemState:
         self.fixture_tokens: list[str] = []
 
 
-class CensusEntry(Protocol):
-    """A process of the last census (``census.Found``), as ``--gpuclean-ray=auto`` looks at it for a
-    GCS server."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def key(self) -> tuple[int, int]: ...
-
-    @property
-    def live(self) -> bool: ...
-
-    @property
-    def debris_of(self) -> SessionRef | None: ...
-
-
 class CheckerView(Protocol):
     """The session's checker (``checker.Checker``) as a test's check and the cluster's checks use
     it."""
@@ -82,7 +65,8 @@ class CheckerView(Protocol):
     def last_lost(self) -> DeviceLost | None: ...
 
     @property
-    def last_census(self) -> Sequence[CensusEntry]: ...
+    def last_census(self) -> Sequence[CensusEntry]:
+        """What the last check's census found (``--gpuclean-ray=auto`` looks there for a GCS server)."""
 
     @property
     def notices(self) -> list[str]: ...

@@ -69,8 +69,8 @@ class ItemChecks:
         """Tests whose in-process torch growth stayed within the floor, and by how much (a session note)."""
         hook = session.config.hook
         # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
-        # only when one implements them: three calls that find nothing would cost each checked test ~70k
-        # instructions (callgrind).
+        # only when one implements them: three calls that find nothing would cost every checked test
+        # (docs/benchmarks.md has what).
         extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
         self._hook: Any = hook if extended else None
 

@@ -24,7 +24,7 @@ from pytest_gpuclean.core.ownership.evidence import (
     innermost_session,
 )
 from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.model.records import FoundBy, Owner, OwnerKind
+from pytest_gpuclean.model.records import CensusEntry, FoundBy, Owner, OwnerKind
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
@@ -146,6 +146,10 @@ class Found:
     @property
     def live(self) -> bool:
         return self.state not in procfs.EXITED
+
+    def exited(self) -> bool:
+        """Whether it has exited since it was found, as its pidfd says (one never pinned counts as exited)."""
+        return self.handle is None or self.handle.exited()
 
 
 class Sibling(NamedTuple):
@@ -516,6 +520,12 @@ class Census:
             seen_keys.add(entry.key)
             found.append(entry)
         return found
+
+    def pinned(self, entries: Iterable[CensusEntry]) -> list[Found]:
+        """The last census's own ``Found`` (pinned by its pidfd) for each of ``entries``, by identity: what a
+        check decided on, as ``CensusEntry`` (``check.py``), to act on."""
+        by_key = {f.key: f for f in self.last}
+        return [by_key[e.key] for e in entries if e.key in by_key]
 
     def owner_of(self, f: Found) -> Owner:
         if f.debris_of is not None:
