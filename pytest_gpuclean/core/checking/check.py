@@ -79,11 +79,12 @@ class CheckerParts(Protocol):
 
     def snapshot(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]: ...
 
-    def census(self, scan_cookies: bool = False, dead_sessions: bool = False) -> Sequence[CensusEntry]: ...
-
     def observe(self, look: Look) -> Snapshot: ...
 
     def observe_unread(self, look: Look, readings: tuple[DeviceSnapshot, ...]) -> Snapshot: ...
+
+    def observe_left(self, look: Look, seen: Snapshot, ours: Sequence[CensusEntry], recount: bool
+                     ) -> Snapshot: ...
 
     def reap_round(self, fresh: Sequence[CensusEntry], readings: Sequence[DeviceSnapshot],
                    devices: Sequence[DeviceInfo], notes: list[str], *, freeze: set[str | None] | None = None,
@@ -240,16 +241,13 @@ class Check:
             self.settle(fresh, seen)
             fresh = [f for f in fresh if f.key not in self.collected_ids]
             ours = [f for f in ours if f.key not in self.collected_ids]
-        if self.reap_enabled and fresh:
+        reap = self.reap_enabled and bool(fresh)
+        if reap:
             self.attempted.update(f.key for f in fresh)
             self.reaped.extend(c.reap_round(fresh, readings, readable, self.notes)[1])
-            left = {f.key for f in c.census(scan_cookies=True) if f.live}
-            ours = [f for f in ours if f.key in left]
-        # Decide: only what is ours is judged (``observe_unread``: nothing excused, each device's whole use
-        # as overhead), as it is now.
-        now = [*ours, *seen.unknown]
-        seen = seen.replace(ours=tuple(ours), described={
-            f.key: info for f in now if (info := processes.describe(f.pid, f.start_ticks)) is not None})
+        # Observe again, and decide: only what is ours is judged (nothing excused, each device's whole use
+        # as overhead), as it is left.
+        seen = c.observe_left(self.look, seen, ours, recount=reap)
         return CheckResult(
             phase=self.phase, clean=False, devices=tuple(readings),
             offenders=tuple(offenders(seen, self.look.tolerance, self.reap_enabled, c.uid)),

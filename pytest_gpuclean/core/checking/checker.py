@@ -241,24 +241,38 @@ class Checker:
             look.scan_cookies = True
             look.dead_sessions = self.dead_sessions
         return self._snapshot(look, readings, found, ours, unknown, excused, unexplained, overhead, self_cuda,
-                              maybe_outside=unexplained_use)
+                              maybe_outside=unexplained_use, strays=self.host_scope)
 
     def observe_unread(self, look: Look, readings: tuple[DeviceSnapshot, ...]) -> Snapshot:
-        """A pass of a check that cannot read every device (``readings``: those it can): no reading says
-        whether something outside our tree holds a GPU, so the census looks for our cookie everywhere, and
-        only what is ours can be judged: nothing is excused, and each device's whole use is overhead (no
+        """A check that cannot read every device (``readings``: those it can), before it acts: no reading
+        says whether something outside our tree holds a GPU, so the census looks for our cookie everywhere,
+        and only what is ours can be judged: nothing is excused, and each device's whole use is overhead (no
         memory offender)."""
         found = self.procs.take(scan_cookies=True)
         ours, unknown, _, _ = decide.sort_census(found, self.procs.is_protected, (), (), set())
         return self._snapshot(look, readings, found, ours, unknown, set(), set(),
-                              {s.device.uuid: s.used_bytes for s in readings}, set(), maybe_outside=False)
+                              {s.device.uuid: s.used_bytes for s in readings}, set(), maybe_outside=False,
+                              strays=False)
 
-    def _snapshot(self, look: Look, readings: tuple[DeviceSnapshot, ...], found: list[Found],
-                  ours: list[Found], unknown: list[Found], excused: set[int], unexplained: set[int],
-                  overhead: dict[str, int], self_cuda: set[str], maybe_outside: bool) -> Snapshot:
+    def observe_left(self, look: Look, seen: Snapshot, ours: Sequence[CensusEntry], recount: bool
+                     ) -> Snapshot:
+        """The same check after it acted: what is left of ``ours`` (its processes not collected meanwhile),
+        alive in a new census if it reaped (``recount``), and ``seen``'s processes of unknown birth, as they
+        are now."""
+        if recount:
+            left = {f.key for f in self.procs.take(scan_cookies=True) if f.live}
+            ours = [f for f in ours if f.key in left]
+        return self._snapshot(look, seen.readings, seen.census, self.procs.pinned(ours), seen.unknown,
+                              set(), set(), dict(seen.overhead), set(), maybe_outside=False,
+                              strays=self.host_scope)
+
+    def _snapshot(self, look: Look, readings: tuple[DeviceSnapshot, ...], found: Sequence[CensusEntry],
+                  ours: list[Found], unknown: Sequence[CensusEntry], excused: set[int],
+                  unexplained: set[int], overhead: dict[str, int], self_cuda: set[str], maybe_outside: bool,
+                  strays: bool) -> Snapshot:
         """A pass's snapshot: the census as sorted, and what the verdict needs to know of each process
         (``maybe_outside``: something may be from outside the session, so what earlier checks waited out is
-        read)."""
+        read; ``strays``: under host scope, this user's other Python processes are looked for)."""
         procs = self.procs
         # Who each process is (loops, not comprehensions: a check of a GPU that this process uses itself has
         # none, and builds nothing for them).
@@ -272,10 +286,10 @@ class Checker:
             else:
                 vanished[f.key] = reaping.vanished(f.pid)
             owners[f.key] = procs.owner_of(f)
-        for f in unknown:
-            info = processes.describe(f.pid, f.start_ticks)
+        for e in unknown:
+            info = processes.describe(e.pid, e.start_ticks)
             if info is not None:
-                described[f.key] = info
+                described[e.key] = info
         foreign: list[ProcessInfo] = []
         allowlisted: set[int] = set()
         for pid in sorted(unexplained):
@@ -284,17 +298,18 @@ class Checker:
                 allowlisted.add(pid)
             else:
                 foreign.append(info or reaping.vanished(pid))
-        strays: list[ProcessInfo] = []
-        if self.host_scope:
+        python_strays: list[ProcessInfo] = []
+        if strays:
             exclude = procs.never_touch | excused | unexplained | {f.pid for f in ours if f.live}
             python = set(processes.stray_python_processes(self.uid, exclude, self.ignore))
             python -= procs.peer_pids(python)
             # What our xdist siblings run is theirs, as on the GPUs (``Census.siblings``).
-            strays = [info for pid in sorted(python - procs.siblings(python).keys())
-                      if (info := processes.describe(pid)) is not None]
+            python_strays = [info for pid in sorted(python - procs.siblings(python).keys())
+                             if (info := processes.describe(pid)) is not None]
         return Snapshot(
             readings, tuple(found), tuple(ours), tuple(unknown), frozenset(excused), frozenset(unexplained),
-            overhead, described, vanished, owners, tuple(foreign), frozenset(allowlisted), tuple(strays),
+            overhead, described, vanished, owners, tuple(foreign), frozenset(allowlisted),
+            tuple(python_strays),
             frozenset([info.pid for info in foreign if procs.of_our_run(info.pid)] if foreign else ()),
             {pid: _start_ticks(pid) for pid in unexplained} if unexplained else {},
             self.outside.load() if maybe_outside else {}, tuple(look.siblings.values()),
