@@ -111,7 +111,7 @@ class ItemChecks:
                                        timeout=state.timeout, device_errors=True,
                                        where=state.nodeid)
         # (each helper only where its result has something for it: a clean check has nothing, and the
-        # calls would be a tenth of the plugin's Python calls per test)
+        # calls would be a good part of the plugin's Python calls per test)
         if result.device_lost:
             self._note_lost(record, result, "setup")
         record.before = result
