@@ -29,7 +29,7 @@ from pytest_gpuclean import __version__
 from pytest_gpuclean.core.acting.reaping import reaped_record
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.deciding import reap_plan
-from pytest_gpuclean.core.deciding.decide import mib_of
+from pytest_gpuclean.core.deciding.verdict import mib_of
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
 from pytest_gpuclean.core.reading import backends, devices, processes, procfs

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import exec_done
 
-from pytest_gpuclean.core.checking.checker import Checker, _Check
+from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.model.records import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
@@ -90,14 +90,14 @@ def test_idle_devices_are_clean(backend: FakeBackend) -> None:
 
 def test_an_idle_check_takes_the_short_way_to_the_same_result(backend: FakeBackend,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # Nothing of ours alive and every device idle: Checker._quiet answers without a _Check's bookkeeping.
+    # Nothing of ours alive and every device idle: Checker._quiet answers without a Check's bookkeeping.
     # Its result must be the one a full round gives, and anything there must take the full round.
     checker = Checker(backend, reap=False)
     devices = (GPU0, GPU1)
     checker.check("setup", devices, tolerance_mib=5, timeout=0)  # (the first looks for dead sessions)
     rounds: list[int] = []
-    observe = _Check.observe
-    monkeypatch.setattr(_Check, "observe", lambda self: rounds.append(1) or observe(self))
+    observe = Checker.observe
+    monkeypatch.setattr(Checker, "observe", lambda self, look: rounds.append(1) or observe(self, look))
     quiet = checker.check("setup", devices, tolerance_mib=5, timeout=0)
     assert rounds == []
     full = checker.check("setup", devices, tolerance_mib=5, timeout=0, scan_cookies=True)
@@ -275,10 +275,12 @@ class FakeClock:
 
 def test_a_check_with_a_longer_timeout_waits_the_difference(backend: FakeBackend,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpuclean.core.checking import check as check_module
     from pytest_gpuclean.core.checking import checker as checker_module
 
     clock = FakeClock()
-    monkeypatch.setattr(checker_module, "time", clock)
+    monkeypatch.setattr(checker_module, "time", clock)  # (when a check starts)
+    monkeypatch.setattr(check_module, "time", clock)  # (its passes)
     backend.set(GPU0, 512)
     checker = Checker(backend, reap=False, dead_sessions=False)
     assert outside_check(checker, timeout=1).waited_s >= 1  # new: waited out in full

@@ -2,10 +2,10 @@
 (``ownership.born_in``, ``older_than_session``), which processes of a census are judged, excused or of
 unknown owner (``decide.sort_census``), which xdist siblings and peers are excused (``census.is_peer``,
 ``sibling_claim``), which cookie carriers are a dead session's debris and which another session's
-(``ownership.dead_session_of``), what memory is an offender (``decide.excess_memory``, the context
+(``ownership.dead_session_of``), what memory is an offender (``verdict.excess_memory``, the context
 overhead), what the reap ladder may signal (``decide.may_signal``) and when waiting is hopeless
-(``decide.hopeless``, with ``outside.outside_of``: what cannot be the session's, and
-``outside.known_outside``: what an earlier check already waited out).
+(``verdict.hopeless``, with ``verdict.outside_of``: what cannot be the session's, and
+``verdict.known_outside``: what an earlier check already waited out).
 
 What needs the kernel (pids, pidfds, signals, /proc) stays in tests/test_checker.py, test_reaper.py and
 test_faults.py.
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_gpuclean.core.deciding import decide
-from pytest_gpuclean.core.deciding.outside import OutsideState, known_outside, outside_of
+from pytest_gpuclean.core.deciding import decide, verdict
+from pytest_gpuclean.core.deciding.verdict import OutsideState, known_outside, outside_of
 from pytest_gpuclean.core.ownership.census import Found, is_peer, sibling_claim
 from pytest_gpuclean.core.ownership.evidence import (
     PREEXISTING,
@@ -205,7 +205,7 @@ def snap(device: DeviceInfo, used_mib: float, *processes: tuple[int, float | Non
     pytest.param(snap(GPU0, 800, (ME, 500), (300, 300)), set(), 270, id="an unblamed holder's memory"),
 ])
 def test_excess_memory(reading: DeviceSnapshot, blamed: set[int], extra_mib: float | None) -> None:
-    excess = decide.excess_memory([reading], {ME}, {GPU0.uuid: 30 * MIB}, 16 * MIB, blamed)
+    excess = verdict.excess_memory([reading], {ME}, {GPU0.uuid: 30 * MIB}, 16 * MIB, blamed)
     assert [extra / MIB for _, extra in excess] == ([] if extra_mib is None else [extra_mib])
 
 
@@ -236,7 +236,7 @@ def test_unlisted_cuda_users_raise_the_excused_overhead() -> None:
 
 def test_mib_of_lists_the_devices_a_process_is_on() -> None:
     readings = [snap(GPU0, 500, (ME, 500)), snap(GPU1, 0), snap(GPU1, 64, (ME, None))]
-    assert decide.mib_of(ME, readings) == ((GPU0.label, 500.0), (GPU1.label, 0.0))
+    assert verdict.mib_of(ME, readings) == ((GPU0.label, 500.0), (GPU1.label, 0.0))
 
 
 # ---- what may be signalled, and when waiting is hopeless ----------------------------------------------
@@ -261,7 +261,7 @@ def test_may_signal(pid: int, uid: int | None, protected: bool, may: bool) -> No
     (1000, True, "could not be reaped (stopped)"),
 ])
 def test_leak_detail(uid: int, reap: bool, detail: str) -> None:
-    assert decide.leak_detail(uid, "other", "stopped", 1000, reap) == detail
+    assert verdict.leak_detail(uid, "other", "stopped", 1000, reap) == detail
 
 
 def leak(pid: int) -> Offender:
@@ -285,7 +285,7 @@ MEMORY = Offender("memory", None, None, "gpu", ((GPU0.label, 500.0),))
 def test_hopeless(offenders: list[Offender], unsignalled: set[tuple[int, int]], outside_on: set[str],
                   hopeless: bool) -> None:
     outside = {id(o): frozenset({GPU0.uuid}) for o in offenders if o.reason == "memory"}
-    assert decide.hopeless(offenders, unsignalled, outside, outside_on) is hopeless
+    assert verdict.hopeless(offenders, unsignalled, outside, outside_on) is hopeless
 
 
 def foreign(pid: int, *on: DeviceInfo) -> Offender:
@@ -299,7 +299,7 @@ def test_outside_of_finds_what_cannot_be_the_sessions() -> None:
     readings = [snap(GPU0, 612, (300, 100), (ME, 500)), snap(GPU1, 800, (400, 100), (ME, 500))]
     found, states, clean = outside_of(
         [stranger, sibling_run, ours, memory], readings, (GPU0, GPU1), {ME}, [found_pid(500)], {300, 400},
-        {}, 16 * MIB, of_our_run=lambda pid: pid == 400, start_ticks=lambda pid: pid * 10)
+        {}, 16 * MIB, of_our_run={400}, start_ticks={300: 3000, 400: 4000})
     # A stranger's process and memory nobody holds: outside. A sibling worker's: the run's. A leak: ours.
     assert found == {id(stranger): frozenset({GPU0.uuid}), id(memory): frozenset({GPU1.uuid})}
     # Each device with something from outside, as a later check compares it: the holders not ours (the
@@ -311,15 +311,15 @@ def test_outside_of_finds_what_cannot_be_the_sessions() -> None:
 
 def test_outside_of_a_clean_check_or_a_dirty_one_of_ours() -> None:
     readings = [snap(GPU0, 0), snap(GPU1, 600, (500, 100), (ME, 500))]
-    assert outside_of([], readings, (GPU0, GPU1), {ME}, [], set(), {}, 0, lambda pid: False,
-                      lambda pid: 0) == ({}, {}, [GPU0.uuid, GPU1.uuid])
+    assert outside_of([], readings, (GPU0, GPU1), {ME}, [], set(), {}, 0, set(), {}) == (
+        {}, {}, [GPU0.uuid, GPU1.uuid])
     # Only a leak of ours: nothing from outside, and both devices clean from outside (the leak's memory is
     # ours); a sibling worker's process listed there keeps its device from being clean from outside.
-    assert outside_of([leak(500)], readings, (GPU0, GPU1), {ME}, [found_pid(500)], set(), {}, 0,
-                      lambda pid: False, lambda pid: 0) == ({}, {}, [GPU0.uuid, GPU1.uuid])
+    assert outside_of([leak(500)], readings, (GPU0, GPU1), {ME}, [found_pid(500)], set(), {}, 0, set(),
+                      {}) == ({}, {}, [GPU0.uuid, GPU1.uuid])
     readings[0] = snap(GPU0, 100, (400, 100))
-    assert outside_of([leak(500)], readings, (GPU0, GPU1), {ME}, [found_pid(500)], {400}, {}, 0,
-                      lambda pid: True, lambda pid: 0) == ({}, {}, [GPU1.uuid])
+    assert outside_of([leak(500)], readings, (GPU0, GPU1), {ME}, [found_pid(500)], {400}, {}, 0, {400},
+                      {400: 0}) == ({}, {}, [GPU1.uuid])
 
 
 def found_pid(pid: int) -> Found:

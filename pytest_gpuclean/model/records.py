@@ -277,6 +277,36 @@ class KillResult(Protocol):
         ...
 
 
+class CensusEntry(Protocol):
+    """A process as the census found it (``census.Found``), as read where the census may not be imported:
+    the check's decisions (``decide.py``, ``verdict.py``), a check's passes (``check.py``) and a started
+    session's extensions (``started.py``)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def start_ticks(self) -> int: ...
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(pid, start_ticks)``: its identity."""
+        ...
+    @property
+    def found_by(self) -> FoundBy: ...
+    @property
+    def token(self) -> str | None:
+        """Whose it is (a test's, a fixture's, the session set-up's token); None: of unknown birth."""
+        ...
+    @property
+    def debris_of(self) -> object:
+        """The dead session that left it behind; None for any other."""
+        ...
+    @property
+    def live(self) -> bool: ...
+    def exited(self) -> bool:
+        """Whether it has exited since it was found (its pidfd says so)."""
+        ...
+
+
 class Outside(Fields):
     """What a check found on its devices that cannot be the session's: processes the driver lists that are
     not ours (nor excused), and memory no process we can see holds."""

@@ -21,7 +21,7 @@ import pytest
 
 from pytest_gpuclean.core.acting.signals import quiet_interrupts
 from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.deciding.outside import STATE_VAR, OutsideMemory
+from pytest_gpuclean.core.checking.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean.core.locks.gpus import GpuLocks
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.census import Registry

@@ -27,9 +27,16 @@ if TYPE_CHECKING:
 
     from pytest_gpuclean.core.locks.held import HeldLocks
     from pytest_gpuclean.core.options.settings import Settings
-    from pytest_gpuclean.core.ownership.evidence import Ownership, SessionRef
+    from pytest_gpuclean.core.ownership.evidence import Ownership
     from pytest_gpuclean.core.reading.devices import DeviceLost
-    from pytest_gpuclean.model.records import CheckResult, HealthFinding, LockHolder, Phase, TestRecord
+    from pytest_gpuclean.model.records import (
+        CensusEntry,
+        CheckResult,
+        HealthFinding,
+        LockHolder,
+        Phase,
+        TestRecord,
+    )
 
 
 class ItemState:
@@ -52,23 +59,6 @@ class ItemState:
         self.fixture_tokens: list[str] = []
 
 
-class CensusEntry(Protocol):
-    """A process of the last census (``census.Found``), as ``--gpuclean-ray=auto`` looks at it for a
-    GCS server."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def key(self) -> tuple[int, int]: ...
-
-    @property
-    def live(self) -> bool: ...
-
-    @property
-    def debris_of(self) -> SessionRef | None: ...
-
-
 class CheckerView(Protocol):
     """The session's checker (``checker.Checker``) as a test's check and the cluster's checks use
     it."""
@@ -83,7 +73,8 @@ class CheckerView(Protocol):
     def last_lost(self) -> DeviceLost | None: ...
 
     @property
-    def last_census(self) -> Sequence[CensusEntry]: ...
+    def last_census(self) -> Sequence[CensusEntry]:
+        """What the last check's census found (``--gpuclean-ray=auto`` looks there for a GCS server)."""
 
     @property
     def notices(self) -> list[str]: ...

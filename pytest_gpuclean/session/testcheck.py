@@ -71,8 +71,8 @@ class ItemChecks:
         """Tests whose in-process torch growth stayed within the floor, and by how much (a session note)."""
         hook = session.config.hook
         # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
-        # only when one implements them: three calls that find nothing would cost each checked test ~70k
-        # instructions (callgrind).
+        # only when one implements them: three calls that find nothing would cost every checked test
+        # (docs/benchmarks.md has what).
         extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
         self._hook: Any = hook if extended else None
 
@@ -113,7 +113,7 @@ class ItemChecks:
                                        timeout=state.timeout, device_errors=True,
                                        where=state.nodeid)
         # (each helper only where its result has something for it: a clean check has nothing, and the
-        # calls would be a tenth of the plugin's Python calls per test)
+        # calls would be a good part of the plugin's Python calls per test)
         if result.device_lost:
             self._note_lost(record, result, "setup")
         record.before = result

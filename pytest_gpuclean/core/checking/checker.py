@@ -1,10 +1,12 @@
-"""The clean check: readings -> snapshot -> verdict, and reaping what is provably the session's.
+"""The session's checker: what lasts from one check to the next, the clean path, and reaping what is
+provably the session's.
 
-A check reads the devices (``Checker.snapshot``) and the session's processes (``census.py``), decides
-over those readings (``decide.py``: ours, excused, unexplained; the offenders; what may be signalled),
-reaps through the ladder (``reaping.py``) and gives a ``CheckResult``. ``Checker`` holds what lasts from
-one check to the next; ``_Check`` is one check. No pytest here: the plugin and the ``gpuclean`` command
-line drive the same ``Checker``.
+``Checker.check`` answers a clean check itself (``_quiet``: every device idle, nothing of ours alive);
+otherwise it runs a ``check.Check``: readings -> snapshot -> verdict -> action, pass after pass. The
+checker holds the census (``census.py``), the device backend, what was waited out from outside
+(``outside.py``), and the reaping (``reap``: what may be signalled, ``decide.may_signal``; the ladder,
+``reaping.py``) that a check and the session's edges (the final sweep, a dead session's debris) share.
+No pytest here: the plugin and the ``gpuclean`` command line drive the same ``Checker``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from pytest_gpuclean.core.acting import pools, reaping
+from pytest_gpuclean.core.checking.check import Check, Look
+from pytest_gpuclean.core.checking.outside import OutsideMemory
 from pytest_gpuclean.core.deciding import decide
-from pytest_gpuclean.core.deciding.outside import SLACK_BYTES as OUTSIDE_SLACK_BYTES
-from pytest_gpuclean.core.deciding.outside import OutsideMemory, OutsideState, known_outside, outside_of
+from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, mib_of
 from pytest_gpuclean.core.options.settings import DEFAULT_GRACE_S
 from pytest_gpuclean.core.ownership.census import Census, Found, Registry, Sibling
 from pytest_gpuclean.core.ownership.cookie import new_session_id
@@ -26,27 +29,18 @@ from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.core.reading.backends import Backend
 from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
 from pytest_gpuclean.model.records import (
-    MIB,
-    UNKNOWN_OWNER,
+    CensusEntry,
     CheckResult,
     DeviceInfo,
     DeviceSnapshot,
-    EndedBy,
-    Offender,
-    Outside,
     Owner,
     Phase,
     ProcessInfo,
     Reaped,
     SiblingUse,
 )
-from pytest_gpuclean.model.text import mib_list as report_mib
 from pytest_gpuclean.model.text import one_line
 
-POLL_S = 0.02
-"""Polling interval while waiting for a device to come clean."""
-MAX_REAP_ROUNDS = 4
-"""Rounds of reaping within one check; from the second on, what reappeared is frozen and SIGKILLed."""
 MAX_FREEZE_PASSES = 20
 """Census passes while freezing a respawning set: each pass stops what the previous one missed, and a
 stopped process forks no more, so this ends after as many passes as the tree is deep."""
@@ -156,16 +150,16 @@ class Checker:
         dead_sessions = self.dead_sessions and not self._debris_checked
         self._debris_checked = True  # at start-up once; later only when something is unexplained
         self.last_lost = None
-        first: tuple[tuple[DeviceSnapshot, ...], list[Found] | None] | None = None
-        check: _Check | None = None
+        first: tuple[tuple[DeviceSnapshot, ...], bool] | None = None
+        check: Check | None = None
         try:
             if not (scan_cookies or dead_sessions or self.host_scope):
                 quiet = self._quiet(phase, devices, tolerance_mib, started)
                 if isinstance(quiet, CheckResult):
                     return quiet
                 first = quiet
-            check = _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                           self.reap_enabled if reap is None else reap, where, started, first)
+            check = Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
+                          self.reap_enabled if reap is None else reap, where, started, first)
             return check.run()
         except DeviceError as exc:
             if not device_errors:
@@ -173,27 +167,192 @@ class Checker:
             if isinstance(exc, DeviceLost):
                 self.last_lost = exc
             if check is None:  # (the first reading failed: nothing was reaped yet)
-                check = _Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                               self.reap_enabled if reap is None else reap, where, started)
+                check = Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
+                              self.reap_enabled if reap is None else reap, where, started)
             return check.unreadable(exc)
 
     def _quiet(self, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int, started: float
-               ) -> CheckResult | tuple[tuple[DeviceSnapshot, ...], list[Found] | None]:
+               ) -> CheckResult | tuple[tuple[DeviceSnapshot, ...], bool]:
         """The clean path's result, if nothing at all is there: no process of ours alive, and every device
-        idle (no process listed, no memory used). It is what a check's rounds conclude then, without
-        their bookkeeping (a ``_Check`` and its dozen containers), which is most of a clean check's cost.
-        Otherwise the readings taken, for the check's first round."""
+        idle (no process listed, no memory used). It is what a check's passes conclude then, without
+        their bookkeeping (a ``Check`` and its dozen containers), which is most of a clean check's cost.
+        Otherwise the readings taken, for the check's first pass, and whether the census was taken too
+        (``Census.last``)."""
         snaps = self.snapshot(devices)
         found: list[Found] | None = None
         # (C-level passes, no frame per device: a device with processes listed or memory used is busy)
         if not any(map(_LISTED, snaps)) and not any(map(_USED, snaps)):
             found = self.procs.take()
         if found is None or found:
-            return snaps, found
+            return snaps, found is not None
         self.outside.forget(d.uuid for d in devices)  # what held them from outside is gone
         waited = time.monotonic() - started
         return CheckResult(phase=phase, clean=True, devices=snaps, offenders=(), waited_s=waited,
                            clean_after_s=waited, tolerance_mib=tolerance_mib)
+
+    # ---- reading a pass of a check (``check.Check``) --------------------------------------------
+
+    def observe(self, look: Look) -> Snapshot:
+        """Every fact one pass of a check decides on. The devices and the census first, sorted against
+        each other; what holds a GPU that the session's tree does not explain makes the census look wider
+        (our cookie anywhere, a dead session's debris) and the pass read again. Then what only the verdict
+        needs (``_snapshot``)."""
+        procs = self.procs
+        while True:
+            first, look.first = look.first, None
+            readings = first[0] if first is not None else self.snapshot(look.devices)
+            listed = {p.pid for s in readings for p in s.processes}
+            found = procs.last if first is not None and first[1] else procs.take(
+                look.scan_cookies, look.dead_sessions, listed)
+            # Scanned once, unless it found debris: looked for again while there is some, so that a later
+            # look in this check (after the settle time) still sees it as the dead session's.
+            look.dead_sessions = look.dead_sessions and any(f.debris_of is not None for f in found)
+            # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
+            # goes: their contexts are excused like our own; they are never killed either. So are the pytest
+            # process's helpers (they hold no GPU memory: the census judges one that does) and what is meant
+            # to outlive the session (persistent: a warm model server's memory is its own, said once). Of
+            # unknown birth: no evidence says which test made it, so it is reported, never signalled.
+            ours, unknown, excused, unexplained = decide.sort_census(
+                found, procs.is_protected, procs.never_touch, procs.helpers.keys() | procs.persistent.keys(),
+                listed)
+            if unexplained and (persistent := procs.persistent_of(unexplained)):
+                procs.persistent.update(persistent)
+                excused |= persistent.keys()
+                unexplained -= persistent.keys()
+            peers = procs.peer_pids(unexplained)
+            look.peers |= peers
+            excused |= peers
+            # What a live sibling worker's test (or fixture) started is that worker's to reap: waiting for it
+            # here, while this test holds the GPU locks that the sibling needs for its next check, would only
+            # stall both. Named in the notes, and a finding of the test that started it (testcheck.py).
+            siblings = procs.siblings(unexplained - excused)
+            for pid, sibling in siblings.items():
+                _saw_sibling(look, pid, sibling, readings)
+            excused |= siblings.keys()
+            unexplained -= excused
+            # Our own CUDA context's unlisted overhead must not widen the census on every check of a pytest
+            # process that uses the GPU itself.
+            self_cuda: set[str] = set()
+            overhead, short = decide.listed_overhead(readings, excused)
+            if short:
+                overhead.update(self._context_overhead(short, excused, self_cuda))
+            unexplained_use = decide.unexplained_use(readings, unexplained, excused, overhead, look.tolerance)
+            if look.scan_cookies or not unexplained_use:
+                break
+            look.scan_cookies = True
+            look.dead_sessions = self.dead_sessions
+        return self._snapshot(look, readings, found, ours, unknown, excused, unexplained, overhead, self_cuda,
+                              maybe_outside=unexplained_use, strays=self.host_scope)
+
+    def observe_unread(self, look: Look, readings: tuple[DeviceSnapshot, ...]) -> Snapshot:
+        """A check that cannot read every device (``readings``: those it can), before it acts: no reading
+        says whether something outside our tree holds a GPU, so the census looks for our cookie everywhere,
+        and only what is ours can be judged: nothing is excused, and each device's whole use is overhead (no
+        memory offender)."""
+        found = self.procs.take(scan_cookies=True)
+        ours, unknown, _, _ = decide.sort_census(found, self.procs.is_protected, (), (), set())
+        return self._snapshot(look, readings, found, ours, unknown, set(), set(),
+                              {s.device.uuid: s.used_bytes for s in readings}, set(), maybe_outside=False,
+                              strays=False)
+
+    def observe_left(self, look: Look, seen: Snapshot, ours: Sequence[CensusEntry], recount: bool
+                     ) -> Snapshot:
+        """The same check after it acted: what is left of ``ours`` (its processes not collected meanwhile),
+        alive in a new census if it reaped (``recount``), and ``seen``'s processes of unknown birth, as they
+        are now."""
+        if recount:
+            left = {f.key for f in self.procs.take(scan_cookies=True) if f.live}
+            ours = [f for f in ours if f.key in left]
+        return self._snapshot(look, seen.readings, seen.census, self.procs.pinned(ours), seen.unknown,
+                              set(), set(), dict(seen.overhead), set(), maybe_outside=False,
+                              strays=self.host_scope)
+
+    def _snapshot(self, look: Look, readings: tuple[DeviceSnapshot, ...], found: Sequence[CensusEntry],
+                  ours: list[Found], unknown: Sequence[CensusEntry], excused: set[int],
+                  unexplained: set[int], overhead: dict[str, int], self_cuda: set[str], maybe_outside: bool,
+                  strays: bool) -> Snapshot:
+        """A pass's snapshot: the census as sorted, and what the verdict needs to know of each process
+        (``maybe_outside``: something may be from outside the session, so what earlier checks waited out is
+        read; ``strays``: under host scope, this user's other Python processes are looked for)."""
+        procs = self.procs
+        # Who each process is (loops, not comprehensions: a check of a GPU that this process uses itself has
+        # none, and builds nothing for them).
+        described: dict[tuple[int, int], ProcessInfo] = {}
+        vanished: dict[tuple[int, int], ProcessInfo] = {}
+        owners: dict[tuple[int, int], Owner] = {}
+        for f in ours:
+            info = processes.describe(f.pid, f.start_ticks)
+            if info is not None:
+                described[f.key] = info
+            else:
+                vanished[f.key] = reaping.vanished(f.pid)
+            owners[f.key] = procs.owner_of(f)
+        for e in unknown:
+            info = processes.describe(e.pid, e.start_ticks)
+            if info is not None:
+                described[e.key] = info
+        foreign: list[ProcessInfo] = []
+        allowlisted: set[int] = set()
+        for pid in sorted(unexplained):
+            info = processes.describe(pid)
+            if info is not None and self.ignore and processes.matches_any(info.cmdline, self.ignore):
+                allowlisted.add(pid)
+            else:
+                foreign.append(info or reaping.vanished(pid))
+        python_strays: list[ProcessInfo] = []
+        if strays:
+            exclude = procs.never_touch | excused | unexplained | {f.pid for f in ours if f.live}
+            python = set(processes.stray_python_processes(self.uid, exclude, self.ignore))
+            python -= procs.peer_pids(python)
+            # What our xdist siblings run is theirs, as on the GPUs (``Census.siblings``).
+            python_strays = [info for pid in sorted(python - procs.siblings(python).keys())
+                             if (info := processes.describe(pid)) is not None]
+        return Snapshot(
+            readings, tuple(found), tuple(ours), tuple(unknown), frozenset(excused), frozenset(unexplained),
+            overhead, described, vanished, owners, tuple(foreign), frozenset(allowlisted),
+            tuple(python_strays),
+            frozenset([info.pid for info in foreign if procs.of_our_run(info.pid)] if foreign else ()),
+            {pid: _start_ticks(pid) for pid in unexplained} if unexplained else {},
+            self.outside.load() if maybe_outside else {}, tuple(look.siblings.values()),
+            frozenset(look.peers), frozenset(self_cuda), procs.me)
+
+    def _context_overhead(self, short: list[decide.Short], excused: set[int], self_cuda: set[str]
+                          ) -> dict[str, int]:
+        """The unlisted memory excused where the listed contexts fall short: asks which excused processes
+        use CUDA there unlisted. Reading /proc/<pid>/fd costs a syscall per descriptor: only off the clean
+        path, once per poll, and for the other excused processes only if this one does not explain it all."""
+        backend, me = self.backend, self.procs.me
+        users: dict[int, frozenset[str]] = {}
+        if backend is not None:
+            users.update(backend.cuda_users([me]))
+            if decide.short_of_users(short, users):
+                users.update(backend.cuda_users(sorted(excused - {me})))
+        return decide.context_overhead(short, users, me, self_cuda)
+
+    # ---- acting for a check ----------------------------------------------------------------------
+
+    def reap_round(self, fresh: Sequence[CensusEntry], readings: Sequence[DeviceSnapshot],
+                   devices: Sequence[DeviceInfo], notes: list[str], *, freeze: set[str | None] | None = None,
+                   scan_cookies: bool = False) -> tuple[list[CensusEntry], list[Reaped]]:
+        """A check's round of reaping ``fresh`` (as its snapshot names them: the last census's processes):
+        with ``freeze`` (the owners whose processes keep reappearing), stopped first with whatever else of
+        theirs appears, then killed at once. What it signalled, and the records."""
+        everyone = self.procs.last
+        targets = self.procs.pinned(fresh)
+        if freeze is not None:
+            targets = self.freeze(targets, freeze, scan_cookies)
+        return list(targets), self.reap(targets, readings, devices, notes, everyone=everyone,
+                                        kill_first=freeze is not None)
+
+    def remember(self, verdict: Verdict) -> None:
+        """What a check waited out from outside, for the later checks; what is clean from outside now,
+        forgotten."""
+        if verdict.remember:
+            self.outside.update(verdict.remember, forget=verdict.forget)
+        else:
+            self.outside.forget(verdict.forget)
+
+    # ---- reaping -------------------------------------------------------------------------------
 
     def _relays_to_others(self, f: Found, info: ProcessInfo | None, everyone: Sequence[Found]) -> str | None:
         """Why signalling ``f`` would reach another user's process (``su``, ``sudo`` relay signals)."""
@@ -208,8 +367,6 @@ class Checker:
                 return (f"pid {f.pid} left alone: its descendant pid {other.pid} belongs to another user "
                         f"({other_info.user}), and {one_line(info.cmdline, 40)} may relay our signals to it")
         return None
-
-    # ---- reaping -------------------------------------------------------------------------------
 
     def reap(self, ours: Sequence[Found], snaps: Sequence[DeviceSnapshot], devices: Sequence[DeviceInfo],
              notes: list[str], everyone: Sequence[Found] = (), kill_first: bool = False) -> list[Reaped]:
@@ -233,7 +390,7 @@ class Checker:
         targets = [processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in safe]
         ended, _released = self.kill_and_confirm(targets, devices, holders, kill_first=kill_first)
         return [reaping.reaped_record(infos[f.pid], f.pid, self.owner_of(f), f.found_by, ended[f.pid],
-                                      decide.mib_of(f.pid, snaps)) for f in safe]
+                                      mib_of(f.pid, snaps)) for f in safe]
 
     def kill_and_confirm(self, targets: Sequence[processes.KillTarget], devices: Sequence[DeviceInfo],
                          holders: set[int], kill_first: bool = False
@@ -333,377 +490,18 @@ class Checker:
         return [info for info in infos if info is not None]
 
 
-class _Check:
-    """One check: observe (the readings, sorted by ``decide.sort_census``), collect zombies, let leftovers
-    settle, reap (``Checker.reap``), and give the verdict (the offenders; ``outside.outside_of`` and
-    ``known_outside``; ``decide.hopeless``: whether to look again)."""
-
-    def __init__(self, checker: Checker, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
-                 timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool,
-                 where: str = "an earlier check", started: float | None = None,
-                 first: tuple[tuple[DeviceSnapshot, ...], list[Found] | None] | None = None) -> None:
-        self.c = checker
-        self.where = where
-        self.phase = phase
-        self.devices = devices
-        self.tolerance_mib = tolerance_mib
-        self.tolerance = tolerance_mib * MIB
-        self.timeout = timeout
-        self.scan_cookies = scan_cookies
-        self.dead_sessions = dead_sessions
-        self.reap_enabled = reap
-        self.started = time.monotonic() if started is None else started
-        self.reaped: list[Reaped] = []
-        self.notes: list[str] = []
-        self.attempted: set[tuple[int, int]] = set()
-        self.first_seen: dict[tuple[int, int], Offender] = {}
-        self.collected: list[Reaped] = []
-        self.collected_ids: set[tuple[int, int]] = set()
-        self.settled = False
-        self.rounds = 0
-        self.reaped_owners: set[str | None] = set()
-        # Filled by observe():
-        self.snaps: tuple[DeviceSnapshot, ...] = ()
-        self.found: list[Found] = []
-        self.ours: list[Found] = []
-        self.unknown: list[Found] = []
-        self.excused: set[int] = set()
-        self.unexplained: set[int] = set()
-        self.overhead: dict[str, int] = {}
-        self.self_cuda: set[str] = set()
-        self.outside_seen: dict[str, OutsideState] = {}
-        """Per device UUID: its outside state as this check last found it, and since when unchanged."""
-        self._first = first
-        """The readings ``Checker._quiet`` took, for the first round."""
-        self.siblings: dict[tuple[int, int], SiblingUse] = {}
-        """Processes of live sibling xdist workers seen on these devices, by identity."""
-        self.peers: set[int] = set()
-        """Sibling xdist workers themselves seen on these devices (their own CUDA contexts)."""
-
-    def run(self) -> CheckResult:
-        while True:
-            self.observe()
-            if self.needs_cookie_scan():
-                continue
-            self.collect_zombies()
-            fresh = [f for f in self.ours if f.key not in self.attempted]
-            if self.settle(fresh):
-                continue
-            if self.reap_round(fresh):
-                continue
-            result = self.verdict(fresh)
-            if result is not None:
-                return result
-            time.sleep(POLL_S)
-
-    def observe(self) -> None:
-        c = self.c
-        first, self._first = self._first, None
-        self.snaps = first[0] if first is not None else c.snapshot(self.devices)
-        self.self_cuda = set()
-        listed = {p.pid for s in self.snaps for p in s.processes}
-        if first is not None and first[1] is not None:
-            self.found = first[1]
-        else:
-            self.found = c.procs.take(self.scan_cookies, self.dead_sessions, listed)
-        # Scanned once, unless it found debris: looked for again while there is some, so that a later look
-        # in this check (after the settle time) still sees it as the dead session's.
-        self.dead_sessions = self.dead_sessions and any(f.debris_of is not None for f in self.found)
-        procs = c.procs
-        # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
-        # goes: their contexts are excused like our own; they are never killed either. So are the pytest
-        # process's helpers (they hold no GPU memory: the census judges one that does) and what is meant to
-        # outlive the session (persistent: a warm model server's memory is its own, said once). Of unknown
-        # birth: no evidence says which test made it, so it is reported, never signalled.
-        self.ours, self.unknown, excused, unexplained = decide.sort_census(
-            self.found, procs.is_protected, procs.never_touch, procs.helpers.keys() | procs.persistent.keys(),
-            listed)
-        if unexplained and (persistent := procs.persistent_of(unexplained)):
-            procs.persistent.update(persistent)
-            excused |= persistent.keys()
-            unexplained -= persistent.keys()
-        peers = procs.peer_pids(unexplained)
-        self.peers |= peers
-        excused |= peers
-        # What a live sibling worker's test (or fixture) started is that worker's to reap: waiting for it
-        # here, while this test holds the GPU locks that the sibling needs for its next check, would only
-        # stall both. Named in the notes, and a finding of the test that started it (testcheck.py).
-        siblings = procs.siblings(unexplained - excused)
-        for pid, sibling in siblings.items():
-            self._saw_sibling(pid, sibling)
-        excused |= siblings.keys()
-        self.unexplained = unexplained - excused
-        self.excused = excused
-        # Our own CUDA context's unlisted overhead must not trigger the cookie scan on every check of a
-        # pytest process that uses the GPU itself.
-        self.overhead, short = decide.listed_overhead(self.snaps, excused)
-        if short:
-            self.overhead.update(self._context_overhead(short, excused))
-
-    def _context_overhead(self, short: list[decide.Short], excused: set[int]) -> dict[str, int]:
-        """The unlisted memory excused where the listed contexts fall short: asks which excused processes
-        use CUDA there unlisted. Reading /proc/<pid>/fd costs a syscall per descriptor: only off the clean
-        path, once per poll, and for the other excused processes only if this one does not explain it all."""
-        backend, me = self.c.backend, self.c.procs.me
-        users: dict[int, frozenset[str]] = {}
-        if backend is not None:
-            users.update(backend.cuda_users([me]))
-            if decide.short_of_users(short, users):
-                users.update(backend.cuda_users(sorted(excused - {me})))
-        return decide.context_overhead(short, users, me, self.self_cuda)
-
-    def _saw_sibling(self, pid: int, sibling: Sibling) -> None:
-        # Described once per check (the check polls while something else keeps it dirty); what it held
-        # is the most it was seen with.
-        held = decide.mib_of(pid, self.snaps)
-        known = next((u for u in self.siblings.values() if u.process.pid == pid), None)
-        if known is not None:
-            if sum(m for _, m in held) > sum(m for _, m in known.mib_per_device):
-                key = (pid, known.process.start_ticks)
-                self.siblings[key] = known.replace(mib_per_device=held)
-            return
-        info = processes.describe(pid)
-        if info is not None:
-            key = (info.pid, info.start_ticks)
-            self.siblings[key] = SiblingUse(info, sibling.owner, sibling.worker, held)
-
-    def needs_cookie_scan(self) -> bool:
-        """Something holds a GPU that our tree does not explain: maybe an escapee with our cookie, or
-        the debris of a dead session."""
-        if self.scan_cookies:
-            return False
-        if self.unexplained or any(
-                s.used_bytes - s.bytes_of(self.excused) - self.overhead[s.device.uuid] > self.tolerance
-                for s in self.snaps):
-            self.scan_cookies = True
-            self.dead_sessions = self.c.dead_sessions
-            return True
-        return False
-
-    def collect_zombies(self) -> None:
-        # Exited processes nobody waited for hold no memory and are no leak: most are orphans that our
-        # subreaper adopted (a double fork's middle process, a subprocess's resource tracker), which init
-        # would have collected. Collect the ones that are now our children, by pid.
-        for f in self.ours:
-            if not f.live and f.key not in self.collected_ids:
-                info = processes.describe(f.pid, f.start_ticks)
-                if processes.reap_if_child(f.pid):
-                    self._collect(f, info, "reaped zombie")
-        self.ours = [f for f in self.ours if f.live]
-
-    def settle(self, fresh: Sequence[Found]) -> bool:
-        """Before the first reaping, give leftovers ``settle`` seconds to exit on their own (a
-        subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown).
-        True if it waited, so the caller looks again before any signal: what exited is collected, and a child
-        that was still between its fork and its exec when the check began now shows its command line (a
-        helper or persistent process named by one)."""
-        if not (self.reap_enabled and fresh and not self.rounds and not self.settled and self.c.settle > 0):
-            return False
-        self.settled = True
-        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in fresh}
-        deadline = time.monotonic() + self.c.settle
-        pending = list(fresh)
-        while pending and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            for f in list(pending):
-                if f.handle is None or f.handle.exited():
-                    processes.reap_if_child(f.pid)
-                    pending.remove(f)
-                    self._collect(f, infos[f.pid], "exited by itself")
-        return True
-
-    def reap_round(self, fresh: Sequence[Found]) -> bool:
-        if not (self.reap_enabled and fresh and self.rounds < MAX_REAP_ROUNDS):
-            return False
-        kill_first = False
-        targets = list(fresh)
-        if self.rounds:
-            # Killed processes were replaced (a SIGTERM handler that forks, a supervisor): stop the
-            # whole set first, so nothing forks while we look, then SIGKILL it; no handler runs again.
-            self.notes.append(f"new processes appeared while reaping (round {self.rounds + 1}): "
-                              f"{sorted(f.pid for f in fresh)}; stopped and killed with SIGKILL")
-            targets = self.c.freeze(fresh, {f.token for f in fresh} | self.reaped_owners, self.scan_cookies)
-            kill_first = True
-        self.rounds += 1
-        self.attempted.update(f.key for f in targets)
-        self.reaped_owners.update(f.token for f in targets)
-        self.reaped.extend(self.c.reap(targets, self.snaps, self.devices, self.notes, everyone=self.found,
-                                       kill_first=kill_first))
-        # What could not be signalled is not retried: waiting for it is what the verdict does.
-        return True
-
-    def verdict(self, fresh: Sequence[Found]) -> CheckResult | None:
-        """The result if the check is over (clean, hopeless or timed out), else None to look again."""
-        c = self.c
-        offenders = self.offenders(self.snaps, self.ours, self.unexplained, self.excused, self.tolerance,
-                                   self.overhead, self.reap_enabled)
-        offenders.extend(self.unknown_offenders(self.unknown, self.snaps))
-        for o in offenders:
-            if o.reason == "leaked" and o.process is not None:
-                self.first_seen.setdefault((o.process.pid, o.process.start_ticks), o)
-        waited = time.monotonic() - self.started
-        # Processes that survived our SIGKILL, or that we may not signal, do not go away by waiting.
-        unsignalled = {f.key for f in self.unknown} | {
-            f.key for f in self.ours if f.key in self.attempted}
-        # Nor does an outside state that an earlier check already waited out, and finds again unchanged.
-        outside, states, clean = outside_of(offenders, self.snaps, self.devices, self.excused, self.found,
-                                            self.unexplained, self.overhead, self.tolerance,
-                                            self.c.procs.of_our_run, _start_ticks)
-        known = known_outside(states, self.c.outside.load() if states else {}, self.outside_seen,
-                              max(self.tolerance, OUTSIDE_SLACK_BYTES), time.monotonic(), self.timeout,
-                              self.where)
-        hopeless = decide.hopeless(offenders, unsignalled, outside, known)
-        if offenders and not hopeless and waited < self.timeout:
-            return None
-        outside_found = self._remember_outside(offenders, outside, states, clean, known,
-                                               waited_out=not hopeless)
-        if fresh and self.rounds >= MAX_REAP_ROUNDS:
-            self.notes.append(f"gave up after {self.rounds} reaping rounds: killed processes keep being "
-                              f"replaced (a process pool or supervisor outside our reach?)")
-        still = {(o.process.pid, o.process.start_ticks) for o in offenders if o.process is not None}
-        lingered = tuple(
-            o.replace(detail=f"outlived its test, ended by itself within {waited:.2f}s "
-                                "(reaping is off)")
-            for key, o in self.first_seen.items() if key not in still)
-        me = c.procs.me
-        siblings = tuple(self.siblings.values())
-        notes = [*self.notes, *(
-            f"pid {u.process.pid}: in use by {u.describe()} ({report_mib(u.mib_per_device)}); another worker "
-            f"of this xdist run: not waited for, never signalled (its worker reaps it if it was leaked)"
-            for u in siblings), *(
-            f"pid {pid}: another worker of this xdist run, its pytest process itself "
-            f"({report_mib(decide.mib_of(pid, self.snaps)) or 'no memory now'}): excused like our own"
-            for pid in sorted(self.peers))]
-        return CheckResult(
-            phase=self.phase, clean=not offenders, devices=self.snaps, offenders=tuple(offenders),
-            lingered=lingered, collected=tuple(self.collected), reaped=tuple(self.reaped), waited_s=waited,
-            clean_after_s=waited if not offenders else None, notes=tuple(notes), siblings=siblings,
-            tolerance_mib=self.tolerance_mib,
-            self_mib=tuple((s.device.label, s.bytes_of({me}) / MIB) for s in self.snaps if s.bytes_of({me})),
-            self_cuda_only=() if not self.self_cuda else tuple(
-                s.device.label for s in self.snaps if s.device.label in self.self_cuda),
-            outside=outside_found,
-        )
-
-    def unreadable(self, error: DeviceError) -> CheckResult:
-        """The result of a check that could not read a device: not clean, at once (no reading can say when
-        the devices are clean), with the error. What is provably ours is reaped all the same: ownership
-        needs no device reading (the final sweep copes the same way), and a test's leftovers must not
-        wait for the session's end, nor make every later check fail."""
-        c = self.c
-        # The devices that can still be read tell what the reaped held there, and when it was released.
-        readable: list[DeviceInfo] = []
-        snaps: list[DeviceSnapshot] = []
-        for device in self.devices:
-            try:
-                snaps.extend(c.snapshot((device,)))
-                readable.append(device)
-            except DeviceError:
-                continue
-        # No reading says whether something outside our tree holds a GPU: look for our cookie everywhere.
-        self.found = c.census(scan_cookies=True)
-        procs = c.procs
-        self.ours, self.unknown, _, _ = decide.sort_census(self.found, procs.is_protected, (), (), set())
-        self.collect_zombies()
-        fresh = [f for f in self.ours if f.key not in self.attempted]
-        if self.settle(fresh):  # what exits by itself within the settle time is no leak here either
-            fresh = [f for f in fresh if f.key not in self.collected_ids]
-            self.ours = [f for f in self.ours if f.key not in self.collected_ids]
-        if self.reap_enabled and fresh:
-            self.attempted.update(f.key for f in fresh)
-            self.reaped.extend(c.reap(fresh, snaps, readable, self.notes, everyone=self.found))
-            left = {f.key for f in c.census(scan_cookies=True) if f.live}
-            self.ours = [f for f in self.ours if f.key in left]
-        # Only what is ours is judged: without every reading, nothing else can be (no foreign holder; each
-        # device's whole use passed as excused overhead, so no memory offender either).
-        offenders = self.offenders(snaps, self.ours, set(), set(), self.tolerance,
-                                   {s.device.uuid: s.used_bytes for s in snaps}, self.reap_enabled)
-        offenders.extend(self.unknown_offenders(self.unknown, snaps))
-        return CheckResult(
-            phase=self.phase, clean=False, devices=tuple(snaps), offenders=tuple(offenders),
-            collected=tuple(self.collected), reaped=tuple(self.reaped),
-            waited_s=time.monotonic() - self.started, notes=tuple(self.notes),
-            tolerance_mib=self.tolerance_mib, error=error.describe(),
-            device_lost=isinstance(error, DeviceLost))
-
-    def _remember_outside(self, offenders: Sequence[Offender], outside: dict[int, frozenset[str]],
-                          states: dict[str, tuple[frozenset[tuple[int, int]], int]], clean: list[str],
-                          known: set[str], waited_out: bool) -> Outside | None:
-        """Remember the outside state this check waited out (``waited_out``: it ran to its timeout), forget
-        that of each device now ``clean`` from outside; what was found from outside, for the result."""
-        # Clean from outside now: a later state there is new again. Waited out: remembered (an earlier
-        # check's, if it is the same).
-        remember = {u: self.outside_seen[u] for u in states if waited_out and u in self.outside_seen}
-        if remember:
-            self.c.outside.update(remember, forget=clean)
-        else:
-            self.c.outside.forget(clean)
-        if not outside:
-            return None
-        devices = tuple((s.device.label, states[s.device.uuid][1] / MIB) for s in self.snaps
-                        if s.device.uuid in states)
-        # Not waited out here: every outside finding was a state an earlier check waited out.
-        wheres = sorted({self.outside_seen[u].where for u in known & states.keys()})
-        same_as = None if waited_out or not wheres else ", ".join(wheres)
-        return Outside(devices, only=len(outside) == len(offenders), same_as=same_as)
-
-    def offenders(self, snaps: Sequence[DeviceSnapshot], ours: Sequence[Found], foreign: set[int],
-                   excused: set[int], tolerance: int, overhead: dict[str, int],
-                   reap_enabled: bool) -> list[Offender]:
-        c = self.c
-        offenders: list[Offender] = []
-        ignored: set[int] = set()
-        for pid in sorted(foreign):
-            info = processes.describe(pid)
-            if info is not None and c.ignore and processes.matches_any(info.cmdline, c.ignore):
-                ignored.add(pid)
-                continue
-            offenders.append(Offender("foreign", info or reaping.vanished(pid), None, "gpu",
-                                      decide.mib_of(pid, snaps),
-                                      detail="not started by this session: waited for, never killed"))
-        for f in ours:
-            info = processes.describe(f.pid, f.start_ticks)
-            if info is None:
-                continue
-            offenders.append(Offender("leaked", info, c.owner_of(f), f.found_by, decide.mib_of(f.pid, snaps),
-                                      detail=decide.leak_detail(info.uid, info.user, info.state, c.uid,
-                                                                reap_enabled)))
-        blamed = {o.process.pid for o in offenders if o.process is not None}
-        for snap, extra in decide.excess_memory(snaps, excused, overhead, tolerance, blamed):
-            holders = sorted(ignored & {p.pid for p in snap.processes})
-            by = f"allowlisted pid(s) {holders}" if holders else "no process we can see"
-            offenders.append(Offender(
-                "memory", None, None, "gpu", ((snap.device.label, extra / MIB),),
-                detail=f"{extra / MIB:.0f} MiB used on {snap.device.label} beyond the tolerance "
-                       f"of {tolerance / MIB:.0f} MiB, held by {by}"))
-        if c.host_scope:
-            exclude = c.never_touch | excused | ignored | foreign | blamed | {f.pid for f in ours}
-            strays = set(processes.stray_python_processes(c.uid, exclude, c.ignore))
-            strays -= c.procs.peer_pids(strays)
-            # What our xdist siblings run is theirs, as on the GPUs (``Census.siblings``).
-            for pid in sorted(strays - c.procs.siblings(strays).keys()):
-                info = processes.describe(pid)
-                if info is not None:
-                    offenders.append(Offender(
-                        "host", info, None, "host", (),
-                        detail="Python process of this user (host scope): never killed"))
-        return offenders
-
-    def unknown_offenders(self, unknown: Sequence[Found], snaps: Sequence[DeviceSnapshot]) -> list[Offender]:
-        offenders: list[Offender] = []
-        for f in unknown:
-            info = processes.describe(f.pid, f.start_ticks)
-            if info is not None:
-                offenders.append(Offender(
-                    "leaked", info, UNKNOWN_OWNER, f.found_by, decide.mib_of(f.pid, snaps),
-                    detail="no evidence of which test or fixture started it: left alone, never signalled"))
-        return offenders
-
-    def _collect(self, f: Found, info: ProcessInfo | None, how: EndedBy) -> None:
-        # One of ours that ended without being killed: reported in the summary, not a leak.
-        self.collected_ids.add(f.key)
-        self.collected.append(Reaped(info or reaping.vanished(f.pid), self.c.owner_of(f), f.found_by, how, (),
-                                     None))
+def _saw_sibling(look: Look, pid: int, sibling: Sibling, readings: Sequence[DeviceSnapshot]) -> None:
+    # Described once per check (the check polls while something else keeps it dirty); what it held is the
+    # most it was seen with.
+    held = mib_of(pid, readings)
+    known = next((u for u in look.siblings.values() if u.process.pid == pid), None)
+    if known is not None:
+        if sum(m for _, m in held) > sum(m for _, m in known.mib_per_device):
+            look.siblings[(pid, known.process.start_ticks)] = known.replace(mib_per_device=held)
+        return
+    info = processes.describe(pid)
+    if info is not None:
+        look.siblings[(info.pid, info.start_ticks)] = SiblingUse(info, sibling.owner, sibling.worker, held)
 
 
 def _start_ticks(pid: int) -> int:

@@ -1,38 +1,30 @@
-"""What a check decides from its readings: functions over plain data, no /proc, no devices, no signals.
+"""What a check decides from its readings before the verdict: functions over plain data, no /proc, no
+devices, no signals.
 
 A check reads (``devices``: a snapshot of each GPU; ``census.py``: the session's processes and their
-tokens), then decides here: which processes are the session's to judge and which are excused, what memory
-nobody accounts for, whether a process may be signalled at all, and when waiting longer is hopeless. Each
-is unit-tested without processes (``tests/test_checker_decisions.py``).
+tokens), then decides here: which processes are the session's to judge and which are excused
+(``sort_census``), what unlisted memory the excused contexts explain (``listed_overhead``,
+``context_overhead``), whether something the session's tree does not explain is on the GPUs
+(``unexplained_use``: the census then looks wider), and what the pass does next (``next_move``: let
+leftovers settle, reap, or judge: ``verdict.py``). Also what the reap ladder may signal at all
+(``may_signal``) and what the session-end sweep ends (``of_the_sweep``). Each is unit-tested without
+processes (``tests/test_checker_decisions.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
-from typing import Protocol, TypeVar
+from typing import Literal, TypeVar
 
-from pytest_gpuclean.model.records import MIB, DeviceSnapshot, Offender
+from pytest_gpuclean.model.records import MIB, CensusEntry, DeviceSnapshot
 
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process (9 MiB on an H200:
 docs/benchmarks.md 9); the margin keeps other drivers' larger overheads excused too."""
+MAX_REAP_ROUNDS = 4
+"""Rounds of reaping within one check; from the second on, what reappeared is frozen and SIGKILLed."""
 
-
-class Counted(Protocol):
-    """A process as the census found it (``census.Found``): what the decisions read of it."""
-
-    @property
-    def pid(self) -> int: ...
-    @property
-    def token(self) -> str | None: ...
-    @property
-    def debris_of(self) -> object: ...
-    @property
-    def live(self) -> bool: ...
-
-
-C = TypeVar("C", bound=Counted)
+C = TypeVar("C", bound=CensusEntry)
 
 
 def sort_census(found: Sequence[C], protected: Callable[[C], bool], never_touch: Collection[int],
@@ -111,7 +103,7 @@ def context_overhead(short: Sequence[Short], users: Mapping[int, frozenset[str]]
                      self_cuda: set[str]) -> dict[str, int]:
     """For each device of ``short``: the unlisted memory excused, at most CONTEXT_OVERHEAD_BYTES for each
     listed process and each excused one that uses CUDA there unlisted (``users``: pid: the UUIDs it has
-    open; CUDA initialised without a context: 3 MiB per H200). Adds to ``self_cuda`` each device where
+    open; CUDA initialised without a context costs memory too). Adds to ``self_cuda`` each device where
     ``me`` is such a user."""
     overhead: dict[str, int] = {}
     for snap, listed, unlisted, allowed in short:
@@ -122,26 +114,29 @@ def context_overhead(short: Sequence[Short], users: Mapping[int, frozenset[str]]
     return overhead
 
 
-def excess_memory(snaps: Sequence[DeviceSnapshot], excused: set[int], overhead: Mapping[str, int],
-                  tolerance: int, blamed: Collection[int]) -> list[tuple[DeviceSnapshot, int]]:
-    """The devices with memory beyond ``tolerance`` that nothing excused holds, and how much: the memory an
-    offender of its own. Memory of allowlisted processes counts (only their presence is excused); memory
-    on a device where a ``blamed`` process (an offender already) is listed is not reported twice."""
-    found = []
-    for snap in snaps:
-        extra = snap.used_bytes - snap.bytes_of(excused) - overhead.get(snap.device.uuid, 0)
-        if extra > tolerance and not any(p.pid in blamed for p in snap.processes):
-            found.append((snap, extra))
-    return found
+def unexplained_use(snaps: Sequence[DeviceSnapshot], unexplained: Collection[int],
+                    excused: frozenset[int] | set[int], overhead: Mapping[str, int], tolerance: int) -> bool:
+    """Whether something holds a GPU that the session does not explain: a listed process that is neither ours
+    nor excused, or memory beyond ``tolerance`` that nothing excused holds. The census then looks wider (an
+    escapee with our cookie, a dead session's debris), and what earlier checks waited out from outside is
+    read (only then can a finding be from outside)."""
+    return bool(unexplained) or any(
+        s.used_bytes - s.bytes_of(excused) - overhead[s.device.uuid] > tolerance for s in snaps)
 
 
-def leak_detail(process_uid: int, user: str, state: str, my_uid: int, reap_enabled: bool) -> str:
-    """Why a leaked process of the session is still there."""
-    if process_uid != my_uid:
-        return f"belongs to another user ({user}): never killed"
-    if not reap_enabled:
-        return "reaping is off"
-    return f"could not be reaped ({state})"
+Move = Literal["settle", "reap", "judge"]
+"""What a pass of a check does once it has looked: give leftovers the settle time, reap, or judge."""
+
+
+def next_move(fresh: bool, reap_enabled: bool, rounds: int, settled: bool, settle_s: float) -> Move:
+    """What a pass does with leftovers of the session not yet signalled (``fresh``): before the first
+    reaping, give them ``settle_s`` seconds to exit on their own (once); then reap them, for at most
+    ``MAX_REAP_ROUNDS`` rounds; with nothing left to reap (or reaping off), judge."""
+    if not (reap_enabled and fresh):
+        return "judge"
+    if not rounds and not settled and settle_s > 0:
+        return "settle"
+    return "reap" if rounds < MAX_REAP_ROUNDS else "judge"
 
 
 def of_the_sweep(found: Iterable[C], excluded: Collection[str]) -> list[C]:
@@ -162,21 +157,3 @@ def may_signal(pid: int, process_uid: int | None, never_touch: Collection[int], 
     if pid in never_touch or process_uid != my_uid:
         return False
     return not protected
-
-
-def hopeless(offenders: Sequence[Offender], unsignalled: Collection[tuple[int, int]],
-             outside: Mapping[int, frozenset[str]], known: AbstractSet[str]) -> bool:
-    """Whether waiting longer cannot make a check clean: there are offenders, and each is a leak that
-    survived our SIGKILL or that we may not signal (its (pid, start ticks) in ``unsignalled``), or was found
-    from outside the session (``outside``: its devices' UUIDs, by the offender's ``id``) only on devices
-    whose outside state an earlier check already waited out (``known``)."""
-    return bool(offenders) and all(
-        (o.reason == "leaked" and o.process is not None
-         and (o.process.pid, o.process.start_ticks) in unsignalled)
-        or (bool(outside.get(id(o))) and outside[id(o)] <= known) for o in offenders)
-
-
-def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float], ...]:
-    """(device label, MiB) of each device the driver lists ``pid`` on."""
-    return tuple((s.device.label, s.bytes_of({pid}) / MIB) for s in snaps
-                 if any(p.pid == pid for p in s.processes))

@@ -1,14 +1,14 @@
 """The census: the session's processes, and whose each is (the token that names its owner).
 
 Readings only: the descendant tree through ``procfs``, cookie carriers outside it, the evidence of
-``ownership``; each process pinned by ``processes`` from the moment it is found. What a check makes of a
-census (offenders, excused, what may be signalled) is decided in ``decide.py``; no signal is sent here.
+``ownership``; each process pinned by ``processes`` from the moment it is found (what the pytest process's
+libraries keep is left out: ``helpers.py``). What a check makes of a census (offenders, excused, what may
+be signalled) is decided in ``decide.py`` and ``verdict.py``; no signal is sent here.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import NamedTuple
@@ -23,67 +23,23 @@ from pytest_gpuclean.core.ownership.evidence import (
     dead_session_of,
     innermost_session,
 )
+from pytest_gpuclean.core.ownership.helpers import library_helpers, torch_shm_manager
 from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.model.records import FoundBy, Owner, OwnerKind
+from pytest_gpuclean.model.records import CensusEntry, FoundBy, Owner, OwnerKind
 from pytest_gpuclean.model.text import one_line
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
-MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
-"""Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
-dill-based fork that vLLM's tests use)."""
-_HELPER_MODULES = tuple((f"{p}.resource_tracker", f"{p}.forkserver") for p in MULTIPROCESSING_PACKAGES)
-
-
 Registry = Callable[[], Mapping[int, tuple[str, "float | None"]]]
 """Processes a plugin keeps alive across sessions: pid -> (what it is, when the record of its pid was written
 (wall clock), or None where a live handle in this process proves it)."""
 _RECORD_SLACK_S = 1.0
 """A recorded process must have started by the time its record was written (the clock-tick rounding of its
 start and the file system's coarse clock): a later one reuses its pid."""
-
-
-def _shut_down_at_exit(util: object) -> dict[int, str]:
-    """The processes owned by objects registered with multiprocessing's ``Finalize`` to be shut down at the
-    process's exit and tied to no object's life (no referent, an exit priority): what a library keeps for
-    the whole process (torch.compile's worker pool registers its ``shutdown`` so)."""
-    registry = getattr(util, "_finalizer_registry", None)
-    if not isinstance(registry, dict) or not registry:
-        return {}
-    found: dict[int, str] = {}
-    for finalizer in list(registry.values()):
-        key = getattr(finalizer, "_key", None)
-        # (``Finalize`` keeps a ``_weakref`` only when it has a referent)
-        if hasattr(finalizer, "_weakref") or not isinstance(key, tuple) or key[0] is None:
-            continue  # tied to an object's life (a Pool's), or run only when called: not the process's
-        callback = getattr(finalizer, "_callback", None)
-        owner = getattr(callback, "__self__", None)
-        if owner is None:
-            continue
-        how = (f"{type(owner).__module__}.{type(owner).__qualname__}, which its library shuts down at the "
-               "pytest process's exit")
-        for pid in _processes_of(owner):
-            found[pid] = how
-    return found
-
-
-def _torch_shm_manager() -> str | None:
-    """The executable of torch's shared-memory manager, for the torch this process imported: libshm starts it
-    from C++ (fork and exec) the first time a tensor is shared under the ``file_system`` strategy, to serve
-    this process for as long as its shared memory lives; nothing in Python holds it. None without torch."""
-    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
-    if not isinstance(torch_file, str):
-        return None
-    manager = _SHM_MANAGERS.get(torch_file)
-    if manager is None:
-        # (as /proc/<pid>/exe names it: the real path, a venv's symlinks resolved)
-        manager = _SHM_MANAGERS[torch_file] = os.path.realpath(
-            os.path.join(os.path.dirname(torch_file), "bin", "torch_shm_manager"))
-    return manager
-
-
-_SHM_MANAGERS: dict[str, str] = {}
 _DECLARED = "its command line matches --gpuclean-helpers"
+"""Why a helper that only ``--gpuclean-helpers`` vouches for is one (the session's end ends it)."""
+
+
 _SINGLETON_PIPE = "--singleton-died-pipe"
 
 
@@ -103,23 +59,6 @@ def _mpi_singleton_daemon(pid: int, me: int) -> bool:
         return False
     pipe = procfs.fd_target(pid, fd)
     return pipe.startswith("pipe:") and pipe in procfs.pipes_of(me)
-"""Why a helper that only ``--gpuclean-helpers`` vouches for is one (the session's end ends it)."""
-
-
-def _processes_of(owner: object) -> set[int]:
-    """The pids of the processes an object holds: a ``process`` (``Popen``, ``Process``), an executor's
-    ``_processes``, a pool's ``_pool``."""
-    pids: set[int] = set()
-    pid = getattr(getattr(owner, "process", None), "pid", None)
-    if isinstance(pid, int):
-        pids.add(pid)
-    workers = getattr(owner, "_processes", None)
-    if isinstance(workers, dict):
-        pids.update(p for p in workers if isinstance(p, int))
-    pool = getattr(owner, "_pool", None)
-    if isinstance(pool, list):
-        pids.update(p.pid for p in pool if isinstance(getattr(p, "pid", None), int))
-    return pids
 
 
 def _trees(walked: Sequence[tuple[int, int, int]], roots: Mapping[int, str]) -> dict[int, int]:
@@ -166,6 +105,10 @@ class Found:
     @property
     def live(self) -> bool:
         return self.state not in procfs.EXITED
+
+    def exited(self) -> bool:
+        """Whether it has exited since it was found, as its pidfd says (one never pinned counts as exited)."""
+        return self.handle is None or self.handle.exited()
 
 
 class Sibling(NamedTuple):
@@ -282,51 +225,19 @@ class Census:
     # ---- the census ---------------------------------------------------------------------------
 
     def helper_pids(self) -> dict[int, str]:
-        """The pytest process's own helpers that its libraries keep for the process's life, found through
-        what the libraries themselves hold in this process, each with why: multiprocessing's (and
-        ``multiprocess``'s) resource tracker and forkserver, started lazily by whichever test first needs
-        them, and any object a library registered to be shut down at the process's exit (multiprocessing's
-        ``Finalize`` with no referent and an exit priority: torch.compile's worker pool is one) together
-        with the processes it owns. Killing them breaks later tests (a forkserver's own waitpid fails, the
-        next compile loses its pool); they end with the pytest process."""
-        helpers: dict[int, str] = {}
-        modules = sys.modules
-        for tracker_name, forkserver_name in _HELPER_MODULES:
-            # (each getattr only where the module was imported: most sessions never import them)
-            module = modules.get(tracker_name)
-            if module is not None:
-                tracker = getattr(module, "_resource_tracker", None)
-                if getattr(tracker, "_pid", None):
-                    helpers[tracker._pid] = f"{tracker_name}'s resource tracker"  # type: ignore[union-attr]
-            module = modules.get(forkserver_name)
-            if module is not None:
-                forkserver = getattr(module, "_forkserver", None)
-                if getattr(forkserver, "_forkserver_pid", None):
-                    helpers[forkserver._forkserver_pid] = (  # type: ignore[union-attr]
-                        f"{forkserver_name}'s fork server")
-        for package in MULTIPROCESSING_PACKAGES:
-            helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
-        # torch.compile keeps every worker pool it starts in one set, and shuts them all down at exit
-        # (``shutdown_compile_workers``); torch 2.13 also registers each pool's shutdown with
-        # Finalize (above), torch 2.11 does not (seen on the H200, docs/lab/gpu-runs.md).
-        compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
-        if compile_pools:
-            for pool in list(compile_pools):
-                how = (f"{type(pool).__module__}.{type(pool).__qualname__}, a torch.compile worker pool, "
-                       "which torch shuts down at the pytest process's exit")
-                for pid in _processes_of(pool):
-                    helpers.setdefault(pid, how)
-        return helpers
+        """The pytest process's own helpers that its libraries keep, each with why
+        (``helpers.library_helpers``)."""
+        return library_helpers()
 
     def _left_out(self, walked: list[tuple[int, int, int]], listed: AbstractSet[int],
                   roots: dict[int, str]) -> tuple[dict[int, str], dict[int, str]]:
-        """Of a walk of our descendants: the helpers (``helper_pids``, and the pytest process's children
-        whose command line a ``helper_globs`` pattern matches) and the persistent processes
-        (``persistent_globs``, ``persistent_registry``), each with its descendants, to leave out of the
-        census. A helper whose tree holds GPU memory (``listed``) is judged like any process: the libraries'
-        helpers hold none, and an excuse that covered held memory would be a clean verdict beside it.
-        ``roots``: ``helper_pids()``, as the census just read it (added to here)."""
-        shm_manager = _torch_shm_manager()
+        """Of a walk of our descendants: the helpers (the libraries', ``helpers.library_helpers``, and the
+        pytest process's children whose command line a ``helper_globs`` pattern matches) and the persistent
+        processes (``persistent_globs``, ``persistent_registry``), each with its descendants, to leave out of
+        the census. A helper whose tree holds GPU memory (``listed``) is judged like any process: the
+        libraries' helpers hold none, and an excuse that covered held memory would be a clean verdict beside
+        it. ``roots``: the libraries' helpers, as the census just read them (added to here)."""
+        shm_manager = torch_shm_manager()
         for pid, depth, _parent in walked:
             if depth != 1 or pid in roots:
                 continue
@@ -464,7 +375,7 @@ class Census:
         seen_keys: set[tuple[int, int]] = set()
         walked = self._walk(me)
         # (the clean path walks nothing: no helper is looked for then)
-        library = self.helper_pids() if walked or scan_cookies or dead_sessions else {}
+        library = library_helpers() if walked or scan_cookies or dead_sessions else {}
         self.helpers, self.persistent = (self._left_out(walked, listed, dict(library)) if walked
                                          else ({}, {}))
         left_out = self.helpers.keys() | self.persistent.keys() if self.persistent else self.helpers
@@ -537,6 +448,12 @@ class Census:
             seen_keys.add(entry.key)
             found.append(entry)
         return found
+
+    def pinned(self, entries: Iterable[CensusEntry]) -> list[Found]:
+        """The last census's own ``Found`` (pinned by its pidfd) for each of ``entries``, by identity: what a
+        check decided on, as ``CensusEntry`` (``check.py``), to act on."""
+        by_key = {f.key: f for f in self.last}
+        return [by_key[e.key] for e in entries if e.key in by_key]
 
     def owner_of(self, f: Found) -> Owner:
         if f.debris_of is not None:

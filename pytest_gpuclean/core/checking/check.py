@@ -1,0 +1,257 @@
+"""One check, pass after pass until its verdict: observe, decide, act.
+
+Each pass reads top to bottom:
+
+1. **Observe** (``Checker.observe``): every fact the pass decides on, read in one place into a
+   ``verdict.Snapshot``: the devices, the census sorted against them (something the session's tree does
+   not explain widens it to a cookie scan), who each process is, the allowlist, under host scope the stray
+   Python processes, what earlier checks waited out from outside.
+2. **Decide** (``core/deciding``, which reads nothing): what the pass does with leftovers of the session not
+   yet signalled (``decide.next_move``: let them settle, reap them) or, with none, the verdict
+   (``verdict.Judge``): the offenders, and whether looking again can help.
+3. **Act**: collect what exited, wait the settle time or reap (``Checker.reap_round``: the ladder, through
+   the census's pidfds), remember what was waited out from outside; then look again, or give the
+   ``CheckResult``.
+
+The ``Checker`` (``checker.py``) holds what lasts from one check to the next (the census, the devices,
+the memory of outside states), reads and acts for the check, and starts one when its clean path cannot
+answer. This module names the census's processes as ``CensusEntry``: it stands below the checker, which
+imports it, and above nothing of the census (``tests/test_layers.py`` holds the floors).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+from pytest_gpuclean.core.deciding import decide
+from pytest_gpuclean.core.deciding.decide import MAX_REAP_ROUNDS
+from pytest_gpuclean.core.deciding.verdict import Judge, Key, Snapshot, Verdict, mib_of, offenders
+from pytest_gpuclean.core.reading import processes
+from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
+from pytest_gpuclean.model.records import (
+    MIB,
+    CensusEntry,
+    CheckResult,
+    DeviceInfo,
+    DeviceSnapshot,
+    EndedBy,
+    Phase,
+    Reaped,
+    SiblingUse,
+)
+from pytest_gpuclean.model.text import mib_list as report_mib
+
+POLL_S = 0.02
+"""Polling interval while waiting for a device to come clean."""
+
+
+class Look:
+    """How one check's passes observe (``Checker.observe``): which devices, how wide the census reaches,
+    and what they have seen of sibling xdist workers so far."""
+
+    def __init__(self, devices: Sequence[DeviceInfo], tolerance_mib: int, scan_cookies: bool,
+                 dead_sessions: bool, first: tuple[tuple[DeviceSnapshot, ...], bool] | None = None) -> None:
+        self.devices = devices
+        self.tolerance = tolerance_mib * MIB
+        self.scan_cookies = scan_cookies
+        """Our cookie looked for anywhere (a /proc scan), not only in our tree: once something on the GPUs
+        is unexplained, for the rest of the check."""
+        self.dead_sessions = dead_sessions
+        """The debris of dead sessions looked for too."""
+        self.first = first
+        """The readings ``Checker._quiet`` took, for the first pass, and whether it took the census too
+        (``Census.last``)."""
+        self.siblings: dict[Key, SiblingUse] = {}
+        """Processes of live sibling xdist workers seen on these devices, by identity."""
+        self.peers: set[int] = set()
+        """Sibling xdist workers themselves seen on these devices (their own CUDA contexts)."""
+
+
+class CheckerParts(Protocol):
+    """What one check uses of its checker (``checker.Checker``, which imports this module)."""
+
+    @property
+    def uid(self) -> int: ...
+    @property
+    def settle(self) -> float: ...
+
+    def snapshot(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]: ...
+
+    def observe(self, look: Look) -> Snapshot: ...
+
+    def observe_unread(self, look: Look, readings: tuple[DeviceSnapshot, ...]) -> Snapshot: ...
+
+    def observe_left(self, look: Look, seen: Snapshot, ours: Sequence[CensusEntry], recount: bool
+                     ) -> Snapshot: ...
+
+    def reap_round(self, fresh: Sequence[CensusEntry], readings: Sequence[DeviceSnapshot],
+                   devices: Sequence[DeviceInfo], notes: list[str], *, freeze: set[str | None] | None = None,
+                   scan_cookies: bool = False) -> tuple[list[CensusEntry], list[Reaped]]: ...
+
+    def remember(self, verdict: Verdict) -> None: ...
+
+
+class Check:
+    """One check of ``devices`` (``Checker.check`` says what the arguments mean)."""
+
+    def __init__(self, checker: CheckerParts, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
+                 timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool,
+                 where: str = "an earlier check", started: float | None = None,
+                 first: tuple[tuple[DeviceSnapshot, ...], bool] | None = None) -> None:
+        self.c = checker
+        self.phase = phase
+        self.devices = devices
+        self.tolerance_mib = tolerance_mib
+        self.reap_enabled = reap
+        self.started = time.monotonic() if started is None else started
+        self.look = Look(devices, tolerance_mib, scan_cookies, dead_sessions, first)
+        self.judge = Judge(devices, tolerance_mib, timeout, reap, checker.uid, where)
+        # What the acts did:
+        self.reaped: list[Reaped] = []
+        self.notes: list[str] = []
+        self.attempted: set[Key] = set()
+        self.collected: list[Reaped] = []
+        self.collected_ids: set[Key] = set()
+        self.settled = False
+        self.rounds = 0
+        self.reaped_owners: set[str | None] = set()
+
+    def run(self) -> CheckResult:
+        while True:
+            # Observe.
+            seen = self.c.observe(self.look)
+            now = time.monotonic()
+            # Decide: what of ours is alive and not signalled yet goes first; with none of it, the verdict.
+            fresh = [f for f in seen.ours if f.live and f.key not in self.attempted] if seen.ours else []
+            move = decide.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled, self.c.settle)
+            verdict = self.judge.verdict(seen, self.attempted, now - self.started, now) if (
+                move == "judge") else None
+            # Act.
+            self.collect_zombies(seen)
+            if move == "settle":
+                self.settle(fresh, seen)
+            elif move == "reap":
+                self.reap_round(fresh, seen)
+            elif verdict is not None and not verdict.again:
+                self.c.remember(verdict)
+                return self.result(seen, verdict, fresh, now - self.started)
+            else:
+                time.sleep(POLL_S)
+
+    # ---- act ---------------------------------------------------------------------------------------
+
+    def collect_zombies(self, seen: Snapshot) -> None:
+        # Exited processes nobody waited for hold no memory and are no leak: most are orphans that our
+        # subreaper adopted (a double fork's middle process, a subprocess's resource tracker), which init
+        # would have collected. Collect the ones that are now our children, by pid.
+        for f in seen.ours:
+            if not f.live and f.key not in self.collected_ids and processes.reap_if_child(f.pid):
+                self._collect(f, seen, "reaped zombie")
+
+    def settle(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
+        """Before the first reaping, give leftovers ``settle`` seconds to exit on their own (a
+        subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown).
+        The next pass looks again before any signal: what exited is collected, and a child that was still
+        between its fork and its exec when the check began now shows its command line (a helper or
+        persistent process named by one)."""
+        self.settled = True
+        deadline = time.monotonic() + self.c.settle
+        pending = list(fresh)
+        while pending and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            for f in list(pending):
+                if f.exited():
+                    processes.reap_if_child(f.pid)
+                    pending.remove(f)
+                    self._collect(f, seen, "exited by itself")
+
+    def reap_round(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
+        frozen: set[str | None] | None = None
+        if self.rounds:
+            # Killed processes were replaced (a SIGTERM handler that forks, a supervisor): stop the
+            # whole set first, so nothing forks while we look, then SIGKILL it; no handler runs again.
+            self.notes.append(f"new processes appeared while reaping (round {self.rounds + 1}): "
+                              f"{sorted(f.pid for f in fresh)}; stopped and killed with SIGKILL")
+            frozen = {f.token for f in fresh} | self.reaped_owners
+        self.rounds += 1
+        targets, reaped = self.c.reap_round(fresh, seen.readings, self.devices, self.notes, freeze=frozen,
+                                            scan_cookies=self.look.scan_cookies)
+        self.attempted.update(f.key for f in targets)
+        self.reaped_owners.update(f.token for f in targets)
+        self.reaped.extend(reaped)
+        # What could not be signalled is not retried: waiting for it is what the verdict does.
+
+    def _collect(self, f: CensusEntry, seen: Snapshot, how: EndedBy) -> None:
+        # One of ours that ended without being killed: reported in the summary, not a leak.
+        self.collected_ids.add(f.key)
+        info = seen.described.get(f.key) or seen.vanished[f.key]
+        self.collected.append(Reaped(info, seen.owners[f.key], f.found_by, how, (), None))
+
+    # ---- the result ------------------------------------------------------------------------------
+
+    def result(self, seen: Snapshot, verdict: Verdict, fresh: Collection[CensusEntry], waited: float
+               ) -> CheckResult:
+        """The check's result: the verdict on the last pass, with what the check did on the way."""
+        if fresh and self.rounds >= MAX_REAP_ROUNDS:
+            self.notes.append(f"gave up after {self.rounds} reaping rounds: killed processes keep being "
+                              f"replaced (a process pool or supervisor outside our reach?)")
+        notes = [*self.notes, *(
+            f"pid {u.process.pid}: in use by {u.describe()} ({report_mib(u.mib_per_device)}); another worker "
+            f"of this xdist run: not waited for, never signalled (its worker reaps it if it was leaked)"
+            for u in seen.siblings), *(
+            f"pid {pid}: another worker of this xdist run, its pytest process itself "
+            f"({report_mib(mib_of(pid, seen.readings)) or 'no memory now'}): excused like our own"
+            for pid in sorted(seen.peers))]
+        found, readings, me = verdict.offenders, seen.readings, seen.me
+        return CheckResult(
+            phase=self.phase, clean=not found, devices=readings, offenders=found,
+            lingered=verdict.lingered, collected=tuple(self.collected), reaped=tuple(self.reaped),
+            waited_s=waited, clean_after_s=waited if not found else None, notes=tuple(notes),
+            siblings=seen.siblings, tolerance_mib=self.tolerance_mib,
+            self_mib=tuple((s.device.label, s.bytes_of({me}) / MIB) for s in readings if s.bytes_of({me})),
+            self_cuda_only=() if not seen.self_cuda else tuple(
+                s.device.label for s in readings if s.device.label in seen.self_cuda),
+            outside=verdict.outside,
+        )
+
+    def unreadable(self, error: DeviceError) -> CheckResult:
+        """The result of a check that could not read a device: not clean, at once (no reading can say when
+        the devices are clean), with the error. What is provably ours is reaped all the same: ownership
+        needs no device reading (the final sweep copes the same way), and a test's leftovers must not
+        wait for the session's end, nor make every later check fail."""
+        c = self.c
+        # Observe: the devices that can still be read tell what the reaped held there, and when it was
+        # released; the census looks for our cookie everywhere (``Checker.observe_unread``).
+        readable: list[DeviceInfo] = []
+        readings: list[DeviceSnapshot] = []
+        for device in self.devices:
+            try:
+                readings.extend(c.snapshot((device,)))
+                readable.append(device)
+            except DeviceError:
+                continue
+        seen = c.observe_unread(self.look, tuple(readings))
+        # Act: what exits by itself within the settle time is no leak here either; the rest is reaped.
+        self.collect_zombies(seen)
+        ours = [f for f in seen.ours if f.live]
+        fresh = [f for f in ours if f.key not in self.attempted]
+        if decide.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled, c.settle) == "settle":
+            self.settle(fresh, seen)
+            fresh = [f for f in fresh if f.key not in self.collected_ids]
+            ours = [f for f in ours if f.key not in self.collected_ids]
+        reap = self.reap_enabled and bool(fresh)
+        if reap:
+            self.attempted.update(f.key for f in fresh)
+            self.reaped.extend(c.reap_round(fresh, readings, readable, self.notes)[1])
+        # Observe again, and decide: only what is ours is judged (nothing excused, each device's whole use
+        # as overhead), as it is left.
+        seen = c.observe_left(self.look, seen, ours, recount=reap)
+        return CheckResult(
+            phase=self.phase, clean=False, devices=tuple(readings),
+            offenders=tuple(offenders(seen, self.look.tolerance, self.reap_enabled, c.uid)),
+            collected=tuple(self.collected), reaped=tuple(self.reaped),
+            waited_s=time.monotonic() - self.started, notes=tuple(self.notes),
+            tolerance_mib=self.tolerance_mib, error=error.describe(),
+            device_lost=isinstance(error, DeviceLost))
