@@ -14,8 +14,8 @@ from typing import Any, get_args
 import pytest
 from helpers import run_inner
 
-from pytest_gpuclean.core.deciding import outside
-from pytest_gpuclean.core.locks import locks
+from pytest_gpuclean.core.checking import outside
+from pytest_gpuclean.core.locks import held
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.options.settings import (
     OPTIONS,
@@ -145,7 +145,7 @@ def test_the_spelt_out_choices_are_the_models_words() -> None:
 def test_the_spelt_out_variables_are_the_packages_own() -> None:
     # (settings.py names them without importing the modules that set them: see INTERNAL_VARIABLES)
     assert {cookie.COOKIE_VAR, cookie.OWNER_VAR, cookie.WORKERS_SINCE_VAR,
-                                           locks.HELD_VAR, outside.STATE_VAR} == settings.INTERNAL_VARIABLES
+                                           held.HELD_VAR, outside.STATE_VAR} == settings.INTERNAL_VARIABLES
 
 
 @pytest.mark.parametrize("where", ["cli", "env", "ini"])

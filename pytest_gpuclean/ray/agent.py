@@ -19,6 +19,11 @@ from typing import Any
 from pytest_gpuclean.ray.node import end_on_node, probe_node, ray_module
 from pytest_gpuclean.ray.records import ActorRecord, Census, JobRecord, NodeEnd, NodeReport
 
+__all__ = [
+    "main",
+]
+
+
 
 class _Agent:
     """The agent's side of each request: an op of ``main``'s loop is a method here."""

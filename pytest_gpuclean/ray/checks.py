@@ -29,6 +29,16 @@ if TYPE_CHECKING:
     from pytest_gpuclean.core.options.settings import Settings
     from pytest_gpuclean.session.started import CheckerView, ItemState, Started
 
+__all__ = [
+    "GCS_SERVER",
+    "PLUGIN_NAME",
+    "RayChecks",
+    "gcs_address",
+    "open_cluster",
+    "watches",
+]
+
+
 PLUGIN_NAME = "gpuclean-ray"
 
 

@@ -37,6 +37,18 @@ from pytest_gpuclean.ray import cluster
 from pytest_gpuclean.ray.records import ActorRecord, Census, NodeProcess, NodeReport
 from pytest_gpuclean.report import jsonreport, report
 
+__all__ = [
+    "RayCliError",
+    "as_check",
+    "cmd_check",
+    "cmd_reap",
+    "cmd_status",
+    "connect",
+    "plan",
+    "status_json",
+]
+
+
 
 class RayCliError(Exception):
     """The cluster cannot be used: the message names ``--ray`` and where the value came from."""

@@ -47,6 +47,21 @@ from pytest_gpuclean.model.records import (
 )
 from pytest_gpuclean.ray.records import ActorRecord, Census, NodeEnd, NodeProcess, Outcome
 
+__all__ = [
+    "AGENT_COMMAND",
+    "AUTO",
+    "CONNECT_ENV",
+    "OFF",
+    "RAY_DAEMONS",
+    "ClusterError",
+    "RayCheck",
+    "ended_by",
+    "node_findings",
+    "node_reaped",
+    "resolve_address",
+]
+
+
 OFF = "off"
 AUTO = "auto"
 # Without these, ray.init to a dead address retries for many minutes before it gives up.

@@ -21,6 +21,14 @@ from pytest_gpuclean.core.reading.opening import open_backend
 from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot
 from pytest_gpuclean.ray.records import NodeEnd, NodeProcess, NodeReport, Outcome
 
+__all__ = [
+    "end_on_node",
+    "node_devices",
+    "probe_node",
+    "ray_module",
+]
+
+
 
 def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Sequence[int] = ()) -> NodeReport:
     """On a node (inside a Ray worker): its devices and the processes that matter, this user's only.

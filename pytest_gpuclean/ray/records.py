@@ -17,6 +17,17 @@ from typing import Final
 
 from pytest_gpuclean.model.records import DeviceSnapshot, Fields, ProcessInfo
 
+__all__ = [
+    "ActorRecord",
+    "Census",
+    "JobRecord",
+    "NodeEnd",
+    "NodeProcess",
+    "NodeReport",
+    "Outcome",
+]
+
+
 # ---- what a node returns (inside a Ray worker: ``node.py``) --------------------------------------------
 
 

@@ -17,6 +17,19 @@ from typing import Any
 from pytest_gpuclean.model.records import CheckResult, DeviceSnapshot, Reaped, TestRecord
 from pytest_gpuclean.report import jsonreport, report
 
+__all__ = [
+    "JsonDict",
+    "check_report",
+    "cluster_check_json",
+    "cluster_devices",
+    "cluster_notes",
+    "cluster_reaped_json",
+    "ray_json",
+    "record_keys",
+    "summary_parts",
+]
+
+
 JsonDict = dict[str, Any]
 
 

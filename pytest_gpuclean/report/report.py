@@ -19,6 +19,32 @@ from pytest_gpuclean.model.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checke
 from pytest_gpuclean.model.text import mib_list as mib_list
 from pytest_gpuclean.model.text import one_line as one_line
 
+__all__ = [
+    "LEAK_PREFIX",
+    "NOT_CLEAN_PREFIX",
+    "SUMMARY_TITLE",
+    "UNREADABLE_PREFIX",
+    "check_report",
+    "device_line",
+    "dry_run_lines",
+    "fixture_leak_heading",
+    "fixture_part",
+    "health_parts",
+    "leak_heading",
+    "mib",
+    "not_clean_heading",
+    "offender_lines",
+    "outside_cause",
+    "outside_line",
+    "reaped_lines",
+    "set_up_reaped_line",
+    "short",
+    "summary_lines",
+    "totals_line",
+    "unreadable_heading",
+]
+
+
 LEAK_PREFIX = "gpuclean: test leaked"
 NOT_CLEAN_PREFIX = "gpuclean: GPUs not clean"
 UNREADABLE_PREFIX = "gpuclean: could not check the GPUs"

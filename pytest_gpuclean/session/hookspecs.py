@@ -28,6 +28,19 @@ if TYPE_CHECKING:
     from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
     from pytest_gpuclean.session.started import ItemState, Started
 
+__all__ = [
+    "pytest_gpuclean_check_after",
+    "pytest_gpuclean_check_before",
+    "pytest_gpuclean_checked",
+    "pytest_gpuclean_report_session",
+    "pytest_gpuclean_report_test",
+    "pytest_gpuclean_session_finish",
+    "pytest_gpuclean_session_start",
+    "pytest_gpuclean_summary_parts",
+    "pytest_gpuclean_sweep",
+]
+
+
 
 # ---- the checks ---------------------------------------------------------------------------------------
 

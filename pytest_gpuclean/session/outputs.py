@@ -33,6 +33,31 @@ if TYPE_CHECKING:
     from pytest_gpuclean.core.reading.backends import Backend
     from pytest_gpuclean.report import jsonreport
 
+__all__ = [
+    "PROPERTY_PREFIX",
+    "RECORD_ATTRIBUTE",
+    "REPORT_OPTION",
+    "TITLE_GPU_FAULT",
+    "TITLE_GPU_UNUSABLE",
+    "TITLE_LEAK",
+    "TITLE_LOCK_TIMEOUT",
+    "TITLE_NOT_CLEAN",
+    "TITLE_WITHOUT_LOCK",
+    "CheckingSession",
+    "OutputHooks",
+    "PerTestOutputs",
+    "StartedSession",
+    "annotation_lines",
+    "annotation_message",
+    "escape_data",
+    "escape_property",
+    "fixture_annotation_message",
+    "junit_properties",
+    "step_summary",
+    "workflow_command",
+]
+
+
 TITLE_LEAK = "GPU leak"
 TITLE_NOT_CLEAN = "GPU not clean"
 TITLE_LOCK_TIMEOUT = "GPU lock timeout"

@@ -38,6 +38,16 @@ if TYPE_CHECKING:
         TestRecord,
     )
 
+__all__ = [
+    "CheckerView",
+    "HealthView",
+    "ItemState",
+    "LocksView",
+    "RecordsView",
+    "Started",
+]
+
+
 
 class ItemState:
     """A test's state from its setup to the end of its teardown."""

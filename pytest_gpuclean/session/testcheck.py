@@ -42,6 +42,14 @@ if TYPE_CHECKING:
     from pytest_gpuclean.core.locks.held import HeldLocks
     from pytest_gpuclean.model.records import DeviceInfo, LockHolder
 
+__all__ = [
+    "CACHE_GROWTH_PREFIX",
+    "IN_PROCESS_FLOOR_MIB",
+    "ItemChecks",
+    "fixture_location",
+]
+
+
 
 _EXTENSION_HOOKS = ("pytest_gpuclean_check_before", "pytest_gpuclean_check_after", "pytest_gpuclean_checked")
 

@@ -1,1 +1,3 @@
 """Checking: one check as a pipeline, observe -> decide -> act, and what lasts between checks."""
+
+__all__: list[str] = []

@@ -43,6 +43,14 @@ from pytest_gpuclean.model.records import (
 )
 from pytest_gpuclean.model.text import mib_list as report_mib
 
+__all__ = [
+    "POLL_S",
+    "Check",
+    "CheckerParts",
+    "Look",
+]
+
+
 POLL_S = 0.02
 """Polling interval while waiting for a device to come clean."""
 

@@ -41,6 +41,12 @@ from pytest_gpuclean.model.records import (
 )
 from pytest_gpuclean.model.text import one_line
 
+__all__ = [
+    "MAX_FREEZE_PASSES",
+    "Checker",
+]
+
+
 MAX_FREEZE_PASSES = 20
 """Census passes while freezing a respawning set: each pass stops what the previous one missed, and a
 stopped process forks no more, so this ends after as many passes as the tree is deep."""

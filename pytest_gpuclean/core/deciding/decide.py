@@ -18,6 +18,23 @@ from typing import Literal, TypeVar
 
 from pytest_gpuclean.model.records import MIB, CensusEntry, DeviceSnapshot
 
+__all__ = [
+    "CONTEXT_OVERHEAD_BYTES",
+    "MAX_REAP_ROUNDS",
+    "C",
+    "Move",
+    "Short",
+    "context_overhead",
+    "listed_overhead",
+    "may_signal",
+    "next_move",
+    "of_the_sweep",
+    "short_of_users",
+    "sort_census",
+    "unexplained_use",
+]
+
+
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process (9 MiB on an H200:
 docs/benchmarks.md 9); the margin keeps other drivers' larger overheads excused too."""

@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from pytest_gpuclean.model.records import FoundBy, ProcessInfo
 from pytest_gpuclean.model.text import one_line
 
+__all__ = [
+    "Candidate",
+    "plan",
+]
+
+
 
 @dataclass(frozen=True)
 class Candidate:

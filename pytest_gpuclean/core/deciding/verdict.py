@@ -36,11 +36,29 @@ from pytest_gpuclean.model.records import (
     SiblingUse,
 )
 
+__all__ = [
+    "SLACK_BYTES",
+    "Holders",
+    "Judge",
+    "Key",
+    "OutsideState",
+    "Snapshot",
+    "Verdict",
+    "excess_memory",
+    "hopeless",
+    "known_outside",
+    "leak_detail",
+    "mib_of",
+    "offenders",
+    "outside_of",
+]
+
+
 SLACK_BYTES = 16 * MIB
 """How far memory held from outside may move and still be "the same" state (or the check's tolerance, if
 larger): a CUDA context of the session's that the driver lists under no process while a process that is
-not ours is listed there (docs/gpu.md) must not make the same outside holder new again. Only how long a
-check waits depends on it: never its verdict."""
+not ours is listed there (seen on an H200) must not make the same outside holder new again. Only how long
+a check waits depends on it: never its verdict."""
 
 Holders = frozenset[tuple[int, int]]
 """(pid, start ticks) of each process listed on a device that is not ours (start ticks 0: not visible)."""

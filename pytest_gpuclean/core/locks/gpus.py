@@ -62,6 +62,12 @@ from pytest_gpuclean.core.locks.holders import lock_holders, read_records
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import HolderRecord, LockHolder
 
+__all__ = [
+    "GpuLocks",
+    "LockTimeout",
+]
+
+
 _RETRY_S = (0.02, 0.1)
 """Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
 

@@ -25,6 +25,13 @@ from pytest_gpuclean.core.locks.directory import FILE_FLAGS, HOST, LockDir, cach
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import Fields, HolderRecord, LockHolder
 
+__all__ = [
+    "clean_text",
+    "lock_holders",
+    "read_records",
+]
+
+
 _READ_LIMIT = 4096
 """A holder record is well under 1 KiB: a bigger file is not one, and is not read further."""
 _CLOCK_SKEW_S = 300.0

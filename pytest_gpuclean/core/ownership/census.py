@@ -28,6 +28,18 @@ from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.model.records import CensusEntry, FoundBy, Owner, OwnerKind
 from pytest_gpuclean.model.text import one_line
 
+__all__ = [
+    "XDIST_RUN_VAR",
+    "XDIST_WORKER_VAR",
+    "Census",
+    "Found",
+    "Registry",
+    "Sibling",
+    "is_peer",
+    "sibling_claim",
+]
+
+
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
 Registry = Callable[[], Mapping[int, tuple[str, "float | None"]]]

@@ -9,6 +9,13 @@ from __future__ import annotations
 import os
 import sys
 
+__all__ = [
+    "MULTIPROCESSING_PACKAGES",
+    "library_helpers",
+    "torch_shm_manager",
+]
+
+
 MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
 """Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
 dill-based fork that vLLM's tests use)."""
@@ -42,7 +49,7 @@ def library_helpers() -> dict[int, str]:
         helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
     # torch.compile keeps every worker pool it starts in one set, and shuts them all down at exit
     # (``shutdown_compile_workers``); torch 2.13 also registers each pool's shutdown with
-    # Finalize (above), torch 2.11 does not (seen on the H200, docs/gpu.md).
+    # Finalize (above), torch 2.11 does not (seen on the H200, docs/lab/gpu-runs.md).
     compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
     if compile_pools:
         for pool in list(compile_pools):

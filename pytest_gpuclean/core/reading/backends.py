@@ -15,6 +15,16 @@ from typing import Protocol, runtime_checkable
 from pytest_gpuclean.core.reading.devices import DeviceSelectionError
 from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, Selection
 
+__all__ = [
+    "Backend",
+    "HealthSource",
+    "choose_devices",
+    "cuda_order_matches_nvml",
+    "cuda_ordinal_uuids",
+    "select_devices",
+]
+
+
 
 class Backend(Protocol):
     """What the checker needs from a device source."""

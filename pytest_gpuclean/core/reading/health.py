@@ -28,6 +28,26 @@ from pytest_gpuclean.model.records import (
     Reaped,
 )
 
+__all__ = [
+    "CLOCKS_AFTER_S",
+    "HEALTH_PREFIX",
+    "SETTINGS",
+    "XIDS",
+    "XID_CATALOGUE",
+    "HealthWatch",
+    "Prober",
+    "changes",
+    "device_problems",
+    "failure_text",
+    "finding",
+    "reset_reasons",
+    "stop_line",
+    "stop_reason",
+    "xid_meaning",
+    "xid_message",
+]
+
+
 XID_CATALOGUE = "https://docs.nvidia.com/deploy/xid-errors/"
 XIDS: dict[int, tuple[HealthEffect, str]] = {
     # Faults a test's own kernels cause: the test fails; the GPU stays usable (docs/ci.md).

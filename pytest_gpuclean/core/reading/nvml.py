@@ -21,6 +21,13 @@ from pytest_gpuclean.core.reading.devices import (
 )
 from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, GpuProcess
 
+__all__ = [
+    "XID_EVENT",
+    "NvmlBackend",
+    "NvmlOpening",
+]
+
+
 XID_EVENT = 0x8
 """``nvmlEventTypeXidCriticalError``."""
 
@@ -270,7 +277,8 @@ class NvmlBackend:
         nvml = self._nvml
         found: list[tuple[str, int]] = []
         with self._lock:
-            # A wait of 0 ms returns an event or "timeout" at once (docs/gpu.md: the health watch's cost).
+            # A wait of 0 ms returns an event or "timeout" at once (docs/benchmarks.md, section 7: the
+            # health watch's cost).
             for _ in range(1000):  # a GPU flooding Xids must not hold the check forever
                 try:
                     data = nvml.nvmlEventSetWait_v2(self._events, 0)

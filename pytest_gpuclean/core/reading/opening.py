@@ -11,6 +11,11 @@ if TYPE_CHECKING:
     from pytest_gpuclean.core.reading.backends import Backend
     from pytest_gpuclean.core.reading.nvml import NvmlOpening
 
+__all__ = [
+    "open_backend",
+]
+
+
 
 def open_backend(simulate_dir: str | None, opening: NvmlOpening | None = None) -> Backend:
     """The simulated backend when a directory is given, else NVML (``opening``: NVML's start, begun

@@ -20,6 +20,12 @@ from collections.abc import Sequence
 from pytest_gpuclean.core.reading import simulated_layout as layout
 from pytest_gpuclean.model.records import DeviceInfo
 
+__all__ = [
+    "PROBE_BYTES",
+    "run",
+]
+
+
 PROBE_BYTES = 1 << 20
 
 # The child's first line names the simulated devices' files that it reads (their layout's one home).

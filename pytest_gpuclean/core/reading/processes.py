@@ -21,6 +21,26 @@ from typing import Any, Final
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import Fields, ProcessInfo, ProcessState
 
+__all__ = [
+    "PR_SET_CHILD_SUBREAPER",
+    "Handle",
+    "KillOutcome",
+    "KillTarget",
+    "ancestors",
+    "command_line",
+    "cookie_holders",
+    "describe",
+    "matches_any",
+    "pin",
+    "reap_if_child",
+    "set_child_subreaper",
+    "state_name",
+    "stop",
+    "stray_python_processes",
+    "terminate",
+]
+
+
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.005
 

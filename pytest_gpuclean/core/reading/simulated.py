@@ -26,6 +26,13 @@ from pytest_gpuclean.core.reading.devices import (
 )
 from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, Fields, GpuProcess
 
+__all__ = [
+    "SIM_NAME",
+    "SimulatedBackend",
+    "simulated_uuid",
+]
+
+
 SIM_NAME = "Simulated GPU"
 """A device's name where its folder has no ``name`` file."""
 _LOST_BY_FILE = f"simulated (its file {layout.LOST!r})"

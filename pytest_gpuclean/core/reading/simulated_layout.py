@@ -10,6 +10,30 @@ files below are optional. ``DIR/XID`` holds the Xid events of all devices.
 
 from __future__ import annotations
 
+__all__ = [
+    "CLOCKS_EVENT_REASONS",
+    "COMPUTE_MODE",
+    "CONTEXT_OVERHEAD",
+    "CUDA",
+    "DEFAULT_TOTAL",
+    "ECC_UNCORRECTED",
+    "HEALTH_FILES",
+    "LOST",
+    "MIG_MODE",
+    "NAME",
+    "PERSISTENCE",
+    "PROBE_FAILS",
+    "PROBE_HANGS",
+    "REMAP_FAILED",
+    "REMAP_PENDING",
+    "TOTAL",
+    "UUID",
+    "XID",
+    "XID_LINE",
+    "xid_line",
+]
+
+
 DEFAULT_TOTAL = 80 * 1024**3
 """A device's capacity in bytes where its folder has no ``TOTAL`` file: an 80 GB GPU's."""
 
