@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import sys
 import warnings
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -25,7 +24,6 @@ from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, restore
 from pytest_gpuclean.core.reading import health as health_mod
 from pytest_gpuclean.model.decisions import split_own
 from pytest_gpuclean.model.records import (
-    MIB,
     CheckResult,
     FixtureLeak,
     HealthFinding,
@@ -37,14 +35,13 @@ from pytest_gpuclean.model.records import (
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
+from pytest_gpuclean.session.torch_growth import TorchGrowth, torch_allocated
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.locks.held import HeldLocks
     from pytest_gpuclean.model.records import DeviceInfo, LockHolder
 
 __all__ = [
-    "CACHE_GROWTH_PREFIX",
-    "IN_PROCESS_FLOOR_MIB",
     "ItemChecks",
     "fixture_location",
 ]
@@ -75,7 +72,7 @@ class ItemChecks:
         self._by_locks: dict[tuple[str, ...], tuple[tuple[DeviceInfo, ...], tuple[str, ...]]] = {}
         self._warned_own_context = False
         self._warned_own_cuda = False
-        self._cache_growth = _CacheGrowth()
+        self._torch_growth = TorchGrowth(session.found.note_replacing)
         """Tests whose in-process torch growth stayed within the floor, and by how much (a session note)."""
         hook = session.config.hook
         # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
@@ -133,7 +130,7 @@ class ItemChecks:
             session.attribute_earlier(result.reaped, state.nodeid, result.notes)
         if result.siblings:
             self._record_siblings(state, result)
-        state.torch_before = _torch_allocated()
+        state.torch_before = torch_allocated()
         if result.error is not None:
             self._stop_if_lost(item, result)
             pytest.fail(report.check_report(result, report.unreadable_heading(result)), pytrace=False)
@@ -505,60 +502,14 @@ class ItemChecks:
         warnings.warn(GpuCleanWarning(message), stacklevel=1)
 
     def _note_torch_growth(self, item: pytest.Item, state: ItemState, record: TestRecord) -> None:
-        if state.torch_before is None:
-            return  # (torch had not initialised CUDA before the test: nothing to compare with)
-        torch_after = _torch_allocated()
-        if torch_after is None:
-            return
-        grown = [(f"cuda:{i}", (torch_after.get(i, 0) - before) / MIB)
-                 for i, before in state.torch_before.items() if torch_after.get(i, 0) > before]
+        grown, floor = self._torch_growth.after(state.nodeid, state.tolerance_mib, state.torch_before)
         if not grown:
             return
-        floor = max(state.tolerance_mib, IN_PROCESS_FLOOR_MIB)
-        if all(m <= floor for _, m in grown):
-            self._note_cache_growth(state.nodeid, grown, floor)
-            return
-        record.in_process_mib = tuple(grown)
+        record.in_process_mib = grown
         growth = ", ".join(f"{d} +{m:.1f} MiB" for d, m in grown)
         warnings.warn(GpuCleanWarning(
             f"{item.nodeid}: torch.cuda.memory_allocated grew during the test in the pytest process "
             f"({growth}, more than {floor} MiB): tensors kept alive after the test"), stacklevel=1)
-
-    def _note_cache_growth(self, nodeid: str, grown: list[tuple[str, float]], floor: int) -> None:
-        # Not a finding: what torch fills once per process and keeps (cuBLAS workspaces, the autocast cache,
-        # lazily made constants). One note for the session, rewritten as tests add to it, so a slow drip
-        # across many tests is still in plain sight. (Running totals: a session may have thousands.)
-        growth = self._cache_growth
-        growth.tests += 1
-        for device, mib in grown:
-            growth.total[device] = growth.total.get(device, 0.0) + mib
-        if len(growth.first) < 5:
-            growth.first.append(f"{nodeid} ({', '.join(f'+{m:.1f}' for _, m in grown)})")
-        more = growth.tests - len(growth.first)
-        in_all = ", ".join(f"{d} +{m:.1f} MiB" for d, m in growth.total.items())
-        self.session.found.note_replacing(CACHE_GROWTH_PREFIX, (
-            f"{CACHE_GROWTH_PREFIX} {growth.tests} test(s), within {floor} MiB per device, not "
-            f"findings ({in_all} in all: caches torch fills once per process): {', '.join(growth.first)}"
-            + (f" and {more} more" if more > 0 else "")))
-
-
-class _CacheGrowth:
-    """The tests whose in-process torch growth stayed within the floor: how many, the growth per device in
-    all, the first few (named in the note)."""
-
-    __slots__ = ("first", "tests", "total")
-
-    def __init__(self) -> None:
-        self.tests = 0
-        self.total: dict[str, float] = {}
-        self.first: list[str] = []
-
-
-IN_PROCESS_FLOOR_MIB = 64
-"""Growth of ``torch.cuda.memory_allocated`` in the pytest process up to this (or the test's tolerance, if
-larger) on each device is not a finding: torch fills caches once per process and keeps them (a cuBLAS and
-a cuBLASLt workspace per stream, the autocast weight cache, lazily made constants; README)."""
-CACHE_GROWTH_PREFIX = "gpuclean: torch memory in the pytest process grew in"
 
 
 def _skip(reason: str) -> BaseException:
@@ -592,12 +543,3 @@ def fixture_location(fixturedef: pytest.FixtureDef[Any], rootpath: Path) -> tupl
         return path.relative_to(rootpath).as_posix(), code.co_firstlineno
     except ValueError:
         return str(path), code.co_firstlineno
-
-
-def _torch_allocated() -> dict[int, int] | None:
-    # Only look if the test process already initialised CUDA through torch; never initialise it.
-    torch: Any = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    if cuda is None or not cuda.is_initialized():
-        return None
-    return {i: int(cuda.memory_allocated(i)) for i in range(cuda.device_count())}
