@@ -128,8 +128,8 @@ def ownership() -> Ownership:
 def test_sort_census(ownership: Ownership, process: Found, judged: bool, excused: bool,
                      unknown: bool) -> None:
     listed = {process.pid, 999}
-    ours, unknowns, excused_pids, unexplained = decide.sort_census(
-        [process], protected_by(ownership), {ME, PARENT}, {77}, listed)
+    sort = decide.sort_census([process], protected_by(ownership), {ME, PARENT}, {77}, listed)
+    ours, unknowns, excused_pids, unexplained = sort.ours, sort.unknown, sort.excused, sort.unexplained
     assert (process in ours, process.pid in excused_pids, process in unknowns) == (judged, excused, unknown)
     # Each listed pid is judged, reported, excused or unexplained: never two of them, never none.
     assert unexplained == {999} | ({process.pid} - {p.pid for p in ours + unknowns} - excused_pids)
@@ -153,9 +153,8 @@ def test_of_the_sweep(process: Found, at_session_end: bool, at_the_very_end: boo
 def test_sort_census_once_the_session_is_over(ownership: Ownership) -> None:
     # The very last sweep: what the session set-up started is no longer protected; a live fixture's is.
     ownership.session_over = True
-    ours, _, excused, _ = decide.sort_census([found(203, SESSION), found(202, "f2")], protected_by(ownership),
-                                             (), (), set())
-    assert [f.pid for f in ours] == [203] and excused == {202}
+    sort = decide.sort_census([found(203, SESSION), found(202, "f2")], protected_by(ownership), (), (), set())
+    assert [f.pid for f in sort.ours] == [203] and sort.excused == {202}
 
 
 @pytest.mark.parametrize(("cookie", "run", "start", "peer"), [

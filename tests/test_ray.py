@@ -547,8 +547,8 @@ def _census() -> Any:
                                True, "Holder"),), ("01000000",), 0.5, (JobRecord("01000000", 4241, False),))
 
 
-# What the agent sends back (its answers, pickled): a child process reads each from a pipe and sends it
-# back, as the agent's main loop does.
+# What the agent is sent (a request) and sends back (its answers), pickled: a child process reads each from a
+# pipe and sends it back, as the agent's main loop does.
 _ECHO = """
 import sys
 from multiprocessing.connection import Connection
@@ -563,27 +563,32 @@ while True:
 
 def test_the_records_that_cross_the_ray_boundary_pickle() -> None:
     # Ray ships a node's answer (NodeReport, NodeEnd) with its cloudpickle; the agent's pipe pickles its
-    # answers (Census, NodeEnd). Records with slots and no __dict__ must come back whole, equal and usable.
+    # answers (Census, NodeEnd). The other way, the named actors to end (NamedActor) go over the pipe in a
+    # request and to the node in the reaping task's arguments. Records with slots and no __dict__ must come
+    # back whole, equal and usable.
     import pickle
     import subprocess
     from multiprocessing.connection import Connection
 
-    from pytest_gpuclean.ray.records import NodeEnd
+    from pytest_gpuclean.ray.records import NamedActor, NodeEnd
 
     census = _census()
     end = NodeEnd(((4242, "ray.kill", "ray.kill", 0.01, ""), (4243, "ladder", "SIGTERM", None, "")), 0.41,
                   (4242,), ("an error",))
+    actor = NamedActor("holder", "ns", "a" * 32, 4242, 99)
     for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
         node_process = census.nodes[0].processes[0]
-        for record in (census, end, *census.nodes, *census.actors, *census.jobs, node_process):
+        for record in (census, end, actor, *census.nodes, *census.actors, *census.jobs, node_process):
             back = pickle.loads(pickle.dumps(record, protocol))
             assert back == record and type(back) is type(record) and hash(back) == hash(record)
     back = pickle.loads(pickle.dumps(census))
     assert back.replace(took_s=1.0).took_s == 1.0 and back.nodes[0].devices[0].bytes_of({4242}) == 512
+    assert pickle.loads(pickle.dumps(actor)).start_ticks == 99
     cloudpickles = [m for m in (_importable("ray.cloudpickle"), _importable("cloudpickle")) if m is not None]
     for cloudpickle in cloudpickles:
         assert cloudpickle.loads(cloudpickle.dumps(census)) == census
         assert cloudpickle.loads(cloudpickle.dumps(end)) == end
+        assert cloudpickle.loads(cloudpickle.dumps([actor])) == [actor]
     to_child_r, to_child_w = os.pipe()
     from_child_r, from_child_w = os.pipe()
     child = subprocess.Popen([sys.executable, "-c", _ECHO, str(to_child_r), str(from_child_w)],
@@ -592,9 +597,10 @@ def test_the_records_that_cross_the_ray_boundary_pickle() -> None:
     os.close(from_child_w)
     outbox, inbox = Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
     try:
-        for answer in (("ok", census), ("ok", end)):
-            outbox.send(answer)
-            assert inbox.poll(30) and inbox.recv() == answer
+        request = ("end", ("3f2a9c1b" * 7, 77, [actor], [(4243, 98, "01000000")], 1.0, 1.0, 5.0))
+        for message in (request, ("ok", census), ("ok", end)):
+            outbox.send(message)
+            assert inbox.poll(30) and inbox.recv() == message
     finally:
         outbox.close()
         assert child.wait(timeout=30) == 0

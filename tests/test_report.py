@@ -107,6 +107,12 @@ HOLDER_RECORD = HolderRecord(4242, 1000, "ci", "h", "t.py::test_holds", 1.5e9, "
 LOCK_HOLDER = LockHolder(HOLDER_RECORD, alive=False, lock_pid=4343, lock_user="ci",
                          lock_cmd="python -m pytest", queued=True)
 
+# What `gpuclean reap` weighs, and what its --dry-run lists.
+REAP_CANDIDATE = model.ReapCandidate(4242, PROC, (("GPU 0", 512.0),), "cookie", f"node {NODE[:8]}", True,
+                                     True, True, "01000000", True, 4241, True, True)
+DRY_RUN_TARGET = model.DryRunTarget(f"node {NODE[:8]}: ", PROC, "job 01000000, by ray.kill",
+                                    (("GPU 0", 512.0),))
+
 # One fully populated instance of every record class in the model: each must survive a round trip.
 EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED, SURVIVED, LEAKED, MEMORY,
                        AFTER, BEFORE, RECORD, NO_LOCKS, Record("t.py::test_unchecked"), RAY_REAPED,
@@ -115,7 +121,8 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
                        SEEN_SIBLING,
                        UNCHECKED_USER, XID, HEALTH, FAULTED, OUTSIDE, OUTSIDE_CHECK,
                        OUTSIDE_RECORD, GPU_STATE, CLEAN_GPUS, HOLDER_RECORD, LOCK_HOLDER,
-                       model.Selection((GPU0, MIG), "from CUDA_VISIBLE_DEVICES='0,1'", 3)]
+                       model.Selection((GPU0, MIG), "from CUDA_VISIBLE_DEVICES='0,1'", 3), REAP_CANDIDATE,
+                       DRY_RUN_TARGET]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:

@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pytest_gpuclean.ray.node import end_on_node, probe_node, ray_module
-from pytest_gpuclean.ray.records import ActorRecord, Census, JobRecord, NodeEnd, NodeReport
+from pytest_gpuclean.ray.records import ActorRecord, Census, JobRecord, NamedActor, NodeEnd, NodeReport
 
 __all__ = [
     "main",
@@ -95,7 +95,7 @@ class _Agent:
         took = time.monotonic() - started
         return Census(tuple(reports), dead, tuple(actors), tuple(sorted(our_jobs)), took, tuple(all_jobs))
 
-    def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
+    def end(self, node: str, raylet: int, actors: Sequence[NamedActor],
             targets: Sequence[tuple[int, int, str]], grace: float, release_wait: float, timeout: float
             ) -> NodeEnd:
         ref = self.ender.options(scheduling_strategy=self.affinity(node, soft=False)).remote(

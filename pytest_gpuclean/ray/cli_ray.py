@@ -28,13 +28,15 @@ from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
     ClusterReading,
+    DryRunTarget,
     Fields,
     NodeReading,
     Offender,
     ProcessInfo,
+    ReapCandidate,
 )
 from pytest_gpuclean.ray import cluster
-from pytest_gpuclean.ray.records import ActorRecord, Census, NodeProcess, NodeReport
+from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeProcess, NodeReport
 from pytest_gpuclean.report import jsonreport, report
 
 __all__ = [
@@ -182,7 +184,7 @@ def plan(census: Census, my_uid: int) -> tuple[list[_Target], list[str]]:
     jobs = {j.job_id: j for j in census.jobs}
     actors = {(a.node_id, a.pid): a for a in census.actors if a.state == "ALIVE"}
     found: dict[tuple[str, int], _Target] = {}
-    candidates: list[reap_plan.Candidate] = []
+    candidates: list[ReapCandidate] = []
     for node in census.nodes:
         known = {p.info.pid: p for p in node.processes}
         where = f"node {node.node_id[:8]}"
@@ -191,12 +193,12 @@ def plan(census: Census, my_uid: int) -> tuple[list[_Target], list[str]]:
                         if any(gp.pid == pid for gp in s.processes))
             p = known.get(pid)
             if p is None:
-                candidates.append(reap_plan.Candidate(pid, None, mib, where=where))
+                candidates.append(ReapCandidate(pid, None, mib, where=where))
                 continue
             actor = actors.get((node.node_id, pid))
             job = jobs.get(p.job_id)
             found[where, pid] = _Target(node, p, actor, mib)
-            candidates.append(reap_plan.Candidate(
+            candidates.append(ReapCandidate(
                 pid, p.info, mib, where=where,
                 ray_own=pid == node.raylet_pid or (_is_daemon(p.info.cmdline) and actor is None),
                 job_id=p.job_id, job_running=bool(p.job_id) and (job is None or not job.dead),
@@ -218,10 +220,12 @@ def cmd_reap(args: argparse.Namespace, out: TextIO, resolved: settings.Settings,
             print("gpuclean reap: nothing to end", file=out)
             return 0
         if args.dry_run:
-            for line in report.dry_run_lines("gpuclean", [
-                    (f"node {t.node.node_id[:8]}: ", t.process.info, f"job {t.process.job_id or '-'}, by "
-                     + ("ray.kill" if t.actor is not None and t.actor.name else "the signal ladder"), t.mib)
-                    for t in targets]):
+            listed = []
+            for t in targets:
+                by = "ray.kill" if t.actor is not None and t.actor.name else "the signal ladder"
+                listed.append(DryRunTarget(f"node {t.node.node_id[:8]}: ", t.process.info,
+                                           f"job {t.process.job_id or '-'}, by {by}", t.mib))
+            for line in report.dry_run_lines("gpuclean", listed):
                 print(line, file=out)
             return 0
         survived = _end(agent, targets, resolved, out)
@@ -237,7 +241,8 @@ def _end(agent: cluster.RayCheck, targets: list[_Target], resolved: settings.Set
     survived = False
     for node_id, node_targets in by_node.items():
         raylet = node_targets[0].node.raylet_pid
-        actors = [(t.actor.name, t.actor.namespace, t.actor.actor_id, t.actor.pid, t.process.info.start_ticks)
+        actors = [NamedActor(t.actor.name, t.actor.namespace, t.actor.actor_id, t.actor.pid,
+                             t.process.info.start_ticks)
                   for t in node_targets if t.actor is not None and t.actor.name]
         kills = [(t.process.info.pid, t.process.info.start_ticks, t.process.job_id) for t in node_targets]
         try:

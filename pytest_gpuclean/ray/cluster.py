@@ -45,7 +45,7 @@ from pytest_gpuclean.model.records import (
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.ray.records import ActorRecord, Census, NodeEnd, NodeProcess, Outcome
+from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeEnd, NodeProcess, Outcome
 
 __all__ = [
     "AGENT_COMMAND",
@@ -200,7 +200,7 @@ class RayCheck:
         census: Census = self._call("census", {}, timeout, timeout=timeout)
         return census
 
-    def end(self, node: str, raylet: int, actors: Sequence[tuple[str, str, str, int, int]],
+    def end(self, node: str, raylet: int, actors: Sequence[NamedActor],
             targets: Sequence[tuple[int, int, str]], grace: float, release_wait: float, timeout: float
             ) -> NodeEnd:
         """``node.end_on_node`` on ``node``, through the agent (see there)."""
@@ -364,7 +364,8 @@ class RayCheck:
                 a, p = lk.actor, lk.process
                 is_worker = a is not None and p is not None and p.info.pid == a.pid
                 if a is not None and a.name and (p is None or is_worker):
-                    actors.append((a.name, a.namespace, a.actor_id, a.pid, p.info.start_ticks if p else 0))
+                    actors.append(NamedActor(a.name, a.namespace, a.actor_id, a.pid,
+                                             p.info.start_ticks if p else 0))
                 if p is not None:
                     targets.append((p.info.pid, p.info.start_ticks, p.job_id))
             if node not in raylets:

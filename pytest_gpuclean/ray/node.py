@@ -19,7 +19,7 @@ from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.reading import backends, devices, processes, procfs
 from pytest_gpuclean.core.reading.opening import open_backend
 from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot
-from pytest_gpuclean.ray.records import NodeEnd, NodeProcess, NodeReport, Outcome
+from pytest_gpuclean.ray.records import NamedActor, NodeEnd, NodeProcess, NodeReport, Outcome
 
 __all__ = [
     "end_on_node",
@@ -101,9 +101,9 @@ def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | No
     return tuple(sorted(listed, key=lambda d: d.index))[:int(gpus)]
 
 
-def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Sequence[tuple[int, int, str]],
+def end_on_node(actors: Sequence[NamedActor], targets: Sequence[tuple[int, int, str]],
                 raylet_pid: int, grace: float, release_wait: float) -> NodeEnd:
-    """On a node: ``ray.kill`` of named actors ``(name, namespace, actor id, worker pid, start ticks)``,
+    """On a node: ``ray.kill`` of the named ``actors``,
     then the TERM -> grace -> KILL ladder for the ``(pid, start ticks, job id)`` targets still alive,
     then wait (up to ``release_wait``) until the node's devices list none of what was ended, timed on
     this node from the first kill.
@@ -131,7 +131,7 @@ def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Seque
         except devices.DeviceError:
             return set()
 
-    wanted = {pid for pid, _, _ in targets} | {a[3] for a in actors}
+    wanted = {pid for pid, _, _ in targets} | {a.pid for a in actors}
     held = on_devices() & wanted
     released: list[float] = []
 
@@ -143,17 +143,17 @@ def end_on_node(actors: Sequence[tuple[str, str, str, int, int]], targets: Seque
     outcomes: list[Outcome] = []
     ray = ray_module()
     by_ray: dict[int, tuple[int, float]] = {}
-    for name, namespace, actor_id, pid, start_ticks in actors:
+    for a in actors:
         try:
-            handle = ray.get_actor(name, namespace=namespace)
-            if handle._actor_id.hex() != actor_id:
-                errors.append(f"actor {name!r} is now another actor: left alone")
+            handle = ray.get_actor(a.name, namespace=a.namespace)
+            if handle._actor_id.hex() != a.actor_id:
+                errors.append(f"actor {a.name!r} is now another actor: left alone")
                 continue
             sent = time.monotonic()
             ray.kill(handle, no_restart=True)
-            by_ray[pid] = (start_ticks, sent)
+            by_ray[a.pid] = (a.start_ticks, sent)
         except Exception as exc:
-            errors.append(f"ray.kill of actor {name!r} failed: {type(exc).__name__}: {exc}")
+            errors.append(f"ray.kill of actor {a.name!r} failed: {type(exc).__name__}: {exc}")
     # Ray ends a killed actor's worker at once; the ladder takes what is still there after the grace period.
     deadline = time.monotonic() + grace
     pending = dict(by_ray)

@@ -1,6 +1,7 @@
 """What crosses the Ray extension's process boundaries, as records (``model/records.py``'s ``Fields``): what a
-node's probe and reaping return (``node.py``, inside a Ray worker, shipped back by Ray), and what the agent
-(``agent.py``, a driver of its own) sends the pytest process over its pipe (``cluster.py``).
+node's probe and reaping return (``node.py``, inside a Ray worker, shipped back by Ray), what the agent
+(``agent.py``, a driver of its own) sends the pytest process over its pipe (``cluster.py``), and the named
+actors a reaping is asked to end (the other way: pytest process or CLI, agent, node).
 
 Both ways pickle them: Ray ships a task's result with its own pickler, the agent's pipe with ``pickle``. A
 ``Fields`` record has slots and no ``__dict__``; pickle (protocol 2 and later, what both use) saves and
@@ -21,6 +22,7 @@ __all__ = [
     "ActorRecord",
     "Census",
     "JobRecord",
+    "NamedActor",
     "NodeEnd",
     "NodeProcess",
     "NodeReport",
@@ -66,6 +68,27 @@ class NodeReport(Fields):
         self.devices = devices
         self.processes = processes
         self.error = error
+
+
+class NamedActor(Fields):
+    """A named actor for ``node.end_on_node`` to end by ``ray.kill``: looked up by its name, killed only if
+    the name still resolves to ``actor_id``; its worker (``pid``, ``start_ticks``) is watched until gone."""
+
+    __slots__ = ("name", "namespace", "actor_id", "pid", "start_ticks")
+    name: Final[str]
+    namespace: Final[str]
+    actor_id: Final[str]
+    pid: Final[int]
+    """Its worker, as the control store names it."""
+    start_ticks: Final[int]
+    """The worker's start time (0 when its process was not found on the node)."""
+
+    def __init__(self, name: str, namespace: str, actor_id: str, pid: int, start_ticks: int) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.actor_id = actor_id
+        self.pid = pid
+        self.start_ticks = start_ticks
 
 
 Outcome = tuple[int, str, str, float | None, str]

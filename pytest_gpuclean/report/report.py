@@ -9,9 +9,9 @@ from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
     DeviceSnapshot,
+    DryRunTarget,
     FixtureLeak,
     Offender,
-    ProcessInfo,
     Reaped,
     TestRecord,
 )
@@ -141,16 +141,13 @@ def check_report(result: CheckResult, heading: str, *, more_notes: Sequence[str]
     return "\n".join(lines)
 
 
-def dry_run_lines(prog: str, targets: Sequence[tuple[str, ProcessInfo, str, tuple[tuple[str, float], ...]]]
-                  ) -> list[str]:
-    """``reap --dry-run``'s list, on this host (``gpuclean reap``) or an extension's nodes: each target as
-    ``(where, process, how, mib_per_device)``: ``where`` is '' or ``node ab12cd34: ``, ``how`` how it was
-    found or will end."""
+def dry_run_lines(prog: str, targets: Sequence[DryRunTarget]) -> list[str]:
+    """``reap --dry-run``'s list, on this host (``gpuclean reap``) or an extension's nodes."""
     lines = [f"{prog} reap: --dry-run: would end {len(targets)} process(es):"]
-    for where, info, how, mib in targets:
-        lines.append(f"  {where}pid {info.pid} (user {info.user}, {how}): held "
-                     f"{mib_list(mib) or 'no GPU memory'}")
-        lines.append(f"      cmd: {one_line(info.cmdline, CMDLINE_CHARS)}")
+    for t in targets:
+        lines.append(f"  {t.where}pid {t.info.pid} (user {t.info.user}, {t.how}): held "
+                     f"{mib_list(t.mib) or 'no GPU memory'}")
+        lines.append(f"      cmd: {one_line(t.info.cmdline, CMDLINE_CHARS)}")
     return lines
 
 

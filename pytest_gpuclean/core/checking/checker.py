@@ -218,9 +218,9 @@ class Checker:
             # process's helpers (they hold no GPU memory: the census judges one that does) and what is meant
             # to outlive the session (persistent: a warm model server's memory is its own, said once). Of
             # unknown birth: no evidence says which test made it, so it is reported, never signalled.
-            ours, unknown, excused, unexplained = decide.sort_census(
-                found, procs.is_protected, procs.never_touch, procs.helpers.keys() | procs.persistent.keys(),
-                listed)
+            sort = decide.sort_census(found, procs.is_protected, procs.never_touch,
+                                      procs.helpers.keys() | procs.persistent.keys(), listed)
+            ours, unknown, excused, unexplained = sort.ours, sort.unknown, sort.excused, sort.unexplained
             if unexplained and (persistent := procs.persistent_of(unexplained)):
                 procs.persistent.update(persistent)
                 excused |= persistent.keys()
@@ -256,8 +256,8 @@ class Checker:
         and only what is ours can be judged: nothing is excused, and each device's whole use is overhead (no
         memory offender)."""
         found = self.procs.take(scan_cookies=True)
-        ours, unknown, _, _ = decide.sort_census(found, self.procs.is_protected, (), (), set())
-        return self._snapshot(look, readings, found, ours, unknown, set(), set(),
+        sort = decide.sort_census(found, self.procs.is_protected, (), (), set())
+        return self._snapshot(look, readings, found, sort.ours, sort.unknown, set(), set(),
                               {s.device.uuid: s.used_bytes for s in readings}, set(), maybe_outside=False,
                               strays=False)
 

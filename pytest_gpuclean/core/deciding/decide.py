@@ -14,9 +14,9 @@ processes (``tests/test_checker_decisions.py``).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Literal, TypeVar
+from typing import Final, Generic, Literal, TypeVar
 
-from pytest_gpuclean.model.records import MIB, CensusEntry, DeviceSnapshot
+from pytest_gpuclean.model.records import MIB, CensusEntry, DeviceSnapshot, Fields
 
 __all__ = [
     "CONTEXT_OVERHEAD_BYTES",
@@ -24,6 +24,7 @@ __all__ = [
     "C",
     "Move",
     "Short",
+    "SortedCensus",
     "context_overhead",
     "listed_overhead",
     "may_signal",
@@ -44,10 +45,28 @@ MAX_REAP_ROUNDS = 4
 C = TypeVar("C", bound=CensusEntry)
 
 
+class SortedCensus(Generic[C], Fields):
+    """A census sorted against the pids the driver lists (``sort_census`` says what each part is). The sets
+    are the caller's to go on with: it excuses more of what is unexplained (persistent processes, peers)."""
+
+    # Generic first: its __init_subclass__ records the type parameter, then calls Fields'.
+
+    __slots__ = ("ours", "unknown", "excused", "unexplained")
+    excused: Final[set[int]]
+    unexplained: Final[set[int]]
+
+    def __init__(self, ours: list[C], unknown: list[C], excused: set[int], unexplained: set[int]) -> None:
+        # (Final here: mypy takes no Final of a type variable in the class body.)
+        self.ours: Final[list[C]] = ours
+        self.unknown: Final[list[C]] = unknown
+        self.excused = excused
+        self.unexplained = unexplained
+
+
 def sort_census(found: Sequence[C], protected: Callable[[C], bool], never_touch: Collection[int],
-                helpers: Collection[int], listed: set[int]) -> tuple[list[C], list[C], set[int], set[int]]:
+                helpers: Collection[int], listed: set[int]) -> SortedCensus[C]:
     """Sort ``found`` (a census) against ``listed`` (the pids the driver lists on the checked GPUs):
-    (ours, unknown, excused, unexplained).
+    ``ours``, ``unknown``, ``excused``, ``unexplained``.
 
     - ours: provably the session's and not ``protected`` now (``Census.is_protected``): judged, and reaped
       if reaping is on. Debris of a dead session is never protected, so it is ours.
@@ -73,7 +92,7 @@ def sort_census(found: Sequence[C], protected: Callable[[C], bool], never_touch:
         unexplained.discard(f.pid)
     for f in unknown:
         unexplained.discard(f.pid)
-    return ours, unknown, excused, unexplained
+    return SortedCensus(ours, unknown, excused, unexplained)
 
 
 Short = tuple[DeviceSnapshot, set[int], int, int]

@@ -2,62 +2,27 @@
 Ray cluster's nodes (``--ray``).
 
 The commands gather the facts (``cli.py`` from the devices and ``/proc``, ``ray/cli_ray.py`` from the
-cluster's census) into ``Candidate`` records; ``plan`` decides, in one order, which are targets and why
-each other one is left alone, so both cases are unit-tested without processes.
+cluster's census) into ``ReapCandidate`` records (``model/records.py``); ``plan`` decides, in one order,
+which are targets and why each other one is left alone, so both cases are unit-tested without processes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from pytest_gpuclean.model.records import FoundBy, ProcessInfo
+from pytest_gpuclean.model.records import ReapCandidate
 from pytest_gpuclean.model.text import one_line
 
 __all__ = [
-    "Candidate",
     "plan",
 ]
 
 
-
-@dataclass(frozen=True)
-class Candidate:
-    """A process ``reap`` might end, with every fact the decision needs."""
-
-    pid: int
-    info: ProcessInfo | None
-    """None: not visible where it runs (exited, or in another PID namespace)."""
-    mib: tuple[tuple[str, float], ...] = ()
-    """(device label, MiB) of each device the driver lists it on."""
-    found_by: FoundBy = "gpu"
-    """``gpu`` (listed on a device), ``cookie`` (carries the ``--cookie`` value); only a ``gpu`` one that is
-    not visible is worth a line (a cookie carrier that exited is simply gone)."""
-    where: str = ""
-    """``node 3f2a9c1b`` on a Ray cluster; "" on this host."""
-    no_device_file: bool = False
-    """On real GPUs, the process of that number here has no ``/dev/nvidia*`` open: in a container the driver
-    may list host pids, and the same number can name an unrelated local process."""
-    gpuclean_itself: bool = False
-    """gpuclean or one of its ancestors."""
-    ray_own: bool = False
-    """The node's raylet, or a Ray daemon that is no actor's worker."""
-    job_id: str = ""
-    """The Ray job it belongs to ("" if none)."""
-    job_running: bool = False
-    job_driver_pid: int | None = None
-    """The driver of its still running job, if the cluster knows the job."""
-    task_worker: bool = False
-    """A Ray worker that is no actor's: Ray ends it with its task."""
-    any_user: bool = False
-    """Its owner's uid is not checked (a cookie carrier: found among the processes of the users asked)."""
-
-
-def plan(candidates: Iterable[Candidate], *, my_uid: int, all_users: bool = False, cmd_width: int = 80
-         ) -> tuple[list[Candidate], list[str]]:
+def plan(candidates: Iterable[ReapCandidate], *, my_uid: int, all_users: bool = False, cmd_width: int = 80
+         ) -> tuple[list[ReapCandidate], list[str]]:
     """``(targets, left_alone)``: what ``reap`` may end, in ``candidates``' order (a pid already a target is
     not considered again), and a line for each process it leaves alone, saying why."""
-    targets: list[Candidate] = []
+    targets: list[ReapCandidate] = []
     chosen: set[tuple[str, int]] = set()
     left: list[str] = []
     for c in candidates:
@@ -72,7 +37,7 @@ def plan(candidates: Iterable[Candidate], *, my_uid: int, all_users: bool = Fals
     return targets, left
 
 
-def _left_alone(c: Candidate, my_uid: int, all_users: bool, width: int) -> str | None:
+def _left_alone(c: ReapCandidate, my_uid: int, all_users: bool, width: int) -> str | None:
     """Why ``c`` is left alone ("" for no line); None if it may be ended."""
     pid, info = c.pid, c.info
     if info is None:
