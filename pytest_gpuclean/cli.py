@@ -40,11 +40,9 @@ from pytest_gpuclean.model.records import (
     DeviceHealth,
     DeviceInfo,
     DeviceSnapshot,
-    DryRunTarget,
     Fields,
     FoundBy,
     ProcessInfo,
-    ReapCandidate,
     Reaped,
 )
 from pytest_gpuclean.report import jsonreport, report
@@ -500,10 +498,10 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
     has a GPU device file open: in a container the driver may list host pids, and the same number can
     name an unrelated local process.
     """
-    def candidates() -> Iterator[ReapCandidate]:
+    def candidates() -> Iterator[reap_plan.ReapCandidate]:
         for pid in sorted({p.pid for s in snaps for p in s.processes}):
             info = processes.describe(pid)
-            yield ReapCandidate(
+            yield reap_plan.ReapCandidate(
                 pid, info, mib_of(pid, snaps), "gpu", gpuclean_itself=pid in never_touch,
                 no_device_file=info is not None and require_device_file
                 and not procfs.has_nvidia_device_open(pid))
@@ -511,7 +509,7 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
             for uid in sorted(_process_uids()) if all_users else [my_uid]:
                 for pid, _value in processes.cookie_holders(COOKIE_VAR, cookie, uid):
                     # (One that is a target already, as listed on a device, the planner passes over.)
-                    yield ReapCandidate(pid, processes.describe(pid), mib_of(pid, snaps), "cookie",
+                    yield reap_plan.ReapCandidate(pid, processes.describe(pid), mib_of(pid, snaps), "cookie",
                                         gpuclean_itself=pid in never_touch, any_user=True)
 
     chosen, left_alone = reap_plan.plan(candidates(), my_uid=my_uid, all_users=all_users,
@@ -683,8 +681,9 @@ def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
             account(snaps)
             return ending(EXIT_CLEAN)
         if args.dry_run:
-            for line in report.dry_run_lines(_PROG, [DryRunTarget("", t.info, f"found as {t.found_by}", t.mib)
-                                                    for _, t in sorted(targets.items())]):
+            listed = [report.DryRunTarget("", t.info, f"found as {t.found_by}", t.mib)
+                      for _, t in sorted(targets.items())]
+            for line in report.dry_run_lines(_PROG, listed):
                 print(line, file=text)
             account(snaps)
             return ending(EXIT_CLEAN)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_gpuclean.core.deciding import reap_plan
 from pytest_gpuclean.core.deciding.reap_plan import plan as plan_reap
 from pytest_gpuclean.model.decisions import (
     ALL_KINDS,
@@ -29,7 +30,6 @@ from pytest_gpuclean.model.records import (
     Owner,
     OwnerKind,
     ProcessInfo,
-    ReapCandidate,
     Reaped,
 )
 from pytest_gpuclean.model.records import TestRecord as Record
@@ -296,15 +296,15 @@ ON_GPU0 = (("GPU 0", 64.0),)
 NODE_A = "node aaaaaaaa"
 
 
-def cand(**facts: object) -> ReapCandidate:
+def cand(**facts: object) -> reap_plan.ReapCandidate:
     fields: dict[str, object] = {"pid": 4242, "info": MINE, "mib": ON_GPU0}
     fields.update(facts)
-    return ReapCandidate(**fields)  # type: ignore[arg-type]
+    return reap_plan.ReapCandidate(**fields)  # type: ignore[arg-type]
 
 
 NOT_VISIBLE_HERE = "pid 4242 (listed on GPU 0): not visible here (exited, or in another PID namespace)"
 # (name, candidate, all users, the line it gets; None: a target, "": left alone without a line)
-REAP: list[tuple[str, ReapCandidate, bool, str | None]] = [
+REAP: list[tuple[str, reap_plan.ReapCandidate, bool, str | None]] = [
     ("this host: the user's process on a GPU", cand(), False, None),
     ("this host: not visible", cand(info=None), False, NOT_VISIBLE_HERE),
     ("this host: a cookie carrier that exited is simply gone", cand(info=None, found_by="cookie"), False, ""),
@@ -342,7 +342,7 @@ REAP: list[tuple[str, ReapCandidate, bool, str | None]] = [
 
 @pytest.mark.parametrize(("candidate", "all_users", "line"), [row[1:] for row in REAP],
                          ids=[row[0] for row in REAP])
-def test_reap_plan(candidate: ReapCandidate, all_users: bool, line: str | None) -> None:
+def test_reap_plan(candidate: reap_plan.ReapCandidate, all_users: bool, line: str | None) -> None:
     targets, left = plan_reap([candidate], my_uid=PROC.uid, all_users=all_users, cmd_width=80)
     assert targets == ([candidate] if line is None else [])
     assert left == ([line] if line else [])

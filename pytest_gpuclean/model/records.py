@@ -27,7 +27,6 @@ __all__ = [
     "DeviceInfo",
     "DeviceSnapshot",
     "DeviceState",
-    "DryRunTarget",
     "EndedBy",
     "Fields",
     "FixtureLeak",
@@ -50,7 +49,6 @@ __all__ = [
     "Phase",
     "ProcessInfo",
     "ProcessState",
-    "ReapCandidate",
     "Reaped",
     "Reason",
     "Scope",
@@ -638,78 +636,6 @@ class ClusterReading(Fields):
 
 
 # ---- what ``gpuclean reap`` may end, on this host or a Ray cluster's nodes (``deciding/reap_plan.py``) ----
-
-
-class ReapCandidate(Fields):
-    """A process ``reap`` might end, with every fact the decision needs (``reap_plan.plan``): gathered by
-    ``cli.py`` from the devices and ``/proc``, by ``ray/cli_ray.py`` from a cluster's census."""
-
-    __slots__ = ("pid", "info", "mib", "found_by", "where", "no_device_file", "gpuclean_itself", "ray_own",
-                 "job_id", "job_running", "job_driver_pid", "task_worker", "any_user")
-    pid: Final[int]
-    info: Final[ProcessInfo | None]
-    """None: not visible where it runs (exited, or in another PID namespace)."""
-    mib: Final[tuple[tuple[str, float], ...]]
-    """(device label, MiB) of each device the driver lists it on."""
-    found_by: Final[FoundBy]
-    """``gpu`` (listed on a device), ``cookie`` (carries the ``--cookie`` value); only a ``gpu`` one that is
-    not visible is worth a line (a cookie carrier that exited is simply gone)."""
-    where: Final[str]
-    """``node 3f2a9c1b`` on a Ray cluster; "" on this host."""
-    no_device_file: Final[bool]
-    """On real GPUs, the process of that number here has no ``/dev/nvidia*`` open: in a container the driver
-    may list host pids, and the same number can name an unrelated local process."""
-    gpuclean_itself: Final[bool]
-    """gpuclean or one of its ancestors."""
-    ray_own: Final[bool]
-    """The node's raylet, or a Ray daemon that is no actor's worker."""
-    job_id: Final[str]
-    """The Ray job it belongs to ("" if none)."""
-    job_running: Final[bool]
-    job_driver_pid: Final[int | None]
-    """The driver of its still running job, if the cluster knows the job."""
-    task_worker: Final[bool]
-    """A Ray worker that is no actor's: Ray ends it with its task."""
-    any_user: Final[bool]
-    """Its owner's uid is not checked (a cookie carrier: found among the processes of the users asked)."""
-
-    def __init__(self, pid: int, info: ProcessInfo | None, mib: tuple[tuple[str, float], ...] = (),
-                 found_by: FoundBy = "gpu", where: str = "", no_device_file: bool = False,
-                 gpuclean_itself: bool = False, ray_own: bool = False, job_id: str = "",
-                 job_running: bool = False, job_driver_pid: int | None = None, task_worker: bool = False,
-                 any_user: bool = False) -> None:
-        self.pid = pid
-        self.info = info
-        self.mib = mib
-        self.found_by = found_by
-        self.where = where
-        self.no_device_file = no_device_file
-        self.gpuclean_itself = gpuclean_itself
-        self.ray_own = ray_own
-        self.job_id = job_id
-        self.job_running = job_running
-        self.job_driver_pid = job_driver_pid
-        self.task_worker = task_worker
-        self.any_user = any_user
-
-
-class DryRunTarget(Fields):
-    """A process on ``reap --dry-run``'s list (``report.dry_run_lines``), on this host or a Ray node."""
-
-    __slots__ = ("where", "info", "how", "mib")
-    where: Final[str]
-    """'' on this host, ``node ab12cd34: `` on a Ray cluster."""
-    info: Final[ProcessInfo]
-    how: Final[str]
-    """How it was found, or how it will end."""
-    mib: Final[tuple[tuple[str, float], ...]]
-    """(device label, MiB) of each device the driver lists it on."""
-
-    def __init__(self, where: str, info: ProcessInfo, how: str, mib: tuple[tuple[str, float], ...]) -> None:
-        self.where = where
-        self.info = info
-        self.how = how
-        self.mib = mib
 
 
 # ---- a check's verdict and a test's record ---------------------------------------------------------------

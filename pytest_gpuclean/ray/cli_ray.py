@@ -28,12 +28,10 @@ from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
     ClusterReading,
-    DryRunTarget,
     Fields,
     NodeReading,
     Offender,
     ProcessInfo,
-    ReapCandidate,
 )
 from pytest_gpuclean.ray import cluster
 from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeProcess, NodeReport
@@ -184,7 +182,7 @@ def plan(census: Census, my_uid: int) -> tuple[list[_Target], list[str]]:
     jobs = {j.job_id: j for j in census.jobs}
     actors = {(a.node_id, a.pid): a for a in census.actors if a.state == "ALIVE"}
     found: dict[tuple[str, int], _Target] = {}
-    candidates: list[ReapCandidate] = []
+    candidates: list[reap_plan.ReapCandidate] = []
     for node in census.nodes:
         known = {p.info.pid: p for p in node.processes}
         where = f"node {node.node_id[:8]}"
@@ -193,12 +191,12 @@ def plan(census: Census, my_uid: int) -> tuple[list[_Target], list[str]]:
                         if any(gp.pid == pid for gp in s.processes))
             p = known.get(pid)
             if p is None:
-                candidates.append(ReapCandidate(pid, None, mib, where=where))
+                candidates.append(reap_plan.ReapCandidate(pid, None, mib, where=where))
                 continue
             actor = actors.get((node.node_id, pid))
             job = jobs.get(p.job_id)
             found[where, pid] = _Target(node, p, actor, mib)
-            candidates.append(ReapCandidate(
+            candidates.append(reap_plan.ReapCandidate(
                 pid, p.info, mib, where=where,
                 ray_own=pid == node.raylet_pid or (_is_daemon(p.info.cmdline) and actor is None),
                 job_id=p.job_id, job_running=bool(p.job_id) and (job is None or not job.dead),
@@ -223,7 +221,7 @@ def cmd_reap(args: argparse.Namespace, out: TextIO, resolved: settings.Settings,
             listed = []
             for t in targets:
                 by = "ray.kill" if t.actor is not None and t.actor.name else "the signal ladder"
-                listed.append(DryRunTarget(f"node {t.node.node_id[:8]}: ", t.process.info,
+                listed.append(report.DryRunTarget(f"node {t.node.node_id[:8]}: ", t.process.info,
                                            f"job {t.process.job_id or '-'}, by {by}", t.mib))
             for line in report.dry_run_lines("gpuclean", listed):
                 print(line, file=out)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from pytest_gpuclean.model.decisions import has_findings, noticed, outcome, reaped_count
 from pytest_gpuclean.model.records import (
     MIB,
     CheckResult,
     DeviceSnapshot,
-    DryRunTarget,
+    Fields,
     FixtureLeak,
     Offender,
+    ProcessInfo,
     Reaped,
     TestRecord,
 )
@@ -24,6 +26,7 @@ __all__ = [
     "NOT_CLEAN_PREFIX",
     "SUMMARY_TITLE",
     "UNREADABLE_PREFIX",
+    "DryRunTarget",
     "check_report",
     "device_line",
     "dry_run_lines",
@@ -139,6 +142,25 @@ def check_report(result: CheckResult, heading: str, *, more_notes: Sequence[str]
         lines.append(f"devices (tolerance {result.tolerance_mib} MiB):")
         lines.extend("  " + device_line(s) for s in devices)
     return "\n".join(lines)
+
+
+class DryRunTarget(Fields):
+    """A process on ``reap --dry-run``'s list (``report.dry_run_lines``), on this host or a Ray node."""
+
+    __slots__ = ("where", "info", "how", "mib")
+    where: Final[str]
+    """'' on this host, ``node ab12cd34: `` on a Ray cluster."""
+    info: Final[ProcessInfo]
+    how: Final[str]
+    """How it was found, or how it will end."""
+    mib: Final[tuple[tuple[str, float], ...]]
+    """(device label, MiB) of each device the driver lists it on."""
+
+    def __init__(self, where: str, info: ProcessInfo, how: str, mib: tuple[tuple[str, float], ...]) -> None:
+        self.where = where
+        self.info = info
+        self.how = how
+        self.mib = mib
 
 
 def dry_run_lines(prog: str, targets: Sequence[DryRunTarget]) -> list[str]:
