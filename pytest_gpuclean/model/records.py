@@ -107,7 +107,7 @@ class Fields:
     """The records below: equality, hash, ``repr`` and ``replace`` from the fields in ``__slots__``.
 
     Not dataclasses: every checked session imports this module, and creating a dataclass compiles each of
-    its generated methods (0.3-1.8 ms a class on the CPU box: docs/benchmarks.md 9), where a ``Fields``
+    its generated methods (docs/benchmarks.md, section 9, has what that costs), where a ``Fields``
     class costs one ``attrgetter``. So every record is one, and the whole model loads at once: no record
     waits in a module of its own for the first finding. A subclass lists its fields in ``__slots__`` (in
     ``__init__``'s order) and annotates them; ``Final`` makes ``mypy --strict`` refuse an assignment, as
