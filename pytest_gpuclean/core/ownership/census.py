@@ -55,14 +55,13 @@ _DECLARED = "its command line matches --gpuclean-helpers"
 _SINGLETON_PIPE = "--singleton-died-pipe"
 
 
-def _mpi_singleton_daemon(pid: int, me: int) -> bool:
+def _mpi_singleton_daemon(pid: int, words: list[str], me: int) -> bool:
     """Whether ``pid`` is Open MPI's daemon for this process as an MPI singleton: a process that calls
     ``MPI_Init`` without ``mpirun`` (mpi4py's ``import mpi4py.MPI``, which Lightning's environment detection
     does) forks ``orted --hnp --set-sid ... --singleton-died-pipe FD``, keeps the pipe's other end, and the
     daemon exits once that end closes: it serves the process for its life, and killing it leaves the
     process's MPI hanging in the next test. Evidence, not the name: the pipe at the daemon's ``FD`` is one
-    that this process holds."""
-    words = processes.command_line(pid).split()
+    that this process holds. ``words``: its command line, split."""
     if _SINGLETON_PIPE not in words:
         return False
     try:
@@ -261,10 +260,12 @@ class Census:
             if shm_manager is not None and procfs.exe_path(pid) == shm_manager:
                 roots[pid] = ("torch's shared-memory manager (libshm), which the pytest process's shared "
                               "tensors use, and which ends once no process uses it")
-            elif _mpi_singleton_daemon(pid, self.me):
+                continue
+            command = processes.command_line(pid)  # (read once for both rules below)
+            if _mpi_singleton_daemon(pid, command.split(), self.me):
                 roots[pid] = ("Open MPI's daemon for the pytest process as an MPI singleton, which ends when "
                               "the pytest process does (it holds the daemon's --singleton-died-pipe)")
-            elif self.helper_globs and processes.matches_any(processes.command_line(pid), self.helper_globs):
+            elif self.helper_globs and processes.matches_any(command, self.helper_globs):
                 roots[pid] = _DECLARED
         persistent = self.persistent_of([pid for pid, _, _ in walked], walked=True)
         helpers = _trees(walked, roots)

@@ -531,36 +531,27 @@ def fd_target(pid: int, fd: int) -> str:
         return ""
 
 
-def pipes_of(pid: int) -> frozenset[str]:
-    """The pipes among ``pid``'s open descriptors, as ``pipe:[inode]`` (none if its fds are unreadable)."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return frozenset()
-    found = set()
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue  # closed while we looked
-        if target.startswith("pipe:"):
-            found.add(target)
-    return frozenset(found)
-
-
-def _nvidia_files(pid: int) -> Iterator[str]:
-    """The ``/dev/nvidia*`` paths among ``pid``'s open files (none if its fds are unreadable)."""
+def _fd_targets(pid: int) -> Iterator[str]:
+    """What each of ``pid``'s open descriptors refers to (none if its fds are unreadable)."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return
     for fd in fds:
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            yield os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue  # closed while we looked
-        if target.startswith("/dev/nvidia"):
-            yield target
+
+
+def pipes_of(pid: int) -> frozenset[str]:
+    """The pipes among ``pid``'s open descriptors, as ``pipe:[inode]`` (none if its fds are unreadable)."""
+    return frozenset(target for target in _fd_targets(pid) if target.startswith("pipe:"))
+
+
+def _nvidia_files(pid: int) -> Iterator[str]:
+    """The ``/dev/nvidia*`` paths among ``pid``'s open files (none if its fds are unreadable)."""
+    return (target for target in _fd_targets(pid) if target.startswith("/dev/nvidia"))
 
 
 def cuda_device_minors(pid: int) -> frozenset[int] | None:
