@@ -1,7 +1,9 @@
 """pytest plugin (``-p peers_select``): keep a stable slice of a peer suite, the same on every machine.
 
 ``PEERS_SHARD=K`` keeps the tests whose key hashes to 0 modulo K (SHA-256, so the slice depends only on
-the tests' names, not on the order, the machine or the Python hash seed); ``PEERS_SHARD_KEY=name``
+the tests' names, not on the order, the machine or the Python hash seed); ``PEERS_SHARD_PART=R`` (0 to K-1)
+keeps those that hash to R instead, so K runs of parts 0..K-1 cover a suite once, for one that does not fit
+one run; ``PEERS_SHARD_KEY=name``
 hashes the test's name within its class (the driver's file name differs between machines),
 ``nodeid`` (the default) its node id relative to the rootdir. ``PEERS_SHARD`` unset or 1 keeps all.
 ``PEERS_KEEP_FILE=PATH`` keeps only the node ids listed in PATH (one a line): the re-run of a test whose
@@ -42,13 +44,16 @@ def shard_key(item: pytest.Item, key: str) -> str:
     return item.nodeid
 
 
-def in_shard(text: str, shard: int) -> bool:
-    """True if ``text`` is in the slice of 1 in ``shard``."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % shard == 0
+def in_shard(text: str, shard: int, part: int = 0) -> bool:
+    """True if ``text`` is in part ``part`` of the slices of 1 in ``shard``."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % shard == part
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     shard = int(os.environ.get("PEERS_SHARD", "1"))
+    part = int(os.environ.get("PEERS_SHARD_PART", "0"))
+    if not 0 <= part < max(shard, 1):
+        raise pytest.UsageError(f"PEERS_SHARD_PART={part}: not a part of PEERS_SHARD={shard} (0 to {shard - 1})")
     key = os.environ.get("PEERS_SHARD_KEY", "nodeid")
     keep_file = os.environ.get("PEERS_KEEP_FILE")
     wanted = None
@@ -58,7 +63,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     selected: list[pytest.Item] = []
     deselected: list[pytest.Item] = []
     for item in items:
-        keep = in_shard(shard_key(item, key), shard) if shard > 1 else True
+        keep = in_shard(shard_key(item, key), shard, part) if shard > 1 else True
         if wanted is not None:
             keep = item.nodeid in wanted
         (selected if keep else deselected).append(item)

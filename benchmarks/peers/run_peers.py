@@ -212,6 +212,7 @@ class Suite:
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), self.env.get("PYTHONPATH")]))
         self.env["PEERS_SHARD"] = str(args.shard)
+        self.env["PEERS_SHARD_PART"] = str(args.shard_part)
         self.env.pop("GPUCLEAN_TEST", None)
         self.tag_env: dict[str, str] = {}
         self.deadline = time.monotonic() + args.budget if args.budget else 0.0
@@ -372,7 +373,7 @@ def installed(*names: str) -> str:
 
 def reference_key(args: argparse.Namespace) -> dict[str, Any]:
     """What a plugin-off run's outcomes depend on: the suite, its slice, how it runs, and the libraries."""
-    key: dict[str, Any] = {"suite": args.suite, "shard": args.shard,
+    key: dict[str, Any] = {"suite": args.suite, "shard": args.shard, "shard_part": args.shard_part,
                            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
                            "pytest": installed("pytest"), "torch": installed("torch"),
                            "pytest_args": args.pytest_args}
@@ -454,6 +455,8 @@ def main() -> int:
                         "the output records (the library under test)")
     parser.add_argument("--vllm-dir", help="vllm: a folder holding vLLM's tests/ (from its sdist)")
     parser.add_argument("--shard", type=int, default=1, help="keep 1 test in SHARD (peers_select.py)")
+    parser.add_argument("--shard-part", type=int, default=0,
+                        help="which of the SHARD slices (0 to SHARD-1; peers_select.py)")
     parser.add_argument("--backend", default="gloo", help="torch: BACKEND (gloo, nccl)")
     parser.add_argument("--world-size", type=int, default=2, help="torch: WORLD_SIZE")
     parser.add_argument("--simulate", action="store_true", help="gpuclean checks two idle simulated devices")
@@ -595,7 +598,7 @@ def main() -> int:
                      "-" if way == "off" else str(len(res["findings"])),
                      f"{res['wall_s']:.0f}"])
     targets = " ".join(suite.targets) if len(suite.targets) <= 3 else f"{len(suite.targets)} files"
-    print(f"\n{label} peer suite ({targets}, shard 1/{args.shard}), work dir {work}")
+    print(f"\n{label} peer suite ({targets}, shard {args.shard_part + 1}/{args.shard}), work dir {work}")
     print(table(rows, ["way", "tests", "passed", "failed", "error", "skipped", "same outcomes as off",
                        "findings", "wall s"]))
     # (A reference's wall time, recorded on another machine or day, is no yardstick for this run's.)
@@ -626,7 +629,7 @@ def main() -> int:
         print(f"{label}: the plugin-off way alone, nothing compared")
     if args.out:
         write_json(args.out, {"suite": args.suite, "name": label, "targets": suite.targets,
-                              "shard": args.shard, "cwd": str(suite.cwd), "env": args.env,
+                              "shard": args.shard, "shard_part": args.shard_part, "cwd": str(suite.cwd), "env": args.env,
                               "pytest_args": args.pytest_args,
                               "libs": library_versions(args), "machine": machine(), "commit": git_commit(),
                               "repo": REPO, "results": results, "failures": failures})

@@ -27,7 +27,8 @@
 #   SUITES_DEADLINE       seconds the whole call may take: each suite keeps within what is left, a suite that
 #                         cannot get one way's time is not started (on the GPU machine: 540, under 600 a call)
 #   SUITES_SHARD=K        run the 1 test in K whose node id hashes to 0 (benchmarks/peers/peers_select.py;
-#                         default 1: all); SHARD_<SUITE>=K for one suite
+#                         default 1: all); SHARD_<SUITE>=K for one suite; SHARD_<SUITE>=K/R runs part R
+#                         (0..K-1) instead: K calls of parts 0..K-1 cover a suite that does not fit one call
 #   SUITES_SITE           where the carried wheels go (default /tmp/gpuclean-suites-site)
 #   SUITES_WORK           scratch folder (default a new one under /tmp)
 #   SIMULATE              1: simulated devices (default: 1 where nvidia-smi finds no GPU)
@@ -150,6 +151,8 @@ for suite in "${suites[@]}"; do
     fi
     var="SHARD_${suite^^}"
     shard=${!var:-${SUITES_SHARD:-1}}
+    part=0
+    if [[ $shard == */* ]]; then part=${shard#*/}; shard=${shard%/*}; fi
     rm -rf "${work:?}/suites/$suite" "$work/$suite" && mkdir -p "$work/suites"
     cp -r ".suites/$suite" "$work/suites/$suite"
     say ""
@@ -157,7 +160,7 @@ for suite in "${suites[@]}"; do
     args=(dir --suite-dir "$work/suites/$suite" --name "$suite" --libs "$libs" --ways off,all
           --keep-work "$work/$suite" --out "$work/$suite.json" --way-timeout "$way_timeout" --max-reruns 40
           --budget "$suite_budget"
-          --shard "$shard"
+          --shard "$shard" --shard-part "$part"
           "${common_env[@]}" "${env[@]}" --pytest-args="--timeout=${SUITE_TEST_TIMEOUT:-120} -rfE --durations=10"
           --gpuclean-args="${SUITES_GPUCLEAN_ARGS:-}")
     [ "$SIMULATE" = 1 ] && args+=(--simulate)
