@@ -53,7 +53,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     shard = int(os.environ.get("PEERS_SHARD", "1"))
     part = int(os.environ.get("PEERS_SHARD_PART", "0"))
     if not 0 <= part < max(shard, 1):
-        raise pytest.UsageError(f"PEERS_SHARD_PART={part}: not a part of PEERS_SHARD={shard} (0 to {shard - 1})")
+        raise pytest.UsageError(f"PEERS_SHARD_PART={part}: not a part of PEERS_SHARD={shard} "
+                                f"(0 to {shard - 1})")
     key = os.environ.get("PEERS_SHARD_KEY", "nodeid")
     keep_file = os.environ.get("PEERS_KEEP_FILE")
     wanted = None
