@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -191,3 +192,49 @@ def test_a_budget_ends_each_way_in_time(tmp_path: Path) -> None:
     result = json.loads((work / "out.json").read_text())
     assert "(--way-timeout, --budget): killed" in result["results"]["off"]["hung"]
     assert "the plugin-off run produced no JUnit outcomes" in result["failures"][0]
+
+
+def test_the_parts_of_a_shard_cover_a_suite_once(tmp_path: Path) -> None:
+    """``PEERS_SHARD=K`` with ``PEERS_SHARD_PART`` 0..K-1 runs every test exactly once over the K runs: how a
+    suite whose two ways do not fit one device call is compared whole (Lightning Fabric on the H200)."""
+    (tmp_path / "test_many.py").write_text(
+        "import pytest\n@pytest.mark.parametrize('i', range(60))\ndef test_x(i):\n    print('RAN', i)\n")
+    path = os.pathsep.join(filter(None, [str(PEERS), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "PEERS_SHARD": "3"}
+    pytest_cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "peers_select", "-p", "no:gpuclean",
+                  "-p", "no:cacheprovider", "test_many.py"]
+    ran: list[list[str]] = []
+    for part in range(3):
+        listing = tmp_path / f"part{part}.txt"
+        proc = subprocess.run(pytest_cmd, cwd=tmp_path, capture_output=True, text=True,
+                              env={**env, "PEERS_SHARD_PART": str(part), "PEERS_LIST_FILE": str(listing)})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        ran.append(re.findall(r"RAN (\d+)", proc.stdout))
+        assert sorted(line.split("\t")[1] for line in listing.read_text().splitlines()) == sorted(
+            f"test_many.py::test_x[{i}]" for i in ran[-1])
+    assert all(ran), ran  # each part keeps some of 60
+    assert sorted(int(i) for part in ran for i in part) == list(range(60))
+    bad = subprocess.run(pytest_cmd, cwd=tmp_path, capture_output=True, text=True,
+                         env={**env, "PEERS_SHARD_PART": "3"})
+    assert bad.returncode != 0
+    assert "PEERS_SHARD_PART=3: not a part of PEERS_SHARD=3" in bad.stdout + bad.stderr
+
+
+def test_a_clean_tests_growth_above_the_floor_is_a_finding_and_within_it_a_note() -> None:
+    """The comparison counts what gpuclean's summary counts: a passing test whose kept tensors grew above the
+    floor is one of its findings (a warning), growth within the floor a note (Lightning, H200 run 72)."""
+    sys.path.insert(0, str(PEERS))
+    try:
+        import run_peers
+    finally:
+        sys.path.remove(str(PEERS))
+
+    def test(nodeid: str, mib: float, findings: bool) -> dict[str, object]:
+        return {"nodeid": nodeid, "outcome": "clean", "findings": findings, "leaked": [], "found_later": [],
+                "before": None, "after": None, "in_process_mib": [{"device": "cuda:0", "mib": mib}]}
+
+    report = {"tests": [test("t.py::kept", 65.0, True), test("t.py::cache", 1.0, False)], "fixtures": [],
+              "session_reaped": [], "notes": [], "summary": {"with_findings": 1}}
+    assert run_peers.findings(report) == [
+        "t.py::kept: torch memory grew in-process (a warning): cuda:0 65.0 MiB"]
+    assert [g["nodeid"] for g in run_peers.report_notes(report)["in_process_growth"]] == ["t.py::cache"]
