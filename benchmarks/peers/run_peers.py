@@ -381,10 +381,13 @@ def installed(*names: str) -> str:
 
 def reference_key(args: argparse.Namespace) -> dict[str, Any]:
     """What a plugin-off run's outcomes depend on: the suite, its slice, how it runs, and the libraries."""
-    key: dict[str, Any] = {"suite": args.suite, "shard": args.shard, "shard_part": args.shard_part,
+    key: dict[str, Any] = {"suite": args.suite, "shard": args.shard,
                            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
                            "pytest": installed("pytest"), "torch": installed("torch"),
                            "pytest_args": args.pytest_args}
+    if args.shard_part:
+        # (only where set: the references recorded before parts existed keep their key, and their file)
+        key["shard_part"] = args.shard_part
     if args.suite == "torch":
         key.update(backend=args.backend, world_size=args.world_size)
     elif args.suite == "dir":

@@ -33,6 +33,10 @@
 #   SUITES_WORK           scratch folder (default a new one under /tmp)
 #   SIMULATE              1: simulated devices (default: 1 where nvidia-smi finds no GPU)
 #   SUITES_GPUCLEAN_ARGS  more arguments for the gpuclean way only, e.g. --gpuclean-helpers=torch_shm_manager
+#   SUITES_REFERENCE_DIR  recorded plugin-off runs (run_peers.py --reference-dir): one recorded for the same
+#                         suite, slice, Python, pytest, torch and library versions stands in for the off way
+#                         (a test whose outcome differs from it still runs again alone, both ways)
+#   SUITES_RECORD_REFERENCE=DIR  run the plugin-off way only and record it in DIR as that reference
 # The suites run from a copy outside the checkout, so that pytest finds each suite's own configuration and
 # never this project's pyproject.toml.
 set -uo pipefail
@@ -157,7 +161,11 @@ for suite in "${suites[@]}"; do
     cp -r ".suites/$suite" "$work/suites/$suite"
     say ""
     say "== $suite $(grep -E '^(version|tag|commit|file)=' ".suites/$suite/SOURCE" | tr '\n' ' ')"
-    args=(dir --suite-dir "$work/suites/$suite" --name "$suite" --libs "$libs" --ways off,all
+    ways=off,all
+    reference=()
+    if [ -n "${SUITES_RECORD_REFERENCE:-}" ]; then ways=off; reference=(--record-reference "$SUITES_RECORD_REFERENCE")
+    elif [ -n "${SUITES_REFERENCE_DIR:-}" ]; then reference=(--reference-dir "$SUITES_REFERENCE_DIR"); fi
+    args=(dir --suite-dir "$work/suites/$suite" --name "$suite" --libs "$libs" --ways "$ways" "${reference[@]}"
           --keep-work "$work/$suite" --out "$work/$suite.json" --way-timeout "$way_timeout" --max-reruns 40
           --budget "$suite_budget"
           --shard "$shard" --shard-part "$part"
