@@ -22,7 +22,7 @@ OLD_NAMES = {
                                 "settings", "locks", "health", "processes", "ownership", "checker")},
     "model.readings": "model", "model.results": "model", "model.findings": "findings",
     "model.ray_model": "ray_model", "model.text": "report", "model.records": "model",
-    "model.decisions": "model",
+    "model.decisions": "model", "model.outcomes": "model",
     **{f"report.{m}": m for m in ("report", "jsonreport", "records", "serialize")},
     "ray.cluster": "cluster", "ray.cli_ray": "cli_ray",
     "session.names": "plugin", "session.session": "session", "session.testcheck": "testcheck",

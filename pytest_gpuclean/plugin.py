@@ -49,7 +49,8 @@ from pytest_gpuclean.session.names import (
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
-    from pytest_gpuclean.model.records import CleanGpus, Reaped
+    from pytest_gpuclean.model.outcomes import CleanGpus
+    from pytest_gpuclean.model.records import Reaped
     from pytest_gpuclean.session.session import CheckedSession
 
 __all__ = [
@@ -431,7 +432,7 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
     """
     # Here, not at the top: a session that checks nothing imports neither the model nor the session's
     # records (a test that requests the fixture is checked, and its session has loaded both).
-    from pytest_gpuclean.model.records import CleanGpus, DeviceState
+    from pytest_gpuclean.model.outcomes import CleanGpus, DeviceState
     from pytest_gpuclean.report.records import TEST
 
     # (from the test's record: its setup check's readings; the fixture's value is built only for a test that

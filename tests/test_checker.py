@@ -19,7 +19,8 @@ import pytest
 from helpers import exec_done
 
 from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.model.records import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean.model.outcomes import CheckResult
+from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
 GPU1 = DeviceInfo(1, "GPU-fake-1", "Fake GPU")

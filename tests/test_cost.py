@@ -133,7 +133,7 @@ def test_a_collected_checked_test_starts_the_session(example: Callable[..., Path
     # The model is one module of records (cheap classes: no dataclass compiles methods at import) and its
     # decisions, loaded whole; nothing of Ray loads without --gpuclean-ray, and no plugin of its hooks.
     assert {m for m in state["modules"] if m.startswith("pytest_gpuclean.model")} == {
-        "pytest_gpuclean.model", "pytest_gpuclean.model.decisions", "pytest_gpuclean.model.records",
+        "pytest_gpuclean.model", "pytest_gpuclean.model.outcomes", "pytest_gpuclean.model.records",
         "pytest_gpuclean.model.text"}
     assert not [m for m in state["modules"] if m.startswith("pytest_gpuclean.ray")]
     assert "gpuclean-ray" not in state["plugins"]

@@ -20,8 +20,8 @@ import pytest
 
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.decisions import ALL_KINDS, split_own
-from pytest_gpuclean.model.records import CheckResult, Phase, Reaped, TestRecord
+from pytest_gpuclean.model.outcomes import ALL_KINDS, CheckResult, TestRecord, split_own
+from pytest_gpuclean.model.records import Phase, Reaped
 from pytest_gpuclean.ray import reporting
 from pytest_gpuclean.report import report
 

@@ -24,15 +24,8 @@ from pytest_gpuclean import __version__
 from pytest_gpuclean.core.deciding import reap_plan
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.evidence import Ownership
-from pytest_gpuclean.model.records import (
-    MIB,
-    CheckResult,
-    ClusterReading,
-    Fields,
-    NodeReading,
-    Offender,
-    ProcessInfo,
-)
+from pytest_gpuclean.model.outcomes import CheckResult, ClusterReading, NodeReading
+from pytest_gpuclean.model.records import MIB, Fields, Offender, ProcessInfo
 from pytest_gpuclean.ray import cluster
 from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeProcess, NodeReport
 from pytest_gpuclean.report import jsonreport, report

@@ -31,20 +31,8 @@ from typing import Any, Final, cast, get_args
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.evidence import SESSION, Ownership
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.records import (
-    MIB,
-    CheckResult,
-    ClusterReading,
-    EndedBy,
-    Fields,
-    NodeReading,
-    NodeRelease,
-    Offender,
-    Owner,
-    Phase,
-    ProcessInfo,
-    Reaped,
-)
+from pytest_gpuclean.model.outcomes import CheckResult, ClusterReading, NodeReading, NodeRelease
+from pytest_gpuclean.model.records import MIB, EndedBy, Fields, Offender, Owner, Phase, ProcessInfo, Reaped
 from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeEnd, NodeProcess, Outcome
 
 __all__ = [

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_gpuclean.model.records import CheckResult, DeviceSnapshot, Reaped, TestRecord
+from pytest_gpuclean.model.outcomes import CheckResult, TestRecord
+from pytest_gpuclean.model.records import DeviceSnapshot, Reaped
 from pytest_gpuclean.report import jsonreport, report
 
 __all__ = [

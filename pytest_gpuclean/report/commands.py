@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any, Final, TextIO
 
 from pytest_gpuclean import __version__
+from pytest_gpuclean.model.outcomes import CheckResult
 from pytest_gpuclean.model.records import (
     MIB,
-    CheckResult,
     DeviceHealth,
     DeviceInfo,
     DeviceSnapshot,

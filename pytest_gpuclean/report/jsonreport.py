@@ -18,21 +18,26 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuclean.model.decisions import OwnLeaks, has_findings, own_leaks, reaped_count
-from pytest_gpuclean.model.decisions import outcome as results_outcome
+from pytest_gpuclean.model.outcomes import (
+    CheckResult,
+    FixtureLeak,
+    OwnLeaks,
+    TestRecord,
+    has_findings,
+    own_leaks,
+    reaped_count,
+)
+from pytest_gpuclean.model.outcomes import outcome as results_outcome
 from pytest_gpuclean.model.records import (
     MIB,
-    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
-    FixtureLeak,
     HealthFinding,
     Offender,
     Owner,
     ProcessInfo,
     Reaped,
     SiblingUse,
-    TestRecord,
 )
 
 __all__ = [
@@ -158,7 +163,7 @@ def outside_json(check: CheckResult) -> JsonDict | None:
 
 def own_reaped(record: TestRecord) -> list[Reaped]:
     """Processes the after-check reaped that this test (or a fixture ending with it) leaked
-    (``decisions.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
+    (``outcomes.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
     return own_leaks(record).reaped
 
 
@@ -179,7 +184,7 @@ def _offender_leak_json(offender: Offender, ended_by: str | None) -> JsonDict | 
 
 
 def leaked_json(record: TestRecord) -> list[JsonDict]:
-    """Every process this test left behind (``decisions.own_leaks``): reaped after it, found by a later
+    """Every process this test left behind (``outcomes.own_leaks``): reaped after it, found by a later
     check, or not reapable."""
     leaks = own_leaks(record)
     leaked: list[JsonDict] = [*(_reaped_leak_json(r, "teardown") for r in leaks.reaped),
@@ -212,7 +217,7 @@ def _cluster_leaked_json(leaks: OwnLeaks) -> list[JsonDict]:
 
 
 def outcome(record: TestRecord) -> str:
-    """The test's outcome (``decisions.outcome``, which every output uses)."""
+    """The test's outcome (``outcomes.outcome``, which every output uses)."""
     return results_outcome(record)
 
 

@@ -17,7 +17,8 @@ from typing import Any, Final
 
 import pytest
 
-from pytest_gpuclean.model.records import Fields, Reaped, SiblingUse, TestRecord
+from pytest_gpuclean.model.outcomes import TestRecord
+from pytest_gpuclean.model.records import Fields, Reaped, SiblingUse
 
 __all__ = [
     "EMPTY_PAYLOAD",

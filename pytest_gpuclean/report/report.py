@@ -5,18 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from pytest_gpuclean.model.decisions import has_findings, noticed, outcome, reaped_count
-from pytest_gpuclean.model.records import (
-    MIB,
+from pytest_gpuclean.model.outcomes import (
     CheckResult,
-    DeviceSnapshot,
-    Fields,
     FixtureLeak,
-    Offender,
-    ProcessInfo,
-    Reaped,
     TestRecord,
+    has_findings,
+    noticed,
+    outcome,
+    reaped_count,
 )
+from pytest_gpuclean.model.records import MIB, DeviceSnapshot, Fields, Offender, ProcessInfo, Reaped
 from pytest_gpuclean.model.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checker.py's messages use them too)
 from pytest_gpuclean.model.text import mib_list as mib_list
 from pytest_gpuclean.model.text import one_line as one_line

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.model.records import Phase, Reaped, TestRecord
+    from pytest_gpuclean.model.outcomes import TestRecord
+    from pytest_gpuclean.model.records import Phase, Reaped
     from pytest_gpuclean.session.started import ItemState, Started
 
 __all__ = [

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean.model.records import DeviceInfo, FixtureLeak, Reaped, TestRecord
+from pytest_gpuclean.model.outcomes import FixtureLeak, TestRecord
+from pytest_gpuclean.model.records import DeviceInfo, Reaped
 from pytest_gpuclean.report import records, report
 
 if TYPE_CHECKING:

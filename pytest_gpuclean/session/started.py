@@ -29,14 +29,8 @@ if TYPE_CHECKING:
     from pytest_gpuclean.core.options.settings import Settings
     from pytest_gpuclean.core.ownership.evidence import Ownership
     from pytest_gpuclean.core.reading.devices import DeviceLost
-    from pytest_gpuclean.model.records import (
-        CensusEntry,
-        CheckResult,
-        HealthFinding,
-        LockHolder,
-        Phase,
-        TestRecord,
-    )
+    from pytest_gpuclean.model.outcomes import CheckResult, TestRecord
+    from pytest_gpuclean.model.records import CensusEntry, HealthFinding, LockHolder, Phase
 
 __all__ = [
     "CheckerView",

@@ -22,16 +22,8 @@ from pytest_gpuclean.core.locks.gpus import LockTimeout
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean.core.reading import health as health_mod
-from pytest_gpuclean.model.decisions import split_own
-from pytest_gpuclean.model.records import (
-    CheckResult,
-    FixtureLeak,
-    HealthFinding,
-    OutsideAction,
-    Owner,
-    Phase,
-    TestRecord,
-)
+from pytest_gpuclean.model.outcomes import CheckResult, FixtureLeak, TestRecord, split_own
+from pytest_gpuclean.model.records import HealthFinding, OutsideAction, Owner, Phase
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started

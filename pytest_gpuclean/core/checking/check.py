@@ -30,10 +30,10 @@ from pytest_gpuclean.core.deciding.decide import MAX_REAP_ROUNDS
 from pytest_gpuclean.core.deciding.verdict import Judge, Key, Snapshot, Verdict, mib_of, offenders
 from pytest_gpuclean.core.reading import processes
 from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
+from pytest_gpuclean.model.outcomes import CheckResult
 from pytest_gpuclean.model.records import (
     MIB,
     CensusEntry,
-    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     EndedBy,

@@ -28,9 +28,9 @@ from pytest_gpuclean.core.ownership.evidence import PREEXISTING, SESSION, Owners
 from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.core.reading.backends import Backend
 from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
+from pytest_gpuclean.model.outcomes import CheckResult
 from pytest_gpuclean.model.records import (
     CensusEntry,
-    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     Owner,

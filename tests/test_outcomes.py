@@ -10,8 +10,12 @@ import pytest
 
 from pytest_gpuclean.core.deciding import reap_plan
 from pytest_gpuclean.core.deciding.reap_plan import plan as plan_reap
-from pytest_gpuclean.model.decisions import (
+from pytest_gpuclean.model.outcomes import (
     ALL_KINDS,
+    CheckResult,
+    ClusterReading,
+    FixtureLeak,
+    NodeReading,
     has_findings,
     noticed,
     outcome,
@@ -19,20 +23,16 @@ from pytest_gpuclean.model.decisions import (
     reaped_count,
     split_own,
 )
+from pytest_gpuclean.model.outcomes import TestRecord as Record
 from pytest_gpuclean.model.records import (
-    CheckResult,
-    ClusterReading,
-    FixtureLeak,
     FoundBy,
     HealthFinding,
-    NodeReading,
     Offender,
     Owner,
     OwnerKind,
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.model.records import TestRecord as Record
 from pytest_gpuclean.report import jsonreport, report
 from pytest_gpuclean.session import outputs
 

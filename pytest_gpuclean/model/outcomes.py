@@ -1,0 +1,530 @@
+"""What a check and a test came to, and the decisions over them.
+
+The records: a check's verdict (``CheckResult``, with a Ray cluster's reading beside this host's:
+``ClusterReading`` of ``NodeReading`` and ``NodeRelease``), a fixture's leak (``FixtureLeak``), a test's
+record (``TestRecord``), and what the ``clean_gpus`` fixture gives a test (``CleanGpus`` of ``DeviceState``).
+Each is a ``Fields`` class, as in ``records.py``, which holds what is read and found.
+
+The decisions: whose a process is (``split_own``), what a test's outcome is (``own_leaks``, ``outcome``,
+``has_findings``, ``noticed``), how many processes a session reaped (``reaped_count``). Plain functions over
+plain data, so every output (summary, JSON, JUnit, annotations, the checks' own filtering) asks the same
+question the same way, and a table of records tests them without processes (tests/test_outcomes.py).
+
+Why the results live beside the decisions and not in a module of their own: the decisions read them, so such a
+module would sit between ``records.py`` and this one, a floor more under every import chain that ends at a
+result (tests/test_layers.py holds every chain to six floors; docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Final, Literal, Protocol, TypeVar
+
+from pytest_gpuclean.model.records import (
+    DeviceSnapshot,
+    Fields,
+    FoundBy,
+    HealthFinding,
+    Offender,
+    Outside,
+    OutsideAction,
+    Owner,
+    OwnerKind,
+    Phase,
+    Reaped,
+    SiblingUse,
+)
+
+__all__ = [
+    "ALL_KINDS",
+    "CheckResult",
+    "CleanGpus",
+    "ClusterReading",
+    "DeviceState",
+    "FixtureLeak",
+    "NodeReading",
+    "NodeRelease",
+    "Outcome",
+    "OwnLeaks",
+    "TestRecord",
+    "has_findings",
+    "noticed",
+    "outcome",
+    "own_leaks",
+    "reaped_count",
+    "split_own",
+]
+
+
+# ---- a Ray cluster's reading, beside this host's -----------------------------------------------------
+
+
+class NodeReading(Fields):
+    """One alive Ray node as a cluster's check read it; its devices are named with the node."""
+
+    __slots__ = ("node_id", "devices", "error")
+    node_id: Final[str]
+    devices: Final[tuple[DeviceSnapshot, ...]]
+    error: Final[str]
+
+    def __init__(self, node_id: str, devices: tuple[DeviceSnapshot, ...], error: str = "") -> None:
+        self.node_id = node_id
+        self.devices = devices
+        self.error = error
+
+
+class NodeRelease(Fields):
+    """How long one Ray node's devices took to let go of what a cluster's check ended there."""
+
+    __slots__ = ("node_id", "release_s", "pids")
+    node_id: Final[str]
+    release_s: Final[float | None]
+    """Seconds from the first kill on the node (``ray.kill`` or SIGTERM) until its devices listed none of
+    the ended processes; None if none of them was on a device, or they were still listed at the deadline."""
+    pids: Final[tuple[int, ...]]
+    """The ended processes that were on the node's devices."""
+
+    def __init__(self, node_id: str, release_s: float | None, pids: tuple[int, ...] = ()) -> None:
+        self.node_id = node_id
+        self.release_s = release_s
+        self.pids = pids
+
+
+class ClusterReading(Fields):
+    """What a check of a Ray cluster read beside its findings (``CheckResult.cluster``): the cluster, each
+    alive node's devices, and how long each node took to release what was ended there. The findings
+    themselves are ordinary ``Offender``/``Reaped`` records that name their ``node``."""
+
+    __slots__ = ("address", "nodes", "releases")
+    address: Final[str]
+    nodes: Final[tuple[NodeReading, ...]]
+    releases: Final[tuple[NodeRelease, ...]]
+
+    def __init__(self, address: str, nodes: tuple[NodeReading, ...] = (),
+                 releases: tuple[NodeRelease, ...] = ()) -> None:
+        self.address = address
+        self.nodes = nodes
+        self.releases = releases
+
+
+# ---- a check's verdict and a test's record ---------------------------------------------------------------
+
+
+class CheckResult(Fields):
+    """The verdict of one check of the devices and processes."""
+
+    __slots__ = (
+        "clean",
+        "clean_after_s",
+        "cluster",
+        "collected",
+        "device_lost",
+        "devices",
+        "error",
+        "lingered",
+        "notes",
+        "offenders",
+        "outside",
+        "phase",
+        "reaped",
+        "self_cuda_only",
+        "self_mib",
+        "siblings",
+        "tolerance_mib",
+        "waited_s",
+    )
+    phase: Final[Phase]
+    clean: Final[bool]
+    devices: Final[tuple[DeviceSnapshot, ...]]
+    offenders: Final[tuple[Offender, ...]]
+    reaped: Final[tuple[Reaped, ...]]
+    waited_s: Final[float]
+    clean_after_s: Final[float | None]
+    """Seconds from the start of this check to confirmed clean (None if it never got clean)."""
+    notes: Final[tuple[str, ...]]
+    tolerance_mib: Final[int]
+    collected: Final[tuple[Reaped, ...]]
+    """Processes of ours that had exited without anybody waiting for them (zombies), or that exited by
+    themselves within the settle time: collected and reported, not counted as leaks."""
+    lingered: Final[tuple[Offender, ...]]
+    """Our processes that were alive when the check started and ended by themselves while it waited
+    (reaping off): not dirty any more, but still leaked by whoever spawned them."""
+    self_mib: Final[tuple[tuple[str, float], ...]]
+    """This process's own memory per device (a CUDA context of the pytest process): not a leak."""
+    self_cuda_only: Final[tuple[str, ...]]
+    """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
+    error: Final[str | None]
+    """Why a device could not be read (naming it), which ended the check at once, not clean: what was
+    provably ours was still reaped, as process ownership needs no device reading. None if every read
+    succeeded."""
+    device_lost: Final[bool]
+    """The device that could not be read is gone (NVML's GPU_IS_LOST, a simulated device's folder removed):
+    no later check can succeed."""
+    siblings: Final[tuple[SiblingUse, ...]]
+    """Processes of other workers of the same xdist run on these devices: excused, not waited for, never
+    signalled (the notes name them)."""
+    outside: Final[Outside | None]
+    """What of the findings came from outside the session; None if nothing did."""
+    cluster: Final[ClusterReading | None]
+    """A Ray cluster's check: the cluster and each node's devices (``devices`` is empty: they are the
+    nodes'), its offenders and reaped naming their ``node``; None for this host's check."""
+
+    def __init__(self, phase: Phase, clean: bool, devices: tuple[DeviceSnapshot, ...],
+                 offenders: tuple[Offender, ...], reaped: tuple[Reaped, ...] = (), waited_s: float = 0.0,
+                 clean_after_s: float | None = None, notes: tuple[str, ...] = (), tolerance_mib: int = 0,
+                 collected: tuple[Reaped, ...] = (), lingered: tuple[Offender, ...] = (),
+                 self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = (),
+                 error: str | None = None, device_lost: bool = False,
+                 siblings: tuple[SiblingUse, ...] = (), outside: Outside | None = None,
+                 cluster: ClusterReading | None = None) -> None:
+        self.phase = phase
+        self.clean = clean
+        self.devices = devices
+        self.offenders = offenders
+        self.reaped = reaped
+        self.waited_s = waited_s
+        self.clean_after_s = clean_after_s
+        self.notes = notes
+        self.tolerance_mib = tolerance_mib
+        self.collected = collected
+        self.lingered = lingered
+        self.self_mib = self_mib
+        self.self_cuda_only = self_cuda_only
+        self.error = error
+        self.device_lost = device_lost
+        self.siblings = siblings
+        self.outside = outside
+        self.cluster = cluster
+
+
+class FixtureLeak(Fields):
+    """What a fixture wider than a test (module, class, package or session scope) left behind, found at the
+    teardown of the test that finalized it: the fixture's finding, not that test's."""
+
+    __slots__ = ("leaked", "lingered", "location", "name", "reaped", "reported_on", "scope")
+    name: Final[str]
+    scope: Final[str]
+    location: Final[tuple[str, int]]
+    """Where the fixture is defined: file (relative to rootdir where it is under it) and 1-based line of its
+    first decorator (pytest's convention for a test); ("", 0) if unknown."""
+    reported_on: Final[str]
+    """The node id of the test at whose teardown the fixture ended and its leftovers were found."""
+    reaped: Final[tuple[Reaped, ...]]
+    leaked: Final[tuple[Offender, ...]]
+    """Its processes still there after the check: not reaped (reaping off, or they could not be ended)."""
+    lingered: Final[tuple[Offender, ...]]
+    """Its processes that ended by themselves while the check waited (reaping off)."""
+
+    def __init__(self, name: str, scope: str, location: tuple[str, int], reported_on: str,
+                 reaped: tuple[Reaped, ...] = (), leaked: tuple[Offender, ...] = (),
+                 lingered: tuple[Offender, ...] = ()) -> None:
+        self.name = name
+        self.scope = scope
+        self.location = location
+        self.reported_on = reported_on
+        self.reaped = reaped
+        self.leaked = leaked
+        self.lingered = lingered
+
+    @property
+    def where(self) -> str:
+        """``conftest.py:12``, or "" if unknown."""
+        return f"{self.location[0]}:{self.location[1]}" if self.location[0] else ""
+
+    def __str__(self) -> str:
+        """``fixture engine (session-scoped, conftest.py:12)``."""
+        return f"fixture {self.name} ({self.scope}-scoped" + (f", {self.where})" if self.where else ")")
+
+
+class TestRecord(Fields):
+    """Everything gpuclean saw for one checked test; feeds the summary, JSON and JUnit output."""
+
+    __slots__ = (
+        "after",
+        "after_s",
+        "before",
+        "before_s",
+        "cluster_after",
+        "cluster_before",
+        "devices",
+        "fixture_leaks",
+        "found_later",
+        "gpu_without_lock",
+        "health",
+        "in_process_mib",
+        "location",
+        "lock_timeout",
+        "lock_wait_s",
+        "nodeid",
+        "outside_action",
+    )
+    __hash__ = None  # type: ignore[assignment]  # (filled in as the test runs)
+    nodeid: str
+    location: tuple[str, int]
+    before: CheckResult | None
+    after: CheckResult | None
+    found_later: tuple[Reaped, ...]
+    """Processes this test leaked that a later check found (e.g. the test was not checked)."""
+    in_process_mib: tuple[tuple[str, float], ...]
+    """Growth of ``torch.cuda.memory_allocated`` during the test, per device."""
+    devices: tuple[str, ...]
+    """UUIDs the test held the locks of."""
+    lock_wait_s: float
+    lock_timeout: str | None
+    """Why the test never got its GPU locks (it waited ``lock_wait_s``); None if it got them."""
+    before_s: float
+    after_s: float
+    cluster_before: CheckResult | None
+    """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
+    cluster_after: CheckResult | None
+    fixture_leaks: tuple[FixtureLeak, ...]
+    """Leaks of fixtures wider than a test that ended at this test's teardown: found by its check, but
+    the fixtures' findings (its ``after`` keeps only what is this test's own). Like the other collections
+    of a record, a tuple: the empty one is shared by every record (the session keeps them all, and the
+    garbage collector walks them)."""
+    gpu_without_lock: tuple[SiblingUse, ...]
+    """Processes this test started that another xdist worker found holding memory on a GPU whose lock
+    that worker's test held (recorded there, merged in by the controller)."""
+    health: tuple[HealthFinding, ...]
+    """What the health watch (``health.py``) found on this test's GPUs: Xid events, a GPU that needs a reset,
+    a changed setting, a lost GPU, a failed probe, clock event reasons."""
+    outside_action: OutsideAction | None
+    """What the test got because a check found its GPUs dirty only from outside the session
+    (``--gpuclean-outside``); None if none did."""
+
+    def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
+                 after: CheckResult | None = None, found_later: tuple[Reaped, ...] = (),
+                 in_process_mib: tuple[tuple[str, float], ...] = (), devices: tuple[str, ...] = (),
+                 lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
+                 after_s: float = 0.0, cluster_before: CheckResult | None = None,
+                 cluster_after: CheckResult | None = None,
+                 fixture_leaks: tuple[FixtureLeak, ...] = (),
+                 gpu_without_lock: tuple[SiblingUse, ...] = (),
+                 health: tuple[HealthFinding, ...] = (),
+                 outside_action: OutsideAction | None = None) -> None:
+        self.nodeid = nodeid
+        self.location = location
+        self.before = before
+        self.after = after
+        self.found_later = found_later
+        self.in_process_mib = in_process_mib
+        self.devices = devices
+        self.lock_wait_s = lock_wait_s
+        self.lock_timeout = lock_timeout
+        self.before_s = before_s
+        self.after_s = after_s
+        self.cluster_before = cluster_before
+        self.cluster_after = cluster_after
+        self.fixture_leaks = fixture_leaks
+        self.gpu_without_lock = gpu_without_lock
+        self.health = health
+        self.outside_action = outside_action
+
+
+# ---- what the ``clean_gpus`` fixture gives a test ---------------------------------------------------------
+
+
+class DeviceState(Fields):
+    """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check). Made only
+    for a test that requests the fixture, from its setup check's readings."""
+
+    __slots__ = ("index", "uuid", "name", "used_bytes", "total_bytes")
+    index: Final[int]
+    """NVML index of the physical GPU (what nvidia-smi shows)."""
+    uuid: Final[str]
+    name: Final[str]
+    used_bytes: Final[int]
+    total_bytes: Final[int]
+
+    def __init__(self, index: int, uuid: str, name: str, used_bytes: int, total_bytes: int) -> None:
+        self.index = index
+        self.uuid = uuid
+        self.name = name
+        self.used_bytes = used_bytes
+        self.total_bytes = total_bytes
+
+
+class CleanGpus(Fields):
+    """What the ``clean_gpus`` fixture yields: the devices this test checks (and holds locks of)."""
+
+    __slots__ = ("devices",)
+    devices: Final[tuple[DeviceState, ...]]
+
+    def __init__(self, devices: tuple[DeviceState, ...]) -> None:
+        self.devices = devices
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(d.uuid for d in self.devices)
+
+
+# ---- the decisions over them -------------------------------------------------------------------------------
+
+
+class _Owned(Protocol):
+    @property
+    def owner(self) -> Owner | None: ...
+    @property
+    def found_by(self) -> FoundBy: ...
+
+
+_O = TypeVar("_O", bound=_Owned)
+
+ALL_KINDS: Final[tuple[OwnerKind, ...]] = ("test", "fixture", "session", "unknown")
+_TESTS: Final[tuple[OwnerKind, ...]] = ("test",)
+
+
+def split_own(found: Iterable[_O], mine: Callable[[Owner], bool],
+              judged: Collection[OwnerKind] = ("test", "fixture"), *,
+              dead_sessions_theirs: bool = True) -> tuple[list[_O], list[_O]]:
+    """``(own, earlier)``: which of ``found`` (reaped processes or offenders) are this test's own, and which
+    belong to an earlier test (or a dead session), to be charged to it instead.
+
+    An owner of a kind in ``judged`` is this test's only if ``mine`` says so (its token is the test's or a
+    fixture's ending with it; or, in a record that lost the tokens, its name is the test's); an unknown
+    owner, or one of a kind not judged (the session's), is the finder's. A dead session's debris is that
+    session's leak, never this test's (``dead_sessions_theirs``).
+    """
+    own: list[_O] = []
+    earlier: list[_O] = []
+    for item in found:
+        owner = item.owner
+        if dead_sessions_theirs and item.found_by == "dead session":
+            earlier.append(item)
+        elif owner is None or owner.kind not in judged or mine(owner):
+            own.append(item)
+        else:
+            earlier.append(item)
+    return own, earlier
+
+
+class OwnLeaks(Fields):
+    """Every process a test left behind, by where it was found (the order the reports list them in)."""
+
+    __slots__ = ("reaped", "later", "offenders", "cluster_reaped", "cluster_left")
+    reaped: Final[list[Reaped]]
+    """Reaped by the check after it."""
+    later: Final[list[Reaped]]
+    """Found (and reaped) by a later check."""
+    offenders: Final[list[tuple[Offender, str | None]]]
+    """Not reaped: still running (``None``: reaping off, or it survived), or gone by itself while the check
+    waited (``"exited by itself"``)."""
+    cluster_reaped: Final[list[Reaped]]
+    cluster_left: Final[list[Offender]]
+    """Still on the Ray cluster after it."""
+
+    def __init__(self, reaped: list[Reaped], later: list[Reaped],
+                 offenders: list[tuple[Offender, str | None]], cluster_reaped: list[Reaped],
+                 cluster_left: list[Offender]) -> None:
+        self.reaped = reaped
+        self.later = later
+        self.offenders = offenders
+        self.cluster_reaped = cluster_reaped
+        self.cluster_left = cluster_left
+
+    def any(self) -> bool:
+        return bool(self.reaped or self.later or self.offenders or self.cluster_reaped or self.cluster_left)
+
+
+def own_leaks(record: TestRecord) -> OwnLeaks:
+    """What ``record``'s test leaked, its own only: the after-check also reaps leftovers of earlier,
+    unchecked tests; those are charged to the test that spawned them (its ``found_later``)."""
+    after = record.after
+    nodeid = record.nodeid
+
+    def mine(owner: Owner) -> bool:
+        return owner.name == nodeid
+
+    reaped: list[Reaped] = []
+    offenders: list[tuple[Offender, str | None]] = []
+    if after is not None:
+        # (The check already set a dead session's reaped debris apart; an offender that is one is listed,
+        # as the reports always did.)
+        reaped = split_own(after.reaped, mine, _TESTS, dead_sessions_theirs=False)[0]
+        for found, ended_by in ((after.offenders, None), (after.lingered, "exited by itself")):
+            leaked = [o for o in found if o.reason == "leaked" and o.process is not None]
+            offenders.extend((o, ended_by) for o in split_own(leaked, mine, _TESTS,
+                                                              dead_sessions_theirs=False)[0])
+    cluster = record.cluster_after
+    cluster_reaped = [] if cluster is None else list(cluster.reaped)
+    cluster_left = [] if cluster is None else [
+        o for o in cluster.offenders if o.reason == "leaked" and o.process is not None]
+    return OwnLeaks(reaped, list(record.found_later), offenders, cluster_reaped, cluster_left)
+
+
+def _may_have_leaked(record: TestRecord) -> bool:
+    """Whether ``own_leaks`` has anything to look at: what every clean test's outcome, asked by every
+    output once per test, settles without building its lists."""
+    after = record.after
+    return bool(record.found_later) or record.cluster_after is not None or (
+        after is not None and bool(after.reaped or after.offenders or after.lingered))
+
+
+Outcome = Literal["leaked", "not_clean", "gpu_fault", "clean", "unchecked"]
+
+
+def outcome(record: TestRecord) -> Outcome:
+    """``leaked``, ``not_clean``, ``gpu_fault``, ``clean`` or ``unchecked`` (no check finished for this
+    test: see ``lock_timeout`` for one that never got its GPU locks).
+
+    A GPU that is not usable (it needs a reset, is lost, failed the probe) is not clean; ``gpu_fault``: the
+    test's GPUs were clean, but an Xid it caused (or a setting it changed) fails it. A fixture's leak is
+    the fixture's (``fixture_leaks``), not the test's; a leak found by a later check is the test's."""
+    # (no generator over a test's checks or an empty health list: every output asks this once per test)
+    if _may_have_leaked(record) and own_leaks(record).any():
+        return "leaked"
+    before, health = record.before, record.health
+    if _not_clean(before) or _not_clean(record.after) or _not_clean(record.cluster_before) or _not_clean(
+            record.cluster_after) or (health and any(f.effect in ("unusable", "lost") for f in health)):
+        return "not_clean"
+    if health and any(f.effect == "fault" for f in health):
+        return "gpu_fault"
+    return "clean" if before is not None else "unchecked"
+
+
+def _not_clean(check: CheckResult | None) -> bool:
+    return check is not None and not check.clean
+
+
+def _found_something(check: CheckResult | None) -> bool:
+    return check is not None and bool(not check.clean or check.offenders or check.reaped or check.collected)
+
+
+def has_findings(record: TestRecord) -> bool:
+    """Whether the test is at fault: its outcome is not clean (``leaked``, ``not_clean``, ``gpu_fault``), or
+    it has a finding of its own that does not fail it (torch memory grown in-process beyond what counts, a GPU
+    used while another xdist worker's test held its lock). The summary's count of tests "with findings" and
+    the JSON report's ``findings`` and ``with_findings`` are this.
+
+    What a check around the test did for others is ``noticed``, not this test's finding: an earlier test's
+    leftover reaped (charged to that test), a fixture's or an earlier test's process that exited by itself
+    while the check waited, a zombie collected, a lock wait given up (the test never ran: ``unchecked``)."""
+    if record.in_process_mib or record.gpu_without_lock:
+        return True
+    return outcome(record) in _AT_FAULT
+
+
+_AT_FAULT: Final[tuple[Outcome, ...]] = ("leaked", "not_clean", "gpu_fault")
+
+
+def noticed(record: TestRecord) -> bool:
+    """Whether a check around the test found something that is not its finding (``has_findings``): worth a
+    line in the summary, not a count."""
+    # (the clean path asks nothing more than its checks' fields: every output asks this once per test)
+    before, after, health = record.before, record.after, record.health
+    return (record.lock_timeout is not None or _found_something(before) or _found_something(after)
+            or (after is not None and bool(after.lingered)) or (
+                bool(health) and any(f.effect != "info" for f in health))) and not has_findings(record)
+
+
+def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:
+    """Processes ended by any check (a fixture's included, which its test's record no longer holds) and at
+    session end: the summary line's count and the JSON report's."""
+    count = len(session_reaped)
+    for r in records:  # (a loop: once per test of the session)
+        for c in (r.before, r.after, r.cluster_before, r.cluster_after):
+            if c:
+                count += len(c.reaped)
+        for f in r.fixture_leaks:
+            count += len(f.reaped)
+    return count
