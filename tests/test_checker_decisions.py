@@ -28,10 +28,20 @@ from pytest_gpuclean.core.ownership.evidence import (
     Window,
     born_in,
     dead_session_of,
+    fixture_owner,
     older_than_session,
+    owner_named,
     pid_between,
 )
-from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess, Offender, ProcessInfo
+from pytest_gpuclean.model.records import (
+    MIB,
+    DeviceInfo,
+    DeviceSnapshot,
+    GpuProcess,
+    Offender,
+    Owner,
+    ProcessInfo,
+)
 
 SPACE = 1 << 22  # pid_max on a 64-bit kernel
 GPU0 = DeviceInfo(0, "GPU-0000", "Fake")
@@ -376,3 +386,18 @@ ALIVE = {0: True, 1: True, 4: True, 9: False, 6: None}  # by the leader's pid, a
 def test_dead_session_of(cookie: str, own: str, dead: str | None) -> None:
     got = dead_session_of(cookie, own, lambda ref: ALIVE[ref.pid])
     assert (None if got is None else got.session_id.rsplit("/", 1)[-1]) == dead
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("test_a.py::test_x", "test"),
+    ("test_a.py::test_x[a (b)-c]", "test"),
+    ("test_a.py::TestC::test_y", "test"),
+    ("model_server (session-scoped)", "fixture"),
+    ("db (module-scoped)", "fixture"),
+    ("pytest session", "session"),
+])
+def test_a_dead_sessions_owner_is_read_back_with_its_kind(name: str, kind: str) -> None:
+    # A dead session's process names its owner in GPUCLEAN_OWNER, the name only; a fixture's taken for a
+    # test's made the next session report it as a test of its own that leaked.
+    assert owner_named(name) == Owner(kind, name)
+    assert fixture_owner("model_server", "session") == Owner("fixture", "model_server (session-scoped)")

@@ -531,13 +531,20 @@ def test_a_persistent_server_outlives_each_session_and_is_reused(
         assert pids == [pids[0]] * 3 and alive(pids[0])
         # Undeclared, it is the debris of the session that started it (reaped by the first check), and the
         # server the fixture starts again is the fixture's leak.
-        result = compat_run(pytester)
+        report = tmp_path / "report.json"
+        result = compat_run(pytester, f"--gpuclean-report={report}")
         result.assert_outcomes(passed=1, errors=1)
         assert wait_dead([pids[0]], timeout=5) == []
         out = result.stdout.str()
-        assert f"was leaked by model_server (session-scoped) and reaped (SIGTERM) before " \
+        assert f"was leaked by fixture model_server (session-scoped) and reaped (SIGTERM) before " \
                f"test_inner.py::test_asks_the_server; pid {pids[0]}: left by dead session" in out
         assert "gpuclean: fixture model_server (session-scoped, conftest.py:20) leaked 1 process(es)" in out
+        # The dead session's fixture is no test of this session: not counted as an unchecked test that
+        # leaked, nor a test in the report (it was, before: the name it left was taken for a test's).
+        assert summary_of(result)[-1] == \
+            "1 checked test(s), 0 with findings, 1 fixture(s) that leaked processes, 2 process(es) reaped"
+        document = json.loads(report.read_text())
+        assert [t["nodeid"] for t in document["tests"]] == ["test_inner.py::test_asks_the_server"]
     finally:
         if server_pidfile.exists():
             kill_all([int(server_pidfile.read_text())])

@@ -21,9 +21,10 @@ from pytest_gpuclean.core.locks.directory import take_notices
 from pytest_gpuclean.core.locks.gpus import LockTimeout
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, restore_env
+from pytest_gpuclean.core.ownership.evidence import fixture_owner
 from pytest_gpuclean.core.reading import health as health_mod
 from pytest_gpuclean.model.outcomes import CheckResult, FixtureLeak, TestRecord, split_own
-from pytest_gpuclean.model.records import HealthFinding, OutsideAction, Owner, Phase
+from pytest_gpuclean.model.records import HealthFinding, OutsideAction, Phase
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
@@ -457,7 +458,7 @@ class ItemChecks:
         """While a fixture wider than a test is set up, what it spawns is its own, protected while it is
         active."""
         ownership = self.session.checker.ownership
-        token = ownership.new_token(Owner("fixture", f"{fixturedef.argname} ({fixturedef.scope}-scoped)"))
+        token = ownership.new_token(fixture_owner(fixturedef.argname, fixturedef.scope))
         self._fixture_tokens[id(fixturedef)] = token
         self._fixture_defs[token] = fixturedef
         ownership.active_fixtures.add(token)

@@ -22,6 +22,7 @@ from pytest_gpuclean.core.ownership.evidence import (
     SessionRef,
     dead_session_of,
     innermost_session,
+    owner_named,
 )
 from pytest_gpuclean.core.ownership.helpers import library_helpers, torch_shm_manager
 from pytest_gpuclean.core.reading import processes, procfs
@@ -476,7 +477,7 @@ class Census:
     def owner_of(self, f: Found) -> Owner:
         if f.debris_of is not None:
             if f.owner_name:
-                return Owner("test", f.owner_name)
+                return owner_named(f.owner_name)
             return Owner("session", f.debris_of.describe())
         return self.ownership.owner(f.token)
 

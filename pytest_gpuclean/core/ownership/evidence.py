@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, SESSION_TOKEN, cookie
+from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN, cookie
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import UNKNOWN_OWNER, Fields, Owner
 
@@ -30,8 +30,10 @@ __all__ = [
     "Window",
     "born_in",
     "dead_session_of",
+    "fixture_owner",
     "innermost_session",
     "older_than_session",
+    "owner_named",
     "pid_between",
 ]
 
@@ -245,6 +247,26 @@ class Ownership:
 
 
 # ---- the decisions, over plain values (the readings are the caller's) --------------------------------
+
+
+_FIXTURE_NAME = re.compile(r" \((?:function|class|module|package|session)-scoped\)$")
+
+
+def fixture_owner(argname: str, scope: str) -> Owner:
+    """The owner of what a fixture wider than a test spawns while it is set up."""
+    return Owner("fixture", f"{argname} ({scope}-scoped)")
+
+
+def owner_named(name: str) -> Owner:
+    """The owner a dead session's process names in its ``OWNER_VAR``, which carries the name only: the kind
+    read back from the name's form. A fixture's name ends in ``(SCOPE-scoped)`` (``fixture_owner``) and no
+    node id ends in ``)``; taken for a test's, a dead session's fixture would be reported as a test of this
+    session that leaked."""
+    if name == SESSION_NAME:
+        return Owner("session", name)
+    if _FIXTURE_NAME.search(name):
+        return Owner("fixture", name)
+    return Owner("test", name)
 
 
 def born_in(windows: Sequence[Window], pid: int, start_ticks: int, now_pid: int | None, now_tick: int,
