@@ -1,6 +1,6 @@
 """The decisions over plain records, unit-tested without processes (as xdist's test_dsession.py drives its
-schedulers with MockNodes): whose a reaped process is (``results.split_own``), what a test's outcome is
-(``results.outcome``, ``results.has_findings``, ``results.own_leaks``), which every output uses, and what
+schedulers with MockNodes): whose a reaped process is (``outcomes.split_own``), what a test's outcome is
+(``outcomes.outcome``, ``outcomes.has_findings``, ``outcomes.own_leaks``), which every output uses, and what
 ``gpuclean reap`` may end on this host or a Ray cluster (``reap_plan.plan``).
 """
 

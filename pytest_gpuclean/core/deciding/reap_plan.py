@@ -2,7 +2,7 @@
 Ray cluster's nodes (``--ray``).
 
 The commands gather the facts (``cli.py`` from the devices and ``/proc``, ``ray/cli_ray.py`` from the
-cluster's census) into ``ReapCandidate`` records (``model/records.py``); ``plan`` decides, in one order,
+cluster's census) into ``ReapCandidate`` records (declared here); ``plan`` decides, in one order,
 which are targets and why each other one is left alone, so both cases are unit-tested without processes.
 """
 
