@@ -27,6 +27,7 @@ def model_server():
         if _alive(pid):
             yield pid
             return
+        os.unlink(pidfile)  # stale: wait below for the new server's, not this one
     subprocess.run([sys.executable, SERVER, pidfile], check=True)
     deadline = time.monotonic() + 30
     while not os.path.exists(pidfile) and time.monotonic() < deadline:
