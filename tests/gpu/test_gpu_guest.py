@@ -441,8 +441,11 @@ def test_a_persistent_cuda_server_outlives_each_session_and_is_reused(
     result.stdout.fnmatch_lines(["gpuclean: fixture model_server (session-scoped, conftest.py:*) leaked 1 "
                                  "process(es) (reaped), found at the teardown of "
                                  "test_inner.py::test_asks_the_server"])
-    result.stdout.fnmatch_lines([f"gpuclean: pid {server}: left by dead session *, spawned by model_server "
-                                 "(session-scoped): reaped (SIGTERM)"])
+    result.stdout.fnmatch_lines([f"gpuclean: pid {server}: left by dead session *, spawned by fixture "
+                                 "model_server (session-scoped): reaped (SIGTERM)"])
+    # The dead session's fixture is no test of this session (no "unchecked test(s) that leaked").
+    assert _summary(result)[-1] == ("1 checked test(s), 0 with findings, 1 fixture(s) that leaked processes, "
+                                    "2 process(es) reaped")
     assert _wait_dead([_pid(gpu_inner, "server")]) == []
 
 
