@@ -169,6 +169,19 @@ def clean_environment(**extra: str) -> dict[str, str]:
     return env
 
 
+def summary_of(result: pytest.RunResult) -> list[str]:
+    """The lines of gpuclean's terminal summary section."""
+    lines = result.outlines
+    starts = [i for i, line in enumerate(lines) if line.startswith("=") and " gpuclean " in line]
+    assert starts, "no gpuclean summary"
+    section: list[str] = []
+    for line in lines[starts[0] + 1:]:
+        if line.startswith("="):
+            break
+        section.append(line)
+    return section
+
+
 def run_inner(pytester: pytest.Pytester, *args: str, timeout: float = INNER_TIMEOUT) -> pytest.RunResult:
     """An inner pytest session with gpuclean, in a subprocess (signals, children and kills stay there)."""
     return pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider", "-rA", *args,

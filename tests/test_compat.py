@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 import pytest
-from helpers import INNER_TIMEOUT, alive, kill_all, read_pids, reap_orphans, run_inner, wait_dead
+from helpers import INNER_TIMEOUT, alive, kill_all, read_pids, reap_orphans, run_inner, summary_of, wait_dead
 
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.report.report import LEAK_PREFIX
@@ -77,20 +77,6 @@ def collect_inner_helpers(before: set[int]) -> None:
                 helpers.append(child.pid)
     wait_dead(helpers)
     reap_orphans(helpers)
-
-
-def summary_of(result: pytest.RunResult) -> list[str]:
-    """The lines of gpuclean's terminal summary section."""
-    lines = result.outlines
-    starts = [i for i, line in enumerate(lines) if line.startswith("=") and " gpuclean " in line]
-    if not starts:
-        return []
-    section: list[str] = []
-    for line in lines[starts[0] + 1:]:
-        if line.startswith("="):
-            break
-        section.append(line)
-    return section
 
 
 def report_of(pytester: pytest.Pytester) -> dict[str, Any]:

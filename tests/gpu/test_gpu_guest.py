@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 from gpu_helpers import alive, used_mib
+from helpers import summary_of
 
 # What the inner sessions' processes do with the GPU (gpu_use.py, next to the inner tests): the only real-GPU
 # code of the inner sources.
@@ -373,19 +374,6 @@ def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return result
 
 
-def _summary(result: pytest.RunResult) -> list[str]:
-    """The lines of gpuclean's terminal summary section."""
-    lines = result.outlines
-    starts = [i for i, line in enumerate(lines) if line.startswith("=") and " gpuclean " in line]
-    assert starts, "no gpuclean summary"
-    section: list[str] = []
-    for line in lines[starts[0] + 1:]:
-        if line.startswith("="):
-            break
-        section.append(line)
-    return section
-
-
 def _pid(pids: Path, name: str) -> int:
     return int((pids / f"{name}.pid").read_text())
 
@@ -415,7 +403,7 @@ def test_a_persistent_cuda_server_outlives_each_session_and_is_reused(
     for run in (1, 2):
         result = _run(pytester, "--gpuclean-persistent=*model_server.py*")
         result.assert_outcomes(passed=1)
-        assert _summary(result)[-1] == "1 checked test(s), 0 with findings, 0 process(es) reaped"
+        assert summary_of(result)[-1] == "1 checked test(s), 0 with findings, 0 process(es) reaped"
         server = _pid(gpu_inner, "server")
         named = [line for line in result.outlines if f"pid {server} is persistent" in line]
         assert len(named) == 1, named  # once per session
@@ -444,8 +432,8 @@ def test_a_persistent_cuda_server_outlives_each_session_and_is_reused(
     result.stdout.fnmatch_lines([f"gpuclean: pid {server}: left by dead session *, spawned by fixture "
                                  "model_server (session-scoped): reaped (SIGTERM)"])
     # The dead session's fixture is no test of this session (no "unchecked test(s) that leaked").
-    assert _summary(result)[-1] == ("1 checked test(s), 0 with findings, 1 fixture(s) that leaked processes, "
-                                    "2 process(es) reaped")
+    assert summary_of(result)[-1] == (
+        "1 checked test(s), 0 with findings, 1 fixture(s) that leaked processes, 2 process(es) reaped")
     assert _wait_dead([_pid(gpu_inner, "server")]) == []
 
 
@@ -465,7 +453,7 @@ def test_declared_helpers_on_the_gpu(gpu_inner: Path, pytester: pytest.Pytester)
                                      "command line matches --gpuclean-helpers, started during "
                                      "test_inner.py::test_1_first_use_starts_it): not a leak, left to end "
                                      "with the session: *")
-    summary = _summary(result)
+    summary = summary_of(result)
     assert summary[-1] == "4 checked test(s), 1 with findings, 1 process(es) reaped"
     assert [line.split(": ", 1)[0] for line in summary if line.startswith("test_inner.py::")] == [
         "test_inner.py::test_3_starts_a_helper_that_holds_gpu_memory"]
@@ -486,7 +474,7 @@ def test_forked_children_die_of_sigterm_with_nvml_open(
     result = _run(pytester)
     result.assert_outcomes(passed=2)
     assert "KeyboardInterrupt" not in result.stdout.str() + result.stderr.str()
-    assert _summary(result)[-1] == "2 checked test(s), 0 with findings, 0 process(es) reaped"
+    assert summary_of(result)[-1] == "2 checked test(s), 0 with findings, 0 process(es) reaped"
     without = json.loads((out / "without_cuda.json").read_text())
     with_cuda = json.loads((out / "with_cuda.json").read_text())
     print("without CUDA:", without, "\nwith CUDA:", with_cuda)
@@ -509,7 +497,7 @@ def test_the_victim_of_a_cuda_leak_is_not_a_finding(gpu_inner: Path, pytester: p
     result.assert_outcomes(passed=3, errors=1)
     leak_1, leak_3 = _pid(gpu_inner, "leak_1"), _pid(gpu_inner, "leak_3")
     assert _wait_dead([leak_1, leak_3]) == []
-    summary = _summary(result)
+    summary = summary_of(result)
     assert summary[-1] == ("2 checked test(s), 1 with findings, 1 unchecked test(s) that leaked processes, "
                            "2 process(es) reaped")
     victim = "test_inner.py::test_2_victim_reaps_it_before"
