@@ -103,16 +103,16 @@ def _owner(owner: dict[str, Any] | None) -> str:
 
 def finding_records(report: dict[str, Any]) -> list[dict[str, Any]]:
     """gpuclean's findings in one report, each with its processes: a test that leaked or found its GPUs not
-    clean, a fixture wider than a test that left processes, a process the final sweep reaped."""
+    clean, a test that kept tensors in the pytest process, a fixture wider than a test that left processes, a
+    process the final sweep reaped."""
     found: list[dict[str, Any]] = []
     for test in report["tests"]:
-        grew = [m for m in test.get("in_process_mib") or [] if m.get("mib")]
-        if test["outcome"] == "clean" and test.get("findings") and grew:
-            # A clean test with a finding: tensors it left in the pytest process above the floor, a
-            # warning that fails nothing, but a finding the summary's "with findings" counts.
+        if test.get("in_process_mib"):
+            # The report names a test's in-process growth only above the floor, where it is a finding (a
+            # warning that fails nothing); growth within the floor is in the session's notes alone.
             found.append({"where": "test", "nodeid": test["nodeid"], "processes": [],
                           "outcome": "torch memory grew in-process (a warning): " + ", ".join(
-                              f"{m['device']} {m['mib']:.1f} MiB" for m in grew)})
+                              f"{m['device']} {m['mib']:.1f} MiB" for m in test["in_process_mib"])})
         if test["outcome"] not in ("leaked", "not_clean") or foreign_debris(test):
             continue
         how = _found_by(test)
@@ -173,16 +173,9 @@ def findings(report: dict[str, Any]) -> list[str]:
 
 
 def report_notes(report: dict[str, Any]) -> dict[str, Any]:
-    """What the report says beyond findings: its notes (the pytest process's own CUDA context, ...), the tests
-    whose torch memory grew in-process within the floor (not a finding), its summary, and any helper list it
-    carries."""
-    grew = []
-    for test in report["tests"]:
-        mib = [m for m in test.get("in_process_mib") or [] if m.get("mib")]
-        if mib and not (test["outcome"] == "clean" and test.get("findings")):
-            grew.append({"nodeid": test["nodeid"], "in_process_mib": mib})
-    notes: dict[str, Any] = {"notes": report.get("notes", []), "in_process_growth": grew,
-                             "summary": report.get("summary", {})}
+    """What the report says beyond findings: its notes (the pytest process's own CUDA context, growth within
+    the floor, ...), its summary, and any helper list it carries."""
+    notes: dict[str, Any] = {"notes": report.get("notes", []), "summary": report.get("summary", {})}
     for key in ("helpers", "session_helpers", "persistent"):
         if key in report:
             notes[key] = report[key]

@@ -110,10 +110,6 @@ def main() -> int:
                 print(f"{s['suite']}: finding: {text}")
             if on.get("gpuclean_said"):
                 print(f"{s['suite']}: gpuclean said: {on['gpuclean_said'][0]}")
-            grew = on["report_notes"].get("in_process_growth", [])
-            if grew:
-                print(f"{s['suite']}: {len(grew)} test(s) with in-process torch memory growth (not "
-                      f"findings), e.g. {grew[0]}")
             for note in on["report_notes"].get("notes", [])[:5]:
                 print(f"{s['suite']}: gpuclean note: {note}")
         for failure in s["failures"]:
