@@ -4,7 +4,7 @@ provably the session's.
 ``Checker.check`` answers a clean check itself (``_quiet``: every device idle, nothing of ours alive);
 otherwise it runs a ``check.Check``: readings -> snapshot -> verdict -> action, pass after pass. The
 checker holds the census (``census.py``), the device backend, what was waited out from outside
-(``outside.py``), and the reaping (``reap``: what may be signalled, ``decide.may_signal``; the ladder,
+(``outside.py``), and the reaping (``reap``: what may be signalled, the one gate ``gate``; the ladder,
 ``reaping.py``) that a check and the session's edges (the final sweep, a dead session's debris) share.
 No pytest here: the plugin and the ``gpuclean`` command line drive the same ``Checker``.
 """
@@ -19,13 +19,13 @@ from collections.abc import Callable, Sequence
 from pytest_gpuclean.core.acting import pools, reaping
 from pytest_gpuclean.core.checking.check import Check, Look
 from pytest_gpuclean.core.checking.outside import OutsideMemory
-from pytest_gpuclean.core.deciding import decide
+from pytest_gpuclean.core.deciding import decide, gate
 from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, mib_of
 from pytest_gpuclean.core.options.settings import DEFAULT_GRACE_S
 from pytest_gpuclean.core.ownership.census import Census, Found, Registry, Sibling
 from pytest_gpuclean.core.ownership.cookie import new_session_id
 from pytest_gpuclean.core.ownership.evidence import PREEXISTING, SESSION, Ownership
-from pytest_gpuclean.core.reading import processes, procfs
+from pytest_gpuclean.core.reading import credentials, processes, procfs
 from pytest_gpuclean.core.reading.backends import Backend
 from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
 from pytest_gpuclean.model.outcomes import CheckResult
@@ -87,6 +87,8 @@ class Checker:
         self.hurry: Callable[[], bool] | None = None
         """Set while an interrupt asks the reaping to be quick: the grace ends at once."""
         self._debris_checked = False
+        self.left_alone: dict[tuple[int, int], str] = {}
+        """Processes of ours the gate refused (``gate``), by identity: why, for the verdict."""
         self.outside = OutsideMemory()
         """Per device UUID: the outside state a check waited out. A later check that finds the very same,
         unchanged for as long as its own timeout, does not wait for it again. (An xdist worker's session
@@ -320,7 +322,12 @@ class Checker:
             frozenset([info.pid for info in foreign if procs.of_our_run(info.pid)] if foreign else ()),
             {pid: _start_ticks(pid) for pid in unexplained} if unexplained else {},
             self.outside.load() if maybe_outside else {}, tuple(look.siblings.values()),
-            frozenset(look.peers), frozenset(self_cuda), procs.me)
+            frozenset(look.peers), frozenset(self_cuda), procs.me, self._left_alone_of(ours))
+
+    def _left_alone_of(self, ours: Sequence[Found]) -> dict[tuple[int, int], str]:
+        """Of ``ours``, what the gate refused so far, and why."""
+        refused = self.left_alone
+        return {f.key: refused[f.key] for f in ours if f.key in refused} if refused else {}
 
     def _context_overhead(self, short: list[decide.Short], excused: set[int], self_cuda: set[str]
                           ) -> dict[str, int]:
@@ -342,13 +349,18 @@ class Checker:
                    scan_cookies: bool = False) -> tuple[list[CensusEntry], list[Reaped]]:
         """A check's round of reaping ``fresh`` (as its snapshot names them: the last census's processes):
         with ``freeze`` (the owners whose processes keep reappearing), stopped first with whatever else of
-        theirs appears, then killed at once. What it signalled, and the records."""
-        everyone = self.procs.last
+        theirs appears, then killed at once. What it tried to signal, and the records."""
         targets = self.procs.pinned(fresh)
-        if freeze is not None:
-            targets = self.freeze(targets, freeze, scan_cookies)
-        return list(targets), self.reap(targets, readings, devices, notes, everyone=everyone,
-                                        kill_first=freeze is not None)
+        if freeze is None:
+            return list(targets), self.reap(targets, readings, devices, notes)
+        frozen: dict[tuple[int, int], Found] = {}
+        stopped: list[processes.KillTarget] = []
+        try:
+            self.freeze(targets, freeze, scan_cookies, notes, frozen, stopped)
+            reaped = self.reap(list(frozen.values()), readings, devices, notes, kill_first=True)
+        finally:
+            processes.resume(stopped)  # what was stopped and not killed (an error on the way, a survivor)
+        return [*targets, *(f for f in frozen.values() if f.key not in {t.key for t in targets})], reaped
 
     def remember(self, verdict: Verdict) -> None:
         """What a check waited out from outside, for the later checks; what is clean from outside now,
@@ -360,33 +372,37 @@ class Checker:
 
     # ---- reaping -------------------------------------------------------------------------------
 
-    def _relays_to_others(self, f: Found, info: ProcessInfo | None, everyone: Sequence[Found]) -> str | None:
-        """Why signalling ``f`` would reach another user's process (``su``, ``sudo`` relay signals)."""
-        if info is None:
-            return None
-        for other in everyone:
-            if other.pid == f.pid or other.depth <= f.depth or not other.live:
+    def refusal(self, f: Found) -> str | None:
+        """Why ``f`` may not be signalled now (``gate.refusal``; its credentials are read now, off the clean
+        path); None: it may."""
+        itself, protected = f.pid in self.never_touch, self.is_protected(f)
+        facts = None if itself or protected else credentials.credentials(f.pid, f.start_ticks)
+        return gate.refusal(facts, self.uid, itself=itself, protected=protected)
+
+    def gate(self, found: Sequence[Found], notes: list[str]) -> list[Found]:
+        """Of ``found``, what may be signalled: the one gate before every signal gpuclean sends, SIGSTOP
+        included. Each process it refuses is named in ``notes`` (once), and remembered for the verdict
+        (``left_alone``)."""
+        allowed: list[Found] = []
+        for f in found:
+            why = self.refusal(f)
+            if why is None:
+                allowed.append(f)
                 continue
-            other_info = processes.describe(other.pid, other.start_ticks)
-            if (other_info is not None and other_info.uid != self.uid
-                    and f.pid in processes.ancestors(other.pid)):
-                return (f"pid {f.pid} left alone: its descendant pid {other.pid} belongs to another user "
-                        f"({other_info.user}), and {one_line(info.cmdline, 40)} may relay our signals to it")
-        return None
+            self.left_alone[f.key] = why
+            info = processes.describe(f.pid, f.start_ticks)
+            line = None if info is None else (
+                f"left alone: pid {f.pid} (user {info.user}, {one_line(info.cmdline, 60)}): {why}")
+            if line is not None and line not in notes:
+                notes.append(line)
+        return allowed
 
     def reap(self, ours: Sequence[Found], snaps: Sequence[DeviceSnapshot], devices: Sequence[DeviceInfo],
-             notes: list[str], everyone: Sequence[Found] = (), kill_first: bool = False) -> list[Reaped]:
-        """Kill ``ours`` (TERM, grace, KILL; or KILL at once), then wait until the driver lets them go."""
-        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in ours}
-        safe: list[Found] = []
-        for f in ours:
-            info = infos[f.pid]
-            relay = self._relays_to_others(f, info, everyone or ours)
-            if relay is None and decide.may_signal(f.pid, None if info is None else info.uid,
-                                                   self.never_touch, self.uid, self.is_protected(f)):
-                safe.append(f)
-            elif infos[f.pid] is not None:
-                notes.append(relay or f"pid {f.pid} left alone: not provably ours")
+             notes: list[str], kill_first: bool = False) -> list[Reaped]:
+        """Kill what of ``ours`` the gate lets through (TERM, grace, KILL; or KILL at once), then wait until
+        the driver lets them go."""
+        safe = self.gate(ours, notes)
+        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in safe}
         for f in safe:
             if f.debris_of is not None:
                 notes.append(f"pid {f.pid}: left by {f.debris_of.describe()}")
@@ -405,21 +421,30 @@ class Checker:
         return reaping.kill_and_confirm(targets, devices, holders, read=self.snapshot, grace=self.grace,
                                         hurry=self.hurry, kill_first=kill_first)
 
-    def freeze(self, targets: Sequence[Found], owners: set[str | None], scan_cookies: bool) -> list[Found]:
-        """SIGSTOP ``targets`` and whatever else of the same owners appears, until nothing new does.
+    def freeze(self, targets: Sequence[Found], owners: set[str | None], scan_cookies: bool, notes: list[str],
+               frozen: dict[tuple[int, int], Found], stopped: list[processes.KillTarget]) -> None:
+        """SIGSTOP ``targets`` and whatever else of the same ``owners`` appears, until nothing new does: into
+        ``frozen`` (what is to be killed) and ``stopped`` (what this stopped, the caller's to SIGCONT if it
+        does not kill it). A stopped process forks no more, so the set stops growing.
 
-        A stopped process forks no more, so the set stops growing; what it returns is killed at once.
+        Each process passes the gate before it is stopped, and again once stopped: one that became a relay
+        between the two (it started another user's process) is continued and left alone.
         """
-        frozen: dict[tuple[int, int], Found] = {f.key: f for f in targets}
-        processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in targets])
+        seen = {f.key for f in targets}
+        batch = self.gate(targets, notes)
         for _ in range(MAX_FREEZE_PASSES):
+            now_stopped = processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle)
+                                          for f in batch])
+            stopped.extend(now_stopped)
+            allowed = {f.key for f in self.gate(batch, notes)}
+            processes.resume([t for t in now_stopped if (t.pid, t.start_ticks) not in allowed])
+            frozen.update((f.key, f) for f in batch if f.key in allowed)
             new = [f for f in self.census(scan_cookies=scan_cookies)
-                   if f.key not in frozen and f.live and not self.is_protected(f) and f.token in owners]
+                   if f.key not in seen and f.live and not self.is_protected(f) and f.token in owners]
             if not new:
                 break
-            frozen.update((f.key, f) for f in new)
-            processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in new])
-        return list(frozen.values())
+            seen.update(f.key for f in new)
+            batch = self.gate(new, notes)
 
     def final_sweep(self, devices: Sequence[DeviceInfo], *, include_session: bool = False) -> list[Reaped]:
         """At session end: reap everything this session's tests and fixtures spawned that is still alive.
@@ -451,9 +476,9 @@ class Checker:
         except DeviceError:
             snaps, devices = (), ()
         try:
-            return self.reap(found, snaps, devices, notes, everyone=found)
+            return self.reap(found, snaps, devices, notes)
         except DeviceError:
-            return self.reap(found, (), (), notes, everyone=found)
+            return self.reap(found, (), (), notes)
 
     def end_declared_helpers(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
         """At the very end (after every ``pytest_unconfigure``): end the helpers that only

@@ -6,9 +6,9 @@ tokens), then decides here: which processes are the session's to judge and which
 (``sort_census``), what unlisted memory the excused contexts explain (``listed_overhead``,
 ``context_overhead``), whether something the session's tree does not explain is on the GPUs
 (``unexplained_use``: the census then looks wider), and what the pass does next (``next_move``: let
-leftovers settle, reap, or judge: ``verdict.py``). Also what the reap ladder may signal at all
-(``may_signal``) and what the session-end sweep ends (``of_the_sweep``). Each is unit-tested without
-processes (``tests/test_checker_decisions.py``).
+leftovers settle, reap, or judge: ``verdict.py``), and what the session-end sweep ends (``of_the_sweep``).
+What may be signalled at all is the gate's (``gate.py``). Each is unit-tested without processes
+(``tests/test_checker_decisions.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ __all__ = [
     "SortedCensus",
     "context_overhead",
     "listed_overhead",
-    "may_signal",
     "next_move",
     "of_the_sweep",
     "short_of_users",
@@ -182,14 +181,3 @@ def of_the_sweep(found: Iterable[C], excluded: Collection[str]) -> list[C]:
     one holds nothing. The sweep reaps these, and with reaping off the session's closing note lists them."""
     return [f for f in found if f.live and f.token is not None and f.token not in excluded]
 
-
-def may_signal(pid: int, process_uid: int | None, never_touch: Collection[int], my_uid: int,
-               protected: bool) -> bool:
-    """Whether the reap ladder may signal ``pid``, a process of the census: never this process or its
-    ancestors, never another user's (root's too), never what is protected now. ``process_uid`` None: it is
-    gone already (the ladder reports it without signalling)."""
-    if process_uid is None:
-        return True
-    if pid in never_touch or process_uid != my_uid:
-        return False
-    return not protected
