@@ -168,7 +168,7 @@ class _Devices(Fields):
 
 
 @contextlib.contextmanager
-def _open_devices(resolved: settings.Settings) -> Iterator[_Devices]:
+def _open_devices(resolved: settings.Settings, command: str) -> Iterator[_Devices]:
     # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those, as the
     # pytest sessions it runs do.
     try:
@@ -184,6 +184,8 @@ def _open_devices(resolved: settings.Settings) -> Iterator[_Devices]:
             raise _CliError(str(exc)) from None
         yield _Devices(backend, selection.devices, selection.source)
     finally:
+        for line in backend.notices:  # (a simulated device file that may not speak for its process)
+            print(f"{_PROG} {command}: warning: {line}", file=sys.stderr)
         backend.close()
 
 
@@ -241,7 +243,7 @@ def _cmd_status(args: argparse.Namespace, out: TextIO) -> int:
 
         return _ray_command(lambda: cli_ray.cmd_status(args, out, ray_resolved, address,
                                                        commands.status_lines, commands.print_json))
-    with _open_devices(_settings(args, "simulate", "devices")) as found:
+    with _open_devices(_settings(args, "simulate", "devices"), args.command) as found:
         read = _read_health(found)
         lost = {h.device.uuid for h in read if h.lost is not None}
         snaps = [found.backend.snapshot(d) for d in found.chosen if d.uuid not in lost]
@@ -275,7 +277,7 @@ def _cmd_check(args: argparse.Namespace, out: TextIO) -> int:
         return _ray_command(lambda: cli_ray.cmd_check(args, out, ray_resolved, address, commands.check_lines,
                                                       commands.print_json))
     resolved = _settings(args, "simulate", "devices", "tolerance_mib", "ignore")
-    with _open_devices(resolved) as found:
+    with _open_devices(resolved, args.command) as found:
         if not found.chosen:
             raise _CliError(f"no devices to check ({commands.header(_selection(found))})")
         read = _read_health(found)
@@ -432,7 +434,7 @@ def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
                        f"that has {COOKIE_VAR} set")
     if args.all_users and os.geteuid() != 0:
         raise _CliError("--all-users: only root may end other users' processes")
-    with _open_devices(resolved) as found:
+    with _open_devices(resolved, args.command) as found:
         checker = _checker(found.backend, grace=resolved.grace)
         unreadable: list[commands.Unreadable] = []
         snaps = _read_what_can_be_read(checker, found.chosen, unreadable)

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -27,9 +28,11 @@ from pathlib import Path
 import pytest
 from helpers import EXAMPLES, alive, exec_done, run_inner
 
+from pytest_gpuclean import simulate
 from pytest_gpuclean.core.acting import reaping
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.reading import processes, procfs
+from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 from pytest_gpuclean.model.records import Owner
 
 VICTIM = "gpuclean-victim"
@@ -270,3 +273,41 @@ def test_a_dead_sessions_relay_to_another_user_is_left_alone(
     assert f"pid {theirs} of user {victim.name}" in out
     assert alive(relay) and alive(theirs), out
     assert victim.signals() == [], out
+# ---- 7. a simulated holder file speaks for its process only if its owner may ----------------------------
+
+
+def test_a_holder_file_planted_by_another_user_names_no_process(victim: Victim, public_tmp: Path) -> None:
+    sim = public_tmp / "sim"
+    simulate.init(str(sim), 1, 80 * 1024)
+    bystander = subprocess.Popen(["sleep", "600"])  # root's, unrelated to anything simulated
+    try:
+        planted = sim / "0" / str(bystander.pid)
+        planted.write_text(str(1 << 30))
+        for path in (sim, sim / "0", planted):
+            os.chown(path, victim.uid, victim.gid)
+        status = gpuclean("status", "--simulate", str(sim))
+        assert status.returncode == 0, status.stderr
+        assert not re.search(rf"^\s+{bystander.pid}\s", status.stdout, re.MULTILINE), status.stdout
+        assert "1024 / 81920 MiB used  no processes" in status.stdout, status.stdout  # charged to no process
+        result = gpuclean("reap", "--simulate", str(sim), "--grace", "1")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "nothing to end" in result.stdout, result.stdout
+        assert bystander.poll() is None
+        # Said once, naming the file, its owner and the process's.
+        assert result.stderr.count(str(planted)) == 1, result.stderr
+        assert f"user {victim.name}" in result.stderr and "root" in result.stderr, result.stderr
+        # In a session: no process is listed (nothing to own or reap), the memory is no process's, and the
+        # file is named once in the session's notes however often it is read.
+        backend = SimulatedBackend(sim)
+        checker = Checker(backend, dead_sessions=False)
+        for _ in range(2):
+            found = checker.check("check", backend.devices(), tolerance_mib=0, timeout=0)
+            assert [(o.reason, o.process) for o in found.offenders] == [("memory", None)], found.offenders
+        assert [line for line in checker.notices if str(planted) in line] == [
+            f"simulated device file {str(planted)!r} belongs to user {victim.name}, but pid {bystander.pid} "
+            "runs as root: it cannot speak for that process (ignored: its bytes count as memory of no "
+            "process)"]
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -19,13 +19,13 @@ from collections.abc import Callable, Sequence
 from pytest_gpuclean.core.acting import pools, reaping
 from pytest_gpuclean.core.checking.check import Check, Look
 from pytest_gpuclean.core.checking.outside import OutsideMemory
-from pytest_gpuclean.core.deciding import decide, gate
+from pytest_gpuclean.core.deciding import decide
 from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, mib_of
 from pytest_gpuclean.core.options.settings import DEFAULT_GRACE_S
 from pytest_gpuclean.core.ownership.census import Census, Found, Registry, Sibling
 from pytest_gpuclean.core.ownership.cookie import new_session_id
 from pytest_gpuclean.core.ownership.evidence import PREEXISTING, SESSION, Ownership
-from pytest_gpuclean.core.reading import credentials, processes, procfs
+from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.core.reading.backends import Backend
 from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
 from pytest_gpuclean.model.outcomes import CheckResult
@@ -115,7 +115,12 @@ class Checker:
     @property
     def notices(self) -> list[str]:
         """Lines for the session's notes, once each: helpers of the pytest process and persistent processes
-        as they are first seen (taken by whoever reports them)."""
+        as they are first seen, and what a device reading could not trust (``Backend.notices``); taken by
+        whoever reports them."""
+        backend = self.backend
+        if backend is not None and backend.notices:
+            self.procs.notices.extend(backend.notices)
+            backend.notices.clear()
         return self.procs.notices
 
     def census(self, scan_cookies: bool = False, dead_sessions: bool = False) -> list[Found]:
@@ -375,6 +380,10 @@ class Checker:
     def refusal(self, f: Found) -> str | None:
         """Why ``f`` may not be signalled now (``gate.refusal``; its credentials are read now, off the clean
         path); None: it may."""
+        # (imported here: a session whose checks find nothing to signal never needs them)
+        from pytest_gpuclean.core.deciding import gate
+        from pytest_gpuclean.core.reading import credentials
+
         itself, protected = f.pid in self.never_touch, self.is_protected(f)
         facts = None if itself or protected else credentials.credentials(f.pid, f.start_ticks)
         return gate.refusal(facts, self.uid, itself=itself, protected=protected)
