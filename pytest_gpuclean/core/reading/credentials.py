@@ -1,46 +1,21 @@
-"""Who a process runs as, and whom a signal to it could reach: the facts of the signal gate
-(``deciding/gate.py``), read from /proc.
+"""Whom a signal to a process could reach: the facts of the signal gate (``deciding/gate.py``), read from
+/proc.
 
-Off the clean path: read only for a process about to be signalled. Each uid of the ``Uid:`` line of
-``/proc/<pid>/task/<tid>/status`` (real, effective, saved, filesystem) of each thread counts: credentials are
-a thread's, and a thread that changed its own (the raw ``setresuid`` system call) runs as that user. A
-descendant that runs as a user the process does not makes it a relay (``su``, ``runuser``, a setuid wrapper
-that forks). ``status`` is readable for every process, another user's and a non-dumpable one's included.
+Off the clean path: read only for a process about to be signalled. The users it runs as (``users.uids_of``:
+every uid of every thread), and its descendants that run as a user it does not: those make it a relay
+(``su``, ``runuser``, a setuid wrapper that forks).
 """
 
 from __future__ import annotations
 
-import pwd
-
 from pytest_gpuclean.core.deciding.gate import Credentials
 from pytest_gpuclean.core.reading import processes, procfs
+from pytest_gpuclean.core.reading.users import uids_of, user_name
 from pytest_gpuclean.model.records import ProcessInfo
 
 __all__ = [
     "credentials",
-    "uids_of",
-    "user_name",
 ]
-
-
-def uids_of(pid: int) -> frozenset[int] | None:
-    """Every uid that ``pid`` or one of its threads runs as; None if it is gone."""
-    found: set[int] = set()
-    for tid in procfs.thread_ids(pid) or [pid]:
-        try:
-            data = procfs.read_file(f"/proc/{pid}/task/{tid}/status")
-        except OSError:
-            continue  # (a thread that ended meanwhile)
-        found.update(_uids_in(data))
-    return frozenset(found) if found else None
-
-
-def _uids_in(status: bytes) -> list[int]:
-    start = status.find(b"\nUid:")
-    if start < 0:
-        return []
-    line = status[start + 5:status.find(b"\n", start + 1)]
-    return [int(word) for word in line.split()]
 
 
 def credentials(pid: int, start_ticks: int | None = None) -> Credentials | None:
@@ -61,11 +36,3 @@ def credentials(pid: int, start_ticks: int | None = None) -> Credentials | None:
         relays.append(ProcessInfo(child, child_stat.start_ticks, child_stat.ppid, uid, user_name(uid),
                                   processes.command_line(child) or "?", "?"))
     return Credentials(pid, tuple((uid, user_name(uid)) for uid in sorted(mine)), tuple(relays))
-
-
-def user_name(uid: int) -> str:
-    """The name of ``uid`` (the number, for a uid without one)."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)

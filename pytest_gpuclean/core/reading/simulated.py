@@ -371,7 +371,7 @@ class _Allocations:
     - A file being rewritten in place (a shell's ``echo N > file`` truncates first) is read again; if it is
       still empty, its process is listed with its amount unknown, as NVML lists a process it cannot size.
     - A file speaks for its process only if it belongs to root or to a user the process runs as (any of its
-      uids, ``credentials.uids_of``): another user may write into a directory of simulated devices, and a
+      uids, ``users.uids_of``): another user may write into a directory of simulated devices, and a
       file naming someone else's process must not make gpuclean end or claim it. Such a file lists no
       process; its bytes are memory charged to none (``of`` gives them, not held), and it is named once.
     """
@@ -413,16 +413,16 @@ class _Allocations:
         if owner == 0:
             return True
         # (imported here: a session that only names its devices opens this backend, and reads no holder)
-        from pytest_gpuclean.core.reading import credentials
+        from pytest_gpuclean.core.reading.users import uids_of, user_name
 
-        uids = credentials.uids_of(pid)
+        uids = uids_of(pid)
         if uids is not None and owner in uids:
             return True
         if where not in self._named:
             self._named.add(where)
-            runs_as = ", ".join(credentials.user_name(uid) for uid in sorted(uids or ()))
+            runs_as = ", ".join(user_name(uid) for uid in sorted(uids or ()))
             self._notices.append(
-                f"simulated device file {where!r} belongs to user {credentials.user_name(owner)}, but pid "
+                f"simulated device file {where!r} belongs to user {user_name(owner)}, but pid "
                 f"{pid} runs as {runs_as or 'a user it cannot tell'}: it cannot speak for that process "
                 "(ignored: its bytes count as memory of no process)")
         return False
