@@ -3,7 +3,8 @@
 unknown owner (``decide.sort_census``), which xdist siblings and peers are excused (``census.is_peer``,
 ``sibling_claim``), which cookie carriers are a dead session's debris and which another session's
 (``ownership.dead_session_of``), what memory is an offender (``verdict.excess_memory``, the context
-overhead), what may be signalled at all (the signal gate, ``gate.refusal``) and when waiting is hopeless
+overhead), what may be signalled at all (the signal gate, ``gate.refusal``), which owners replace themselves
+(``decide.self_replacing``) and when waiting is hopeless
 (``verdict.hopeless``, with ``verdict.outside_of``: what cannot be the session's, and
 ``verdict.known_outside``: what an earlier check already waited out).
 
@@ -283,6 +284,20 @@ OTHER_PROC = ProcessInfo(302, 3020, 300, 1002, "other", "sleep 600", "sleeping")
 def test_the_signal_gate(credentials: Credentials | None, itself: bool, protected: bool,
                          refused: str | None) -> None:
     assert gate.refusal(credentials, 1000, itself=itself, protected=protected) == refused
+
+
+@pytest.mark.parametrize(("births", "older_alive", "chains"), [
+    pytest.param({"t1": {(1, 1), (2, 2), (3, 3)}}, set(), {"t1"},
+                 id="three born, nothing older left: a chain"),
+    pytest.param({"t1": {(1, 1), (2, 2)}}, set(), set(), id="two born: a daemon's double fork, no chain"),
+    pytest.param({"t1": {(1, 1), (2, 2), (3, 3)}}, {"t1"}, set(),
+                 id="an older process of its owner lives on: a supervisor, reaped in order"),
+    pytest.param({None: {(1, 1), (2, 2), (3, 3)}}, set(), set(), id="of unknown birth: never signalled"),
+    pytest.param({"t1": {(1, 1), (2, 2), (3, 3)}, "t2": {(4, 4)}}, {"t3"}, {"t1"}, id="per owner"),
+])
+def test_self_replacing(births: dict[str | None, set[tuple[int, int]]], older_alive: set[str | None],
+                        chains: set[str | None]) -> None:
+    assert decide.self_replacing(births, older_alive) == chains
 
 
 @pytest.mark.parametrize(("uid", "reap", "detail"), [

@@ -34,6 +34,7 @@ from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.core.reading.simulated import SimulatedBackend
 from pytest_gpuclean.model.records import Owner
+from pytest_gpuclean.report.report import LEAK_PREFIX
 
 VICTIM = "gpuclean-victim"
 
@@ -273,6 +274,33 @@ def test_a_dead_sessions_relay_to_another_user_is_left_alone(
     assert f"pid {theirs} of user {victim.name}" in out
     assert alive(relay) and alive(theirs), out
     assert victim.signals() == [], out
+# ---- 5. a self-replacing chain is frozen and killed, and does not outlive pytest ---------------------------
+
+
+def test_a_self_replacing_chain_is_frozen_and_killed(example: Callable[..., Path], pytester: pytest.Pytester,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = f"chain-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("CHAIN_MARKER", marker)
+    example("safety/chain", "scripts/self_replacing.py")
+    try:
+        result = run_inner(pytester, "--gpuclean-grace=1")
+        out = result.stdout.str()
+        result.assert_outcomes(passed=2, errors=1)
+        result.stdout.fnmatch_lines([f"{LEAK_PREFIX} * (reaped)", "*ended by SIGKILL*",
+                                     "note: a self-replacing chain (each process forks the next and exits "
+                                     "at once; * born while the check waited: *): stopped and killed with "
+                                     "SIGKILL*"])
+        assert "exited by themselves" not in out
+        assert "ERROR at setup of test_next" not in out
+        # Nothing of it outlived pytest: looked for over half a second, which is hundreds of its forks.
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            assert with_marker(marker) == [], out
+            time.sleep(0.01)
+    finally:
+        kill_marked(marker)
+
+
 # ---- 7. a simulated holder file speaks for its process only if its owner may ----------------------------
 
 

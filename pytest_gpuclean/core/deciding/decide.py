@@ -19,6 +19,7 @@ from typing import Final, Generic, Literal, TypeVar
 from pytest_gpuclean.model.records import MIB, CensusEntry, DeviceSnapshot, Fields
 
 __all__ = [
+    "CHAIN_BIRTHS",
     "CONTEXT_OVERHEAD_BYTES",
     "MAX_REAP_ROUNDS",
     "C",
@@ -29,6 +30,7 @@ __all__ = [
     "listed_overhead",
     "next_move",
     "of_the_sweep",
+    "self_replacing",
     "short_of_users",
     "sort_census",
     "unexplained_use",
@@ -40,6 +42,10 @@ CONTEXT_OVERHEAD_BYTES = 64 * MIB
 docs/benchmarks.md 9); the margin keeps other drivers' larger overheads excused too."""
 MAX_REAP_ROUNDS = 4
 """Rounds of reaping within one check; from the second on, what reappeared is frozen and SIGKILLed."""
+CHAIN_BIRTHS = 3
+"""Processes of one owner born while a check waits that make it a self-replacing chain, once nothing of that
+owner older than the check is left alive: each process forks the next and exits at once, so none waits for a
+signal (``self_replacing``). A daemon's double fork is two."""
 
 C = TypeVar("C", bound=CensusEntry)
 
@@ -172,6 +178,18 @@ def next_move(fresh: bool, reap_enabled: bool, rounds: int, settled: bool, settl
     if not rounds and not settled and settle_s > 0:
         return "settle"
     return "reap" if rounds < MAX_REAP_ROUNDS else "judge"
+
+
+def self_replacing(births: Mapping[str | None, Collection[tuple[int, int]]],
+                   older_alive: Collection[str | None]) -> set[str | None]:
+    """The owners whose processes replace themselves while a check waits: at least ``CHAIN_BIRTHS`` of
+    theirs born since the check began (``births``: by owner token, the identities seen, alive or exited),
+    and none of theirs from before it alive (``older_alive``: those owners have a process that could be
+    waiting for a signal, a supervisor that a SIGTERM ends in order). Such a chain is frozen and SIGKILLed:
+    a SIGTERM finds each of its processes gone, and a check that looks once may find only the exited ones
+    and call it clean."""
+    return {owner for owner, born in births.items()
+            if owner is not None and len(born) >= CHAIN_BIRTHS and owner not in older_alive}
 
 
 def of_the_sweep(found: Iterable[C], excluded: Collection[str]) -> list[C]:
