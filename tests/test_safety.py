@@ -301,6 +301,23 @@ def test_a_self_replacing_chain_is_frozen_and_killed(example: Callable[..., Path
         kill_marked(marker)
 
 
+def test_what_replaces_itself_at_the_sessions_end_does_not_outlive_it(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    # No check ever sees this leak (its test is not checked; the report makes the session watch): the sweep
+    # at the session's end SIGTERMs it, its handler forks a replacement, and the sweep looks again.
+    example("safety/respawner_at_end", "scripts/respawner.py")
+    marker = str(pytester.path / "respawner.py")
+    try:
+        result = run_inner(pytester, f"--gpuclean-report={tmp_path / 'report.json'}", "--gpuclean-grace=1")
+        result.assert_outcomes(passed=1)
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            assert with_marker(marker) == [], result.stdout.str()
+            time.sleep(0.01)
+    finally:
+        kill_marked(marker)
+
+
 # ---- 7. a simulated holder file speaks for its process only if its owner may ----------------------------
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "Check",
     "CheckerParts",
     "Look",
+    "respawned_note",
 ]
 
 
@@ -243,8 +244,7 @@ class Check:
         if self.rounds:
             # Killed processes were replaced (a SIGTERM handler that forks, a supervisor): stop the
             # whole set first, so nothing forks while we look, then SIGKILL it; no handler runs again.
-            self.notes.append(f"new processes appeared while reaping (round {self.rounds + 1}): "
-                              f"{sorted(f.pid for f in fresh)}; stopped and killed with SIGKILL")
+            self.notes.append(respawned_note(self.rounds + 1, fresh))
             frozen = {f.token for f in fresh} | self.reaped_owners
         self.rounds += 1
         targets, reaped = self.c.reap_round(fresh, seen.readings, self.devices, self.notes, freeze=frozen,
@@ -330,6 +330,12 @@ class Check:
             waited_s=time.monotonic() - self.started, notes=tuple(self.notes),
             tolerance_mib=self.tolerance_mib, error=error.describe(),
             device_lost=isinstance(error, DeviceLost))
+
+
+def respawned_note(round_no: int, new: Sequence[CensusEntry]) -> str:
+    """The note of a reaping round that found new processes where it had killed some: frozen, then killed."""
+    return (f"new processes appeared while reaping (round {round_no}): {sorted(f.pid for f in new)}; stopped "
+            "and killed with SIGKILL")
 
 
 def _few(pids: Sequence[int], shown: int = 8) -> str:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pytest_gpuclean.core.acting import pools, reaping
-from pytest_gpuclean.core.checking.check import Check, Look
+from pytest_gpuclean.core.checking.check import Check, Look, respawned_note
 from pytest_gpuclean.core.checking.outside import OutsideMemory
 from pytest_gpuclean.core.deciding import decide
 from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, mib_of
@@ -470,24 +470,43 @@ class Checker:
             if not f.live:
                 # Exited, holding nothing: collected (if ours to wait for), not reported as a leftover.
                 processes.reap_if_child(f.pid)
-        found = decide.of_the_sweep(census, (PREEXISTING,) if include_session else (PREEXISTING, SESSION))
+        excluded = (PREEXISTING,) if include_session else (PREEXISTING, SESSION)
+        found = decide.of_the_sweep(census, excluded)
         if not found or not self.reap_enabled:
             return []
-        return self._reap_unread(found, devices)
+        return self._reap_unread(found, devices, again=lambda: decide.of_the_sweep(
+            self.census(scan_cookies=True), excluded))
 
-    def _reap_unread(self, found: list[Found], devices: Sequence[DeviceInfo],
-                     notes: list[str] | None = None) -> list[Reaped]:
+    def _reap_unread(self, found: list[Found], devices: Sequence[DeviceInfo], notes: list[str] | None = None,
+                     again: Callable[[], list[Found]] | None = None) -> list[Reaped]:
         """Reap ``found`` at the session's edges: the devices only time the release, and one that cannot be
-        read (a GPU lost at the end) does not stop it."""
+        read (a GPU lost at the end) does not stop it. ``again`` finds what is left to reap now: what
+        replaced itself meanwhile (a SIGTERM handler that forks, a chain) is frozen and SIGKILLed, round
+        after round (at most ``MAX_REAP_ROUNDS``), as in a check: none of it outlives the session."""
         notes = [] if notes is None else notes
         try:
             snaps = self.snapshot(devices)
         except DeviceError:
             snaps, devices = (), ()
         try:
-            return self.reap(found, snaps, devices, notes)
+            reaped = self.reap(found, snaps, devices, notes)
         except DeviceError:
-            return self.reap(found, (), (), notes)
+            snaps, devices = (), ()
+            reaped = self.reap(found, snaps, devices, notes)
+        done = {f.key for f in found}
+        for round_no in range(2, decide.MAX_REAP_ROUNDS + 1):
+            new = [f for f in again() if f.key not in done] if again is not None else []
+            if not new:
+                break
+            done.update(f.key for f in new)
+            notes.append(respawned_note(round_no, new))
+            owners = {f.token for f in new}
+            try:
+                reaped += self.reap_round(new, snaps, devices, notes, freeze=owners, scan_cookies=True)[1]
+            except DeviceError:
+                snaps, devices = (), ()
+                reaped += self.reap_round(new, snaps, devices, notes, freeze=owners, scan_cookies=True)[1]
+        return reaped
 
     def end_declared_helpers(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
         """At the very end (after every ``pytest_unconfigure``): end the helpers that only
@@ -514,7 +533,7 @@ class Checker:
         if not debris or not self.reap_enabled:
             return [], []
         notes: list[str] = []
-        return self._reap_unread(debris, devices, notes), notes
+        return self._reap_unread(debris, devices, notes, again=self.dead_session_debris), notes
 
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
