@@ -372,6 +372,12 @@ def test_reap_plan_considers_a_pid_once_per_place() -> None:
                               my_uid=PROC.uid, cmd_width=80)
     assert targets == [listed, namesake_carrier, node_a, node_b]
     assert len(left) == 1 and left[0].startswith("pid 2 (listed on GPU 0) is ")
+    # Another user's process listed on a device and carrying the cookie: left alone, said once.
+    theirs = THEIRS.replace(pid=5)
+    _, left = plan_reap([cand(pid=5, info=theirs), cand(pid=5, info=theirs, found_by="cookie")],
+                        my_uid=PROC.uid, cmd_width=80)
+    assert left == ["pid 5 of user victim (python3 logsig.py): another user's process (only root, with "
+                    "--all-users, ends those)"]
 
 
 def test_reap_plan_cuts_command_lines_at_the_width() -> None:

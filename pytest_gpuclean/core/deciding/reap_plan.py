@@ -91,8 +91,8 @@ def plan(candidates: Iterable[ReapCandidate], *, my_uid: int, all_users: bool = 
         if why is None:
             chosen.add((c.where, c.pid))
             targets.append(c)
-        elif why:
-            left.append(f"{c.where}: {why}" if c.where else why)
+        elif why and (line := f"{c.where}: {why}" if c.where else why) not in left:
+            left.append(line)  # (once: a process the driver lists may carry the cookie too)
     return targets, left
 
 
