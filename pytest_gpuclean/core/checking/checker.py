@@ -361,11 +361,11 @@ class Checker:
         frozen: dict[tuple[int, int], Found] = {}
         stopped: list[processes.KillTarget] = []
         try:
-            self.freeze(targets, freeze, scan_cookies, notes, frozen, stopped)
+            found = self.freeze(targets, freeze, scan_cookies, notes, frozen, stopped)
             reaped = self.reap(list(frozen.values()), readings, devices, notes, kill_first=True)
         finally:
             processes.resume(stopped)  # what was stopped and not killed (an error on the way, a survivor)
-        return [*targets, *(f for f in frozen.values() if f.key not in {t.key for t in targets})], reaped
+        return [*targets, *found], reaped
 
     def remember(self, verdict: Verdict) -> None:
         """What a check waited out from outside, for the later checks; what is clean from outside now,
@@ -431,15 +431,17 @@ class Checker:
                                         hurry=self.hurry, kill_first=kill_first)
 
     def freeze(self, targets: Sequence[Found], owners: set[str | None], scan_cookies: bool, notes: list[str],
-               frozen: dict[tuple[int, int], Found], stopped: list[processes.KillTarget]) -> None:
+               frozen: dict[tuple[int, int], Found], stopped: list[processes.KillTarget]) -> list[Found]:
         """SIGSTOP ``targets`` and whatever else of the same ``owners`` appears, until nothing new does: into
         ``frozen`` (what is to be killed) and ``stopped`` (what this stopped, the caller's to SIGCONT if it
-        does not kill it). A stopped process forks no more, so the set stops growing.
+        does not kill it). A stopped process forks no more, so the set stops growing. Returns what appeared
+        besides ``targets``, whether the gate let it through or not (it was considered).
 
         Each process passes the gate before it is stopped, and again once stopped: one that became a relay
         between the two (it started another user's process) is continued and left alone.
         """
         seen = {f.key for f in targets}
+        appeared: list[Found] = []
         batch = self.gate(targets, notes)
         for _ in range(MAX_FREEZE_PASSES):
             now_stopped = processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle)
@@ -453,7 +455,9 @@ class Checker:
             if not new:
                 break
             seen.update(f.key for f in new)
+            appeared.extend(new)
             batch = self.gate(new, notes)
+        return appeared
 
     def final_sweep(self, devices: Sequence[DeviceInfo], *, include_session: bool = False) -> list[Reaped]:
         """At session end: reap everything this session's tests and fixtures spawned that is still alive.
