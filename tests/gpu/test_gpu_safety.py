@@ -23,31 +23,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpu_helpers import alive
+from gpu_helpers import TORCH_HOLDER, alive, first_whole_gpu
 
-from pytest_gpuclean.core.reading.nvml import NvmlBackend
 from pytest_gpuclean.model.records import DeviceInfo
 
 VICTIM = "gpuclean-victim"
 HOLD_MIB = 512
-HOLDER = r'''
-import sys, time
-import torch
-block = torch.empty(int(sys.argv[1]) * 1024 * 1024, dtype=torch.uint8, device="cuda")
-torch.cuda.synchronize()
-with open(sys.argv[2], "w") as f:
-    f.write("ready")
-time.sleep(3600)
-'''
 
 
 @pytest.fixture(scope="module")
 def device() -> DeviceInfo:
-    backend = NvmlBackend()
-    try:
-        return next(d for d in backend.devices() if d.mig_index is None)
-    finally:
-        backend.close()
+    return first_whole_gpu()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +80,7 @@ def relayed_holder(device: DeviceInfo, victim: pwd.struct_passwd
     folder = Path(tempfile.mkdtemp(prefix="gpuclean-victim-"))
     folder.chmod(0o777)
     ready = folder / "ready"
-    relay = subprocess.Popen(["runuser", "-u", victim.pw_name, "--", sys.executable, "-c", HOLDER,
+    relay = subprocess.Popen(["runuser", "-u", victim.pw_name, "--", sys.executable, "-c", TORCH_HOLDER,
                               str(HOLD_MIB), str(ready)], cwd="/", start_new_session=True,
                              env={**env, "CUDA_VISIBLE_DEVICES": device.uuid, "GPUCLEAN_TEST": "gpujob:job"})
     try:
