@@ -29,10 +29,11 @@ from pytest_gpuclean import __version__
 from pytest_gpuclean.core.acting.reaping import reaped_record
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.deciding import reap_plan
+from pytest_gpuclean.core.deciding.gate import Credentials
 from pytest_gpuclean.core.deciding.verdict import mib_of
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
-from pytest_gpuclean.core.reading import backends, devices, processes, procfs
+from pytest_gpuclean.core.reading import backends, credentials, devices, processes, procfs
 from pytest_gpuclean.core.reading.opening import open_backend
 from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot, Fields, ProcessInfo, Reaped
 from pytest_gpuclean.report import commands, report
@@ -167,7 +168,7 @@ class _Devices(Fields):
 
 
 @contextlib.contextmanager
-def _open_devices(resolved: settings.Settings) -> Iterator[_Devices]:
+def _open_devices(resolved: settings.Settings, command: str) -> Iterator[_Devices]:
     # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those, as the
     # pytest sessions it runs do.
     try:
@@ -183,6 +184,8 @@ def _open_devices(resolved: settings.Settings) -> Iterator[_Devices]:
             raise _CliError(str(exc)) from None
         yield _Devices(backend, selection.devices, selection.source)
     finally:
+        for line in backend.notices:  # (a simulated device file that may not speak for its process)
+            print(f"{_PROG} {command}: warning: {line}", file=sys.stderr)
         backend.close()
 
 
@@ -240,7 +243,7 @@ def _cmd_status(args: argparse.Namespace, out: TextIO) -> int:
 
         return _ray_command(lambda: cli_ray.cmd_status(args, out, ray_resolved, address,
                                                        commands.status_lines, commands.print_json))
-    with _open_devices(_settings(args, "simulate", "devices")) as found:
+    with _open_devices(_settings(args, "simulate", "devices"), args.command) as found:
         read = _read_health(found)
         lost = {h.device.uuid for h in read if h.lost is not None}
         snaps = [found.backend.snapshot(d) for d in found.chosen if d.uuid not in lost]
@@ -274,7 +277,7 @@ def _cmd_check(args: argparse.Namespace, out: TextIO) -> int:
         return _ray_command(lambda: cli_ray.cmd_check(args, out, ray_resolved, address, commands.check_lines,
                                                       commands.print_json))
     resolved = _settings(args, "simulate", "devices", "tolerance_mib", "ignore")
-    with _open_devices(resolved) as found:
+    with _open_devices(resolved, args.command) as found:
         if not found.chosen:
             raise _CliError(f"no devices to check ({commands.header(_selection(found))})")
         read = _read_health(found)
@@ -311,9 +314,11 @@ def _process_uids() -> set[int]:
 
 
 def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[int], all_users: bool,
-              cookie: str | None, require_device_file: bool = False
+              cookie: str | None, require_device_file: bool = False, debris: Sequence[commands.Debris] = ()
               ) -> tuple[dict[int, ReapTarget], list[str]]:
-    """What ``reap`` may end, and a line for each process it leaves alone (and why).
+    """What ``reap`` may end, and a line for each process it leaves alone (and why): the processes the
+    devices list, the carriers of ``cookie`` and the dead sessions' ``debris``, each through the signal gate
+    (``reap_plan.plan``, with its credentials read here).
 
     With ``require_device_file`` (real GPUs), a pid the driver lists is a target only if that process
     has a GPU device file open: in a container the driver may list host pids, and the same number can
@@ -325,17 +330,30 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
             yield reap_plan.ReapCandidate(
                 pid, info, mib_of(pid, snaps), "gpu", gpuclean_itself=pid in never_touch,
                 no_device_file=info is not None and require_device_file
-                and not procfs.has_nvidia_device_open(pid))
+                and not procfs.has_nvidia_device_open(pid), credentials=_credentials(info))
         if cookie is not None:
-            for uid in sorted(_process_uids()) if all_users else [my_uid]:
+            # Every user's carriers where they can be read (root): another user's is named as left alone.
+            for uid in sorted(_process_uids()) if all_users or os.geteuid() == 0 else [my_uid]:
                 for pid, _value in processes.cookie_holders(COOKIE_VAR, cookie, uid):
                     # (One that is a target already, as listed on a device, the planner passes over.)
-                    yield reap_plan.ReapCandidate(pid, processes.describe(pid), mib_of(pid, snaps), "cookie",
-                                        gpuclean_itself=pid in never_touch, any_user=True)
+                    info = processes.describe(pid)
+                    yield reap_plan.ReapCandidate(pid, info, mib_of(pid, snaps), "cookie",
+                                                  gpuclean_itself=pid in never_touch,
+                                                  credentials=_credentials(info))
+        for item in debris:
+            pid = item.info.pid
+            yield reap_plan.ReapCandidate(pid, item.info, mib_of(pid, snaps), "dead session",
+                                          gpuclean_itself=pid in never_touch,
+                                          credentials=_credentials(item.info))
 
     chosen, left_alone = reap_plan.plan(candidates(), my_uid=my_uid, all_users=all_users,
                                         cmd_width=commands.CMDLINE_WIDTH)
     return {c.pid: ReapTarget(c.info, c.found_by, c.mib) for c in chosen if c.info is not None}, left_alone
+
+
+def _credentials(info: ProcessInfo | None) -> Credentials | None:
+    """Whom a signal to the process ``info`` describes could reach (None: it is gone)."""
+    return None if info is None else credentials.credentials(info.pid, info.start_ticks)
 
 
 def _kill_targets(targets: dict[int, ReapTarget]) -> list[processes.KillTarget]:
@@ -416,22 +434,19 @@ def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
                        f"that has {COOKIE_VAR} set")
     if args.all_users and os.geteuid() != 0:
         raise _CliError("--all-users: only root may end other users' processes")
-    with _open_devices(resolved) as found:
+    with _open_devices(resolved, args.command) as found:
         checker = _checker(found.backend, grace=resolved.grace)
         unreadable: list[commands.Unreadable] = []
         snaps = _read_what_can_be_read(checker, found.chosen, unreadable)
+        # Processes whose cookie names a gpuclean session that provably died (its pytest was killed): that
+        # session's leaks, which nobody else will ever reap.
+        debris = _debris(checker) if args.dead_sessions else []
         targets, left_alone = plan_reap(snaps, my_uid=checker.uid, never_touch=checker.never_touch,
                                         all_users=args.all_users, cookie=args.cookie,
-                                        require_device_file=found.backend.kind == "nvml")
-        debris_notes: list[str] = []
-        if args.dead_sessions:
-            # Processes whose cookie names a gpuclean session that provably died (its pytest was killed):
-            # that session's leaks, which nobody else will ever reap.
-            for debris in _debris(checker):
-                if debris.info.pid not in targets:
-                    targets[debris.info.pid] = ReapTarget(debris.info, "dead session",
-                                                                   mib_of(debris.info.pid, snaps))
-                    debris_notes.append(commands.dead_session_note(debris))
+                                        require_device_file=found.backend.kind == "nvml", debris=debris)
+        debris_notes = [commands.dead_session_note(item) for item in debris
+                        if (target := targets.get(item.info.pid)) is not None
+                        and target.found_by == "dead session"]
         text: TextIO = io.StringIO() if args.json else out  # with --json, the document alone, at the end
 
         def account(now: Sequence[DeviceSnapshot], reaped: Sequence[Reaped] = (),

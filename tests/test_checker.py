@@ -42,6 +42,7 @@ class FakeBackend:
     values: dict[str, tuple[float, tuple[tuple[int, float | None], ...]]] = field(default_factory=dict)
     cuda: dict[int, frozenset[str]] = field(default_factory=dict)
     kind: str = "simulated"
+    notices: list[str] = field(default_factory=list)
 
     def set(self, device: DeviceInfo, used_mib: float, *listed: tuple[int, float | None]) -> None:
         self.values[device.uuid] = (used_mib, listed)

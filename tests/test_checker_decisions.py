@@ -3,7 +3,8 @@
 unknown owner (``decide.sort_census``), which xdist siblings and peers are excused (``census.is_peer``,
 ``sibling_claim``), which cookie carriers are a dead session's debris and which another session's
 (``ownership.dead_session_of``), what memory is an offender (``verdict.excess_memory``, the context
-overhead), what the reap ladder may signal (``decide.may_signal``) and when waiting is hopeless
+overhead), what may be signalled at all (the signal gate, ``gate.refusal``), which owners replace themselves
+(``decide.self_replacing``) and when waiting is hopeless
 (``verdict.hopeless``, with ``verdict.outside_of``: what cannot be the session's, and
 ``verdict.known_outside``: what an earlier check already waited out).
 
@@ -17,7 +18,8 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_gpuclean.core.deciding import decide, verdict
+from pytest_gpuclean.core.deciding import decide, gate, verdict
+from pytest_gpuclean.core.deciding.gate import Credentials
 from pytest_gpuclean.core.deciding.verdict import OutsideState, known_outside, outside_of
 from pytest_gpuclean.core.ownership.census import Found, is_peer, sibling_claim
 from pytest_gpuclean.core.ownership.evidence import (
@@ -251,17 +253,51 @@ def test_mib_of_lists_the_devices_a_process_is_on() -> None:
 # ---- what may be signalled, and when waiting is hopeless ----------------------------------------------
 
 
-@pytest.mark.parametrize(("pid", "uid", "protected", "may"), [
-    pytest.param(300, 1000, False, True, id="ours, this user's"),
-    pytest.param(300, None, False, True, id="gone already: reported, no signal reaches anything"),
-    pytest.param(300, 1001, False, False, id="another user's"),
-    pytest.param(300, 0, False, False, id="root's"),
-    pytest.param(300, 1000, True, False, id="protected (a live fixture's, the set-up's, older)"),
-    pytest.param(ME, 1000, False, False, id="this process"),
-    pytest.param(PARENT, 1000, False, False, id="an ancestor"),
+VICTIM_PROC = ProcessInfo(301, 3010, 300, 1001, "victim", "python3 logsig.py", "sleeping")
+OTHER_PROC = ProcessInfo(302, 3020, 300, 1002, "other", "sleep 600", "sleeping")
+
+
+@pytest.mark.parametrize(("credentials", "itself", "protected", "refused"), [
+    pytest.param(Credentials(300, ((1000, "ci"),)), False, False, None, id="ours, this user's"),
+    pytest.param(None, False, False, None, id="gone already: reported, no signal reaches anything"),
+    pytest.param(Credentials(300, ((1001, "victim"),)), False, False, "another user's process",
+                 id="another user's (setpriv'd: every uid is theirs)"),
+    pytest.param(Credentials(300, ((0, "root"),)), False, False, "another user's process", id="root's"),
+    pytest.param(Credentials(300, ((0, "root"), (1000, "ci"))), False, False,
+                 "another user's process (it runs as root too)",
+                 id="a setuid program, or a thread that changed its credentials"),
+    pytest.param(Credentials(300, ((1000, "ci"),), (VICTIM_PROC,)), False, False,
+                 "a signal to it may be relayed to pid 301 of user victim (python3 logsig.py), its "
+                 "descendant: su, sudo and runuser pass signals on",
+                 id="a relay (su, runuser): its descendant is theirs"),
+    pytest.param(Credentials(300, ((1000, "ci"),), (VICTIM_PROC, OTHER_PROC)), False, False,
+                 "a signal to it may be relayed to pid 301 of user victim (python3 logsig.py), its "
+                 "descendant, and to 1 more descendant(s) of other users: su, sudo and runuser pass "
+                 "signals on",
+                 id="a relay to several"),
+    pytest.param(Credentials(300, ((1000, "ci"),)), False, True,
+                 "not provably ours now (a live fixture's, the session set-up's, or older than the session)",
+                 id="protected (a live fixture's, the set-up's, older)"),
+    pytest.param(Credentials(300, ((1000, "ci"),)), True, False, "gpuclean itself or one of its ancestors",
+                 id="this process or an ancestor"),
 ])
-def test_may_signal(pid: int, uid: int | None, protected: bool, may: bool) -> None:
-    assert decide.may_signal(pid, uid, {ME, PARENT}, 1000, protected) is may
+def test_the_signal_gate(credentials: Credentials | None, itself: bool, protected: bool,
+                         refused: str | None) -> None:
+    assert gate.refusal(credentials, 1000, itself=itself, protected=protected) == refused
+
+
+@pytest.mark.parametrize(("births", "older_alive", "chains"), [
+    pytest.param({"t1": {(1, 1), (2, 2), (3, 3)}}, set(), {"t1"},
+                 id="three born, nothing older left: a chain"),
+    pytest.param({"t1": {(1, 1), (2, 2)}}, set(), set(), id="two born: a daemon's double fork, no chain"),
+    pytest.param({"t1": {(1, 1), (2, 2), (3, 3)}}, {"t1"}, set(),
+                 id="an older process of its owner lives on: a supervisor, reaped in order"),
+    pytest.param({None: {(1, 1), (2, 2), (3, 3)}}, set(), set(), id="of unknown birth: never signalled"),
+    pytest.param({"t1": {(1, 1), (2, 2), (3, 3)}, "t2": {(4, 4)}}, {"t3"}, {"t1"}, id="per owner"),
+])
+def test_self_replacing(births: dict[str | None, set[tuple[int, int]]], older_alive: set[str | None],
+                        chains: set[str | None]) -> None:
+    assert decide.self_replacing(births, older_alive) == chains
 
 
 @pytest.mark.parametrize(("uid", "reap", "detail"), [

@@ -135,8 +135,8 @@ def test_process_of_another_user_started_through_su_is_not_killed_through_su(
         result.stdout.fnmatch_lines([
             f"{LEAK_PREFIX} * (NOT all reaped)",
             f"*leaked pid * (user {user}, *belongs to another user ({user}): never killed*",
-            f"*note: pid * left alone: its descendant pid * belongs to another user ({user}), and su *"
-            "may relay our signals to it*",
+            f"*note: left alone: pid * (user root, su {user} *): a signal to it may be relayed to pid * of "
+            f"user {user} (*), its descendant*: su, sudo and runuser pass signals on",
         ])
         others = [int(p) for p in subprocess.run(["pgrep", "-f", str(marker)], capture_output=True,
                                                  text=True).stdout.split()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_gpuclean.core.deciding import reap_plan
+from pytest_gpuclean.core.deciding.gate import Credentials
 from pytest_gpuclean.core.deciding.reap_plan import plan as plan_reap
 from pytest_gpuclean.model.outcomes import (
     ALL_KINDS,
@@ -292,6 +293,10 @@ def test_split_own_by_name_for_a_record_without_tokens() -> None:
 
 MINE = PROC.replace(cmdline="python hold.py\n--mib 64")
 ROOTS = PROC.replace(uid=0, user="root", cmdline="python serve.py")
+THEIRS = PROC.replace(pid=4243, uid=1001, user="victim", cmdline="python3 logsig.py")
+CI_ONLY = Credentials(4242, ((1000, "ci"),))
+SETUID_ROOT = Credentials(4242, ((0, "root"), (1000, "ci")))
+RELAY = Credentials(4242, ((1000, "ci"),), (THEIRS,))
 ON_GPU0 = (("GPU 0", 64.0),)
 NODE_A = "node aaaaaaaa"
 
@@ -320,8 +325,16 @@ REAP: list[tuple[str, reap_plan.ReapCandidate, bool, str | None]] = [
      "pid 4242 of user root (python serve.py): another user's process (only root, with --all-users, ends "
      "those)"),
     ("this host: another user's, with --all-users", cand(info=ROOTS), True, None),
-    ("this host: a cookie carrier of any user asked",
-     cand(info=ROOTS, found_by="cookie", any_user=True), False, None),
+    ("this host: the gate lets it through", cand(found_by="cookie", credentials=CI_ONLY), False, None),
+    ("this host: another user's by its effective uid (a setuid program)",
+     cand(found_by="cookie", credentials=SETUID_ROOT), False,
+     "pid 4242 of user ci (python hold.py --mib 64): another user's process (it runs as root too) (only "
+     "root, with --all-users, ends those)"),
+    ("this host: a relay to another user (runuser, su)", cand(found_by="dead session", credentials=RELAY),
+     False, "pid 4242 of user ci (python hold.py --mib 64): a signal to it may be relayed to pid 4243 of "
+     "user victim (python3 logsig.py), its descendant: su, sudo and runuser pass signals on (only root, "
+     "with --all-users, ends those)"),
+    ("this host: a relay, with --all-users", cand(found_by="cookie", credentials=RELAY), True, None),
     ("cluster: the user's leftover of a finished job", cand(where=NODE_A, job_id="04"), False, None),
     ("cluster: not visible on its node", cand(info=None, where=NODE_A), False,
      "node aaaaaaaa: pid 4242: not visible on its node (exited, or another PID namespace)"),
@@ -359,6 +372,12 @@ def test_reap_plan_considers_a_pid_once_per_place() -> None:
                               my_uid=PROC.uid, cmd_width=80)
     assert targets == [listed, namesake_carrier, node_a, node_b]
     assert len(left) == 1 and left[0].startswith("pid 2 (listed on GPU 0) is ")
+    # Another user's process listed on a device and carrying the cookie: left alone, said once.
+    theirs = THEIRS.replace(pid=5)
+    _, left = plan_reap([cand(pid=5, info=theirs), cand(pid=5, info=theirs, found_by="cookie")],
+                        my_uid=PROC.uid, cmd_width=80)
+    assert left == ["pid 5 of user victim (python3 logsig.py): another user's process (only root, with "
+                    "--all-users, ends those)"]
 
 
 def test_reap_plan_cuts_command_lines_at_the_width() -> None:

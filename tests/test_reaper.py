@@ -201,7 +201,8 @@ def test_another_users_process_is_never_signalled(other_user: pwd.struct_passwd,
         result.stdout.fnmatch_lines([
             f"  leaked pid {holder} (user {other_user.pw_name}*): GPU 0 7 MiB; belongs to another user "
             f"({other_user.pw_name}): never killed",
-            f"note: pid {holder} left alone: not provably ours"])
+            f"note: left alone: pid {holder} (user {other_user.pw_name}, sleep 3600): another user's "
+            "process"])
         assert "SIGTERM" not in result.stdout.str()
     finally:
         # The holder outlived the inner session and was re-parented to this (subreaper) process: end

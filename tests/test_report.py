@@ -10,6 +10,7 @@ from typing import Any, get_args
 import pytest
 
 from pytest_gpuclean.core.deciding import reap_plan
+from pytest_gpuclean.core.deciding.gate import Credentials
 from pytest_gpuclean.model import outcomes
 from pytest_gpuclean.model import records as model
 from pytest_gpuclean.model.outcomes import (
@@ -113,7 +114,8 @@ LOCK_HOLDER = LockHolder(HOLDER_RECORD, alive=False, lock_pid=4343, lock_user="c
 
 # What `gpuclean reap` weighs, and what its --dry-run lists.
 REAP_CANDIDATE = reap_plan.ReapCandidate(4242, PROC, (("GPU 0", 512.0),), "cookie", f"node {NODE[:8]}", True,
-                                     True, True, "01000000", True, 4241, True, True)
+                                     True, True, "01000000", True, 4241, True, Credentials(
+                                         4242, ((0, "root"), (1000, "ci")), (PROC.replace(pid=4243),)))
 DRY_RUN_TARGET = report.DryRunTarget(f"node {NODE[:8]}: ", PROC, "job 01000000, by ray.kill",
                                     (("GPU 0", 512.0),))
 

@@ -15,8 +15,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pytest_gpuclean.core.deciding import gate
 from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.reading import backends, devices, processes, procfs
+from pytest_gpuclean.core.reading import backends, credentials, devices, processes, procfs
 from pytest_gpuclean.core.reading.opening import open_backend
 from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot
 from pytest_gpuclean.ray.records import NamedActor, NodeEnd, NodeProcess, NodeReport, Outcome
@@ -108,9 +109,10 @@ def end_on_node(actors: Sequence[NamedActor], targets: Sequence[tuple[int, int, 
     then wait (up to ``release_wait``) until the node's devices list none of what was ended, timed on
     this node from the first kill.
 
-    Each target is checked again here, where the pid means something: same start time, this user's,
-    this node's raylet, the job the check blamed (or, for ``job id`` '', no Ray job at all); never this
-    task's own ancestors (its worker's raylet, the process that started the node). An actor is killed
+    Each target is checked again here, where the pid means something: same start time, this node's raylet,
+    the job the check blamed (or, for ``job id`` '', no Ray job at all), and the signal gate
+    (``gate.refusal``: never another user's process or a relay to one, never this task's own ancestors: its
+    worker's raylet, the process that started the node). An actor is killed
     only if its name still resolves to the same actor id.
     """
     begun = time.monotonic()
@@ -174,9 +176,12 @@ def end_on_node(actors: Sequence[NamedActor], targets: Sequence[tuple[int, int, 
         env = procfs.read_environ_vars(pid, ("RAY_RAYLET_PID", "RAY_JOB_ID"))
         if stat is None or stat.start_ticks != start_ticks:
             outcomes.append((pid, "ladder", "already exited" if stat is None else "pid reused", None, ""))
-        elif pid in never or os.stat(f"/proc/{pid}").st_uid != uid or env.get("RAY_JOB_ID", "") != job or (
-                job and env.get("RAY_RAYLET_PID") != str(raylet_pid)):
+        elif env.get("RAY_JOB_ID", "") != job or (job and env.get("RAY_RAYLET_PID") != str(raylet_pid)):
             outcomes.append((pid, "ladder", "survived", None, "not provably the test's: left alone"))
+        elif (why := gate.refusal(credentials.credentials(pid, start_ticks), uid,
+                                  itself=pid in never)) is not None:
+            # The signal gate, as on this host: another user's process, a relay to one, ourselves.
+            outcomes.append((pid, "ladder", "survived", None, f"left alone: {why}"))
         else:
             verified.append(processes.KillTarget(pid, start_ticks, 0, None))
     for o in processes.terminate(verified, grace, watch=watch):

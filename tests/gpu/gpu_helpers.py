@@ -1,8 +1,31 @@
-"""Helpers of the real-GPU tests (tests/gpu): what NVML says now, and whether a process still runs."""
+"""Helpers of the real-GPU tests (tests/gpu): what NVML says now, whether a process still runs, the first
+whole GPU and a torch process that holds memory on it."""
 
 from __future__ import annotations
 
 from pytest_gpuclean.core.reading.nvml import NvmlBackend
+from pytest_gpuclean.model.records import DeviceInfo
+
+TORCH_HOLDER = r'''
+import sys, time
+import torch
+block = torch.empty(int(sys.argv[1]) * 1024 * 1024, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+with open(sys.argv[2], "w") as f:
+    f.write("ready")
+time.sleep(3600)
+'''
+"""A CUDA process for ``python -c``: holds argv[1] MiB through torch, then writes 'ready' to argv[2]."""
+
+
+def first_whole_gpu() -> DeviceInfo:
+    """The first whole GPU NVML lists (a MIG slice would work too, but then CUDA_VISIBLE_DEVICES needs its MIG
+    UUID)."""
+    backend = NvmlBackend()
+    try:
+        return next(d for d in backend.devices() if d.mig_index is None)
+    finally:
+        backend.close()
 
 
 def used_mib() -> float:

@@ -20,31 +20,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+from gpu_helpers import TORCH_HOLDER, first_whole_gpu
 
-from pytest_gpuclean.core.reading.nvml import NvmlBackend
 from pytest_gpuclean.model.records import DeviceInfo
 
 HOLD_MIB = 1024
-HOLDER = r'''
-import sys, time
-import torch
-block = torch.empty(int(sys.argv[1]) * 1024 * 1024, dtype=torch.uint8, device="cuda")
-torch.cuda.synchronize()
-with open(sys.argv[2], "w") as f:
-    f.write("ready")
-time.sleep(3600)
-'''
 
 
 @pytest.fixture(scope="module")
 def device() -> DeviceInfo:
-    backend = NvmlBackend()
-    try:
-        found = backend.devices()
-    finally:
-        backend.close()
-    # The first whole GPU (a MIG slice would work too, but then CUDA_VISIBLE_DEVICES needs its MIG UUID).
-    return next(d for d in found if d.mig_index is None)
+    return first_whole_gpu()
 
 
 @pytest.fixture
@@ -81,7 +66,7 @@ def torch_holder(device: DeviceInfo, hook_env: dict[str, str], tmp_path: Path) -
     if importlib.util.find_spec("torch") is None:
         pytest.skip("torch is not installed")
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(HOLD_MIB), str(ready)],
+    proc = subprocess.Popen([sys.executable, "-c", TORCH_HOLDER, str(HOLD_MIB), str(ready)],
                             env={**hook_env, "CUDA_VISIBLE_DEVICES": device.uuid})
     try:
         deadline = time.monotonic() + 180

@@ -1,9 +1,10 @@
 """The reap ladder: end processes (SIGTERM, the grace, SIGKILL; or SIGKILL at once) and wait until the
 driver lets their GPU memory go, timing the release.
 
-It signals only what it is handed: which processes those may be is decided before (``decide.may_signal``
-over the census), and ``processes.terminate`` signals each through the pidfd pinned when it was found.
-The plugin's reaper and ``gpuclean reap`` both end processes through here.
+It signals only what it is handed: which processes those may be is decided before, by the one gate
+(``deciding/gate.py``: ``Checker.gate`` over the census, ``reap_plan.plan`` for ``gpuclean reap``), and
+``processes.terminate`` signals each through the pidfd pinned when it was found. The plugin's reaper and
+``gpuclean reap`` both end processes through here.
 """
 
 from __future__ import annotations

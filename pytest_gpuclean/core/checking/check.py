@@ -7,11 +7,12 @@ Each pass reads top to bottom:
    not explain widens it to a cookie scan), who each process is, the allowlist, under host scope the stray
    Python processes, what earlier checks waited out from outside.
 2. **Decide** (``core/deciding``, which reads nothing): what the pass does with leftovers of the session not
-   yet signalled (``decide.next_move``: let them settle, reap them) or, with none, the verdict
+   yet signalled (``decide.next_move``: let them settle, reap them; ``decide.self_replacing``: an owner whose
+   processes keep being born while the check waits is a chain, frozen and killed) or, with none, the verdict
    (``verdict.Judge``): the offenders, and whether looking again can help.
 3. **Act**: collect what exited, wait the settle time or reap (``Checker.reap_round``: the ladder, through
    the census's pidfds), remember what was waited out from outside; then look again, or give the
-   ``CheckResult``.
+   ``CheckResult`` (not while processes of ours are still being born: then it looks again).
 
 The ``Checker`` (``checker.py``) holds what lasts from one check to the next (the census, the devices,
 the memory of outside states), reads and acts for the check, and starts one when its clean path cannot
@@ -28,7 +29,7 @@ from typing import Protocol
 from pytest_gpuclean.core.deciding import decide
 from pytest_gpuclean.core.deciding.decide import MAX_REAP_ROUNDS
 from pytest_gpuclean.core.deciding.verdict import Judge, Key, Snapshot, Verdict, mib_of, offenders
-from pytest_gpuclean.core.reading import processes
+from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
 from pytest_gpuclean.model.outcomes import CheckResult
 from pytest_gpuclean.model.records import (
@@ -48,6 +49,7 @@ __all__ = [
     "Check",
     "CheckerParts",
     "Look",
+    "respawned_note",
 ]
 
 
@@ -125,28 +127,66 @@ class Check:
         self.settled = False
         self.rounds = 0
         self.reaped_owners: set[str | None] = set()
+        # When the check began, on the clock of the processes' start times (its first census may be older
+        # than this object: ``Checker._quiet``'s).
+        self.began_ticks = procfs.boot_ticks_now() - int(
+            (time.monotonic() - self.started) * procfs.CLOCK_TICKS)
+        self.births: dict[str | None, set[Key]] = {}
+        """Per owner, its processes born since the check began, as the passes saw them (alive or exited)."""
+        self.chains: dict[str | None, set[int]] = {}
+        """Per owner found replacing itself (``decide.self_replacing``): the pids of its chain seen."""
+        self.collected_of: dict[str | None, set[int]] = {}
+        """Per owner, the pids collected as exited (a chain's are none of those: ``result``)."""
 
     def run(self) -> CheckResult:
         while True:
             # Observe.
             seen = self.c.observe(self.look)
             now = time.monotonic()
-            # Decide: what of ours is alive and not signalled yet goes first; with none of it, the verdict.
+            born = self.note_births(seen)
+            # Decide: a chain that replaces itself first; then what of ours is alive and not signalled yet;
+            # with none of it, the verdict.
+            chains = decide.self_replacing(self.births, {
+                f.token for f in seen.ours if f.live and f.start_ticks < self.began_ticks}) if born else set()
             fresh = [f for f in seen.ours if f.live and f.key not in self.attempted] if seen.ours else []
-            move = decide.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled, self.c.settle)
+            if chains and self.reap_enabled and self.rounds < MAX_REAP_ROUNDS:
+                move: decide.Move | None = None
+            else:
+                move = decide.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled,
+                                        self.c.settle)
             verdict = self.judge.verdict(seen, self.attempted, now - self.started, now) if (
                 move == "judge") else None
             # Act.
+            collected = len(self.collected)
             self.collect_zombies(seen)
-            if move == "settle":
+            active = born or len(self.collected) > collected
+            if move is None:
+                self.stop_chains(chains, seen)
+            elif move == "settle":
                 self.settle(fresh, seen)
             elif move == "reap":
                 self.reap_round(fresh, seen)
-            elif verdict is not None and not verdict.again:
+            elif verdict is not None and not verdict.again and not (
+                    active and self.reap_enabled and now - self.started < self.judge.timeout):
+                # (Processes of ours born or exited since the last look: not done while they keep coming and
+                # going. The census may be a step behind a chain that forks faster than it reads: each of
+                # the processes it saw has exited, the one alive now was born after it began.)
                 self.c.remember(verdict)
                 return self.result(seen, verdict, fresh, now - self.started)
             else:
                 time.sleep(POLL_S)
+
+    def note_births(self, seen: Snapshot) -> bool:
+        """Note the processes of ours born since the check began, alive or exited; whether this pass saw any
+        for the first time."""
+        began, births, new = self.began_ticks, self.births, False
+        for f in seen.ours:
+            if f.start_ticks >= began:
+                known = births.setdefault(f.token, set())
+                if f.key not in known:
+                    known.add(f.key)
+                    new = True
+        return new
 
     # ---- act ---------------------------------------------------------------------------------------
 
@@ -175,13 +215,36 @@ class Check:
                     pending.remove(f)
                     self._collect(f, seen, "exited by itself")
 
+    def stop_chains(self, owners: set[str | None], seen: Snapshot) -> None:
+        """Freeze and SIGKILL the processes of ``owners``, which replace themselves while the check waits
+        (``decide.self_replacing``): what is alive of them now, and each that appears while the freeze looks
+        again, until none does. Their processes that exited meanwhile were the chain, not processes that
+        exited by themselves."""
+        self.rounds += 1
+        alive = [f for f in seen.ours if f.live and f.token in owners]
+        targets, reaped = self.c.reap_round(alive, seen.readings, self.devices, self.notes, freeze=owners,
+                                            scan_cookies=self.look.scan_cookies)
+        self.attempted.update(f.key for f in targets)
+        self.reaped_owners.update(owners)
+        self.reaped.extend(reaped)
+        for owner in owners:
+            chain = self.chains.setdefault(owner, set())
+            chain.update(pid for pid, _ in self.births.pop(owner, ()))
+            chain.update(f.pid for f in targets if f.token == owner)
+        pids = sorted({pid for owner in owners for pid in self.chains[owner]})
+        killed = sum(1 for r in reaped if r.ended_by == "SIGKILL")
+        self.notes.append(
+            f"a self-replacing chain (each process forks the next and exits at once; {len(pids)} born while "
+            f"the check waited: {_few(pids)}): " + (
+                f"stopped and killed with SIGKILL ({killed})" if killed else
+                "none was caught alive this time; looking again"))
+
     def reap_round(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
         frozen: set[str | None] | None = None
         if self.rounds:
             # Killed processes were replaced (a SIGTERM handler that forks, a supervisor): stop the
             # whole set first, so nothing forks while we look, then SIGKILL it; no handler runs again.
-            self.notes.append(f"new processes appeared while reaping (round {self.rounds + 1}): "
-                              f"{sorted(f.pid for f in fresh)}; stopped and killed with SIGKILL")
+            self.notes.append(respawned_note(self.rounds + 1, fresh))
             frozen = {f.token for f in fresh} | self.reaped_owners
         self.rounds += 1
         targets, reaped = self.c.reap_round(fresh, seen.readings, self.devices, self.notes, freeze=frozen,
@@ -194,6 +257,7 @@ class Check:
     def _collect(self, f: CensusEntry, seen: Snapshot, how: EndedBy) -> None:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
+        self.collected_of.setdefault(f.token, set()).add(f.pid)
         info = seen.described.get(f.key) or seen.vanished[f.key]
         self.collected.append(Reaped(info, seen.owners[f.key], f.found_by, how, (), None))
 
@@ -213,9 +277,12 @@ class Check:
             f"({report_mib(mib_of(pid, seen.readings)) or 'no memory now'}): excused like our own"
             for pid in sorted(seen.peers))]
         found, readings, me = verdict.offenders, seen.readings, seen.me
+        # A chain's processes did not exit by themselves: the chain replaced them.
+        chained = {pid for owner in self.chains for pid in self.collected_of.get(owner, ())}
+        collected = [r for r in self.collected if r.process.pid not in chained] if chained else self.collected
         return CheckResult(
             phase=self.phase, clean=not found, devices=readings, offenders=found,
-            lingered=verdict.lingered, collected=tuple(self.collected), reaped=tuple(self.reaped),
+            lingered=verdict.lingered, collected=tuple(collected), reaped=tuple(self.reaped),
             waited_s=waited, clean_after_s=waited if not found else None, notes=tuple(notes),
             siblings=seen.siblings, tolerance_mib=self.tolerance_mib,
             self_mib=tuple((s.device.label, s.bytes_of({me}) / MIB) for s in readings if s.bytes_of({me})),
@@ -263,3 +330,15 @@ class Check:
             waited_s=time.monotonic() - self.started, notes=tuple(self.notes),
             tolerance_mib=self.tolerance_mib, error=error.describe(),
             device_lost=isinstance(error, DeviceLost))
+
+
+def respawned_note(round_no: int, new: Sequence[CensusEntry]) -> str:
+    """The note of a reaping round that found new processes where it had killed some: frozen, then killed."""
+    return (f"new processes appeared while reaping (round {round_no}): {sorted(f.pid for f in new)}; stopped "
+            "and killed with SIGKILL")
+
+
+def _few(pids: Sequence[int], shown: int = 8) -> str:
+    """``pids``, the first ``shown`` of them and how many more."""
+    listed = ", ".join(str(pid) for pid in pids[:shown])
+    return listed + (f" and {len(pids) - shown} more" if len(pids) > shown else "")

@@ -4,7 +4,7 @@ provably the session's.
 ``Checker.check`` answers a clean check itself (``_quiet``: every device idle, nothing of ours alive);
 otherwise it runs a ``check.Check``: readings -> snapshot -> verdict -> action, pass after pass. The
 checker holds the census (``census.py``), the device backend, what was waited out from outside
-(``outside.py``), and the reaping (``reap``: what may be signalled, ``decide.may_signal``; the ladder,
+(``outside.py``), and the reaping (``reap``: what may be signalled, the one gate ``gate``; the ladder,
 ``reaping.py``) that a check and the session's edges (the final sweep, a dead session's debris) share.
 No pytest here: the plugin and the ``gpuclean`` command line drive the same ``Checker``.
 """
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from pytest_gpuclean.core.acting import pools, reaping
-from pytest_gpuclean.core.checking.check import Check, Look
+from pytest_gpuclean.core.checking.check import Check, Look, respawned_note
 from pytest_gpuclean.core.checking.outside import OutsideMemory
 from pytest_gpuclean.core.deciding import decide
 from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, mib_of
@@ -87,6 +87,8 @@ class Checker:
         self.hurry: Callable[[], bool] | None = None
         """Set while an interrupt asks the reaping to be quick: the grace ends at once."""
         self._debris_checked = False
+        self.left_alone: dict[tuple[int, int], str] = {}
+        """Processes of ours the gate refused (``gate``), by identity: why, for the verdict."""
         self.outside = OutsideMemory()
         """Per device UUID: the outside state a check waited out. A later check that finds the very same,
         unchanged for as long as its own timeout, does not wait for it again. (An xdist worker's session
@@ -113,7 +115,12 @@ class Checker:
     @property
     def notices(self) -> list[str]:
         """Lines for the session's notes, once each: helpers of the pytest process and persistent processes
-        as they are first seen (taken by whoever reports them)."""
+        as they are first seen, and what a device reading could not trust (``Backend.notices``); taken by
+        whoever reports them."""
+        backend = self.backend
+        if backend is not None and backend.notices:
+            self.procs.notices.extend(backend.notices)
+            backend.notices.clear()
         return self.procs.notices
 
     def census(self, scan_cookies: bool = False, dead_sessions: bool = False) -> list[Found]:
@@ -320,7 +327,12 @@ class Checker:
             frozenset([info.pid for info in foreign if procs.of_our_run(info.pid)] if foreign else ()),
             {pid: _start_ticks(pid) for pid in unexplained} if unexplained else {},
             self.outside.load() if maybe_outside else {}, tuple(look.siblings.values()),
-            frozenset(look.peers), frozenset(self_cuda), procs.me)
+            frozenset(look.peers), frozenset(self_cuda), procs.me, self._left_alone_of(ours))
+
+    def _left_alone_of(self, ours: Sequence[Found]) -> dict[tuple[int, int], str]:
+        """Of ``ours``, what the gate refused so far, and why."""
+        refused = self.left_alone
+        return {f.key: refused[f.key] for f in ours if f.key in refused} if refused else {}
 
     def _context_overhead(self, short: list[decide.Short], excused: set[int], self_cuda: set[str]
                           ) -> dict[str, int]:
@@ -342,13 +354,18 @@ class Checker:
                    scan_cookies: bool = False) -> tuple[list[CensusEntry], list[Reaped]]:
         """A check's round of reaping ``fresh`` (as its snapshot names them: the last census's processes):
         with ``freeze`` (the owners whose processes keep reappearing), stopped first with whatever else of
-        theirs appears, then killed at once. What it signalled, and the records."""
-        everyone = self.procs.last
+        theirs appears, then killed at once. What it tried to signal, and the records."""
         targets = self.procs.pinned(fresh)
-        if freeze is not None:
-            targets = self.freeze(targets, freeze, scan_cookies)
-        return list(targets), self.reap(targets, readings, devices, notes, everyone=everyone,
-                                        kill_first=freeze is not None)
+        if freeze is None:
+            return list(targets), self.reap(targets, readings, devices, notes)
+        frozen: dict[tuple[int, int], Found] = {}
+        stopped: list[processes.KillTarget] = []
+        try:
+            found = self.freeze(targets, freeze, scan_cookies, notes, frozen, stopped)
+            reaped = self.reap(list(frozen.values()), readings, devices, notes, kill_first=True)
+        finally:
+            processes.resume(stopped)  # what was stopped and not killed (an error on the way, a survivor)
+        return [*targets, *found], reaped
 
     def remember(self, verdict: Verdict) -> None:
         """What a check waited out from outside, for the later checks; what is clean from outside now,
@@ -360,33 +377,41 @@ class Checker:
 
     # ---- reaping -------------------------------------------------------------------------------
 
-    def _relays_to_others(self, f: Found, info: ProcessInfo | None, everyone: Sequence[Found]) -> str | None:
-        """Why signalling ``f`` would reach another user's process (``su``, ``sudo`` relay signals)."""
-        if info is None:
-            return None
-        for other in everyone:
-            if other.pid == f.pid or other.depth <= f.depth or not other.live:
+    def refusal(self, f: Found) -> str | None:
+        """Why ``f`` may not be signalled now (``gate.refusal``; its credentials are read now, off the clean
+        path); None: it may."""
+        # (imported here: a session whose checks find nothing to signal never needs them)
+        from pytest_gpuclean.core.deciding import gate
+        from pytest_gpuclean.core.reading import credentials
+
+        itself, protected = f.pid in self.never_touch, self.is_protected(f)
+        facts = None if itself or protected else credentials.credentials(f.pid, f.start_ticks)
+        return gate.refusal(facts, self.uid, itself=itself, protected=protected)
+
+    def gate(self, found: Sequence[Found], notes: list[str]) -> list[Found]:
+        """Of ``found``, what may be signalled: the one gate before every signal gpuclean sends, SIGSTOP
+        included. Each process it refuses is named in ``notes`` (once), and remembered for the verdict
+        (``left_alone``)."""
+        allowed: list[Found] = []
+        for f in found:
+            why = self.refusal(f)
+            if why is None:
+                allowed.append(f)
                 continue
-            other_info = processes.describe(other.pid, other.start_ticks)
-            if (other_info is not None and other_info.uid != self.uid
-                    and f.pid in processes.ancestors(other.pid)):
-                return (f"pid {f.pid} left alone: its descendant pid {other.pid} belongs to another user "
-                        f"({other_info.user}), and {one_line(info.cmdline, 40)} may relay our signals to it")
-        return None
+            self.left_alone[f.key] = why
+            info = processes.describe(f.pid, f.start_ticks)
+            line = None if info is None else (
+                f"left alone: pid {f.pid} (user {info.user}, {one_line(info.cmdline, 60)}): {why}")
+            if line is not None and line not in notes:
+                notes.append(line)
+        return allowed
 
     def reap(self, ours: Sequence[Found], snaps: Sequence[DeviceSnapshot], devices: Sequence[DeviceInfo],
-             notes: list[str], everyone: Sequence[Found] = (), kill_first: bool = False) -> list[Reaped]:
-        """Kill ``ours`` (TERM, grace, KILL; or KILL at once), then wait until the driver lets them go."""
-        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in ours}
-        safe: list[Found] = []
-        for f in ours:
-            info = infos[f.pid]
-            relay = self._relays_to_others(f, info, everyone or ours)
-            if relay is None and decide.may_signal(f.pid, None if info is None else info.uid,
-                                                   self.never_touch, self.uid, self.is_protected(f)):
-                safe.append(f)
-            elif infos[f.pid] is not None:
-                notes.append(relay or f"pid {f.pid} left alone: not provably ours")
+             notes: list[str], kill_first: bool = False) -> list[Reaped]:
+        """Kill what of ``ours`` the gate lets through (TERM, grace, KILL; or KILL at once), then wait until
+        the driver lets them go."""
+        safe = self.gate(ours, notes)
+        infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in safe}
         for f in safe:
             if f.debris_of is not None:
                 notes.append(f"pid {f.pid}: left by {f.debris_of.describe()}")
@@ -405,21 +430,34 @@ class Checker:
         return reaping.kill_and_confirm(targets, devices, holders, read=self.snapshot, grace=self.grace,
                                         hurry=self.hurry, kill_first=kill_first)
 
-    def freeze(self, targets: Sequence[Found], owners: set[str | None], scan_cookies: bool) -> list[Found]:
-        """SIGSTOP ``targets`` and whatever else of the same owners appears, until nothing new does.
+    def freeze(self, targets: Sequence[Found], owners: set[str | None], scan_cookies: bool, notes: list[str],
+               frozen: dict[tuple[int, int], Found], stopped: list[processes.KillTarget]) -> list[Found]:
+        """SIGSTOP ``targets`` and whatever else of the same ``owners`` appears, until nothing new does: into
+        ``frozen`` (what is to be killed) and ``stopped`` (what this stopped, the caller's to SIGCONT if it
+        does not kill it). A stopped process forks no more, so the set stops growing. Returns what appeared
+        besides ``targets``, whether the gate let it through or not (it was considered).
 
-        A stopped process forks no more, so the set stops growing; what it returns is killed at once.
+        Each process passes the gate before it is stopped, and again once stopped: one that became a relay
+        between the two (it started another user's process) is continued and left alone.
         """
-        frozen: dict[tuple[int, int], Found] = {f.key: f for f in targets}
-        processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in targets])
+        seen = {f.key for f in targets}
+        appeared: list[Found] = []
+        batch = self.gate(targets, notes)
         for _ in range(MAX_FREEZE_PASSES):
+            now_stopped = processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle)
+                                          for f in batch])
+            stopped.extend(now_stopped)
+            allowed = {f.key for f in self.gate(batch, notes)}
+            processes.resume([t for t in now_stopped if (t.pid, t.start_ticks) not in allowed])
+            frozen.update((f.key, f) for f in batch if f.key in allowed)
             new = [f for f in self.census(scan_cookies=scan_cookies)
-                   if f.key not in frozen and f.live and not self.is_protected(f) and f.token in owners]
+                   if f.key not in seen and f.live and not self.is_protected(f) and f.token in owners]
             if not new:
                 break
-            frozen.update((f.key, f) for f in new)
-            processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in new])
-        return list(frozen.values())
+            seen.update(f.key for f in new)
+            appeared.extend(new)
+            batch = self.gate(new, notes)
+        return appeared
 
     def final_sweep(self, devices: Sequence[DeviceInfo], *, include_session: bool = False) -> list[Reaped]:
         """At session end: reap everything this session's tests and fixtures spawned that is still alive.
@@ -436,24 +474,43 @@ class Checker:
             if not f.live:
                 # Exited, holding nothing: collected (if ours to wait for), not reported as a leftover.
                 processes.reap_if_child(f.pid)
-        found = decide.of_the_sweep(census, (PREEXISTING,) if include_session else (PREEXISTING, SESSION))
+        excluded = (PREEXISTING,) if include_session else (PREEXISTING, SESSION)
+        found = decide.of_the_sweep(census, excluded)
         if not found or not self.reap_enabled:
             return []
-        return self._reap_unread(found, devices)
+        return self._reap_unread(found, devices, again=lambda: decide.of_the_sweep(
+            self.census(scan_cookies=True), excluded))
 
-    def _reap_unread(self, found: list[Found], devices: Sequence[DeviceInfo],
-                     notes: list[str] | None = None) -> list[Reaped]:
+    def _reap_unread(self, found: list[Found], devices: Sequence[DeviceInfo], notes: list[str] | None = None,
+                     again: Callable[[], list[Found]] | None = None) -> list[Reaped]:
         """Reap ``found`` at the session's edges: the devices only time the release, and one that cannot be
-        read (a GPU lost at the end) does not stop it."""
+        read (a GPU lost at the end) does not stop it. ``again`` finds what is left to reap now: what
+        replaced itself meanwhile (a SIGTERM handler that forks, a chain) is frozen and SIGKILLed, round
+        after round (at most ``MAX_REAP_ROUNDS``), as in a check: none of it outlives the session."""
         notes = [] if notes is None else notes
         try:
             snaps = self.snapshot(devices)
         except DeviceError:
             snaps, devices = (), ()
         try:
-            return self.reap(found, snaps, devices, notes, everyone=found)
+            reaped = self.reap(found, snaps, devices, notes)
         except DeviceError:
-            return self.reap(found, (), (), notes, everyone=found)
+            snaps, devices = (), ()
+            reaped = self.reap(found, snaps, devices, notes)
+        done = {f.key for f in found}
+        for round_no in range(2, decide.MAX_REAP_ROUNDS + 1):
+            new = [f for f in again() if f.key not in done] if again is not None else []
+            if not new:
+                break
+            done.update(f.key for f in new)
+            notes.append(respawned_note(round_no, new))
+            owners = {f.token for f in new}
+            try:
+                reaped += self.reap_round(new, snaps, devices, notes, freeze=owners, scan_cookies=True)[1]
+            except DeviceError:
+                snaps, devices = (), ()
+                reaped += self.reap_round(new, snaps, devices, notes, freeze=owners, scan_cookies=True)[1]
+        return reaped
 
     def end_declared_helpers(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
         """At the very end (after every ``pytest_unconfigure``): end the helpers that only
@@ -480,7 +537,7 @@ class Checker:
         if not debris or not self.reap_enabled:
             return [], []
         notes: list[str] = []
-        return self._reap_unread(debris, devices, notes), notes
+        return self._reap_unread(debris, devices, notes, again=self.dead_session_debris), notes
 
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""

@@ -6,9 +6,9 @@ tokens), then decides here: which processes are the session's to judge and which
 (``sort_census``), what unlisted memory the excused contexts explain (``listed_overhead``,
 ``context_overhead``), whether something the session's tree does not explain is on the GPUs
 (``unexplained_use``: the census then looks wider), and what the pass does next (``next_move``: let
-leftovers settle, reap, or judge: ``verdict.py``). Also what the reap ladder may signal at all
-(``may_signal``) and what the session-end sweep ends (``of_the_sweep``). Each is unit-tested without
-processes (``tests/test_checker_decisions.py``).
+leftovers settle, reap, or judge: ``verdict.py``), and what the session-end sweep ends (``of_the_sweep``).
+What may be signalled at all is the gate's (``gate.py``). Each is unit-tested without processes
+(``tests/test_checker_decisions.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Final, Generic, Literal, TypeVar
 from pytest_gpuclean.model.records import MIB, CensusEntry, DeviceSnapshot, Fields
 
 __all__ = [
+    "CHAIN_BIRTHS",
     "CONTEXT_OVERHEAD_BYTES",
     "MAX_REAP_ROUNDS",
     "C",
@@ -27,9 +28,9 @@ __all__ = [
     "SortedCensus",
     "context_overhead",
     "listed_overhead",
-    "may_signal",
     "next_move",
     "of_the_sweep",
+    "self_replacing",
     "short_of_users",
     "sort_census",
     "unexplained_use",
@@ -41,6 +42,10 @@ CONTEXT_OVERHEAD_BYTES = 64 * MIB
 docs/benchmarks.md 9); the margin keeps other drivers' larger overheads excused too."""
 MAX_REAP_ROUNDS = 4
 """Rounds of reaping within one check; from the second on, what reappeared is frozen and SIGKILLed."""
+CHAIN_BIRTHS = 3
+"""Processes of one owner born while a check waits that make it a self-replacing chain, once nothing of that
+owner older than the check is left alive: each process forks the next and exits at once, so none waits for a
+signal (``self_replacing``). A daemon's double fork is two."""
 
 C = TypeVar("C", bound=CensusEntry)
 
@@ -175,6 +180,18 @@ def next_move(fresh: bool, reap_enabled: bool, rounds: int, settled: bool, settl
     return "reap" if rounds < MAX_REAP_ROUNDS else "judge"
 
 
+def self_replacing(births: Mapping[str | None, Collection[tuple[int, int]]],
+                   older_alive: Collection[str | None]) -> set[str | None]:
+    """The owners whose processes replace themselves while a check waits: at least ``CHAIN_BIRTHS`` of
+    theirs born since the check began (``births``: by owner token, the identities seen, alive or exited),
+    and none of theirs from before it alive (``older_alive``: those owners have a process that could be
+    waiting for a signal, a supervisor that a SIGTERM ends in order). Such a chain is frozen and SIGKILLed:
+    a SIGTERM finds each of its processes gone, and a check that looks once may find only the exited ones
+    and call it clean."""
+    return {owner for owner, born in births.items()
+            if owner is not None and len(born) >= CHAIN_BIRTHS and owner not in older_alive}
+
+
 def of_the_sweep(found: Iterable[C], excluded: Collection[str]) -> list[C]:
     """What a session-end sweep ends of a census: each live process of known birth (a token: a test's, a
     fixture's, the session set-up's) whose token is not ``excluded`` (what is older than the session, and,
@@ -182,14 +199,3 @@ def of_the_sweep(found: Iterable[C], excluded: Collection[str]) -> list[C]:
     one holds nothing. The sweep reaps these, and with reaping off the session's closing note lists them."""
     return [f for f in found if f.live and f.token is not None and f.token not in excluded]
 
-
-def may_signal(pid: int, process_uid: int | None, never_touch: Collection[int], my_uid: int,
-               protected: bool) -> bool:
-    """Whether the reap ladder may signal ``pid``, a process of the census: never this process or its
-    ancestors, never another user's (root's too), never what is protected now. ``process_uid`` None: it is
-    gone already (the ladder reports it without signalling)."""
-    if process_uid is None:
-        return True
-    if pid in never_touch or process_uid != my_uid:
-        return False
-    return not protected

@@ -4,6 +4,8 @@ Ray cluster's nodes (``--ray``).
 The commands gather the facts (``cli.py`` from the devices and ``/proc``, ``ray/cli_ray.py`` from the
 cluster's census) into ``ReapCandidate`` records (declared here); ``plan`` decides, in one order,
 which are targets and why each other one is left alone, so both cases are unit-tested without processes.
+On this host the user and relay checks are the signal gate's (``gate.refusal``), as for the plugin's
+reaping: a process whose credentials were read is a target only if the gate lets it through.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 
+from pytest_gpuclean.core.deciding.gate import Credentials, refusal
 from pytest_gpuclean.model.records import Fields, FoundBy, ProcessInfo
 from pytest_gpuclean.model.text import one_line
 
@@ -25,7 +28,7 @@ class ReapCandidate(Fields):
     ``cli.py`` from the devices and ``/proc``, by ``ray/cli_ray.py`` from a cluster's census."""
 
     __slots__ = ("pid", "info", "mib", "found_by", "where", "no_device_file", "gpuclean_itself", "ray_own",
-                 "job_id", "job_running", "job_driver_pid", "task_worker", "any_user")
+                 "job_id", "job_running", "job_driver_pid", "task_worker", "credentials")
     pid: Final[int]
     info: Final[ProcessInfo | None]
     """None: not visible where it runs (exited, or in another PID namespace)."""
@@ -50,14 +53,15 @@ class ReapCandidate(Fields):
     """The driver of its still running job, if the cluster knows the job."""
     task_worker: Final[bool]
     """A Ray worker that is no actor's: Ray ends it with its task."""
-    any_user: Final[bool]
-    """Its owner's uid is not checked (a cookie carrier: found among the processes of the users asked)."""
+    credentials: Final[Credentials | None]
+    """Whom a signal to it could reach (``gate.Credentials``), read on this host; None where they were not
+    read (a Ray node's process: its uid alone is checked)."""
 
     def __init__(self, pid: int, info: ProcessInfo | None, mib: tuple[tuple[str, float], ...] = (),
                  found_by: FoundBy = "gpu", where: str = "", no_device_file: bool = False,
                  gpuclean_itself: bool = False, ray_own: bool = False, job_id: str = "",
                  job_running: bool = False, job_driver_pid: int | None = None, task_worker: bool = False,
-                 any_user: bool = False) -> None:
+                 credentials: Credentials | None = None) -> None:
         self.pid = pid
         self.info = info
         self.mib = mib
@@ -70,7 +74,7 @@ class ReapCandidate(Fields):
         self.job_running = job_running
         self.job_driver_pid = job_driver_pid
         self.task_worker = task_worker
-        self.any_user = any_user
+        self.credentials = credentials
 
 
 def plan(candidates: Iterable[ReapCandidate], *, my_uid: int, all_users: bool = False, cmd_width: int = 80
@@ -87,8 +91,8 @@ def plan(candidates: Iterable[ReapCandidate], *, my_uid: int, all_users: bool = 
         if why is None:
             chosen.add((c.where, c.pid))
             targets.append(c)
-        elif why:
-            left.append(f"{c.where}: {why}" if c.where else why)
+        elif why and (line := f"{c.where}: {why}" if c.where else why) not in left:
+            left.append(line)  # (once: a process the driver lists may carry the cookie too)
     return targets, left
 
 
@@ -112,9 +116,13 @@ def _left_alone(c: ReapCandidate, my_uid: int, all_users: bool, width: int) -> s
         return f"pid {pid} ({cmd}): {carries}gpuclean itself or one of its ancestors"
     if c.ray_own:
         return f"pid {pid} ({cmd}): Ray's own (daemon or task worker)"
-    if info.uid != my_uid and not all_users and not c.any_user:
-        return f"pid {pid} of user {info.user} ({cmd}): another user's process" + (
-            "" if c.where else " (only root, with --all-users, ends those)")
+    if not all_users:
+        # Another user's process, or one that would relay the signal to one (the gate's, as the plugin's).
+        why = refusal(c.credentials, my_uid) if c.credentials is not None else (
+            "another user's process" if info.uid != my_uid else None)
+        if why is not None:
+            return f"pid {pid} of user {info.user} ({cmd}): {why}" + (
+                "" if c.where else " (only root, with --all-users, ends those)")
     if c.job_running:
         return (f"pid {pid} ({cmd}): its Ray job {c.job_id} is still running"
                 + (f" (driver pid {c.job_driver_pid})" if c.job_driver_pid is not None else ""))

@@ -99,7 +99,8 @@ class Snapshot(Fields):
 
     __slots__ = ("readings", "census", "ours", "unknown", "excused", "unexplained",
                  "overhead", "described", "vanished", "owners", "foreign", "allowlisted", "strays",
-                 "of_our_run", "start_ticks", "remembered", "siblings", "peers", "self_cuda", "me")
+                 "of_our_run", "start_ticks", "remembered", "siblings", "peers", "self_cuda", "me",
+                 "left_alone")
     readings: Final[tuple[DeviceSnapshot, ...]]
     """The checked devices."""
     census: Final[tuple[CensusEntry, ...]]
@@ -144,6 +145,8 @@ class Snapshot(Fields):
     """Labels of the devices where this process uses CUDA without a context the driver lists."""
     me: Final[int]
     """The process running the check."""
+    left_alone: Final[Mapping[Key, str]]
+    """Of ``ours``, what the signal gate refused so far, and why (``gate.refusal``)."""
 
     def __init__(self, readings: tuple[DeviceSnapshot, ...], census: tuple[CensusEntry, ...],
                  ours: tuple[CensusEntry, ...], unknown: tuple[CensusEntry, ...], excused: frozenset[int],
@@ -153,7 +156,8 @@ class Snapshot(Fields):
                  foreign: tuple[ProcessInfo, ...], allowlisted: frozenset[int],
                  strays: tuple[ProcessInfo, ...], of_our_run: frozenset[int], start_ticks: Mapping[int, int],
                  remembered: Mapping[str, OutsideState], siblings: tuple[SiblingUse, ...],
-                 peers: frozenset[int], self_cuda: frozenset[str], me: int) -> None:
+                 peers: frozenset[int], self_cuda: frozenset[str], me: int,
+                 left_alone: Mapping[Key, str]) -> None:
         self.readings = readings
         self.census = census
         self.ours = ours
@@ -174,6 +178,7 @@ class Snapshot(Fields):
         self.peers = peers
         self.self_cuda = self_cuda
         self.me = me
+        self.left_alone = left_alone
 
 
 class Verdict(Fields):
@@ -281,7 +286,8 @@ def offenders(seen: Snapshot, tolerance: int, reap_enabled: bool, my_uid: int) -
         info = seen.described.get(f.key)
         if f.live and info is not None:
             found.append(Offender("leaked", info, seen.owners[f.key], f.found_by, mib_of(f.pid, readings),
-                                  detail=leak_detail(info.uid, info.user, info.state, my_uid, reap_enabled)))
+                                  detail=leak_detail(info.uid, info.user, info.state, my_uid, reap_enabled,
+                                                     seen.left_alone.get(f.key))))
     blamed = {o.process.pid for o in found if o.process is not None}
     for snap, extra in excess_memory(readings, seen.excused, seen.overhead, tolerance, blamed):
         holders = sorted(seen.allowlisted & {p.pid for p in snap.processes})
@@ -316,10 +322,14 @@ def excess_memory(snaps: Sequence[DeviceSnapshot], excused: frozenset[int] | set
     return found
 
 
-def leak_detail(process_uid: int, user: str, state: str, my_uid: int, reap_enabled: bool) -> str:
-    """Why a leaked process of the session is still there."""
+def leak_detail(process_uid: int, user: str, state: str, my_uid: int, reap_enabled: bool,
+                left_alone: str | None = None) -> str:
+    """Why a leaked process of the session is still there (``left_alone``: why the signal gate refused
+    it)."""
     if process_uid != my_uid:
         return f"belongs to another user ({user}): never killed"
+    if left_alone is not None:
+        return f"left alone, never signalled: {left_alone}"
     if not reap_enabled:
         return "reaping is off"
     return f"could not be reaped ({state})"

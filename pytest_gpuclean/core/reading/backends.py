@@ -31,6 +31,9 @@ class Backend(Protocol):
 
     kind: str
     """``nvml`` or ``simulated``."""
+    notices: list[str]
+    """Lines about what a reading could not trust (a simulated device file another user planted), once
+    each; whoever reports them takes them (``Checker.notices``, the command line's warnings)."""
 
     def devices(self) -> tuple[DeviceInfo, ...]:
         """Every device on the machine (physical GPUs, or their MIG instances where MIG is on)."""

@@ -96,6 +96,8 @@ class NvmlBackend:
         # pynvml functions are not safe to interleave from several threads (shared ctypes state).
         self._lock = threading.Lock()
         self._last: LastReadings[DeviceSnapshot] = LastReadings()
+        self.notices: list[str] = []
+        """(The driver is trusted: nothing for ``Backend.notices``.)"""
 
     def _enumerate(self, handles: list[Any]) -> tuple[DeviceInfo, ...]:
         nvml = self._nvml

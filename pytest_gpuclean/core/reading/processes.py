@@ -33,6 +33,7 @@ __all__ = [
     "matches_any",
     "pin",
     "reap_if_child",
+    "resume",
     "set_child_subreaper",
     "state_name",
     "stop",
@@ -364,11 +365,27 @@ def _wait(tracked: list[_Tracked], deadline: float, started: float, label: str,
         time.sleep(_POLL_S)
 
 
-def stop(targets: Sequence[KillTarget]) -> None:
-    """SIGSTOP ``targets`` (pinned): a stopped process can no longer fork a replacement."""
+def stop(targets: Sequence[KillTarget]) -> list[KillTarget]:
+    """SIGSTOP ``targets`` (pinned): a stopped process can no longer fork a replacement. Returns those this
+    stopped: one that something else had stopped already stays as it is, and is not for ``resume``."""
+    stopped: list[KillTarget] = []
     for target in targets:
-        if target.handle is not None:
-            target.handle.signal(signal.SIGSTOP)
+        if target.handle is None:
+            continue
+        stat = procfs.read_stat(target.pid)
+        if stat is not None and stat.state in ("T", "t"):
+            continue
+        if target.handle.signal(signal.SIGSTOP):
+            stopped.append(target)
+    return stopped
+
+
+def resume(targets: Sequence[KillTarget]) -> None:
+    """SIGCONT those of ``targets`` (pinned, stopped by ``stop``) that still live: nothing gpuclean stops
+    and then does not kill is left stopped."""
+    for target in targets:
+        if target.handle is not None and not target.handle.exited():
+            target.handle.signal(signal.SIGCONT)
 
 
 def terminate(targets: Sequence[KillTarget], grace: float, kill_wait: float = 5.0,

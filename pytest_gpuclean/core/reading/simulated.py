@@ -43,7 +43,10 @@ class SimulatedBackend:
     (``simulated_layout`` names the files; docs/ci.md lists them).
 
     Faithful to the driver where it matters: memory counts only while its process lives and is not a
-    zombie, and a file left by a dead process is not credited to a new process that reused its pid. A
+    zombie, and a file left by a dead process is not credited to a new process that reused its pid. A file
+    speaks for its process only if that process's user (or root) owns it: one that another user planted is
+    no process's allocation (nothing is ended or owned by it), its bytes are memory charged to no process,
+    and it is named once in ``notices``. A
     process listed in a device's ``cuda`` folder has initialised CUDA there without a context: it costs the
     device's ``context_overhead`` too, charged to no process. Health (``health.py``): the Xid events are
     the lines added to ``DIR/xid`` since ``watch_xids``; the rest are files in a device's folder.
@@ -67,7 +70,9 @@ class SimulatedBackend:
         """Per device index, its folder as last read empty with a settled ctime: one lookup per device and
         reading while it stays so (its folder and its reading come with it)."""
         self._last: LastReadings[DeviceSnapshot] = LastReadings()
-        self._allocations = _Allocations()
+        self.notices: list[str] = []
+        """Lines about files a reading did not trust, once each, for whoever reports them."""
+        self._allocations = _Allocations(self.notices)
         self._empty_since: dict[int, tuple[int, int, float]] = {}
         """Per device index: the folder's inode and ctime when it was first read empty with that ctime, and
         then (``time.monotonic``): settled once it stayed so for SETTLED_NS of this clock too."""
@@ -183,6 +188,7 @@ class SimulatedBackend:
         processes: list[GpuProcess] = []
         total = layout.DEFAULT_TOTAL
         overhead = 0
+        unclaimed = 0
         cuda_users: set[int] = set()
         for name in names:
             if not name.isdigit():
@@ -199,13 +205,15 @@ class SimulatedBackend:
             held, used = self._allocations.of(folder / name, pid)
             if held:
                 processes.append(GpuProcess(pid, used))
+            elif used:
+                unclaimed += used  # a file that may not speak for its process: no one's, but still used
         processes.sort(key=lambda p: p.pid)
         # Like the real driver: each context, and each process with CUDA initialised but no context,
         # may cost memory that no process is charged for.
         charged_to_none = overhead * (len(processes) + len(cuda_users - {p.pid for p in processes}))
         return DeviceSnapshot(
             device=device,
-            used_bytes=sum(p.used_bytes or 0 for p in processes) + charged_to_none,
+            used_bytes=sum(p.used_bytes or 0 for p in processes) + charged_to_none + unclaimed,
             total_bytes=total,
             processes=tuple(processes),
         )
@@ -362,14 +370,22 @@ class _Allocations:
       (its inode and mtime) and a process (its pid and start) is kept once made.
     - A file being rewritten in place (a shell's ``echo N > file`` truncates first) is read again; if it is
       still empty, its process is listed with its amount unknown, as NVML lists a process it cannot size.
+    - A file speaks for its process only if it belongs to root or to a user the process runs as (any of its
+      uids, ``users.uids_of``): another user may write into a directory of simulated devices, and a
+      file naming someone else's process must not make gpuclean end or claim it. Such a file lists no
+      process; its bytes are memory charged to none (``of`` gives them, not held), and it is named once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, notices: list[str]) -> None:
         self._offset = procfs.wall_minus_boot()
-        self._fresh: dict[str, tuple[tuple[int, int, int, int], bool]] = {}
+        self._fresh: dict[str, tuple[tuple[int, int, int, int, int], bool, bool]] = {}
+        self._notices = notices
+        self._named: set[str] = set()
 
     def of(self, path: Path, pid: int) -> tuple[bool, int | None]:
-        """(whether ``pid`` holds memory through ``path``, how much: None when the file cannot tell)."""
+        """(whether ``pid`` holds memory through ``path``, how much: None when the file cannot tell). A file
+        that may not speak for ``pid`` holds no memory of it, and gives its bytes (memory charged to no
+        process)."""
         stat = procfs.read_stat(pid)
         if stat is None or not procfs.live_state(pid, stat.state):
             return False, None
@@ -378,14 +394,42 @@ class _Allocations:
             info = os.stat(where)
         except OSError:
             return False, None  # the holder removed it while we looked
-        key = (pid, stat.start_ticks, info.st_ino, info.st_mtime_ns)
+        key = (pid, stat.start_ticks, info.st_ino, info.st_mtime_ns, info.st_uid)
         known = self._fresh.get(where)
         if known is None or known[0] != key:
             self._offset = min(self._offset, procfs.wall_minus_boot())
             started = self._offset + stat.start_ticks / procfs.CLOCK_TICKS
-            known = self._fresh[where] = (key, started <= info.st_mtime_ns / 1e9 + _STALE_SLACK_S)
+            fresh = started <= info.st_mtime_ns / 1e9 + _STALE_SLACK_S
+            known = self._fresh[where] = (key, fresh, fresh and self._may_speak(where, info.st_uid, pid))
         if not known[1]:
             return False, None  # left by a dead process whose pid a newer one reuses
+        if not known[2]:
+            return False, self._content(path, where)[1]
+        return self._content(path, where)
+
+    def _may_speak(self, where: str, owner: int, pid: int) -> bool:
+        """Whether a file of ``owner`` may say what ``pid`` holds: root's, or one of the users ``pid`` runs
+        as."""
+        if owner == 0:
+            return True
+        # (imported here: a session that only names its devices opens this backend, and reads no holder)
+        from pytest_gpuclean.core.reading.users import uids_of, user_name
+
+        uids = uids_of(pid)
+        if uids is not None and owner in uids:
+            return True
+        if where not in self._named:
+            self._named.add(where)
+            runs_as = ", ".join(user_name(uid) for uid in sorted(uids or ()))
+            self._notices.append(
+                f"simulated device file {where!r} belongs to user {user_name(owner)}, but pid "
+                f"{pid} runs as {runs_as or 'a user it cannot tell'}: it cannot speak for that process "
+                "(ignored: its bytes count as memory of no process)")
+        return False
+
+    def _content(self, path: Path, where: str) -> tuple[bool, int | None]:
+        """(True, the bytes the file at ``where`` holds: None if it stays empty while rewritten), or (False,
+        None) if it is gone."""
         for attempt in range(_EMPTY_RETRIES):
             try:
                 content = Path(where).read_text().strip()
