@@ -28,7 +28,7 @@ from typing import Protocol
 from pytest_gpuclean.core.deciding import decide
 from pytest_gpuclean.core.deciding.decide import MAX_REAP_ROUNDS
 from pytest_gpuclean.core.deciding.verdict import Judge, Key, Snapshot, Verdict, mib_of, offenders
-from pytest_gpuclean.core.reading import processes
+from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.core.reading.devices import DeviceError, DeviceLost
 from pytest_gpuclean.model.outcomes import CheckResult
 from pytest_gpuclean.model.records import (
@@ -44,7 +44,9 @@ from pytest_gpuclean.model.records import (
 from pytest_gpuclean.model.text import mib_list as report_mib
 
 __all__ = [
+    "AT_REST_S",
     "POLL_S",
+    "SETTLE_POLL_S",
     "Check",
     "CheckerParts",
     "Look",
@@ -53,6 +55,12 @@ __all__ = [
 
 POLL_S = 0.02
 """Polling interval while waiting for a device to come clean."""
+SETTLE_POLL_S = 0.005
+"""Polling interval of the settle time."""
+AT_REST_S = 0.03
+"""How long leftovers must all stay off every CPU for the settle time to end early: a process that exits
+by itself runs on its way out (cleaning up, finishing a shutdown, reading the EOF of its client); one
+that has not run for this long is waiting for something the test will not do any more."""
 
 
 class Look:
@@ -159,21 +167,31 @@ class Check:
                 self._collect(f, seen, "reaped zombie")
 
     def settle(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
-        """Before the first reaping, give leftovers ``settle`` seconds to exit on their own (a
-        subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown).
-        The next pass looks again before any signal: what exited is collected, and a child that was still
-        between its fork and its exec when the check began now shows its command line (a helper or
-        persistent process named by one)."""
+        """Before the first reaping, give leftovers up to ``settle`` seconds to exit on their own (a
+        subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown),
+        for as long as one of them runs: leftovers that all stay off the CPU for ``AT_REST_S`` are waiting
+        for nothing that will come, and are reaped at once (a leak costs its release time, not the
+        settle time). The next pass looks again before any signal: what exited is collected, and a child
+        that was still between its fork and its exec when the check began now shows its command line (a
+        helper or persistent process named by one)."""
         self.settled = True
-        deadline = time.monotonic() + self.c.settle
+        now = time.monotonic()
+        deadline, rest_from = now + self.c.settle, now
         pending = list(fresh)
-        while pending and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        demand = _cpu_demand(pending)
+        while pending and now < deadline:
+            time.sleep(SETTLE_POLL_S)
             for f in list(pending):
                 if f.exited():
                     processes.reap_if_child(f.pid)
                     pending.remove(f)
                     self._collect(f, seen, "exited by itself")
+            now = time.monotonic()
+            latest = _cpu_demand(pending)
+            if latest != demand:
+                demand, rest_from = latest, now
+            elif now - rest_from >= AT_REST_S:
+                break
 
     def reap_round(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
         frozen: set[str | None] | None = None
@@ -263,3 +281,13 @@ class Check:
             waited_s=time.monotonic() - self.started, notes=tuple(self.notes),
             tolerance_mib=self.tolerance_mib, error=error.describe(),
             device_lost=isinstance(error, DeviceLost))
+
+
+def _cpu_demand(entries: Sequence[CensusEntry]) -> list[int | None]:
+    """What each of ``entries`` has run or waited to run (``procfs.cpu_demand_ns``); -1 for one the kernel
+    is taking down (never at rest)."""
+    found: list[int | None] = []
+    for f in entries:
+        stat = procfs.read_stat(f.pid)
+        found.append(-1 if stat is not None and stat.exiting else procfs.cpu_demand_ns(f.pid))
+    return found
