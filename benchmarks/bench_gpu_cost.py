@@ -22,7 +22,6 @@ no CUDA context configurations).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -60,7 +59,8 @@ def _check_tree(env: dict[str, str], tree: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tests", type=int, default=20)
     parser.add_argument("--big-tests", type=int, default=320)
     parser.add_argument("--idle-tests", type=int, default=20)
@@ -143,8 +143,8 @@ def main() -> int:
                     "off_small_s": statistics.median(samples[f"{tree}|checked|{context}|{args.tests}|off"]),
                     "off_big_s": statistics.median(samples[f"{tree}|checked|{context}|{args.big_tests}|off"]),
                 }
-                rows.append([tree, f"context {context}", label,
-                             f"{statistics.median(slopes) * 1e3:.3f}", f"{statistics.median(fixed) * 1e3:.1f}"])
+                rows.append([tree, f"context {context}", label, f"{statistics.median(slopes) * 1e3:.3f}",
+                             f"{statistics.median(fixed) * 1e3:.1f}"])
         for label, samples in (("wall", wall), ("cpu", cpu)):
             d_idle = paired(samples, f"{tree}|idle|none|{args.idle_tests}")
             per_tree[f"idle/{label}"] = {"added_ms": _common.summary([1e3 * d for d in d_idle])}

@@ -57,7 +57,7 @@ POLL_S = 0.02
 """Polling interval while waiting for a device to come clean."""
 SETTLE_POLL_S = 0.005
 """Polling interval of the settle time."""
-AT_REST_S = 0.03
+AT_REST_S = 0.02
 """How long leftovers must all stay off every CPU for the settle time to end early: a process that exits
 by itself runs on its way out (cleaning up, finishing a shutdown, reading the EOF of its client); one
 that has not run for this long is waiting for something the test will not do any more."""
