@@ -13,7 +13,8 @@ subprocess, configurations interleaved in rounds so that drift hits them all ali
 
 ``--trees DIR,...`` runs every configuration once per tree in each round: directories that hold a
 ``pytest_gpuclean`` package (put first on ``PYTHONPATH``; each run checks that it is the one imported), or
-``WORKTREE`` for this checkout. ``--simulate`` runs the same on 2 simulated devices (a dry run on a CPU box;
+``WORKTREE`` for this checkout; where the environment has the plugin installed editable, its finder answers
+first and the run stops (run it before installing). ``--simulate`` runs the same on 2 simulated devices (a dry run on a CPU box;
 no CUDA context configurations).
 
     python3 benchmarks/bench_gpu_cost.py --trees bench-before,WORKTREE --rounds 9 --json $OUT/gpu_cost.json
@@ -34,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common
 from bench_session import base_env, timed_run, write_suite
 
+ON = ["-p", "pytest_gpuclean.plugin"]
+"""The plugin of the tree on ``PYTHONPATH``, by module name (no installed entry point needed)."""
 CUDA_CONFTEST = """
 import torch
 
@@ -51,7 +54,8 @@ def _tree_env(env: dict[str, str], tree: str) -> dict[str, str]:
 def _check_tree(env: dict[str, str], tree: str) -> str:
     """The package the runs of ``tree`` import (it must be the tree's own)."""
     where = subprocess.run([sys.executable, "-c", "import pytest_gpuclean; print(pytest_gpuclean.__file__)"],
-                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+                           env=env, capture_output=True, text=True, check=True,
+                           cwd=tempfile.gettempdir()).stdout.strip()
     root = os.path.abspath(_common.REPO if tree == "WORKTREE" else tree)
     if not where.startswith(root + os.sep):
         raise SystemExit(f"tree {tree}: imports {where}, not its own package")
@@ -98,18 +102,26 @@ def main() -> int:
     trees = args.trees.split(",")
     tree_envs = {tree: _tree_env(env, tree) for tree in trees}
     imported = {tree: _check_tree(tree_envs[tree], tree) for tree in trees}
+    for where in imported.values():
+        # Bytecode for each tree's package, as an installed one has it (pip compiles at install); what the
+        # environment ships without (pynvml on the GPU image) stays as it is: users pay that.
+        subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.dirname(where)], check=True)
     # (one untimed run of each first: bytecode the environment writes, the drivers' and caches' warm-up)
     runs: list[tuple[str, list[str], str, dict[str, str]]] = []
     for tree in trees:
         tenv = tree_envs[tree]
         for (context, n), path in suites.items():
             for plugin in ("on", "off"):
-                runs.append((f"{tree}|checked|{context}|{n}|{plugin}", ["-p", "gpuclean" if plugin == "on"
-                                                                         else "no:gpuclean"], path, tenv))
+                runs.append((f"{tree}|checked|{context}|{n}|{plugin}", ON if plugin == "on" else [], path,
+                             tenv))
         for plugin in ("on", "off"):
-            runs.append((f"{tree}|idle|none|{args.idle_tests}|{plugin}",
-                         ["-p", "gpuclean" if plugin == "on" else "no:gpuclean"], idle, tenv))
+            runs.append((f"{tree}|idle|none|{args.idle_tests}|{plugin}", ON if plugin == "on" else [], idle,
+                         tenv))
     base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    # Each tree's plugin by module name, the environment's plugins not auto-loaded: the same plugins in every
+    # run, whichever tree's.
+    for tree in trees:
+        tree_envs[tree]["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     for _name, extra, path, tenv in runs:
         timed_run([*base, *extra], path, tenv)
     wall: dict[str, list[float]] = {name: [] for name, *_ in runs}
