@@ -14,8 +14,8 @@ subprocess, configurations interleaved in rounds so that drift hits them all ali
 ``--trees DIR,...`` runs every configuration once per tree in each round: directories that hold a
 ``pytest_gpuclean`` package (put first on ``PYTHONPATH``; each run checks that it is the one imported), or
 ``WORKTREE`` for this checkout; where the environment has the plugin installed editable, its finder answers
-first and the run stops (run it before installing). ``--simulate`` runs the same on 2 simulated devices (a dry run on a CPU box;
-no CUDA context configurations).
+first and the run stops (run it before installing). ``--simulate`` runs the same on 2 simulated devices (a
+dry run on a CPU box; no CUDA context configurations).
 
     python3 benchmarks/bench_gpu_cost.py --trees bench-before,WORKTREE --rounds 9 --json $OUT/gpu_cost.json
 """
