@@ -22,6 +22,20 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def measure_this_tree() -> str:
+    """Make ``import pytest_gpuclean`` find the package of the tree this script runs from (``REPO``: this
+    checkout, or a tree ``ab_trees.export`` made), not an editable install's: its finder on
+    ``sys.meta_path`` would answer first, whatever ``sys.path`` says. Returns the package's path."""
+    sys.path.insert(0, REPO)
+    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+    import pytest_gpuclean
+
+    where = os.path.dirname(os.path.abspath(pytest_gpuclean.__file__))
+    if where != os.path.join(REPO, "pytest_gpuclean"):
+        raise SystemExit(f"imported {where}, not this tree's pytest_gpuclean ({REPO})")
+    return where
+
+
 def machine() -> dict[str, Any]:
     """What ran the benchmark: host, CPU, Python, kernel, date; GPU fields are added by callers."""
     cpu = ""

@@ -1,38 +1,48 @@
 #!/usr/bin/env bash
-# One command for the H200 box: benchmark 1 on real NVML (bench_clean_path.py --real) and benchmark 3
-# (bench_release_gpu.py: leak-to-clean latency, timeline), plus the timeline plot. About 2 minutes.
+# The plugin's costs on a real GPU, from the repository root of a GPU box where the plugin is NOT installed
+# (the benchmarks put each tree's package on PYTHONPATH; an editable install's finder would answer first):
 #
-#   bash benchmarks/run_gpu.sh            # from the repository root; writes to $OUT
-#   SIMULATE=1 PYTHON=.venv/bin/python OUT=/tmp/x bash benchmarks/run_gpu.sh   # dry run without a GPU
+#   BEFORE=bench-before OUT=/tmp/out bash benchmarks/run_gpu.sh
 #
-# Files written to $OUT (default benchmarks/results/gpu): run.log, clean_path_real.json,
-# release_results.json, release_timeline.json, release_timeline.png, holders.log.
+# BEFORE (optional): a directory with an older pytest_gpuclean/ and this benchmarks/ copied beside it
+#   (rm -rf bench-before && mkdir bench-before && git archive REV pytest_gpuclean | tar -x -C bench-before
+#    && cp -r benchmarks bench-before/), measured in the same run.
+# About 7 minutes with BEFORE. Writes to $OUT: nvml_start.json, gpu_cost.json, release-*/ and run.log.
+#   1. nvml_start.py: import pynvml with and without bytecode, nvmlInit, two queries, nvidia-smi;
+#   2. bench_gpu_cost.py: slope per checked test and fixed cost, with and without a CUDA context in the
+#      pytest process, and an idle session's cost (wall time of whole pytest processes);
+#   3. bench_release_gpu.py: leak-to-clean latency against the driver's own release time.
 set -u -o pipefail
-OUT=${OUT:-${1:-benchmarks/results/gpu}}
+OUT=${OUT:-${1:?usage: OUT=DIR [BEFORE=DIR] bash benchmarks/run_gpu.sh}}
 mkdir -p "$OUT"
-export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-REAL=--real SIM=
-if [ "${SIMULATE:-0}" = 1 ]; then REAL= SIM=--simulate; fi  # dry run of this script on a CPU box
+trees=WORKTREE
+[ -n "${BEFORE:-}" ] && trees="$BEFORE,WORKTREE"
 status=0
 {
     echo "== run_gpu.sh $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname), $(nproc) CPUs"
     nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv || true
-    "$PY" -c 'import torch, pynvml, psutil; print("torch", torch.__version__, "psutil", psutil.__version__)' || true
+    echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
+    # torch with bytecode (the CUDA-context runs import it: compiled in each, the runs would be mostly that);
+    # pynvml and psutil stay as the image ships them, which is what the plugin's start pays.
+    purelib=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$PY" -m compileall -q -q -j 0 "$purelib/torch" || true
 
-    echo; echo "== benchmark 1: clean path, real NVML"
-    timeout 170 "$PY" benchmarks/bench_clean_path.py $REAL --json "$OUT/clean_path_real.json" \
-        || { echo "bench_clean_path.py failed: rc=$?"; status=1; }
+    echo; echo "== 1. NVML's start"
+    timeout 120 "$PY" benchmarks/nvml_start.py --json "$OUT/nvml_start.json" || { echo "rc=$?"; status=1; }
 
-    echo; echo "== benchmark 3: leak-to-clean latency"
-    # torch and transformers imported into the measuring process (CUDA not initialised there): the heap
-    # of a real GPU test session, which the reaper must not walk on its way to the first signal.
-    timeout 170 "$PY" benchmarks/bench_release_gpu.py $SIM --out "$OUT" --import-modules torch,transformers \
-        || { echo "bench_release_gpu.py failed: rc=$?"; status=1; }
-    if [ -s "$OUT/release_timeline.json" ]; then
-        "$PY" benchmarks/plot_timeline.py "$OUT/release_timeline.json" "$OUT/release_timeline.png" \
-            || { echo "plot_timeline.py failed: rc=$?"; status=1; }
-    fi
+    echo; echo "== 2. the plugin's cost per checked test, fixed and idle (trees: $trees)"
+    timeout 400 "$PY" benchmarks/bench_gpu_cost.py --trees "$trees" --rounds "${ROUNDS:-5}" --tests 20 \
+        --big-tests 220 --json "$OUT/gpu_cost.json" || { echo "rc=$?"; status=1; }
+
+    echo; echo "== 3. leak-to-clean latency"
+    for tree in ${BEFORE:+$BEFORE} .; do
+        name=$([ "$tree" = . ] && echo after || echo before)
+        timeout 150 "$PY" "$tree/benchmarks/bench_release_gpu.py" --out "$OUT/release-$name" --repeat 3 \
+            --vllm-repeat 0 --import-modules torch | grep -E "driver release|package|reap_term " \
+            || { echo "rc=$?"; status=1; }
+    done
     echo "== run_gpu.sh done, status $status"
     exit $status
 } 2>&1 | tee "$OUT/run.log"

@@ -160,6 +160,8 @@ def _check_hold(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
     args.children = int(_number(parser, "--children", args.children, "a whole number", whole=True))
     if args.seconds is not None:
         args.seconds = _number(parser, "--seconds", args.seconds, "a number of seconds")
+    elif args.busy:
+        parser.error("--busy needs --seconds (how long it works before it exits)")
 
 
 def _hold(args: argparse.Namespace) -> None:
@@ -174,7 +176,12 @@ def _hold(args: argparse.Namespace) -> None:
         with open(args.pidfile, "a") as f:
             f.write(f"{os.getpid()}\n")
     if args.seconds is not None:
-        time.sleep(args.seconds)
+        if args.busy:  # on its way out: working (cleaning up, finishing a shutdown) until it exits
+            deadline = time.monotonic() + args.seconds
+            while time.monotonic() < deadline:
+                pass
+        else:
+            time.sleep(args.seconds)
         return
     while True:
         time.sleep(3600)
@@ -265,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="fork K children that hold the same amount")
     hold.add_argument("--pidfile", help="append each holder's pid to this file once it holds memory")
     hold.add_argument("--seconds", metavar="S", help="exit by itself after this many seconds")
+    hold.add_argument("--busy", action="store_true",
+                      help="with --seconds: keep a CPU busy until then (a process finishing its work), "
+                           "instead of sleeping")
     raise_xid = commands.add_parser("xid", parents=[tree], help="raise an Xid event on a simulated device")
     raise_xid.add_argument("--code", type=int, required=True, help="the Xid code, e.g. 31 (an MMU fault)")
     state = commands.add_parser("state", parents=[tree],

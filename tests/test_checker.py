@@ -338,3 +338,70 @@ def test_an_outside_holder_that_has_exited_is_a_changed_state(backend: FakeBacke
     finally:
         holder.kill()
         holder.wait()
+
+
+# ---- the pytest process's own context: a repeat of a clean reading is that verdict again -------------
+
+
+@pytest.fixture
+def own_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Checker, list[int], Path]:
+    """A checker over simulated devices on which this process holds 600 MiB (a torch suite's pytest
+    process), and a count of the full checks it runs (``Check.run``)."""
+    from pytest_gpuclean.core.checking import checker as checker_module
+    from pytest_gpuclean.core.reading.simulated import SimulatedBackend
+    from pytest_gpuclean.simulate import allocate, init
+
+    sim = tmp_path / "sim"
+    init(str(sim), 2, 80 * 1024)
+    own = allocate(str(sim), 0, 600)
+    runs: list[int] = []
+    real_run = checker_module.Check.run
+
+    def counted(self: checker_module.Check) -> CheckResult:
+        runs.append(1)
+        return real_run(self)
+
+    monkeypatch.setattr(checker_module.Check, "run", counted)
+    return Checker(SimulatedBackend(sim)), runs, own
+
+
+def test_a_clean_reading_of_our_own_context_repeated_is_the_same_verdict(
+        own_context: tuple[Checker, list[int], Path]) -> None:
+    checker, runs, _own = own_context
+    devices = checker.backend.devices() if checker.backend else ()
+    first = check_devices(checker, devices)
+    assert first.clean and first.self_mib == (("GPU 0", 600.0),) and runs == [1]
+    again = check_devices(checker, devices, phase="teardown")
+    # No check's passes the second time, and the same verdict, as the full check gives it.
+    assert runs == [1]
+    assert (again.phase, again.clean, again.devices, again.self_mib) == ("teardown", True, first.devices,
+                                                                         first.self_mib)
+    assert (again.offenders, again.reaped, again.notes) == ((), (), ())
+
+
+def test_a_changed_reading_or_a_process_of_ours_is_checked_in_full(
+        own_context: tuple[Checker, list[int], Path], tmp_path: Path) -> None:
+    from pytest_gpuclean.simulate import allocate
+
+    checker, runs, own = own_context
+    devices = checker.backend.devices() if checker.backend else ()
+    check_devices(checker, devices)
+    # This process's use grew: another reading, a full check (still clean: its own).
+    allocate(str(tmp_path / "sim"), 0, 700)
+    assert check_devices(checker, devices).clean and len(runs) == 2
+    assert check_devices(checker, devices).clean and len(runs) == 2  # (the new reading, repeated)
+    # The same reading, but a child of ours alive (no memory): a check in full decides about it (here,
+    # born outside any test's window, it is the session set-up's: clean).
+    child = exec_done(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    try:
+        check_devices(checker, devices, timeout=0.2, reap=False)
+        assert len(runs) == 3
+    finally:
+        child.kill()
+        child.wait()
+    assert own.exists()
+
+
+def check_devices(checker: Checker, devices: Sequence[DeviceInfo], *, phase: str = "setup",
+                  timeout: float = 2.0, reap: bool | None = None) -> CheckResult:
+    return checker.check(phase, devices, tolerance_mib=0, timeout=timeout, reap=reap)  # type: ignore[arg-type]

@@ -284,15 +284,22 @@ def test_what_existed_before_the_session_is_decided_by_evidence() -> None:
     assert ownership.is_protected(PREEXISTING)  # the very last sweep too
 
 
-# (settle time, how long the helper outlives its test): wide margins both ways, for a loaded CI box.
-@pytest.mark.parametrize(("settle", "lifetime", "leaked"), [("3", "0.3", False), ("0", "3", True)])
+# (settle time, how long the helper outlives its test, whether it works or sleeps meanwhile): wide margins
+# both ways, for a loaded CI box. A helper that works on its way out gets the settle time; one that sleeps
+# waits for nothing the test will do, and is reaped at once, however long the settle time (600 s here:
+# waited out, the inner session would not end within its own timeout).
+@pytest.mark.parametrize(("settle", "lifetime", "busy", "leaked"), [
+    ("3", "0.3", True, False), ("0", "3", True, True), ("600", "600", False, True),
+    ("600", "1", False, True)])
 def test_a_leftover_that_exits_within_the_settle_time_is_no_leak(
         example: Callable[..., Path], pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, settle: str,
-        lifetime: str, leaked: bool) -> None:
+        lifetime: str, busy: bool, leaked: bool) -> None:
     # Like a subprocess's resource tracker, which outlives its client by a moment to clean up after it.
     monkeypatch.setenv("LIFETIME", lifetime)
+    if busy:
+        monkeypatch.setenv("BUSY", "1")
     pidfile = example("reaper/settle")
-    result = run_inner(pytester, f"--gpuclean-settle={settle}")
+    result = run_inner(pytester, f"--gpuclean-settle={settle}", timeout=120)
     helper = read_pids(pidfile)[0]
     if leaked:
         result.assert_outcomes(passed=1, errors=1)

@@ -14,6 +14,7 @@ from typing import Any, get_args
 import pytest
 from helpers import run_inner
 
+import pytest_gpuclean
 from pytest_gpuclean.core.checking import outside
 from pytest_gpuclean.core.locks import held
 from pytest_gpuclean.core.options import settings
@@ -144,8 +145,8 @@ def test_the_spelt_out_choices_are_the_models_words() -> None:
 
 def test_the_spelt_out_variables_are_the_packages_own() -> None:
     # (settings.py names them without importing the modules that set them: see INTERNAL_VARIABLES)
-    assert {cookie.COOKIE_VAR, cookie.OWNER_VAR, cookie.WORKERS_SINCE_VAR,
-                                           held.HELD_VAR, outside.STATE_VAR} == settings.INTERNAL_VARIABLES
+    assert {cookie.COOKIE_VAR, cookie.OWNER_VAR, cookie.WORKERS_SINCE_VAR, held.HELD_VAR, outside.STATE_VAR,
+            pytest_gpuclean._CACHE_ENV} == settings.INTERNAL_VARIABLES
 
 
 @pytest.mark.parametrize("where", ["cli", "env", "ini"])

@@ -45,7 +45,9 @@ from pytest_gpuclean.model.records import (
 from pytest_gpuclean.model.text import mib_list as report_mib
 
 __all__ = [
+    "AT_REST_S",
     "POLL_S",
+    "SETTLE_POLL_S",
     "Check",
     "CheckerParts",
     "Look",
@@ -55,6 +57,12 @@ __all__ = [
 
 POLL_S = 0.02
 """Polling interval while waiting for a device to come clean."""
+SETTLE_POLL_S = 0.005
+"""Polling interval of the settle time."""
+AT_REST_S = 0.02
+"""How long leftovers must all stay off every CPU for the settle time to end early: a process that exits
+by itself runs on its way out (cleaning up, finishing a shutdown, reading the EOF of its client); one
+that has not run for this long is waiting for something the test will not do any more."""
 
 
 class Look:
@@ -199,21 +207,31 @@ class Check:
                 self._collect(f, seen, "reaped zombie")
 
     def settle(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
-        """Before the first reaping, give leftovers ``settle`` seconds to exit on their own (a
-        subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown).
-        The next pass looks again before any signal: what exited is collected, and a child that was still
-        between its fork and its exec when the check began now shows its command line (a helper or
-        persistent process named by one)."""
+        """Before the first reaping, give leftovers up to ``settle`` seconds to exit on their own (a
+        subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown),
+        for as long as one of them runs: leftovers that all stay off the CPU for ``AT_REST_S`` are waiting
+        for nothing that will come, and are reaped at once (a leak costs its release time, not the
+        settle time). The next pass looks again before any signal: what exited is collected, and a child
+        that was still between its fork and its exec when the check began now shows its command line (a
+        helper or persistent process named by one)."""
         self.settled = True
-        deadline = time.monotonic() + self.c.settle
+        now = time.monotonic()
+        deadline, rest_from = now + self.c.settle, now
         pending = list(fresh)
-        while pending and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        demand = _cpu_demand(pending)
+        while pending and now < deadline:
+            time.sleep(SETTLE_POLL_S)
             for f in list(pending):
                 if f.exited():
                     processes.reap_if_child(f.pid)
                     pending.remove(f)
                     self._collect(f, seen, "exited by itself")
+            now = time.monotonic()
+            latest = _cpu_demand(pending)
+            if latest != demand:
+                demand, rest_from = latest, now
+            elif now - rest_from >= AT_REST_S:
+                break
 
     def stop_chains(self, owners: set[str | None], seen: Snapshot) -> None:
         """Freeze and SIGKILL the processes of ``owners``, which replace themselves while the check waits
@@ -342,3 +360,13 @@ def _few(pids: Sequence[int], shown: int = 8) -> str:
     """``pids``, the first ``shown`` of them and how many more."""
     listed = ", ".join(str(pid) for pid in pids[:shown])
     return listed + (f" and {len(pids) - shown} more" if len(pids) > shown else "")
+
+
+def _cpu_demand(entries: Sequence[CensusEntry]) -> list[int | None]:
+    """What each of ``entries`` has run or waited to run (``procfs.cpu_demand_ns``); -1 for one the kernel
+    is taking down (never at rest)."""
+    found: list[int | None] = []
+    for f in entries:
+        stat = procfs.read_stat(f.pid)
+        found.append(-1 if stat is not None and stat.exiting else procfs.cpu_demand_ns(f.pid))
+    return found

@@ -434,6 +434,7 @@ INTERNAL_VARIABLES = frozenset((
     "GPUCLEAN_XDIST_WORKERS_SINCE",  # cookie.WORKERS_SINCE_VAR
     "GPUCLEAN_HELD_LOCKS",  # locks.HELD_VAR
     "GPUCLEAN_OUTSIDE_STATE",  # outside.STATE_VAR
+    "GPUCLEAN_BYTECODE_CACHE",  # pytest_gpuclean._CACHE_ENV: read before any option (not one)
 ))
 """The variables the package sets itself for the processes it starts, spelt out (tests/test_settings.py
 checks them against the package's constants): importing ``locks`` or ``outside`` to ask would cost every

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from pytest_gpuclean import import_cached
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.core.reading.devices import (
     CLOCK_REASONS,
@@ -52,7 +53,9 @@ class NvmlOpening:
 
     def _open(self) -> None:
         try:
-            import pynvml
+            # (through the plugin's bytecode cache where the environment writes no bytecode: compiling
+            # pynvml's module from source costs several times nvmlInit itself)
+            pynvml = import_cached("pynvml")
         except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency
             self._error = BackendUnavailable(f"pynvml is not importable: {exc}")
             return

@@ -29,6 +29,7 @@ __all__ = [
     "ancestry",
     "boot_ticks_now",
     "children",
+    "cpu_demand_ns",
     "cuda_device_minors",
     "descendants",
     "exe_name",
@@ -76,6 +77,8 @@ class ProcStat(NamedTuple):
     thread: bool = False
     """A thread that is not its thread group's leader: ``/proc/<tid>/stat`` reads like a process's, and
     shows the parent of the whole group."""
+    exiting: bool = False
+    """The kernel is taking it down (``PF_EXITING``): on its way out, though not a zombie yet."""
 
 SETTLED_NS = 50_000_000
 """A file's ctime this old (50 ms: five ticks of the coarsest kernel clock) is settled: the kernel stamps
@@ -126,7 +129,11 @@ def read_stat(pid: int) -> ProcStat | None:
         start_ticks=int(fields[19]),
         # exit_signal (field 38) is -1 only for a thread other than the group leader.
         thread=len(fields) > 35 and fields[35] == b"-1",
+        exiting=bool(int(fields[6]) & _PF_EXITING),
     )
+
+
+_PF_EXITING = 0x4
 
 
 def is_live(pid: int, start_ticks: int | None = None) -> bool:
@@ -165,6 +172,23 @@ def thread_ids(pid: int) -> list[int]:
         return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return []
+
+
+def cpu_demand_ns(pid: int) -> int | None:
+    """Nanoseconds the live threads of ``pid`` have run on a CPU or waited for one (the first two fields of
+    each thread's ``schedstat``); None once it is gone. A change between two readings means it ran, or
+    wanted to, meanwhile: a process starved on a busy machine is not at rest."""
+    total = 0
+    tids = thread_ids(pid)
+    if not tids:
+        return None
+    for tid in tids:
+        try:
+            fields = read_file(f"/proc/{pid}/task/{tid}/schedstat", whole=True).split()
+            total += int(fields[0]) + int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue  # (a thread that just ended)
+    return total
 
 
 def last_pid() -> int | None:
