@@ -108,12 +108,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "allowed per device; timeout: seconds to wait for clean GPUs; count: GPUs the test needs "
         "(it gets exactly those through CUDA_VISIBLE_DEVICES).",
     )
-    if not hasattr(config, "workerinput"):  # (an xdist worker's would repeat its controller's)
-        for line in settings.unknown_variables(os.environ):
-            config.issue_config_time_warning(GpuCleanWarning(line), stacklevel=2)
     inifile = str(config.inipath) if config.inipath else None
     resolved = settings.resolve(vars(config.option), os.environ, config.getini, inifile)
     plugin = _GpuCleanPlugin(config, resolved)
+    if not hasattr(config, "workerinput"):  # (an xdist worker's would repeat its controller's)
+        # Notes, not config-time warnings: -W error would turn one into an INTERNALERROR before any test.
+        plugin.notes.extend(f"gpuclean: {line}" for line in settings.unknown_variables(os.environ))
     config.pluginmanager.register(plugin, PLUGIN_NAME)
     config.add_cleanup(plugin.close)
     if config.pluginmanager.hasplugin("xdist"):
@@ -166,6 +166,10 @@ class _GpuCleanPlugin:
         self._workers_since: tuple[str | None] | None = None
         """An xdist controller: what ``WORKERS_SINCE_VAR`` was before it set it."""
         self._swept = False
+        self.notes: list[str] = []
+        """What the session's start says (an unknown ``GPUCLEAN_`` variable): in the header, and in the
+        summary and the JSON report (the session's notes)."""
+        self._notes_shown = False
         self._sigterm: SigtermAsInterrupt | None = None
         # Exported before the conftests were imported (unless this plugin was registered later, by a
         # conftest's pytest_plugins: then now).
@@ -192,6 +196,8 @@ class _GpuCleanPlugin:
         from pytest_gpuclean.session.session import CheckedSession  # psutil and the checking code
 
         self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening)
+        for line in self.notes:
+            self.session.found.note(line, once=True)
         self._install_sigterm()
         self.register_outputs()
         manager = self.config.pluginmanager
@@ -314,7 +320,8 @@ class _GpuCleanPlugin:
     # was registered before the terminal reporter; called first, its lines come after rootdir: and plugins:.
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        return self.session.header_lines() if self.session is not None else []
+        self._notes_shown = True
+        return [*self.notes, *(self.session.header_lines() if self.session is not None else [])]
 
     def pytest_report_collectionfinish(self, config: pytest.Config) -> list[str]:
         # What the header says in an xdist controller, for a session that started at collection's end.
@@ -352,6 +359,7 @@ class _GpuCleanPlugin:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.session is None:
+            self.summarise_notes(terminalreporter)
             return  # (nothing found: what a report shows of such a session comes from the outputs)
         merged = self.session.found.merged()
         if not merged.records and not merged.session_reaped and not merged.notes:
@@ -363,6 +371,17 @@ class _GpuCleanPlugin:
         for line in summary_lines(merged.records, merged.session_reaped, merged.notes,
                                   more_parts=lambda record: [
                                       part for parts in extension(record=record) for part in parts]):
+            terminalreporter.write_line(line)
+
+    def summarise_notes(self, terminalreporter: Any) -> None:
+        """A session that did not start: its notes in a summary of their own where the header did not show
+        them (``-q``, ``--no-header``); a started session's summary has them among the session's notes."""
+        if not self.notes or self._notes_shown:
+            return
+        from pytest_gpuclean.report.report import SUMMARY_TITLE
+
+        terminalreporter.write_sep("=", SUMMARY_TITLE)
+        for line in self.notes:
             terminalreporter.write_line(line)
 
     # ---- fixtures owned by a scope wider than a test ----------------------------------------------
@@ -465,6 +484,9 @@ class _IdleSession:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.plugin.sweep(session)  # (nothing to sweep: what an xdist worker sends back all the same)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        self.plugin.summarise_notes(terminalreporter)
 
 
 class _ForkedHooks:

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,7 @@ from pytest_gpuclean.core.ownership.evidence import SESSION_OWNER
 from pytest_gpuclean.core.reading import backends, devices, processes
 from pytest_gpuclean.model.records import MIB, DeviceInfo, HealthFinding, Owner, ProcessInfo, Reaped
 from pytest_gpuclean.report import records, report
-from pytest_gpuclean.session.names import MARKER, GpuCleanWarning
+from pytest_gpuclean.session.names import MARKER
 from pytest_gpuclean.session.opening import open_devices, select_devices
 from pytest_gpuclean.session.testcheck import ItemChecks
 
@@ -321,17 +320,16 @@ class CheckedSession:
     def attribute_earlier(self, reaped: list[Reaped] | tuple[Reaped, ...], nodeid: str,
                           notes: tuple[str, ...] = ()) -> None:
         """Blame a leak of an earlier (e.g. unmarked) test, or of a session that died, found now in
-        ``nodeid``'s check on the test that spawned it; the finder goes on if reaping made things clean."""
+        ``nodeid``'s check on the test that spawned it; the finder goes on if reaping made things clean.
+        Said in that test's record (the summary's line, the report's ``found_later``), not as a warning:
+        one issued in ``nodeid``'s phase would be filed under ``nodeid``, and ``-W error`` would make it
+        ``nodeid``'s error."""
         for r in reaped:
             self.found.found_later(r)
             origin = next((n for n in notes if n.startswith(f"pid {r.process.pid}: left by ")), None)
             if origin is not None:
-                self.found.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended})")
-            warnings.warn(GpuCleanWarning(
-                f"gpuclean: pid {r.process.pid} ({report.one_line(r.process.cmdline, 80)}) was leaked by "
-                f"{r.owner} and reaped ({r.how_ended}) before {nodeid}"
-                + (f"; {origin}" if origin else "")),
-                stacklevel=1)
+                self.found.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended}) before "
+                                f"{nodeid}")
 
     def say(self, line: str) -> None:
         """Show ``line`` now, while the session waits (a lock can take minutes), not only in the final

@@ -1,0 +1,136 @@
+"""What the plugin says, where and when: its notes never become a test's failure nor land on another
+test (under ``-W error``, ``filterwarnings = error`` or without pytest's warnings plugin), an interrupt
+says what it waits for, and a traceback after SIGTERM points at the test, not at the plugin."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import alive, read_pids, run_inner, summary_of
+
+PLUGIN_FILES = "pytest_gpuclean/"
+
+WARNING_MODES = {
+    "-W error": (("-W", "error"), ""),
+    "filterwarnings = error": ((), "[pytest]\nfilterwarnings =\n    error\n"),
+    "-p no:warnings": (("-p", "no:warnings"), ""),
+    "default": ((), ""),
+}
+"""How a run treats warnings: each of the plugin's notes must read the same in all of them."""
+
+
+def run_in_mode(pytester: pytest.Pytester, mode: str, *args: str) -> pytest.RunResult:
+    """An inner session whose warnings are treated as ``mode`` says."""
+    extra, ini = WARNING_MODES[mode]
+    if ini:
+        pytester.makeini(ini)
+    return run_inner(pytester, *extra, *args)
+
+
+def assert_no_plugin_traceback(result: pytest.RunResult) -> None:
+    out = result.stdout.str() + result.stderr.str()
+    assert "INTERNALERROR" not in out
+    assert "GpuCleanWarning" not in out
+    assert PLUGIN_FILES not in out, out
+
+
+def report(pytester: pytest.Pytester) -> dict[str, object]:
+    document: dict[str, object] = json.loads((pytester.path / "report.json").read_text())
+    return document
+
+
+# ---- issue 44, item 4: notes, not warnings -----------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", WARNING_MODES)
+def test_a_victims_reaping_of_an_earlier_leak_never_fails_the_victim(
+        example: Callable[..., Path], pytester: pytest.Pytester, mode: str) -> None:
+    # Before: under -W error the marked victim ERRORed with a GpuCleanWarning and a traceback into the plugin.
+    pidfile = example("messages/victim")
+    result = run_in_mode(pytester, mode, "--gpuclean-report=report.json")
+    leaked = read_pids(pidfile)[0]
+    result.assert_outcomes(passed=2)
+    assert_no_plugin_traceback(result)
+    assert not alive(leaked)
+    # Said where it belongs: the leaker's line in the summary and its record in the JSON report.
+    assert (f"test_inner.py::test_1_unmarked_leaks: leaked 1 process(es) found by a later check (pid "
+            f"{leaked} SIGTERM)") in summary_of(result)
+    tests = {t["nodeid"].split("::")[1]: t for t in report(pytester)["tests"]}  # type: ignore[attr-defined]
+    assert [r["process"]["pid"] for r in tests["test_1_unmarked_leaks"]["found_later"]] == [leaked]
+    assert not tests["test_2_marked_victim"]["findings"]
+
+
+@pytest.mark.parametrize("mode", WARNING_MODES)
+def test_the_pytest_processs_cuda_context_is_a_note_naming_the_test_that_made_it(
+        example: Callable[..., Path], pytester: pytest.Pytester, sim: Path, mode: str) -> None:
+    # Before: a GpuCleanWarning at the setup of the test after the one that allocated (in the warnings
+    # summary, under that test), and under -W error that test's error.
+    example("core/own_process_memory_is_not_a_leak")
+    result = run_in_mode(pytester, mode, "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=2)
+    assert_no_plugin_traceback(result)
+    note = ("gpuclean: this pytest process (pid *) holds a CUDA context (GPU 0 300 MiB), first seen after "
+            "test_inner.py::test_allocates_in_process; it is not counted as a leak")
+    result.stdout.fnmatch_lines(["*= gpuclean =*", note])
+    assert [line for line in result.outlines if "test_after" in line] == ["PASSED test_inner.py::test_after"]
+    notes = report(pytester)["notes"]
+    assert isinstance(notes, list) and len(notes) == 1
+    assert "first seen after test_inner.py::test_allocates_in_process" in notes[0]
+
+
+UNKNOWN = ("gpuclean: environment variable GPUCLEAN_TIMOUT is not gpuclean's: ignored (did you mean "
+           "GPUCLEAN_TIMEOUT?)")
+
+
+@pytest.mark.parametrize("mode", WARNING_MODES)
+def test_an_unknown_variable_is_said_at_the_start_and_is_never_an_error(
+        pytester: pytest.Pytester, sim: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    # Before: under -W error an INTERNALERROR, exit status 3, no test run.
+    monkeypatch.setenv("GPUCLEAN_TIMOUT", "5")
+    pytester.copy_example("test_marked.py")
+    result = run_in_mode(pytester, mode, "--gpuclean-report=report.json")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.assert_outcomes(passed=1)
+    assert_no_plugin_traceback(result)
+    result.stdout.fnmatch_lines([UNKNOWN, "collected 1 item", "*= gpuclean =*", UNKNOWN])
+    assert report(pytester)["notes"] == [UNKNOWN]
+
+
+def test_an_unknown_variable_is_said_in_a_quiet_session_that_checks_nothing(
+        pytester: pytest.Pytester, sim: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # -q shows no header: the summary says it, though nothing else of gpuclean's runs.
+    monkeypatch.setenv("GPUCLEAN_TIMOUT", "5")
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = run_inner(pytester, "-q", "-W", "error")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*= gpuclean =*", UNKNOWN])
+    assert result.stdout.str().count("GPUCLEAN_TIMOUT") == 1
+
+
+@pytest.mark.parametrize("mode", WARNING_MODES)
+def test_torch_memory_a_test_keeps_alive_warns_at_the_test_itself(
+        example: Callable[..., Path], pytester: pytest.Pytester, mode: str) -> None:
+    # The one GpuCleanWarning left: the test's own finding, at the test's own line, so that a filter (-W
+    # error::...GpuCleanWarning) can make it that test's error, in one line. Before: at testcheck.py's line,
+    # and under -W error a traceback into the plugin.
+    example("core/in_process_torch_memory_growth")
+    result = run_in_mode(pytester, mode)
+    out = result.stdout.str()
+    assert "INTERNALERROR" not in out and PLUGIN_FILES not in out, out
+    message = ("test_inner.py::test_keeps_tensors_alive: torch.cuda.memory_allocated grew during the test in "
+               "the pytest process (cuda:0 +100.0 MiB, more than 64 MiB): tensors kept alive after the test")
+    line = next(i for i, text in enumerate((pytester.path / "test_inner.py").read_text().splitlines(), 1)
+                if text.startswith("def test_keeps_tensors_alive"))
+    if mode in ("-W error", "filterwarnings = error"):
+        result.assert_outcomes(passed=5, errors=1)
+        result.stdout.fnmatch_lines(["*ERROR at teardown of test_keeps_tensors_alive*",
+                                     f"gpuclean: {message} (a GpuCleanWarning: the warning filters make it "
+                                     "an error)"])
+    elif mode == "default":
+        result.assert_outcomes(passed=5, warnings=1)
+        result.stdout.fnmatch_lines(["test_inner.py::test_keeps_tensors_alive",
+                                     f"  *test_inner.py:{line - 1}: GpuCleanWarning: {message}"])
+    else:
+        result.assert_outcomes(passed=5)
