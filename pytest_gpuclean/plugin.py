@@ -166,6 +166,8 @@ class _GpuCleanPlugin:
         self._workers_since: tuple[str | None] | None = None
         """An xdist controller: what ``WORKERS_SINCE_VAR`` was before it set it."""
         self._swept = False
+        self._interrupted = False
+        """Ctrl-C or SIGTERM ended the session: the sweep says at once what it waits for."""
         self.notes: list[str] = []
         """What the session's start says (an unknown ``GPUCLEAN_`` variable): in the header, and in the
         summary and the JSON report (the session's notes)."""
@@ -350,12 +352,16 @@ class _GpuCleanPlugin:
         self._swept = True
         worker_output = getattr(session.config, "workeroutput", None)
         if self.session is not None:
-            self.session.sweep()
+            self.session.sweep(interrupted=self._interrupted)
         if worker_output is not None:
             from pytest_gpuclean.report.records import EMPTY_PAYLOAD
 
             found = self.session.found.payload() if self.session is not None else dict(EMPTY_PAYLOAD)
             worker_output[WORKER_OUTPUT_KEY] = found
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        # (also pytest.exit's, which is no interrupt of anybody's)
+        self._interrupted = isinstance(excinfo.value, KeyboardInterrupt)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.session is None:

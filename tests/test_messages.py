@@ -5,11 +5,15 @@ says what it waits for, and a traceback after SIGTERM points at the test, not at
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import alive, read_pids, run_inner, summary_of
+from helpers import alive, children_sigint, read_pids, run_inner, summary_of, wait_dead, wait_for_file
 
 PLUGIN_FILES = "pytest_gpuclean/"
 
@@ -42,7 +46,7 @@ def report(pytester: pytest.Pytester) -> dict[str, object]:
     return document
 
 
-# ---- issue 44, item 4: notes, not warnings -----------------------------------------------------------------
+# ---- issue 44, item 4: notes, not warnings ----------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", WARNING_MODES)
 def test_a_victims_reaping_of_an_earlier_leak_never_fails_the_victim(
@@ -134,3 +138,62 @@ def test_torch_memory_a_test_keeps_alive_warns_at_the_test_itself(
                                      f"  *test_inner.py:{line - 1}: GpuCleanWarning: {message}"])
     else:
         result.assert_outcomes(passed=5)
+
+
+# ---- issue 44, items 11 and 12: what an interrupt says -----------------------------------------------------
+
+def start_inner(pytester: pytest.Pytester, out: Path, *args: str) -> subprocess.Popen[bytes]:
+    """An inner pytest to signal while it runs, its output in ``out`` (a file: a leak could hold a pipe open;
+    and a file is block-buffered, so what shows there before the session ends was written at once)."""
+    with open(out, "wb") as f, children_sigint():
+        return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider",
+                                 *args], cwd=pytester.path, stdout=f, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_says_at_once_what_the_sweep_waits_for(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, signum: int) -> None:
+    # Before: with --gpuclean-grace=8, nothing for 9 s after Ctrl-C. A leak that survives SIGTERM (it notes
+    # each in $LEAK_TERMED), a 60 s grace: while the sweep waits, the line is already there.
+    pidfile, termed = example("faults/term_noting", "scripts/note_term.py"), tmp_path / "termed"
+    monkeypatch.setenv("LEAK_TERMED", str(termed))
+    out = tmp_path / "inner.out"
+    proc = start_inner(pytester, out, "--gpuclean-all", "--gpuclean-grace=60")
+    try:
+        leaked = read_pids(pidfile, timeout=60)[0]
+        time.sleep(0.3)
+        proc.send_signal(signum)
+        wait_for_file(termed, proc, timeout=30, output=out.read_text)  # the sweep is in its grace
+        assert (f"gpuclean: interrupted: ending 1 process(es) the session left (pid {leaked}): SIGTERM now, "
+                "SIGKILL after at most 60s; interrupt again (Ctrl-C or SIGTERM) to SIGKILL them now"
+                ) in out.read_text().splitlines()
+        assert proc.poll() is None and alive(leaked)
+        proc.send_signal(signum)  # the second one ends the wait
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert wait_dead([leaked], timeout=5) == [], out.read_text()
+
+
+def test_the_traceback_after_sigterm_points_at_the_test(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    # Before: "core/acting/signals.py:72: KeyboardInterrupt: SIGTERM", the plugin's handler's line.
+    pidfile = example("faults/sleeper")
+    out = tmp_path / "inner.out"
+    proc = start_inner(pytester, out, "--gpuclean-all", "-k", "test_leak_and_hang")
+    try:
+        leaked = read_pids(pidfile, timeout=60)[0]
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.read_text()
+    assert wait_dead([leaked], timeout=5) == [], text
+    line = next(i for i, code in enumerate((pytester.path / "test_inner.py").read_text().splitlines(), 1)
+                if "time.sleep(120)" in code)
+    assert f"{pytester.path / 'test_inner.py'}:{line}: KeyboardInterrupt: SIGTERM" in text.splitlines(), text
+    assert PLUGIN_FILES not in text, text

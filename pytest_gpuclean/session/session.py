@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean.core.acting.signals import quiet_interrupts
+from pytest_gpuclean.core.acting.signals import again_words, quiet_interrupts
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.checking.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean.core.locks.gpus import GpuLocks
@@ -184,13 +184,16 @@ class CheckedSession:
 
     # ---- the session's end -----------------------------------------------------------------------
 
-    def sweep(self) -> None:
+    def sweep(self, interrupted: bool = False) -> None:
         """The final sweep: what the session's tests left behind; a second interrupt only makes it
-        quicker."""
+        quicker. ``interrupted``: the session was (Ctrl-C, SIGTERM), and whoever did it hears at once what
+        the sweep waits for, and how to cut it short."""
         self.tests.release_parked()  # (kept for a test that never ran: -x, or an interrupt between two tests)
         hurry = threading.Event()
         restore = quiet_interrupts(hurry)
         self.checker.hurry = hurry.is_set
+        if interrupted:
+            self.checker.before_grace = self._say_waiting
         found = self.found
         try:
             found.session_reaped = self.checker.final_sweep(self.devices)
@@ -199,6 +202,7 @@ class CheckedSession:
                 found.session_reaped += reaped
         finally:
             self.checker.hurry = None
+            self.checker.before_grace = None
             restore()
         if not self.checker.reap_enabled:
             left = self.checker.survivors()
@@ -331,6 +335,11 @@ class CheckedSession:
                 self.found.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended}) before "
                                 f"{nodeid}")
 
+    def _say_waiting(self, pids: list[int], grace: float) -> None:
+        self.say(f"gpuclean: interrupted: ending {len(pids)} process(es) the session left "
+                 f"({', '.join(f'pid {p}' for p in pids)}): SIGTERM now, SIGKILL after at most {grace:g}s; "
+                 f"interrupt again ({again_words()}) to SIGKILL them now")
+
     def say(self, line: str) -> None:
         """Show ``line`` now, while the session waits (a lock can take minutes), not only in the final
         report: past the output capture, which would otherwise file it under the test's output."""
@@ -340,6 +349,9 @@ class CheckedSession:
         capture = self.config.pluginmanager.get_plugin("capturemanager")
         with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
             reporter.write_line(line)
+            flush = getattr(reporter, "flush", None)  # (a file or a pipe, a CI log: now, not at the end)
+            if flush is not None:
+                flush()
 
 
 def _xprocess_registry(config: pytest.Config) -> Registry | None:
