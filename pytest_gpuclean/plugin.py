@@ -110,6 +110,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     inifile = str(config.inipath) if config.inipath else None
     resolved = settings.resolve(vars(config.option), os.environ, config.getini, inifile)
+    if resolved.simulate:
+        _check_simulated(resolved)
     plugin = _GpuCleanPlugin(config, resolved)
     if not hasattr(config, "workerinput"):  # (an xdist worker's would repeat its controller's)
         # Notes, not config-time warnings: -W error would turn one into an INTERNALERROR before any test.
@@ -127,6 +129,22 @@ def pytest_configure(config: pytest.Config) -> None:
     if resolved.report:
         # A report was asked for: check its path now, and write it even if no test is checked.
         plugin.register_outputs()
+
+
+def _check_simulated(resolved: settings.Settings) -> None:
+    """A ``--gpuclean-simulate`` directory that holds no device (a typo, ``.``) is a usage error in every
+    session, before anything runs, as ``simulate hold --dir`` refuses it: the session would otherwise find
+    no GPU and skip its checked tests, a green run that checked nothing. One listing; the layout's module
+    imports nothing of the package."""
+    from pytest_gpuclean.core.reading.simulated_layout import device_indices, no_device
+
+    assert resolved.simulate is not None
+    try:
+        found = device_indices(resolved.simulate)
+    except OSError:
+        return  # (one this user may not list: the backend says so, in the same words, when it opens it)
+    if not found:
+        raise pytest.UsageError(resolved.refused("simulate", no_device(resolved.simulate)))
 
 
 def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> None:

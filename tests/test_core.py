@@ -213,19 +213,14 @@ def test_no_driver_skips_marked_tests_or_errors_with_require_gpu(
     result.stdout.fnmatch_lines(["*gpuclean: no GPU to check: NVML init failed* (--gpuclean-require-gpu)"])
 
 
-@pytest.mark.parametrize("visible", [None, "", "-1"])
+@pytest.mark.parametrize("visible", ["", "-1"])
 def test_no_devices_to_check_skips_marked_tests_like_no_driver(
         example: Callable[..., Path], pytester: pytest.Pytester, sim: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch, visible: str | None) -> None:
-    # A marked test that checked zero devices would pass as "checked" while checking nothing.
-    if visible is None:
-        empty = tmp_path / "no-devices"
-        empty.mkdir()
-        monkeypatch.setenv("GPUCLEAN_SIMULATE", str(empty))
-        reason = "the simulated backend has no devices"
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-        reason = (f"none of the 2 simulated device(s) is selected (from CUDA_VISIBLE_DEVICES={visible!r})")
+        monkeypatch: pytest.MonkeyPatch, visible: str) -> None:
+    # A marked test that checked zero devices would pass as "checked" while checking nothing. (A simulate
+    # directory without devices is a usage error: tests/test_messages.py.)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    reason = (f"none of the 2 simulated device(s) is selected (from CUDA_VISIBLE_DEVICES={visible!r})")
     example("core/no_devices_to_check_skips")
     result = run_inner(pytester)
     result.assert_outcomes(passed=1, skipped=1)

@@ -13,7 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import alive, children_sigint, read_pids, run_inner, summary_of, wait_dead, wait_for_file
+from helpers import (
+    alive,
+    children_sigint,
+    clean_environment,
+    read_pids,
+    run_inner,
+    summary_of,
+    wait_dead,
+    wait_for_file,
+)
 
 PLUGIN_FILES = "pytest_gpuclean/"
 
@@ -197,3 +206,47 @@ def test_the_traceback_after_sigterm_points_at_the_test(
                 if "time.sleep(120)" in code)
     assert f"{pytester.path / 'test_inner.py'}:{line}: KeyboardInterrupt: SIGTERM" in text.splitlines(), text
     assert PLUGIN_FILES not in text, text
+
+
+# ---- issue 44, item 8: a simulate directory that holds no device ---------------------------------------
+
+NO_DEVICE = ("{dir!r} holds no simulated device (DIR/<index>/); make them with 'python -m "
+             "pytest_gpuclean.simulate init DIR'")
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("where", ["cli", "env", "ini"])
+def test_a_simulate_directory_without_devices_is_a_usage_error(
+        pytester: pytest.Pytester, sim: Path, monkeypatch: pytest.MonkeyPatch, where: str,
+        checked: bool) -> None:
+    # Before: --gpuclean-simulate=tests (or ., or /etc) skipped every marked test, exit status 0, though
+    # `simulate hold --dir` refuses the same directory.
+    monkeypatch.delenv("GPUCLEAN_SIMULATE")
+    (pytester.path / "docs").mkdir()
+    pytester.copy_example("test_marked.py")
+    args: list[str] = [] if checked else ["-m", "not needs_clean_gpus"]
+    if where == "cli":
+        args.append("--gpuclean-simulate=docs")
+        source = "from the command line"
+    elif where == "env":
+        monkeypatch.setenv("GPUCLEAN_SIMULATE", "docs")
+        source = "from environment variable GPUCLEAN_SIMULATE"
+    else:
+        pytester.makeini("[pytest]\ngpuclean_simulate = docs\n")
+        source = f"from ini option gpuclean_simulate in {pytester.path / 'tox.ini'}"
+    result = run_inner(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    why = NO_DEVICE.format(dir=str(pytester.path / "docs"))
+    assert result.stderr.str().strip() == f"ERROR: --gpuclean-simulate: {why} ({source})"
+    assert "test session starts" not in result.stdout.str()  # said before anything runs
+
+
+@pytest.mark.parametrize("command", ["status", "check", "reap"])
+def test_the_gpuclean_command_refuses_a_simulate_directory_without_devices(tmp_path: Path,
+                                                                          command: str) -> None:
+    # Before: `no devices to check` from check, an empty table from status.
+    result = subprocess.run([sys.executable, "-m", "pytest_gpuclean", command, "--simulate", str(tmp_path)],
+                            env=clean_environment(), capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    why = NO_DEVICE.format(dir=str(tmp_path))
+    assert result.stderr == f"gpuclean {command}: error: --simulate: {why} (from the command line)\n"
