@@ -17,6 +17,7 @@ from helpers import (
     alive,
     children_sigint,
     clean_environment,
+    marked_line,
     read_pids,
     run_inner,
     summary_of,
@@ -134,8 +135,7 @@ def test_torch_memory_a_test_keeps_alive_warns_at_the_test_itself(
     assert "INTERNALERROR" not in out and PLUGIN_FILES not in out, out
     message = ("test_inner.py::test_keeps_tensors_alive: torch.cuda.memory_allocated grew during the test in "
                "the pytest process (cuda:0 +100.0 MiB, more than 64 MiB): tensors kept alive after the test")
-    line = next(i for i, text in enumerate((pytester.path / "test_inner.py").read_text().splitlines(), 1)
-                if text.startswith("def test_keeps_tensors_alive"))
+    line = marked_line(pytester.path / "test_inner.py", "test_keeps_tensors_alive")
     if mode in ("-W error", "filterwarnings = error"):
         result.assert_outcomes(passed=5, errors=1)
         result.stdout.fnmatch_lines(["*ERROR at teardown of test_keeps_tensors_alive*",
@@ -144,7 +144,7 @@ def test_torch_memory_a_test_keeps_alive_warns_at_the_test_itself(
     elif mode == "default":
         result.assert_outcomes(passed=5, warnings=1)
         result.stdout.fnmatch_lines(["test_inner.py::test_keeps_tensors_alive",
-                                     f"  *test_inner.py:{line - 1}: GpuCleanWarning: {message}"])
+                                     f"  *test_inner.py:{line}: GpuCleanWarning: {message}"])
     else:
         result.assert_outcomes(passed=5)
 
@@ -250,3 +250,57 @@ def test_the_gpuclean_command_refuses_a_simulate_directory_without_devices(tmp_p
     assert (result.returncode, result.stdout) == (2, "")
     why = NO_DEVICE.format(dir=str(tmp_path))
     assert result.stderr == f"gpuclean {command}: error: --simulate: {why} (from the command line)\n"
+
+
+# ---- issue 44, item 9: no GPU on a CI runner -----------------------------------------------------------
+
+CI_DEFAULT = ("--gpuclean-no-gpu=fail: the default where CI is set (CI={ci!r}); --gpuclean-no-gpu=skip to "
+              "skip instead")
+
+
+@pytest.mark.parametrize(("ci", "args", "action", "why"), [
+    (None, (), "skip", ""),
+    ("true", (), "fail", CI_DEFAULT),
+    ("1", ("--gpuclean-no-gpu=skip",), "skip", "--gpuclean-no-gpu=skip, from the command line"),
+    ("false", (), "skip", ""),
+    ("", (), "skip", ""),
+    (None, ("--gpuclean-no-gpu=fail",), "fail", "--gpuclean-no-gpu=fail, from the command line"),
+], ids=["no-ci", "ci", "ci-chose-skip", "ci-false", "ci-empty", "chose-fail"])
+def test_no_gpu_on_a_ci_runner_is_an_error_unless_skipping_was_chosen(
+        example: Callable[..., Path], pytester: pytest.Pytester, sim: Path, monkeypatch: pytest.MonkeyPatch,
+        ci: str | None, args: tuple[str, ...], action: str, why: str) -> None:
+    # Before: a runner whose job lost its GPUs (none selected here, as a container started without them)
+    # skipped every marked test, and CI was green.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    example("core/no_devices_to_check_skips")  # a marked test and an unmarked one
+    result = run_inner(pytester, *args)
+    reason = "none of the 2 simulated device(s) is selected (from CUDA_VISIBLE_DEVICES='')"
+    why = why.format(ci=ci)
+    line = marked_line(pytester.path / "test_inner.py", "test_gpu")
+    if action == "fail":
+        assert result.ret == pytest.ExitCode.TESTS_FAILED
+        result.assert_outcomes(passed=1, errors=1)
+        result.stdout.fnmatch_lines([
+            f"gpuclean: no GPUs checked: {reason}; tests marked needs_clean_gpus will be errors ({why})",
+            "*ERROR at setup of test_gpu*", f"gpuclean: no GPU to check: {reason} ({why})"])
+    else:
+        assert result.ret == pytest.ExitCode.OK
+        result.assert_outcomes(passed=1, skipped=1)
+        said = f" ({why})" if why else ""
+        result.stdout.fnmatch_lines([
+            f"gpuclean: no GPUs checked: {reason}; tests marked needs_clean_gpus will be skipped{said}",
+            f"SKIPPED [[]1[]] test_inner.py:{line}: gpuclean: no GPU to check: {reason}{said}"])
+
+
+def test_a_bad_no_gpu_value_is_a_usage_error(pytester: pytest.Pytester, sim: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUCLEAN_NO_GPU", "maybe")
+    pytester.copy_example("test_marked.py")
+    result = run_inner(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.str().strip() == ("ERROR: --gpuclean-no-gpu: 'maybe' is not one of fail, skip (from "
+                                           "environment variable GPUCLEAN_NO_GPU)")

@@ -258,9 +258,12 @@ def test_a_markers_timeout_and_tolerance_beat_the_sessions(
 
 def test_a_misspelt_or_unknown_variable_is_named_with_the_closest_known_one() -> None:
     env = {"GPUCLEAN_TIMOUT": "5", "GPUCLEAN_FOO": "1", "GPUCLEAN_TIMEOUT": "5", "PATH": "/bin",
-           "gpuclean_timeout": "5"}
+           "gpuclean_timeout": "5", "GPUCLEAN_REQUIRE_GPU": "1"}
     assert settings.unknown_variables(env) == [
         "environment variable GPUCLEAN_FOO is not gpuclean's: ignored",
+        # (the option --gpuclean-no-gpu=fail|skip replaced the switch --gpuclean-require-gpu)
+        "environment variable GPUCLEAN_REQUIRE_GPU is not gpuclean's: ignored (did you mean "
+        "GPUCLEAN_NO_GPU=fail?)",
         "environment variable GPUCLEAN_TIMOUT is not gpuclean's: ignored (did you mean GPUCLEAN_TIMEOUT?)",
     ]
 
@@ -277,7 +280,7 @@ def test_the_variables_the_package_sets_itself_are_known() -> None:
 
 
 ON_OFF_OPTIONS = {"reap": ("on", "off"), "dead_sessions": ("on", "off"), "lock": ("on", "off"),
-                  "all": (True, False), "require_gpu": (True, False)}
+                  "all": (True, False)}
 
 
 @pytest.mark.parametrize("where", ["cli", "env", "ini"])

@@ -64,6 +64,8 @@ class CheckedSession:
         """The session's own process (a forked child of it runs one test)."""
         self.found = records.of(config)
         self.unavailable: str | None = None
+        self.no_gpu = settings.no_gpu_action(resolved, os.environ)
+        """What a marked test gets while ``unavailable`` (fail or skip), and the words for why."""
         self.backend: backends.Backend | None = None
         self.devices: tuple[DeviceInfo, ...] = ()
         self.locks: GpuLocks | None = None
@@ -99,7 +101,7 @@ class CheckedSession:
             selection = select_devices(self.backend, resolved)
             self.devices = selection.devices
             if not self.devices:
-                # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
+                # Like a machine without GPUs: marked tests skip or fail, as --gpuclean-no-gpu (or CI) says.
                 self.unavailable = selection.none_reason(self.backend.kind)
         if resolved.lock == "on" and self.backend is not None:
             try:
@@ -155,8 +157,9 @@ class CheckedSession:
     def header_lines(self) -> list[str]:
         """What the session checks, for the header: the backend, the devices and what they hold."""
         if self.unavailable is not None:
+            action, why = self.no_gpu
             return [f"gpuclean: no GPUs checked: {self.unavailable}; tests marked {MARKER} will be "
-                    + ("errors (--gpuclean-require-gpu)" if self.settings.require_gpu else "skipped")]
+                    + ("errors" if action == "fail" else "skipped") + (f" ({why})" if why else "")]
         assert self.backend is not None
         lines = [f"gpuclean: {self.backend.kind} devices (driver {self.backend.driver_version()}), "
                  f"checking {len(self.devices)}, scope {self.settings.scope}, reap {self.settings.reap}, "

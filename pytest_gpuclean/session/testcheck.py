@@ -170,9 +170,10 @@ class ItemChecks:
             raise pytest.fail.Exception(message, pytrace=False) from None
         wants_gpu = marker is not None or FIXTURE in getattr(item, "fixturenames", ())
         if session.unavailable is not None and wants_gpu:
-            message = f"gpuclean: no GPU to check: {session.unavailable}"
-            if session.settings.require_gpu:
-                pytest.fail(message + " (--gpuclean-require-gpu)", pytrace=False)
+            action, why = session.no_gpu
+            message = f"gpuclean: no GPU to check: {session.unavailable}" + (f" ({why})" if why else "")
+            if action == "fail":
+                pytest.fail(message, pytrace=False)
             raise _skip(message)
         if applied.count is not None and applied.count > len(session.devices):
             raise _skip(f"gpuclean: test needs {applied.count} GPU(s), found {len(session.devices)}")
