@@ -5,6 +5,7 @@ says what it waits for, and a traceback after SIGTERM points at the test, not at
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -304,3 +305,114 @@ def test_a_bad_no_gpu_value_is_a_usage_error(pytester: pytest.Pytester, sim: Pat
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert result.stderr.str().strip() == ("ERROR: --gpuclean-no-gpu: 'maybe' is not one of fail, skip (from "
                                            "environment variable GPUCLEAN_NO_GPU)")
+
+
+# ---- issue 44, item 13: messages that misled, or came too late ------------------------------------------
+
+def no_nvml_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML cannot load (on a GPU box, pointed at a library that is not there); skips where it still does."""
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/nonexistent")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return
+    pytest.skip("a real NVIDIA driver is present")
+
+
+@pytest.mark.parametrize(("name", "ini"), [
+    ("pytest.ini", "[pytest]\ngpuclean_simulate = gpus\n"),
+    ("pyproject.toml", '[tool.pytest.ini_options]\ngpuclean_simulate = "gpus"\n'),
+    ("setup.cfg", "[tool:pytest]\ngpuclean_simulate = gpus\n"),
+], ids=["pytest.ini", "pyproject.toml", "setup.cfg"])
+def test_gpuclean_status_without_nvml_names_the_ini_files_simulated_devices(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, ini: str) -> None:
+    # Before: `NVML Shared Library Not Found`, no hint, in a project whose pytest runs on simulated devices.
+    no_nvml_here(monkeypatch)
+    (tmp_path / name).write_text(ini)
+    (tmp_path / "tests").mkdir()
+    from pytest_gpuclean.simulate import init
+
+    init(str(tmp_path / "gpus"), 1, 1024)
+    result = subprocess.run([sys.executable, "-m", "pytest_gpuclean", "status"], cwd=tmp_path / "tests",
+                            env=clean_environment(LD_LIBRARY_PATH="/nonexistent"), capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith("gpuclean status: error: NVML ")
+    gpus = tmp_path / "gpus"
+    assert result.stderr.endswith(
+        f" (the gpuclean command reads no ini file: {tmp_path / name} sets gpuclean_simulate = gpus, for "
+        f"pytest; give --simulate {gpus} or GPUCLEAN_SIMULATE={gpus} for those devices)\n"), result.stderr
+
+
+@pytest.mark.parametrize(("command", "flag"), [
+    ("check", "--grace (of gpuclean reap)"), ("status", "--grace (of gpuclean reap)"), ("reap", "--grace")])
+def test_a_bad_variable_is_named_as_the_gpuclean_commands_flag(command: str, flag: str) -> None:
+    # Before: `GPUCLEAN_GRACE=abc gpuclean check` named pytest's --gpuclean-grace.
+    result = subprocess.run([sys.executable, "-m", "pytest_gpuclean", command],
+                            env=clean_environment(GPUCLEAN_GRACE="abc"), capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"gpuclean {command}: error: {flag}: 'abc' is not a number of seconds (from "
+                             "environment variable GPUCLEAN_GRACE)\n")
+
+
+@pytest.mark.parametrize("args", [("-k", "nothing_matches"), (), ("--co",)],
+                         ids=["deselected", "checked", "collect-only"])
+def test_a_device_list_the_machine_lacks_is_said_before_the_session_not_after_its_summary(
+        pytester: pytest.Pytester, sim: Path, args: tuple[str, ...]) -> None:
+    # Before: `--gpuclean-devices=7 -k x` printed the error after the summary (`2 deselected in 0.02s`).
+    pytester.copy_example("test_marked.py")
+    result = run_inner(pytester, "--gpuclean-devices=7", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.str().strip() == ("ERROR: --gpuclean-devices: device 7 does not exist (2 device(s) "
+                                           "found) (from the command line)")
+    out = result.stdout.str()
+    assert not re.search(r"^=+ .* in [\d.]+s =+$", out, re.M), out  # no summary line: before the session
+    assert "collected" not in out and "deselected" not in out, out
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_block(name: str, language: str) -> str:
+    found = re.search(rf"^<!-- {name} -->\n```{language}\n(.*?)^```$", README.read_text(encoding="utf-8"),
+                      re.M | re.S)
+    assert found, f"README.md lost its {name}"
+    return found.group(1)
+
+
+def test_the_readmes_strict_config_recipe_keeps_a_run_without_the_plugin_passing(
+        pytester: pytest.Pytester, sim: Path) -> None:
+    # Before: `-p no:gpuclean --strict-config` with gpuclean_* keys in the ini failed, and the README's
+    # recipe covered only the marker.
+    pytester.copy_example("settings/markers_with_the_plugin_off")
+    ini = readme_block("strict-config-recipe: ini", "ini")
+    assert "gpuclean_timeout" in ini and "gpuclean_ignore" in ini
+    pytester.makeini(ini)
+    off = ("-p", "no:gpuclean", "-p", "no:cacheprovider", "--strict-config", "--strict-markers")
+    without = pytester.runpytest_subprocess(*off)
+    assert without.ret != pytest.ExitCode.OK
+    without.stderr.fnmatch_lines(["*Unknown config option: gpuclean_*"])
+    pytester.makeconftest(readme_block("strict-config-recipe: conftest.py", "python"))
+    pytester.runpytest_subprocess(*off, "-W", "error").assert_outcomes(passed=1)
+    # The plugin on: its own declarations, untouched (gpuclean_ignore is still a list), and the test checked.
+    result = run_inner(pytester, "--strict-config", "--strict-markers", "-W", "error",
+                       "--gpuclean-report=report.json")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*1 checked test(s)*"])
+    assert report(pytester)["session"]["settings"]["timeout"] == 120.0  # type: ignore[index]
+
+
+def test_the_ini_file_is_the_one_pytest_would_take(tmp_path: Path) -> None:
+    from pytest_gpuclean.core.options.ini_file import ini_value
+
+    (tmp_path / "setup.cfg").write_text("[tool:pytest]\ngpuclean_simulate = far\n")
+    inner = tmp_path / "a"
+    inner.mkdir()
+    (inner / "tox.ini").write_text("[tox]\nenvlist = py\n")  # no [pytest]: not pytest's, passed over
+    (inner / "pyproject.toml").write_text("[project]\nname = 'a'\n")  # no [tool.pytest...]: neither
+    assert ini_value(inner, "gpuclean_simulate") == (tmp_path / "setup.cfg", "far")
+    (inner / "pytest.ini").write_text("[pytest]\naddopts = -q\n")  # pytest's, without the key: it decides
+    assert ini_value(inner, "gpuclean_simulate") is None

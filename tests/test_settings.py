@@ -334,10 +334,11 @@ def test_every_command_warns_of_an_unknown_variable_and_checks_every_known_one(c
         f"gpuclean {command}: warning: environment variable GPUCLEAN_TIMOUT is not gpuclean's: ignored (did "
         "you mean GPUCLEAN_TIMEOUT?)",
     ]
-    # A variable of an option the command has no flag for is named as the plugin's; one it has, as its own.
+    # A variable of an option the command has no flag for is named as the flag of the gpuclean command that
+    # has it (tests/test_messages.py); one it has, as its own.
     bad = gpuclean(command, env={"GPUCLEAN_GRACE": "abc"})
     assert (bad.returncode, bad.stdout) == (2, "")
-    flag = "--grace" if command == "reap" else "--gpuclean-grace"
+    flag = "--grace" if command == "reap" else "--grace (of gpuclean reap)"
     assert bad.stderr == (f"gpuclean {command}: error: {flag}: 'abc' is not a number of seconds (from "
                           "environment variable GPUCLEAN_GRACE)\n")
 

@@ -57,7 +57,10 @@ class CheckedSession:
     lock directory or Ray cluster."""
 
     def __init__(self, config: pytest.Config, resolved: settings.Settings, exported: ExportedCookie,
-                 pid: int, opening: NvmlOpening | None = None) -> None:
+                 pid: int, opening: NvmlOpening | None = None, backend: backends.Backend | None = None
+                 ) -> None:
+        """``backend``: one opened already (to hold an explicit device list against), taken over; else
+        the one the settings name is opened here (``opening``: NVML's start, begun earlier)."""
         self.config = config
         self.settings = resolved
         self.pid = pid
@@ -84,7 +87,7 @@ class CheckedSession:
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
         try:
-            self.backend = open_devices(resolved, opening)
+            self.backend = backend if backend is not None else open_devices(resolved, opening)
         except devices.BackendUnavailable as exc:
             self.unavailable = str(exc)
         try:
