@@ -7,8 +7,9 @@ configurations in rotating order:
 * ``disabled``: ``-p no:gpuclean``
 * ``loaded``: the plugin loaded, no test marked (what an unmarked suite pays for having it installed)
 * ``all-sim1``: ``--gpuclean-all`` with one simulated device (``GPUCLEAN_SIMULATE``)
-* ``all-nodev``: ``--gpuclean-all`` with no device: no NVML on a CPU box (on a GPU box, with
-  ``--gpuclean-simulate`` on an empty directory instead, so the run is comparable)
+* ``all-nodev``: ``--gpuclean-all`` with no device: no NVML on a CPU box (on a GPU box, one simulated
+  device that ``CUDA_VISIBLE_DEVICES=""`` leaves unselected instead, so the run is comparable; a simulate
+  directory without devices is a usage error)
 
 Each checked test gets a setup and a teardown check and its lock taken and released (locks on, in a
 private lock directory). Reports the median wall time of each configuration and the overhead per test,
@@ -48,13 +49,11 @@ def generate(root: str, tests: int) -> None:
 
 def configurations(root: str, has_nvml_gpu: bool) -> dict[str, tuple[list[str], dict[str, str]]]:
     sim1 = os.path.join(root, "_sim1")
-    sim0 = os.path.join(root, "_sim0")
     os.makedirs(os.path.join(sim1, "0"), exist_ok=True)
-    os.makedirs(sim0, exist_ok=True)
     locks = ["--gpuclean-lock-dir", os.path.join(root, "_locks")]
     nodev: tuple[list[str], dict[str, str]] = (["--gpuclean-all", *locks], {})
     if has_nvml_gpu:
-        nodev = (["--gpuclean-all", *locks], {"GPUCLEAN_SIMULATE": sim0})
+        nodev = (["--gpuclean-all", *locks], {"GPUCLEAN_SIMULATE": sim1, "CUDA_VISIBLE_DEVICES": ""})
     return {
         "disabled": (["-p", "no:gpuclean"], {}),
         "loaded": (locks, {}),

@@ -23,6 +23,7 @@ import io
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Final, TextIO
 
 from pytest_gpuclean import __version__
@@ -94,14 +95,19 @@ def _settings(args: argparse.Namespace, *names: str) -> settings.Settings:
         raise _CliError(str(exc)) from None
 
 
-def _check_environment(args: argparse.Namespace) -> None:
+def _check_environment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Every command checks every GPUCLEAN_ variable at start-up, as a pytest session does, whether or not
     it reads it (settings.check_environment), and warns of one nothing reads. A bad one is named as the
-    command's flag where it has one for the option (a value, not a switch like reap's --dead-sessions,
-    which is another thing), else as the plugin's option."""
+    flag of the ``gpuclean`` command that takes its value (this subcommand's, else another's: ``--grace (of
+    gpuclean reap)``; a value, not a switch like reap's --dead-sessions, which is another thing), else as
+    the plugin's option: the name its user knows it by where this variable is set, a runner's environment."""
+    takes = _value_flags(parser)
+
     def flag(option: settings.Option) -> str:
-        value = getattr(args, option.name, False)
-        return option.command_flag if value is None or isinstance(value, (str, list)) else option.cli
+        commands = takes.get(option.name, [])
+        if args.command in commands:
+            return option.command_flag
+        return f"{option.command_flag} (of {_PROG} {commands[0]})" if commands else option.cli
 
     try:
         warnings = settings.check_environment(os.environ, flag)
@@ -109,6 +115,18 @@ def _check_environment(args: argparse.Namespace) -> None:
         raise _CliError(str(exc)) from None
     for line in warnings:
         print(f"{_PROG} {args.command}: warning: {line}", file=sys.stderr)
+
+
+def _value_flags(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """Option name -> the subcommands that take its value (``--grace S``; no switch)."""
+    takes: dict[str, list[str]] = {}
+    # (the subcommands are the one action whose choices map names to parsers)
+    subcommands = next(a.choices for a in parser._actions if isinstance(a.choices, dict))
+    for command, sub in subcommands.items():
+        for option in sub._actions:
+            if option.option_strings and option.nargs != 0:
+                takes.setdefault(option.dest, []).append(command)
+    return takes
 
 
 def _env_note(name: str) -> str:
@@ -175,6 +193,8 @@ def _open_devices(resolved: settings.Settings, command: str) -> Iterator[_Device
         backend = open_backend(resolved.simulate)
     except devices.SimulationError as exc:
         raise _CliError(f"--simulate: {exc} ({resolved.sources.get('simulate')})") from None
+    except devices.BackendUnavailable as exc:
+        raise _CliError(f"{exc}{_ini_simulate_hint()}") from None
     try:
         try:
             selection = backends.choose_devices(backend, resolved.devices,
@@ -187,6 +207,21 @@ def _open_devices(resolved: settings.Settings, command: str) -> Iterator[_Device
         for line in backend.notices:  # (a simulated device file that may not speak for its process)
             print(f"{_PROG} {command}: warning: {line}", file=sys.stderr)
         backend.close()
+
+
+def _ini_simulate_hint() -> str:
+    """Where NVML cannot be opened: if the project's pytest runs on simulated devices (its ini file sets
+    ``gpuclean_simulate``), which this command does not read, the words that say so, and how to name them."""
+    from pytest_gpuclean.core.options.ini_file import ini_value
+
+    option = settings.option("simulate")
+    found = ini_value(Path.cwd(), option.ini)
+    if found is None:
+        return ""
+    path, value = found
+    where = os.path.normpath(os.path.join(path.parent, os.path.expanduser(value)))  # as the plugin reads it
+    return (f" (the gpuclean command reads no ini file: {path} sets {option.ini} = {value}, for pytest; give "
+            f"{option.command_flag} {where} or {option.env_var}={where} for those devices)")
 
 
 def _checker(backend: backends.Backend, *, grace: float = settings.DEFAULT_GRACE_S, ignore: Sequence[str] = ()
@@ -557,9 +592,10 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpuclean``; returns the exit status (argparse itself exits 2 on a malformed command line)."""
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
     try:
-        _check_environment(args)
+        _check_environment(args, parser)
         return _COMMANDS[args.command](args, sys.stdout)
     except _CliError as exc:
         print(f"{_PROG} {args.command}: error: {exc}", file=sys.stderr)

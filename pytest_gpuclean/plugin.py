@@ -49,6 +49,7 @@ from pytest_gpuclean.session.names import (
 
 if TYPE_CHECKING:
     from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
+    from pytest_gpuclean.core.reading.backends import Backend
     from pytest_gpuclean.model.outcomes import CleanGpus
     from pytest_gpuclean.model.records import Reaped
     from pytest_gpuclean.session.session import CheckedSession
@@ -108,12 +109,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "allowed per device; timeout: seconds to wait for clean GPUs; count: GPUs the test needs "
         "(it gets exactly those through CUDA_VISIBLE_DEVICES).",
     )
-    if not hasattr(config, "workerinput"):  # (an xdist worker's would repeat its controller's)
-        for line in settings.unknown_variables(os.environ):
-            config.issue_config_time_warning(GpuCleanWarning(line), stacklevel=2)
     inifile = str(config.inipath) if config.inipath else None
     resolved = settings.resolve(vars(config.option), os.environ, config.getini, inifile)
+    if resolved.simulate:
+        _check_simulated(resolved)
     plugin = _GpuCleanPlugin(config, resolved)
+    if not hasattr(config, "workerinput"):  # (an xdist worker's would repeat its controller's)
+        # Notes, not config-time warnings: -W error would turn one into an INTERNALERROR before any test.
+        plugin.notes.extend(f"gpuclean: {line}" for line in settings.unknown_variables(os.environ))
     config.pluginmanager.register(plugin, PLUGIN_NAME)
     config.add_cleanup(plugin.close)
     if config.pluginmanager.hasplugin("xdist"):
@@ -129,25 +132,46 @@ def pytest_configure(config: pytest.Config) -> None:
         plugin.register_outputs()
 
 
-def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> None:
+def _check_simulated(resolved: settings.Settings) -> None:
+    """A ``--gpuclean-simulate`` directory that holds no device (a typo, ``.``) is a usage error in every
+    session, before anything runs, as ``simulate hold --dir`` refuses it: the session would otherwise find
+    no GPU and skip its checked tests, a green run that checked nothing. One listing; the layout's module
+    imports nothing of the package."""
+    from pytest_gpuclean.core.reading.simulated_layout import device_indices, no_device
+
+    assert resolved.simulate is not None
+    try:
+        found = device_indices(resolved.simulate)
+    except OSError:
+        return  # (one this user may not list: the backend says so, in the same words, when it opens it)
+    if not found:
+        raise pytest.UsageError(resolved.refused("simulate", no_device(resolved.simulate)))
+
+
+def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> Backend | None:
     """An explicit ``--gpuclean-devices`` (command line, environment or ini) is checked against the
-    devices in every session, not only in one that starts checking: a bad list stops pytest before its
-    first test, as README says. That costs this session one opening of the backend (NVML's start is slow
-    next to the rest of a session's start: docs/benchmarks.md); a session without the option opens nothing. An
-    xdist worker leaves it to its controller, which checked the list when it started."""
+    devices in every session, not only in one that starts checking, at the session's start: a bad list
+    stops pytest before the collection, as a usage error (raised later, pytest would print it after the
+    session's summary). That costs one opening of the backend (NVML's start is slow next to the rest of a
+    session's start: docs/benchmarks.md), which a session that starts checking goes on with; a session
+    without the option opens nothing here. An xdist worker leaves it to its controller, which checked the
+    list when it started. Returns the backend, open; None where there is nothing to hold the list against
+    (no driver: a checked test would be skipped or fail)."""
     if not resolved.explicit("devices") or hasattr(config, "workerinput"):
-        return
+        return None
     from pytest_gpuclean.core.reading import devices
     from pytest_gpuclean.session.opening import open_devices, select_devices
 
     try:
         backend = open_devices(resolved)
     except devices.BackendUnavailable:
-        return  # no driver: nothing to hold the list against (a checked test would be skipped)
+        return None
     try:
         select_devices(backend, resolved)
-    finally:
+    except BaseException:
         backend.close()
+        raise
+    return backend
 
 
 class _GpuCleanPlugin:
@@ -166,6 +190,15 @@ class _GpuCleanPlugin:
         self._workers_since: tuple[str | None] | None = None
         """An xdist controller: what ``WORKERS_SINCE_VAR`` was before it set it."""
         self._swept = False
+        self._opened: Backend | None = None
+        """The backend opened at the session's start to hold an explicit device list against, for the
+        session to go on with if it starts checking (closed at the collection's end otherwise)."""
+        self._interrupted = False
+        """Ctrl-C or SIGTERM ended the session: the sweep says at once what it waits for."""
+        self.notes: list[str] = []
+        """What the session's start says (an unknown ``GPUCLEAN_`` variable): in the header, and in the
+        summary and the JSON report (the session's notes)."""
+        self._notes_shown = False
         self._sigterm: SigtermAsInterrupt | None = None
         # Exported before the conftests were imported (unless this plugin was registered later, by a
         # conftest's pytest_plugins: then now).
@@ -183,7 +216,7 @@ class _GpuCleanPlugin:
         if self.session is not None:
             return
         opening = None
-        if not self.settings.simulate:
+        if not self.settings.simulate and self._opened is None:
             # NVML starts first, in a thread, while the checking code is imported (nvml.NvmlOpening); here,
             # not at the top, to keep the lazy start (as the session's import below).
             from pytest_gpuclean.core.reading.nvml import NvmlOpening
@@ -191,7 +224,10 @@ class _GpuCleanPlugin:
             opening = NvmlOpening()
         from pytest_gpuclean.session.session import CheckedSession  # psutil and the checking code
 
-        self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening)
+        backend, self._opened = self._opened, None
+        self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening, backend)
+        for line in self.notes:
+            self.session.found.note(line, once=True)
         self._install_sigterm()
         self.register_outputs()
         manager = self.config.pluginmanager
@@ -241,6 +277,11 @@ class _GpuCleanPlugin:
         finally:
             self._close_rest()
 
+    def _close_opened(self) -> None:
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            opened.close()
+
     def _say_last(self, line: str) -> None:
         # After the terminal summary, on a line of its own. An xdist worker's terminal goes nowhere: its
         # stderr reaches the controller's.
@@ -263,6 +304,7 @@ class _GpuCleanPlugin:
             outputs.add_late(late)
 
     def _close_rest(self) -> None:
+        self._close_opened()
         restore_env(COOKIE_VAR, self._cookie.previous[0])
         restore_env(OWNER_VAR, self._cookie.previous[1])
         if self._workers_since is not None:
@@ -279,6 +321,8 @@ class _GpuCleanPlugin:
         # collects nothing either, so it starts now, before it spawns the workers: as their subreaper it
         # adopts what a crashed worker leaves, and its start-up checks the options for all of them.
         self.controller = session.config.pluginmanager.hasplugin("dsession")
+        if not self.controller:
+            self._opened = _check_device_list(self.config, self.settings)
         if self.controller:
             self.start()
             # Just before xdist starts the workers (its own pytest_sessionstart is trylast): what they
@@ -293,18 +337,18 @@ class _GpuCleanPlugin:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         # The end of the collection: start if anything will be checked, or if a report was asked for (the
         # session is then watched: what its unmarked tests leave behind is reaped and reported). Not for
-        # --collect-only, nor when collection errors stop the run before any test. A session that does not
-        # start still holds an explicit device list against the devices (_check_device_list).
+        # --collect-only, nor when collection errors stop the run before any test. (An explicit device list
+        # was held against the devices at the session's start: _check_device_list.)
         if self.started or self.controller:
             return
         if session.config.option.collectonly or (
                 session.testsfailed and not session.config.option.continue_on_collection_errors):
-            _check_device_list(self.config, self.settings)
+            self._close_opened()
             return
         if self.settings.report or any(self._should_check(item) for item in session.items):
             self.start()
         else:
-            _check_device_list(self.config, self.settings)
+            self._close_opened()
             # Nothing to check: off the hooks that run for every test, in favour of one that notices a
             # test that is checked after all.
             session.config.pluginmanager.unregister(self)
@@ -314,7 +358,8 @@ class _GpuCleanPlugin:
     # was registered before the terminal reporter; called first, its lines come after rootdir: and plugins:.
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        return self.session.header_lines() if self.session is not None else []
+        self._notes_shown = True
+        return [*self.notes, *(self.session.header_lines() if self.session is not None else [])]
 
     def pytest_report_collectionfinish(self, config: pytest.Config) -> list[str]:
         # What the header says in an xdist controller, for a session that started at collection's end.
@@ -343,15 +388,20 @@ class _GpuCleanPlugin:
         self._swept = True
         worker_output = getattr(session.config, "workeroutput", None)
         if self.session is not None:
-            self.session.sweep()
+            self.session.sweep(interrupted=self._interrupted)
         if worker_output is not None:
             from pytest_gpuclean.report.records import EMPTY_PAYLOAD
 
             found = self.session.found.payload() if self.session is not None else dict(EMPTY_PAYLOAD)
             worker_output[WORKER_OUTPUT_KEY] = found
 
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        # (also pytest.exit's, which is no interrupt of anybody's)
+        self._interrupted = isinstance(excinfo.value, KeyboardInterrupt)
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.session is None:
+            self.summarise_notes(terminalreporter)
             return  # (nothing found: what a report shows of such a session comes from the outputs)
         merged = self.session.found.merged()
         if not merged.records and not merged.session_reaped and not merged.notes:
@@ -363,6 +413,17 @@ class _GpuCleanPlugin:
         for line in summary_lines(merged.records, merged.session_reaped, merged.notes,
                                   more_parts=lambda record: [
                                       part for parts in extension(record=record) for part in parts]):
+            terminalreporter.write_line(line)
+
+    def summarise_notes(self, terminalreporter: Any) -> None:
+        """A session that did not start: its notes in a summary of their own where the header did not show
+        them (``-q``, ``--no-header``); a started session's summary has them among the session's notes."""
+        if not self.notes or self._notes_shown:
+            return
+        from pytest_gpuclean.report.report import SUMMARY_TITLE
+
+        terminalreporter.write_sep("=", SUMMARY_TITLE)
+        for line in self.notes:
             terminalreporter.write_line(line)
 
     # ---- fixtures owned by a scope wider than a test ----------------------------------------------
@@ -465,6 +526,9 @@ class _IdleSession:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.plugin.sweep(session)  # (nothing to sweep: what an xdist worker sends back all the same)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        self.plugin.summarise_notes(terminalreporter)
 
 
 class _ForkedHooks:

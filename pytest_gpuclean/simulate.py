@@ -124,12 +124,11 @@ def _device_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
             _refuse(parser, f"--dir: {given!r} is not a directory of simulated devices: "
                             f"{'not a directory' if root.exists() else 'it does not exist'} ({source}); "
                             "make one with 'python -m pytest_gpuclean.simulate init DIR'")
-        devices = sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and p.is_dir())
+        devices = layout.device_indices(root)
     except OSError as exc:
         _refuse(parser, f"--dir: {given!r} cannot be read: {exc.strerror or exc} ({source})")
     if not devices:
-        _refuse(parser, f"--dir: {given!r} holds no simulated device (DIR/<index>/) ({source}); make them "
-                        "with 'python -m pytest_gpuclean.simulate init DIR'")
+        _refuse(parser, f"--dir: {layout.no_device(given)} ({source})")
     if index not in devices:
         _refuse(parser, f"--device: {args.device!r} is not a device of {given!r} (it has "
                         f"{', '.join(map(str, devices))})")

@@ -182,6 +182,15 @@ def summary_of(result: pytest.RunResult) -> list[str]:
     return section
 
 
+def marked_line(path: Path, function: str) -> int:
+    """The 1-based line pytest reports for ``function``: its first decorator's."""
+    lines = path.read_text().splitlines()
+    index = lines.index(f"def {function}():")
+    while index > 0 and lines[index - 1].startswith("@"):
+        index -= 1
+    return index + 1
+
+
 def run_inner(pytester: pytest.Pytester, *args: str, timeout: float = INNER_TIMEOUT) -> pytest.RunResult:
     """An inner pytest session with gpuclean, in a subprocess (signals, children and kills stay there)."""
     return pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider", "-rA", *args,

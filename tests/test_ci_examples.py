@@ -102,6 +102,46 @@ def test_no_example_installs_pytest_gpuclean_from_a_package_index() -> None:
     assert f"--wheel-dir {WHEEL_DIR} " in CI_DOC.read_text()
 
 
+def _strings(document: Any) -> Iterator[str]:
+    if isinstance(document, str):
+        yield document
+    elif isinstance(document, dict):
+        for value in document.values():
+            yield from _strings(value)
+    elif isinstance(document, list):
+        for value in document:
+            yield from _strings(value)
+
+
+def pytest_command(example: str) -> list[str]:
+    """The pipeline's pytest command line, as the job's shell splits it."""
+    lines = [line for text in _strings(load_yaml(EXAMPLES / example))
+             for line in text.replace("\\\n", " ").splitlines() if "-m pytest -p gpuclean" in line]
+    assert len(lines) == 1, lines
+    words = shlex.split(lines[0])
+    return words[words.index("pytest"):]
+
+
+@pytest.mark.parametrize("example", [s[0] for s in SCHEMA_OF])
+def test_each_pipeline_fails_its_gpu_tests_where_the_runner_has_no_gpu(
+        example: str, pytester: pytest.Pytester, sim: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A job that lost its GPUs (a container started without them, a broken driver) must not skip its GPU
+    # tests to a green run. Each pipeline says so itself (--gpuclean-no-gpu=fail), not only through the CI
+    # variable its service sets: its pytest's gpuclean options, run where no GPU is selected and CI is unset.
+    command = pytest_command(example)
+    assert "--gpuclean-no-gpu=fail" in command, command
+    options = [word for word in command if word.startswith("--gpuclean-")]
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the runner's GPUs: none
+    (pytester.path / "reports").mkdir()
+    pytester.copy_example("test_marked.py")
+    result = pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider", *options, timeout=120)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*gpuclean: no GPU to check: none of the 2 simulated device(s) is selected*"
+                                 "(--gpuclean-no-gpu=fail, from the command line)"])
+
+
 # ---- the hooks, run ----------------------------------------------------------------------------------
 
 @functools.cache

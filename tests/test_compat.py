@@ -522,8 +522,9 @@ def test_a_persistent_server_outlives_each_session_and_is_reused(
         result.assert_outcomes(passed=1, errors=1)
         assert wait_dead([pids[0]], timeout=5) == []
         out = result.stdout.str()
-        assert f"was leaked by fixture model_server (session-scoped) and reaped (SIGTERM) before " \
-               f"test_inner.py::test_asks_the_server; pid {pids[0]}: left by dead session" in out
+        assert f"gpuclean: pid {pids[0]}: left by dead session" in out
+        assert "spawned by fixture model_server (session-scoped): reaped (SIGTERM) before " \
+               "test_inner.py::test_asks_the_server" in out
         assert "gpuclean: fixture model_server (session-scoped, conftest.py:20) leaked 1 process(es)" in out
         # The dead session's fixture is no test of this session: not counted as an unchecked test that
         # leaked, nor a test in the report (it was, before: the name it left was taken for a test's).

@@ -114,8 +114,8 @@ HOLD_PROG = "python -m pytest_gpuclean.simulate hold"
      "--dir: '/proc/nonexistent' is not a directory of simulated devices: it does not exist (from the "
      "command line); make one with 'python -m pytest_gpuclean.simulate init DIR'"),
     (["--dir", "empty", "--mib", "1"], {},
-     "--dir: 'empty' holds no simulated device (DIR/<index>/) (from the command line); make them with "
-     "'python -m pytest_gpuclean.simulate init DIR'"),
+     "--dir: 'empty' holds no simulated device (DIR/<index>/); make them with 'python -m "
+     "pytest_gpuclean.simulate init DIR' (from the command line)"),
     (["--mib", "1"], {"GPUCLEAN_SIMULATE": "typo"},
      "--dir: 'typo' is not a directory of simulated devices: it does not exist (from environment variable "
      "GPUCLEAN_SIMULATE); make one with 'python -m pytest_gpuclean.simulate init DIR'"),

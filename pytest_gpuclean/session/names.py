@@ -33,7 +33,11 @@ FORKED_REPORT_ATTR = "gpuclean_forked"
 
 
 class GpuCleanWarning(pytest.PytestWarning):
-    """Something gpuclean noticed that is not a test failure (``-W error`` makes it one)."""
+    """A finding of the test it is issued at that does not fail it: torch memory the test kept alive in the
+    pytest process. Issued at that test's own file and line, so that a filter (``-W
+    error::pytest_gpuclean.plugin.GpuCleanWarning``) can make it that test's error. What gpuclean notices
+    about the session or about another test (an earlier test's leak reaped, the pytest process's CUDA context,
+    an unknown ``GPUCLEAN_`` variable) is no warning: a note, in the terminal and the JSON report."""
 
 
 class ExportedCookie(NamedTuple):

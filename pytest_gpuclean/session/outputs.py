@@ -351,6 +351,7 @@ class StartedSession(Protocol):
     backend: Backend | None
     devices: tuple[DeviceInfo, ...]
     unavailable: str | None
+    no_gpu: tuple[str, str]
 
 
 class CheckingSession(Protocol):
@@ -446,7 +447,9 @@ class OutputHooks:
             "devices": [jsonreport.device_json(d) for d in (started.devices if started is not None else ())],
             "settings": {"all": settings.all, "tolerance_mib": settings.tolerance_mib,
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
-                         "grace": settings.grace, "lock": settings.lock, "require_gpu": settings.require_gpu,
+                         "grace": settings.grace, "lock": settings.lock,
+                         # (marked tests error with no GPU to check: --gpuclean-no-gpu=fail, chosen or CI's)
+                         "require_gpu": started is not None and started.no_gpu[0] == "fail",
                          "probe": settings.probe,
                          "outside": settings.outside},
             "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,

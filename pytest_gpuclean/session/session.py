@@ -12,14 +12,13 @@ import os
 import subprocess
 import sys
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean.core.acting.signals import quiet_interrupts
+from pytest_gpuclean.core.acting.signals import again_words, quiet_interrupts
 from pytest_gpuclean.core.checking.checker import Checker
 from pytest_gpuclean.core.checking.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean.core.locks.gpus import GpuLocks
@@ -36,7 +35,7 @@ from pytest_gpuclean.core.ownership.evidence import SESSION_OWNER
 from pytest_gpuclean.core.reading import backends, devices, processes
 from pytest_gpuclean.model.records import MIB, DeviceInfo, HealthFinding, Owner, ProcessInfo, Reaped
 from pytest_gpuclean.report import records, report
-from pytest_gpuclean.session.names import MARKER, GpuCleanWarning
+from pytest_gpuclean.session.names import MARKER
 from pytest_gpuclean.session.opening import open_devices, select_devices
 from pytest_gpuclean.session.testcheck import ItemChecks
 
@@ -58,13 +57,18 @@ class CheckedSession:
     lock directory or Ray cluster."""
 
     def __init__(self, config: pytest.Config, resolved: settings.Settings, exported: ExportedCookie,
-                 pid: int, opening: NvmlOpening | None = None) -> None:
+                 pid: int, opening: NvmlOpening | None = None, backend: backends.Backend | None = None
+                 ) -> None:
+        """``backend``: one opened already (to hold an explicit device list against), taken over; else
+        the one the settings name is opened here (``opening``: NVML's start, begun earlier)."""
         self.config = config
         self.settings = resolved
         self.pid = pid
         """The session's own process (a forked child of it runs one test)."""
         self.found = records.of(config)
         self.unavailable: str | None = None
+        self.no_gpu = settings.no_gpu_action(resolved, os.environ)
+        """What a marked test gets while ``unavailable`` (fail or skip), and the words for why."""
         self.backend: backends.Backend | None = None
         self.devices: tuple[DeviceInfo, ...] = ()
         self.locks: GpuLocks | None = None
@@ -83,7 +87,7 @@ class CheckedSession:
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
         try:
-            self.backend = open_devices(resolved, opening)
+            self.backend = backend if backend is not None else open_devices(resolved, opening)
         except devices.BackendUnavailable as exc:
             self.unavailable = str(exc)
         try:
@@ -100,7 +104,7 @@ class CheckedSession:
             selection = select_devices(self.backend, resolved)
             self.devices = selection.devices
             if not self.devices:
-                # Like a machine without GPUs: marked tests skip (or fail with --gpuclean-require-gpu).
+                # Like a machine without GPUs: marked tests skip or fail, as --gpuclean-no-gpu (or CI) says.
                 self.unavailable = selection.none_reason(self.backend.kind)
         if resolved.lock == "on" and self.backend is not None:
             try:
@@ -156,8 +160,9 @@ class CheckedSession:
     def header_lines(self) -> list[str]:
         """What the session checks, for the header: the backend, the devices and what they hold."""
         if self.unavailable is not None:
+            action, why = self.no_gpu
             return [f"gpuclean: no GPUs checked: {self.unavailable}; tests marked {MARKER} will be "
-                    + ("errors (--gpuclean-require-gpu)" if self.settings.require_gpu else "skipped")]
+                    + ("errors" if action == "fail" else "skipped") + (f" ({why})" if why else "")]
         assert self.backend is not None
         lines = [f"gpuclean: {self.backend.kind} devices (driver {self.backend.driver_version()}), "
                  f"checking {len(self.devices)}, scope {self.settings.scope}, reap {self.settings.reap}, "
@@ -185,13 +190,16 @@ class CheckedSession:
 
     # ---- the session's end -----------------------------------------------------------------------
 
-    def sweep(self) -> None:
+    def sweep(self, interrupted: bool = False) -> None:
         """The final sweep: what the session's tests left behind; a second interrupt only makes it
-        quicker."""
+        quicker. ``interrupted``: the session was (Ctrl-C, SIGTERM), and whoever did it hears at once what
+        the sweep waits for, and how to cut it short."""
         self.tests.release_parked()  # (kept for a test that never ran: -x, or an interrupt between two tests)
         hurry = threading.Event()
         restore = quiet_interrupts(hurry)
         self.checker.hurry = hurry.is_set
+        if interrupted:
+            self.checker.before_grace = self._say_waiting
         found = self.found
         try:
             found.session_reaped = self.checker.final_sweep(self.devices)
@@ -200,6 +208,7 @@ class CheckedSession:
                 found.session_reaped += reaped
         finally:
             self.checker.hurry = None
+            self.checker.before_grace = None
             restore()
         if not self.checker.reap_enabled:
             left = self.checker.survivors()
@@ -321,17 +330,21 @@ class CheckedSession:
     def attribute_earlier(self, reaped: list[Reaped] | tuple[Reaped, ...], nodeid: str,
                           notes: tuple[str, ...] = ()) -> None:
         """Blame a leak of an earlier (e.g. unmarked) test, or of a session that died, found now in
-        ``nodeid``'s check on the test that spawned it; the finder goes on if reaping made things clean."""
+        ``nodeid``'s check on the test that spawned it; the finder goes on if reaping made things clean.
+        Said in that test's record (the summary's line, the report's ``found_later``), not as a warning:
+        one issued in ``nodeid``'s phase would be filed under ``nodeid``, and ``-W error`` would make it
+        ``nodeid``'s error."""
         for r in reaped:
             self.found.found_later(r)
             origin = next((n for n in notes if n.startswith(f"pid {r.process.pid}: left by ")), None)
             if origin is not None:
-                self.found.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended})")
-            warnings.warn(GpuCleanWarning(
-                f"gpuclean: pid {r.process.pid} ({report.one_line(r.process.cmdline, 80)}) was leaked by "
-                f"{r.owner} and reaped ({r.how_ended}) before {nodeid}"
-                + (f"; {origin}" if origin else "")),
-                stacklevel=1)
+                self.found.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended}) before "
+                                f"{nodeid}")
+
+    def _say_waiting(self, pids: list[int], grace: float) -> None:
+        self.say(f"gpuclean: interrupted: ending {len(pids)} process(es) the session left "
+                 f"({', '.join(f'pid {p}' for p in pids)}): SIGTERM now, SIGKILL after at most {grace:g}s; "
+                 f"interrupt again ({again_words()}) to SIGKILL them now")
 
     def say(self, line: str) -> None:
         """Show ``line`` now, while the session waits (a lock can take minutes), not only in the final
@@ -342,6 +355,9 @@ class CheckedSession:
         capture = self.config.pluginmanager.get_plugin("capturemanager")
         with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
             reporter.write_line(line)
+            flush = getattr(reporter, "flush", None)  # (a file or a pipe, a CI log: now, not at the end)
+            if flush is not None:
+                flush()
 
 
 def _xprocess_registry(config: pytest.Config) -> Registry | None:

@@ -141,6 +141,9 @@ class Started(Protocol):
     def unavailable(self) -> str | None: ...
 
     @property
+    def no_gpu(self) -> tuple[str, str]: ...
+
+    @property
     def devices(self) -> tuple[DeviceInfo, ...]: ...
 
     @property

@@ -118,7 +118,7 @@ class ItemChecks:
         record.before_s = result.waited_s
         if session.checker.notices:
             session.take_notices()
-        self._note_own_context(result)
+        self._note_own_context(result, state.nodeid)
         if result.reaped:
             session.attribute_earlier(result.reaped, state.nodeid, result.notes)
         if result.siblings:
@@ -170,9 +170,10 @@ class ItemChecks:
             raise pytest.fail.Exception(message, pytrace=False) from None
         wants_gpu = marker is not None or FIXTURE in getattr(item, "fixturenames", ())
         if session.unavailable is not None and wants_gpu:
-            message = f"gpuclean: no GPU to check: {session.unavailable}"
-            if session.settings.require_gpu:
-                pytest.fail(message + " (--gpuclean-require-gpu)", pytrace=False)
+            action, why = session.no_gpu
+            message = f"gpuclean: no GPU to check: {session.unavailable}" + (f" ({why})" if why else "")
+            if action == "fail":
+                pytest.fail(message, pytrace=False)
             raise _skip(message)
         if applied.count is not None and applied.count > len(session.devices):
             raise _skip(f"gpuclean: test needs {applied.count} GPU(s), found {len(session.devices)}")
@@ -268,11 +269,12 @@ class ItemChecks:
         failures: list[str] = [] if hook is None else hook.pytest_gpuclean_check_after(
             session=session, state=state, record=record)
         local_failure = self._after_local(item, state, record)
+        growth_failure = self._note_torch_growth(item, state, record)
         health_failure = self._health_after(item, state, record)
         if hook is not None:
             failures += hook.pytest_gpuclean_checked(session=session, state=state, record=record,
                                                      phase="teardown")
-        return "\n\n".join(f for f in (*failures, local_failure, health_failure) if f) or None
+        return "\n\n".join(f for f in (*failures, local_failure, growth_failure, health_failure) if f) or None
 
     def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
         session = self.session
@@ -281,6 +283,7 @@ class ItemChecks:
                                        where=state.nodeid)
         if result.device_lost:
             self._note_lost(record, result, "teardown")
+        self._note_own_context(result, state.nodeid)
         if result.reaped:
             own_tokens = {state.token, *state.fixture_tokens}
             # A dead session's debris is that session's leak, never this test's.
@@ -302,7 +305,6 @@ class ItemChecks:
             session.take_notices()
         if result.siblings:
             self._record_siblings(state, result)
-        self._note_torch_growth(item, state, record)
         headings: list[str] = []
         if result.error is not None:
             self._stop_if_lost(item, result)
@@ -321,10 +323,11 @@ class ItemChecks:
         if not result.clean:
             if self._outside_action(item, record, result) == "skip":
                 # The test has run: it cannot be skipped, and what another job put on its GPUs is no
-                # failure of its. Said, not failed; the next test's setup check skips.
-                warnings.warn(GpuCleanWarning(
-                    f"{item.nodeid}: {report.outside_line('teardown', result, state.timeout)}; the test "
-                    f"has run: not failed ({self._outside_source()})"), stacklevel=1)
+                # failure of its. Said in the session's notes (no warning: -W error would fail it after
+                # all); the next test's setup check skips.
+                line = report.outside_line("teardown", result, state.timeout).removeprefix("gpuclean: ")
+                session.found.note(f"gpuclean: {item.nodeid}: {line}; the test has run: not failed "
+                                   f"({self._outside_source()})")
                 return None
             return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
         return None
@@ -480,29 +483,47 @@ class ItemChecks:
 
     # ---- what the pytest process itself holds -----------------------------------------------------
 
-    def _note_own_context(self, result: CheckResult) -> None:
+    def _note_own_context(self, result: CheckResult, nodeid: str) -> None:
+        # Once, at the first check that sees it (the one after the test that made it, or before the first
+        # test if the session's set-up did), in the session's notes: about the session, not about the test
+        # whose phase it is (a warning would be filed under that test, and -W error would make it its error).
         if result.self_mib and not self._warned_own_context:
             self._warned_own_context = True
-            self._note_own(f"holds a CUDA context ({report.mib_list(result.self_mib)})")
+            self._note_own(f"holds a CUDA context ({report.mib_list(result.self_mib)})", result.phase, nodeid)
         if result.self_cuda_only and not self._warned_own_cuda:
             self._warned_own_cuda = True
             self._note_own(f"initialised CUDA without a context ({', '.join(result.self_cuda_only)}: a few "
-                           "MiB the driver charges to no process)")
+                           "MiB the driver charges to no process)", result.phase, nodeid)
 
-    def _note_own(self, what: str) -> None:
-        message = f"gpuclean: this pytest process (pid {os.getpid()}) {what}; it is not counted as a leak"
-        self.session.found.note(message)
-        warnings.warn(GpuCleanWarning(message), stacklevel=1)
+    def _note_own(self, what: str, phase: Phase, nodeid: str) -> None:
+        when = f"after {nodeid}" if phase == "teardown" else f"before {nodeid}"
+        self.session.found.note(f"gpuclean: this pytest process (pid {os.getpid()}) {what}, first seen "
+                                f"{when}; it is not counted as a leak")
 
-    def _note_torch_growth(self, item: pytest.Item, state: ItemState, record: TestRecord) -> None:
+    def _note_torch_growth(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+        """The test's torch growth in the pytest process, recorded, and a ``GpuCleanWarning`` at the test's
+        own line; the teardown's failure if the warning filters make that warning an error."""
         grown, floor = self._torch_growth.after(state.nodeid, state.tolerance_mib, state.torch_before)
         if not grown:
-            return
+            return None
         record.in_process_mib = grown
         growth = ", ".join(f"{d} +{m:.1f} MiB" for d, m in grown)
-        warnings.warn(GpuCleanWarning(
-            f"{item.nodeid}: torch.cuda.memory_allocated grew during the test in the pytest process "
-            f"({growth}, more than {floor} MiB): tensors kept alive after the test"), stacklevel=1)
+        return _warn_at(item, f"{item.nodeid}: torch.cuda.memory_allocated grew during the test in the "
+                              f"pytest process ({growth}, more than {floor} MiB): tensors kept alive after "
+                              "the test")
+
+
+def _warn_at(item: pytest.Item, message: str) -> str | None:
+    """``message`` as a ``GpuCleanWarning`` of ``item``'s, at its own file and line (where pytest reports
+    its skips), not at this line of the plugin. Where the warning filters make it an error (``-W error``),
+    the error's line, for the test's teardown to fail with: no traceback into the plugin."""
+    path, line, _ = item.location
+    try:
+        warnings.warn_explicit(GpuCleanWarning(message), GpuCleanWarning, str(item.config.rootpath / path),
+                               (line or 0) + 1)
+    except GpuCleanWarning:
+        return f"gpuclean: {message} (a GpuCleanWarning: the warning filters make it an error)"
+    return None
 
 
 def _skip(reason: str) -> BaseException:

@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "SigtermAsInterrupt",
+    "again_words",
     "quiet_interrupts",
 ]
 
@@ -62,6 +63,9 @@ class SigtermAsInterrupt:
             signal.signal(signal.SIGTERM, self._previous)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # The KeyboardInterrupt is the test's (or whatever ran): pytest reports it at the last frame that
+        # does not hide itself, the code that was interrupted, not this line.
+        __tracebackhide__ = True
         if os.getpid() != self._pid:
             # A forked child that got SIGTERM before its at-fork hook ran: die of it, as without the plugin.
             _as_before(signum, self._previous)
@@ -100,6 +104,14 @@ def quiet_interrupts(hurry: threading.Event) -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
+
+
+def again_words() -> str:
+    """Which interrupt hurries the sweep now (``quiet_interrupts``): a SIGINT the process was started
+    ignoring (a background job) is not one, and a Ctrl-C does nothing there."""
+    words = [word for sig, word in ((signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM"))
+             if signal.getsignal(sig) is not signal.SIG_IGN]
+    return " or ".join(words) or "an interrupt"
 
 
 def _as_before(signum: int, handler: Any) -> None:

@@ -86,6 +86,9 @@ class Checker:
         """The lost GPU that ended the last check (``check(device_errors=True)``), for the health watch."""
         self.hurry: Callable[[], bool] | None = None
         """Set while an interrupt asks the reaping to be quick: the grace ends at once."""
+        self.before_grace: Callable[[list[int], float], None] | None = None
+        """Told the pids about to get SIGTERM and the grace they get before SIGKILL, first (the sweep after
+        an interrupt says at once what it waits for)."""
         self._debris_checked = False
         self.left_alone: dict[tuple[int, int], str] = {}
         """Processes of ours the gate refused (``gate``), by identity: why, for the verdict."""
@@ -440,6 +443,8 @@ class Checker:
         for f in safe:
             if f.debris_of is not None:
                 notes.append(f"pid {f.pid}: left by {f.debris_of.describe()}")
+        if self.before_grace is not None and safe and not kill_first and self.grace > 0:
+            self.before_grace(sorted(f.pid for f in safe), self.grace)
         if any(f.depth == 1 for f in safe):
             notes.extend(pools.shutdown_pools({f.pid for f in safe}, wait=self.grace))
         holders = {p.pid for s in snaps for p in s.processes} & {f.pid for f in safe}

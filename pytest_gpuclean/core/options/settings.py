@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_TOLERANCE_MIB",
     "INTERNAL_VARIABLES",
+    "NO_GPU_ACTIONS",
     "ON_OFF",
     "OPTIONS",
     "OUTSIDE_ACTIONS",
@@ -41,6 +42,7 @@ __all__ = [
     "add_options",
     "check_environment",
     "for_marker",
+    "no_gpu_action",
     "option",
     "parse_seconds",
     "resolve",
@@ -54,6 +56,8 @@ __all__ = [
 SCOPES: tuple[Scope, ...] = ("session", "host")
 ON_OFF: tuple[OnOff, ...] = ("on", "off")
 OUTSIDE_ACTIONS: tuple[OutsideAction, ...] = ("fail", "skip", "stop")
+NO_GPU_ACTIONS = ("fail", "skip")
+"""What a marked test gets when there is no GPU to check (``--gpuclean-no-gpu``)."""
 _MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
 _PROBE_MODES = ("off", "start", "after-incident", "each")
 """The ``--gpuclean-probe`` modes, as ``health.HealthWatch`` reads them."""
@@ -227,8 +231,9 @@ OPTIONS: tuple[Option, ...] = (
            "that is not pytest or an ancestor (default session)", _choice(SCOPES), "SCOPE"),
     Option("simulate", "use simulated devices in DIR instead of NVML (DIR/<index>/<pid> holds bytes)",
            _existing_dir, "DIR", path=True),
-    Option("require_gpu", "make marked tests error instead of skip when no GPU/NVML is available",
-           _boolean, flag=True),
+    Option("no_gpu", "what a test marked needs_clean_gpus gets when there is no GPU to check (no driver, "
+           "none of the devices selected): fail (an error) or skip (default: fail where the CI variable is "
+           "set, as CI services set it, else skip)", _choice(NO_GPU_ACTIONS), "ACTION"),
     Option("ignore", "glob patterns of command lines that are never stray (host scope, GPU processes); "
            "comma-separated, repeatable", _patterns, "GLOBS", listed=True),
     Option("helpers", "glob patterns of command lines of the pytest process's children that serve it for "
@@ -308,7 +313,8 @@ class Settings:
     devices: str | None = None
     scope: Scope = "session"
     simulate: str | None = None
-    require_gpu: bool = False
+    no_gpu: str | None = None
+    """None: not chosen (``no_gpu_action`` says what applies)."""
     ignore: tuple[str, ...] = ()
     helpers: tuple[str, ...] = ()
     persistent: tuple[str, ...] = ()
@@ -366,6 +372,24 @@ class Settings:
 SETTINGS_FIELDS: tuple[str, ...] = (*(name for name in Settings.__annotations__ if name != "sources"),
                                     "lock_dir")
 """The fields of ``Settings``: one per option."""
+
+
+_NOT_CI = ("", "0", "false", "no", "off")
+
+
+def no_gpu_action(settings: Settings, env: Mapping[str, str]) -> tuple[str, str]:
+    """What a marked test gets when there is no GPU to check, ``fail`` or ``skip``, and the words for why
+    ('' for the default outside CI, which needs none). Unless ``--gpuclean-no-gpu`` chose, ``fail`` where
+    ``CI`` is set in ``env`` (GitHub Actions, GitLab CI, Buildkite set ``CI=true``): a GPU runner whose job
+    lost its GPUs (a container started without them, a broken driver) must not skip every GPU test to a
+    green run."""
+    flag = option("no_gpu").cli
+    if settings.no_gpu is not None:
+        return settings.no_gpu, f"{flag}={settings.no_gpu}, {settings.sources['no_gpu']}"
+    ci = env.get("CI")
+    if ci is not None and ci.strip().lower() not in _NOT_CI:
+        return "fail", f"{flag}=fail: the default where CI is set (CI={ci!r}); {flag}=skip to skip instead"
+    return "skip", ""
 
 
 def _describe_source(kind: str, option: Option, inifile: str | None) -> str:
@@ -441,6 +465,8 @@ checks them against the package's constants): importing ``locks`` or ``outside``
 pytest run of the environment, and a session inherits them from an outer one (a CI job's cookie, the test
 of an outer session)."""
 _VARIABLE_PREFIX = "GPUCLEAN_"
+_REPLACED = {"GPUCLEAN_REQUIRE_GPU": "GPUCLEAN_NO_GPU=fail"}
+"""Variables of options that another one replaced, and what says the same now."""
 
 
 def unknown_variables(env: Mapping[str, str]) -> list[str]:
@@ -457,8 +483,9 @@ def unknown_variables(env: Mapping[str, str]) -> list[str]:
     suffixes = {name[len(_VARIABLE_PREFIX):]: name for name in sorted(options)}
     lines = []
     for name in unknown:
-        close = difflib.get_close_matches(name[len(_VARIABLE_PREFIX):], list(suffixes), n=1)
-        hint = f" (did you mean {suffixes[close[0]]}?)" if close else ""
+        close = [_REPLACED[name]] if name in _REPLACED else [
+            suffixes[m] for m in difflib.get_close_matches(name[len(_VARIABLE_PREFIX):], list(suffixes), n=1)]
+        hint = f" (did you mean {close[0]}?)" if close else ""
         lines.append(f"environment variable {name} is not gpuclean's: ignored{hint}")
     return lines
 

@@ -101,10 +101,12 @@ class SimulatedBackend:
     def _enumerate(self) -> tuple[DeviceInfo, ...]:
         found: list[DeviceInfo] = []
         try:
-            indices = sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+            indices = layout.device_indices(self.root)
         except OSError as exc:  # listed only by its owner (mode 700, another user's home)
             raise SimulationError(f"simulated device directory {str(self.root)!r} cannot be read: "
                                   f"{exc.strerror or exc}") from None
+        if not indices:
+            raise SimulationError(layout.no_device(str(self.root)))
         self._folders: dict[int, str] = {}
         for index in indices:
             folder = self.root / str(index)

@@ -1,7 +1,8 @@
 """The simulated devices' directory: the one home of its layout, which ``pytest_gpuclean.simulate`` writes
-and ``simulated.py`` (and the CUDA probe, ``probe.py``) read. Names and defaults only, importing nothing: a
-holder (``python -m pytest_gpuclean.simulate hold``) starts in every leak test, and loads no more of the
-plugin than this.
+and ``simulated.py`` (and the CUDA probe, ``probe.py``) read. Names, defaults and which folders are devices
+(``device_indices``), importing nothing of the package: a holder (``python -m pytest_gpuclean.simulate
+hold``) starts in every leak test, and loads no more of the plugin than this; the plugin checks a
+``--gpuclean-simulate`` directory with it at start-up, in every session that names one.
 
 ``DIR/<index>/`` is a device. In its folder ``<pid>`` holds the bytes that process has allocated (a whole
 number), ``CUDA/<pid>`` marks a process that has initialised CUDA there without a context, and the other
@@ -9,6 +10,8 @@ files below are optional. ``DIR/XID`` holds the Xid events of all devices.
 """
 
 from __future__ import annotations
+
+import os
 
 __all__ = [
     "CLOCKS_EVENT_REASONS",
@@ -30,8 +33,24 @@ __all__ = [
     "UUID",
     "XID",
     "XID_LINE",
+    "device_indices",
+    "no_device",
     "xid_line",
 ]
+
+
+def device_indices(root: str | os.PathLike[str]) -> list[int]:
+    """The devices ``root`` holds: its folders named by an index, in order. Raises ``OSError`` if ``root``
+    cannot be listed."""
+    with os.scandir(root) as entries:
+        return sorted(int(e.name) for e in entries if e.name.isdigit() and e.is_dir())
+
+
+def no_device(root: str) -> str:
+    """Why ``root`` is refused when it holds no device (``device_indices`` is empty): a directory that is not
+    one of simulated devices (a typo, ``.``), which must not read as a machine without GPUs."""
+    return (f"{root!r} holds no simulated device (DIR/<index>/); make them with 'python -m "
+            "pytest_gpuclean.simulate init DIR'")
 
 
 DEFAULT_TOTAL = 80 * 1024**3
