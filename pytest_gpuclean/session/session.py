@@ -93,6 +93,8 @@ class CheckedSession:
                 self.backend.close()
             raise
         self.tests = ItemChecks(self)
+        # A process whose handle a live fixture's value holds is that fixture's (the census asks, on a leak).
+        self.checker.procs.managed.fixture_values = self.tests.live_fixture_values
 
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings

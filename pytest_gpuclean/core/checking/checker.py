@@ -437,6 +437,8 @@ class Checker:
                 # Exited, holding nothing: collected (if ours to wait for), not reported as a leftover.
                 processes.reap_if_child(f.pid)
         found = decide.of_the_sweep(census, (PREEXISTING,) if include_session else (PREEXISTING, SESSION))
+        # (what may descend from a process that is still protected is not provably the session's: never swept)
+        found = [f for f in found if not self.is_protected(f)]
         if not found or not self.reap_enabled:
             return []
         return self._reap_unread(found, devices)
@@ -485,7 +487,8 @@ class Checker:
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
         infos = (processes.describe(f.pid, f.start_ticks)
-                 for f in decide.of_the_sweep(self.census(scan_cookies=True), (PREEXISTING, SESSION)))
+                 for f in decide.of_the_sweep(self.census(scan_cookies=True), (PREEXISTING, SESSION))
+                 if not self.is_protected(f))
         return [info for info in infos if info is not None]
 
     def no_part_of_the_session(self) -> list[ProcessInfo]:
