@@ -10,13 +10,18 @@ children carry no cookie was alive is left alone: either may have started it.
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from helpers import alive, kill_all, read_pids, reap_orphans, summary_of, wait_dead
 from test_compat import compat_run, needs
+
+from pytest_gpuclean.core.ownership.handles import holders
 
 
 def _lines(path: Path) -> list[list[int]]:
@@ -83,11 +88,11 @@ def test_what_a_test_drops_is_its_own(example: Callable[..., Path], pytester: py
     monkeypatch.setenv("DROPPED_PIDS", str(dropped))
     pidfile = example("managed/unmanaged")
     result = compat_run(pytester)
-    result.assert_outcomes(passed=4, errors=2)
+    result.assert_outcomes(passed=5, errors=2)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_drops_a_running_popen*",
                                  "*ERROR at teardown of test_drops_a_started_process*"])
     assert "ERROR at teardown of test_drops_an_executor " not in result.stdout.str()
-    assert wait_dead(read_pids(pidfile, 4), timeout=10) == []
+    assert wait_dead(read_pids(pidfile, 5), timeout=10) == []
     out = result.stdout.str()
     assert not any(f"pid {pid} ended by" in out for pid in [int(x) for x in dropped.read_text().split()])
 
@@ -198,3 +203,83 @@ def test_an_older_processs_daemon_born_during_a_test_is_left_alone(
         kill_all(left)
         wait_dead(left)
         reap_orphans(left)
+
+
+# ---- the walk itself (core/ownership/handles.py) ----------------------------------------------------------
+
+class _Trap:
+    """An object whose every hook that the walk could run records the call."""
+
+    calls: ClassVar[list[str]] = []
+
+    def __getattribute__(self, name: str) -> object:
+        if name not in ("__dict__",):
+            _Trap.calls.append(f"getattribute {name}")
+        return object.__getattribute__(self, name)
+
+    def __getattr__(self, name: str) -> object:
+        _Trap.calls.append(f"getattr {name}")
+        raise AttributeError(name)
+
+    @property
+    def __class__(self) -> type:  # type: ignore[override]
+        _Trap.calls.append("__class__")
+        return _Trap
+
+    def __eq__(self, other: object) -> bool:
+        _Trap.calls.append("__eq__")
+        return False
+
+    __hash__ = object.__hash__
+
+
+def test_the_walk_runs_no_user_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A guest runs no user code: a handle that a booby-trapped object holds is found without one call.
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        trap = _Trap()
+        object.__setattr__(trap, "pid", proc.pid)
+        object.__setattr__(trap, "other", _Trap())
+        module = types.ModuleType("trapped_library")
+        module.keeper = [trap]  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "trapped_library", module)
+        _Trap.calls.clear()
+        assert holders([proc.pid]) == {proc.pid: ("module", "trapped_library.keeper", f"{__name__}._Trap")}
+        assert _Trap.calls == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_walk_tells_keepers_from_bookkeeping(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Module global, class attribute, a fixture value's closure, a waited-for handle (its pid may be another
+    # process's now), and a Popen dropped while it runs (held by subprocess._active alone).
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(4)]
+    waited = subprocess.Popen(["true"])
+    waited.wait()
+    try:
+        class Service:
+            instance = procs[1]
+
+        Service.__module__ = "keeping_library"
+        module = types.ModuleType("keeping_library")
+        module.pools = {"default": [procs[0]]}  # type: ignore[attr-defined]
+        module.Service = Service  # type: ignore[attr-defined]
+        module.done = waited  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "keeping_library", module)
+        started = [procs[2]]
+
+        def factory() -> subprocess.Popen[bytes]:
+            return started[0]
+
+        dropped = procs[3].pid
+        monkeypatch.setattr(subprocess, "_active", [procs[3]])
+        found = holders([p.pid for p in procs] + [waited.pid], [("f7", factory)])
+        assert found == {procs[0].pid: ("module", "keeping_library.pools", "subprocess.Popen"),
+                         procs[1].pid: ("module", "keeping_library.Service", "subprocess.Popen"),
+                         procs[2].pid: ("fixture", "f7", "subprocess.Popen"),
+                         dropped: ("bookkeeping", "subprocess._active", "subprocess.Popen")}
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -445,8 +445,10 @@ class Census:
         # A direct child that would be judged now is first asked about once: who in the pytest process still
         # holds its handle (off the clean path: the clean path finds no process at all).
         asked = self.managed.asked
+        # (not the session set-up's: what it leaves is reaped at the very end, after pytest_unconfigure)
         undecided = [f for f in found if f.depth == 1 and f.key not in asked and f.debris_of is None
-                     and f.token is not None and f.live and not self.ownership.is_protected(f.token)]
+                     and f.token is not None and f.token != SESSION and f.live
+                     and not self.ownership.is_protected(f.token)]
         if undecided:
             owners = self.managed.ask(undecided, found)
             if owners is not None:

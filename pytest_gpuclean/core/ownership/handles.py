@@ -34,10 +34,12 @@ process (pid and start time), and stops as soon as each process asked about is f
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import types
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
+from fnmatch import fnmatch
 from typing import Any, Literal, cast
 
 __all__ = [
@@ -203,10 +205,13 @@ class _Walk:
                 queue.append((ref, name, obj))
 
 
-def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = ()) -> dict[int, Holder]:
+def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),
+            suite_files: Sequence[str] = ()) -> dict[int, Holder]:
     """For each of ``pids`` (processes the pytest process started) whose handle a live object holds: what
     holds it (see the module's doc). ``fixtures``: (token, value) of each fixture wider than a test that is
-    still set up. A pid none holds is left out."""
+    still set up. ``suite_files``: file name patterns of the suite's own modules (its test modules and
+    conftests), whose globals keep nothing for the pytest process: what a test leaves there is its own. A pid
+    none holds is left out."""
     if not pids:
         return {}
     walk = _Walk(pids)
@@ -217,6 +222,9 @@ def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = ()) 
         if not issubclass(type(module), types.ModuleType) or _skipped(module_name):
             continue
         namespace = _module_dict(module)
+        file = namespace.get("__file__")
+        if suite_files and type(file) is str and any(fnmatch(os.path.basename(file), p) for p in suite_files):
+            continue
         walk.seen.add(id(namespace))
         roots.extend((value, f"{module_name}.{key}") for key, value in list(namespace.items())
                      if not (type(key) is str and key.startswith("__") and key.endswith("__")))

@@ -21,6 +21,7 @@ once per process (pid and start time), off the clean path:
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -66,6 +67,9 @@ class Managed:
         """The census's notes (one line per decision, once)."""
         self.fixture_values: FixtureValues | None = None
         """Where the live fixtures' values are read (set by the session layer)."""
+        self.suite_files: tuple[str, ...] = ()
+        """File name patterns of the suite's own modules (pytest's ``python_files`` and ``conftest.py``; set
+        by the session layer): their globals keep nothing for the pytest process."""
         self.asked: set[_Key] = set()
         """Direct children asked about: once per process."""
         self.kept: dict[_Key, str] = {}
@@ -86,9 +90,9 @@ class Managed:
         the whole census), each asked once: the new token of each whose owner changed (a live fixture's,
         an ambiguous one's); None if nothing changed. A helper is added to ``kept``."""
         values = self.fixture_values() if self.fixture_values is not None else ()
-        held = holders([f.pid for f in undecided], values)
+        held = holders([f.pid for f in undecided], values, self.suite_files)
         owners: dict[_Key, str] = {}
-        changed = False
+        changed = unmanaged = False
         for f in undecided:
             self.asked.add(f.key)
             holder = held.get(f.pid)
@@ -105,6 +109,15 @@ class Managed:
                 token = self._ambiguous(f, found)
                 if token is not None:
                     owners[f.key] = token
+                else:
+                    unmanaged = True
+            else:
+                unmanaged = True
+        if unmanaged:
+            # What nothing holds may be garbage in a reference cycle that the collector has not reached yet (a
+            # dropped multiprocessing Manager, an executor in a cycle): collected now, its library's finalizer
+            # ends the process as it would at the next collection, and the settle time sees it exit by itself.
+            gc.collect()
         return owners if owners or changed else None
 
     def _ambiguous(self, orphan: CensusEntry, found: Sequence[CensusEntry]) -> str | None:

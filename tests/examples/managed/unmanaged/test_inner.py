@@ -45,5 +45,17 @@ def test_drops_an_executor():
 
 
 @pytest.mark.needs_clean_gpus
+def test_drops_a_manager_in_a_cycle():
+    # Unshut, kept alive only by a reference cycle until the next garbage collection: the collection gpuclean
+    # runs before it judges ends it through multiprocessing's own finalizer.
+    manager = multiprocessing.get_context("fork").Manager()
+    note([manager._process.pid])
+    with open(os.environ["DROPPED_PIDS"], "a") as f:
+        f.write(f" {manager._process.pid}")
+    cycle = [manager]
+    cycle.append(cycle)
+
+
+@pytest.mark.needs_clean_gpus
 def test_after():
     pass
