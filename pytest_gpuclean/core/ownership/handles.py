@@ -150,6 +150,10 @@ def _handle_of(container: object, parent: object, pid: int) -> str | None:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+_SKIP, _ATOM, _INT, _PLAIN, _CLASS, _FUNCTION = range(6)
+"""How the walk treats an object, by its type (``_Walk.kind_of``)."""
+
+
 class _Walk:
     """The walks of one question (``holders``): what was seen is not walked again by a later kind of root."""
 
@@ -157,35 +161,48 @@ class _Walk:
         self.wanted = set(wanted)
         self.found: dict[int, Holder] = {}
         self.seen: set[int] = set()
-        self.skipped_types: dict[type, bool] = {}
+        self.kinds: dict[type, int] = {int: _INT}
 
-    def _skip_type(self, kind: type) -> bool:
-        skip = self.skipped_types.get(kind)
-        if skip is None:
+    def kind_of(self, kind: type) -> int:
+        """How objects of type ``kind`` are walked (one lookup per object once known; never ``isinstance``,
+        which may ask an object for its ``__class__``)."""
+        known = self.kinds.get(kind)
+        if known is None:
             module = _TYPE_DICT.__get__(kind, type).get("__module__")
-            skip = self.skipped_types[kind] = isinstance(module, str) and _skipped(module)
-        return skip
+            if issubclass(kind, _ATOMS):
+                known = _ATOM
+            elif issubclass(kind, _NOT_WALKED) or (isinstance(module, str) and _skipped(module)):
+                known = _SKIP
+            elif issubclass(kind, type):
+                known = _CLASS
+            elif kind is types.FunctionType:
+                known = _FUNCTION
+            else:
+                known = _PLAIN  # (an int subclass too: walked, never taken for a pid)
+            self.kinds[kind] = known
+        return known
 
     def walk(self, roots: Iterable[tuple[object, str]], kind: HolderKind) -> None:
         """Walk from each root (with the name it is found by) until every wanted pid is found."""
-        queue: deque[tuple[object, str, object]] = deque((obj, name, None) for obj, name in roots)
-        seen, wanted, skip_type = self.seen, self.wanted, self._skip_type
+        queue: deque[tuple[object, str, object]] = deque()
+        seen, wanted, kinds, kind_of = self.seen, self.wanted, self.kinds, self.kind_of
+        for obj, name in roots:
+            if kinds.get(type(obj)) or kind_of(type(obj)) > _INT:
+                queue.append((obj, name, None))
         while queue and wanted:
             obj, name, parent = queue.popleft()
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
-            kind_of = type(obj)  # (never isinstance: it may ask the object for __class__)
-            if issubclass(kind_of, _NOT_WALKED) or skip_type(kind_of):
-                continue
+            how = kinds[type(obj)]
             referents: Iterable[object]
-            if issubclass(kind_of, type):
+            if how == _CLASS:
                 klass = cast(type, obj)
-                if not klass.__flags__ & _HEAP_TYPE or skip_type(klass):
-                    continue
+                if not klass.__flags__ & _HEAP_TYPE or self.kind_of(klass) == _SKIP:
+                    continue  # (a class of pytest's, say: its own module is skipped)
                 # A class's own attributes (a singleton kept as a class attribute), not its bases or MRO.
                 referents = list(_TYPE_DICT.__get__(klass, type).values())
-            elif kind_of is types.FunctionType:
+            elif how == _FUNCTION:
                 # A closure, defaults and attributes; never the globals (a module's, walked as roots).
                 function = cast(types.FunctionType, obj)
                 namespaces = (function.__globals__, getattr(function, "__builtins__", None))
@@ -193,16 +210,15 @@ class _Walk:
             else:
                 referents = gc.get_referents(obj)
             for ref in referents:
-                if type(ref) is int:
+                how = kinds.get(type(ref)) or kind_of(type(ref))
+                if how == _INT:
                     if ref in wanted:
-                        handle = _handle_of(obj, parent, ref)
+                        handle = _handle_of(obj, parent, cast(int, ref))
                         if handle is not None:
-                            wanted.discard(ref)
-                            self.found[ref] = (kind, name, handle)
-                    continue
-                if ref is None or issubclass(type(ref), _ATOMS) or id(ref) in seen:
-                    continue
-                queue.append((ref, name, obj))
+                            wanted.discard(cast(int, ref))
+                            self.found[cast(int, ref)] = (kind, name, handle)
+                elif how > _INT and id(ref) not in seen:
+                    queue.append((ref, name, obj))
 
 
 def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),

@@ -2,16 +2,9 @@ import os
 import time
 
 import pytest
+from prelude import alive
 
 OLDER_PIDS, GO = os.environ["OLDER_PIDS"], os.environ["OLDER_GO"]
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.needs_clean_gpus

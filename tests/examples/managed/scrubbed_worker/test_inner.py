@@ -1,14 +1,7 @@
 import os
 
 import pytest
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from prelude import alive
 
 
 @pytest.mark.needs_clean_gpus
