@@ -150,8 +150,8 @@ def _handle_of(container: object, parent: object, pid: int) -> str | None:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-_SKIP, _ATOM, _INT, _PLAIN, _CLASS, _FUNCTION = range(6)
-"""How the walk treats an object, by its type (``_Walk.kind_of``)."""
+_SKIP, _ATOM, _INT, _PLAIN, _CLASS, _FUNCTION = range(1, 7)
+"""How the walk treats an object, by its type (``_Walk.kind_of``; never 0: a known type is one lookup)."""
 
 
 class _Walk:
