@@ -205,8 +205,8 @@ class _Walk:
             elif how == _FUNCTION:
                 # A closure, defaults and attributes; never the globals (a module's, walked as roots).
                 function = cast(types.FunctionType, obj)
-                namespaces = (function.__globals__, getattr(function, "__builtins__", None))
-                referents = [r for r in gc.get_referents(obj) if not any(r is n for n in namespaces)]
+                globals_, builtins_ = function.__globals__, getattr(function, "__builtins__", None)
+                referents = [r for r in gc.get_referents(obj) if r is not globals_ and r is not builtins_]
             else:
                 referents = gc.get_referents(obj)
             for ref in referents:
