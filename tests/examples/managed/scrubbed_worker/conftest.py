@@ -11,7 +11,7 @@ FOLDER = os.environ["SERVER_DIR"]
 
 
 def request(n):
-    """Ask the server for worker ``n``; its pid once it runs."""
+    """Ask the server for worker ``n``; its pid once it holds its GPU memory."""
     open(os.path.join(FOLDER, f"request-{n}"), "w").close()
     path = os.path.join(FOLDER, f"worker-{n}.pid")
     deadline = time.monotonic() + 30
@@ -21,13 +21,17 @@ def request(n):
     pid = int(open(path).read())
     with open(PIDFILE, "a") as f:
         f.write(f"{pid}\n")
+    while not os.path.exists(os.path.join(os.environ["GPUCLEAN_SIMULATE"], "0", str(pid))):
+        assert time.monotonic() < deadline, "the worker holds no GPU memory"
+        time.sleep(0.01)
     return pid
 
 
 @pytest.fixture(scope="session")
 def server():
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_server.py")
-    proc = subprocess.Popen([sys.executable, script, FOLDER], env={"PATH": os.environ["PATH"]})
+    proc = subprocess.Popen([sys.executable, script, FOLDER, os.environ["GPUCLEAN_SIMULATE"]],
+                            env={"PATH": os.environ["PATH"]})
     with open(PIDFILE, "a") as f:
         f.write(f"{proc.pid}\n")
     yield request
