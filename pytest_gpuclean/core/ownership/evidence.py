@@ -285,7 +285,7 @@ class Ownership:
     def is_protected(self, token: str | None) -> bool:
         """Not to be touched now: owned by an active fixture or the session set-up, of unknown birth, no part
         of the session (never), or ambiguous while any process that may have started it is protected."""
-        if token is not None and token[0] == "a" and token in self.ambiguous:
+        if token is not None and token.startswith("a") and token in self.ambiguous:
             return any(self.is_protected(t) for t in self.ambiguous[token].protectors)
         return (token is None or token == PREEXISTING or (token == SESSION and not self.session_over)
                 or token in self.active_fixtures)
