@@ -75,7 +75,7 @@ def backend() -> FakeBackend:
 
 def check(backend: FakeBackend, tolerance_mib: int = 0, devices: tuple[DeviceInfo, ...] = (GPU0,)
           ) -> CheckResult:
-    checker = Checker(backend, reap=False)
+    checker = Checker(backend, reap=False, dead_sessions=False)  # (never another run's debris)
     return checker.check("check", devices, tolerance_mib=tolerance_mib, timeout=0)
 
 
@@ -362,7 +362,7 @@ def own_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Checke
         return real_run(self)
 
     monkeypatch.setattr(checker_module.Check, "run", counted)
-    return Checker(SimulatedBackend(sim)), runs, own
+    return Checker(SimulatedBackend(sim), dead_sessions=False), runs, own
 
 
 def test_a_clean_reading_of_our_own_context_repeated_is_the_same_verdict(

@@ -3,7 +3,7 @@
 # (docs/compat.md, "Real suites, unchanged"). After benchmarks/peers/stage_suites.sh (its .suites/ here):
 #
 #   bash benchmarks/peers/run_suites.sh OUTDIR [SUITE ...]    (suites: lightning pyg torchmetrics accelerate
-#                                                              gpytorch; default: all five)
+#                                                              gpytorch joblib; default: all six)
 #
 # For each suite, benchmarks/peers/run_peers.py runs pytest twice in a copy of the staged suite: plugin off
 # (`-p no:gpuclean`) and `-p gpuclean --gpuclean-all --gpuclean-report=...`, each with its JUnit XML, each test
@@ -44,7 +44,7 @@ cd "$(dirname "$0")/../.."
 root=$PWD
 out=${1:?usage: run_suites.sh OUTDIR [SUITE ...]}
 shift
-all=(lightning pyg torchmetrics accelerate gpytorch)
+all=(lightning pyg torchmetrics accelerate gpytorch joblib)
 suites=("$@")
 [ ${#suites[@]} -gt 0 ] || suites=("${all[@]}")
 py=${PYTHON:-python3}
@@ -133,6 +133,10 @@ for suite in "${suites[@]}"; do
     gpytorch)  # the whole suite: kernels, likelihoods, variational strategies, the examples' training loops,
         # and their *_cuda variants on the GPU.
         targets=(test); libs=gpytorch,linear-operator,torch; env=(); way_default=120 ;;
+    joblib)  # joblib's own suite, a CPU one: loky's reusable executor (joblib.Parallel's default backend) in
+        # nearly every parallel test, kept in a module global across tests, its resource tracker, the
+        # multiprocessing and threading backends, managers, memmapping (docs/compat.md: a library's pool).
+        targets=(joblib/test); libs=joblib; env=(); way_default=240 ;;
     *)
         say "run_suites.sh: no suite $suite (suites: ${all[*]})"; continue ;;
     esac

@@ -20,7 +20,7 @@ root=$PWD
 dest=$root/.suites
 python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 mirror=${SUITES_MIRROR:-/work/.mirror}
-all=(lightning pyg torchmetrics accelerate gpytorch)
+all=(lightning pyg torchmetrics accelerate gpytorch joblib)
 suites=("$@")
 [ ${#suites[@]} -gt 0 ] || suites=("${all[@]}")
 mkdir -p "$dest"
@@ -90,6 +90,10 @@ for suite in "${suites[@]}"; do
     gpytorch)
         # gpytorch's sdist holds test/ whole (the same 151 files as the v1.15.2 tag).
         from_sdist gpytorch gpytorch 1.15.2 gpytorch-1.15.2 test pyproject.toml setup.cfg ;;
+    joblib)
+        # joblib's sdist ships the package with its tests (joblib/test); the suite runs on that copy of the
+        # package, the release's own source (its root conftest.py puts the folder first on sys.path).
+        from_sdist joblib joblib 1.6.0 joblib-1.6.0 joblib conftest.py pyproject.toml ;;
     *)
         echo "stage_suites.sh: no suite $suite (suites: ${all[*]})" >&2
         exit 2 ;;

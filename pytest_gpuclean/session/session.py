@@ -97,6 +97,10 @@ class CheckedSession:
                 self.backend.close()
             raise
         self.tests = ItemChecks(self)
+        # A process whose handle a live fixture's value holds is that fixture's (the census asks, on a leak).
+        self.checker.procs.managed.fixture_values = self.tests.live_fixture_values
+        # (what a test module or a conftest keeps in a global is the suite's own doing, no library's helper)
+        self.checker.procs.managed.suite_files = (*config.getini("python_files"), "conftest.py")
 
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings

@@ -468,6 +468,18 @@ class ItemChecks:
         with self.session.owned_by(token):
             yield
 
+    def live_fixture_values(self) -> list[tuple[str, object]]:
+        """The value of each fixture wider than a test that is set up now, with its token: what the census
+        asks about a process that would be judged (a process whose handle one holds is that fixture's,
+        ``core/ownership/managed.py``). Read only then, never on the clean path."""
+        values: list[tuple[str, object]] = []
+        for token in self._fixture_tokens.values():
+            fixturedef = self._fixture_defs.get(token)
+            cached = getattr(fixturedef, "cached_result", None)
+            if cached is not None and cached[2] is None:  # (value, cache key, exception info)
+                values.append((token, cached[0]))
+        return values
+
     def fixture_finalized(self, fixturedef: pytest.FixtureDef[Any]) -> None:
         """A fixture wider than a test was torn down: from now on its processes are checked like a
         test's, at the end of this teardown."""

@@ -29,3 +29,12 @@ def wait_holders(n):
 def script(name):
     """The path of a script copied next to this module (from tests/examples/scripts)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+
+
+def alive(pid):
+    """Whether ``pid`` runs (a zombie does not: it holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

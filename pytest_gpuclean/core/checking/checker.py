@@ -506,6 +506,8 @@ class Checker:
                 processes.reap_if_child(f.pid)
         excluded = (PREEXISTING,) if include_session else (PREEXISTING, SESSION)
         found = decide.of_the_sweep(census, excluded)
+        # (what may descend from a process that is still protected is not provably the session's: never swept)
+        found = [f for f in found if not self.is_protected(f)]
         if not found or not self.reap_enabled:
             return []
         return self._reap_unread(found, devices, again=lambda: decide.of_the_sweep(
@@ -572,7 +574,8 @@ class Checker:
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
         infos = (processes.describe(f.pid, f.start_ticks)
-                 for f in decide.of_the_sweep(self.census(scan_cookies=True), (PREEXISTING, SESSION)))
+                 for f in decide.of_the_sweep(self.census(scan_cookies=True), (PREEXISTING, SESSION))
+                 if not self.is_protected(f))
         return [info for info in infos if info is not None]
 
     def no_part_of_the_session(self) -> list[ProcessInfo]:

@@ -25,6 +25,7 @@ from pytest_gpuclean.core.ownership.evidence import (
     owner_named,
 )
 from pytest_gpuclean.core.ownership.helpers import library_helpers, torch_shm_manager
+from pytest_gpuclean.core.ownership.managed import Managed
 from pytest_gpuclean.core.reading import processes, procfs
 from pytest_gpuclean.model.records import CensusEntry, Fields, FoundBy, Owner, OwnerKind
 from pytest_gpuclean.model.text import one_line
@@ -167,7 +168,8 @@ class Census:
         (a library's own helpers end with the pytest process, as their library arranged)."""
         self._announced: set[tuple[int, int]] = set()
         self.notices: list[str] = []
-        """One line for each helper or persistent process when first seen, for the session's notes."""
+        """One line for each helper or persistent process when first seen (and each process whose owner its
+        handle or a missing cookie decided: ``managed.py``), for the session's notes."""
         self.uid = uid
         self.session_start_ticks = session_start_ticks
         """When the session began (its cookie exported): a process carrying our cookie that is older is not
@@ -183,6 +185,9 @@ class Census:
         self._tokens: dict[tuple[int, int], str | None] = {}
         self._debris: dict[tuple[int, int], tuple[SessionRef, str | None]] = {}
         """Processes under us that a nested session left when it died: (that session, owner name)."""
+        self.managed = Managed(ownership, self.notices, processes.command_line)
+        """Who in the pytest process manages a process it started (``managed.py``): asked once per direct
+        child that would be judged."""
         self._tree = procfs.DescendantWalk()
         self.last: list[Found] = []
         """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
@@ -255,9 +260,16 @@ class Census:
         libraries' helpers hold none, and an excuse that covered held memory would be a clean verdict beside
         it. ``roots``: the libraries' helpers, as the census just read them (added to here)."""
         shm_manager = torch_shm_manager()
+        stats = self._tree.stats
         for pid, depth, _parent in walked:
             if depth != 1 or pid in roots:
                 continue
+            if self.managed.kept:
+                stat = stats.get(pid) or procfs.read_stat(pid)
+                kept = self.managed.kept.get((pid, stat.start_ticks)) if stat is not None else None
+                if kept is not None:
+                    roots[pid] = kept
+                    continue
             if shm_manager is not None and procfs.exe_path(pid) == shm_manager:
                 roots[pid] = ("torch's shared-memory manager (libshm), which the pytest process's shared "
                               "tensors use, and which ends once no process uses it")
@@ -357,25 +369,27 @@ class Census:
 
     def _token(self, pid: int, start_ticks: int, parent_token: str | None, parent_ours: bool) -> str | None:
         key = (pid, start_ticks)
+        if parent_ours:
+            # Made by one of our processes: whoever owns the parent owns the child, whatever the child's
+            # environment or birth time say (a fixture's server forking a worker on request). (Kept up with
+            # the parent: a process found to be a live fixture's takes its children along.)
+            self._tokens[key] = parent_token
+            return parent_token
         if key not in self._tokens:
-            if parent_ours:
-                # Made by one of our processes: whoever owns the parent owns the child, whatever the
-                # child's environment or birth time say (a fixture's server forking a worker on request).
-                token = parent_token
-            else:
-                values = procfs.read_environ_vars(pid, (COOKIE_VAR, OWNER_VAR))
-                cookie = values.get(COOKIE_VAR)
-                token = self.ownership.token_of_cookie(cookie)
-                if token is None and self.ownership.existed_before(pid, start_ticks) is not False:
-                    token = PREEXISTING  # older than the session (or maybe): no part of it
-                elif token is None:
-                    token = self.ownership.token_by_birth(pid, start_ticks)
-                elif cookie is not None and self.ownership.is_protected(token):
-                    # Started under our session set-up by a nested session that has since died (an
-                    # xdist worker that crashed, adopted by us, its controller): that session's debris.
-                    inner = dead_session_of(cookie, self.ownership.session_id, SessionRef.liveness)
-                    if inner is not None:
-                        self._debris[key] = (inner, values.get(OWNER_VAR))
+            values = procfs.read_environ_vars(pid, (COOKIE_VAR, OWNER_VAR))
+            cookie = values.get(COOKIE_VAR)
+            token = self.ownership.token_of_cookie(cookie)
+            if token is None and self.ownership.existed_before(pid, start_ticks) is not False:
+                token = PREEXISTING  # older than the session (or maybe): no part of it
+            elif token is None:
+                token = self.ownership.token_by_birth(pid, start_ticks)
+                self.managed.born_bare(key, token)  # (no cookie of ours: its birth alone says whose)
+            elif cookie is not None and self.ownership.is_protected(token):
+                # Started under our session set-up by a nested session that has since died (an
+                # xdist worker that crashed, adopted by us, its controller): that session's debris.
+                inner = dead_session_of(cookie, self.ownership.session_id, SessionRef.liveness)
+                if inner is not None:
+                    self._debris[key] = (inner, values.get(OWNER_VAR))
             self._tokens[key] = token
         return self._tokens[key]
 
@@ -428,6 +442,18 @@ class Census:
         if scan_cookies or dead_sessions:
             found.extend(self._cookie_carriers(by_pid, library.keys() | self.helpers.keys(), dead_sessions,
                                                seen_keys))
+        # A direct child that would be judged now is first asked about once: who in the pytest process still
+        # holds its handle (off the clean path: the clean path finds no process at all).
+        asked = self.managed.asked
+        # (not the session set-up's: what it leaves is reaped at the very end, after pytest_unconfigure)
+        undecided = [f for f in found if f.depth == 1 and f.key not in asked and f.debris_of is None
+                     and f.token is not None and f.token != SESSION and f.live
+                     and not self.ownership.is_protected(f.token)]
+        if undecided:
+            owners = self.managed.ask(undecided, found)
+            if owners is not None:
+                self._tokens.update(owners)
+                return self.take(scan_cookies, dead_sessions, listed)  # (once: each is asked once)
         self._forget_gone(seen_keys)
         self.last = found
         return found

@@ -12,6 +12,7 @@ import os
 __all__ = [
     "COOKIE_VAR",
     "OWNER_VAR",
+    "PREEXISTING_TOKEN",
     "SESSION_NAME",
     "SESSION_TOKEN",
     "WORKERS_SINCE_VAR",
@@ -34,6 +35,9 @@ SESSION_TOKEN = "session"
 """The token of the session set-up itself (conftests, plugins, collection, what runs between tests):
 exported before the conftests are imported. Other tokens are a letter and a count, never this."""
 SESSION_NAME = "pytest session"
+PREEXISTING_TOKEN = "before"
+"""The token of the processes that existed before the session began (``evidence.PREEXISTING``), and of what
+they start: never one of a cookie."""
 
 
 def new_session_id(inherited_cookie: str | None, start_ticks: int, pid_namespace: int) -> str:

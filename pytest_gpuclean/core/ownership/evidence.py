@@ -11,10 +11,17 @@ never signalled.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
-from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN, cookie
+from pytest_gpuclean.core.ownership.cookie import (
+    COOKIE_VAR,
+    OWNER_VAR,
+    PREEXISTING_TOKEN,
+    SESSION_NAME,
+    SESSION_TOKEN,
+    cookie,
+)
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.records import UNKNOWN_OWNER, Fields, Owner
 
@@ -24,6 +31,7 @@ __all__ = [
     "PREEXISTING",
     "SESSION",
     "SESSION_OWNER",
+    "Ambiguous",
     "Liveness",
     "Ownership",
     "SessionRef",
@@ -38,7 +46,7 @@ __all__ = [
 ]
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
-PREEXISTING = "before"
+PREEXISTING = PREEXISTING_TOKEN
 """Token of the processes that existed before the session began (its cookie exported), and of what they
 start: no part of the session (a container entrypoint's ``server & exec pytest``), never signalled. Other
 tokens are a letter and a count, or ``session``."""
@@ -132,6 +140,21 @@ def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> Ses
     return inner if _live_outer_session(cookie, own_session_id, liveness) is None else None
 
 
+class Ambiguous(Fields):
+    """A process that either a test or a protected process may have started (``Ownership.ambiguous_token``):
+    the test's token, the protected tokens, and the evidence in words."""
+
+    __slots__ = ("test", "protectors", "why")
+    test: Final[str]
+    protectors: Final[tuple[str, ...]]
+    why: Final[str]
+
+    def __init__(self, test: str, protectors: tuple[str, ...], why: str) -> None:
+        self.test = test
+        self.protectors = protectors
+        self.why = why
+
+
 class Window(Fields):
     """The span of a test or higher-scoped fixture, bracketed by pid and clock readings; closed in place
     (``Ownership.close_window``)."""
@@ -175,6 +198,8 @@ class Ownership:
         self.windows: list[Window] = []
         self.session_over = False
         """Set for the very last sweep: then what the session set-up started is no longer protected."""
+        self.ambiguous: dict[str, Ambiguous] = {}
+        """Tokens of processes that a test or a protected process may have started (``ambiguous``)."""
         self._counter = 0
         self._pid_space = procfs.pid_max()
 
@@ -182,6 +207,16 @@ class Ownership:
         self._counter += 1
         token = f"{owner.kind[0]}{self._counter}"
         self.owners[token] = owner
+        return token
+
+    def ambiguous_token(self, test: str, protectors: Iterable[str], why: str) -> str:
+        """The token of a process born in ``test``'s window with no cookie while processes of ``protectors``
+        (protected tokens whose processes' children carry no cookie of this session) were alive: either may
+        have started it. Protected while any of them is (``is_protected``); then it is the first fixture's
+        of them (or the session set-up's), judged as theirs (``owner``). ``why``: the evidence, in words."""
+        self._counter += 1
+        token = f"a{self._counter}"
+        self.ambiguous[token] = Ambiguous(test, tuple(protectors), why)
         return token
 
     def register(self, token: str, owner: Owner) -> None:
@@ -235,11 +270,23 @@ class Ownership:
             return SESSION_OWNER
         if token == PREEXISTING:
             return _PREEXISTING_OWNER
+        maybe = self.ambiguous.get(token or "")
+        if maybe is not None:
+            if self.is_protected(token):
+                return Owner("unknown", f"{self.owner(maybe.test).name} or {self._names(maybe.protectors)}")
+            # Its protectors ended: what is left of it is theirs to answer for (a fixture's first).
+            fixtures = [t for t in maybe.protectors if self.owner(t).kind == "fixture"]
+            return self.owner(fixtures[0] if fixtures else SESSION)
         return self.owners.get(token or "", UNKNOWN_OWNER)
 
+    def _names(self, tokens: Iterable[str]) -> str:
+        return ", ".join(dict.fromkeys(self.owner(t).name for t in tokens))
+
     def is_protected(self, token: str | None) -> bool:
-        """Not to be touched now: owned by an active fixture or the session set-up, of unknown birth, or no
-        part of the session (never)."""
+        """Not to be touched now: owned by an active fixture or the session set-up, of unknown birth, no part
+        of the session (never), or ambiguous while any process that may have started it is protected."""
+        if token is not None and token.startswith("a") and token in self.ambiguous:
+            return any(self.is_protected(t) for t in self.ambiguous[token].protectors)
         return (token is None or token == PREEXISTING or (token == SESSION and not self.session_over)
                 or token in self.active_fixtures)
 
