@@ -446,9 +446,13 @@ class Census:
         # holds its handle (off the clean path: the clean path finds no process at all).
         asked = self.managed.asked
         # (not the session set-up's: what it leaves is reaped at the very end, after pytest_unconfigure)
+        # (nor what was born after its owner's processes were first asked about: that was after its test's
+        # code had run, so nothing of it made the handle; an orphan a process of the test's left, a
+        # self-replacing chain's next member, one every few milliseconds, each a walk of the heap)
         undecided = [f for f in found if f.depth == 1 and f.key not in asked and f.debris_of is None
                      and f.token is not None and f.token != SESSION and f.live
-                     and not self.ownership.is_protected(f.token)]
+                     and not self.ownership.is_protected(f.token)
+                     and not self.managed.born_since_asked(f.token, f.start_ticks)]
         if undecided:
             owners = self.managed.ask(undecided, found)
             if owners is not None:

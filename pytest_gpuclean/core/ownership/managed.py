@@ -72,6 +72,8 @@ class Managed:
         by the session layer): their globals keep nothing for the pytest process."""
         self.asked: set[_Key] = set()
         """Direct children asked about: once per process."""
+        self._first_asked: dict[str, int] = {}
+        """Per owner's token, when its processes were first asked about (boot ticks)."""
         self.kept: dict[_Key, str] = {}
         """Direct children whose handle a module global keeps: the pytest process's helpers, with why."""
         self._born_bare: set[_Key] = set()
@@ -85,10 +87,20 @@ class Managed:
         if token is not None and self.ownership.owner(token).kind == "test":
             self._born_bare.add(key)
 
+    def born_since_asked(self, token: str, start_ticks: int) -> bool:
+        """Whether a process of ``token``'s started (``start_ticks``) a clock tick after that owner's
+        processes were first asked about."""
+        first = self._first_asked.get(token)
+        return first is not None and start_ticks > first
+
     def ask(self, undecided: Sequence[CensusEntry], found: Sequence[CensusEntry]) -> dict[_Key, str] | None:
         """Whose are ``undecided`` (direct children of the pytest process that would be judged now; ``found``:
         the whole census), each asked once: the new token of each whose owner changed (a live fixture's,
         an ambiguous one's); None if nothing changed. A helper is added to ``kept``."""
+        now = procfs.boot_ticks_now()
+        for f in undecided:
+            if f.token is not None:
+                self._first_asked.setdefault(f.token, now)
         values = self.fixture_values() if self.fixture_values is not None else ()
         held = holders([f.pid for f in undecided], values, self.suite_files)
         owners: dict[_Key, str] = {}
