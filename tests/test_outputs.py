@@ -16,7 +16,16 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from helpers import alive, clean_environment, read_pids, run_inner, unprivileged, wait_dead
+from helpers import (
+    alive,
+    assert_report_consistent,
+    clean_environment,
+    read_pids,
+    run_inner,
+    summary_of,
+    unprivileged,
+    wait_dead,
+)
 
 from pytest_gpuclean.core.reading.simulated import simulated_uuid
 from pytest_gpuclean.report import jsonreport
@@ -70,10 +79,12 @@ def test_with_findings_counts_only_the_tests_at_fault_as_the_json_does(
     assert at_fault == ["test_1_unchecked_leaks", "test_3_leaks", "test_5_leaks_too"]
     assert by_test["test_2_victim_reaps_it_before"]["outcome"] == "clean"
     assert by_test["test_2_victim_reaps_it_before"]["before"]["reaped"]  # it reaped the leak, for the leaker
-    # The count is of checked tests (the unchecked leaker has its own part), and the JSON says the same.
-    assert document["summary"]["with_findings"] == 2
+    # The count is of every test at fault (the unchecked leaker too, also named in a part of its own), and
+    # the JSON says the same.
+    assert document["summary"]["with_findings"] == 3
+    assert_report_consistent(document, summary_of(result))
     out = result.stdout.str()
-    assert "4 checked test(s), 2 with findings, 1 unchecked test(s) that leaked processes" in out
+    assert "4 checked test(s), 3 with findings, 1 unchecked test(s) that leaked processes" in out
     result.stdout.fnmatch_lines(["test_inner.py::test_2_victim_reaps_it_before: noticed, not a finding: "
                                  "setup: reaped 1 *"])
 

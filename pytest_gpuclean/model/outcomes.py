@@ -518,13 +518,21 @@ def noticed(record: TestRecord) -> bool:
 
 
 def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:
-    """Processes ended by any check (a fixture's included, which its test's record no longer holds) and at
-    session end: the summary line's count and the JSON report's."""
-    count = len(session_reaped)
+    """Processes ended by any check (a fixture's included, which its test's record no longer holds), by an
+    xdist controller for a worker that died (a test's ``found_later`` only), and at session end: the summary
+    line's count and the JSON report's. Each process once, by its identity (node, pid and start time): a leak
+    a later check found is in that check's ``reaped`` and in its test's ``found_later``."""
+    ended = {_identity(r) for r in session_reaped}
     for r in records:  # (a loop: once per test of the session)
         for c in (r.before, r.after, r.cluster_before, r.cluster_after):
-            if c:
-                count += len(c.reaped)
+            if c and c.reaped:
+                ended.update(map(_identity, c.reaped))
         for f in r.fixture_leaks:
-            count += len(f.reaped)
-    return count
+            ended.update(map(_identity, f.reaped))
+        if r.found_later:
+            ended.update(map(_identity, r.found_later))
+    return len(ended)
+
+
+def _identity(reaped: Reaped) -> tuple[str | None, int, int]:
+    return reaped.node, reaped.process.pid, reaped.process.start_ticks

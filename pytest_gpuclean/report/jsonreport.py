@@ -267,7 +267,7 @@ def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     outcomes = [outcome(r) for r in records]
     without_lock = sum(1 for r in records if r.gpu_without_lock)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
-            "with_findings": sum(1 for r in records if r.before is not None and has_findings(r)),
+            "with_findings": sum(1 for r in records if has_findings(r)),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
             "not_clean": outcomes.count("not_clean"), "gpu_fault": outcomes.count("gpu_fault"),
             "reaped": reaped_count(records, session_reaped),

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import pytest
 
-from pytest_gpuclean.model.outcomes import TestRecord
+from pytest_gpuclean.model.outcomes import CheckResult, TestRecord
 from pytest_gpuclean.model.records import Fields, Reaped, SiblingUse
 
 __all__ = [
@@ -166,11 +166,12 @@ class SessionRecords:
             records.extend(from_dict(TestRecord, r) for r in payload["records"])
             session_reaped.extend(from_dict(Reaped, r) for r in payload["session_reaped"])
             notes.extend(payload["notes"])
-        # A worker's session-end payload has everything; its tests' records as they ended stand in for it
-        # when it never came (the run was interrupted, the worker crashed).
-        known = {r.nodeid for r in records}
+        # A worker's session-end payload has everything; its tests' records as they were set up and ended
+        # stand in for it when it never came (the run was interrupted, the worker crashed). What only a
+        # later check (or this controller, for a crashed worker) found of such a test folds into them.
+        known = {r.nodeid for r in records if not _late(r)}
         records.extend(r for nodeid, r in self.streamed.items() if nodeid not in known)
-        return Merged(_one_per_test(records), session_reaped, notes)
+        return Merged(_reaped_once(_one_per_test(records), session_reaped), session_reaped, notes)
 
 
 def _late(record: TestRecord) -> bool:
@@ -204,6 +205,38 @@ def _one_per_test(records: list[TestRecord]) -> list[TestRecord]:
         return records
     return [folded.get(id(r), r) for r in records
             if firsts[r.nodeid] is r or not _late(r)]
+
+
+def _reaped_once(records: list[TestRecord], session_reaped: list[Reaped]) -> list[TestRecord]:
+    """``records`` with what a check collected as "exited by itself" left out where another check, a
+    controller or the session's end reaped that very process: under xdist a worker's check can see a crashed
+    worker's orphan end while the controller reaps it. A process is reported once, as reaped. (The records
+    are not changed: a record that collected such a process is a new one.)"""
+    collected = [r for r in records for c in (r.before, r.after) if c is not None and c.collected]
+    if not collected:
+        return records  # (the usual case: nothing exited by itself)
+    ended = {(x.process.pid, x.process.start_ticks) for x in session_reaped}
+    for r in records:
+        ended.update((x.process.pid, x.process.start_ticks) for x in r.found_later)
+        for c in (r.before, r.after):
+            if c is not None:
+                ended.update((x.process.pid, x.process.start_ticks) for x in c.reaped)
+        for f in r.fixture_leaks:
+            ended.update((x.process.pid, x.process.start_ticks) for x in f.reaped)
+    pids = {pid for pid, _ in ended}
+
+    def reaped(x: Reaped) -> bool:
+        # (a process that ended before it could be described has no start time: its pid decides)
+        pid, start = x.process.pid, x.process.start_ticks
+        return (pid, start) in ended if start else pid in pids
+
+    def without(check: CheckResult | None) -> CheckResult | None:
+        if check is None or not any(map(reaped, check.collected)):
+            return check
+        return check.replace(collected=tuple(x for x in check.collected if not reaped(x)))
+
+    changed = {id(r): r.replace(before=without(r.before), after=without(r.after)) for r in collected}
+    return [changed.get(id(r), r) for r in records]
 
 
 _SESSION = pytest.StashKey[SessionRecords]()

@@ -377,16 +377,18 @@ class PerTestOutputs:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
                                   ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         test_report = yield
-        if call.when == "teardown":
+        when = call.when
+        if when == "teardown" or (when == "setup" and self.outputs.worker):
             record = item.stash.get(records.TEST, None)
             if record is not None:
-                if self.outputs.junit:
+                if self.outputs.junit and when == "teardown":
                     # On the report, not the item: junitxml and xdist take them from the teardown report.
                     test_report.user_properties.extend(junit_properties(record))
                 if self.outputs.worker:
-                    # xdist ships a report's attributes to the controller as each test ends: if the run is
-                    # interrupted, the controller still knows what the finished tests found (the worker's
-                    # session-end payload never comes).
+                    # xdist ships a report's attributes to the controller as each test is set up and ends:
+                    # if the run is interrupted, the controller still knows what the finished tests found
+                    # (the worker's session-end payload never comes), and that a test whose worker died
+                    # while it ran was checked before it (its setup's record).
                     from pytest_gpuclean.report.serialize import to_dict  # (lazy: the module's docstring)
 
                     setattr(test_report, RECORD_ATTRIBUTE, to_dict(record))
@@ -394,7 +396,7 @@ class PerTestOutputs:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = getattr(report, RECORD_ATTRIBUTE, None)
-        if record is not None and not self.outputs.worker and report.when == "teardown":
+        if record is not None and not self.outputs.worker and report.when in ("setup", "teardown"):
             self.outputs.found.stream(report.nodeid, record)
 
 

@@ -1,0 +1,90 @@
+"""Verdicts and counts that must not depend on how a suite is laid out or run: a wide fixture's leak whatever
+test ends its scope, the victims of a known leak under ``--gpuclean-reap=off``, xdist's controller bookkeeping
+(a crashed worker, SIGTERM to the controller), and the GPU memory of a fixture that a check excuses.
+
+Inner pytest sessions over simulated devices, with real processes; every JSON report is held to its own
+summary (``helpers.assert_report_consistent``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import assert_report_consistent, read_pids, run_inner, summary_of, wait_dead
+
+from pytest_gpuclean.model.outcomes import CheckResult, reaped_count
+from pytest_gpuclean.model.outcomes import TestRecord as Record
+from pytest_gpuclean.model.records import Owner, ProcessInfo, Reaped
+from pytest_gpuclean.report import records as session_records
+from pytest_gpuclean.report.serialize import to_dict
+
+
+@pytest.fixture(autouse=True)
+def _isolated_inner_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under an outer `-n`, an inner session would inherit the outer run's id (test_outputs.py says why).
+    for name in ("PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
+                 "GITHUB_ACTIONS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def load(path: Path) -> dict[str, object]:
+    document: dict[str, object] = json.loads(path.read_text())
+    return document
+
+
+# ---- xdist: one count everywhere ---------------------------------------------------------------------------
+
+@pytest.mark.usefixtures("dead_sessions_on")
+def test_a_marked_test_whose_worker_exits_is_checked_leaked_and_counted_once(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """A marked test holds memory and calls ``os._exit(3)`` under ``-n 2``: the controller reaps what it left
+    (its worker is dead), and every output calls it a checked test that leaked one process, reaped once."""
+    pidfile = example("verdicts/crash")
+    report = tmp_path / "report.json"
+    result = run_inner(pytester, "-n", "2", "-p", "xdist", f"--gpuclean-report={report}",
+                       "--gpuclean-timeout=20")
+    leaked = read_pids(pidfile)[0]
+    assert wait_dead([leaked], timeout=2) == [], result.stdout.str()
+    result.assert_outcomes(passed=4, failed=1)
+    summary = summary_of(result)
+    document = load(report)
+    assert_report_consistent(document, summary)
+    tests = {t["nodeid"]: t for t in document["tests"]}  # type: ignore[attr-defined]
+    crashed = tests["test_inner.py::test_holds_then_exits"]
+    # Marked, and its check before ran (its worker sent the record of its setup): checked, not "unchecked".
+    assert crashed["before"] is not None and crashed["outcome"] == "leaked" and crashed["findings"]
+    assert [p["pid"] for p in crashed["leaked"]] == [leaked]
+    assert summary[-1] == "5 checked test(s), 1 with findings, 1 process(es) reaped", summary
+    # The pid is reaped once (by the controller, or by the other worker's check that met it first), never
+    # also "exited by itself" where a check saw it end while the other one reaped it.
+    mentions = [line for line in summary if f"pid {leaked} " in line]
+    assert mentions and not [line for line in mentions if "exited by" in line], summary
+
+
+def _proc(pid: int) -> ProcessInfo:
+    return ProcessInfo(pid, 1000 + pid, 1, 0, "ci", "sleep 600", "sleeping")
+
+
+def test_a_process_reaped_anywhere_is_not_also_collected_as_exited_by_itself() -> None:
+    """One worker's check saw the crashed worker's orphan end (the controller was reaping it) and collected it
+    as "exited by itself"; the controller reaped it. Merged, the pid is reaped once and collected nowhere, and
+    the count of reaped processes counts it once."""
+    owner = Owner("test", "t.py::test_crashed")
+    orphan, other = _proc(4242), _proc(4343)
+    ended = Reaped(orphan, owner, "cookie", "SIGTERM", (("GPU 0", 512.0),), 0.01, 0.01)
+    seen_exit = Reaped(orphan, owner, "cookie", "exited by itself", (), None)
+    really = Reaped(other, owner, "cookie", "exited by itself", (), None)
+    witness = Record("t.py::test_later", before=CheckResult("setup", True, (), (),
+                                                                 collected=(seen_exit, really)))
+    found = session_records.SessionRecords()
+    found.add_worker({"records": [to_dict(witness)], "session_reaped": [], "notes": []})
+    found.found_later(ended)  # (the controller: reap_crashed)
+    merged = found.merged()
+    by_id = {r.nodeid: r for r in merged.records}
+    assert by_id["t.py::test_crashed"].found_later == (ended,)
+    assert by_id["t.py::test_later"].before is not None
+    assert by_id["t.py::test_later"].before.collected == (really,)
+    assert reaped_count(merged.records, merged.session_reaped) == 1
