@@ -9,11 +9,22 @@ summary (``helpers.assert_report_consistent``).
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import assert_report_consistent, read_pids, run_inner, summary_of, wait_dead
+from helpers import (
+    assert_report_consistent,
+    read_pids,
+    run_inner,
+    summary_of,
+    wait_dead,
+    wait_for_file,
+)
 
 from pytest_gpuclean.model.outcomes import CheckResult, reaped_count
 from pytest_gpuclean.model.outcomes import TestRecord as Record
@@ -88,3 +99,39 @@ def test_a_process_reaped_anywhere_is_not_also_collected_as_exited_by_itself() -
     assert by_id["t.py::test_later"].before is not None
     assert by_id["t.py::test_later"].before.collected == (really,)
     assert reaped_count(merged.records, merged.session_reaped) == 1
+
+
+def test_sigterm_to_the_xdist_controller_still_gives_the_whole_summary_and_report(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """A cancelled CI job: SIGTERM to the controller of an ``-n 2`` run while a test that leaked is still
+    running. The controller dies of SIGTERM as it would without the plugin, nothing is left alive, and its
+    summary and JSON report hold what the workers found, the leaking test's record among them (its worker
+    sent it when the controller's shutdown interrupted it)."""
+    pidfile = example("verdicts/xdist_sigterm")
+    started, release, report = tmp_path / "started", tmp_path / "release", tmp_path / "report.json"
+    env = dict(os.environ, STARTED=str(started), RELEASE=str(release), PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "gpuclean", "-p", "no:cacheprovider",
+                             "-rA", "-n", "2", "-p", "xdist", f"--gpuclean-report={report}"],
+                            cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_for_file(started, proc, timeout=60, empty_ok=True)
+        leaked = read_pids(pidfile)[0]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGTERM, out
+    assert wait_dead([leaked], timeout=2) == [], out
+    lines = out.splitlines()
+    summary = summary_of(pytest.RunResult(proc.returncode, lines, [], 0.0))
+    document = load(report)
+    assert_report_consistent(document, summary)
+    tests = {t["nodeid"]: t for t in document["tests"]}  # type: ignore[attr-defined]
+    leaker = tests["test_inner.py::test_leaks_and_hangs"]
+    assert leaker["outcome"] == "leaked" and [p["pid"] for p in leaker["leaked"]] == [leaked], leaker
+    assert any(line.startswith("test_inner.py::test_leaks_and_hangs: ") and f"pid {leaked} " in line
+               for line in summary), summary
