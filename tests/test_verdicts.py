@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
@@ -135,3 +136,92 @@ def test_sigterm_to_the_xdist_controller_still_gives_the_whole_summary_and_repor
     assert leaker["outcome"] == "leaked" and [p["pid"] for p in leaker["leaked"]] == [leaked], leaker
     assert any(line.startswith("test_inner.py::test_leaks_and_hangs: ") and f"pid {leaked} " in line
                for line in summary), summary
+
+
+# ---- a wide fixture's leak, whatever test ends its scope -------------------------------------------------
+
+def _fixture_line(conftest: Path, name: str) -> int:
+    lines = conftest.read_text().splitlines()
+    # (1-based, at the decorator: the line above the def)
+    return next(i for i, text in enumerate(lines) if text.startswith(f"def {name}("))
+
+
+@pytest.mark.parametrize("last", ["unmarked", "skipped", "failed"])
+def test_a_wide_fixtures_leak_is_judged_when_it_ends_whatever_test_ends_its_scope(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, last: str) -> None:
+    """A session fixture's server and a module fixture's engine, never stopped, end at the teardown of an
+    unmarked test (the module's last one skipped, or the session's last one failing): each is its fixture's
+    finding there, as it is when a marked test ends its scope; that test's own outcome is not changed."""
+    pidfile = example("verdicts/fixture_ends")
+    monkeypatch.setenv("LAST", last)
+    report, junit = tmp_path / "report.json", tmp_path / "junit.xml"
+    result = run_inner(pytester, f"--gpuclean-report={report}", f"--junitxml={junit}")
+    server, engine = read_pids(pidfile, 2)
+    assert wait_dead([server, engine], timeout=2) == [], result.stdout.str()
+    skipped = 2 if last == "skipped" else 0
+    result.assert_outcomes(passed=5 - skipped - (last == "failed"), skipped=skipped,
+                           failed=int(last == "failed"), errors=2)
+    conftest = pytester.path / "conftest.py"
+    where = {name: f"conftest.py:{_fixture_line(conftest, name)}" for name in ("server", "engine")}
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_unmarked_last*",
+        f"gpuclean: fixture engine (module-scoped, {where['engine']}) leaked 1 process(es) (reaped), found "
+        "at the teardown of test_a.py::test_unmarked_last",
+        f"  pid {engine} ended by SIGTERM * (found as descendant, spawned by fixture engine "
+        "(module-scoped)): held GPU 1 64 MiB*",
+    ])
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_unmarked_very_last*",
+        f"gpuclean: fixture server (session-scoped, {where['server']}) leaked 1 process(es) (reaped), found "
+        "at the teardown of test_b.py::test_unmarked_very_last",
+    ])
+    summary = summary_of(result)
+    assert "session end" not in "\n".join(summary), summary  # judged at the fixture's end, not swept
+    assert summary[-1] == ("3 checked test(s), 0 with findings, 2 fixture(s) that leaked processes, 2 "
+                           "process(es) reaped"), summary
+    document = load(report)
+    assert_report_consistent(document, summary)
+    fixtures = {f["name"]: f for f in document["fixtures"]}  # type: ignore[attr-defined]
+    assert {name: (f["scope"], f"{f['file']}:{f['line']}", f["reported_on"])
+            for name, f in fixtures.items()} == {
+        "engine": ("module", where["engine"], "test_a.py::test_unmarked_last"),
+        "server": ("session", where["server"], "test_b.py::test_unmarked_very_last")}
+    assert [(p["pid"], p["ended_by"]) for p in fixtures["engine"]["leaked"]] == [(engine, "SIGTERM")]
+    assert [(p["pid"], p["ended_by"]) for p in fixtures["server"]["leaked"]] == [(server, "SIGTERM")]
+    tests = {t["nodeid"]: t for t in document["tests"]}  # type: ignore[attr-defined]
+    for nodeid in ("test_a.py::test_unmarked_last", "test_b.py::test_unmarked_very_last"):
+        # Not checked, and nothing of its own: the fixture's finding, not the test's.
+        assert (tests[nodeid]["outcome"], tests[nodeid]["findings"], tests[nodeid]["leaked"]) == (
+            "unchecked", False, []), tests[nodeid]
+    properties = {case.get("name"): {p.get("name"): p.get("value") for p in case.iter("property")}
+                  for case in ET.parse(junit).getroot().iter("testcase")}
+    assert properties["test_unmarked_last"]["gpuclean_fixture_leaks"] == (
+        f"fixture engine (module-scoped, {where['engine']}) leaked 1 process(es)")
+
+
+@pytest.mark.parametrize("last", ["unmarked", "skipped"])
+def test_under_xdist_each_workers_wide_fixture_leak_reaches_the_controller(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, last: str) -> None:
+    """The same under ``-n 2``: the worker that set the fixtures up judges them where they end (its last test
+    of their scope, unmarked), and the controller's summary and report list both."""
+    pidfile = example("verdicts/fixture_ends")
+    monkeypatch.setenv("LAST", last)
+    report = tmp_path / "report.json"
+    result = run_inner(pytester, "-n", "2", "-p", "xdist", "--dist", "loadfile",
+                       f"--gpuclean-report={report}")
+    server, engine = read_pids(pidfile, 2)
+    assert wait_dead([server, engine], timeout=2) == [], result.stdout.str()
+    assert result.parseoutcomes()["errors"] in (1, 2)  # (both fixtures may end at one test's teardown)
+    summary = summary_of(result)
+    document = load(report)
+    assert_report_consistent(document, summary)
+    fixtures = {f["name"]: f for f in document["fixtures"]}  # type: ignore[attr-defined]
+    assert set(fixtures) == {"engine", "server"}, document["fixtures"]  # type: ignore[index]
+    assert fixtures["engine"]["reported_on"] == "test_a.py::test_unmarked_last"
+    assert fixtures["server"]["reported_on"] in ("test_a.py::test_unmarked_last",
+                                                 "test_b.py::test_unmarked_very_last")
+    assert [p["pid"] for p in fixtures["engine"]["leaked"]] == [engine]
+    assert [p["pid"] for p in fixtures["server"]["leaked"]] == [server]
+    assert ", 2 fixture(s) that leaked processes, 2 process(es) reaped" in summary[-1], summary

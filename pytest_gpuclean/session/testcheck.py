@@ -248,6 +248,10 @@ class ItemChecks:
                 outcome = exc
             record = item.stash.get(records.TEST, None) if state is not None and state.checked else None
             failure = self._after(item, state, record) if state is not None and record is not None else None
+            if state is not None and state.fixture_tokens and not _checked_after(record):
+                # A fixture wider than a test ended here, and no check after this test judges it (the test
+                # is not checked, or never ran on clean GPUs): judged alone, as the fixture's finding.
+                failure = "\n\n".join(f for f in (failure, self._fixtures_alone(item, state, record)) if f)
         finally:
             self._tearing_down = None
             if state is not None:
@@ -328,6 +332,27 @@ class ItemChecks:
                 return None
             return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
         return None
+
+    def _fixtures_alone(self, item: pytest.Item, state: ItemState, record: TestRecord | None) -> str | None:
+        """The fixtures that ended at the teardown of a test that no check after it judges: what they left
+        is theirs, found here (``Checker.check_owned``), in this test's record (a record made for it if it
+        was not checked: the test's own outcome does not change)."""
+        session = self.session
+        result = session.checker.check_owned(set(state.fixture_tokens), session.devices)
+        if result.notes:
+            for note in result.notes:
+                session.found.note(f"gpuclean: {note} (at the teardown of {state.nodeid})", once=True)
+        fixtures = self._fixture_leaks(item, state, result)
+        if not fixtures:
+            return None
+        if record is None:
+            record = session.found.record_for(state.nodeid)
+            if not record.location[0]:
+                record.location = (item.location[0], (item.location[1] or 0) + 1)
+            item.stash[records.TEST] = record  # (for its JUnit properties, and xdist's controller)
+        record.fixture_leaks += tuple(fixtures)
+        heading = "\n".join(report.fixture_leak_heading(f, session.checker.reap_enabled) for f in fixtures)
+        return report.check_report(result, heading)
 
     def _fixture_leaks(self, item: pytest.Item, state: ItemState, result: CheckResult) -> list[FixtureLeak]:
         """What each fixture that ended at this teardown left behind, as that fixture's findings."""
@@ -503,6 +528,12 @@ class ItemChecks:
         warnings.warn(GpuCleanWarning(
             f"{item.nodeid}: torch.cuda.memory_allocated grew during the test in the pytest process "
             f"({growth}, more than {floor} MiB): tensors kept alive after the test"), stacklevel=1)
+
+
+def _checked_after(record: TestRecord | None) -> bool:
+    """Whether the check after the test ran (``ItemChecks._after``): only for a test that ran on GPUs its
+    check before found clean."""
+    return record is not None and record.before is not None and record.before.clean
 
 
 def _skip(reason: str) -> BaseException:

@@ -11,16 +11,17 @@ No pytest here: the plugin and the ``gpuclean`` command line drive the same ``Ch
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pytest_gpuclean.core.acting import pools, reaping
-from pytest_gpuclean.core.checking.check import Check, Look
+from pytest_gpuclean.core.checking.check import POLL_S, Check, Look
 from pytest_gpuclean.core.checking.outside import OutsideMemory
 from pytest_gpuclean.core.deciding import decide
-from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, mib_of
+from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, leak_detail, mib_of
 from pytest_gpuclean.core.options.settings import DEFAULT_GRACE_S
 from pytest_gpuclean.core.ownership.census import Census, Found, Registry, Sibling
 from pytest_gpuclean.core.ownership.cookie import new_session_id
@@ -33,6 +34,8 @@ from pytest_gpuclean.model.records import (
     CensusEntry,
     DeviceInfo,
     DeviceSnapshot,
+    EndedBy,
+    Offender,
     Owner,
     Phase,
     ProcessInfo,
@@ -420,6 +423,51 @@ class Checker:
             frozen.update((f.key, f) for f in new)
             processes.stop([processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in new])
         return list(frozen.values())
+
+    def check_owned(self, tokens: Collection[str], devices: Sequence[DeviceInfo]) -> CheckResult:
+        """What ``tokens`` (fixtures that just ended) left alive, judged without a test's check around it (the
+        test that ended them was not checked after): given the settle time to exit by themselves, then reaped
+        if reaping is on. The devices are read only for what each held and to time its release, never
+        judged: no GPU lock is held, so another job's memory there is none of this check's business."""
+        started = time.monotonic()
+        found = [f for f in self.census(scan_cookies=True)
+                 if f.token in tokens and f.debris_of is None and not self.is_protected(f)]
+        if not found:
+            return CheckResult("teardown", True, (), (), waited_s=time.monotonic() - started)
+        try:
+            snaps = self.snapshot(devices)
+        except DeviceError:
+            snaps, devices = (), ()
+        infos = {f.key: processes.describe(f.pid, f.start_ticks) or reaping.vanished(f.pid) for f in found}
+        collected: list[Reaped] = []
+
+        def gone(f: Found, how: EndedBy) -> None:
+            processes.reap_if_child(f.pid)
+            collected.append(Reaped(infos[f.key], self.owner_of(f), f.found_by, how, (), None))
+
+        for f in found:
+            if not f.live:
+                gone(f, "reaped zombie")
+        live = [f for f in found if f.live]
+        deadline = time.monotonic() + self.settle
+        while live and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            for f in [f for f in live if f.exited()]:
+                live.remove(f)
+                gone(f, "exited by itself")
+        notes: list[str] = []
+        reaped = self.reap(live, snaps, devices, notes, everyone=found) if live and self.reap_enabled else []
+        ended = {(r.process.pid, r.process.start_ticks) for r in reaped if r.ended_by != "survived"}
+        left = tuple(Offender("leaked", infos[f.key], self.owner_of(f), f.found_by, mib_of(f.pid, snaps),
+                              leak_detail(infos[f.key].uid, infos[f.key].user, infos[f.key].state, self.uid,
+                                          self.reap_enabled))
+                     for f in live if f.key not in ended)
+        if reaped or collected:
+            with contextlib.suppress(DeviceError):  # (the devices as they are now: released)
+                snaps = self.snapshot(devices)
+        waited = time.monotonic() - started
+        return CheckResult("teardown", not left, snaps, left, tuple(reaped), waited, None if left else waited,
+                           tuple(notes), collected=tuple(collected))
 
     def final_sweep(self, devices: Sequence[DeviceInfo], *, include_session: bool = False) -> list[Reaped]:
         """At session end: reap everything this session's tests and fixtures spawned that is still alive.
