@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     assert_report_consistent,
+    kill_all,
     read_pids,
     run_inner,
     summary_of,
@@ -27,9 +28,18 @@ from helpers import (
     wait_for_file,
 )
 
+from pytest_gpuclean.core.deciding import decide
 from pytest_gpuclean.model.outcomes import CheckResult, reaped_count
 from pytest_gpuclean.model.outcomes import TestRecord as Record
-from pytest_gpuclean.model.records import Owner, ProcessInfo, Reaped
+from pytest_gpuclean.model.records import (
+    MIB,
+    DeviceInfo,
+    DeviceSnapshot,
+    GpuProcess,
+    Owner,
+    ProcessInfo,
+    Reaped,
+)
 from pytest_gpuclean.report import records as session_records
 from pytest_gpuclean.report.serialize import to_dict
 
@@ -225,3 +235,68 @@ def test_under_xdist_each_workers_wide_fixture_leak_reaches_the_controller(
     assert [p["pid"] for p in fixtures["engine"]["leaked"]] == [engine]
     assert [p["pid"] for p in fixtures["server"]["leaked"]] == [server]
     assert ", 2 fixture(s) that leaked processes, 2 process(es) reaped" in summary[-1], summary
+
+
+# ---- --gpuclean-reap=off: the victims of a known leak ----------------------------------------------------
+
+def test_with_reaping_off_a_known_leak_skips_its_victims_at_once_naming_the_leaker(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+    """Reaping is off: a test's leak stays, known since its teardown. A later check that finds only that leak
+    (the same processes) does not wait out its timeout: the test is skipped at once, naming the leaker, and
+    only the leaker is counted with findings. Something new besides it (another test's leak) is waited for as
+    usual, and a test that met it fails; from then on that leak is known too."""
+    pidfile = example("verdicts/reap_off")
+    report = tmp_path / "report.json"
+    timeout = 120  # (a victim that waited it out would stop the inner session's run)
+    result = run_inner(pytester, "--gpuclean-reap=off", f"--gpuclean-timeout={timeout}",
+                       f"--gpuclean-report={report}")
+    first, second = read_pids(pidfile, 2)
+    try:
+        result.assert_outcomes(passed=2, skipped=3, errors=2)
+        result.stdout.fnmatch_lines([
+            "SKIPPED [[]1[]] test_inner.py:*: gpuclean: the GPUs hold what test_inner.py::test_1_leaks "
+            f"leaked and reaping is off: pid {first} (GPU 0 512 MiB); not run (--gpuclean-reap=off*)",
+        ])
+        summary = summary_of(result)
+        document = load(report)
+        assert_report_consistent(document, summary)
+        tests = {t["nodeid"].split("::")[1]: t for t in document["tests"]}  # type: ignore[attr-defined]
+        assert sorted(name for name, t in tests.items() if t["findings"]) == [
+            "test_1_leaks", "test_5_meets_a_new_leak_besides"]
+        for name, leakers in (("test_2_victim", ["test_inner.py::test_1_leaks"]),
+                              ("test_3_victim_too", ["test_inner.py::test_1_leaks"]),
+                              ("test_6_meets_both_known", ["test_inner.py::test_1_leaks",
+                                                           "test_inner.py::test_4_unmarked_leaks_too"])):
+            victim = tests[name]
+            assert (victim["outcome"], victim["findings"], victim["blocked_by"]) == (
+                "not_clean", False, leakers), victim
+            assert victim["before"]["waited_s"] < timeout / 4, victim["before"]  # not waited out
+        assert tests["test_5_meets_a_new_leak_besides"]["outcome"] == "not_clean"
+        assert tests["test_5_meets_a_new_leak_besides"]["blocked_by"] == []
+        assert summary[-1].startswith("5 checked test(s), 2 with findings, "), summary
+        assert any(line.startswith("test_inner.py::test_2_victim: noticed, not a finding: ")
+                   for line in summary), summary
+    finally:
+        kill_all([first, second])
+
+
+def test_a_known_leak_is_alone_unless_something_new_holds_memory_beside_it() -> None:
+    """What decides whether a check waits for GPUs that hold a known, unreaped leak: only new memory beside it
+    and the excused (what their contexts cost unlisted allowed, up to a context's overhead each)."""
+    gpu0, gpu1 = DeviceInfo(0, "GPU-0000", "H200"), DeviceInfo(1, "GPU-1111", "H200")
+    leak, me = 4242, 10
+
+    def snap(device: DeviceInfo, used_mib: float, *listed: tuple[int, float]) -> DeviceSnapshot:
+        return DeviceSnapshot(device, int(used_mib * MIB), 80 * 1024 * MIB,
+                              tuple(GpuProcess(pid, int(mib * MIB)) for pid, mib in listed))
+
+    theirs = {me, leak}
+    # The leak's 512 MiB and its context's few unlisted MiB: nothing new.
+    assert not decide.unexplained_beside([snap(gpu0, 515, (leak, 512)), snap(gpu1, 0)], theirs, 0)
+    # 100 MiB unlisted beside it: more than a context costs.
+    assert decide.unexplained_beside([snap(gpu0, 612, (leak, 512)), snap(gpu1, 0)], theirs, 0)
+    # Memory on another GPU that no process holds, or a process that is not the leak's.
+    assert decide.unexplained_beside([snap(gpu0, 512, (leak, 512)), snap(gpu1, 64)], theirs, 0)
+    assert decide.unexplained_beside([snap(gpu0, 576, (leak, 512), (77, 64)), snap(gpu1, 0)], theirs, 0)
+    # Within the tolerance, nothing is new.
+    assert not decide.unexplained_beside([snap(gpu0, 512, (leak, 512)), snap(gpu1, 64)], theirs, 64 * MIB)

@@ -246,6 +246,7 @@ def record_json(record: TestRecord, more_keys: Callable[[TestRecord], JsonDict] 
         "lock_timeout": record.lock_timeout,
         "health": [health_json(f) for f in record.health],
         "outside_action": record.outside_action,
+        "blocked_by": list(record.blocked_by),
         "timings": {"lock_wait_s": seconds(record.lock_wait_s), "before_s": seconds(record.before_s),
                     "after_s": seconds(record.after_s)},
         **(more_keys(record) if more_keys is not None else {}),

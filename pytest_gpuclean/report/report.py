@@ -301,6 +301,9 @@ def _record_parts(record: TestRecord, more_parts: Callable[[TestRecord], Sequenc
         parts.append("used a GPU whose lock another xdist worker's test held: " + ", ".join(
             f"pid {u.process.pid} {_held(u.mib_per_device)} while {u.seen_worker or 'a worker'}'s "
             f"{u.seen_by} held it" for u in record.gpu_without_lock))
+    if record.blocked_by:
+        parts.append(f"not run: its GPUs held what {' and '.join(record.blocked_by)} leaked, left there "
+                     "(reaping is off)")
     if record.outside_action is not None:
         again = any(c is not None and c.outside is not None and c.outside.same_as is not None
                     for c in (record.before, record.after))

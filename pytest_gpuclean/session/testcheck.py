@@ -24,7 +24,7 @@ from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, restore
 from pytest_gpuclean.core.ownership.evidence import fixture_owner
 from pytest_gpuclean.core.reading import health as health_mod
 from pytest_gpuclean.model.outcomes import CheckResult, FixtureLeak, TestRecord, split_own
-from pytest_gpuclean.model.records import HealthFinding, OutsideAction, Phase
+from pytest_gpuclean.model.records import HealthFinding, Offender, OutsideAction, Phase
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
@@ -63,6 +63,10 @@ class ItemChecks:
         self._candidates = tuple([d.uuid for d in session.devices])
         """The UUIDs of every device the session checks: what each test may lock."""
         self._by_locks: dict[tuple[str, ...], tuple[tuple[DeviceInfo, ...], tuple[str, ...]]] = {}
+        self._known: dict[tuple[int, int], str] = {}
+        """Leaks a check found and left (reaping is off), by (pid, start ticks): who leaked each (a test's
+        node id, or the fixture). A later check that finds them alone does not wait for them, and its test
+        is skipped, naming them (``_blocked``)."""
         self._warned_own_context = False
         self._warned_own_cuda = False
         self._torch_growth = TorchGrowth(session.found.note_replacing)
@@ -109,7 +113,7 @@ class ItemChecks:
             pytest.fail("\n\n".join(failures), pytrace=False)
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
-                                       where=state.nodeid)
+                                       where=state.nodeid, known=self._known)
         # (each helper only where its result has something for it: a clean check has nothing, and the
         # calls would be a good part of the plugin's Python calls per test)
         if result.device_lost:
@@ -128,6 +132,14 @@ class ItemChecks:
             self._stop_if_lost(item, result)
             pytest.fail(report.check_report(result, report.unreadable_heading(result)), pytrace=False)
         if not result.clean:
+            if self._known and (blocked := self._blocked(result)):
+                # Its leaker's finding, known and left: a skip at once, not a wait and an error per test.
+                record.blocked_by = tuple(dict.fromkeys(leaker for leaker, _ in blocked))
+                held = ", ".join(f"pid {o.process.pid} ({report.mib_list(o.mib_per_device) or 'no memory'})"
+                                 for _, o in blocked if o.process is not None)
+                raise _skip(f"gpuclean: the GPUs hold what {' and '.join(record.blocked_by)} leaked and "
+                            f"reaping is off: {held}; not run ({self._option_source('reap')})")
+            self._remember_unreaped(result)
             heading = report.not_clean_heading("setup", result, state.timeout)
             if self._outside_action(item, record, result) == "skip":
                 # At the test's own file:line in -rs, as pytest's skip markers are.
@@ -154,9 +166,37 @@ class ItemChecks:
         return action
 
     def _outside_source(self) -> str:
-        value = self.session.settings.outside
-        source = self.session.settings.sources.get("outside", "the default")
-        return f"{settings.option('outside').cli}={value}, {source}"
+        return self._option_source("outside")
+
+    def _option_source(self, name: str) -> str:
+        """``--gpuclean-reap=off, from the command line``: an option's value and where it came from."""
+        value = getattr(self.session.settings, name)
+        source = self.session.settings.sources.get(name, "the default")
+        return f"{settings.option(name).cli}={value}, {source}"
+
+    def _blocked(self, result: CheckResult) -> list[tuple[str, Offender]]:
+        """Who leaked what a check found, if it found nothing else: each offender a leak an earlier check
+        found and left (the check did not wait for them: ``Checker.check(known=...)``). Empty otherwise."""
+        known = self._known
+        found: list[tuple[str, Offender]] = []
+        for o in result.offenders:
+            leaker = known.get((o.process.pid, o.process.start_ticks)) if o.process is not None else None
+            if leaker is None or o.reason != "leaked":
+                return []
+            found.append((leaker, o))
+        return found if result.error is None and result.outside is None else []
+
+    def _remember_unreaped(self, result: CheckResult) -> None:
+        """With reaping off: the leaks of tests and fixtures that ``result`` found and left, for the later
+        checks (``_blocked``)."""
+        if self.session.checker.reap_enabled:
+            return
+        for o in result.offenders:
+            owner = o.owner
+            if o.reason == "leaked" and o.process is not None and owner is not None and (
+                    owner.kind in ("test", "fixture")):
+                self._known[(o.process.pid, o.process.start_ticks)] = (
+                    owner.name if owner.kind == "test" else f"fixture {owner.name}")
 
     def _applied(self, item: pytest.Item, marker: pytest.Mark | None) -> settings.TestSettings:
         # The session's settings with the marker's applied; skips or fails a test that cannot be checked.
@@ -285,6 +325,8 @@ class ItemChecks:
                                        where=state.nodeid)
         if result.device_lost:
             self._note_lost(record, result, "teardown")
+        if result.offenders:
+            self._remember_unreaped(result)
         if result.reaped:
             own_tokens = {state.token, *state.fixture_tokens}
             # A dead session's debris is that session's leak, never this test's.
@@ -339,6 +381,8 @@ class ItemChecks:
         was not checked: the test's own outcome does not change)."""
         session = self.session
         result = session.checker.check_owned(set(state.fixture_tokens), session.devices)
+        if result.offenders:
+            self._remember_unreaped(result)
         if result.notes:
             for note in result.notes:
                 session.found.note(f"gpuclean: {note} (at the teardown of {state.nodeid})", once=True)

@@ -148,9 +148,11 @@ class Checker:
 
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
               scan_cookies: bool = False, reap: bool | None = None,
-              device_errors: bool = False, where: str = "an earlier check") -> CheckResult:
+              device_errors: bool = False, where: str = "an earlier check",
+              known: Collection[tuple[int, int]] = ()) -> CheckResult:
         """Check until clean or ``timeout``; reap what is ours first (if enabled). ``where`` names this
-        check to later ones that find the same outside state (a test's node id).
+        check to later ones that find the same outside state (a test's node id). ``known``: leaks an earlier
+        check found and left (reaping off), by (pid, start ticks): found alone, they are not waited for.
 
         A device that cannot be read raises ``DeviceError``; with ``device_errors`` it ends the check
         instead, not clean, with the error (``CheckResult.error``) and what was reaped without readings.
@@ -168,7 +170,7 @@ class Checker:
                     return quiet
                 first = quiet
             check = Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                          self.reap_enabled if reap is None else reap, where, started, first)
+                          self.reap_enabled if reap is None else reap, where, started, first, known)
             return check.run()
         except DeviceError as exc:
             if not device_errors:
