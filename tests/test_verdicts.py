@@ -300,3 +300,37 @@ def test_a_known_leak_is_alone_unless_something_new_holds_memory_beside_it() -> 
     assert decide.unexplained_beside([snap(gpu0, 576, (leak, 512), (77, 64)), snap(gpu1, 0)], theirs, 0)
     # Within the tolerance, nothing is new.
     assert not decide.unexplained_beside([snap(gpu0, 512, (leak, 512)), snap(gpu1, 64)], theirs, 64 * MIB)
+
+
+# ---- what a check excuses --------------------------------------------------------------------------------
+
+def test_a_session_fixtures_gpu_memory_is_excused_out_loud_once(
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session fixture holds 2 GiB on GPU 1 for the whole session: every check excuses it (the fixture's,
+    not a test's leak), and the session says so once, naming the GPU, the memory, the fixture and why; and
+    once what a count=2 test got beside it (exclusive against other tests and sessions, not against the
+    session's own fixtures), which its clean_gpus devices show."""
+    pidfile = example("verdicts/excused")
+    seen, report = tmp_path / "seen.json", tmp_path / "report.json"
+    monkeypatch.setenv("SEEN", str(seen))
+    result = run_inner(pytester, f"--gpuclean-report={report}")
+    result.assert_outcomes(passed=3)
+    server = read_pids(pidfile)[0]
+    line = _fixture_line(pytester.path / "conftest.py", "server")
+    fixture = f"fixture server (session-scoped, conftest.py:{line})"
+    excused = (f"gpuclean: excused: GPU 1 2048 MiB held by pid {server} of {fixture}, while the fixture is "
+               "active: the fixture's own, not a test's leak")
+    count = (f"gpuclean: test_inner.py::test_wants_both_gpus (count=2) got GPU 1 with 2048 MiB of {fixture} "
+             "on it: count makes a test's GPUs exclusive against other tests and sessions, not against this "
+             "session's own fixtures")
+    summary = summary_of(result)
+    assert summary.count(excused) == 1 and summary.count(count) == 1, summary
+    assert summary[-1] == "3 checked test(s), 0 with findings, 0 process(es) reaped", summary
+    document = load(report)
+    assert_report_consistent(document, summary)
+    notes = document["notes"]
+    assert notes.count(excused) == 1 and notes.count(count) == 1, notes  # type: ignore[attr-defined]
+    assert all(t["outcome"] == "clean" for t in document["tests"])  # type: ignore[attr-defined]
+    # The count=2 test sees the memory in use on GPU 1.
+    assert json.loads(seen.read_text()) == [[0, 0], [1, 2048 * MIB]]

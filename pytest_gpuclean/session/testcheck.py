@@ -24,7 +24,7 @@ from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, restore
 from pytest_gpuclean.core.ownership.evidence import fixture_owner
 from pytest_gpuclean.core.reading import health as health_mod
 from pytest_gpuclean.model.outcomes import CheckResult, FixtureLeak, TestRecord, split_own
-from pytest_gpuclean.model.records import HealthFinding, Offender, OutsideAction, Phase
+from pytest_gpuclean.model.records import MIB, HealthFinding, Offender, OutsideAction, Phase
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
@@ -67,6 +67,10 @@ class ItemChecks:
         """Leaks a check found and left (reaping is off), by (pid, start ticks): who leaked each (a test's
         node id, or the fixture). A later check that finds them alone does not wait for them, and its test
         is skipped, naming them (``_blocked``)."""
+        self._excused: set[tuple[int, int]] = set()
+        """The processes of the session's own (live fixtures', the set-up's) whose GPU memory a check excused,
+        said once each (``_note_excused``)."""
+        self._count_told = False
         self._warned_own_context = False
         self._warned_own_cuda = False
         self._torch_growth = TorchGrowth(session.found.note_replacing)
@@ -123,6 +127,8 @@ class ItemChecks:
         if session.checker.notices:
             session.take_notices()
         self._note_own_context(result)
+        if result.clean and any(s.processes for s in result.devices):
+            self._note_excused(state, result)
         if result.reaped:
             session.attribute_earlier(result.reaped, state.nodeid, result.notes)
         if result.siblings:
@@ -546,6 +552,51 @@ class ItemChecks:
                 self._tearing_down.fixture_tokens.append(token)
             else:
                 self._fixture_defs.pop(token, None)  # ended outside any test: the final sweep names it
+
+    # ---- what a check excuses -------------------------------------------------------------------------
+
+    def _note_excused(self, state: ItemState, result: CheckResult) -> None:
+        """Said once per process: GPU memory that a clean check excused as the session's own, held by a live
+        fixture's process (or the session set-up's, or one older than the session), with whose it is and
+        why; and once, what a ``count`` test got beside it."""
+        checker = self.session.checker
+        ownership, me = checker.ownership, os.getpid()
+        by_pid = {f.pid: f for f in checker.last_census if f.token is not None and f.live}
+        held: dict[tuple[int, int], tuple[str, list[tuple[str, float]]]] = {}
+        for snap in result.devices:
+            for process in snap.processes:
+                f = by_pid.get(process.pid)
+                if f is None or process.pid == me or not process.used_bytes or (
+                        not ownership.is_protected(f.token)):
+                    continue
+                entry = held.setdefault(f.key, (self._whose(f.token), []))
+                entry[1].append((snap.device.label, process.used_bytes / MIB))
+        for key, (whose, mib) in held.items():
+            if key not in self._excused:
+                self._excused.add(key)
+                while_ = ("while the fixture is active: the fixture's own" if whose.startswith("fixture ")
+                          else "the session's own")
+                self.session.found.note(f"gpuclean: excused: {report.mib_list(mib)} held by pid {key[0]} of "
+                                        f"{whose}, {while_}, not a test's leak")
+        if held and state.previous_visible is not None and not self._count_told:
+            # (a test with a count: only it has CUDA_VISIBLE_DEVICES set for it) It asked for its GPUs
+            # exclusively: said once what that means beside the session's own.
+            self._count_told = True
+            got = "; ".join(", ".join(f"{label} with {value:.0f} MiB" for label, value in mib)
+                            + f" of {whose}" for whose, mib in held.values())
+            self.session.found.note(
+                f"gpuclean: {state.nodeid} (count={len(state.devices)}) got {got} on it: count makes a "
+                "test's GPUs exclusive against other tests and sessions, not against this session's own "
+                "fixtures")
+
+    def _whose(self, token: str | None) -> str:
+        """``fixture server (session-scoped, conftest.py:5)``, or who else the session's own process is."""
+        fixturedef = self._fixture_defs.get(token or "")
+        if fixturedef is not None:
+            where = fixture_location(fixturedef, self.session.config.rootpath)
+            return str(FixtureLeak(fixturedef.argname, fixturedef.scope, where, ""))
+        owner = self.session.checker.ownership.owner(token)
+        return "the session set-up (a conftest or a plugin)" if owner.kind == "session" else owner.name
 
     # ---- what the pytest process itself holds -----------------------------------------------------
 
