@@ -430,9 +430,11 @@ class Checker:
         """What ``tokens`` (fixtures that just ended) left alive, judged without a test's check around it (the
         test that ended them was not checked after): given the settle time to exit by themselves, then reaped
         if reaping is on. The devices are read only for what each held and to time its release, never
-        judged: no GPU lock is held, so another job's memory there is none of this check's business."""
+        judged: no GPU lock is held, so another job's memory there is none of this check's business. The
+        census walks the session's tree (where this subreaper keeps what double-forked), not all of /proc:
+        a module's end costs what a clean check costs; what left the tree is the final sweep's."""
         started = time.monotonic()
-        found = [f for f in self.census(scan_cookies=True)
+        found = [f for f in self.census()
                  if f.token in tokens and f.debris_of is None and not self.is_protected(f)]
         if not found:
             return CheckResult("teardown", True, (), (), waited_s=time.monotonic() - started)
