@@ -243,7 +243,8 @@ def assert_report_consistent(document: dict[str, Any], summary: list[str] | None
     nodeids = {t["nodeid"] for t in tests}
     assert all(f["reported_on"] in nodeids for f in document.get("fixtures", [])), document.get("fixtures")
     if summary is not None:
-        totals = summary[-1]
+        # (the last line of gpuclean's own, before any GitHub annotation)
+        totals = next(line for line in reversed(summary) if " checked test(s), " in line)
         assert totals.startswith(f"{derived['checked']} checked test(s), {derived['with_findings']} with "
                                  "findings"), (totals, derived)
         assert f", {derived['reaped']} process(es) reaped" in totals, (totals, derived)

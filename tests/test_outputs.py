@@ -174,6 +174,7 @@ def test_report_under_xdist_is_merged_from_the_workers(example: Callable[..., Pa
     result.assert_outcomes(passed=8, errors=4)
     document = json.loads((pytester.path / "report.json").read_text())
     validate(document)
+    assert_report_consistent(document, summary_of(result))
     assert document["session"]["xdist_workers"] == 2
     tests = by_nodeid(document)
     assert set(tests) == {f"test_inner.py::test_{name}[{n}]" for name in ("leaks", "clean") for n in range(4)}
@@ -460,6 +461,7 @@ def test_a_session_fixture_leak_is_the_fixtures_not_the_last_tests(
 
     document = json.loads((pytester.path / "report.json").read_text())
     validate(document)
+    assert_report_consistent(document, summary_of(result) if reap == "on" else None)
     assert {t["nodeid"]: t["outcome"] for t in document["tests"]} == {
         f"test_{f}.py::test_{t}": "clean" for f, t in (("1", "a"), ("1", "b"), ("2", "c"), ("2", "d"))}
     test_d = by_nodeid(document)["test_2.py::test_d"]
