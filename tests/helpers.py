@@ -182,6 +182,15 @@ def summary_of(result: pytest.RunResult) -> list[str]:
     return section
 
 
+def isolate_inner_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inner sessions a test starts see nothing of the run the test is part of: under an outer ``-n``,
+    they and the holders started here would inherit the outer run's id, and the checker would excuse those
+    holders as sibling xdist workers of its own run; on GitHub Actions they would annotate that job."""
+    for name in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "GITHUB_WORKSPACE", "PYTEST_XDIST_TESTRUNUID",
+                 "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def run_inner(pytester: pytest.Pytester, *args: str, timeout: float = INNER_TIMEOUT) -> pytest.RunResult:
     """An inner pytest session with gpuclean, in a subprocess (signals, children and kills stay there)."""
     return pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider", "-rA", *args,

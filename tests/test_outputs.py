@@ -20,6 +20,7 @@ from helpers import (
     alive,
     assert_report_consistent,
     clean_environment,
+    isolate_inner_sessions,
     read_pids,
     run_inner,
     summary_of,
@@ -34,13 +35,7 @@ from pytest_gpuclean.session import outputs
 
 @pytest.fixture(autouse=True)
 def _isolated_inner_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
-    # When this suite itself runs on GitHub Actions, the inner sessions must not annotate that job.
-    for name in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "GITHUB_WORKSPACE"):
-        monkeypatch.delenv(name, raising=False)
-    # Under an outer `-n`, an inner session and the holders started here would inherit the outer
-    # run's id, and the checker would excuse those holders as sibling xdist workers of its own run.
-    for name in ("PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
-        monkeypatch.delenv(name, raising=False)
+    isolate_inner_sessions(monkeypatch)
 
 
 def validate(document: Any) -> None:

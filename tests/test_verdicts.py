@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     assert_report_consistent,
+    isolate_inner_sessions,
     kill_all,
     read_pids,
     run_inner,
@@ -46,10 +47,7 @@ from pytest_gpuclean.report.serialize import to_dict
 
 @pytest.fixture(autouse=True)
 def _isolated_inner_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Under an outer `-n`, an inner session would inherit the outer run's id (test_outputs.py says why).
-    for name in ("PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
-                 "GITHUB_ACTIONS"):
-        monkeypatch.delenv(name, raising=False)
+    isolate_inner_sessions(monkeypatch)
 
 
 def load(path: Path) -> dict[str, object]:
