@@ -238,13 +238,15 @@ def test_under_xdist_each_workers_wide_fixture_leak_reaches_the_controller(
 # ---- --gpuclean-reap=off: the victims of a known leak ----------------------------------------------------
 
 def test_with_reaping_off_a_known_leak_skips_its_victims_at_once_naming_the_leaker(
-        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path) -> None:
+        example: Callable[..., Path], pytester: pytest.Pytester, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Reaping is off: a test's leak stays, known since its teardown. A later check that finds only that leak
     (the same processes) does not wait out its timeout: the test is skipped at once, naming the leaker, and
     only the leaker is counted with findings. Something new besides it (another test's leak) is waited for as
     usual, and a test that met it fails; from then on that leak is known too."""
     pidfile = example("verdicts/reap_off")
     report = tmp_path / "report.json"
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")  # (annotations: the leakers', not the victims')
     timeout = 120  # (a victim that waited it out would stop the inner session's run)
     result = run_inner(pytester, "--gpuclean-reap=off", f"--gpuclean-timeout={timeout}",
                        f"--gpuclean-report={report}")
@@ -271,9 +273,13 @@ def test_with_reaping_off_a_known_leak_skips_its_victims_at_once_naming_the_leak
             assert victim["before"]["waited_s"] < timeout / 4, victim["before"]  # not waited out
         assert tests["test_5_meets_a_new_leak_besides"]["outcome"] == "not_clean"
         assert tests["test_5_meets_a_new_leak_besides"]["blocked_by"] == []
-        assert summary[-1].startswith("5 checked test(s), 2 with findings, "), summary
+        assert "5 checked test(s), 2 with findings, 0 process(es) reaped" in summary, summary
         assert any(line.startswith("test_inner.py::test_2_victim: noticed, not a finding: ")
                    for line in summary), summary
+        annotations = [line for line in result.stdout.lines if line.startswith("::error ")]
+        assert len(annotations) == 2, annotations
+        assert "::test_1_leaks leaked 1 process(es)" in annotations[0]
+        assert "GPUs not clean before test_inner.py::test_5_meets_a_new_leak_besides" in annotations[1]
     finally:
         kill_all([first, second])
 

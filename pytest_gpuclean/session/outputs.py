@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean.model.outcomes import FixtureLeak, TestRecord
+from pytest_gpuclean.model.outcomes import FixtureLeak, TestRecord, has_findings
 from pytest_gpuclean.model.records import DeviceInfo, Reaped
 from pytest_gpuclean.report import records, report
 
@@ -118,6 +118,8 @@ def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
 
     if record.lock_timeout is not None:
         return TITLE_LOCK_TIMEOUT, f"{record.nodeid} never got its GPU locks: {record.lock_timeout}"
+    if record.blocked_by and not has_findings(record):
+        return None  # (skipped for a leak reported and left: its leaker's annotation says it)
     verdict = jsonreport.outcome(record)
     if verdict == "leaked":
         leaked = jsonreport.leaked_json(record)
@@ -222,7 +224,7 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
                 f"`{_cell(record.nodeid)}`" if "`" not in record.nodeid else _cell(record.nodeid),
                 "lock timeout", _cell(record.lock_timeout), "-", "-", "-"]) + " |")
             continue
-        if verdict in ("clean", "unchecked"):
+        if verdict in ("clean", "unchecked") or (record.blocked_by and not has_findings(record)):
             continue
         leaked = jsonreport.leaked_json(record)
         processes = ", ".join(f"pid {p['pid']} {p['ended_by'] or 'NOT reaped'}" for p in leaked)
