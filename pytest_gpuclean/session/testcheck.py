@@ -562,7 +562,7 @@ class ItemChecks:
         checker = self.session.checker
         ownership, me = checker.ownership, os.getpid()
         by_pid = {f.pid: f for f in checker.last_census if f.token is not None and f.live}
-        held: dict[tuple[int, int], tuple[str, list[tuple[str, float]]]] = {}
+        held: dict[tuple[int, int], tuple[tuple[str, str], list[tuple[str, float]]]] = {}
         for snap in result.devices:
             for process in snap.processes:
                 f = by_pid.get(process.pid)
@@ -571,32 +571,34 @@ class ItemChecks:
                     continue
                 entry = held.setdefault(f.key, (self._whose(f.token), []))
                 entry[1].append((snap.device.label, process.used_bytes / MIB))
-        for key, (whose, mib) in held.items():
+        for key, ((whose, why), mib) in held.items():
             if key not in self._excused:
                 self._excused.add(key)
-                while_ = ("while the fixture is active: the fixture's own" if whose.startswith("fixture ")
-                          else "the session's own")
-                self.session.found.note(f"gpuclean: excused: {report.mib_list(mib)} held by pid {key[0]} of "
-                                        f"{whose}, {while_}, not a test's leak")
+                self.session.found.note(f"gpuclean: excused: {report.mib_list(mib)} held by pid {key[0]} "
+                                        f"{whose}, {why}, not a test's leak")
         if held and state.previous_visible is not None and not self._count_told:
             # (a test with a count: only it has CUDA_VISIBLE_DEVICES set for it) It asked for its GPUs
             # exclusively: said once what that means beside the session's own.
             self._count_told = True
-            got = "; ".join(", ".join(f"{label} with {value:.0f} MiB" for label, value in mib)
-                            + f" of {whose}" for whose, mib in held.values())
+            got = "; ".join(", ".join(f"{label} with {value:.0f} MiB" for label, value in mib) + f" {whose}"
+                            for (whose, _), mib in held.values())
             self.session.found.note(
                 f"gpuclean: {state.nodeid} (count={len(state.devices)}) got {got} on it: count makes a "
                 "test's GPUs exclusive against other tests and sessions, not against this session's own "
                 "fixtures")
 
-    def _whose(self, token: str | None) -> str:
-        """``fixture server (session-scoped, conftest.py:5)``, or who else the session's own process is."""
+    def _whose(self, token: str | None) -> tuple[str, str]:
+        """Whose a process of the session's own is (``of fixture server (session-scoped, conftest.py:5)``),
+        and why its memory is excused."""
         fixturedef = self._fixture_defs.get(token or "")
         if fixturedef is not None:
             where = fixture_location(fixturedef, self.session.config.rootpath)
-            return str(FixtureLeak(fixturedef.argname, fixturedef.scope, where, ""))
+            return (f"of {FixtureLeak(fixturedef.argname, fixturedef.scope, where, '')}",
+                    "while the fixture is active: the fixture's own")
         owner = self.session.checker.ownership.owner(token)
-        return "the session set-up (a conftest or a plugin)" if owner.kind == "session" else owner.name
+        if owner.kind == "session":
+            return "of the session set-up (a conftest or a plugin)", "until the session's end: its own"
+        return f"({owner.name})", "never signalled"
 
     # ---- what the pytest process itself holds -----------------------------------------------------
 
