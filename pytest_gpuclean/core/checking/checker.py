@@ -429,19 +429,16 @@ class Checker:
     def check_owned(self, tokens: Collection[str], devices: Sequence[DeviceInfo]) -> CheckResult:
         """What ``tokens`` (fixtures that just ended) left alive, judged without a test's check around it (the
         test that ended them was not checked after): given the settle time to exit by themselves, then reaped
-        if reaping is on. The devices are read only for what each held and to time its release, never
-        judged: no GPU lock is held, so another job's memory there is none of this check's business. The
-        census walks the session's tree (where this subreaper keeps what double-forked), not all of /proc:
-        a module's end costs what a clean check costs; what left the tree is the final sweep's."""
+        if reaping is on, as at the session's edges (``_reap_unread``). The devices are read only for what
+        each held and to time its release, never judged: no GPU lock is held, so another job's memory there
+        is none of this check's business. The census walks the session's tree (where this subreaper keeps
+        what double-forked), not all of /proc: a module's end costs what a clean check costs; what left the
+        tree is the final sweep's."""
         started = time.monotonic()
         found = [f for f in self.census()
                  if f.token in tokens and f.debris_of is None and not self.is_protected(f)]
         if not found:
             return CheckResult("teardown", True, (), (), waited_s=time.monotonic() - started)
-        try:
-            snaps = self.snapshot(devices)
-        except DeviceError:
-            snaps, devices = (), ()
         infos = {f.key: processes.describe(f.pid, f.start_ticks) or reaping.vanished(f.pid) for f in found}
         collected: list[Reaped] = []
 
@@ -460,15 +457,15 @@ class Checker:
                 live.remove(f)
                 gone(f, "exited by itself")
         notes: list[str] = []
-        reaped = self.reap(live, snaps, devices, notes, everyone=found) if live and self.reap_enabled else []
+        reaped = self._reap_unread(live, devices, notes) if live and self.reap_enabled else []
+        snaps: tuple[DeviceSnapshot, ...] = ()
+        with contextlib.suppress(DeviceError):  # (the devices as they are now: what was ended is released)
+            snaps = self.snapshot(devices)
         ended = {(r.process.pid, r.process.start_ticks) for r in reaped if r.ended_by != "survived"}
         left = tuple(Offender("leaked", infos[f.key], self.owner_of(f), f.found_by, mib_of(f.pid, snaps),
                               leak_detail(infos[f.key].uid, infos[f.key].user, infos[f.key].state, self.uid,
                                           self.reap_enabled))
                      for f in live if f.key not in ended)
-        if reaped or collected:
-            with contextlib.suppress(DeviceError):  # (the devices as they are now: released)
-                snaps = self.snapshot(devices)
         waited = time.monotonic() - started
         return CheckResult("teardown", not left, snaps, left, tuple(reaped), waited, None if left else waited,
                            tuple(notes), collected=tuple(collected))
