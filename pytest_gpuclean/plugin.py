@@ -479,8 +479,9 @@ class _GpuCleanPlugin:
             return (yield)
         return (yield from self.session.tests.teardown(item, has_next=nextitem is not None))
 
-    def reap_crashed(self, nodeid: str) -> None:
-        """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran."""
+    def reap_crashed(self, nodeid: str | None) -> None:
+        """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran (None: on the
+        test each process names, the worker's shutdown having interrupted whatever it ran)."""
         if self.session is not None:
             self.session.reap_crashed(nodeid)
 
@@ -568,6 +569,13 @@ class _XdistHooks:
 
     def __init__(self, plugin: _GpuCleanPlugin) -> None:
         self.plugin = plugin
+        self._ready: set[int] = set()
+        """Workers that started (``id`` of xdist's node), and those whose findings arrived."""
+        self._heard: set[int] = set()
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodeready(self, node: Any) -> None:
+        self._ready.add(id(node))
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_handlecrashitem(self, crashitem: str, report: Any, sched: Any) -> None:
@@ -578,8 +586,46 @@ class _XdistHooks:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        payload = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
-        if payload:
+        self._take(node)
+
+    def _stream(self, test_report: Any) -> None:
+        """A test's record on a report xdist never got to hand on (``outputs.PerTestOutputs`` takes the
+        others)."""
+        from pytest_gpuclean.session.outputs import RECORD_ATTRIBUTE
+
+        record = getattr(test_report, RECORD_ATTRIBUTE, None)
+        if record is not None and test_report.when in ("setup", "teardown"):
             from pytest_gpuclean.report.records import of
 
+            of(self.plugin.config).stream(test_report.nodeid, record)
+
+    def _take(self, node: Any) -> None:
+        payload = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
+        if payload and id(node) not in self._heard:
+            from pytest_gpuclean.report.records import of
+
+            self._heard.add(id(node))
             of(self.plugin.config).add_worker(payload)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        # After xdist's own, which shut the workers down. An interrupted controller (Ctrl-C, or SIGTERM: a
+        # cancelled job) stops reading its workers' events before they end: their shutdown interrupts the
+        # test they run, their sweep reaps what it leaked, and what they found arrives in xdist's queue,
+        # where nothing reads it any more. Taken from there, the summary and the report have it. What a
+        # worker that never sent it (killed) left is reaped here, as a crashed worker's is.
+        if not self.plugin.controller:
+            return
+        dsession = session.config.pluginmanager.get_plugin("dsession")
+        events = getattr(dsession, "queue", None)
+        while events is not None:
+            try:
+                name, kwargs = events.get_nowait()
+            except Exception:  # (queue.Empty: all taken)
+                break
+            if name == "workerfinished":
+                self._take(kwargs.get("node"))
+            elif name == "testreport":
+                self._stream(kwargs.get("rep"))
+        if self._ready - self._heard:
+            self.plugin.reap_crashed(None)

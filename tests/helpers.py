@@ -191,6 +191,15 @@ def marked_line(path: Path, function: str) -> int:
     return index + 1
 
 
+def isolate_inner_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inner sessions a test starts see nothing of the run the test is part of: under an outer ``-n``,
+    they and the holders started here would inherit the outer run's id, and the checker would excuse those
+    holders as sibling xdist workers of its own run; on GitHub Actions they would annotate that job."""
+    for name in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "GITHUB_WORKSPACE", "PYTEST_XDIST_TESTRUNUID",
+                 "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def run_inner(pytester: pytest.Pytester, *args: str, timeout: float = INNER_TIMEOUT) -> pytest.RunResult:
     """An inner pytest session with gpuclean, in a subprocess (signals, children and kills stay there)."""
     return pytester.runpytest_subprocess("-p", "gpuclean", "-p", "no:cacheprovider", "-rA", *args,
@@ -203,3 +212,59 @@ import os, subprocess, sys, time
 import pytest
 from prelude import PIDFILE, SIM, hold, wait_holders
 """
+
+
+def _identity(process: dict[str, Any]) -> tuple[int, int]:
+    return process["pid"], process["start_ticks"]
+
+
+def assert_report_consistent(document: dict[str, Any], summary: list[str] | None = None) -> None:
+    """Whatever a JSON report (``--gpuclean-report``) found, its ``summary`` says the same as its records:
+    each count equals the count derived from the per-test records (and the fixtures, and what the session's
+    end reaped); every process left behind is listed once; every fixture is reported at a test the report
+    lists. With ``summary`` (the terminal summary's lines, ``summary_of``), its totals line says the same."""
+    tests, counts = document["tests"], document["summary"]
+    outcomes = [t["outcome"] for t in tests]
+    checks = [c for t in tests for c in (t["before"], t["after"], t.get("cluster_before"),
+                                         t.get("cluster_after")) if c]
+    # A process reaped more than once is counted once: where it was ended.
+    reaped = {_identity(r["process"]) for c in checks for r in c["reaped"]}
+    reaped |= {_identity(r["process"]) for t in tests for r in t["found_later"]}
+    reaped |= {_identity(r["process"]) for f in document.get("fixtures", []) for r in f["reaped"]}
+    reaped |= {_identity(r["process"]) for r in document["session_reaped"]}
+    derived = {
+        "tests": len(tests),
+        "checked": sum(1 for t in tests if t["before"] is not None),
+        "with_findings": sum(1 for t in tests if t["findings"]),
+        "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
+        "not_clean": outcomes.count("not_clean"), "gpu_fault": outcomes.count("gpu_fault"),
+        "reaped": len(reaped),
+        "lock_timeouts": sum(1 for t in tests if t["lock_timeout"] is not None),
+        "fixture_leaks": len(document.get("fixtures", [])),
+        "device_errors": sum(1 for t in tests if any(c is not None and c["error"] is not None
+                                                     for c in (t["before"], t["after"]))),
+        "dirty_from_outside": sum(1 for t in tests if t.get("outside_action") is not None),
+    }
+    without_lock = sum(1 for t in tests if t.get("gpu_without_lock"))
+    if without_lock:
+        derived["gpu_without_lock"] = without_lock
+    assert {k: counts.get(k) for k in derived} == derived, (counts, derived)
+    assert len({t["nodeid"] for t in tests}) == len(tests), "a test listed twice"
+    for t in tests:
+        # (a test that GPUs holding only a known, unreaped leak kept from running is noticed, not at fault)
+        blocked = bool(t.get("blocked_by")) and t["after"] is None and t["outcome"] == "not_clean"
+        assert t["findings"] is ((t["outcome"] in ("leaked", "not_clean", "gpu_fault") and not blocked)
+                                 or bool(t["in_process_mib"]) or bool(t.get("gpu_without_lock"))), t
+    left = [(p["pid"], p["owner"]) for t in tests for p in t["leaked"]]
+    left += [(p["pid"], p["owner"]) for f in document.get("fixtures", []) for p in f["leaked"]]
+    assert len({pid for pid, _ in left}) == len(left), f"a process listed as left behind twice: {left}"
+    nodeids = {t["nodeid"] for t in tests}
+    assert all(f["reported_on"] in nodeids for f in document.get("fixtures", [])), document.get("fixtures")
+    if summary is not None:
+        # (the last line of gpuclean's own, before any GitHub annotation)
+        totals = next(line for line in reversed(summary) if " checked test(s), " in line)
+        assert totals.startswith(f"{derived['checked']} checked test(s), {derived['with_findings']} with "
+                                 "findings"), (totals, derived)
+        assert f", {derived['reaped']} process(es) reaped" in totals, (totals, derived)
+        fixtures = derived["fixture_leaks"]
+        assert (f", {fixtures} fixture(s) that leaked processes" in totals) is bool(fixtures), totals

@@ -198,29 +198,38 @@ def test_totals_count_what_outcome_decides() -> None:
     records = [row[1] for row in OUTCOMES]
     summary = jsonreport.summary_json(records, [])
     decided = [outcome(r) for r in records]
-    assert summary["with_findings"] == sum(1 for r in records if r.before is not None and has_findings(r))
+    assert summary["with_findings"] == sum(1 for r in records if has_findings(r))
     for key in ("clean", "leaked", "not_clean", "gpu_fault"):
         assert summary[key] == decided.count(key)
     checked = [r for r in records if r.before is not None]
     unchecked_leaked = sum(1 for r in records if r.before is None and outcome(r) == "leaked")
     assert report.totals_line(records, []).startswith(
-        f"{len(checked)} checked test(s), {sum(1 for r in checked if has_findings(r))} with findings, "
+        f"{len(checked)} checked test(s), {sum(1 for r in records if has_findings(r))} with findings, "
         f"1 fixture(s) that leaked processes, {unchecked_leaked} unchecked test(s) that leaked processes, ")
 
 
 def test_reaped_count_counts_each_process_where_it_was_ended() -> None:
-    # By the check before or after a test, on the Ray cluster, with a fixture, at the session's end; a leak
-    # found by a later check is counted by that check, not again in its test's record.
-    record = Record(NODEID, before=CLEAN_BEFORE.replace(reaped=(reaped(EARLIER),)),
-                    after=after(reaped=(reaped(ME), reaped(ME))),
-                    cluster_before=cluster(reaped_=(on_node(reaped(EARLIER)),)),
-                    cluster_after=cluster(reaped_=(on_node(reaped(ME)),)),
-                    fixture_leaks=(FIXTURE_LEAK,), found_later=(reaped(ME),))
-    records, session_reaped = [record, Record("t.py::test_unchecked")], [reaped(SESSION)]
-    assert reaped_count(records, session_reaped) == 1 + 2 + 1 + 1 + 1 + 1
+    # By the check before or after a test, on the Ray cluster, with a fixture, by an xdist controller for a
+    # worker that died (found_later only), at the session's end; each process once, by its identity: a leak
+    # found by a later check is in that check's reaped and in its test's found_later.
+    def ended(pid: int, owner: Owner, node: str | None = None) -> Reaped:
+        return reaped(owner).replace(process=PROC.replace(pid=pid), node=node)
+
+    earlier = ended(1, EARLIER)
+    record = Record(NODEID, before=CLEAN_BEFORE.replace(reaped=(earlier,)),
+                    after=after(reaped=(ended(2, ME), ended(3, ME))),
+                    cluster_before=cluster(reaped_=(ended(1, EARLIER, NODE),)),
+                    cluster_after=cluster(reaped_=(ended(4, ME, NODE),)),
+                    fixture_leaks=(FIXTURE_LEAK.replace(reaped=(ended(5, MY_FIXTURE),)),),
+                    found_later=(ended(6, ME),))
+    found_earlier = Record("t.py::test_earlier", found_later=(earlier,))
+    records, session_reaped = [record, found_earlier, Record("t.py::test_unchecked")], [ended(7, SESSION)]
+    # pid 1 on this host and pid 1 on a Ray node are two processes; the earlier test's found_later is pid 1
+    # of this host's check before.
+    assert reaped_count(records, session_reaped) == 1 + 2 + 1 + 1 + 1 + 1 + 1
     # The summary line and the JSON report ask it, so they agree.
-    assert jsonreport.summary_json(records, session_reaped)["reaped"] == 7
-    assert ", 7 process(es) reaped" in report.totals_line(records, session_reaped)
+    assert jsonreport.summary_json(records, session_reaped)["reaped"] == 8
+    assert ", 8 process(es) reaped" in report.totals_line(records, session_reaped)
 
 
 def test_own_leaks_lists_each_place_in_report_order() -> None:

@@ -16,7 +16,17 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
-from helpers import alive, clean_environment, read_pids, run_inner, unprivileged, wait_dead
+from helpers import (
+    alive,
+    assert_report_consistent,
+    clean_environment,
+    isolate_inner_sessions,
+    read_pids,
+    run_inner,
+    summary_of,
+    unprivileged,
+    wait_dead,
+)
 
 from pytest_gpuclean.core.reading.simulated import simulated_uuid
 from pytest_gpuclean.report import jsonreport
@@ -25,13 +35,7 @@ from pytest_gpuclean.session import outputs
 
 @pytest.fixture(autouse=True)
 def _isolated_inner_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
-    # When this suite itself runs on GitHub Actions, the inner sessions must not annotate that job.
-    for name in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY", "GITHUB_WORKSPACE"):
-        monkeypatch.delenv(name, raising=False)
-    # Under an outer `-n`, an inner session and the holders started here would inherit the outer
-    # run's id, and the checker would excuse those holders as sibling xdist workers of its own run.
-    for name in ("PYTEST_XDIST_TESTRUNUID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
-        monkeypatch.delenv(name, raising=False)
+    isolate_inner_sessions(monkeypatch)
 
 
 def validate(document: Any) -> None:
@@ -70,10 +74,12 @@ def test_with_findings_counts_only_the_tests_at_fault_as_the_json_does(
     assert at_fault == ["test_1_unchecked_leaks", "test_3_leaks", "test_5_leaks_too"]
     assert by_test["test_2_victim_reaps_it_before"]["outcome"] == "clean"
     assert by_test["test_2_victim_reaps_it_before"]["before"]["reaped"]  # it reaped the leak, for the leaker
-    # The count is of checked tests (the unchecked leaker has its own part), and the JSON says the same.
-    assert document["summary"]["with_findings"] == 2
+    # The count is of every test at fault (the unchecked leaker too, also named in a part of its own), and
+    # the JSON says the same.
+    assert document["summary"]["with_findings"] == 3
+    assert_report_consistent(document, summary_of(result))
     out = result.stdout.str()
-    assert "4 checked test(s), 2 with findings, 1 unchecked test(s) that leaked processes" in out
+    assert "4 checked test(s), 3 with findings, 1 unchecked test(s) that leaked processes" in out
     result.stdout.fnmatch_lines(["test_inner.py::test_2_victim_reaps_it_before: noticed, not a finding: "
                                  "setup: reaped 1 *"])
 
@@ -163,6 +169,7 @@ def test_report_under_xdist_is_merged_from_the_workers(example: Callable[..., Pa
     result.assert_outcomes(passed=8, errors=4)
     document = json.loads((pytester.path / "report.json").read_text())
     validate(document)
+    assert_report_consistent(document, summary_of(result))
     assert document["session"]["xdist_workers"] == 2
     tests = by_nodeid(document)
     assert set(tests) == {f"test_inner.py::test_{name}[{n}]" for name in ("leaks", "clean") for n in range(4)}
@@ -449,6 +456,7 @@ def test_a_session_fixture_leak_is_the_fixtures_not_the_last_tests(
 
     document = json.loads((pytester.path / "report.json").read_text())
     validate(document)
+    assert_report_consistent(document, summary_of(result) if reap == "on" else None)
     assert {t["nodeid"]: t["outcome"] for t in document["tests"]} == {
         f"test_{f}.py::test_{t}": "clean" for f, t in (("1", "a"), ("1", "b"), ("2", "c"), ("2", "d"))}
     test_d = by_nodeid(document)["test_2.py::test_d"]

@@ -93,7 +93,7 @@ RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 6
 # A Ray cluster's check: an ordinary check whose findings name their node.
 RAY_REAPED = REAPED.replace(ended_by="exited by itself", node=NODE, via="ray.kill",
                                  actor_id="a" * 32, job_id="01000000")
-RAY_LADDER = REAPED.replace(node=NODE, via="ladder", job_id="01000000")
+RAY_LADDER = REAPED.replace(process=PROC.replace(pid=4243), node=NODE, via="ladder", job_id="01000000")
 RAY_RELEASE = NodeRelease(NODE, 0.41, (4242,))
 RAY_NODE = NodeReading(NODE, (RAY_SNAP,), "")
 RAY_AFTER = CheckResult("teardown", False, (), (LEAKED.replace(node=NODE),),
@@ -137,7 +137,7 @@ def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
 
     lines = report.summary_lines([RAY_RECORD], [], [], ray_reporting.summary_parts)
     assert lines[0] == (f"t.py::test_ray: Ray teardown on node {NODE[:8]}: reaped pid 4242 by ray.kill, "
-                        "pid 4242 SIGTERM, devices released in 0.41s, not clean (leaked pid 4242)")
+                        "pid 4243 SIGTERM, devices released in 0.41s, not clean (leaked pid 4242)")
     assert lines[-1] == "1 checked test(s), 1 with findings, 2 process(es) reaped"
     # Without the extension's parts, the line keeps what gpuclean itself says of the test (the counts
     # include the cluster's findings: they are ordinary records).
@@ -268,8 +268,9 @@ def test_totals_count_unchecked_leakers_apart_from_checked_tests() -> None:
     # An unchecked test has a record only because a later check found what it leaked.
     clean = Record("t.py::test_clean", before=BEFORE, after=BEFORE.replace(phase="teardown"))
     unchecked = Record("t.py::test_unmarked", found_later=(REAPED,))
+    # At fault, so counted with findings as the JSON report's with_findings counts it, and named apart.
     assert report.totals_line([clean, unchecked], [REAPED]) == (
-        "1 checked test(s), 0 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped")
+        "1 checked test(s), 1 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped")
     assert report.totals_line([clean, RECORD], []) == (
         "2 checked test(s), 1 with findings, 1 process(es) reaped")
     # A test that never got its GPU locks was not checked either.
@@ -292,7 +293,10 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
         "reason": "memory", "found_by": "gpu", "detail": "88 MiB used on GPU 0 beyond the tolerance",
         "process": None, "owner": None, "mib_per_device": [{"device": "GPU 0", "mib": 88.0}]}
     assert jsonreport.snapshot_json(SNAP)["processes"][1] == {"pid": 7, "used_bytes": None, "used_mib": None}
-    assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")], [REAPED]) == {
+    # (REAPED after the test and SURVIVED found later are one process, counted once; the session's end
+    # reaped another)
+    assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")],
+                                   [REAPED.replace(process=PROC.replace(pid=4343))]) == {
         "tests": 3, "checked": 1, "with_findings": 1, "clean": 0, "leaked": 1, "not_clean": 0, "gpu_fault": 0,
         "reaped": 2,
         "lock_timeouts": 1, "fixture_leaks": 0, "device_errors": 0, "dirty_from_outside": 0}
@@ -365,7 +369,7 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
         "t.py::test_leaks: leaked 1 process(es) found by a later check (pid 4242 SIGTERM); used a GPU whose "
         "lock another xdist worker's test held: pid 4242 GPU 0 512 MiB while gw1's t.py::test_victim held it")
     assert report.totals_line(merged.records, []) == (
-        "1 checked test(s), 0 with findings, 1 unchecked test(s) that leaked processes, 0 process(es) "
+        "1 checked test(s), 1 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) "
         "reaped, 1 used a GPU another xdist worker held the lock of")
     # Alone, it is still a finding (an unchecked test that put memory on a locked GPU and leaked nothing).
     assert report.totals_line([UNCHECKED_USER], []).endswith(", 1 used a GPU another xdist worker held the "

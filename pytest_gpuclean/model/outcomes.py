@@ -244,6 +244,7 @@ class TestRecord(Fields):
         "after_s",
         "before",
         "before_s",
+        "blocked_by",
         "cluster_after",
         "cluster_before",
         "devices",
@@ -291,6 +292,10 @@ class TestRecord(Fields):
     outside_action: OutsideAction | None
     """What the test got because a check found its GPUs dirty only from outside the session
     (``--gpuclean-outside``); None if none did."""
+    blocked_by: tuple[str, ...]
+    """Who leaked what its check before found and nothing else: leaks an earlier check found and left
+    (reaping is off), not waited for again; the test was skipped. Each a test's node id or a fixture
+    (``fixture NAME (SCOPE-scoped)``); empty if no such leak kept it from running."""
 
     def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
                  after: CheckResult | None = None, found_later: tuple[Reaped, ...] = (),
@@ -301,7 +306,8 @@ class TestRecord(Fields):
                  fixture_leaks: tuple[FixtureLeak, ...] = (),
                  gpu_without_lock: tuple[SiblingUse, ...] = (),
                  health: tuple[HealthFinding, ...] = (),
-                 outside_action: OutsideAction | None = None) -> None:
+                 outside_action: OutsideAction | None = None,
+                 blocked_by: tuple[str, ...] = ()) -> None:
         self.nodeid = nodeid
         self.location = location
         self.before = before
@@ -319,6 +325,7 @@ class TestRecord(Fields):
         self.gpu_without_lock = gpu_without_lock
         self.health = health
         self.outside_action = outside_action
+        self.blocked_by = blocked_by
 
 
 # ---- what the ``clean_gpus`` fixture gives a test ---------------------------------------------------------
@@ -498,10 +505,15 @@ def has_findings(record: TestRecord) -> bool:
 
     What a check around the test did for others is ``noticed``, not this test's finding: an earlier test's
     leftover reaped (charged to that test), a fixture's or an earlier test's process that exited by itself
-    while the check waited, a zombie collected, a lock wait given up (the test never ran: ``unchecked``)."""
+    while the check waited, a zombie collected, a lock wait given up (the test never ran: ``unchecked``),
+    GPUs that held only what an earlier test or fixture leaked and was left (``blocked_by``: that leak is
+    its leaker's finding; the test was skipped, ``not_clean``)."""
     if record.in_process_mib or record.gpu_without_lock:
         return True
-    return outcome(record) in _AT_FAULT
+    decided = outcome(record)
+    if record.blocked_by and record.after is None and not record.health and not record.cluster_before:
+        return decided == "leaked"  # (its GPUs' state is its leaker's finding; a leak of its own is not)
+    return decided in _AT_FAULT
 
 
 _AT_FAULT: Final[tuple[Outcome, ...]] = ("leaked", "not_clean", "gpu_fault")
@@ -518,13 +530,21 @@ def noticed(record: TestRecord) -> bool:
 
 
 def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]) -> int:
-    """Processes ended by any check (a fixture's included, which its test's record no longer holds) and at
-    session end: the summary line's count and the JSON report's."""
-    count = len(session_reaped)
+    """Processes ended by any check (a fixture's included, which its test's record no longer holds), by an
+    xdist controller for a worker that died (a test's ``found_later`` only), and at session end: the summary
+    line's count and the JSON report's. Each process once, by its identity (node, pid and start time): a leak
+    a later check found is in that check's ``reaped`` and in its test's ``found_later``."""
+    ended = {_identity(r) for r in session_reaped}
     for r in records:  # (a loop: once per test of the session)
         for c in (r.before, r.after, r.cluster_before, r.cluster_after):
-            if c:
-                count += len(c.reaped)
+            if c and c.reaped:
+                ended.update(map(_identity, c.reaped))
         for f in r.fixture_leaks:
-            count += len(f.reaped)
-    return count
+            ended.update(map(_identity, f.reaped))
+        if r.found_later:
+            ended.update(map(_identity, r.found_later))
+    return len(ended)
+
+
+def _identity(reaped: Reaped) -> tuple[str | None, int, int]:
+    return reaped.node, reaped.process.pid, reaped.process.start_ticks

@@ -246,6 +246,7 @@ def record_json(record: TestRecord, more_keys: Callable[[TestRecord], JsonDict] 
         "lock_timeout": record.lock_timeout,
         "health": [health_json(f) for f in record.health],
         "outside_action": record.outside_action,
+        "blocked_by": list(record.blocked_by),
         "timings": {"lock_wait_s": seconds(record.lock_wait_s), "before_s": seconds(record.before_s),
                     "after_s": seconds(record.after_s)},
         **(more_keys(record) if more_keys is not None else {}),
@@ -267,7 +268,7 @@ def summary_json(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     outcomes = [outcome(r) for r in records]
     without_lock = sum(1 for r in records if r.gpu_without_lock)
     return {"tests": len(records), "checked": sum(1 for r in records if r.before is not None),
-            "with_findings": sum(1 for r in records if r.before is not None and has_findings(r)),
+            "with_findings": sum(1 for r in records if has_findings(r)),
             "clean": outcomes.count("clean"), "leaked": outcomes.count("leaked"),
             "not_clean": outcomes.count("not_clean"), "gpu_fault": outcomes.count("gpu_fault"),
             "reaped": reaped_count(records, session_reaped),

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 import pytest
 
-from pytest_gpuclean.model.outcomes import TestRecord
+from pytest_gpuclean.model.outcomes import CheckResult, FixtureLeak, TestRecord
 from pytest_gpuclean.model.records import Fields, Reaped, SiblingUse
 
 __all__ = [
@@ -135,7 +135,9 @@ class SessionRecords:
                    "found_later": {nodeid: [to_dict(r) for r in record.found_later]
                                    for nodeid, record in self.late.items()},
                    "gpu_without_lock": {nodeid: [to_dict(u) for u in record.gpu_without_lock]
-                                        for nodeid, record in self.late.items() if record.gpu_without_lock}}
+                                        for nodeid, record in self.late.items() if record.gpu_without_lock},
+                   "fixture_leaks": {nodeid: [to_dict(f) for f in record.fixture_leaks]
+                                     for nodeid, record in self.late.items() if record.fixture_leaks}}
         self.forget()
         return shipped
 
@@ -150,6 +152,9 @@ class SessionRecords:
         for nodeid, uses in shipped.get("gpu_without_lock", {}).items():
             record = self.record_for(nodeid)
             record.gpu_without_lock += tuple(from_dict(SiblingUse, u) for u in uses)
+        for nodeid, leaks in shipped.get("fixture_leaks", {}).items():
+            record = self.record_for(nodeid)
+            record.fixture_leaks += tuple(from_dict(FixtureLeak, f) for f in leaks)
 
     def forget(self) -> None:
         """Drop the records (a forked child's copy of its parent's: the parent keeps its own)."""
@@ -160,21 +165,28 @@ class SessionRecords:
         from pytest_gpuclean.report.serialize import from_dict  # (lazy: the module's docstring says why)
 
         records = self.own()
+        mine = len(records)
         session_reaped = list(self.session_reaped)
         notes = list(self.notes)
+        # A worker's session-end payload has everything; its tests' records as they were set up and ended
+        # stand in for it when it never came (the run was interrupted, the worker crashed). What only this
+        # controller found of such a test (a crashed worker's orphans) folds into them.
+        # (A late one streamed stands in only where no payload has the test at all: one that came is the
+        # same record.)
         for payload in self.worker_payloads:
             records.extend(from_dict(TestRecord, r) for r in payload["records"])
             session_reaped.extend(from_dict(Reaped, r) for r in payload["session_reaped"])
             notes.extend(payload["notes"])
-        # A worker's session-end payload has everything; its tests' records as they ended stand in for it
-        # when it never came (the run was interrupted, the worker crashed).
-        known = {r.nodeid for r in records}
-        records.extend(r for nodeid, r in self.streamed.items() if nodeid not in known)
-        return Merged(_one_per_test(records), session_reaped, notes)
+        checked = {r.nodeid for r in records if not _late(r)}
+        shipped = {r.nodeid for r in records[mine:]}
+        records.extend(r for nodeid, r in self.streamed.items()
+                       if nodeid not in checked and (not _late(r) or nodeid not in shipped))
+        return Merged(_reaped_once(_one_per_test(records), session_reaped), session_reaped, notes)
 
 
 def _late(record: TestRecord) -> bool:
-    """Made only for what was found later: the test was not checked here (``SessionRecords.late``)."""
+    """Made only for what was found later, or for a fixture that ended at its teardown: the test was not
+    checked here (``SessionRecords.late``)."""
     return record.before is None and record.after is None and record.lock_timeout is None
 
 
@@ -199,11 +211,44 @@ def _one_per_test(records: list[TestRecord]) -> list[TestRecord]:
         seen = {(u.process.pid, u.process.start_ticks) for u in uses}
         uses.extend(u for u in record.gpu_without_lock if (u.process.pid, u.process.start_ticks) not in seen)
         folded[id(into)] = target.replace(found_later=(*target.found_later, *record.found_later),
-                                          gpu_without_lock=tuple(uses))
+                                          gpu_without_lock=tuple(uses),
+                                          fixture_leaks=(*target.fixture_leaks, *record.fixture_leaks))
     if not folded:
         return records
     return [folded.get(id(r), r) for r in records
             if firsts[r.nodeid] is r or not _late(r)]
+
+
+def _reaped_once(records: list[TestRecord], session_reaped: list[Reaped]) -> list[TestRecord]:
+    """``records`` with what a check collected as "exited by itself" left out where another check, a
+    controller or the session's end reaped that very process: under xdist a worker's check can see a crashed
+    worker's orphan end while the controller reaps it. A process is reported once, as reaped. (The records
+    are not changed: a record that collected such a process is a new one.)"""
+    collected = [r for r in records for c in (r.before, r.after) if c is not None and c.collected]
+    if not collected:
+        return records  # (the usual case: nothing exited by itself)
+    ended = {(x.process.pid, x.process.start_ticks) for x in session_reaped}
+    for r in records:
+        ended.update((x.process.pid, x.process.start_ticks) for x in r.found_later)
+        for c in (r.before, r.after):
+            if c is not None:
+                ended.update((x.process.pid, x.process.start_ticks) for x in c.reaped)
+        for f in r.fixture_leaks:
+            ended.update((x.process.pid, x.process.start_ticks) for x in f.reaped)
+    pids = {pid for pid, _ in ended}
+
+    def reaped(x: Reaped) -> bool:
+        # (a process that ended before it could be described has no start time: its pid decides)
+        pid, start = x.process.pid, x.process.start_ticks
+        return (pid, start) in ended if start else pid in pids
+
+    def without(check: CheckResult | None) -> CheckResult | None:
+        if check is None or not any(map(reaped, check.collected)):
+            return check
+        return check.replace(collected=tuple(x for x in check.collected if not reaped(x)))
+
+    changed = {id(r): r.replace(before=without(r.before), after=without(r.after)) for r in collected}
+    return [changed.get(id(r), r) for r in records]
 
 
 _SESSION = pytest.StashKey[SessionRecords]()

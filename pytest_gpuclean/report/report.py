@@ -301,6 +301,9 @@ def _record_parts(record: TestRecord, more_parts: Callable[[TestRecord], Sequenc
         parts.append("used a GPU whose lock another xdist worker's test held: " + ", ".join(
             f"pid {u.process.pid} {_held(u.mib_per_device)} while {u.seen_worker or 'a worker'}'s "
             f"{u.seen_by} held it" for u in record.gpu_without_lock))
+    if record.blocked_by:
+        parts.append(f"not run: its GPUs held what {' and '.join(record.blocked_by)} leaked, left there "
+                     "(reaping is off)")
     if record.outside_action is not None:
         again = any(c is not None and c.outside is not None and c.outside.same_as is not None
                     for c in (record.before, record.after))
@@ -339,12 +342,13 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
                 dirty: Sequence[TestRecord] | None = None) -> str:
     """``3 checked test(s), 1 with findings, 2 process(es) reaped``.
 
-    A test that was not checked has a record only when a later check found processes it leaked, when it
-    gave up waiting for its GPU locks, or when another xdist worker found its process on a GPU whose lock
-    that worker held: each is counted on its own, not as a checked test with findings. A check that could
-    not read a device counts (its test was checked, with a finding), and so does a fixture that leaked
-    (apart from the test at whose teardown it was found). ``dirty``: the records with findings, if the
-    caller has them already.
+    ``with findings`` counts every test at fault (``has_findings``), as the JSON report's ``with_findings``
+    does. A test that was not checked has a record only when a later check found processes it leaked (at
+    fault: counted with findings, and named apart as an unchecked test that leaked), when it gave up waiting
+    for its GPU locks, when another xdist worker found its process on a GPU whose lock that worker held, or
+    when a fixture ended at its teardown. A check that could not read a device counts (its test was checked,
+    with a finding), and so does a fixture that leaked (apart from the test at whose teardown it was found).
+    ``dirty``: the records with findings, if the caller has them already.
     """
     # One loop over the records, not one generator each: this runs once per test of the session.
     checked = unchecked_leakers = timeouts = fixtures = unreadable = without_lock = 0
@@ -363,8 +367,7 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
             unreadable += 1
         if r.gpu_without_lock:
             without_lock += 1
-    with_findings = sum(1 for r in (dirty if dirty is not None else (r for r in records if has_findings(r)))
-                        if r.before is not None)
+    with_findings = len(dirty) if dirty is not None else sum(1 for r in records if has_findings(r))
     parts = [f"{checked} checked test(s)", f"{with_findings} with findings"]
     if fixtures:
         parts.append(f"{fixtures} fixture(s) that leaked processes")

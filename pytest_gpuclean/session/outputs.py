@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean.model.outcomes import FixtureLeak, TestRecord
+from pytest_gpuclean.model.outcomes import FixtureLeak, TestRecord, has_findings
 from pytest_gpuclean.model.records import DeviceInfo, Reaped
 from pytest_gpuclean.report import records, report
 
@@ -118,6 +118,8 @@ def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
 
     if record.lock_timeout is not None:
         return TITLE_LOCK_TIMEOUT, f"{record.nodeid} never got its GPU locks: {record.lock_timeout}"
+    if record.blocked_by and not has_findings(record):
+        return None  # (skipped for a leak reported and left: its leaker's annotation says it)
     verdict = jsonreport.outcome(record)
     if verdict == "leaked":
         leaked = jsonreport.leaked_json(record)
@@ -222,7 +224,7 @@ def step_summary(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
                 f"`{_cell(record.nodeid)}`" if "`" not in record.nodeid else _cell(record.nodeid),
                 "lock timeout", _cell(record.lock_timeout), "-", "-", "-"]) + " |")
             continue
-        if verdict in ("clean", "unchecked"):
+        if verdict in ("clean", "unchecked") or (record.blocked_by and not has_findings(record)):
             continue
         leaked = jsonreport.leaked_json(record)
         processes = ", ".join(f"pid {p['pid']} {p['ended_by'] or 'NOT reaped'}" for p in leaked)
@@ -378,16 +380,18 @@ class PerTestOutputs:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
                                   ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         test_report = yield
-        if call.when == "teardown":
+        when = call.when
+        if when == "teardown" or (when == "setup" and self.outputs.worker):
             record = item.stash.get(records.TEST, None)
             if record is not None:
-                if self.outputs.junit:
+                if self.outputs.junit and when == "teardown":
                     # On the report, not the item: junitxml and xdist take them from the teardown report.
                     test_report.user_properties.extend(junit_properties(record))
                 if self.outputs.worker:
-                    # xdist ships a report's attributes to the controller as each test ends: if the run is
-                    # interrupted, the controller still knows what the finished tests found (the worker's
-                    # session-end payload never comes).
+                    # xdist ships a report's attributes to the controller as each test is set up and ends:
+                    # if the run is interrupted, the controller still knows what the finished tests found
+                    # (the worker's session-end payload never comes), and that a test whose worker died
+                    # while it ran was checked before it (its setup's record).
                     from pytest_gpuclean.report.serialize import to_dict  # (lazy: the module's docstring)
 
                     setattr(test_report, RECORD_ATTRIBUTE, to_dict(record))
@@ -395,7 +399,7 @@ class PerTestOutputs:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = getattr(report, RECORD_ATTRIBUTE, None)
-        if record is not None and not self.outputs.worker and report.when == "teardown":
+        if record is not None and not self.outputs.worker and report.when in ("setup", "teardown"):
             self.outputs.found.stream(report.nodeid, record)
 
 

@@ -262,13 +262,16 @@ class CheckedSession:
         if self.backend is not None:
             self.backend.close()
 
-    def reap_crashed(self, nodeid: str) -> None:
-        """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran."""
+    def reap_crashed(self, nodeid: str | None) -> None:
+        """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran (``nodeid``;
+        None: the workers were shut down and some never sent what they found: blamed on the test each
+        process names)."""
         reaped, notes = self.checker.reap_dead_sessions(self.devices)
         for r in reaped:
             self.found.found_later(r, otherwise=nodeid)
+        why = f"crashed while running {nodeid}" if nodeid is not None else "its xdist worker ended unheard"
         for note in notes:
-            self.found.note(f"gpuclean: {note} (crashed while running {nodeid})")
+            self.found.note(f"gpuclean: {note} ({why})")
 
     # ---- whose process is it ---------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from pytest_gpuclean.model.records import DeviceInfo, Owner, Reaped
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Collection, Sequence
 
     import pytest
 
@@ -84,8 +84,10 @@ class CheckerView(Protocol):
     def notices(self) -> list[str]: ...
 
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int,
-              timeout: float, device_errors: bool = False, where: str = "an earlier check"
-              ) -> CheckResult: ...
+              timeout: float, device_errors: bool = False, where: str = "an earlier check",
+              known: Collection[tuple[int, int]] = ()) -> CheckResult: ...
+
+    def check_owned(self, tokens: Collection[str], devices: Sequence[DeviceInfo]) -> CheckResult: ...
 
     def is_older(self, pid: int, start_ticks: int) -> bool: ...
 

@@ -24,7 +24,7 @@ from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR, OWNER_VAR, restore
 from pytest_gpuclean.core.ownership.evidence import fixture_owner
 from pytest_gpuclean.core.reading import health as health_mod
 from pytest_gpuclean.model.outcomes import CheckResult, FixtureLeak, TestRecord, split_own
-from pytest_gpuclean.model.records import HealthFinding, OutsideAction, Phase
+from pytest_gpuclean.model.records import MIB, HealthFinding, Offender, OutsideAction, Phase
 from pytest_gpuclean.report import records, report
 from pytest_gpuclean.session.names import FIXTURE, MARKER, GpuCleanWarning
 from pytest_gpuclean.session.started import ItemState, Started
@@ -63,6 +63,14 @@ class ItemChecks:
         self._candidates = tuple([d.uuid for d in session.devices])
         """The UUIDs of every device the session checks: what each test may lock."""
         self._by_locks: dict[tuple[str, ...], tuple[tuple[DeviceInfo, ...], tuple[str, ...]]] = {}
+        self._known: dict[tuple[int, int], str] = {}
+        """Leaks a check found and left (reaping is off), by (pid, start ticks): who leaked each (a test's
+        node id, or the fixture). A later check that finds them alone does not wait for them, and its test
+        is skipped, naming them (``_blocked``)."""
+        self._excused: set[tuple[int, int]] = set()
+        """The processes of the session's own (live fixtures', the set-up's) whose GPU memory a check excused,
+        said once each (``_note_excused``)."""
+        self._count_told = False
         self._warned_own_context = False
         self._warned_own_cuda = False
         self._torch_growth = TorchGrowth(session.found.note_replacing)
@@ -109,7 +117,7 @@ class ItemChecks:
             pytest.fail("\n\n".join(failures), pytrace=False)
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
-                                       where=state.nodeid)
+                                       where=state.nodeid, known=self._known)
         # (each helper only where its result has something for it: a clean check has nothing, and the
         # calls would be a good part of the plugin's Python calls per test)
         if result.device_lost:
@@ -119,6 +127,8 @@ class ItemChecks:
         if session.checker.notices:
             session.take_notices()
         self._note_own_context(result, state.nodeid)
+        if result.clean and any(s.processes for s in result.devices):
+            self._note_excused(state, result)
         if result.reaped:
             session.attribute_earlier(result.reaped, state.nodeid, result.notes)
         if result.siblings:
@@ -128,6 +138,14 @@ class ItemChecks:
             self._stop_if_lost(item, result)
             pytest.fail(report.check_report(result, report.unreadable_heading(result)), pytrace=False)
         if not result.clean:
+            if self._known and (blocked := self._blocked(result)):
+                # Its leaker's finding, known and left: a skip at once, not a wait and an error per test.
+                record.blocked_by = tuple(dict.fromkeys(leaker for leaker, _ in blocked))
+                held = ", ".join(f"pid {o.process.pid} ({report.mib_list(o.mib_per_device) or 'no memory'})"
+                                 for _, o in blocked if o.process is not None)
+                raise _skip(f"gpuclean: the GPUs hold what {' and '.join(record.blocked_by)} leaked and "
+                            f"reaping is off: {held}; not run ({self._option_source('reap')})")
+            self._remember_unreaped(result)
             heading = report.not_clean_heading("setup", result, state.timeout)
             if self._outside_action(item, record, result) == "skip":
                 # At the test's own file:line in -rs, as pytest's skip markers are.
@@ -154,9 +172,37 @@ class ItemChecks:
         return action
 
     def _outside_source(self) -> str:
-        value = self.session.settings.outside
-        source = self.session.settings.sources.get("outside", "the default")
-        return f"{settings.option('outside').cli}={value}, {source}"
+        return self._option_source("outside")
+
+    def _option_source(self, name: str) -> str:
+        """``--gpuclean-reap=off, from the command line``: an option's value and where it came from."""
+        value = getattr(self.session.settings, name)
+        source = self.session.settings.sources.get(name, "the default")
+        return f"{settings.option(name).cli}={value}, {source}"
+
+    def _blocked(self, result: CheckResult) -> list[tuple[str, Offender]]:
+        """Who leaked what a check found, if it found nothing else: each offender a leak an earlier check
+        found and left (the check did not wait for them: ``Checker.check(known=...)``). Empty otherwise."""
+        known = self._known
+        found: list[tuple[str, Offender]] = []
+        for o in result.offenders:
+            leaker = known.get((o.process.pid, o.process.start_ticks)) if o.process is not None else None
+            if leaker is None or o.reason != "leaked":
+                return []
+            found.append((leaker, o))
+        return found if result.error is None and result.outside is None else []
+
+    def _remember_unreaped(self, result: CheckResult) -> None:
+        """With reaping off: the leaks of tests and fixtures that ``result`` found and left, for the later
+        checks (``_blocked``)."""
+        if self.session.checker.reap_enabled:
+            return
+        for o in result.offenders:
+            owner = o.owner
+            if o.reason == "leaked" and o.process is not None and owner is not None and (
+                    owner.kind in ("test", "fixture")):
+                self._known[(o.process.pid, o.process.start_ticks)] = (
+                    owner.name if owner.kind == "test" else f"fixture {owner.name}")
 
     def _applied(self, item: pytest.Item, marker: pytest.Mark | None) -> settings.TestSettings:
         # The session's settings with the marker's applied; skips or fails a test that cannot be checked.
@@ -249,6 +295,10 @@ class ItemChecks:
                 outcome = exc
             record = item.stash.get(records.TEST, None) if state is not None and state.checked else None
             failure = self._after(item, state, record) if state is not None and record is not None else None
+            if state is not None and state.fixture_tokens and not _checked_after(record):
+                # A fixture wider than a test ended here, and no check after this test judges it (the test
+                # is not checked, or never ran on clean GPUs): judged alone, as the fixture's finding.
+                failure = "\n\n".join(f for f in (failure, self._fixtures_alone(item, state, record)) if f)
         finally:
             self._tearing_down = None
             if state is not None:
@@ -284,6 +334,8 @@ class ItemChecks:
         if result.device_lost:
             self._note_lost(record, result, "teardown")
         self._note_own_context(result, state.nodeid)
+        if result.offenders:
+            self._remember_unreaped(result)
         if result.reaped:
             own_tokens = {state.token, *state.fixture_tokens}
             # A dead session's debris is that session's leak, never this test's.
@@ -331,6 +383,29 @@ class ItemChecks:
                 return None
             return report.check_report(result, report.not_clean_heading("teardown", result, state.timeout))
         return None
+
+    def _fixtures_alone(self, item: pytest.Item, state: ItemState, record: TestRecord | None) -> str | None:
+        """The fixtures that ended at the teardown of a test that no check after it judges: what they left
+        is theirs, found here (``Checker.check_owned``), in this test's record (a record made for it if it
+        was not checked: the test's own outcome does not change)."""
+        session = self.session
+        result = session.checker.check_owned(set(state.fixture_tokens), session.devices)
+        if result.offenders:
+            self._remember_unreaped(result)
+        if result.notes:
+            for note in result.notes:
+                session.found.note(f"gpuclean: {note} (at the teardown of {state.nodeid})", once=True)
+        fixtures = self._fixture_leaks(item, state, result)
+        if not fixtures:
+            return None
+        if record is None:
+            record = session.found.record_for(state.nodeid)
+            if not record.location[0]:
+                record.location = (item.location[0], (item.location[1] or 0) + 1)
+            item.stash[records.TEST] = record  # (for its JUnit properties, and xdist's controller)
+        record.fixture_leaks += tuple(fixtures)
+        heading = "\n".join(report.fixture_leak_heading(f, session.checker.reap_enabled) for f in fixtures)
+        return report.check_report(result, heading)
 
     def _fixture_leaks(self, item: pytest.Item, state: ItemState, result: CheckResult) -> list[FixtureLeak]:
         """What each fixture that ended at this teardown left behind, as that fixture's findings."""
@@ -493,6 +568,53 @@ class ItemChecks:
             else:
                 self._fixture_defs.pop(token, None)  # ended outside any test: the final sweep names it
 
+    # ---- what a check excuses -------------------------------------------------------------------------
+
+    def _note_excused(self, state: ItemState, result: CheckResult) -> None:
+        """Said once per process: GPU memory that a clean check excused as the session's own, held by a live
+        fixture's process (or the session set-up's, or one older than the session), with whose it is and
+        why; and once, what a ``count`` test got beside it."""
+        checker = self.session.checker
+        ownership, me = checker.ownership, os.getpid()
+        by_pid = {f.pid: f for f in checker.last_census if f.token is not None and f.live}
+        held: dict[tuple[int, int], tuple[tuple[str, str], list[tuple[str, float]]]] = {}
+        for snap in result.devices:
+            for process in snap.processes:
+                f = by_pid.get(process.pid)
+                if f is None or process.pid == me or not process.used_bytes or (
+                        not ownership.is_protected(f.token)):
+                    continue
+                entry = held.setdefault(f.key, (self._whose(f.token), []))
+                entry[1].append((snap.device.label, process.used_bytes / MIB))
+        for key, ((whose, why), mib) in held.items():
+            if key not in self._excused:
+                self._excused.add(key)
+                self.session.found.note(f"gpuclean: excused: {report.mib_list(mib)} held by pid {key[0]} "
+                                        f"{whose}, {why}, not a test's leak")
+        if held and state.previous_visible is not None and not self._count_told:
+            # (a test with a count: only it has CUDA_VISIBLE_DEVICES set for it) It asked for its GPUs
+            # exclusively: said once what that means beside the session's own.
+            self._count_told = True
+            got = "; ".join(", ".join(f"{label} with {value:.0f} MiB" for label, value in mib) + f" {whose}"
+                            for (whose, _), mib in held.values())
+            self.session.found.note(
+                f"gpuclean: {state.nodeid} (count={len(state.devices)}) got {got} on it: count makes a "
+                "test's GPUs exclusive against other tests and sessions, not against this session's own "
+                "fixtures")
+
+    def _whose(self, token: str | None) -> tuple[str, str]:
+        """Whose a process of the session's own is (``of fixture server (session-scoped, conftest.py:5)``),
+        and why its memory is excused."""
+        fixturedef = self._fixture_defs.get(token or "")
+        if fixturedef is not None:
+            where = fixture_location(fixturedef, self.session.config.rootpath)
+            return (f"of {FixtureLeak(fixturedef.argname, fixturedef.scope, where, '')}",
+                    "while the fixture is active: the fixture's own")
+        owner = self.session.checker.ownership.owner(token)
+        if owner.kind == "session":
+            return "of the session set-up (a conftest or a plugin)", "until the session's end: its own"
+        return f"({owner.name})", "never signalled"
+
     # ---- what the pytest process itself holds -----------------------------------------------------
 
     def _note_own_context(self, result: CheckResult, nodeid: str) -> None:
@@ -536,6 +658,12 @@ def _warn_at(item: pytest.Item, message: str) -> str | None:
     except GpuCleanWarning:
         return f"gpuclean: {message} (a GpuCleanWarning: the warning filters make it an error)"
     return None
+
+
+def _checked_after(record: TestRecord | None) -> bool:
+    """Whether the check after the test ran (``ItemChecks._after``): only for a test that ran on GPUs its
+    check before found clean."""
+    return record is not None and record.before is not None and record.before.clean
 
 
 def _skip(reason: str) -> BaseException:

@@ -6,8 +6,11 @@ kills stay there; figures are printed so docs/lab/gpu-runs.md can quote them.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -273,3 +276,73 @@ def test_keeps_a_tensor():
         "3 checked test(s), 1 with findings, 0 process(es) reaped",
     ])
     assert "test_inner.py::test_first_matmul:" not in result.stdout.str()
+
+
+def test_with_reaping_off_the_victims_of_a_known_cuda_leak_are_skipped_at_once(
+        gpu_inner: Path, pytester: pytest.Pytester) -> None:
+    # A CUDA holder leaked with reaping off stays, its context's unlisted overhead with it: the later tests
+    # whose check finds only it are skipped at once, naming the leaker, not after a 120 s timeout each.
+    report = gpu_inner.parent / "report.json"
+    try:
+        result = _run(pytester, """
+@pytest.mark.needs_clean_gpus(timeout=2)
+def test_leaks():
+    hold(1024)
+
+@pytest.mark.needs_clean_gpus
+def test_victim():
+    pass
+
+@pytest.mark.needs_clean_gpus
+def test_victim_too():
+    pass
+""", "--gpuclean-reap=off", "--gpuclean-timeout=120", f"--gpuclean-report={report}")
+        pid = int(gpu_inner.read_text().split()[0])
+        result.assert_outcomes(passed=1, skipped=2, errors=1)
+        result.stdout.fnmatch_lines([
+            "SKIPPED [[]1[]] test_inner.py:*: gpuclean: the GPUs hold what test_inner.py::test_leaks leaked "
+            f"and reaping is off: pid {pid} (GPU 0 * MiB); not run (--gpuclean-reap=off, from the command "
+            "line)",
+            "3 checked test(s), 1 with findings, 0 process(es) reaped",
+        ])
+        tests = {t["nodeid"]: t for t in json.loads(report.read_text())["tests"]}
+        for name in ("test_victim", "test_victim_too"):
+            victim = tests[f"test_inner.py::{name}"]
+            print(name, "check before took", victim["before"]["waited_s"], "s")
+            assert victim["blocked_by"] == ["test_inner.py::test_leaks"] and not victim["findings"]
+            assert victim["before"]["waited_s"] < 30
+    finally:
+        for pid_text in gpu_inner.read_text().split() if gpu_inner.exists() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_text), signal.SIGKILL)
+
+
+def test_a_session_fixtures_cuda_memory_is_excused_out_loud(gpu_inner: Path,
+                                                            pytester: pytest.Pytester) -> None:
+    # A session fixture's CUDA server on GPU 0: every check excuses it, and the session says so once, with
+    # the fixture's definition; a count=1 test on that GPU is told what count promises beside it.
+    result = _run(pytester, """
+@pytest.fixture(scope="session")
+def server():
+    pid = hold(1024)
+    yield pid
+    os.kill(pid, 15)
+
+@pytest.mark.needs_clean_gpus
+def test_uses(server):
+    pass
+
+@pytest.mark.needs_clean_gpus(count=1)
+def test_count(server, clean_gpus):
+    print("clean_gpus used MiB", [d.used_bytes / 2**20 for d in clean_gpus.devices])
+""", "--gpuclean-devices=0")
+    pid = int(gpu_inner.read_text().split()[0])
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines([
+        f"gpuclean: excused: GPU 0 * MiB held by pid {pid} of fixture server (session-scoped, "
+        "test_inner.py:*), while the fixture is active: the fixture's own, not a test's leak",
+        "gpuclean: test_inner.py::test_count (count=1) got GPU 0 with * MiB of fixture server "
+        "(session-scoped, test_inner.py:*) on it: count makes a test's GPUs exclusive against other tests "
+        "and sessions, not against this session's own fixtures",
+        "2 checked test(s), 0 with findings, 0 process(es) reaped",
+    ])

@@ -117,7 +117,8 @@ class Check:
     def __init__(self, checker: CheckerParts, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
                  timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool,
                  where: str = "an earlier check", started: float | None = None,
-                 first: tuple[tuple[DeviceSnapshot, ...], bool] | None = None) -> None:
+                 first: tuple[tuple[DeviceSnapshot, ...], bool] | None = None, known: Collection[Key] = ()
+                 ) -> None:
         self.c = checker
         self.phase = phase
         self.devices = devices
@@ -126,6 +127,8 @@ class Check:
         self.started = time.monotonic() if started is None else started
         self.look = Look(devices, tolerance_mib, scan_cookies, dead_sessions, first)
         self.judge = Judge(devices, tolerance_mib, timeout, reap, checker.uid, where)
+        self.known = frozenset(known)
+        """Leaks of ours an earlier check found and left (reaping is off), by identity."""
         # What the acts did:
         self.reaped: list[Reaped] = []
         self.notes: list[str] = []
@@ -162,8 +165,8 @@ class Check:
             else:
                 move = decide.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled,
                                         self.c.settle)
-            verdict = self.judge.verdict(seen, self.attempted, now - self.started, now) if (
-                move == "judge") else None
+            verdict = self.judge.verdict(seen, self.attempted, now - self.started, now,
+                                         self._known_alone(seen)) if move == "judge" else None
             # Act.
             collected = len(self.collected)
             self.collect_zombies(seen)
@@ -195,6 +198,17 @@ class Check:
                     known.add(f.key)
                     new = True
         return new
+
+    def _known_alone(self, seen: Snapshot) -> frozenset[Key]:
+        """The known leaks (``known``) alive in ``seen``, if nothing but them and the excused holds memory on
+        the devices: waiting for them is waiting for nothing (a new leak or process is judged as ever)."""
+        if not self.known:
+            return frozenset()
+        alive = frozenset(f.key for f in seen.ours if f.live and f.key in self.known)
+        if alive and decide.unexplained_beside(seen.readings, seen.excused | {pid for pid, _ in alive},
+                                               self.look.tolerance):
+            return frozenset()
+        return alive
 
     # ---- act ---------------------------------------------------------------------------------------
 

@@ -11,16 +11,17 @@ No pytest here: the plugin and the ``gpuclean`` command line drive the same ``Ch
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pytest_gpuclean.core.acting import pools, reaping
-from pytest_gpuclean.core.checking.check import Check, Look, respawned_note
+from pytest_gpuclean.core.checking.check import POLL_S, Check, Look, respawned_note
 from pytest_gpuclean.core.checking.outside import OutsideMemory
 from pytest_gpuclean.core.deciding import decide
-from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, mib_of
+from pytest_gpuclean.core.deciding.verdict import Snapshot, Verdict, leak_detail, mib_of
 from pytest_gpuclean.core.options.settings import DEFAULT_GRACE_S
 from pytest_gpuclean.core.ownership.census import Census, Found, Registry, Sibling
 from pytest_gpuclean.core.ownership.cookie import new_session_id
@@ -33,6 +34,8 @@ from pytest_gpuclean.model.records import (
     CensusEntry,
     DeviceInfo,
     DeviceSnapshot,
+    EndedBy,
+    Offender,
     Owner,
     Phase,
     ProcessInfo,
@@ -158,9 +161,11 @@ class Checker:
 
     def check(self, phase: Phase, devices: Sequence[DeviceInfo], *, tolerance_mib: int, timeout: float,
               scan_cookies: bool = False, reap: bool | None = None,
-              device_errors: bool = False, where: str = "an earlier check") -> CheckResult:
+              device_errors: bool = False, where: str = "an earlier check",
+              known: Collection[tuple[int, int]] = ()) -> CheckResult:
         """Check until clean or ``timeout``; reap what is ours first (if enabled). ``where`` names this
-        check to later ones that find the same outside state (a test's node id).
+        check to later ones that find the same outside state (a test's node id). ``known``: leaks an earlier
+        check found and left (reaping off), by (pid, start ticks): found alone, they are not waited for.
 
         A device that cannot be read raises ``DeviceError``; with ``device_errors`` it ends the check
         instead, not clean, with the error (``CheckResult.error``) and what was reaped without readings.
@@ -178,7 +183,7 @@ class Checker:
                     return quiet
                 first = quiet
             check = Check(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                          self.reap_enabled if reap is None else reap, where, started, first)
+                          self.reap_enabled if reap is None else reap, where, started, first, known)
             result = check.run()
             self._clean_again = result if self._only_ours(result) else None
             return result
@@ -488,6 +493,50 @@ class Checker:
             appeared.extend(new)
             batch = self.gate(new, notes)
         return appeared
+
+    def check_owned(self, tokens: Collection[str], devices: Sequence[DeviceInfo]) -> CheckResult:
+        """What ``tokens`` (fixtures that just ended) left alive, judged without a test's check around it (the
+        test that ended them was not checked after): given the settle time to exit by themselves, then reaped
+        if reaping is on, as at the session's edges (``_reap_unread``). The devices are read only for what
+        each held and to time its release, never judged: no GPU lock is held, so another job's memory there
+        is none of this check's business. The census walks the session's tree (where this subreaper keeps
+        what double-forked), not all of /proc: a module's end costs what a clean check costs; what left the
+        tree is the final sweep's."""
+        started = time.monotonic()
+        found = [f for f in self.census()
+                 if f.token in tokens and f.debris_of is None and not self.is_protected(f)]
+        if not found:
+            return CheckResult("teardown", True, (), (), waited_s=time.monotonic() - started)
+        infos = {f.key: processes.describe(f.pid, f.start_ticks) or reaping.vanished(f.pid) for f in found}
+        collected: list[Reaped] = []
+
+        def gone(f: Found, how: EndedBy) -> None:
+            processes.reap_if_child(f.pid)
+            collected.append(Reaped(infos[f.key], self.owner_of(f), f.found_by, how, (), None))
+
+        for f in found:
+            if not f.live:
+                gone(f, "reaped zombie")
+        live = [f for f in found if f.live]
+        deadline = time.monotonic() + self.settle
+        while live and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            for f in [f for f in live if f.exited()]:
+                live.remove(f)
+                gone(f, "exited by itself")
+        notes: list[str] = []
+        reaped = self._reap_unread(live, devices, notes) if live and self.reap_enabled else []
+        snaps: tuple[DeviceSnapshot, ...] = ()
+        with contextlib.suppress(DeviceError):  # (the devices as they are now: what was ended is released)
+            snaps = self.snapshot(devices)
+        ended = {(r.process.pid, r.process.start_ticks) for r in reaped if r.ended_by != "survived"}
+        left = tuple(Offender("leaked", infos[f.key], self.owner_of(f), f.found_by, mib_of(f.pid, snaps),
+                              leak_detail(infos[f.key].uid, infos[f.key].user, infos[f.key].state, self.uid,
+                                          self.reap_enabled))
+                     for f in live if f.key not in ended)
+        waited = time.monotonic() - started
+        return CheckResult("teardown", not left, snaps, left, tuple(reaped), waited, None if left else waited,
+                           tuple(notes), collected=tuple(collected))
 
     def final_sweep(self, devices: Sequence[DeviceInfo], *, include_session: bool = False) -> list[Reaped]:
         """At session end: reap everything this session's tests and fixtures spawned that is still alive.

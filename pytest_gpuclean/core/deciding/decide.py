@@ -33,6 +33,7 @@ __all__ = [
     "self_replacing",
     "short_of_users",
     "sort_census",
+    "unexplained_beside",
     "unexplained_use",
 ]
 
@@ -163,6 +164,16 @@ def unexplained_use(snaps: Sequence[DeviceSnapshot], unexplained: Collection[int
     read (only then can a finding be from outside)."""
     return bool(unexplained) or any(
         s.used_bytes - s.bytes_of(excused) - overhead[s.device.uuid] > tolerance for s in snaps)
+
+
+def unexplained_beside(snaps: Sequence[DeviceSnapshot], excused: frozenset[int] | set[int], tolerance: int
+                       ) -> bool:
+    """Whether memory beyond ``tolerance`` is on ``snaps`` that ``excused`` (with what their contexts cost
+    unlisted, as ``listed_overhead`` and ``context_overhead`` allow it: the most, where they fall short) do
+    not hold: something new beside them."""
+    overhead, short = listed_overhead(snaps, set(excused))
+    overhead.update((snap.device.uuid, allowed) for snap, _, _, allowed in short)
+    return any(s.used_bytes - s.bytes_of(excused) - overhead[s.device.uuid] > tolerance for s in snaps)
 
 
 Move = Literal["settle", "reap", "judge"]

@@ -223,9 +223,11 @@ class Judge:
         self.outside_seen: dict[str, OutsideState] = {}
         """Per device UUID: its outside state as this check last found it, and since when unchanged."""
 
-    def verdict(self, seen: Snapshot, attempted: AbstractSet[Key], waited: float, now: float) -> Verdict:
+    def verdict(self, seen: Snapshot, attempted: AbstractSet[Key], waited: float, now: float,
+                known: AbstractSet[Key] = frozenset()) -> Verdict:
         """The verdict on ``seen``, ``waited`` seconds into the check (at ``now``, ``time.monotonic``);
-        ``attempted``: what the check has signalled."""
+        ``attempted``: what the check has signalled; ``known``: leaks of ours that an earlier check found and
+        left (reaping is off), with nothing new beside them (``decide.known_alone``): not waited for."""
         found = offenders(seen, self.tolerance, self.reap_enabled, self.my_uid)
         for o in found:
             if o.reason == "leaked" and o.process is not None:
@@ -234,19 +236,19 @@ class Judge:
         outside, states, clean = outside_of(found, seen.readings, self.devices, seen.excused, seen.census,
                                             seen.unexplained, seen.overhead, self.tolerance, seen.of_our_run,
                                             seen.start_ticks)
-        known = known_outside(states, seen.remembered if states else {}, self.outside_seen,
-                              max(self.tolerance, SLACK_BYTES), now, self.timeout, self.where)
+        known_out = known_outside(states, seen.remembered if states else {}, self.outside_seen,
+                                  max(self.tolerance, SLACK_BYTES), now, self.timeout, self.where)
         # Processes that survived our SIGKILL, or that we may not signal, do not go away by waiting; nor does
         # an outside state that an earlier check already waited out, and finds again unchanged.
         unsignalled = {f.key for f in seen.unknown} | {
-            f.key for f in seen.ours if f.live and f.key in attempted} if found else set()
-        waited_out = not hopeless(found, unsignalled, outside, known)
+            f.key for f in seen.ours if f.live and (f.key in attempted or f.key in known)} if found else set()
+        waited_out = not hopeless(found, unsignalled, outside, known_out)
         if found and waited_out and waited < self.timeout:
             return Verdict(tuple(found), True, (), None, {}, ())
         # Waited out: remembered (an earlier check's, if it is the same). Clean from outside: forgotten.
         remember = {u: self.outside_seen[u] for u in states if waited_out and u in self.outside_seen}
         return Verdict(tuple(found), False, self._lingered(found, waited),
-                       self._outside_found(seen, found, outside, states, known, waited_out), remember,
+                       self._outside_found(seen, found, outside, states, known_out, waited_out), remember,
                        tuple(clean))
 
     def _lingered(self, found: Sequence[Offender], waited: float) -> tuple[Offender, ...]:

@@ -247,7 +247,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("settle", "seconds leftover processes get to exit by themselves before reaping starts "
            f"(default {_DEFAULT_SETTLE_S:g}); those that do are reported, not counted as leaks",
            parse_seconds, "S"),
-    Option("reap", "on: kill what a test leaked; off: only report (default on)", _on_off, "MODE"),
+    Option("reap", "on: kill what a test leaked; off: only report, and skip at once (naming the leaker) a "
+           "later test whose GPUs hold only a leak already reported (default on)", _on_off, "MODE"),
     Option("dead_sessions", "on: reap what dead gpuclean sessions of this user left behind (their pytest "
            "was killed), found at the first check and whenever a GPU holds something unexplained; off: "
            "leave it (default on)", _on_off, "MODE"),
