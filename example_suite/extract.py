@@ -56,6 +56,21 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="fraction of each GPU vLLM may take (CUDA only)",
         )
+        sub.add_argument(
+            "--kv-cache-memory-bytes",
+            type=int,
+            default=None,
+            help="the KV cache's size per GPU, instead of what the memory profile leaves (CUDA only)",
+        )
+        sub.add_argument(
+            "--max-num-seqs", type=int, default=None, help="requests an engine step takes at most (vLLM's)"
+        )
+        sub.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help="tokens an engine step takes at most (vLLM's)",
+        )
     offline.add_argument("--batch-size", type=int, default=64, help="prompts per generate call (default 64)")
     offline.add_argument(
         "--enforce-eager",
@@ -138,7 +153,7 @@ def _extract(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tp,
             dtype=args.dtype,
             max_model_len=args.max_model_len,
-            **_gpu_args(args),
+            **_engine_args(args),
             **({"enforce_eager": True} if args.enforce_eager else {}),
         ) as extractor:
             extractor.extract(
@@ -160,9 +175,8 @@ def _serve(args: argparse.Namespace) -> int:
     from example_suite.server import VllmServer
 
     extra = [a for a in args.vllm_args if a != "--"]
-    gpu = _gpu_args(args)
-    if gpu:
-        extra += ["--gpu-memory-utilization", str(gpu["gpu_memory_utilization"])]
+    for name, value in _engine_args(args).items():
+        extra += [f"--{name.replace('_', '-')}", str(value)]
     server = VllmServer(
         args.model,
         layer_ids=args.layers,
@@ -196,10 +210,10 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gpu_args(args: argparse.Namespace) -> dict[str, Any]:
-    if args.gpu_memory_utilization is None:
-        return {}
-    return {"gpu_memory_utilization": args.gpu_memory_utilization}
+def _engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments given on the command line (vLLM's defaults for the others)."""
+    names = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 if __name__ == "__main__":

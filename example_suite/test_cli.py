@@ -53,8 +53,20 @@ def test_offline_command_line(
         # Like every engine of the suite (settings.py): compiling this one cost 35 s of CPU on the 2-core
         # box (the test with its fixtures, 84 -> 49 s), for graphs the tiny model gains nothing from.
         command.append("--enforce-eager")
+    engine = engine_settings.offline()
+    command += [
+        "--max-num-seqs",
+        str(engine["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(engine["max_num_batched_tokens"]),
+    ]
     if vllm_runtime.device == "cuda":
-        command += ["--gpu-memory-utilization", str(engine_settings.offline()["gpu_memory_utilization"])]
+        command += [
+            "--gpu-memory-utilization",
+            str(engine["gpu_memory_utilization"]),
+            "--kv-cache-memory-bytes",
+            str(engine["kv_cache_memory_bytes"]),
+        ]
     first = run_cli(command, tmp_path / "first.log")
     assert first.returncode == 0, first.output[-5000:]
     assert "hidden states: 100%" in first.output  # the tqdm bar over prompts finished
