@@ -361,9 +361,10 @@ REAPERS = [
     ("gitlab-post_build_script",
      lambda: ["bash", "-c", "set -eo pipefail\n" + gitlab_script("post_build_script")],
      {"CI_JOB_ID": "77"}, "gitlab-77:job"),
+    # (another job id than the case above: under xdist the two run side by side, and each reaps its job's)
     ("gitlab-after_script", lambda: ["bash", "-c", "\n".join(
         load_yaml(EXAMPLES / "gitlab" / ".gitlab-ci.yml")["gpu-tests"]["after_script"]).replace(
-        "/opt/gpuclean/gitlab/", f"{EXAMPLES / 'gitlab'}/")], {"CI_JOB_ID": "77"}, "gitlab-77:job"),
+        "/opt/gpuclean/gitlab/", f"{EXAMPLES / 'gitlab'}/")], {"CI_JOB_ID": "78"}, "gitlab-78:job"),
 ]
 
 
