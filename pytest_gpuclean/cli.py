@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from pytest_gpuclean import __version__
 from pytest_gpuclean.core.acting.reaping import reaped_record
@@ -36,7 +36,7 @@ from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
 from pytest_gpuclean.core.reading import backends, credentials, devices, processes, procfs
 from pytest_gpuclean.core.reading.opening import open_backend
-from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot, Fields, ProcessInfo, Reaped
+from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot, ProcessInfo, Reaped
 from pytest_gpuclean.report import commands, report
 from pytest_gpuclean.report.commands import PROG as _PROG
 from pytest_gpuclean.report.commands import ReapTarget
@@ -170,19 +170,13 @@ def _ray_command(run: Callable[[], int]) -> int:
 
 # ---- devices -----------------------------------------------------------------------------------------
 
-class _Devices(Fields):
+class _Devices(NamedTuple):
     """The devices a command works on: its backend, those chosen of it, and where the choice came from."""
 
-    __slots__ = ("backend", "chosen", "source")
-    backend: Final[backends.Backend]
-    chosen: Final[tuple[DeviceInfo, ...]]
-    source: Final[str]
+    backend: backends.Backend
+    chosen: tuple[DeviceInfo, ...]
+    source: str
     """Where the device list came from, for the header and error messages."""
-
-    def __init__(self, backend: backends.Backend, chosen: tuple[DeviceInfo, ...], source: str) -> None:
-        self.backend = backend
-        self.chosen = chosen
-        self.source = source
 
 
 @contextlib.contextmanager

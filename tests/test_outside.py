@@ -376,8 +376,8 @@ def test_the_shared_memory_of_an_xdist_run_round_trips_and_shrugs_off_a_bad_file
     path = tmp_path / "outside.json"
     one, other = OutsideMemory(str(path)), OutsideMemory(str(path))  # two workers
     state = OutsideState(frozenset({(4242, 99)}), 719 * MIB, "t.py::test_1", 12.5)
-    one.update({"GPU-a": state, "GPU-b": state.replace(holders=frozenset())}, forget=())
-    assert other.load() == {"GPU-a": state, "GPU-b": state.replace(holders=frozenset())}
+    one.update({"GPU-a": state, "GPU-b": state._replace(holders=frozenset())}, forget=())
+    assert other.load() == {"GPU-a": state, "GPU-b": state._replace(holders=frozenset())}
     other.forget(["GPU-b"])
     assert one.load() == {"GPU-a": state}
     path.write_text("{not json")

@@ -582,7 +582,7 @@ def test_the_records_that_cross_the_ray_boundary_pickle() -> None:
             back = pickle.loads(pickle.dumps(record, protocol))
             assert back == record and type(back) is type(record) and hash(back) == hash(record)
     back = pickle.loads(pickle.dumps(census))
-    assert back.replace(took_s=1.0).took_s == 1.0 and back.nodes[0].devices[0].bytes_of({4242}) == 512
+    assert back._replace(took_s=1.0).took_s == 1.0 and back.nodes[0].devices[0].bytes_of({4242}) == 512
     assert pickle.loads(pickle.dumps(actor)).start_ticks == 99
     cloudpickles = [m for m in (_importable("ray.cloudpickle"), _importable("cloudpickle")) if m is not None]
     for cloudpickle in cloudpickles:

@@ -3,7 +3,6 @@
 The records: a check's verdict (``CheckResult``, with a Ray cluster's reading beside this host's:
 ``ClusterReading`` of ``NodeReading`` and ``NodeRelease``), a fixture's leak (``FixtureLeak``), a test's
 record (``TestRecord``), and what the ``clean_gpus`` fixture gives a test (``CleanGpus`` of ``DeviceState``).
-Each is a ``Fields`` class, as in ``records.py``, which holds what is read and found.
 
 The decisions: whose a process is (``split_own``), what a test's outcome is (``own_leaks``, ``outcome``,
 ``has_findings``, ``noticed``), how many processes a session reaped (``reaped_count``). Plain functions over
@@ -18,11 +17,11 @@ result (tests/test_layers.py holds every chain to six floors; docs/architecture.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Final, Literal, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Final, Literal, NamedTuple, Protocol, TypeVar
 
 from pytest_gpuclean.model.records import (
     DeviceSnapshot,
-    Fields,
     FoundBy,
     HealthFinding,
     Offender,
@@ -59,172 +58,94 @@ __all__ = [
 # ---- a Ray cluster's reading, beside this host's -----------------------------------------------------
 
 
-class NodeReading(Fields):
+class NodeReading(NamedTuple):
     """One alive Ray node as a cluster's check read it; its devices are named with the node."""
 
-    __slots__ = ("node_id", "devices", "error")
-    node_id: Final[str]
-    devices: Final[tuple[DeviceSnapshot, ...]]
-    error: Final[str]
-
-    def __init__(self, node_id: str, devices: tuple[DeviceSnapshot, ...], error: str = "") -> None:
-        self.node_id = node_id
-        self.devices = devices
-        self.error = error
+    node_id: str
+    devices: tuple[DeviceSnapshot, ...]
+    error: str = ""
 
 
-class NodeRelease(Fields):
+class NodeRelease(NamedTuple):
     """How long one Ray node's devices took to let go of what a cluster's check ended there."""
 
-    __slots__ = ("node_id", "release_s", "pids")
-    node_id: Final[str]
-    release_s: Final[float | None]
+    node_id: str
+    release_s: float | None
     """Seconds from the first kill on the node (``ray.kill`` or SIGTERM) until its devices listed none of
     the ended processes; None if none of them was on a device, or they were still listed at the deadline."""
-    pids: Final[tuple[int, ...]]
+    pids: tuple[int, ...] = ()
     """The ended processes that were on the node's devices."""
 
-    def __init__(self, node_id: str, release_s: float | None, pids: tuple[int, ...] = ()) -> None:
-        self.node_id = node_id
-        self.release_s = release_s
-        self.pids = pids
 
-
-class ClusterReading(Fields):
+class ClusterReading(NamedTuple):
     """What a check of a Ray cluster read beside its findings (``CheckResult.cluster``): the cluster, each
     alive node's devices, and how long each node took to release what was ended there. The findings
     themselves are ordinary ``Offender``/``Reaped`` records that name their ``node``."""
 
-    __slots__ = ("address", "nodes", "releases")
-    address: Final[str]
-    nodes: Final[tuple[NodeReading, ...]]
-    releases: Final[tuple[NodeRelease, ...]]
-
-    def __init__(self, address: str, nodes: tuple[NodeReading, ...] = (),
-                 releases: tuple[NodeRelease, ...] = ()) -> None:
-        self.address = address
-        self.nodes = nodes
-        self.releases = releases
+    address: str
+    nodes: tuple[NodeReading, ...] = ()
+    releases: tuple[NodeRelease, ...] = ()
 
 
 # ---- a check's verdict and a test's record ---------------------------------------------------------------
 
 
-class CheckResult(Fields):
+class CheckResult(NamedTuple):
     """The verdict of one check of the devices and processes."""
 
-    __slots__ = (
-        "clean",
-        "clean_after_s",
-        "cluster",
-        "collected",
-        "device_lost",
-        "devices",
-        "error",
-        "lingered",
-        "notes",
-        "offenders",
-        "outside",
-        "phase",
-        "reaped",
-        "self_cuda_only",
-        "self_mib",
-        "siblings",
-        "tolerance_mib",
-        "waited_s",
-    )
-    phase: Final[Phase]
-    clean: Final[bool]
-    devices: Final[tuple[DeviceSnapshot, ...]]
-    offenders: Final[tuple[Offender, ...]]
-    reaped: Final[tuple[Reaped, ...]]
-    waited_s: Final[float]
-    clean_after_s: Final[float | None]
+    phase: Phase
+    clean: bool
+    devices: tuple[DeviceSnapshot, ...]
+    offenders: tuple[Offender, ...]
+    reaped: tuple[Reaped, ...] = ()
+    waited_s: float = 0.0
+    clean_after_s: float | None = None
     """Seconds from the start of this check to confirmed clean (None if it never got clean)."""
-    notes: Final[tuple[str, ...]]
-    tolerance_mib: Final[int]
-    collected: Final[tuple[Reaped, ...]]
+    notes: tuple[str, ...] = ()
+    tolerance_mib: int = 0
+    collected: tuple[Reaped, ...] = ()
     """Processes of ours that had exited without anybody waiting for them (zombies), or that exited by
     themselves within the settle time: collected and reported, not counted as leaks."""
-    lingered: Final[tuple[Offender, ...]]
+    lingered: tuple[Offender, ...] = ()
     """Our processes that were alive when the check started and ended by themselves while it waited
     (reaping off): not dirty any more, but still leaked by whoever spawned them."""
-    self_mib: Final[tuple[tuple[str, float], ...]]
+    self_mib: tuple[tuple[str, float], ...] = ()
     """This process's own memory per device (a CUDA context of the pytest process): not a leak."""
-    self_cuda_only: Final[tuple[str, ...]]
+    self_cuda_only: tuple[str, ...] = ()
     """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
-    error: Final[str | None]
+    error: str | None = None
     """Why a device could not be read (naming it), which ended the check at once, not clean: what was
     provably ours was still reaped, as process ownership needs no device reading. None if every read
     succeeded."""
-    device_lost: Final[bool]
+    device_lost: bool = False
     """The device that could not be read is gone (NVML's GPU_IS_LOST, a simulated device's folder removed):
     no later check can succeed."""
-    siblings: Final[tuple[SiblingUse, ...]]
+    siblings: tuple[SiblingUse, ...] = ()
     """Processes of other workers of the same xdist run on these devices: excused, not waited for, never
     signalled (the notes name them)."""
-    outside: Final[Outside | None]
+    outside: Outside | None = None
     """What of the findings came from outside the session; None if nothing did."""
-    cluster: Final[ClusterReading | None]
+    cluster: ClusterReading | None = None
     """A Ray cluster's check: the cluster and each node's devices (``devices`` is empty: they are the
     nodes'), its offenders and reaped naming their ``node``; None for this host's check."""
 
-    def __init__(self, phase: Phase, clean: bool, devices: tuple[DeviceSnapshot, ...],
-                 offenders: tuple[Offender, ...], reaped: tuple[Reaped, ...] = (), waited_s: float = 0.0,
-                 clean_after_s: float | None = None, notes: tuple[str, ...] = (), tolerance_mib: int = 0,
-                 collected: tuple[Reaped, ...] = (), lingered: tuple[Offender, ...] = (),
-                 self_mib: tuple[tuple[str, float], ...] = (), self_cuda_only: tuple[str, ...] = (),
-                 error: str | None = None, device_lost: bool = False,
-                 siblings: tuple[SiblingUse, ...] = (), outside: Outside | None = None,
-                 cluster: ClusterReading | None = None) -> None:
-        self.phase = phase
-        self.clean = clean
-        self.devices = devices
-        self.offenders = offenders
-        self.reaped = reaped
-        self.waited_s = waited_s
-        self.clean_after_s = clean_after_s
-        self.notes = notes
-        self.tolerance_mib = tolerance_mib
-        self.collected = collected
-        self.lingered = lingered
-        self.self_mib = self_mib
-        self.self_cuda_only = self_cuda_only
-        self.error = error
-        self.device_lost = device_lost
-        self.siblings = siblings
-        self.outside = outside
-        self.cluster = cluster
 
-
-class FixtureLeak(Fields):
+class FixtureLeak(NamedTuple):
     """What a fixture wider than a test (module, class, package or session scope) left behind, found at the
     teardown of the test that finalized it: the fixture's finding, not that test's."""
 
-    __slots__ = ("leaked", "lingered", "location", "name", "reaped", "reported_on", "scope")
-    name: Final[str]
-    scope: Final[str]
-    location: Final[tuple[str, int]]
+    name: str
+    scope: str
+    location: tuple[str, int]
     """Where the fixture is defined: file (relative to rootdir where it is under it) and 1-based line of its
     first decorator (pytest's convention for a test); ("", 0) if unknown."""
-    reported_on: Final[str]
+    reported_on: str
     """The node id of the test at whose teardown the fixture ended and its leftovers were found."""
-    reaped: Final[tuple[Reaped, ...]]
-    leaked: Final[tuple[Offender, ...]]
+    reaped: tuple[Reaped, ...] = ()
+    leaked: tuple[Offender, ...] = ()
     """Its processes still there after the check: not reaped (reaping off, or they could not be ended)."""
-    lingered: Final[tuple[Offender, ...]]
+    lingered: tuple[Offender, ...] = ()
     """Its processes that ended by themselves while the check waited (reaping off)."""
-
-    def __init__(self, name: str, scope: str, location: tuple[str, int], reported_on: str,
-                 reaped: tuple[Reaped, ...] = (), leaked: tuple[Offender, ...] = (),
-                 lingered: tuple[Offender, ...] = ()) -> None:
-        self.name = name
-        self.scope = scope
-        self.location = location
-        self.reported_on = reported_on
-        self.reaped = reaped
-        self.leaked = leaked
-        self.lingered = lingered
 
     @property
     def where(self) -> str:
@@ -236,129 +157,69 @@ class FixtureLeak(Fields):
         return f"fixture {self.name} ({self.scope}-scoped" + (f", {self.where})" if self.where else ")")
 
 
-class TestRecord(Fields):
+@dataclass(slots=True)
+class TestRecord:
     """Everything gpuclean saw for one checked test; feeds the summary, JSON and JUnit output."""
 
-    __slots__ = (
-        "after",
-        "after_s",
-        "before",
-        "before_s",
-        "blocked_by",
-        "cluster_after",
-        "cluster_before",
-        "devices",
-        "fixture_leaks",
-        "found_later",
-        "gpu_without_lock",
-        "health",
-        "in_process_mib",
-        "location",
-        "lock_timeout",
-        "lock_wait_s",
-        "nodeid",
-        "outside_action",
-    )
-    __hash__ = None  # type: ignore[assignment]  # (filled in as the test runs)
     nodeid: str
-    location: tuple[str, int]
-    before: CheckResult | None
-    after: CheckResult | None
-    found_later: tuple[Reaped, ...]
+    location: tuple[str, int] = ("", 0)
+    before: CheckResult | None = None
+    after: CheckResult | None = None
+    found_later: tuple[Reaped, ...] = ()
     """Processes this test leaked that a later check found (e.g. the test was not checked)."""
-    in_process_mib: tuple[tuple[str, float], ...]
+    in_process_mib: tuple[tuple[str, float], ...] = ()
     """Growth of ``torch.cuda.memory_allocated`` during the test, per device."""
-    devices: tuple[str, ...]
+    devices: tuple[str, ...] = ()
     """UUIDs the test held the locks of."""
-    lock_wait_s: float
-    lock_timeout: str | None
+    lock_wait_s: float = 0.0
+    lock_timeout: str | None = None
     """Why the test never got its GPU locks (it waited ``lock_wait_s``); None if it got them."""
-    before_s: float
-    after_s: float
-    cluster_before: CheckResult | None
+    before_s: float = 0.0
+    after_s: float = 0.0
+    cluster_before: CheckResult | None = None
     """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
-    cluster_after: CheckResult | None
-    fixture_leaks: tuple[FixtureLeak, ...]
+    cluster_after: CheckResult | None = None
+    fixture_leaks: tuple[FixtureLeak, ...] = ()
     """Leaks of fixtures wider than a test that ended at this test's teardown: found by its check, but
     the fixtures' findings (its ``after`` keeps only what is this test's own). Like the other collections
     of a record, a tuple: the empty one is shared by every record (the session keeps them all, and the
     garbage collector walks them)."""
-    gpu_without_lock: tuple[SiblingUse, ...]
+    gpu_without_lock: tuple[SiblingUse, ...] = ()
     """Processes this test started that another xdist worker found holding memory on a GPU whose lock
     that worker's test held (recorded there, merged in by the controller)."""
-    health: tuple[HealthFinding, ...]
+    health: tuple[HealthFinding, ...] = ()
     """What the health watch (``health.py``) found on this test's GPUs: Xid events, a GPU that needs a reset,
     a changed setting, a lost GPU, a failed probe, clock event reasons."""
-    outside_action: OutsideAction | None
+    outside_action: OutsideAction | None = None
     """What the test got because a check found its GPUs dirty only from outside the session
     (``--gpuclean-outside``); None if none did."""
-    blocked_by: tuple[str, ...]
+    blocked_by: tuple[str, ...] = ()
     """Who leaked what its check before found and nothing else: leaks an earlier check found and left
     (reaping is off), not waited for again; the test was skipped. Each a test's node id or a fixture
     (``fixture NAME (SCOPE-scoped)``); empty if no such leak kept it from running."""
-
-    def __init__(self, nodeid: str, location: tuple[str, int] = ("", 0), before: CheckResult | None = None,
-                 after: CheckResult | None = None, found_later: tuple[Reaped, ...] = (),
-                 in_process_mib: tuple[tuple[str, float], ...] = (), devices: tuple[str, ...] = (),
-                 lock_wait_s: float = 0.0, lock_timeout: str | None = None, before_s: float = 0.0,
-                 after_s: float = 0.0, cluster_before: CheckResult | None = None,
-                 cluster_after: CheckResult | None = None,
-                 fixture_leaks: tuple[FixtureLeak, ...] = (),
-                 gpu_without_lock: tuple[SiblingUse, ...] = (),
-                 health: tuple[HealthFinding, ...] = (),
-                 outside_action: OutsideAction | None = None,
-                 blocked_by: tuple[str, ...] = ()) -> None:
-        self.nodeid = nodeid
-        self.location = location
-        self.before = before
-        self.after = after
-        self.found_later = found_later
-        self.in_process_mib = in_process_mib
-        self.devices = devices
-        self.lock_wait_s = lock_wait_s
-        self.lock_timeout = lock_timeout
-        self.before_s = before_s
-        self.after_s = after_s
-        self.cluster_before = cluster_before
-        self.cluster_after = cluster_after
-        self.fixture_leaks = fixture_leaks
-        self.gpu_without_lock = gpu_without_lock
-        self.health = health
-        self.outside_action = outside_action
-        self.blocked_by = blocked_by
 
 
 # ---- what the ``clean_gpus`` fixture gives a test ---------------------------------------------------------
 
 
-class DeviceState(Fields):
+@dataclass(frozen=True, slots=True)
+class DeviceState:
     """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check). Made only
     for a test that requests the fixture, from its setup check's readings."""
 
-    __slots__ = ("index", "uuid", "name", "used_bytes", "total_bytes")
-    index: Final[int]
+    index: int
     """NVML index of the physical GPU (what nvidia-smi shows)."""
-    uuid: Final[str]
-    name: Final[str]
-    used_bytes: Final[int]
-    total_bytes: Final[int]
-
-    def __init__(self, index: int, uuid: str, name: str, used_bytes: int, total_bytes: int) -> None:
-        self.index = index
-        self.uuid = uuid
-        self.name = name
-        self.used_bytes = used_bytes
-        self.total_bytes = total_bytes
+    uuid: str
+    name: str
+    used_bytes: int
+    total_bytes: int
 
 
-class CleanGpus(Fields):
+@dataclass(frozen=True, slots=True)
+class CleanGpus:
     """What the ``clean_gpus`` fixture yields: the devices this test checks (and holds locks of)."""
 
-    __slots__ = ("devices",)
-    devices: Final[tuple[DeviceState, ...]]
-
-    def __init__(self, devices: tuple[DeviceState, ...]) -> None:
-        self.devices = devices
+    devices: tuple[DeviceState, ...]
 
     @property
     def uuids(self) -> tuple[str, ...]:
@@ -405,29 +266,19 @@ def split_own(found: Iterable[_O], mine: Callable[[Owner], bool],
     return own, earlier
 
 
-class OwnLeaks(Fields):
+class OwnLeaks(NamedTuple):
     """Every process a test left behind, by where it was found (the order the reports list them in)."""
 
-    __slots__ = ("reaped", "later", "offenders", "cluster_reaped", "cluster_left")
-    reaped: Final[list[Reaped]]
+    reaped: list[Reaped]
     """Reaped by the check after it."""
-    later: Final[list[Reaped]]
+    later: list[Reaped]
     """Found (and reaped) by a later check."""
-    offenders: Final[list[tuple[Offender, str | None]]]
+    offenders: list[tuple[Offender, str | None]]
     """Not reaped: still running (``None``: reaping off, or it survived), or gone by itself while the check
     waited (``"exited by itself"``)."""
-    cluster_reaped: Final[list[Reaped]]
-    cluster_left: Final[list[Offender]]
+    cluster_reaped: list[Reaped]
+    cluster_left: list[Offender]
     """Still on the Ray cluster after it."""
-
-    def __init__(self, reaped: list[Reaped], later: list[Reaped],
-                 offenders: list[tuple[Offender, str | None]], cluster_reaped: list[Reaped],
-                 cluster_left: list[Offender]) -> None:
-        self.reaped = reaped
-        self.later = later
-        self.offenders = offenders
-        self.cluster_reaped = cluster_reaped
-        self.cluster_left = cluster_left
 
     def any(self) -> bool:
         return bool(self.reaped or self.later or self.offenders or self.cluster_reaped or self.cluster_left)

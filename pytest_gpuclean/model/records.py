@@ -5,15 +5,17 @@ Ray node, naming it). What a check and a test came to (``CheckResult``, ``TestRe
 ``outcomes.py``, beside the decisions over them.
 
 Only ``nvml.py`` knows NVML and only ``processes.py`` knows psutil; everything else works on these.
-Every record is a ``Fields`` class, not a dataclass: every checked session imports this module (``Fields``
-says why that matters). ``serialize`` walks the fields and their type hints.
+A record is a ``NamedTuple``: immutable, compared and hashed by value, and cheap to define (a checked session
+defines some thirty at its start: a NamedTuple costs a tenth of a millisecond to create, a frozen dataclass
+ten times that, on the CPU box: benchmarks/import_cost.py). A dataclass where a tuple will not do: a record
+filled in as the test runs (``TestRecord``), the fixture's public values (``CleanGpus``, ``DeviceState``)
+and ``DeviceInfo``, whose ``index`` would shadow ``tuple.index``.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable
-from typing import Any, ClassVar, Final, Literal, Protocol, TypeVar, cast, get_args
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol, cast, get_args
 
 __all__ = [
     "MIB",
@@ -23,7 +25,6 @@ __all__ = [
     "DeviceInfo",
     "DeviceSnapshot",
     "EndedBy",
-    "Fields",
     "FoundBy",
     "GpuProcess",
     "HealthEffect",
@@ -91,66 +92,15 @@ OutsideAction = Literal["fail", "skip", "stop"]
 """What a test gets when its GPUs are dirty only from outside the session (``--gpuclean-outside``)."""
 
 
-_F = TypeVar("_F", bound="Fields")
-
-
-class Fields:
-    """The records below: equality, hash, ``repr`` and ``replace`` from the fields in ``__slots__``.
-
-    Not dataclasses: every checked session imports this module, and creating a dataclass compiles each of
-    its generated methods (docs/benchmarks.md, section 9, has what that costs), where a ``Fields``
-    class costs one ``attrgetter``. So every record is one, and the whole model loads at once (this module and
-    ``outcomes.py``, which a checked session imports from the start): no record waits in a module of its own
-    for the first finding. A subclass lists its fields in ``__slots__`` (in
-    ``__init__``'s order) and annotates them; ``Final`` makes ``mypy --strict`` refuse an assignment, as
-    ``frozen=True`` did at run time (a reading is shared by the records of every clean test).
-    ``serialize`` walks the fields and their type hints.
-    """
-
-    __slots__: tuple[str, ...] = ()
-    _values_of: ClassVar[Callable[[Fields], tuple[object, ...]]]
-    """The fields' values, in order: one ``attrgetter`` per class (C speed; a reading's hash and
-    equality are on every check's path)."""
-
-    def __init_subclass__(cls) -> None:
-        getter = operator.attrgetter(*cls.__slots__)
-        cls._values_of = getter if len(cls.__slots__) > 1 else lambda obj: (getter(obj),)
-
-    def __eq__(self, other: object) -> bool:
-        if other is self:
-            return True
-        values_of = type(self)._values_of
-        return isinstance(other, Fields) and type(other) is type(self) and values_of(self) == values_of(other)
-
-    def __hash__(self) -> int:
-        return hash(type(self)._values_of(self))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(" + ", ".join(
-            f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
-
-    def replace(self: _F, **changes: Any) -> _F:
-        """A copy with ``changes`` (``dataclasses.replace``)."""
-        values = {name: getattr(self, name) for name in self.__slots__}
-        values.update(changes)
-        return type(self)(**values)  # (each subclass's __init__ takes its fields)
-
-
-class DeviceInfo(Fields):
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
     """A device under check: a whole GPU or a MIG instance."""
 
-    __slots__ = ("index", "uuid", "name", "mig_index")
-    index: Final[int]
+    index: int
     """NVML index of the physical GPU (what nvidia-smi shows)."""
-    uuid: Final[str]
-    name: Final[str]
-    mig_index: Final[int | None]
-
-    def __init__(self, index: int, uuid: str, name: str, mig_index: int | None = None) -> None:
-        self.index = index
-        self.uuid = uuid
-        self.name = name
-        self.mig_index = mig_index
+    uuid: str
+    name: str
+    mig_index: int | None = None
 
     @property
     def label(self) -> str:
@@ -158,33 +108,20 @@ class DeviceInfo(Fields):
         return f"GPU {self.index}" if self.mig_index is None else f"GPU {self.index}/MIG {self.mig_index}"
 
 
-class GpuProcess(Fields):
+class GpuProcess(NamedTuple):
     """A process the driver lists on a device, with its memory (None when the driver can't tell)."""
 
-    __slots__ = ("pid", "used_bytes")
-    pid: Final[int]
-    used_bytes: Final[int | None]
-
-    def __init__(self, pid: int, used_bytes: int | None) -> None:
-        self.pid = pid
-        self.used_bytes = used_bytes
+    pid: int
+    used_bytes: int | None
 
 
-class DeviceSnapshot(Fields):
+class DeviceSnapshot(NamedTuple):
     """One reading of a device: memory (NVML v2 ``used``) and the processes on it."""
 
-    __slots__ = ("device", "used_bytes", "total_bytes", "processes")
-    device: Final[DeviceInfo]
-    used_bytes: Final[int]
-    total_bytes: Final[int]
-    processes: Final[tuple[GpuProcess, ...]]
-
-    def __init__(self, device: DeviceInfo, used_bytes: int, total_bytes: int,
-                 processes: tuple[GpuProcess, ...]) -> None:
-        self.device = device
-        self.used_bytes = used_bytes
-        self.total_bytes = total_bytes
-        self.processes = processes
+    device: DeviceInfo
+    used_bytes: int
+    total_bytes: int
+    processes: tuple[GpuProcess, ...]
 
     def bytes_of(self, pids: frozenset[int] | set[int]) -> int:
         """Memory the driver attributes to ``pids`` on this device."""
@@ -193,48 +130,30 @@ class DeviceSnapshot(Fields):
         return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
 
 
-class DeviceHealth(Fields):
+class DeviceHealth(NamedTuple):
     """The slow health reads of one device (a backend's ``health``: ``backends.HealthSource``): None where the
     device cannot tell."""
 
-    __slots__ = ("remap_pending", "remap_failed", "ecc_uncorrected", "compute_mode", "mig_mode",
-                 "persistence")
-    remap_pending: Final[int | None]
+    remap_pending: int | None = None
     """Memory rows waiting for a reset to be remapped (retired pages pending, on GPUs before Ampere)."""
-    remap_failed: Final[bool | None]
-    ecc_uncorrected: Final[int | None]
+    remap_failed: bool | None = None
+    ecc_uncorrected: int | None = None
     """Uncorrectable ECC errors since the last reset or driver load (the volatile count)."""
-    compute_mode: Final[str | None]
+    compute_mode: str | None = None
     """``Default``, ``Exclusive_Process``, ``Prohibited`` (``Exclusive_Thread`` on old drivers)."""
-    mig_mode: Final[str | None]
-    persistence: Final[str | None]
-
-    def __init__(self, remap_pending: int | None = None, remap_failed: bool | None = None,
-                 ecc_uncorrected: int | None = None, compute_mode: str | None = None,
-                 mig_mode: str | None = None, persistence: str | None = None) -> None:
-        self.remap_pending = remap_pending
-        self.remap_failed = remap_failed
-        self.ecc_uncorrected = ecc_uncorrected
-        self.compute_mode = compute_mode
-        self.mig_mode = mig_mode
-        self.persistence = persistence
+    mig_mode: str | None = None
+    persistence: str | None = None
 
 
-class Selection(Fields):
+class Selection(NamedTuple):
     """The devices to check, and where that choice came from (for headers and error messages):
     ``backends.choose_devices``' answer."""
 
-    __slots__ = ("devices", "source", "found")
-    devices: Final[tuple[DeviceInfo, ...]]
-    source: Final[str]
+    devices: tuple[DeviceInfo, ...]
+    source: str
     """``all devices``, ``from CUDA_VISIBLE_DEVICES='1'``, or the source of an explicit list."""
-    found: Final[int]
+    found: int
     """How many devices the backend has."""
-
-    def __init__(self, devices: tuple[DeviceInfo, ...], source: str, found: int) -> None:
-        self.devices = devices
-        self.source = source
-        self.found = found
 
     def none_reason(self, kind: str) -> str:
         """Why there is nothing to check, when ``devices`` is empty."""
@@ -243,16 +162,11 @@ class Selection(Fields):
         return f"none of the {self.found} {kind} device(s) is selected ({self.source})"
 
 
-class Owner(Fields):
+class Owner(NamedTuple):
     """Who a process belongs to: the test or higher-scoped fixture that was running when it was spawned."""
 
-    __slots__ = ("kind", "name")
-    kind: Final[OwnerKind]
-    name: Final[str]
-
-    def __init__(self, kind: OwnerKind, name: str) -> None:
-        self.kind = kind
-        self.name = name
+    kind: OwnerKind
+    name: str
 
     def __str__(self) -> str:
         return self.name if self.kind == "test" else f"{self.kind} {self.name}"
@@ -304,195 +218,118 @@ class CensusEntry(Protocol):
         ...
 
 
-class Outside(Fields):
+class Outside(NamedTuple):
     """What a check found on its devices that cannot be the session's: processes the driver lists that are
     not ours (nor excused), and memory no process we can see holds."""
 
-    __slots__ = ("devices", "only", "same_as")
-    devices: Final[tuple[tuple[str, float], ...]]
+    devices: tuple[tuple[str, float], ...]
     """(device label, MiB held from outside) of each device dirty from outside."""
-    only: Final[bool]
+    only: bool
     """Every finding of the check was from outside: nothing of the session's kept the GPUs dirty."""
-    same_as: Final[str | None]
+    same_as: str | None = None
     """Not waited for: the same outside state (same holders, same memory) that this check (a test's node
     id) already waited out; None if this check waited for it."""
-
-    def __init__(self, devices: tuple[tuple[str, float], ...], only: bool, same_as: str | None = None
-                 ) -> None:
-        self.devices = devices
-        self.only = only
-        self.same_as = same_as
 
 
 # ---- who holds a GPU lock: read by ``core/locks/holders.py``, worded by ``core/locks/describe.py`` -------
 
-class HolderRecord(Fields):
+class HolderRecord(NamedTuple):
     """A GPU lock's holder record, as its holder wrote it next to the lock (``core/locks/held.py``), read back
     checked and cleaned: another user may have written anything there."""
 
-    __slots__ = ("pid", "uid", "user", "host", "test", "since", "uuid", "start")
-    pid: Final[int]
-    uid: Final[int]
+    pid: int
+    uid: int
     """The uid the record's file is named after, and the kernel says it owns: who wrote it."""
-    user: Final[str]
+    user: str
     """That uid's name here (``uid N`` if it has none)."""
-    host: Final[str]
+    host: str
     """The host it was written on (``?`` if it named none that can be printed)."""
-    test: Final[str]
+    test: str
     """The test that holds the GPU (its node id), cleaned for printing."""
-    since: Final[float]
+    since: float
     """When it was written (``time.time``)."""
-    uuid: Final[str]
-    start: Final[int | None]
+    uuid: str
+    start: int | None = None
     """The holder's start (clock ticks since boot), to tell it from a later process of the same pid."""
 
-    def __init__(self, pid: int, uid: int, user: str, host: str, test: str, since: float, uuid: str,
-                 start: int | None = None) -> None:
-        self.pid = pid
-        self.uid = uid
-        self.user = user
-        self.host = host
-        self.test = test
-        self.since = since
-        self.uuid = uuid
-        self.start = start
 
-
-class LockHolder(Fields):
+class LockHolder(NamedTuple):
     """Who holds a GPU's lock, as a waiting session names it: the newest valid holder record, and what the
     kernel (``/proc/locks``) and the marks on the lock directory say."""
 
-    __slots__ = ("record", "alive", "lock_pid", "lock_user", "lock_cmd", "missing", "held", "making",
-                 "queued")
-    record: Final[HolderRecord | None]
+    record: HolderRecord | None = None
     """The newest valid record (None: nobody recorded). The newest wins: a holder writes its record after it
     got the lock, so an older one is left over from a session that ended without releasing (killed)."""
-    alive: Final[bool | None]
+    alive: bool | None = None
     """Whether the recorded process still runs (None: no record, or one written on another host)."""
-    lock_pid: Final[int | None]
+    lock_pid: int | None = None
     """The process that holds the POSIX lock per ``/proc/locks`` (0: one in another PID namespace; None:
     ``/proc/locks`` names nobody)."""
-    lock_user: Final[str | None]
-    lock_cmd: Final[str | None]
+    lock_user: str | None = None
+    lock_cmd: str | None = None
     """``lock_pid``'s user and command line, cleaned for printing (None unless it is a process we see)."""
-    missing: Final[bool]
+    missing: bool = False
     """The lock file is missing."""
-    held: Final[bool]
+    held: bool = False
     """(Where ``missing``.) A session holds the GPU through its deleted lock file (its hold mark is up)."""
-    making: Final[bool]
+    making: bool = False
     """A session is creating the lock file."""
-    queued: Final[bool]
+    queued: bool = False
     """Another session has waited long for it, and goes first."""
-
-    def __init__(self, record: HolderRecord | None = None, alive: bool | None = None,
-                 lock_pid: int | None = None, lock_user: str | None = None, lock_cmd: str | None = None,
-                 missing: bool = False, held: bool = False, making: bool = False, queued: bool = False
-                 ) -> None:
-        self.record = record
-        self.alive = alive
-        self.lock_pid = lock_pid
-        self.lock_user = lock_user
-        self.lock_cmd = lock_cmd
-        self.missing = missing
-        self.held = held
-        self.making = making
-        self.queued = queued
 
 
 # ---- what a check found: on this host, or on a Ray cluster's node (``node``) ---------------------------
 
 
-class ProcessInfo(Fields):
+class ProcessInfo(NamedTuple):
     """A process as reported to the user; ``(pid, start_ticks)`` is its identity."""
 
-    __slots__ = ("pid", "start_ticks", "ppid", "uid", "user", "cmdline", "state")
-    pid: Final[int]
-    start_ticks: Final[int]
-    ppid: Final[int]
-    uid: Final[int]
-    user: Final[str]
-    cmdline: Final[str]
-    state: Final[ProcessState]
-
-    def __init__(self, pid: int, start_ticks: int, ppid: int, uid: int, user: str, cmdline: str,
-                 state: ProcessState) -> None:
-        self.pid = pid
-        self.start_ticks = start_ticks
-        self.ppid = ppid
-        self.uid = uid
-        self.user = user
-        self.cmdline = cmdline
-        self.state = state
+    pid: int
+    start_ticks: int
+    ppid: int
+    uid: int
+    user: str
+    cmdline: str
+    state: ProcessState
 
 
-class Offender(Fields):
+class Offender(NamedTuple):
     """Something that makes a check fail: a process, or memory nobody accounts for."""
 
-    __slots__ = ("reason", "process", "owner", "found_by", "mib_per_device", "detail", "node")
-    reason: Final[Reason]
-    process: Final[ProcessInfo | None]
-    owner: Final[Owner | None]
-    found_by: Final[FoundBy]
-    mib_per_device: Final[tuple[tuple[str, float], ...]]
+    reason: Reason
+    process: ProcessInfo | None
+    owner: Owner | None
+    found_by: FoundBy
+    mib_per_device: tuple[tuple[str, float], ...] = ()
     """(device label, MiB) pairs for devices this process holds memory on."""
-    detail: Final[str]
-    node: Final[str | None]
+    detail: str = ""
+    node: str | None = None
     """The Ray node it is on (its id; '' for the whole cluster); None: this host."""
 
-    def __init__(self, reason: Reason, process: ProcessInfo | None, owner: Owner | None, found_by: FoundBy,
-                 mib_per_device: tuple[tuple[str, float], ...] = (), detail: str = "",
-                 node: str | None = None) -> None:
-        self.reason = reason
-        self.process = process
-        self.owner = owner
-        self.found_by = found_by
-        self.mib_per_device = mib_per_device
-        self.detail = detail
-        self.node = node
 
-
-class Reaped(Fields):
+class Reaped(NamedTuple):
     """What happened to one leaked process during reaping."""
 
-    __slots__ = ("process", "owner", "found_by", "ended_by", "mib_per_device", "exit_s", "release_s",
-                 "survived_as", "node", "via", "actor_id", "job_id")
-    process: Final[ProcessInfo]
-    owner: Final[Owner | None]
-    found_by: Final[FoundBy]
-    ended_by: Final[EndedBy]
-    mib_per_device: Final[tuple[tuple[str, float], ...]]
-    exit_s: Final[float | None]
+    process: ProcessInfo
+    owner: Owner | None
+    found_by: FoundBy
+    ended_by: EndedBy
+    mib_per_device: tuple[tuple[str, float], ...]
+    exit_s: float | None
     """Seconds from the first signal to the process being gone."""
-    release_s: Final[float | None]
+    release_s: float | None = None
     """Seconds from the signal that ended the process to the driver no longer listing it (GPU holders
     only): how long the driver took to give the memory back."""
-    survived_as: Final[str]
+    survived_as: str = ""
     """The process's state when it outlived SIGKILL (``ended_by == "survived"``), e.g. ``stopped``."""
-    node: Final[str | None]
+    node: str | None = None
     """The Ray node it was on (its id); None: this host."""
-    via: Final[Via]
+    via: Via = ""
     """On a Ray node: ``ray.kill`` (its worker then exited by itself) or the signal ``ladder``."""
-    actor_id: Final[str]
+    actor_id: str = ""
     """The Ray actor whose worker it was ('' for a process a worker started, or on this host)."""
-    job_id: Final[str]
+    job_id: str = ""
     """The Ray job it was of ('' on this host)."""
-
-    def __init__(self, process: ProcessInfo, owner: Owner | None, found_by: FoundBy, ended_by: EndedBy,
-                 mib_per_device: tuple[tuple[str, float], ...], exit_s: float | None,
-                 release_s: float | None = None, survived_as: str = "", node: str | None = None,
-                 via: Via = "", actor_id: str = "", job_id: str = "") -> None:
-        self.process = process
-        self.owner = owner
-        self.found_by = found_by
-        self.ended_by = ended_by
-        self.mib_per_device = mib_per_device
-        self.exit_s = exit_s
-        self.release_s = release_s
-        self.survived_as = survived_as
-        self.node = node
-        self.via = via
-        self.actor_id = actor_id
-        self.job_id = job_id
 
     @property
     def how_ended(self) -> str:
@@ -516,35 +353,23 @@ class Reaped(Fields):
 _ENDED_BY = frozenset(get_args(EndedBy))
 
 
-class SiblingUse(Fields):
+class SiblingUse(NamedTuple):
     """A process that another worker of the same xdist run started (its cookie proves it), found holding
     memory on a GPU that a check of this worker covered: excused there, never waited for, never signalled.
     When this worker's test held that GPU's lock, it is a finding of the test that started the process."""
 
-    __slots__ = ("process", "owner", "worker", "mib_per_device", "seen_by", "seen_worker", "phase")
-    process: Final[ProcessInfo]
-    owner: Final[Owner]
+    process: ProcessInfo
+    owner: Owner
     """Who in the sibling worker started it: a test, a fixture or its session set-up (``GPUCLEAN_OWNER``)."""
-    worker: Final[str]
+    worker: str
     """The sibling worker (``gw0``): ``PYTEST_XDIST_WORKER`` in the process's environment."""
-    mib_per_device: Final[tuple[tuple[str, float], ...]]
-    seen_by: Final[str]
+    mib_per_device: tuple[tuple[str, float], ...]
+    seen_by: str = ""
     """The test of this worker whose check found it, holding the GPU's lock (set when recorded as a
     finding)."""
-    seen_worker: Final[str]
-    phase: Final[Phase | None]
+    seen_worker: str = ""
+    phase: Phase | None = None
     """That test's check: ``setup`` or ``teardown``."""
-
-    def __init__(self, process: ProcessInfo, owner: Owner, worker: str,
-                 mib_per_device: tuple[tuple[str, float], ...], seen_by: str = "", seen_worker: str = "",
-                 phase: Phase | None = None) -> None:
-        self.process = process
-        self.owner = owner
-        self.worker = worker
-        self.mib_per_device = mib_per_device
-        self.seen_by = seen_by
-        self.seen_worker = seen_worker
-        self.phase = phase
 
     def describe(self) -> str:
         """``gw0's test test_x.py::test_a``."""
@@ -553,28 +378,17 @@ class SiblingUse(Fields):
         return f"{self.worker}'s {self.owner.kind} {self.owner.name}"
 
 
-class HealthFinding(Fields):
+class HealthFinding(NamedTuple):
     """Something the health watch found on a GPU (``health.py`` decides the ``effect``)."""
 
-    __slots__ = ("kind", "effect", "device", "uuid", "message", "phase", "xid")
-    kind: Final[HealthKind]
-    effect: Final[HealthEffect]
-    device: Final[str]
+    kind: HealthKind
+    effect: HealthEffect
+    device: str
     """The device's label (``GPU 3``)."""
-    uuid: Final[str]
-    message: Final[str]
+    uuid: str
+    message: str
     """One line that names the device: ``GPU 3: Xid 31 (GPU memory page fault ...)``."""
-    phase: Final[Phase]
+    phase: Phase
     """``setup``: found before the test (not caused by it); ``teardown``: during or right after it."""
-    xid: Final[int | None]
-
-    def __init__(self, kind: HealthKind, effect: HealthEffect, device: str, uuid: str, message: str,
-                 phase: Phase, xid: int | None = None) -> None:
-        self.kind = kind
-        self.effect = effect
-        self.device = device
-        self.uuid = uuid
-        self.message = message
-        self.phase = phase
-        self.xid = xid
+    xid: int | None = None
 

@@ -295,7 +295,7 @@ class RayChecks:
         own, earlier = split_own(result.reaped, lambda owner: session.token_of(owner) in own_tokens,
                                  ALL_KINDS)
         session.attribute_earlier(earlier, state.nodeid, result.notes)
-        result = result.replace(reaped=tuple(own))
+        result = result._replace(reaped=tuple(own))
         record.cluster_after = result
         leaked = [o for o in result.offenders if o.reason == "leaked"]
         if own or leaked:

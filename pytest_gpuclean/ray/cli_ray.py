@@ -18,14 +18,14 @@ import argparse
 import os
 import time
 from collections.abc import Sequence
-from typing import Any, Final, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from pytest_gpuclean import __version__
 from pytest_gpuclean.core.deciding import reap_plan
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.evidence import Ownership
 from pytest_gpuclean.model.outcomes import CheckResult, ClusterReading, NodeReading
-from pytest_gpuclean.model.records import MIB, Fields, Offender, ProcessInfo
+from pytest_gpuclean.model.records import MIB, Offender, ProcessInfo
 from pytest_gpuclean.ray import cluster
 from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeProcess, NodeReport
 from pytest_gpuclean.report import jsonreport, report
@@ -148,21 +148,13 @@ def cmd_check(args: argparse.Namespace, out: TextIO, resolved: settings.Settings
 
 # ---- reap --------------------------------------------------------------------------------------------
 
-class _Target(Fields):
+class _Target(NamedTuple):
     """A process ``reap --ray`` ends: on ``node``, an actor's worker or not, holding ``mib``."""
 
-    __slots__ = ("node", "process", "actor", "mib")
-    node: Final[NodeReport]
-    process: Final[NodeProcess]
-    actor: Final[ActorRecord | None]
-    mib: Final[tuple[tuple[str, float], ...]]
-
-    def __init__(self, node: NodeReport, process: NodeProcess, actor: ActorRecord | None,
-                 mib: tuple[tuple[str, float], ...]) -> None:
-        self.node = node
-        self.process = process
-        self.actor = actor
-        self.mib = mib
+    node: NodeReport
+    process: NodeProcess
+    actor: ActorRecord | None
+    mib: tuple[tuple[str, float], ...]
 
 
 def _is_daemon(cmdline: str) -> bool:

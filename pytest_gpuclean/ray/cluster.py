@@ -25,14 +25,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Final, cast, get_args
+from typing import Any, cast, get_args
 
 from pytest_gpuclean.core.options import settings
 from pytest_gpuclean.core.ownership.evidence import SESSION, Ownership
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.model.outcomes import CheckResult, ClusterReading, NodeReading, NodeRelease
-from pytest_gpuclean.model.records import MIB, EndedBy, Fields, Offender, Owner, Phase, ProcessInfo, Reaped
+from pytest_gpuclean.model.records import MIB, EndedBy, Offender, Owner, Phase, ProcessInfo, Reaped
 from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeEnd, NodeProcess, Outcome
 
 __all__ = [
@@ -75,22 +76,15 @@ class ClusterError(Exception):
     """The cluster cannot be reached or used (wrong address, Ray missing, another Ray version)."""
 
 
-class _Leak(Fields):
+@dataclass(slots=True)
+class _Leak:
     """Something of ours alive on the cluster and not protected: an actor, its worker or a process of one of
     our jobs, on ``node``, owned by ``token``'s window."""
 
-    __slots__ = ("process", "actor", "node", "token")
-    __hash__ = None  # type: ignore[assignment]  # (an actor's leak takes its worker once found)
     process: NodeProcess | None
-    actor: Final[ActorRecord | None]
-    node: Final[str]
-    token: Final[str]
-
-    def __init__(self, process: NodeProcess | None, actor: ActorRecord | None, node: str, token: str) -> None:
-        self.process = process
-        self.actor = actor
-        self.node = node
-        self.token = token
+    actor: ActorRecord | None
+    node: str
+    token: str
 
 
 def _never_older(pid: int, start_ticks: int) -> bool:
@@ -430,7 +424,7 @@ def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
                 if proc is not None and any(fnmatch.fnmatchcase(proc.info.cmdline, g) for g in ignore):
                     continue
                 where = f"[node {node.node_id[:8]}]"
-                info = (proc.info.replace(cmdline=f"{where} {proc.info.cmdline}")
+                info = (proc.info._replace(cmdline=f"{where} {proc.info.cmdline}")
                         if proc is not None else
                         ProcessInfo(gp.pid, 0, 0, -1, "?", f"[node {node.node_id[:8]}] pid {gp.pid} (not "
                                     "visible on its node)", "?"))

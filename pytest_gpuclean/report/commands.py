@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Final, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from pytest_gpuclean import __version__
 from pytest_gpuclean.model.outcomes import CheckResult
@@ -18,7 +18,6 @@ from pytest_gpuclean.model.records import (
     DeviceHealth,
     DeviceInfo,
     DeviceSnapshot,
-    Fields,
     FoundBy,
     ProcessInfo,
     Reaped,
@@ -59,25 +58,17 @@ PROG = "gpuclean"
 CMDLINE_WIDTH = 200
 
 
-class Selection(Fields):
+class Selection(NamedTuple):
     """The devices a command works on, as its output names them."""
 
-    __slots__ = ("kind", "driver", "source", "chosen", "total")
-    kind: Final[str]
+    kind: str
     """The backend's kind: ``nvml`` or ``simulated``."""
-    driver: Final[str]
-    source: Final[str]
+    driver: str
+    source: str
     """Where the device list came from."""
-    chosen: Final[int]
-    total: Final[int]
+    chosen: int
+    total: int
     """How many devices the backend has, chosen or not."""
-
-    def __init__(self, kind: str, driver: str, source: str, chosen: int, total: int) -> None:
-        self.kind = kind
-        self.driver = driver
-        self.source = source
-        self.chosen = chosen
-        self.total = total
 
 
 def header(selection: Selection) -> str:
@@ -101,22 +92,14 @@ def print_json(document: dict[str, Any], out: TextIO) -> None:
 
 # ---- health ------------------------------------------------------------------------------------------
 
-class Health(Fields):
+class Health(NamedTuple):
     """One device's health as a command shows it."""
 
-    __slots__ = ("device", "reading", "problems", "lost")
-    device: Final[DeviceInfo]
-    reading: Final[DeviceHealth | None]
+    device: DeviceInfo
+    reading: DeviceHealth | None
     """None: the device is lost (``lost``), or its backend has no health reads."""
-    problems: Final[tuple[str, ...]]
-    lost: Final[str | None]
-
-    def __init__(self, device: DeviceInfo, reading: DeviceHealth | None, problems: tuple[str, ...],
-                 lost: str | None = None) -> None:
-        self.device = device
-        self.reading = reading
-        self.problems = problems
-        self.lost = lost
+    problems: tuple[str, ...]
+    lost: str | None = None
 
 
 def health_lines(read: Sequence[Health]) -> list[str]:
@@ -188,20 +171,14 @@ def status_json(selection: Selection, snaps: Sequence[DeviceSnapshot],
 
 # ---- check -------------------------------------------------------------------------------------------
 
-class Debris(Fields):
+class Debris(NamedTuple):
     """A process that a gpuclean session which died left behind: what ``reap --dead-sessions`` ends."""
 
-    __slots__ = ("info", "left_by", "owner")
-    info: Final[ProcessInfo]
-    left_by: Final[str]
+    info: ProcessInfo
+    left_by: str
     """The dead session, in words."""
-    owner: Final[str | None]
+    owner: str | None
     """Who spawned it, where known."""
-
-    def __init__(self, info: ProcessInfo, left_by: str, owner: str | None) -> None:
-        self.info = info
-        self.left_by = left_by
-        self.owner = owner
 
 
 def unusable_lines(unusable: Sequence[Health]) -> list[str]:
@@ -286,34 +263,22 @@ def debris_lines(debris: Sequence[Debris]) -> list[str]:
 
 # ---- reap --------------------------------------------------------------------------------------------
 
-class ReapTarget(Fields):
+class ReapTarget(NamedTuple):
     """A process ``reap`` sets out to end."""
 
-    __slots__ = ("info", "found_by", "mib")
-    info: Final[ProcessInfo]
-    found_by: Final[FoundBy]
+    info: ProcessInfo
+    found_by: FoundBy
     """``gpu`` (listed on a device), ``cookie`` (carries the ``--cookie`` value) or ``dead session``."""
-    mib: Final[tuple[tuple[str, float], ...]]
-
-    def __init__(self, info: ProcessInfo, found_by: FoundBy, mib: tuple[tuple[str, float], ...]) -> None:
-        self.info = info
-        self.found_by = found_by
-        self.mib = mib
+    mib: tuple[tuple[str, float], ...]
 
 
-class Unreadable(Fields):
+class Unreadable(NamedTuple):
     """A device ``reap`` could not read: what it holds, and whose, is unknown."""
 
-    __slots__ = ("device", "lost", "why")
-    device: Final[DeviceInfo]
-    lost: Final[bool]
+    device: DeviceInfo
+    lost: bool
     """The device is lost (not only its reads failing)."""
-    why: Final[str]
-
-    def __init__(self, device: DeviceInfo, lost: bool, why: str) -> None:
-        self.device = device
-        self.lost = lost
-        self.why = why
+    why: str
 
 
 def dead_session_note(debris: Debris) -> str:

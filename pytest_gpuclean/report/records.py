@@ -13,12 +13,13 @@ Hence their function-level imports here.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import pytest
 
 from pytest_gpuclean.model.outcomes import CheckResult, FixtureLeak, TestRecord
-from pytest_gpuclean.model.records import Fields, Reaped, SiblingUse
+from pytest_gpuclean.model.records import Reaped, SiblingUse
 
 __all__ = [
     "EMPTY_PAYLOAD",
@@ -33,19 +34,13 @@ Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""
 
 
-class Merged(Fields):
+class Merged(NamedTuple):
     """Everything a session and (in the xdist controller) its workers found: what every output reads.
     (Declared here, not in the model: it is this module's answer, folded anew for each output.)"""
 
-    __slots__ = ("records", "session_reaped", "notes")
-    records: Final[list[TestRecord]]
-    session_reaped: Final[list[Reaped]]
-    notes: Final[list[str]]
-
-    def __init__(self, records: list[TestRecord], session_reaped: list[Reaped], notes: list[str]) -> None:
-        self.records = records
-        self.session_reaped = session_reaped
-        self.notes = notes
+    records: list[TestRecord]
+    session_reaped: list[Reaped]
+    notes: list[str]
 
 
 class SessionRecords:
@@ -210,7 +205,7 @@ def _one_per_test(records: list[TestRecord]) -> list[TestRecord]:
         uses = list(target.gpu_without_lock)
         seen = {(u.process.pid, u.process.start_ticks) for u in uses}
         uses.extend(u for u in record.gpu_without_lock if (u.process.pid, u.process.start_ticks) not in seen)
-        folded[id(into)] = target.replace(found_later=(*target.found_later, *record.found_later),
+        folded[id(into)] = replace(target, found_later=(*target.found_later, *record.found_later),
                                           gpu_without_lock=tuple(uses),
                                           fixture_leaks=(*target.fixture_leaks, *record.fixture_leaks))
     if not folded:
@@ -245,9 +240,9 @@ def _reaped_once(records: list[TestRecord], session_reaped: list[Reaped]) -> lis
     def without(check: CheckResult | None) -> CheckResult | None:
         if check is None or not any(map(reaped, check.collected)):
             return check
-        return check.replace(collected=tuple(x for x in check.collected if not reaped(x)))
+        return check._replace(collected=tuple(x for x in check.collected if not reaped(x)))
 
-    changed = {id(r): r.replace(before=without(r.before), after=without(r.after)) for r in collected}
+    changed = {id(r): replace(r, before=without(r.before), after=without(r.after)) for r in collected}
     return [changed.get(id(r), r) for r in records]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import NamedTuple
 
 from pytest_gpuclean.model.outcomes import (
     CheckResult,
@@ -14,7 +14,7 @@ from pytest_gpuclean.model.outcomes import (
     outcome,
     reaped_count,
 )
-from pytest_gpuclean.model.records import MIB, DeviceSnapshot, Fields, Offender, ProcessInfo, Reaped
+from pytest_gpuclean.model.records import MIB, DeviceSnapshot, Offender, ProcessInfo, Reaped
 from pytest_gpuclean.model.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checker.py's messages use them too)
 from pytest_gpuclean.model.text import mib_list as mib_list
 from pytest_gpuclean.model.text import one_line as one_line
@@ -142,23 +142,16 @@ def check_report(result: CheckResult, heading: str, *, more_notes: Sequence[str]
     return "\n".join(lines)
 
 
-class DryRunTarget(Fields):
+class DryRunTarget(NamedTuple):
     """A process on ``reap --dry-run``'s list (``report.dry_run_lines``), on this host or a Ray node."""
 
-    __slots__ = ("where", "info", "how", "mib")
-    where: Final[str]
+    where: str
     """'' on this host, ``node ab12cd34: `` on a Ray cluster."""
-    info: Final[ProcessInfo]
-    how: Final[str]
+    info: ProcessInfo
+    how: str
     """How it was found, or how it will end."""
-    mib: Final[tuple[tuple[str, float], ...]]
+    mib: tuple[tuple[str, float], ...]
     """(device label, MiB) of each device the driver lists it on."""
-
-    def __init__(self, where: str, info: ProcessInfo, how: str, mib: tuple[tuple[str, float], ...]) -> None:
-        self.where = where
-        self.info = info
-        self.how = how
-        self.mib = mib
 
 
 def dry_run_lines(prog: str, targets: Sequence[DryRunTarget]) -> list[str]:

@@ -343,7 +343,7 @@ class ItemChecks:
             session.attribute_earlier(earlier, state.nodeid, result.notes)
             # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
             if len(own) != len(result.reaped):
-                result = result.replace(reaped=tuple(own))
+                result = result._replace(reaped=tuple(own))
         # What a fixture that ended with this test left is that fixture's finding: pytest reports the
         # fixture's teardown here, but the test may not even use it.
         fixtures = self._fixture_leaks(item, state, result)
@@ -451,7 +451,7 @@ class ItemChecks:
             key = (use.process.pid, use.process.start_ticks)
             if all((u.process.pid, u.process.start_ticks) != key for u in record.gpu_without_lock):
                 record.gpu_without_lock += (
-                    use.replace(seen_by=state.nodeid, seen_worker=worker, phase=result.phase),)
+                    use._replace(seen_by=state.nodeid, seen_worker=worker, phase=result.phase),)
 
     # ---- GPU health (health.py) ---------------------------------------------------------------------
 
@@ -677,7 +677,7 @@ def _without(result: CheckResult, fixtures: list[FixtureLeak]) -> CheckResult:
     theirs = {id(x) for f in fixtures for x in (*f.reaped, *f.leaked, *f.lingered)}
     offenders = tuple(o for o in result.offenders if id(o) not in theirs)
     clean = result.error is None and not offenders
-    return result.replace(
+    return result._replace(
         reaped=tuple(r for r in result.reaped if id(r) not in theirs), offenders=offenders,
         lingered=tuple(o for o in result.lingered if id(o) not in theirs), clean=clean,
         clean_after_s=result.clean_after_s if result.clean or not clean else result.waited_s)

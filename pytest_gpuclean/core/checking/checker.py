@@ -219,7 +219,7 @@ class Checker:
                 found = self.procs.take()
                 if not found:
                     waited = time.monotonic() - started
-                    return again.replace(phase=phase, waited_s=waited, clean_after_s=waited)
+                    return again._replace(phase=phase, waited_s=waited, clean_after_s=waited)
         if found is None or found:
             return snaps, found is not None
         self.outside.forget(d.uuid for d in devices)  # what held them from outside is gone
@@ -642,7 +642,7 @@ def _saw_sibling(look: Look, pid: int, sibling: Sibling, readings: Sequence[Devi
     known = next((u for u in look.siblings.values() if u.process.pid == pid), None)
     if known is not None:
         if sum(m for _, m in held) > sum(m for _, m in known.mib_per_device):
-            look.siblings[(pid, known.process.start_ticks)] = known.replace(mib_per_device=held)
+            look.siblings[(pid, known.process.start_ticks)] = known._replace(mib_per_device=held)
         return
     info = processes.describe(pid)
     if info is not None:

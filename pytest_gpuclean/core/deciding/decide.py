@@ -14,9 +14,10 @@ What may be signalled at all is the gate's (``gate.py``). Each is unit-tested wi
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Final, Generic, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
 
-from pytest_gpuclean.model.records import MIB, CensusEntry, DeviceSnapshot, Fields
+from pytest_gpuclean.model.records import MIB, CensusEntry, DeviceSnapshot
 
 __all__ = [
     "CHAIN_BIRTHS",
@@ -51,22 +52,15 @@ signal (``self_replacing``). A daemon's double fork is two."""
 C = TypeVar("C", bound=CensusEntry)
 
 
-class SortedCensus(Generic[C], Fields):
+@dataclass(frozen=True, slots=True)
+class SortedCensus(Generic[C]):
     """A census sorted against the pids the driver lists (``sort_census`` says what each part is). The sets
     are the caller's to go on with: it excuses more of what is unexplained (persistent processes, peers)."""
 
-    # Generic first: its __init_subclass__ records the type parameter, then calls Fields'.
-
-    __slots__ = ("ours", "unknown", "excused", "unexplained")
-    excused: Final[set[int]]
-    unexplained: Final[set[int]]
-
-    def __init__(self, ours: list[C], unknown: list[C], excused: set[int], unexplained: set[int]) -> None:
-        # (Final here: mypy takes no Final of a type variable in the class body.)
-        self.ours: Final[list[C]] = ours
-        self.unknown: Final[list[C]] = unknown
-        self.excused = excused
-        self.unexplained = unexplained
+    ours: list[C]
+    unknown: list[C]
+    excused: set[int]
+    unexplained: set[int]
 
 
 def sort_census(found: Sequence[C], protected: Callable[[C], bool], never_touch: Collection[int],

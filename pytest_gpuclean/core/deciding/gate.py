@@ -18,9 +18,9 @@ The facts (``Credentials``) are read from /proc by ``reading/credentials.py``; n
 
 from __future__ import annotations
 
-from typing import Final
+from typing import NamedTuple
 
-from pytest_gpuclean.model.records import Fields, ProcessInfo
+from pytest_gpuclean.model.records import ProcessInfo
 from pytest_gpuclean.model.text import one_line
 
 __all__ = [
@@ -29,23 +29,16 @@ __all__ = [
 ]
 
 
-class Credentials(Fields):
+class Credentials(NamedTuple):
     """Whom a signal to a process can reach: the users it runs as, and its descendants that run as another."""
 
-    __slots__ = ("pid", "users", "relays_to")
-    pid: Final[int]
-    users: Final[tuple[tuple[int, str], ...]]
+    pid: int
+    users: tuple[tuple[int, str], ...]
     """(uid, user name) of every uid the process or one of its threads runs as (real, effective, saved,
     filesystem), in uid order."""
-    relays_to: Final[tuple[ProcessInfo, ...]]
+    relays_to: tuple[ProcessInfo, ...] = ()
     """Its descendants that run as a user the process does not run as (their threads included), nearest
     first."""
-
-    def __init__(self, pid: int, users: tuple[tuple[int, str], ...],
-                 relays_to: tuple[ProcessInfo, ...] = ()) -> None:
-        self.pid = pid
-        self.users = users
-        self.relays_to = relays_to
 
 
 def refusal(credentials: Credentials | None, my_uid: int, *, itself: bool = False,

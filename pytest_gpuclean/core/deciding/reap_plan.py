@@ -11,10 +11,10 @@ reaping: a process whose credentials were read is a target only if the gate lets
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import NamedTuple
 
 from pytest_gpuclean.core.deciding.gate import Credentials, refusal
-from pytest_gpuclean.model.records import Fields, FoundBy, ProcessInfo
+from pytest_gpuclean.model.records import FoundBy, ProcessInfo
 from pytest_gpuclean.model.text import one_line
 
 __all__ = [
@@ -23,58 +23,37 @@ __all__ = [
 ]
 
 
-class ReapCandidate(Fields):
+class ReapCandidate(NamedTuple):
     """A process ``reap`` might end, with every fact the decision needs (``reap_plan.plan``): gathered by
     ``cli.py`` from the devices and ``/proc``, by ``ray/cli_ray.py`` from a cluster's census."""
 
-    __slots__ = ("pid", "info", "mib", "found_by", "where", "no_device_file", "gpuclean_itself", "ray_own",
-                 "job_id", "job_running", "job_driver_pid", "task_worker", "credentials")
-    pid: Final[int]
-    info: Final[ProcessInfo | None]
+    pid: int
+    info: ProcessInfo | None
     """None: not visible where it runs (exited, or in another PID namespace)."""
-    mib: Final[tuple[tuple[str, float], ...]]
+    mib: tuple[tuple[str, float], ...] = ()
     """(device label, MiB) of each device the driver lists it on."""
-    found_by: Final[FoundBy]
+    found_by: FoundBy = "gpu"
     """``gpu`` (listed on a device), ``cookie`` (carries the ``--cookie`` value); only a ``gpu`` one that is
     not visible is worth a line (a cookie carrier that exited is simply gone)."""
-    where: Final[str]
+    where: str = ""
     """``node 3f2a9c1b`` on a Ray cluster; "" on this host."""
-    no_device_file: Final[bool]
+    no_device_file: bool = False
     """On real GPUs, the process of that number here has no ``/dev/nvidia*`` open: in a container the driver
     may list host pids, and the same number can name an unrelated local process."""
-    gpuclean_itself: Final[bool]
+    gpuclean_itself: bool = False
     """gpuclean or one of its ancestors."""
-    ray_own: Final[bool]
+    ray_own: bool = False
     """The node's raylet, or a Ray daemon that is no actor's worker."""
-    job_id: Final[str]
+    job_id: str = ""
     """The Ray job it belongs to ("" if none)."""
-    job_running: Final[bool]
-    job_driver_pid: Final[int | None]
+    job_running: bool = False
+    job_driver_pid: int | None = None
     """The driver of its still running job, if the cluster knows the job."""
-    task_worker: Final[bool]
+    task_worker: bool = False
     """A Ray worker that is no actor's: Ray ends it with its task."""
-    credentials: Final[Credentials | None]
+    credentials: Credentials | None = None
     """Whom a signal to it could reach (``gate.Credentials``), read on this host; None where they were not
     read (a Ray node's process: its uid alone is checked)."""
-
-    def __init__(self, pid: int, info: ProcessInfo | None, mib: tuple[tuple[str, float], ...] = (),
-                 found_by: FoundBy = "gpu", where: str = "", no_device_file: bool = False,
-                 gpuclean_itself: bool = False, ray_own: bool = False, job_id: str = "",
-                 job_running: bool = False, job_driver_pid: int | None = None, task_worker: bool = False,
-                 credentials: Credentials | None = None) -> None:
-        self.pid = pid
-        self.info = info
-        self.mib = mib
-        self.found_by = found_by
-        self.where = where
-        self.no_device_file = no_device_file
-        self.gpuclean_itself = gpuclean_itself
-        self.ray_own = ray_own
-        self.job_id = job_id
-        self.job_running = job_running
-        self.job_driver_pid = job_driver_pid
-        self.task_worker = task_worker
-        self.credentials = credentials
 
 
 def plan(candidates: Iterable[ReapCandidate], *, my_uid: int, all_users: bool = False, cmd_width: int = 80

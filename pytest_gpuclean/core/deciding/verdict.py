@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Final
+from typing import NamedTuple
 
 from pytest_gpuclean.model.records import (
     MIB,
@@ -28,7 +28,6 @@ from pytest_gpuclean.model.records import (
     CensusEntry,
     DeviceInfo,
     DeviceSnapshot,
-    Fields,
     Offender,
     Outside,
     Owner,
@@ -64,25 +63,18 @@ Holders = frozenset[tuple[int, int]]
 """(pid, start ticks) of each process listed on a device that is not ours (start ticks 0: not visible)."""
 
 
-class OutsideState(Fields):
+class OutsideState(NamedTuple):
     """What held one device from outside the session, unchanged since ``since``."""
 
-    __slots__ = ("holders", "used_bytes", "where", "since")
-    holders: Final[Holders]
+    holders: Holders
     """(pid, start ticks) of each process listed there that is not ours (start ticks 0: not visible)."""
-    used_bytes: Final[int]
+    used_bytes: int
     """Memory there that is not ours."""
-    where: Final[str]
+    where: str
     """The check that saw it: a test's node id."""
-    since: Final[float]
+    since: float
     """``time.monotonic()`` (the same clock in every process of the host) when a check first saw it so;
     it did not change while that check waited."""
-
-    def __init__(self, holders: Holders, used_bytes: int, where: str, since: float) -> None:
-        self.holders = holders
-        self.used_bytes = used_bytes
-        self.where = where
-        self.since = since
 
     def same(self, holders: Holders, used_bytes: int, slack: int) -> bool:
         """The same processes (pid and start time: not a new process that reused a pid), the same memory
@@ -94,117 +86,70 @@ Key = tuple[int, int]
 """A process's identity: (pid, start ticks)."""
 
 
-class Snapshot(Fields):
+class Snapshot(NamedTuple):
     """Every fact one pass of a check decides on, read at once (``Checker.observe``)."""
 
-    __slots__ = ("readings", "census", "ours", "unknown", "excused", "unexplained",
-                 "overhead", "described", "vanished", "owners", "foreign", "allowlisted", "strays",
-                 "of_our_run", "start_ticks", "remembered", "siblings", "peers", "self_cuda", "me",
-                 "left_alone")
-    readings: Final[tuple[DeviceSnapshot, ...]]
+    readings: tuple[DeviceSnapshot, ...]
     """The checked devices."""
-    census: Final[tuple[CensusEntry, ...]]
+    census: tuple[CensusEntry, ...]
     """The session's processes (``Census.take``)."""
-    ours: Final[tuple[CensusEntry, ...]]
+    ours: tuple[CensusEntry, ...]
     """Of the census, what is judged (``decide.sort_census``): provably the session's and not protected now;
     exited ones too (zombies the check collects)."""
-    unknown: Final[tuple[CensusEntry, ...]]
+    unknown: tuple[CensusEntry, ...]
     """Of the census, what is alive and of unknown birth: reported, never signalled."""
-    excused: Final[frozenset[int]]
+    excused: frozenset[int]
     """Pids whose GPU use is the session's own (this process, its ancestors, helpers, live fixtures'
     processes, persistent ones, sibling xdist workers and what they started)."""
-    unexplained: Final[frozenset[int]]
+    unexplained: frozenset[int]
     """Pids the driver lists that nothing of the session explains."""
-    overhead: Final[Mapping[str, int]]
+    overhead: Mapping[str, int]
     """Per device UUID: the memory the driver charges to no process that is excused as the contexts'."""
-    described: Final[Mapping[Key, ProcessInfo]]
+    described: Mapping[Key, ProcessInfo]
     """Of ``ours`` and ``unknown``, each that could still be described, by its identity."""
-    vanished: Final[Mapping[Key, ProcessInfo]]
+    vanished: Mapping[Key, ProcessInfo]
     """Of ``ours``, a stand-in (``reaping.vanished``) for each that ended before it could be described."""
-    owners: Final[Mapping[Key, Owner]]
+    owners: Mapping[Key, Owner]
     """Of ``ours``, whose each is."""
-    foreign: Final[tuple[ProcessInfo, ...]]
+    foreign: tuple[ProcessInfo, ...]
     """The unexplained processes but the allowlisted, in pid order (one that ended before it could be
     described: a stand-in, ``reaping.vanished``)."""
-    allowlisted: Final[frozenset[int]]
+    allowlisted: frozenset[int]
     """Unexplained pids whose command line an ``--gpuclean-ignore`` glob matches."""
-    strays: Final[tuple[ProcessInfo, ...]]
+    strays: tuple[ProcessInfo, ...]
     """Under host scope: this user's other live Python processes, in pid order."""
-    of_our_run: Final[frozenset[int]]
+    of_our_run: frozenset[int]
     """Of ``foreign``, the pids a sibling xdist worker of our run started: the run's, not outside."""
-    start_ticks: Final[Mapping[int, int]]
+    start_ticks: Mapping[int, int]
     """When each unexplained pid started: an outside holder's identity (0: not visible, or exited)."""
-    remembered: Final[Mapping[str, OutsideState]]
+    remembered: Mapping[str, OutsideState]
     """Per device UUID, the outside state an earlier check waited out; read only where something here may
     be from outside."""
-    siblings: Final[tuple[SiblingUse, ...]]
+    siblings: tuple[SiblingUse, ...]
     """What sibling xdist workers' tests ran on these devices, as this check has seen it so far."""
-    peers: Final[frozenset[int]]
+    peers: frozenset[int]
     """The sibling xdist workers seen on these devices so far (their own CUDA contexts)."""
-    self_cuda: Final[frozenset[str]]
+    self_cuda: frozenset[str]
     """Labels of the devices where this process uses CUDA without a context the driver lists."""
-    me: Final[int]
+    me: int
     """The process running the check."""
-    left_alone: Final[Mapping[Key, str]]
+    left_alone: Mapping[Key, str]
     """Of ``ours``, what the signal gate refused so far, and why (``gate.refusal``)."""
 
-    def __init__(self, readings: tuple[DeviceSnapshot, ...], census: tuple[CensusEntry, ...],
-                 ours: tuple[CensusEntry, ...], unknown: tuple[CensusEntry, ...], excused: frozenset[int],
-                 unexplained: frozenset[int], overhead: Mapping[str, int],
-                 described: Mapping[Key, ProcessInfo], vanished: Mapping[Key, ProcessInfo],
-                 owners: Mapping[Key, Owner],
-                 foreign: tuple[ProcessInfo, ...], allowlisted: frozenset[int],
-                 strays: tuple[ProcessInfo, ...], of_our_run: frozenset[int], start_ticks: Mapping[int, int],
-                 remembered: Mapping[str, OutsideState], siblings: tuple[SiblingUse, ...],
-                 peers: frozenset[int], self_cuda: frozenset[str], me: int,
-                 left_alone: Mapping[Key, str]) -> None:
-        self.readings = readings
-        self.census = census
-        self.ours = ours
-        self.unknown = unknown
-        self.excused = excused
-        self.unexplained = unexplained
-        self.overhead = overhead
-        self.described = described
-        self.vanished = vanished
-        self.owners = owners
-        self.foreign = foreign
-        self.allowlisted = allowlisted
-        self.strays = strays
-        self.of_our_run = of_our_run
-        self.start_ticks = start_ticks
-        self.remembered = remembered
-        self.siblings = siblings
-        self.peers = peers
-        self.self_cuda = self_cuda
-        self.me = me
-        self.left_alone = left_alone
 
-
-class Verdict(Fields):
+class Verdict(NamedTuple):
     """What a pass of a check decided: the offenders, and whether to look again; if not, what outlived its
     test and ended by itself, what was found from outside, and what later checks remember of it."""
 
-    __slots__ = ("offenders", "again", "lingered", "outside", "remember", "forget")
-    offenders: Final[tuple[Offender, ...]]
-    again: Final[bool]
+    offenders: tuple[Offender, ...]
+    again: bool
     """Something may still go away: look again (the rest is then empty)."""
-    lingered: Final[tuple[Offender, ...]]
-    outside: Final[Outside | None]
-    remember: Final[Mapping[str, OutsideState]]
+    lingered: tuple[Offender, ...]
+    outside: Outside | None
+    remember: Mapping[str, OutsideState]
     """Per device UUID: the outside state this check waited out, for the later checks."""
-    forget: Final[tuple[str, ...]]
+    forget: tuple[str, ...]
     """The devices clean from outside now: a later state there is new again."""
-
-    def __init__(self, offenders: tuple[Offender, ...], again: bool, lingered: tuple[Offender, ...],
-                 outside: Outside | None, remember: Mapping[str, OutsideState],
-                 forget: tuple[str, ...]) -> None:
-        self.offenders = offenders
-        self.again = again
-        self.lingered = lingered
-        self.outside = outside
-        self.remember = remember
-        self.forget = forget
 
 
 class Judge:
@@ -258,7 +203,7 @@ class Judge:
             return ()
         still = {(o.process.pid, o.process.start_ticks) for o in found if o.process is not None}
         return tuple(
-            o.replace(detail=f"outlived its test, ended by itself within {waited:.2f}s (reaping is off)")
+            o._replace(detail=f"outlived its test, ended by itself within {waited:.2f}s (reaping is off)")
             for key, o in self.first_seen.items() if key not in still)
 
     def _outside_found(self, seen: Snapshot, found: Sequence[Offender], outside: Mapping[int, frozenset[str]],

@@ -7,9 +7,7 @@ lock it also marks that GPU on the directory itself (an open file description lo
 that nobody makes a new lock file for a GPU whose file was deleted under its holder; see ``create``. Its
 files are untrusted: another user may have planted a link, a FIFO or a hard link under a lock file's name.
 
-This module imports nothing of the package (not even ``Fields``: its classes are plain ones): ``held.py``
-stands on it, and ``session/started.py`` names ``held.HeldLocks``, at the top of the longest import chain
-that tests/test_layers.py allows.
+This module imports nothing of the package.
 """
 
 from __future__ import annotations

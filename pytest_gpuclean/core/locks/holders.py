@@ -19,11 +19,11 @@ import pwd
 import stat
 import time
 from collections.abc import Sequence
-from typing import Final
+from typing import NamedTuple
 
 from pytest_gpuclean.core.locks.directory import FILE_FLAGS, HOST, LockDir, cache_lock, marked, marks_of
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.records import Fields, HolderRecord, LockHolder
+from pytest_gpuclean.model.records import HolderRecord, LockHolder
 
 __all__ = [
     "clean_text",
@@ -69,7 +69,7 @@ def lock_holders(state: LockDir, uuids: Sequence[str], seen: dict[str, str] | No
         pid = lockers.get(ident)
         if pid is not None:
             user, cmd = _describe_process(pid) if pid > 0 else (None, None)
-            found[uuid] = found[uuid].replace(lock_pid=pid, lock_user=user, lock_cmd=cmd)
+            found[uuid] = found[uuid]._replace(lock_pid=pid, lock_user=user, lock_cmd=cmd)
     return found
 
 
@@ -177,25 +177,17 @@ def _user_name(uid: int) -> str:
 
 # ---- who really holds a lock: /proc/locks ------------------------------------------------------------
 
-class _ProcLock(Fields):
+class _ProcLock(NamedTuple):
     """A lock that ``/proc/locks`` lists (not a waiter): its kind, its holder and the file it is on."""
 
-    __slots__ = ("kind", "pid", "major", "minor", "inode")
-    kind: Final[str]
+    kind: str
     """``POSIX``, ``FLOCK``, ``OFDLCK``, ..."""
-    pid: Final[int]
+    pid: int
     """The holder (0: in another PID namespace; -1 for an OFD lock: nobody in particular)."""
-    major: Final[int]
-    minor: Final[int]
+    major: int
+    minor: int
     """The file's device numbers."""
-    inode: Final[int]
-
-    def __init__(self, kind: str, pid: int, major: int, minor: int, inode: int) -> None:
-        self.kind = kind
-        self.pid = pid
-        self.major = major
-        self.minor = minor
-        self.inode = inode
+    inode: int
 
 
 def _proc_locks() -> list[_ProcLock]:

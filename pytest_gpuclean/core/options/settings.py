@@ -68,8 +68,7 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_GRACE_S = 5.0
 _DEFAULT_SETTLE_S = 1.0
 _DEFAULT_LOCK_TIMEOUT_S = 600.0
-# No dataclasses in this module: every pytest run of an environment that has the plugin imports it, and
-# creating a dataclass (a compile per generated method) costs more than the rest of the module.
+# No dataclasses here: every pytest run of an environment that has the plugin imports this module.
 
 
 def _default_lock_dir() -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Final
+from typing import NamedTuple
 
 from pytest_gpuclean.core.ownership.evidence import (
     COOKIE_VAR,
@@ -27,7 +27,7 @@ from pytest_gpuclean.core.ownership.evidence import (
 from pytest_gpuclean.core.ownership.helpers import library_helpers, torch_shm_manager
 from pytest_gpuclean.core.ownership.managed import Managed
 from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.model.records import CensusEntry, Fields, FoundBy, Owner, OwnerKind
+from pytest_gpuclean.model.records import CensusEntry, FoundBy, Owner, OwnerKind
 from pytest_gpuclean.model.text import one_line
 
 __all__ = [
@@ -124,16 +124,11 @@ class Found:
         return self.handle is None or self.handle.exited()
 
 
-class Sibling(Fields):
+class Sibling(NamedTuple):
     """Who in a live sibling xdist worker started a process: the worker and the owner its cookie names."""
 
-    __slots__ = ("worker", "owner")
-    worker: Final[str]
-    owner: Final[Owner]
-
-    def __init__(self, worker: str, owner: Owner) -> None:
-        self.worker = worker
-        self.owner = owner
+    worker: str
+    owner: Owner
 
 
 _OWNER_KINDS: dict[str, OwnerKind] = {"t": "test", "f": "fixture"}

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from pytest_gpuclean.core.ownership.cookie import (
     COOKIE_VAR,
@@ -23,7 +24,7 @@ from pytest_gpuclean.core.ownership.cookie import (
     cookie,
 )
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.records import UNKNOWN_OWNER, Fields, Owner
+from pytest_gpuclean.model.records import UNKNOWN_OWNER, Owner
 
 __all__ = [
     "COOKIE_VAR",
@@ -61,20 +62,13 @@ SESSION = SESSION_TOKEN
 of those whose cookie says the session set-up started them."""
 
 
-class SessionRef(Fields):
+class SessionRef(NamedTuple):
     """The leader of a gpuclean session, as its id names it."""
 
-    __slots__ = ("session_id", "pid", "start_ticks", "pid_namespace")
-    session_id: Final[str]
-    pid: Final[int]
-    start_ticks: Final[int]
-    pid_namespace: Final[int]
-
-    def __init__(self, session_id: str, pid: int, start_ticks: int, pid_namespace: int) -> None:
-        self.session_id = session_id
-        self.pid = pid
-        self.start_ticks = start_ticks
-        self.pid_namespace = pid_namespace
+    session_id: str
+    pid: int
+    start_ticks: int
+    pid_namespace: int
 
     def liveness(self) -> bool | None:
         """True when provably alive (same pid namespace, its pid still that very process), False when provably
@@ -140,43 +134,28 @@ def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> Ses
     return inner if _live_outer_session(cookie, own_session_id, liveness) is None else None
 
 
-class Ambiguous(Fields):
+class Ambiguous(NamedTuple):
     """A process that either a test or a protected process may have started (``Ownership.ambiguous_token``):
     the test's token, the protected tokens, and the evidence in words."""
 
-    __slots__ = ("test", "protectors", "why")
-    test: Final[str]
-    protectors: Final[tuple[str, ...]]
-    why: Final[str]
-
-    def __init__(self, test: str, protectors: tuple[str, ...], why: str) -> None:
-        self.test = test
-        self.protectors = protectors
-        self.why = why
+    test: str
+    protectors: tuple[str, ...]
+    why: str
 
 
-class Window(Fields):
+@dataclass(slots=True)
+class Window:
     """The span of a test or higher-scoped fixture, bracketed by pid and clock readings; closed in place
     (``Ownership.close_window``)."""
 
-    __slots__ = ("token", "first_pid", "start_tick", "last_pid", "end_tick")
-    __hash__ = None  # type: ignore[assignment]  # (closed in place)
-    token: Final[str]
-    first_pid: Final[int | None]
+    token: str
+    first_pid: int | None
     """The last pid allocated when the window opened: everything born in it has a later pid."""
-    start_tick: Final[int]
-    last_pid: int | None
+    start_tick: int
+    last_pid: int | None = None
     """The last pid allocated when it closed (None while open, or where the kernel does not say)."""
-    end_tick: int | None
+    end_tick: int | None = None
     """When it closed; None while open."""
-
-    def __init__(self, token: str, first_pid: int | None, start_tick: int, last_pid: int | None = None,
-                 end_tick: int | None = None) -> None:
-        self.token = token
-        self.first_pid = first_pid
-        self.start_tick = start_tick
-        self.last_pid = last_pid
-        self.end_tick = end_tick
 
     @property
     def closed(self) -> bool:

@@ -216,7 +216,7 @@ class HealthWatch:
             self._probe([d for d in probe if d.uuid not in self.unusable and d.uuid not in self.lost],
                         "setup")
         # (Found earlier, maybe after another test: this test meets them at its setup.)
-        return [f.replace(phase="setup") for device in devices
+        return [f._replace(phase="setup") for device in devices
                 for f in (self.lost.get(device.uuid), self.unusable.get(device.uuid)) if f is not None]
 
     def after(self, nodeid: str, devices: Sequence[DeviceInfo], reaped: Sequence[Reaped],
@@ -285,7 +285,7 @@ class HealthWatch:
             found.append(finding("changed", "fault", device,
                                  f"{device.label}: {', '.join(changed)} during the test", "teardown"))
         # What changed is the new normal: the next test is blamed only for what it changes itself.
-        self.baseline[device.uuid] = now.replace(ecc_uncorrected=max(now.ecc_uncorrected or 0,
+        self.baseline[device.uuid] = now._replace(ecc_uncorrected=max(now.ecc_uncorrected or 0,
                                                                      baseline.ecc_uncorrected or 0))
         return found
 

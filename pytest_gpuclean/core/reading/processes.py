@@ -16,10 +16,10 @@ import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
 from fnmatch import fnmatchcase
-from typing import Any, Final
+from typing import Any, NamedTuple
 
 from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.records import Fields, ProcessInfo, ProcessState
+from pytest_gpuclean.model.records import ProcessInfo, ProcessState
 
 __all__ = [
     "PR_SET_CHILD_SUBREAPER",
@@ -212,8 +212,8 @@ class Handle:
     its start time (the clock a start time is kept in); a pidfd cannot. Where the kernel has no pidfds
     (before Linux 5.3), the (pid, start ticks) identity is re-checked before each signal instead.
 
-    Not a record (``Fields``), though slotted: it owns a descriptor, which ``close`` gives back, and two
-    handles are the same only if they are one object.
+    Not a record: it owns a descriptor, which ``close`` gives back, and two handles are the same only if they
+    are one object.
     """
 
     __slots__ = ("pid", "pidfd", "start_ticks")
@@ -280,7 +280,7 @@ def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcSt
     return handle, stat
 
 
-class KillTarget(Fields):
+class KillTarget(NamedTuple):
     """A process to end; ``depth`` orders children before their parents. (Declared here, not in
     ``model/records.py``: its ``handle`` is this module's.)
 
@@ -288,37 +288,21 @@ class KillTarget(Fields):
     open; without one, ``terminate`` pins the process by ``(pid, start_ticks)`` itself.
     """
 
-    __slots__ = ("pid", "start_ticks", "depth", "handle")
-    pid: Final[int]
-    start_ticks: Final[int]
-    depth: Final[int]
-    handle: Final[Handle | None]
-
-    def __init__(self, pid: int, start_ticks: int, depth: int = 0, handle: Handle | None = None) -> None:
-        self.pid = pid
-        self.start_ticks = start_ticks
-        self.depth = depth
-        self.handle = handle
+    pid: int
+    start_ticks: int
+    depth: int = 0
+    handle: Handle | None = None
 
 
-class KillOutcome(Fields):
+class KillOutcome(NamedTuple):
     """How one target ended (``Reaped.after_kill`` makes its report entry: ``records.KillResult``)."""
 
-    __slots__ = ("pid", "ended_by", "exit_s", "state", "signal_s")
-    pid: Final[int]
-    ended_by: Final[str]
-    exit_s: Final[float | None]
-    state: Final[str]
-    signal_s: Final[float | None]
+    pid: int
+    ended_by: str
+    exit_s: float | None
+    state: str = ""
+    signal_s: float | None = None
     """When the signal that ended it was sent, in seconds from the start of ``terminate``."""
-
-    def __init__(self, pid: int, ended_by: str, exit_s: float | None, state: str = "",
-                 signal_s: float | None = None) -> None:
-        self.pid = pid
-        self.ended_by = ended_by
-        self.exit_s = exit_s
-        self.state = state
-        self.signal_s = signal_s
 
 
 class _Tracked:

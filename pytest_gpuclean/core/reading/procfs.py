@@ -65,8 +65,7 @@ EXITED: frozenset[KernelState] = frozenset({"Z", "X"})
 
 
 class ProcStat(NamedTuple):
-    """The fields of ``/proc/<pid>/stat`` that gpuclean uses. (A NamedTuple, not a ``Fields`` record of
-    ``model/records.py``: this module is a leaf, see above.)"""
+    """The fields of ``/proc/<pid>/stat`` that gpuclean uses."""
 
     pid: int
     state: KernelState

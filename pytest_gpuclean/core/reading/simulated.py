@@ -11,7 +11,7 @@ import uuid as uuid_mod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from stat import S_ISDIR
-from typing import Final
+from typing import NamedTuple
 
 from pytest_gpuclean.core.reading import procfs
 from pytest_gpuclean.core.reading import simulated_layout as layout
@@ -24,7 +24,7 @@ from pytest_gpuclean.core.reading.devices import (
     LastReadings,
     SimulationError,
 )
-from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, Fields, GpuProcess
+from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, GpuProcess
 
 __all__ = [
     "SIM_NAME",
@@ -335,22 +335,15 @@ class SimulatedBackend:
         pass
 
 
-class _Settled(Fields):
+class _Settled(NamedTuple):
     """A device folder last read empty once its ctime was settled (``procfs.SETTLED_NS``), with the idle
     reading: while the folder's inode and ctime stay these, it is still empty, and a ``stat`` does instead
     of a ``listdir`` (on every check's every device)."""
 
-    __slots__ = ("where", "inode", "ctime_ns", "idle")
-    where: Final[str]
-    inode: Final[int]
-    ctime_ns: Final[int]
-    idle: Final[DeviceSnapshot]
-
-    def __init__(self, where: str, inode: int, ctime_ns: int, idle: DeviceSnapshot) -> None:
-        self.where = where
-        self.inode = inode
-        self.ctime_ns = ctime_ns
-        self.idle = idle
+    where: str
+    inode: int
+    ctime_ns: int
+    idle: DeviceSnapshot
 
 
 # A real holder writes its file after it starts; a pid reused by a newer process starts after the file was
