@@ -58,7 +58,7 @@ def start_cluster(nodes: int, root: Path) -> Any:
 
 
 def bench_pairs(address: str, rounds: int) -> dict[str, Any]:
-    from pytest_gpuclean.core.ownership.evidence import Ownership
+    from pytest_gpuclean._ownership.evidence import Ownership
     from pytest_gpuclean.ray.cluster import RayCheck
 
     check = RayCheck(address, Ownership("bench"))

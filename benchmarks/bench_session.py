@@ -348,9 +348,8 @@ def import_cost(env: dict[str, str], cwd: str, runs: int = 21) -> dict[str, floa
 
 def per_check(rounds: int, sleepers: int) -> dict[str, Any]:
     """Median cost of one clean ``Checker.check`` on 8 simulated devices, by situation."""
-    from pytest_gpuclean.core.checking.checker import Checker
-    from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-
+    from pytest_gpuclean._check.checker import Checker
+    from pytest_gpuclean._reading.simulated import SimulatedBackend
     tmp = tempfile.mkdtemp(prefix="gpuclean-check-")
     backend = SimulatedBackend(make_sim(os.path.join(tmp, "sim"), DEVICES))
     devices = backend.devices()

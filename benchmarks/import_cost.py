@@ -7,7 +7,7 @@ the given modules of one tree; the trees alternate, and each reports the median 
 rounds. Bytecode is compiled beforehand, as an installed package has it.
 
     python benchmarks/import_cost.py --rounds 40 \\
-        /tmp/before=pytest_gpuclean.session.session+pytest_gpuclean.session.outputs \\
+        /tmp/before=pytest_gpuclean._session.checked+pytest_gpuclean._session.outputs \\
         WORKTREE=pytest_gpuclean._session.checked+pytest_gpuclean._session.outputs
 """
 

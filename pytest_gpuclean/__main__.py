@@ -2,7 +2,7 @@
 
 import sys
 
-from pytest_gpuclean.cli import main
+from pytest_gpuclean._cli import main
 
 __all__: list[str] = []
 

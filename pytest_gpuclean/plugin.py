@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.ownership.cookie import (
+from pytest_gpuclean import _settings as settings
+from pytest_gpuclean import hookspecs
+from pytest_gpuclean._ownership.cookie import (
     COOKIE_VAR,
     OWNER_VAR,
     SESSION_NAME,
@@ -34,9 +35,8 @@ from pytest_gpuclean.core.ownership.cookie import (
     new_session_id,
     restore_env,
 )
-from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.session import hookspecs
-from pytest_gpuclean.session.names import (
+from pytest_gpuclean._reading import procfs
+from pytest_gpuclean._session.names import (
     FIXTURE,
     FORKED_REPORT_ATTR,
     FORKING_PLUGINS,
@@ -48,12 +48,11 @@ from pytest_gpuclean.session.names import (
 )
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
-    from pytest_gpuclean.core.reading.backends import Backend
-    from pytest_gpuclean.model.outcomes import CleanGpus
-    from pytest_gpuclean.model.records import Reaped
-    from pytest_gpuclean.session.session import CheckedSession
-
+    from pytest_gpuclean._model.outcomes import CleanGpus
+    from pytest_gpuclean._model.records import Reaped
+    from pytest_gpuclean._reading.backends import Backend
+    from pytest_gpuclean._session.checked import CheckedSession
+    from pytest_gpuclean._session.signals import SigtermAsInterrupt
 __all__ = [
     # What pytest and users take from the plugin: its hooks (found by name), the fixture and the warning
     # class (``-W error::...`` names it here). gpuclean's own hook specs are ``session/hookspecs.py``'s.
@@ -124,9 +123,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if resolved.ray != "off":
         # The Ray cluster's checks: idle until a session starts checking (its hooks open the cluster);
         # imported only with the option.
-        from pytest_gpuclean.ray import checks
-
-        config.pluginmanager.register(checks.RayChecks(), checks.PLUGIN_NAME)
+        from pytest_gpuclean.ray import hooks
+        config.pluginmanager.register(hooks.RayChecks(), hooks.PLUGIN_NAME)
     if resolved.report:
         # A report was asked for: check its path now, and write it even if no test is checked.
         plugin.register_outputs()
@@ -137,8 +135,7 @@ def _check_simulated(resolved: settings.Settings) -> None:
     session, before anything runs, as ``simulate hold --dir`` refuses it: the session would otherwise find
     no GPU and skip its checked tests, a green run that checked nothing. One listing; the layout's module
     imports nothing of the package."""
-    from pytest_gpuclean.core.reading.simulated_layout import device_indices, no_device
-
+    from pytest_gpuclean._reading.simulated_layout import device_indices, no_device
     assert resolved.simulate is not None
     try:
         found = device_indices(resolved.simulate)
@@ -159,9 +156,8 @@ def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> Ba
     (no driver: a checked test would be skipped or fail)."""
     if not resolved.explicit("devices") or hasattr(config, "workerinput"):
         return None
-    from pytest_gpuclean.core.reading import devices
-    from pytest_gpuclean.session.opening import open_devices, select_devices
-
+    from pytest_gpuclean._reading import devices
+    from pytest_gpuclean._session.opening import open_devices, select_devices
     try:
         backend = open_devices(resolved)
     except devices.BackendUnavailable:
@@ -219,10 +215,9 @@ class _GpuCleanPlugin:
         if not self.settings.simulate and self._opened is None:
             # NVML starts first, in a thread, while the checking code is imported (nvml.NvmlOpening); here,
             # not at the top, to keep the lazy start (as the session's import below).
-            from pytest_gpuclean.core.reading.nvml import NvmlOpening
-
+            from pytest_gpuclean._reading.nvml import NvmlOpening
             opening = NvmlOpening()
-        from pytest_gpuclean.session.session import CheckedSession  # psutil and the checking code
+        from pytest_gpuclean._session.checked import CheckedSession  # psutil and the checking code
 
         backend, self._opened = self._opened, None
         self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening, backend)
@@ -236,8 +231,7 @@ class _GpuCleanPlugin:
 
     def register_outputs(self) -> None:
         """Register the JSON report, JUnit and GitHub outputs (checks the report path)."""
-        from pytest_gpuclean.session.outputs import OutputHooks, PerTestOutputs
-
+        from pytest_gpuclean._session.outputs import OutputHooks, PerTestOutputs
         manager = self.config.pluginmanager
         outputs = manager.get_plugin(PLUGIN_NAME + "-outputs")
         if outputs is None:
@@ -251,8 +245,7 @@ class _GpuCleanPlugin:
 
     def _install_sigterm(self) -> None:
         if self._sigterm is None:
-            from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
-
+            from pytest_gpuclean._session.signals import SigtermAsInterrupt
             self._sigterm = SigtermAsInterrupt()
         self._sigterm.install()
 
@@ -269,8 +262,7 @@ class _GpuCleanPlugin:
             older = self.session.left_alone if self.session is not None else []
             if older:
                 # Never signalled; said once, so that nobody wonders why gpuclean left them.
-                from pytest_gpuclean.report.report import one_line
-
+                from pytest_gpuclean.report.terminal import one_line
                 self._say_last(f"gpuclean: left alone {len(older)} process(es) under pytest that are no part "
                                "of the session (they, or the process that started them, existed before it): "
                                + ", ".join(f"pid {p.pid} ({one_line(p.cmdline, 60)})" for p in older))
@@ -296,8 +288,7 @@ class _GpuCleanPlugin:
         # The very last sweep runs after the terminal summary and the report (a plugin's or conftest's
         # pytest_unconfigure may still stop what it started): its line comes last, and the report is
         # written again, whole, with it in ``session_reaped``.
-        from pytest_gpuclean.report.report import set_up_reaped_line
-
+        from pytest_gpuclean.report.terminal import set_up_reaped_line
         self._say_last(set_up_reaped_line(late))
         outputs = self.config.pluginmanager.get_plugin(PLUGIN_NAME + "-outputs")
         if outputs is not None:
@@ -390,8 +381,7 @@ class _GpuCleanPlugin:
         if self.session is not None:
             self.session.sweep(interrupted=self._interrupted)
         if worker_output is not None:
-            from pytest_gpuclean.report.records import EMPTY_PAYLOAD
-
+            from pytest_gpuclean._session.store import EMPTY_PAYLOAD
             found = self.session.found.payload() if self.session is not None else dict(EMPTY_PAYLOAD)
             worker_output[WORKER_OUTPUT_KEY] = found
 
@@ -406,8 +396,7 @@ class _GpuCleanPlugin:
         merged = self.session.found.merged()
         if not merged.records and not merged.session_reaped and not merged.notes:
             return
-        from pytest_gpuclean.report.report import SUMMARY_TITLE, summary_lines
-
+        from pytest_gpuclean.report.terminal import SUMMARY_TITLE, summary_lines
         terminalreporter.write_sep("=", SUMMARY_TITLE)
         extension = self.config.hook.pytest_gpuclean_summary_parts  # (an extension's parts of a test's line)
         for line in summary_lines(merged.records, merged.session_reaped, merged.notes,
@@ -420,8 +409,7 @@ class _GpuCleanPlugin:
         them (``-q``, ``--no-header``); a started session's summary has them among the session's notes."""
         if not self.notes or self._notes_shown:
             return
-        from pytest_gpuclean.report.report import SUMMARY_TITLE
-
+        from pytest_gpuclean.report.terminal import SUMMARY_TITLE
         terminalreporter.write_sep("=", SUMMARY_TITLE)
         for line in self.notes:
             terminalreporter.write_line(line)
@@ -494,9 +482,8 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
     """
     # Here, not at the top: a session that checks nothing imports neither the model nor the session's
     # records (a test that requests the fixture is checked, and its session has loaded both).
-    from pytest_gpuclean.model.outcomes import CleanGpus, DeviceState
-    from pytest_gpuclean.report.records import TEST
-
+    from pytest_gpuclean._model.outcomes import CleanGpus, DeviceState
+    from pytest_gpuclean._session.store import TEST
     # (from the test's record: its setup check's readings; the fixture's value is built only for a test that
     # asks for it)
     record = request.node.stash.get(TEST, None)
@@ -591,19 +578,16 @@ class _XdistHooks:
     def _stream(self, test_report: Any) -> None:
         """A test's record on a report xdist never got to hand on (``outputs.PerTestOutputs`` takes the
         others)."""
-        from pytest_gpuclean.session.outputs import RECORD_ATTRIBUTE
-
+        from pytest_gpuclean._session.outputs import RECORD_ATTRIBUTE
         record = getattr(test_report, RECORD_ATTRIBUTE, None)
         if record is not None and test_report.when in ("setup", "teardown"):
-            from pytest_gpuclean.report.records import of
-
+            from pytest_gpuclean._session.store import of
             of(self.plugin.config).stream(test_report.nodeid, record)
 
     def _take(self, node: Any) -> None:
         payload = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
         if payload and id(node) not in self._heard:
-            from pytest_gpuclean.report.records import of
-
+            from pytest_gpuclean._session.store import of
             self._heard.add(id(node))
             of(self.plugin.config).add_worker(payload)
 

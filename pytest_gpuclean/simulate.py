@@ -24,7 +24,7 @@ from typing import NoReturn
 
 # The layout only (names, defaults; it imports nothing): a holder starts in every leak test, and loads
 # nothing else of the plugin, to start quickly.
-from pytest_gpuclean.core.reading import simulated_layout as layout
+from pytest_gpuclean._reading import simulated_layout as layout
 
 MIB = 1024 * 1024
 _DEFAULT_TOTAL_MIB = layout.DEFAULT_TOTAL // MIB

@@ -101,10 +101,10 @@ def test_the_plugins_own_modules_are_cached(tmp_path: Path) -> None:
     code = ("import sys\n"
             "sys.meta_path[:] = [f for f in sys.meta_path\n"
             "                   if 'editable' not in getattr(f, '__module__', '')]\n"
-            "import pytest_gpuclean.core.checking.checker as m\n"
+            "import pytest_gpuclean._check.checker as m\n"
             "print(m.__file__, type(m.__spec__.loader).__name__)")
     out = run(code, tmp_path)
-    assert out == f"{tree / 'pytest_gpuclean/core/checking/checker.py'} _CachedBytecode", out
+    assert out == f"{tree / 'pytest_gpuclean/_check/checker.py'} _CachedBytecode", out
     names = {p.name.split("-", 2)[2] for p in cached_files(tmp_path)}
     assert {"checker.pyc", "census.pyc", "records.pyc"} <= names, names
     assert not list(tree.rglob("__pycache__"))

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from helpers import exec_done
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.model.outcomes import CheckResult
-from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._model.outcomes import CheckResult
+from pytest_gpuclean._model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
 GPU1 = DeviceInfo(1, "GPU-fake-1", "Fake GPU")
@@ -237,8 +237,7 @@ def test_outside_memory_is_the_same_within_the_slack_or_the_tolerance(
 
 def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBackend,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuclean.core.checking import checker as checker_module
-
+    from pytest_gpuclean._check import checker as checker_module
     stranger = absent_pid()
     backend.set(GPU0, 512, (stranger, 512))
     checker = Checker(backend, reap=False, dead_sessions=False)
@@ -277,9 +276,8 @@ class FakeClock:
 
 def test_a_check_with_a_longer_timeout_waits_the_difference(backend: FakeBackend,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuclean.core.checking import check as check_module
-    from pytest_gpuclean.core.checking import checker as checker_module
-
+    from pytest_gpuclean._check import checker as checker_module
+    from pytest_gpuclean._check import passes as check_module
     clock = FakeClock()
     monkeypatch.setattr(checker_module, "time", clock)  # (when a check starts)
     monkeypatch.setattr(check_module, "time", clock)  # (its passes)
@@ -347,8 +345,8 @@ def test_an_outside_holder_that_has_exited_is_a_changed_state(backend: FakeBacke
 def own_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Checker, list[int], Path]:
     """A checker over simulated devices on which this process holds 600 MiB (a torch suite's pytest
     process), and a count of the full checks it runs (``Check.run``)."""
-    from pytest_gpuclean.core.checking import checker as checker_module
-    from pytest_gpuclean.core.reading.simulated import SimulatedBackend
+    from pytest_gpuclean._check import checker as checker_module
+    from pytest_gpuclean._reading.simulated import SimulatedBackend
     from pytest_gpuclean.simulate import allocate, init
 
     sim = tmp_path / "sim"

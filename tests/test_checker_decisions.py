@@ -18,11 +18,20 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_gpuclean.core.deciding import decide, gate, verdict
-from pytest_gpuclean.core.deciding.gate import Credentials
-from pytest_gpuclean.core.deciding.verdict import OutsideState, known_outside, outside_of
-from pytest_gpuclean.core.ownership.census import Found, is_peer, sibling_claim
-from pytest_gpuclean.core.ownership.evidence import (
+from pytest_gpuclean._check import decide, gate, verdict
+from pytest_gpuclean._check.verdict import OutsideState, known_outside, outside_of
+from pytest_gpuclean._model.records import (
+    MIB,
+    Credentials,
+    DeviceInfo,
+    DeviceSnapshot,
+    GpuProcess,
+    Offender,
+    Owner,
+    ProcessInfo,
+)
+from pytest_gpuclean._ownership.census import Found, is_peer, sibling_claim
+from pytest_gpuclean._ownership.evidence import (
     PREEXISTING,
     SESSION,
     Ownership,
@@ -34,15 +43,6 @@ from pytest_gpuclean.core.ownership.evidence import (
     older_than_session,
     owner_named,
     pid_between,
-)
-from pytest_gpuclean.model.records import (
-    MIB,
-    DeviceInfo,
-    DeviceSnapshot,
-    GpuProcess,
-    Offender,
-    Owner,
-    ProcessInfo,
 )
 
 SPACE = 1 << 22  # pid_max on a 64-bit kernel

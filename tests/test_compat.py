@@ -26,8 +26,8 @@ import psutil
 import pytest
 from helpers import INNER_TIMEOUT, alive, kill_all, read_pids, reap_orphans, run_inner, summary_of, wait_dead
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.report.report import LEAK_PREFIX
+from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean.report.terminal import LEAK_PREFIX
 
 PYTEST_VERSION = tuple(int(part) for part in pytest.__version__.split(".")[:2])
 

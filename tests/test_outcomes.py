@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpuclean.core.deciding import reap_plan
-from pytest_gpuclean.core.deciding.gate import Credentials
-from pytest_gpuclean.core.deciding.reap_plan import plan as plan_reap
-from pytest_gpuclean.model.outcomes import (
+from pytest_gpuclean._check import reap_plan
+from pytest_gpuclean._check.reap_plan import plan as plan_reap
+from pytest_gpuclean._model.outcomes import (
     ALL_KINDS,
     CheckResult,
     ClusterReading,
@@ -24,8 +23,9 @@ from pytest_gpuclean.model.outcomes import (
     reaped_count,
     split_own,
 )
-from pytest_gpuclean.model.outcomes import TestRecord as Record
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._model.outcomes import TestRecord as Record
+from pytest_gpuclean._model.records import (
+    Credentials,
     FoundBy,
     HealthFinding,
     Offender,
@@ -34,8 +34,8 @@ from pytest_gpuclean.model.records import (
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.report import jsonreport, report
-from pytest_gpuclean.session import outputs
+from pytest_gpuclean._session import outputs
+from pytest_gpuclean.report import jsonreport, terminal
 
 NODEID = "t.py::test_it"
 ME = Owner("test", NODEID)
@@ -203,7 +203,7 @@ def test_totals_count_what_outcome_decides() -> None:
         assert summary[key] == decided.count(key)
     checked = [r for r in records if r.before is not None]
     unchecked_leaked = sum(1 for r in records if r.before is None and outcome(r) == "leaked")
-    assert report.totals_line(records, []).startswith(
+    assert terminal.totals_line(records, []).startswith(
         f"{len(checked)} checked test(s), {sum(1 for r in records if has_findings(r))} with findings, "
         f"1 fixture(s) that leaked processes, {unchecked_leaked} unchecked test(s) that leaked processes, ")
 
@@ -229,7 +229,7 @@ def test_reaped_count_counts_each_process_where_it_was_ended() -> None:
     assert reaped_count(records, session_reaped) == 1 + 2 + 1 + 1 + 1 + 1 + 1
     # The summary line and the JSON report ask it, so they agree.
     assert jsonreport.summary_json(records, session_reaped)["reaped"] == 8
-    assert ", 8 process(es) reaped" in report.totals_line(records, session_reaped)
+    assert ", 8 process(es) reaped" in terminal.totals_line(records, session_reaped)
 
 
 def test_own_leaks_lists_each_place_in_report_order() -> None:
@@ -402,7 +402,7 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
     check is an ordinary ``CheckResult`` whose JSON the schema takes."""
     import jsonschema
 
-    from pytest_gpuclean.core.ownership.evidence import Ownership
+    from pytest_gpuclean._ownership.evidence import Ownership
     from pytest_gpuclean.ray import cluster as ray_cluster
     from pytest_gpuclean.ray import reporting as ray_reporting
 
@@ -420,13 +420,13 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
     document = jsonreport.record_json(record, ray_reporting.record_keys)
     assert document["cluster_after"]["findings"][0]["reason"] == "unreachable"
     jsonschema.validate(document, {"$defs": jsonreport.load_schema()["$defs"], "$ref": "#/$defs/test"})
-    assert "unreachable: the Ray cluster at 127.0.0.1:6379 did not answer" in report.check_report(result, "x")
+    assert ("unreachable: the Ray cluster at 127.0.0.1:6379 did not answer"
+            in terminal.check_report(result, "x"))
 
 
 def test_a_dead_or_unreadable_node_is_unreachable_and_named() -> None:
     from pytest_gpuclean.ray import cluster as ray_cluster
-    from pytest_gpuclean.ray.records import Census, NodeReport
-
+    from pytest_gpuclean.ray.messages import Census, NodeReport
     census = Census(nodes=(NodeReport("b" * 56, 0, (), (), "probe failed: boom"),),
                     dead_nodes=(("a" * 56, "node crashed"),), actors=(), our_jobs=(), took_s=0.1)
     found = ray_cluster.node_findings(census, 0, set())

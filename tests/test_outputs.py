@@ -28,9 +28,9 @@ from helpers import (
     wait_dead,
 )
 
-from pytest_gpuclean.core.reading.simulated import simulated_uuid
+from pytest_gpuclean._reading.simulated import simulated_uuid
+from pytest_gpuclean._session import outputs
 from pytest_gpuclean.report import jsonreport
-from pytest_gpuclean.session import outputs
 
 
 @pytest.fixture(autouse=True)

@@ -21,9 +21,9 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from helpers import alive, exec_done, kill_all, read_pids, run_inner, summary_of
 
-from pytest_gpuclean.model.records import MIB
+from pytest_gpuclean._model.records import MIB
 from pytest_gpuclean.report import jsonreport
-from pytest_gpuclean.report.report import NOT_CLEAN_PREFIX
+from pytest_gpuclean.report.terminal import NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda
 
 TIMEOUT = 1.0
@@ -355,8 +355,7 @@ def _running(cookie: str) -> Iterator[int]:
 def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
     # What a sibling worker's test started carries the controller's cookie extended by that worker's
     # session: the run's, not outside the session (its own worker accounts for it).
-    from pytest_gpuclean.core.checking.checker import Checker
-
+    from pytest_gpuclean._check.checker import Checker
     worker = Checker(None, xdist_run="run1", peer_cookie="gc.1.2.3.aa:session")
     alone = Checker(None)
     with _running("gc.1.2.3.aa:session/gc.4.5.3.bb:t7") as sibling, \
@@ -370,9 +369,8 @@ def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
 
 
 def test_the_shared_memory_of_an_xdist_run_round_trips_and_shrugs_off_a_bad_file(tmp_path: Path) -> None:
-    from pytest_gpuclean.core.checking.outside import OutsideMemory
-    from pytest_gpuclean.core.deciding.verdict import OutsideState
-
+    from pytest_gpuclean._check.outside import OutsideMemory
+    from pytest_gpuclean._check.verdict import OutsideState
     path = tmp_path / "outside.json"
     one, other = OutsideMemory(str(path)), OutsideMemory(str(path))  # two workers
     state = OutsideState(frozenset({(4242, 99)}), 719 * MIB, "t.py::test_1", 12.5)

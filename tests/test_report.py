@@ -10,11 +10,10 @@ from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean.core.deciding import reap_plan
-from pytest_gpuclean.core.deciding.gate import Credentials
-from pytest_gpuclean.model import outcomes
-from pytest_gpuclean.model import records as model
-from pytest_gpuclean.model.outcomes import (
+from pytest_gpuclean._check import reap_plan
+from pytest_gpuclean._model import outcomes
+from pytest_gpuclean._model import records as model
+from pytest_gpuclean._model.outcomes import (
     CheckResult,
     ClusterReading,
     FixtureLeak,
@@ -22,9 +21,10 @@ from pytest_gpuclean.model.outcomes import (
     NodeRelease,
     has_findings,
 )
-from pytest_gpuclean.model.outcomes import TestRecord as Record
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._model.outcomes import TestRecord as Record
+from pytest_gpuclean._model.records import (
     MIB,
+    Credentials,
     DeviceInfo,
     DeviceSnapshot,
     GpuProcess,
@@ -38,10 +38,10 @@ from pytest_gpuclean.model.records import (
     Reaped,
     SiblingUse,
 )
+from pytest_gpuclean._session import outputs, store
 from pytest_gpuclean.ray import reporting as ray_reporting
-from pytest_gpuclean.report import jsonreport, records, report
+from pytest_gpuclean.report import jsonreport, terminal
 from pytest_gpuclean.report.serialize import from_dict, to_dict
-from pytest_gpuclean.session import outputs
 
 GPU0 = DeviceInfo(0, "GPU-0000", "H200")
 MIG = DeviceInfo(1, "MIG-1111", "A100", mig_index=2)
@@ -117,7 +117,7 @@ LOCK_HOLDER = LockHolder(HOLDER_RECORD, alive=False, lock_pid=4343, lock_user="c
 REAP_CANDIDATE = reap_plan.ReapCandidate(4242, PROC, (("GPU 0", 512.0),), "cookie", f"node {NODE[:8]}", True,
                                      True, True, "01000000", True, 4241, True, Credentials(
                                          4242, ((0, "root"), (1000, "ci")), (PROC._replace(pid=4243),)))
-DRY_RUN_TARGET = report.DryRunTarget(f"node {NODE[:8]}: ", PROC, "job 01000000, by ray.kill",
+DRY_RUN_TARGET = terminal.DryRunTarget(f"node {NODE[:8]}: ", PROC, "job 01000000, by ray.kill",
                                     (("GPU 0", 512.0),))
 
 # One fully populated instance of every record class in the model: each must survive a round trip.
@@ -129,20 +129,20 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
                        UNCHECKED_USER, XID, HEALTH, FAULTED, OUTSIDE, OUTSIDE_CHECK,
                        OUTSIDE_RECORD, GPU_STATE, CLEAN_GPUS, HOLDER_RECORD, LOCK_HOLDER,
                        model.Selection((GPU0, MIG), "from CUDA_VISIBLE_DEVICES='0,1'", 3), REAP_CANDIDATE,
-                       DRY_RUN_TARGET]
+                       DRY_RUN_TARGET, REAP_CANDIDATE.credentials]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
-    # The Ray extension's parts (ray/reporting.py), as its report hooks give them to the summary and report.
+    # The Ray extension's parts (ray/reporting.py), as its report hooks give them to the summary and terminal.
     import jsonschema
 
-    lines = report.summary_lines([RAY_RECORD], [], [], ray_reporting.summary_parts)
+    lines = terminal.summary_lines([RAY_RECORD], [], [], ray_reporting.summary_parts)
     assert lines[0] == (f"t.py::test_ray: Ray teardown on node {NODE[:8]}: reaped pid 4242 by ray.kill, "
                         "pid 4243 SIGTERM, devices released in 0.41s, not clean (leaked pid 4242)")
     assert lines[-1] == "1 checked test(s), 1 with findings, 2 process(es) reaped"
     # Without the extension's parts, the line keeps what gpuclean itself says of the test (the counts
     # include the cluster's findings: they are ordinary records).
-    assert report.summary_lines([RAY_RECORD], [], [])[0] == "t.py::test_ray: "
+    assert terminal.summary_lines([RAY_RECORD], [], [])[0] == "t.py::test_ray: "
     document = jsonreport.report_document(records=[RAY_RECORD], session_reaped=[], notes=[], session={
         "start": "2026-12-01T00:00:00.000+00:00", "end": "2026-12-01T00:00:01.000+00:00", "duration_s": 1.0,
         "exitstatus": 1, "host": "h", "backend": "simulated", "driver": "simulated", "unavailable": None,
@@ -173,7 +173,7 @@ def test_every_record_class_has_a_round_trip_example() -> None:
                and cls.__module__ == module.__name__}
     # (the results' records live beside the decisions, in outcomes.py; OwnLeaks is a decision's answer, never
     # serialized; and two records declared where they are decided and worded, beside the model's)
-    assert classes - {outcomes.OwnLeaks} | {reap_plan.ReapCandidate, report.DryRunTarget} == {
+    assert classes - {outcomes.OwnLeaks} | {reap_plan.ReapCandidate, terminal.DryRunTarget} == {
         type(e) for e in EXAMPLES}
 
 
@@ -203,17 +203,17 @@ def test_a_record_keeps_its_sequence_types() -> None:
 
 
 def test_a_reaped_process_round_trips_alone() -> None:
-    # How a forked child ships what a later check found (records.SessionRecords.receive): the one path
+    # How a forked child ships what a later check found (store.SessionRecords.receive): the one path
     # that names Reaped at run time in serialize (CI's pytest-8 forked run caught it unloaded).
     assert from_dict(Reaped, json.loads(json.dumps(to_dict(REAPED)))) == REAPED
 
 
 def test_reaped_lines_show_how_and_when() -> None:
-    assert report.reaped_lines(REAPED) == [
+    assert terminal.reaped_lines(REAPED) == [
         "  pid 4242 ended by SIGTERM after 0.25s (found as descendant, spawned by t.py::test_leaks): held "
         "GPU 0 512 MiB; the driver released it 0.12s after the SIGTERM",
         "      cmd: python -c 'hold()'"]
-    assert report.reaped_lines(SURVIVED)[0] == (
+    assert terminal.reaped_lines(SURVIVED)[0] == (
         "  pid 4242 survived SIGKILL (uninterruptible sleep (D)) (found as adopted, spawned by "
         "t.py::test_leaks): held no GPU memory")
 
@@ -222,21 +222,22 @@ def test_a_process_no_signal_ended_reads_as_such() -> None:
     # A Ray actor's worker ended through ray.kill, or a leak that exited while the check waited: "ended by"
     # names a signal, and there was none (H200 run 21 printed "ended by exited by itself").
     gone = REAPED._replace(ended_by="exited by itself", exit_s=0.01, release_s=0.15)
-    assert report.reaped_lines(gone)[0] == (
+    assert terminal.reaped_lines(gone)[0] == (
         "  pid 4242 exited by itself after 0.01s (found as descendant, spawned by t.py::test_leaks): held "
         "GPU 0 512 MiB; the driver released it 0.15s after it ended")
     zombie = REAPED._replace(ended_by="reaped zombie", exit_s=None, release_s=None)
-    assert report.reaped_lines(zombie)[0].startswith("  pid 4242 had exited (a zombie: collected) (found as")
+    assert terminal.reaped_lines(zombie)[0].startswith(
+        "  pid 4242 had exited (a zombie: collected) (found as")
 
 
 def test_check_report_lists_every_finding_then_the_devices() -> None:
-    text = report.check_report(AFTER, "HEADING")
+    text = terminal.check_report(AFTER, "HEADING")
     assert text.splitlines() == [
         "HEADING",
         "reaped 1 process(es):",
-        *report.reaped_lines(REAPED),
+        *terminal.reaped_lines(REAPED),
         "outlived the test, then ended by themselves:",
-        *report.offender_lines(LEAKED),
+        *terminal.offender_lines(LEAKED),
         "still dirty after 1.50s:",
         "  leaked pid 4242 (user ci, sleeping, found as cookie, spawned by t.py::test_leaks): GPU 0 512 MiB; "
         "reaping is off",
@@ -259,7 +260,7 @@ def test_check_report_lists_every_finding_then_the_devices() -> None:
 ])
 def test_leak_heading_counts_live_processes_and_zombies_apart(
         reaped: tuple[Reaped, ...], leaked: tuple[Offender, ...], reap_enabled: bool, heading: str) -> None:
-    assert report.leak_heading(reaped, leaked, reap_enabled) == heading
+    assert terminal.leak_heading(reaped, leaked, reap_enabled) == heading
 
 
 def test_totals_count_unchecked_leakers_apart_from_checked_tests() -> None:
@@ -267,16 +268,16 @@ def test_totals_count_unchecked_leakers_apart_from_checked_tests() -> None:
     clean = Record("t.py::test_clean", before=BEFORE, after=BEFORE._replace(phase="teardown"))
     unchecked = Record("t.py::test_unmarked", found_later=(REAPED,))
     # At fault, so counted with findings as the JSON report's with_findings counts it, and named apart.
-    assert report.totals_line([clean, unchecked], [REAPED]) == (
+    assert terminal.totals_line([clean, unchecked], [REAPED]) == (
         "1 checked test(s), 1 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped")
-    assert report.totals_line([clean, RECORD], []) == (
+    assert terminal.totals_line([clean, RECORD], []) == (
         "2 checked test(s), 1 with findings, 1 process(es) reaped")
     # A test that never got its GPU locks was not checked either.
-    assert report.totals_line([clean, NO_LOCKS], []) == (
+    assert terminal.totals_line([clean, NO_LOCKS], []) == (
         "1 checked test(s), 0 with findings, 0 process(es) reaped, 1 gave up waiting for GPU locks")
-    lines = report.summary_lines([clean, unchecked], [], ["a note"])
+    lines = terminal.summary_lines([clean, unchecked], [], ["a note"])
     assert lines == ["t.py::test_unmarked: leaked 1 process(es) found by a later check (pid 4242 SIGTERM)",
-                     "a note", report.totals_line([clean, unchecked], [])]
+                     "a note", terminal.totals_line([clean, unchecked], [])]
 
 
 def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
@@ -302,16 +303,16 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
     assert jsonreport.record_json(FAULTED)["health"] == [{
         "kind": "xid", "effect": "fault", "device": "GPU 0", "uuid": "GPU-0000", "phase": "teardown",
         "xid": 31, "message": "GPU 0: Xid 31 (MMU fault)"}]
-    assert report.summary_lines([FAULTED], [], [])[0] == "t.py::test_faults: GPU 0: Xid 31 (MMU fault)"
+    assert terminal.summary_lines([FAULTED], [], [])[0] == "t.py::test_faults: GPU 0: Xid 31 (MMU fault)"
 
 
 def test_a_fixtures_leak_is_the_fixtures_in_every_output() -> None:
     # Found at test_d's teardown, which only pytest's order ties to it: the headline, the summary, the
     # JSON report, the JUnit properties and the annotation name the fixture; test_d stays clean.
-    assert report.fixture_leak_heading(ENGINE_LEAK, True) == (
+    assert terminal.fixture_leak_heading(ENGINE_LEAK, True) == (
         "gpuclean: fixture engine (session-scoped, conftest.py:12) leaked 3 process(es) (NOT all reaped), "
         "found at the teardown of t2.py::test_d")
-    assert report.summary_lines([FIXTURE_RECORD], [], []) == [
+    assert terminal.summary_lines([FIXTURE_RECORD], [], []) == [
         "fixture engine (session-scoped, conftest.py:12), found at the teardown of t2.py::test_d: leaked 3 "
         "process(es) (pid 4242 SIGTERM, pid 4242 NOT reaped, pid 4242 exited by itself)",
         "1 checked test(s), 0 with findings, 1 fixture(s) that leaked processes, 1 process(es) reaped"]
@@ -336,10 +337,10 @@ def test_a_fixtures_leak_is_the_fixtures_in_every_output() -> None:
 
 def test_a_check_that_could_not_read_a_device_is_counted_and_said_in_one_line() -> None:
     record = Record("t.py::test_leaks", ("t.py", 3), BEFORE, UNREADABLE)
-    assert report.unreadable_heading(UNREADABLE) == (
+    assert terminal.unreadable_heading(UNREADABLE) == (
         "gpuclean: could not check the GPUs after the test: GPU 1 (GPU-1111): simulated device file "
         "'/s/1/7' holds 'x'")
-    assert report.totals_line([record], []) == (
+    assert terminal.totals_line([record], []) == (
         "1 checked test(s), 1 with findings, 1 process(es) reaped, 1 could not read a device")
     assert jsonreport.check_json(UNREADABLE)["error"] == UNREADABLE.error
     summary = jsonreport.summary_json([record], [])
@@ -354,23 +355,23 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
     # record (from the worker that ran the test), which the same process also found later.
     found_later = Record("t.py::test_leaks", found_later=(REAPED,))
     victim = Record("t.py::test_victim", ("t.py", 3), BEFORE, SEEN_SIBLING)
-    store = records.SessionRecords()
-    store.add_worker({"records": [to_dict(victim), to_dict(UNCHECKED_USER)],
+    book = store.SessionRecords()
+    book.add_worker({"records": [to_dict(victim), to_dict(UNCHECKED_USER)],
                       "session_reaped": [], "notes": []})
-    store.add_worker({"records": [to_dict(found_later)], "session_reaped": [], "notes": []})
-    merged = store.merged()
+    book.add_worker({"records": [to_dict(found_later)], "session_reaped": [], "notes": []})
+    merged = book.merged()
     assert [r.nodeid for r in merged.records] == ["t.py::test_victim", "t.py::test_leaks"]
     assert merged.records[1].found_later == (REAPED,) and merged.records[1].gpu_without_lock == (SIBLING,)
-    assert store.merged() == merged  # (folded anew for each output, nothing changed in place)
+    assert book.merged() == merged  # (folded anew for each output, nothing changed in place)
     assert not has_findings(merged.records[0]) and has_findings(merged.records[1])
-    assert report.summary_lines(merged.records, [], [])[0] == (
+    assert terminal.summary_lines(merged.records, [], [])[0] == (
         "t.py::test_leaks: leaked 1 process(es) found by a later check (pid 4242 SIGTERM); used a GPU whose "
         "lock another xdist worker's test held: pid 4242 GPU 0 512 MiB while gw1's t.py::test_victim held it")
-    assert report.totals_line(merged.records, []) == (
+    assert terminal.totals_line(merged.records, []) == (
         "1 checked test(s), 1 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) "
         "reaped, 1 used a GPU another xdist worker held the lock of")
     # Alone, it is still a finding (an unchecked test that put memory on a locked GPU and leaked nothing).
-    assert report.totals_line([UNCHECKED_USER], []).endswith(", 1 used a GPU another xdist worker held the "
+    assert terminal.totals_line([UNCHECKED_USER], []).endswith(", 1 used a GPU another xdist worker held the "
                                                              "lock of")
     document = jsonreport.report_document(records=merged.records, session_reaped=[], notes=[], session={
         "start": "2026-12-01T00:00:00.000+00:00", "end": "2026-12-01T00:00:01.000+00:00", "duration_s": 1.0,
@@ -388,16 +389,15 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
     assert "gpu_without_lock" not in document["tests"][0]
     assert "gpu_without_lock" not in jsonreport.summary_json([victim], [])
     # A forked child ships it like what a later check found.
-    child = records.SessionRecords()
+    child = store.SessionRecords()
     child.record_for("t.py::test_leaks").gpu_without_lock += (SIBLING,)
-    parent = records.SessionRecords()
+    parent = store.SessionRecords()
     parent.receive(json.loads(json.dumps(child.ship())))
     assert parent.record_for("t.py::test_leaks").gpu_without_lock == (SIBLING,)
 
 
 def test_the_annotation_of_a_test_that_used_a_gpu_without_its_lock() -> None:
-    from pytest_gpuclean.session import outputs
-
+    from pytest_gpuclean._session import outputs
     assert outputs.annotation_message(UNCHECKED_USER) == (
         outputs.TITLE_WITHOUT_LOCK,
         "t.py::test_leaks used a GPU whose lock another xdist worker's test held\n"

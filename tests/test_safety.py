@@ -29,12 +29,12 @@ import pytest
 from helpers import EXAMPLES, alive, exec_done, run_inner
 
 from pytest_gpuclean import simulate
-from pytest_gpuclean.core.acting import reaping
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-from pytest_gpuclean.model.records import Owner
-from pytest_gpuclean.report.report import LEAK_PREFIX
+from pytest_gpuclean._check import reaping
+from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._model.records import Owner
+from pytest_gpuclean._reading import processes, procfs
+from pytest_gpuclean._reading.simulated import SimulatedBackend
+from pytest_gpuclean.report.terminal import LEAK_PREFIX
 
 VICTIM = "gpuclean-victim"
 

@@ -29,10 +29,10 @@ from helpers import (
     wait_for_file,
 )
 
-from pytest_gpuclean.core.deciding import decide
-from pytest_gpuclean.model.outcomes import CheckResult, reaped_count
-from pytest_gpuclean.model.outcomes import TestRecord as Record
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._check import decide
+from pytest_gpuclean._model.outcomes import CheckResult, reaped_count
+from pytest_gpuclean._model.outcomes import TestRecord as Record
+from pytest_gpuclean._model.records import (
     MIB,
     DeviceInfo,
     DeviceSnapshot,
@@ -41,7 +41,7 @@ from pytest_gpuclean.model.records import (
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.report import records as session_records
+from pytest_gpuclean._session import store as session_records
 from pytest_gpuclean.report.serialize import to_dict
 
 

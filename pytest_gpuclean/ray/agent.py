@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pytest_gpuclean.ray.messages import ActorRecord, Census, JobRecord, NamedActor, NodeEnd, NodeReport
 from pytest_gpuclean.ray.node import end_on_node, probe_node, ray_module
-from pytest_gpuclean.ray.records import ActorRecord, Census, JobRecord, NamedActor, NodeEnd, NodeReport
 
 __all__ = [
     "main",

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, cast, get_args
 
-from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.ownership.evidence import SESSION, Ownership
-from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.outcomes import CheckResult, ClusterReading, NodeReading, NodeRelease
-from pytest_gpuclean.model.records import MIB, EndedBy, Offender, Owner, Phase, ProcessInfo, Reaped
-from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeEnd, NodeProcess, Outcome
+from pytest_gpuclean import _settings as settings
+from pytest_gpuclean._model.outcomes import CheckResult, ClusterReading, NodeReading, NodeRelease
+from pytest_gpuclean._model.records import MIB, EndedBy, Offender, Owner, Phase, ProcessInfo, Reaped
+from pytest_gpuclean._ownership.evidence import SESSION, Ownership
+from pytest_gpuclean._reading import procfs
+from pytest_gpuclean.ray.messages import ActorRecord, Census, NamedActor, NodeEnd, NodeProcess, Outcome
 
 __all__ = [
     "AGENT_COMMAND",

@@ -15,12 +15,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_gpuclean.core.deciding import gate
-from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.reading import backends, credentials, devices, processes, procfs
-from pytest_gpuclean.core.reading.opening import open_backend
-from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot
-from pytest_gpuclean.ray.records import NamedActor, NodeEnd, NodeProcess, NodeReport, Outcome
+from pytest_gpuclean import _settings as settings
+from pytest_gpuclean._check import gate
+from pytest_gpuclean._model.records import DeviceInfo, DeviceSnapshot
+from pytest_gpuclean._reading import backends, credentials, devices, processes, procfs
+from pytest_gpuclean._reading.opening import open_backend
+from pytest_gpuclean.ray.messages import NamedActor, NodeEnd, NodeProcess, NodeReport, Outcome
 
 __all__ = [
     "end_on_node",

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_gpuclean.model.outcomes import CheckResult, TestRecord
-from pytest_gpuclean.model.records import DeviceSnapshot, Reaped
-from pytest_gpuclean.report import jsonreport, report
+from pytest_gpuclean._model.outcomes import CheckResult, TestRecord
+from pytest_gpuclean._model.records import DeviceSnapshot, Reaped
+from pytest_gpuclean.report import jsonreport, terminal
 
 __all__ = [
     "JsonDict",
@@ -38,9 +38,9 @@ JsonDict = dict[str, Any]
 
 
 def check_report(result: CheckResult, heading: str) -> str:
-    """The long text of a cluster's failed or leaking check (``report.check_report``): its nodes' devices,
+    """The long text of a cluster's failed or leaking check (``terminal.check_report``): its nodes' devices,
     and notes on how they let go and on what Ray ended."""
-    return report.check_report(result, heading, more_notes=cluster_notes(result),
+    return terminal.check_report(result, heading, more_notes=cluster_notes(result),
                                devices=cluster_devices(result))
 
 
@@ -85,7 +85,7 @@ def summary_parts(record: TestRecord) -> list[str]:
                             else "devices did NOT let go")
             left = [o for o in check.offenders if (o.node or "") == node]
             if left:
-                bits.append("not clean (" + ", ".join(report.short(o) for o in left) + ")")
+                bits.append("not clean (" + ", ".join(terminal.short(o) for o in left) + ")")
             parts.append(f"Ray {check.phase} on {where}: " + ", ".join(bits))
     return parts
 

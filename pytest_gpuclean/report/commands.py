@@ -1,7 +1,7 @@
 """What the ``gpuclean`` command prints, as text and JSON: pure functions over plain records.
 
 ``cli.py`` reads and acts (the devices, their health, the processes, the kill ladder); this module words
-and shapes what it found, as ``report.py`` does for the plugin. Nothing here reads a device or a process:
+and shapes what it found, as ``terminal.py`` does for the plugin. Nothing here reads a device or a process:
 where the output names the backend, the driver or a process, ``cli.py`` passes the values it read.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
 
 from pytest_gpuclean import __version__
-from pytest_gpuclean.model.outcomes import CheckResult
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._model.outcomes import CheckResult
+from pytest_gpuclean._model.records import (
     MIB,
     DeviceHealth,
     DeviceInfo,
@@ -22,7 +22,7 @@ from pytest_gpuclean.model.records import (
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.report import jsonreport, report
+from pytest_gpuclean.report import jsonreport, terminal
 
 __all__ = [
     "CMDLINE_WIDTH",
@@ -78,7 +78,7 @@ def header(selection: Selection) -> str:
 
 def cmd(cmdline: str) -> str:
     # One line per process: a ``python -c "<script>"`` command line carries newlines.
-    return report.one_line(cmdline, CMDLINE_WIDTH)
+    return terminal.one_line(cmdline, CMDLINE_WIDTH)
 
 
 def mib_text(num_bytes: int | None) -> str:
@@ -224,12 +224,13 @@ def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
                 lines.append(f"  {offender.detail}")
                 continue
             lines.append(f"  pid {proc.pid} (user {proc.user}, {proc.state}) is on "
-                         f"{report.mib_list(offender.mib_per_device) or 'the devices'}: {cmd(proc.cmdline)}")
+                         f"{terminal.mib_list(offender.mib_per_device) or 'the devices'}: "
+                         f"{cmd(proc.cmdline)}")
         mine = [o.process.pid for o in result.offenders if o.process is not None and o.process.uid == my_uid]
         if mine:
             lines.append(f"  `{PROG} reap` would end the processes of this user: pid(s) "
                          + ", ".join(map(str, mine)))
-    lines.extend("  " + report.device_line(s) for s in result.devices)
+    lines.extend("  " + terminal.device_line(s) for s in result.devices)
     return lines
 
 
@@ -298,7 +299,7 @@ def reap_ended_lines(reaped: Sequence[Reaped], grace: float, released_s: float |
     """How each process ``reap`` set out to end ended, and when the driver let go of their memory."""
     lines = [f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {grace:g}s):"]
     for item in reaped:
-        lines.extend(report.reaped_lines(item))
+        lines.extend(terminal.reaped_lines(item))
     if released_s is not None:
         lines.append(f"{PROG} reap: the driver released their GPU memory {released_s:.2f}s after the first "
                      "signal")

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuclean.model.outcomes import (
+from pytest_gpuclean._model.outcomes import (
     CheckResult,
     FixtureLeak,
     OwnLeaks,
@@ -27,8 +27,8 @@ from pytest_gpuclean.model.outcomes import (
     own_leaks,
     reaped_count,
 )
-from pytest_gpuclean.model.outcomes import outcome as results_outcome
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._model.outcomes import outcome as results_outcome
+from pytest_gpuclean._model.records import (
     MIB,
     DeviceInfo,
     DeviceSnapshot,

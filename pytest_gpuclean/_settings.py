@@ -1,0 +1,563 @@
+"""gpuclean's options: declared once, resolved once (marker > CLI > environment > ini > default).
+
+Every value remembers where it came from, so a bad one is reported as e.g.
+``--gpuclean-timeout: 'abc' is not a number (from environment variable GPUCLEAN_TIMEOUT)``.
+The ``gpuclean`` command resolves its options through the same table and parsers (without an ini file),
+so this module imports pytest only where the plugin needs it.
+
+One rule for the environment, in a pytest session and in every ``gpuclean`` command alike: every
+``GPUCLEAN_<NAME>`` variable of an option that is set is checked at start-up, whether or not this run reads
+it (``check_environment``), and a ``GPUCLEAN_`` variable that is neither an option's nor one the package
+sets itself is warned of, with the closest option's (``unknown_variables``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import pytest
+
+    from pytest_gpuclean._model.records import OnOff, OutsideAction, Scope
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_TOLERANCE_MIB",
+    "INTERNAL_VARIABLES",
+    "NO_GPU_ACTIONS",
+    "ON_OFF",
+    "OPTIONS",
+    "OUTSIDE_ACTIONS",
+    "SCOPES",
+    "SETTINGS_FIELDS",
+    "Option",
+    "SettingError",
+    "Settings",
+    "TestSettings",
+    "add_options",
+    "check_environment",
+    "for_marker",
+    "no_gpu_action",
+    "option",
+    "parse_seconds",
+    "resolve",
+    "resolve_options",
+    "unknown_variables",
+]
+
+# The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
+# that they agree), spelt out: every pytest run with the plugin installed imports this module, and
+# model/records.py is not cheap.
+SCOPES: tuple[Scope, ...] = ("session", "host")
+ON_OFF: tuple[OnOff, ...] = ("on", "off")
+OUTSIDE_ACTIONS: tuple[OutsideAction, ...] = ("fail", "skip", "stop")
+NO_GPU_ACTIONS = ("fail", "skip")
+"""What a marked test gets when there is no GPU to check (``--gpuclean-no-gpu``)."""
+_MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
+_PROBE_MODES = ("off", "start", "after-incident", "each")
+"""The ``--gpuclean-probe`` modes, as ``health.HealthWatch`` reads them."""
+_DEFAULT_PROBE = "after-incident"
+
+DEFAULT_TOLERANCE_MIB = 0
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_GRACE_S = 5.0
+_DEFAULT_SETTLE_S = 1.0
+_DEFAULT_LOCK_TIMEOUT_S = 600.0
+# No dataclasses here: every pytest run of an environment that has the plugin imports this module.
+
+
+def _default_lock_dir() -> str:
+    """``<tmp>/gpuclean-locks``. Asked for only when a session takes locks: finding the temporary
+    directory writes a probe file there, and a session that checks nothing must not depend on it."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "gpuclean-locks")
+
+
+class SettingError(ValueError):
+    """A bad option value; the message names the option and where the value came from."""
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise ValueError(f"{text!r} is negative; expected a whole number >= 0")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """A number of seconds >= 0 (``ValueError`` with a message for the user otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+_TRUE = ("on", "1", "true", "yes")
+_FALSE = ("off", "0", "false", "no")
+
+
+def _boolean(text: str) -> bool:
+    # The same spellings for every on/off option, switch or not, wherever it is set: a CI file that says
+    # GPUCLEAN_ALL=1 says GPUCLEAN_REAP=0 too.
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"{text!r} is not on or off (nor 1/0, true/false, yes/no)")
+
+
+def _on_off(text: str) -> OnOff:
+    return "on" if _boolean(text) else "off"
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _device_list(text: str) -> str:
+    # Only when the option is set (see SCOPES): a session that checks nothing never loads the list's syntax.
+    from pytest_gpuclean._device_list import parse_device_list, repeated_tokens
+    # An empty list would check nothing while looking like a choice: refuse it rather than guess.
+    tokens = parse_device_list(text)
+    if not tokens:
+        raise ValueError(f"{text!r} names no device")
+    # A device listed twice is a slip (which one was meant?); this much is plain without the devices, an
+    # index and the same GPU's UUID only once they are read (backends.select_devices).
+    repeated = repeated_tokens(tokens)
+    if repeated is not None:
+        first, second = repeated
+        raise ValueError(f"{text!r} lists {first!r} twice" if first == second
+                         else f"{text!r} names one device twice ({first!r} and {second!r})")
+    return text
+
+
+def _path(text: str, base: str = "") -> str:
+    # ``--gpuclean-simulate=~/sim``: no shell expands ``~`` after ``=``, nor in an ini file or a variable
+    # quoted in a CI config. ``base``: the ini file's directory for a value from it (see ``Option.path``).
+    return os.path.join(base, os.path.expanduser(text))
+
+
+def _existing_dir(text: str, base: str = "") -> str:
+    path = _path(text, base)
+    if not os.path.isdir(path):
+        shown = repr(text) if path == text else f"{text!r} ({path!r})"
+        raise ValueError(f"{shown} is not an existing directory")
+    return os.path.abspath(path)
+
+
+def _ray_address(text: str) -> str:
+    if text in ("off", "auto"):
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{text!r} is not host:port, auto or off")
+    return text
+
+
+def _patterns(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.replace("\n", ",").split(",") if p.strip())
+
+
+class Option(NamedTuple):
+    """One option: its CLI flag, ini key and environment variable all derive from ``name``."""
+
+    name: str
+    help: str
+    parse: Callable[..., Any]
+    """Text to value; raises ``ValueError`` with a message for the user. A ``path`` option's also takes the
+    directory a relative path is relative to."""
+    metavar: str | None = None
+    flag: bool = False
+    """A CLI switch without a value (``--gpuclean-all``)."""
+    listed: bool = False
+    """A list: repeatable on the command line, one value per line in the ini file (``linelist``), and
+    comma-separated anywhere (``--gpuclean-ignore``)."""
+    path: bool = False
+    """A file-system path: from the ini file, a relative one is relative to the ini file's directory, as
+    pytest's own ``paths`` ini values are, so that the same ini file means the same place from any
+    directory; from the command line or the environment, relative to the current directory."""
+
+    @property
+    def cli(self) -> str:
+        return "--gpuclean-" + self.name.replace("_", "-")
+
+    @property
+    def command_flag(self) -> str:
+        """The flag of the ``gpuclean`` command (``--tolerance-mib``): no prefix there."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def ini(self) -> str:
+        return "gpuclean_" + self.name
+
+    @property
+    def env_var(self) -> str:
+        return "GPUCLEAN_" + self.name.upper()
+
+    @property
+    def dest(self) -> str:
+        return "gpuclean_" + self.name
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("all", "check every test, not only those marked needs_clean_gpus", _boolean, flag=True),
+    Option("tolerance_mib", "GPU memory (MiB, NVML v2 'used') allowed per device, not counting the pytest "
+           f"process's own (default {DEFAULT_TOLERANCE_MIB})", _non_negative_int, "N"),
+    Option("timeout", f"seconds a check waits for GPUs and processes to become clean (default "
+           f"{DEFAULT_TIMEOUT_S:g})", parse_seconds, "S"),
+    Option("devices", "devices to check: indices (as nvidia-smi shows), GPU-/MIG- UUIDs or UUID prefixes, "
+           "comma-separated (default: those visible through CUDA_VISIBLE_DEVICES)", _device_list, "LIST"),
+    Option("scope", "session: our processes and the GPUs; host: also every Python process of this user "
+           "that is not pytest or an ancestor (default session)", _choice(SCOPES), "SCOPE"),
+    Option("simulate", "use simulated devices in DIR instead of NVML (DIR/<index>/<pid> holds bytes)",
+           _existing_dir, "DIR", path=True),
+    Option("no_gpu", "what a test marked needs_clean_gpus gets when there is no GPU to check (no driver, "
+           "none of the devices selected): fail (an error) or skip (default: fail where the CI variable is "
+           "set, as CI services set it, else skip)", _choice(NO_GPU_ACTIONS), "ACTION"),
+    Option("ignore", "glob patterns of command lines that are never stray (host scope, GPU processes); "
+           "comma-separated, repeatable", _patterns, "GLOBS", listed=True),
+    Option("helpers", "glob patterns of command lines of the pytest process's children that serve it for "
+           "the session (a library's worker pool): not leaks, said once, ended at the session's end; "
+           "comma-separated, repeatable", _patterns, "GLOBS", listed=True),
+    Option("persistent", "glob patterns of command lines of processes meant to outlive the session (a warm "
+           "model server): never signalled, their GPU memory excused, said once; comma-separated, repeatable",
+           _patterns, "GLOBS", listed=True),
+    Option("grace", f"seconds between SIGTERM and SIGKILL when reaping (default {DEFAULT_GRACE_S:g})",
+           parse_seconds, "S"),
+    Option("settle", "seconds leftover processes get to exit by themselves before reaping starts "
+           f"(default {_DEFAULT_SETTLE_S:g}); those that do are reported, not counted as leaks",
+           parse_seconds, "S"),
+    Option("reap", "on: kill what a test leaked; off: only report, and skip at once (naming the leaker) a "
+           "later test whose GPUs hold only a leak already reported (default on)", _on_off, "MODE"),
+    Option("dead_sessions", "on: reap what dead gpuclean sessions of this user left behind (their pytest "
+           "was killed), found at the first check and whenever a GPU holds something unexplained; off: "
+           "leave it (default on)", _on_off, "MODE"),
+    Option("outside", "what a test gets when its GPUs are dirty only from outside the session (processes "
+           "that are not the session's, memory held by no process we can see): fail (default), skip, or "
+           "stop the session; a check that already waited out the same outside state does not wait again",
+           _choice(OUTSIDE_ACTIONS), "ACTION"),
+    Option("lock", "on: hold a cross-process lock per GPU while a checked test runs (default on)",
+           _on_off, "MODE"),
+    Option("lock_dir", "directory of the per-GPU lock files shared by all sessions on this host "
+           "(default: <tmp>/gpuclean-locks)", _path, "DIR", path=True),
+    Option("lock_timeout", f"seconds to wait for another session's GPU lock (default "
+           f"{_DEFAULT_LOCK_TIMEOUT_S:g})", parse_seconds, "S"),
+    Option("probe", "CUDA sanity probe (a subprocess: context, allocation, write and read back on each "
+           "device, within the check's timeout): off; start (once, at session start); after-incident (before "
+           "the next test on a GPU where a test had an Xid, a reaped GPU process or a failure); each (before "
+           f"every checked test) (default {_DEFAULT_PROBE})", _choice(_PROBE_MODES), "MODE"),
+    Option("report", "write a JSON report of every checked test to PATH", _path, "PATH", path=True),
+    Option("ray", "check every node of a Ray cluster too: its GCS address (host:port); auto (RAY_ADDRESS if "
+           "set, else a cluster the session's tests or fixtures start, found at the next check once its GCS "
+           "server runs under pytest); or off (default off; with off, or auto before a cluster is found, "
+           "Ray is never imported)", _ray_address, "ADDRESS"),
+)
+
+
+def option(name: str) -> Option:
+    """The option called ``name`` (``tolerance_mib``)."""
+    for candidate in OPTIONS:
+        if candidate.name == name:
+            return candidate
+    raise KeyError(name)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Declare every option on the command line and in the ini file."""
+    group = parser.getgroup("gpuclean", "clean-GPU checks (pytest-gpuclean)")
+    for option in OPTIONS:
+        env_note = f" [env {option.env_var}]"
+        if option.flag:
+            group.addoption(option.cli, action="store_const", const="true", default=None, dest=option.dest,
+                            help=option.help + env_note)
+        elif option.listed:
+            group.addoption(option.cli, action="append", default=None, dest=option.dest,
+                            metavar=option.metavar, help=option.help + env_note)
+        else:
+            group.addoption(option.cli, action="store", default=None, dest=option.dest,
+                            metavar=option.metavar, help=option.help + env_note)
+        if option.listed:
+            parser.addini(option.ini, option.help, type="linelist")
+        else:
+            parser.addini(option.ini, option.help, type="string")
+
+
+class Settings:
+    """Resolved options (immutable); ``sources`` says where each explicitly set value came from.
+
+    A value not given keeps its default; ``lock_dir``'s, ``_default_lock_dir()``, is found when first read.
+    """
+
+    all: bool = False
+    tolerance_mib: int = DEFAULT_TOLERANCE_MIB
+    timeout: float = DEFAULT_TIMEOUT_S
+    devices: str | None = None
+    scope: Scope = "session"
+    simulate: str | None = None
+    no_gpu: str | None = None
+    """None: not chosen (``no_gpu_action`` says what applies)."""
+    ignore: tuple[str, ...] = ()
+    helpers: tuple[str, ...] = ()
+    persistent: tuple[str, ...] = ()
+    grace: float = DEFAULT_GRACE_S
+    settle: float = _DEFAULT_SETTLE_S
+    reap: OnOff = "on"
+    dead_sessions: OnOff = "on"
+    outside: OutsideAction = "fail"
+    lock: OnOff = "on"
+    lock_timeout: float = _DEFAULT_LOCK_TIMEOUT_S
+    report: str | None = None
+    probe: str = _DEFAULT_PROBE
+    ray: str = "off"
+    sources: Mapping[str, str]
+
+    def __init__(self, sources: Mapping[str, str] | None = None, **values: Any) -> None:
+        unknown = set(values) - set(SETTINGS_FIELDS)
+        if unknown:
+            raise TypeError(f"Settings got unknown field(s): {', '.join(sorted(unknown))}")
+        values["_lock_dir"] = values.pop("lock_dir", None)
+        self.__dict__.update(values, sources=MappingProxyType(dict(sources or {})))
+
+    @property
+    def lock_dir(self) -> str:
+        given: str | None = self.__dict__["_lock_dir"]
+        return given if given is not None else _default_lock_dir()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Settings are immutable (cannot set {name})")
+
+    def _key(self) -> tuple[Any, ...]:
+        return (*(getattr(self, name) for name in SETTINGS_FIELDS if name != "lock_dir"),
+                self.__dict__["_lock_dir"], dict(self.sources))
+
+    def __eq__(self, other: object) -> bool:
+        return self._key() == other._key() if isinstance(other, Settings) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        given = [f"{name}={self.__dict__[name]!r}" for name in SETTINGS_FIELDS if name in self.__dict__]
+        given += [f"lock_dir={self.__dict__['_lock_dir']!r}", f"sources={dict(self.sources)!r}"]
+        return f"Settings({', '.join(given)})"
+
+    def explicit(self, name: str) -> bool:
+        """True if ``name`` was set on the command line, in the environment or in the ini file."""
+        return name in self.sources
+
+    def refused(self, name: str, why: object) -> str:
+        """The line for a value of ``name`` that proved unusable only once used (simulated devices that
+        cannot be read): ``--gpuclean-<name>: <why> (<where the value came from>)``."""
+        return f"{option(name).cli}: {why} ({self.sources.get(name)})"
+
+
+SETTINGS_FIELDS: tuple[str, ...] = (*(name for name in Settings.__annotations__ if name != "sources"),
+                                    "lock_dir")
+"""The fields of ``Settings``: one per option."""
+
+
+_NOT_CI = ("", "0", "false", "no", "off")
+
+
+def no_gpu_action(settings: Settings, env: Mapping[str, str]) -> tuple[str, str]:
+    """What a marked test gets when there is no GPU to check, ``fail`` or ``skip``, and the words for why
+    ('' for the default outside CI, which needs none). Unless ``--gpuclean-no-gpu`` chose, ``fail`` where
+    ``CI`` is set in ``env`` (GitHub Actions, GitLab CI, Buildkite set ``CI=true``): a GPU runner whose job
+    lost its GPUs (a container started without them, a broken driver) must not skip every GPU test to a
+    green run."""
+    flag = option("no_gpu").cli
+    if settings.no_gpu is not None:
+        return settings.no_gpu, f"{flag}={settings.no_gpu}, {settings.sources['no_gpu']}"
+    ci = env.get("CI")
+    if ci is not None and ci.strip().lower() not in _NOT_CI:
+        return "fail", f"{flag}=fail: the default where CI is set (CI={ci!r}); {flag}=skip to skip instead"
+    return "skip", ""
+
+
+def _describe_source(kind: str, option: Option, inifile: str | None) -> str:
+    if kind == "cli":
+        return "from the command line"
+    if kind == "env":
+        return f"from environment variable {option.env_var}"
+    where = f" in {inifile}" if inifile else ""
+    return f"from ini option {option.ini}{where}"
+
+
+def _no_ini(name: str) -> None:
+    return None
+
+
+def _parse(option: Option, raw: Any, kind: str, inifile: str | None, flag: Callable[[Option], str]
+           ) -> tuple[Any, str]:
+    """``raw`` from source ``kind`` as ``option``'s value, and the words for where it came from."""
+    if isinstance(raw, list):
+        raw = ",".join(raw)
+    source = _describe_source(kind, option, inifile)
+    try:
+        if option.path:
+            base = os.path.dirname(inifile) if kind == "ini" and inifile else ""
+            return option.parse(str(raw), base), source
+        return option.parse(str(raw)), source
+    except ValueError as exc:
+        raise SettingError(f"{flag(option)}: {exc} ({source})") from None
+
+
+def resolve_options(
+    options: Iterable[Option],
+    cli: Mapping[str, Any],
+    env: Mapping[str, str],
+    ini: Callable[[str], Any] = _no_ini,
+    inifile: str | None = None,
+    *,
+    flag: Callable[[Option], str] = lambda option: option.cli,
+) -> Settings:
+    """Build ``Settings`` from ``options`` as found in the sources (``cli`` is keyed by ``Option.dest``);
+    the others keep their defaults. Raises ``SettingError`` naming the option (as ``flag`` spells it).
+
+    An option's variable that is set is checked even where the command line overrides it (the module's
+    one rule for the environment)."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for option in options:
+        found: tuple[Any, str] | None = None
+        if cli.get(option.dest) is not None:
+            found = _parse(option, cli[option.dest], "cli", inifile, flag)
+        if env.get(option.env_var) not in (None, ""):
+            from_env = _parse(option, env[option.env_var], "env", inifile, flag)
+            found = from_env if found is None else found
+        if found is None:
+            ini_value = ini(option.ini)
+            if ini_value not in ("", [], None):
+                found = _parse(option, ini_value, "ini", inifile, flag)
+        if found is not None:
+            values[option.name], sources[option.name] = found
+    return Settings(**values, sources=sources)
+
+
+INTERNAL_VARIABLES = frozenset((
+    "GPUCLEAN_TEST",  # cookie.COOKIE_VAR
+    "GPUCLEAN_OWNER",  # cookie.OWNER_VAR
+    "GPUCLEAN_XDIST_WORKERS_SINCE",  # cookie.WORKERS_SINCE_VAR
+    "GPUCLEAN_HELD_LOCKS",  # locks.HELD_VAR
+    "GPUCLEAN_OUTSIDE_STATE",  # outside.STATE_VAR
+    "GPUCLEAN_BYTECODE_CACHE",  # pytest_gpuclean._CACHE_ENV: read before any option (not one)
+))
+"""The variables the package sets itself for the processes it starts, spelt out (tests/test_settings.py
+checks them against the package's constants): importing ``locks`` or ``outside`` to ask would cost every
+pytest run of the environment, and a session inherits them from an outer one (a CI job's cookie, the test
+of an outer session)."""
+_VARIABLE_PREFIX = "GPUCLEAN_"
+_REPLACED = {"GPUCLEAN_REQUIRE_GPU": "GPUCLEAN_NO_GPU=fail"}
+"""Variables of options that another one replaced, and what says the same now."""
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """A line for each ``GPUCLEAN_`` variable in ``env`` that nothing reads, naming the closest option's
+    variable: ``GPUCLEAN_TIMOUT=5`` would otherwise change nothing, silently."""
+    options = {option.env_var for option in OPTIONS}
+    unknown = sorted(name for name in env if name.startswith(_VARIABLE_PREFIX)
+                     and name not in options and name not in INTERNAL_VARIABLES)
+    if not unknown:
+        return []
+    import difflib  # only for a slip: every pytest run of the environment imports this module
+
+    # Matched without the prefix, which every candidate shares: GPUCLEAN_FOO is like none of them.
+    suffixes = {name[len(_VARIABLE_PREFIX):]: name for name in sorted(options)}
+    lines = []
+    for name in unknown:
+        close = [_REPLACED[name]] if name in _REPLACED else [
+            suffixes[m] for m in difflib.get_close_matches(name[len(_VARIABLE_PREFIX):], list(suffixes), n=1)]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"environment variable {name} is not gpuclean's: ignored{hint}")
+    return lines
+
+
+def check_environment(env: Mapping[str, str], flag: Callable[[Option], str]) -> list[str]:
+    """What the ``gpuclean`` command does with the environment at start-up, as a pytest session does
+    (``resolve``): every option's variable that is set is checked, whether or not the command reads it
+    (``SettingError`` naming it as ``flag`` says), and the lines to warn of unknown ``GPUCLEAN_`` ones."""
+    resolve_options(OPTIONS, {}, env, flag=flag)
+    return unknown_variables(env)
+
+
+def resolve(
+    cli: Mapping[str, Any],
+    env: Mapping[str, str],
+    ini: Callable[[str], Any],
+    inifile: str | None = None,
+) -> Settings:
+    """Build ``Settings`` from the three sources; raise ``pytest.UsageError`` naming the bad one."""
+    import pytest  # here, not at the top: the gpuclean command uses this module without pytest
+
+    try:
+        return resolve_options(OPTIONS, cli, env, ini, inifile)
+    except SettingError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+class TestSettings:
+    """What applies to one test once its marker is taken into account."""
+
+    __slots__ = ("count", "timeout", "tolerance_mib")
+
+    def __init__(self, tolerance_mib: int, timeout: float, count: int | None) -> None:
+        self.tolerance_mib, self.timeout, self.count = tolerance_mib, timeout, count
+
+    def __repr__(self) -> str:
+        return f"TestSettings(tolerance_mib={self.tolerance_mib}, timeout={self.timeout}, count={self.count})"
+
+
+def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: Sequence[Any] = ()
+               ) -> TestSettings:
+    """Apply a ``needs_clean_gpus(...)`` marker's arguments over the session's settings, wherever those
+    came from: the most specific setting wins, as a test's own timeout marker does in pytest-timeout (a
+    CI-wide ``GPUCLEAN_TIMEOUT`` must not undo the one test that says it needs longer, or less).
+
+    Raises ``ValueError`` with a message naming the marker argument and the test.
+    """
+    if not kwargs and not args:  # a bare marker (most tests): the session's settings, no checks per test
+        return TestSettings(tolerance_mib=settings.tolerance_mib, timeout=settings.timeout, count=None)
+    if args:
+        # needs_clean_gpus(2) reads as "2 GPUs" to some and "2 MiB" to others: make the reader say which.
+        given = ", ".join(map(repr, args))
+        raise ValueError(f"needs_clean_gpus({given}) on {where}: positional arguments are not accepted; "
+                         f"use keyword arguments: {', '.join(f'{name}=...' for name in _MARKER_KWARGS)}")
+    unknown = sorted(set(kwargs) - set(_MARKER_KWARGS))
+    if unknown:
+        raise ValueError(f"needs_clean_gpus got unknown argument(s) {', '.join(unknown)} on {where}; "
+                         f"known: {', '.join(_MARKER_KWARGS)}")
+
+    def pick(name: str, check: Callable[[str], Any]) -> Any:
+        if name not in kwargs or kwargs[name] is None:
+            return None
+        value = kwargs[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"needs_clean_gpus({name}={value!r}) on {where}: not a number")
+        try:
+            return check(str(value))
+        except ValueError as exc:
+            raise ValueError(f"needs_clean_gpus({name}={value!r}) on {where}: {exc}") from None
+
+    tolerance = pick("tolerance_mib", _non_negative_int)
+    timeout = pick("timeout", parse_seconds)
+    count = pick("count", _non_negative_int)
+    if count == 0:
+        raise ValueError(f"needs_clean_gpus(count=0) on {where}: count must be >= 1")
+    return TestSettings(tolerance_mib=settings.tolerance_mib if tolerance is None else tolerance,
+                        timeout=settings.timeout if timeout is None else timeout, count=count)

@@ -1,0 +1,110 @@
+"""gpuclean's own hooks: how an extension (the Ray cluster's checks, ``ray/checks.py``) takes part in each
+test's check, in the session's end and in what the outputs say, without the per-test check or the outputs
+knowing of it. A module of specifications, as xdist's ``newhooks.py``; ``plugin.py``'s ``pytest_addhooks``
+adds it. An extension is a plugin that implements them, registered only when it is asked for (the Ray
+cluster's checks: ``--gpuclean-ray``); an implementation takes only the arguments it needs.
+
+In the session layer, beside what calls the hooks (``session.py``, ``testcheck.py``, ``outputs.py``) and
+below what implements them (``ray/``) and adds them (``plugin.py``): each imports it without an import up a
+layer (``tests/test_layers.py``).
+
+A hook's ``session`` is the started session (``started.Started``); ``state`` and ``record`` the test's
+state and record. What an extension finds goes into the record as ordinary records (``CheckResult``,
+``Offender``, ``Reaped``: a finding off this host names its ``node``; a cluster's checks are a record's
+``cluster_before`` / ``cluster_after``), so the decisions, the counts and every output take it as they take
+this host's. A check hook returns the failure to report (its text), or None. The report hooks add the
+extension's own parts (text, JSON keys) of what it put in the records. The report's schema
+(``report/report_schema.json``) describes gpuclean's keys, the Ray extension's among them: a report with
+another extension's keys does not validate against it (that extension describes its own).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from pytest_gpuclean._model.outcomes import TestRecord
+    from pytest_gpuclean._model.records import Phase, Reaped
+    from pytest_gpuclean._session.started import ItemState, Started
+__all__ = [
+    "pytest_gpuclean_check_after",
+    "pytest_gpuclean_check_before",
+    "pytest_gpuclean_checked",
+    "pytest_gpuclean_report_session",
+    "pytest_gpuclean_report_test",
+    "pytest_gpuclean_session_finish",
+    "pytest_gpuclean_session_start",
+    "pytest_gpuclean_summary_parts",
+    "pytest_gpuclean_sweep",
+]
+
+
+
+# ---- the checks ---------------------------------------------------------------------------------------
+
+
+@pytest.hookspec
+def pytest_gpuclean_session_start(session: Started) -> None:
+    """The session's checking is set up (devices, locks, checker): set up what the extension checks.
+    Raise ``pytest.UsageError`` for what cannot be (an option naming something unreachable)."""
+
+
+@pytest.hookspec
+def pytest_gpuclean_check_before(session: Started, state: ItemState, record: TestRecord) -> str | None:
+    """A test's setup, before this host's check: the extension's check. A failure fails the setup (this
+    host is then not checked)."""
+
+
+@pytest.hookspec
+def pytest_gpuclean_check_after(session: Started, state: ItemState, record: TestRecord) -> str | None:
+    """A test's teardown, after its last fixture, before this host's check: the extension's check, so that
+    what it knows how to end (a Ray actor, through Ray) is ended its way first. A failure fails the
+    teardown, with this host's."""
+
+
+@pytest.hookspec
+def pytest_gpuclean_checked(session: Started, state: ItemState, record: TestRecord, phase: Phase
+                            ) -> str | None:
+    """After this host's check of ``phase`` (at setup, only a clean one): its census of the session's
+    processes is ``session.checker.last_census``, where the extension may find something to check from now
+    on (a Ray cluster the session started) and check it at once. A failure fails that phase."""
+
+
+@pytest.hookspec
+def pytest_gpuclean_sweep(session: Started, include_session: bool, timeout: float) -> list[Reaped]:
+    """The session's final sweep (after the last test): what the extension ended of the session's tests'
+    (and, with ``include_session``, its set-up's) leftovers."""
+    raise NotImplementedError  # (a specification: the extensions implement it)
+
+
+@pytest.hookspec
+def pytest_gpuclean_session_finish(session: Started) -> None:
+    """The session's very end (after every ``pytest_unconfigure``): the extension's last sweep, then it
+    stops."""
+
+
+# ---- the outputs: the extension's parts of what it put in the records -----------------------------------
+
+
+@pytest.hookspec
+def pytest_gpuclean_summary_parts(record: TestRecord) -> list[str]:
+    """The extension's parts of ``record``'s line in the terminal summary (a test with findings, or whose
+    checks noticed something), after this host's and before the GPU health's; [] for nothing. Also for a
+    record an xdist worker sent: a function of the record alone."""
+    raise NotImplementedError  # (a specification: the extensions implement it)
+
+
+@pytest.hookspec
+def pytest_gpuclean_report_test(record: TestRecord) -> dict[str, Any] | None:
+    """The extension's keys in ``record``'s object of the JSON report (``tests``), after ``timings``;
+    None (or {}) for a test it has nothing of, so that such a report keeps its shape. A function of the
+    record alone, as ``pytest_gpuclean_summary_parts``."""
+
+
+@pytest.hookspec
+def pytest_gpuclean_report_session(config: pytest.Config) -> dict[str, Any] | None:
+    """The extension's keys in the JSON report's ``session`` object, after ``xdist_workers``; None (or {})
+    for none. Asked once, when the report is first written: the report written again for the session's
+    very last sweep (after ``pytest_unconfigure``) keeps them as they were."""
