@@ -18,6 +18,7 @@ by ``report/commands.py`` from what it read here. The CLI has no process tree of
 from __future__ import annotations
 
 import argparse
+import configparser
 import contextlib
 import io
 import os
@@ -30,12 +31,12 @@ from pytest_gpuclean import __version__
 from pytest_gpuclean import _settings as settings
 from pytest_gpuclean._check import reap_plan
 from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._check.decisions import mib_of
 from pytest_gpuclean._check.reaping import reaped_record
-from pytest_gpuclean._check.verdict import mib_of
 from pytest_gpuclean._model.records import Credentials, DeviceInfo, DeviceSnapshot, ProcessInfo, Reaped
 from pytest_gpuclean._ownership.cookie import COOKIE_VAR
 from pytest_gpuclean._reading import backends, credentials, devices, processes, procfs
-from pytest_gpuclean._reading.opening import open_backend
+from pytest_gpuclean._reading.backends import open_backend
 from pytest_gpuclean.report import commands, terminal
 from pytest_gpuclean.report.commands import PROG as _PROG
 from pytest_gpuclean.report.commands import ReapTarget
@@ -47,6 +48,7 @@ __all__ = [
     "EXIT_DIRTY",
     "EXIT_ERROR",
     "EXIT_UNHEALTHY",
+    "ini_value",
     "main",
     "plan_reap",
 ]
@@ -204,7 +206,6 @@ def _open_devices(resolved: settings.Settings, command: str) -> Iterator[_Device
 def _ini_simulate_hint() -> str:
     """Where NVML cannot be opened: if the project's pytest runs on simulated devices (its ini file sets
     ``gpuclean_simulate``), which this command does not read, the words that say so, and how to name them."""
-    from pytest_gpuclean._ini_file import ini_value
     option = settings.option("simulate")
     found = ini_value(Path.cwd(), option.ini)
     if found is None:
@@ -601,3 +602,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     return EXIT_ERROR
+
+
+_FILES = (("pytest.ini", "pytest"), (".pytest.ini", "pytest"), ("pyproject.toml", ""), ("tox.ini", "pytest"),
+          ("setup.cfg", "tool:pytest"))
+"""pytest's candidates in each directory, in its order, with the section that makes one its file (a
+``pytest.ini`` is, whatever it holds)."""
+
+
+def ini_value(start: Path, key: str) -> tuple[Path, str] | None:
+    """The file pytest would take for its configuration from ``start`` (the first candidate that is one,
+    ``start`` first, then its parents) and the value it gives ``key``; None if there is no such file, or it
+    does not set ``key``. Unreadable files are passed over, as if absent."""
+    for folder in (start, *start.parents):
+        for name, section in _FILES:
+            path = folder / name
+            if not path.is_file():
+                continue
+            try:
+                found = _read(path, section, key)
+            except (OSError, ValueError, configparser.Error):
+                continue
+            if found is not None:
+                return (path, found[1]) if found[1] is not None else None
+    return None
+
+
+def _read(path: Path, section: str, key: str) -> tuple[bool, str | None] | None:
+    """(it is pytest's file, the value of ``key`` there); None if the file is not pytest's."""
+    if path.suffix == ".toml":
+        import importlib
+
+        try:
+            tomllib: Any = importlib.import_module("tomllib")
+        except ImportError:  # Python 3.10: tomli, pytest's own dependency there
+            tomllib = importlib.import_module("tomli")
+        with open(path, "rb") as f:
+            tool = tomllib.load(f).get("tool", {}).get("pytest")
+        if not isinstance(tool, dict):
+            return None
+        table = tool.get("ini_options", tool)  # (pytest 9 reads [tool.pytest] itself too)
+        value = table.get(key) if isinstance(table, dict) else None
+        return True, value if isinstance(value, str) else None
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(path, encoding="utf-8")
+    if not parser.has_section(section):
+        return (True, None) if path.name in ("pytest.ini", ".pytest.ini") else None
+    value = parser.get(section, key, fallback=None)
+    return True, value.strip() if value is not None else None

@@ -43,7 +43,9 @@ __all__ = [
     "for_marker",
     "no_gpu_action",
     "option",
+    "parse_device_list",
     "parse_seconds",
+    "repeated_tokens",
     "resolve",
     "resolve_options",
     "unknown_variables",
@@ -132,8 +134,6 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def _device_list(text: str) -> str:
-    # Only when the option is set (see SCOPES): a session that checks nothing never loads the list's syntax.
-    from pytest_gpuclean._device_list import parse_device_list, repeated_tokens
     # An empty list would check nothing while looking like a choice: refuse it rather than guess.
     tokens = parse_device_list(text)
     if not tokens:
@@ -561,3 +561,30 @@ def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: 
         raise ValueError(f"needs_clean_gpus(count=0) on {where}: count must be >= 1")
     return TestSettings(tolerance_mib=settings.tolerance_mib if tolerance is None else tolerance,
                         timeout=settings.timeout if timeout is None else timeout, count=count)
+
+
+def parse_device_list(spec: str) -> list[str]:
+    """Split a CUDA_VISIBLE_DEVICES-style list into tokens; CUDA stops at ``-1``."""
+    tokens: list[str] = []
+    for raw in spec.split(","):
+        token = raw.strip()
+        if not token:
+            continue
+        if token.startswith("-"):
+            break  # CUDA treats a negative index as the end of the list
+        tokens.append(token)
+    return tokens
+
+
+def repeated_tokens(tokens: Sequence[str]) -> tuple[str, str] | None:
+    """Two tokens of a device list that name the same device whatever the devices are, or None: the same
+    index (``0,00``), or the same UUID or one a prefix of the other, case aside (a UUID prefix names a
+    single device or is an error). Needs no backend."""
+    for i, later in enumerate(tokens):
+        for earlier in tokens[:i]:
+            if earlier.isdigit() != later.isdigit():
+                continue  # an index and a UUID: only the devices can tell
+            a, b = earlier.lower(), later.lower()
+            if int(a) == int(b) if a.isdigit() else a.startswith(b) or b.startswith(a):
+                return earlier, later
+    return None

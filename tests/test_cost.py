@@ -65,13 +65,12 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 0
     # The device modules are those of the one backend opened (here the simulated devices: their reader and
-    # its layout; no NVML module), what it shares with NVML's (``devices``), the opener (``opening``) and
-    # the protocols and device choice (``backends``): once one module, ``devices``, split by backend.
-    assert state["modules"] == ["pytest_gpuclean._device_list", "pytest_gpuclean._model",
-                                "pytest_gpuclean._model.records", "pytest_gpuclean._ownership",
-                                "pytest_gpuclean._ownership.cookie", "pytest_gpuclean._reading",
-                                "pytest_gpuclean._reading.backends", "pytest_gpuclean._reading.devices",
-                                "pytest_gpuclean._reading.opening", "pytest_gpuclean._reading.procfs",
+    # its layout; no NVML module), what it shares with NVML's (``devices``), and the protocols, the device
+    # choice and the opener (``backends``).
+    assert state["modules"] == ["pytest_gpuclean._model", "pytest_gpuclean._model.records",
+                                "pytest_gpuclean._ownership", "pytest_gpuclean._ownership.cookie",
+                                "pytest_gpuclean._reading", "pytest_gpuclean._reading.backends",
+                                "pytest_gpuclean._reading.devices", "pytest_gpuclean._reading.procfs",
                                 "pytest_gpuclean._reading.simulated",
                                 "pytest_gpuclean._reading.simulated_layout", "pytest_gpuclean._session",
                                 "pytest_gpuclean._session.names", "pytest_gpuclean._session.opening",

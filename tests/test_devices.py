@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from helpers import run_inner
 
-from pytest_gpuclean._device_list import parse_device_list, repeated_tokens
 from pytest_gpuclean._model.records import MIB, DeviceInfo, Selection
 from pytest_gpuclean._reading import procfs
 from pytest_gpuclean._reading.backends import choose_devices, select_devices
@@ -27,6 +26,7 @@ from pytest_gpuclean._reading.devices import (
 from pytest_gpuclean._reading.nvml import NvmlBackend, NvmlOpening
 from pytest_gpuclean._reading.simulated import SimulatedBackend, simulated_uuid
 from pytest_gpuclean._reading.simulated_layout import DEFAULT_TOTAL
+from pytest_gpuclean._settings import parse_device_list, repeated_tokens
 from pytest_gpuclean.simulate import allocate
 
 GPU0 = DeviceInfo(0, "GPU-1a2b3c4d-0000-4000-8000-000000000000", "H200")

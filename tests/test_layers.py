@@ -18,7 +18,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # (bottom first; the layers of one row are independent: neither may import the other)
     ("pytest_gpuclean",),  # the version and the package's import finder
     ("pytest_gpuclean._model",),  # the records, and the decisions over a test's record
-    ("pytest_gpuclean._device_list", "pytest_gpuclean._ini_file"),  # a device list's syntax; the ini file
     ("pytest_gpuclean._settings", "pytest_gpuclean.report"),  # the options; formatting (text, JSON, CI)
     ("pytest_gpuclean._reading",),  # what the machine says: /proc, psutil, NVML, simulated devices
     ("pytest_gpuclean._ownership", "pytest_gpuclean._locks"),  # whose a process is; the GPU locks
@@ -31,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_gpuclean.__main__",),  # python -m pytest_gpuclean
 )
 
-DECISIONS = ("pytest_gpuclean._check.decide", "pytest_gpuclean._check.verdict", "pytest_gpuclean._check.gate",
+DECISIONS = ("pytest_gpuclean._check.decisions", "pytest_gpuclean._check.gate",
              "pytest_gpuclean._check.reap_plan")
 """What a check decides, over plain data: they read nothing and signal nothing, so they import nothing of the
 package but the model, the formatting and one another (tests/test_checker_decisions.py tables them)."""

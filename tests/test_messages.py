@@ -406,7 +406,7 @@ def test_the_readmes_strict_config_recipe_keeps_a_run_without_the_plugin_passing
 
 
 def test_the_ini_file_is_the_one_pytest_would_take(tmp_path: Path) -> None:
-    from pytest_gpuclean._ini_file import ini_value
+    from pytest_gpuclean._cli import ini_value
     (tmp_path / "setup.cfg").write_text("[tool:pytest]\ngpuclean_simulate = far\n")
     inner = tmp_path / "a"
     inner.mkdir()

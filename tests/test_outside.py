@@ -369,8 +369,8 @@ def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
 
 
 def test_the_shared_memory_of_an_xdist_run_round_trips_and_shrugs_off_a_bad_file(tmp_path: Path) -> None:
+    from pytest_gpuclean._check.decisions import OutsideState
     from pytest_gpuclean._check.outside import OutsideMemory
-    from pytest_gpuclean._check.verdict import OutsideState
     path = tmp_path / "outside.json"
     one, other = OutsideMemory(str(path)), OutsideMemory(str(path))  # two workers
     state = OutsideState(frozenset({(4242, 99)}), 719 * MIB, "t.py::test_1", 12.5)

@@ -17,10 +17,10 @@ import os
 import time
 from collections.abc import Callable, Collection, Sequence
 
-from pytest_gpuclean._check import decide, pools, reaping
+from pytest_gpuclean._check import decisions, reaping
+from pytest_gpuclean._check.decisions import Snapshot, Verdict, leak_detail, mib_of
 from pytest_gpuclean._check.outside import OutsideMemory
 from pytest_gpuclean._check.passes import POLL_S, Check, Look, respawned_note
-from pytest_gpuclean._check.verdict import Snapshot, Verdict, leak_detail, mib_of
 from pytest_gpuclean._model.outcomes import CheckResult
 from pytest_gpuclean._model.records import (
     CensusEntry,
@@ -257,7 +257,7 @@ class Checker:
             # process's helpers (they hold no GPU memory: the census judges one that does) and what is meant
             # to outlive the session (persistent: a warm model server's memory is its own, said once). Of
             # unknown birth: no evidence says which test made it, so it is reported, never signalled.
-            sort = decide.sort_census(found, procs.is_protected, procs.never_touch,
+            sort = decisions.sort_census(found, procs.is_protected, procs.never_touch,
                                       procs.helpers.keys() | procs.persistent.keys(), listed)
             ours, unknown, excused, unexplained = sort.ours, sort.unknown, sort.excused, sort.unexplained
             if unexplained and (persistent := procs.persistent_of(unexplained)):
@@ -278,10 +278,11 @@ class Checker:
             # Our own CUDA context's unlisted overhead must not widen the census on every check of a pytest
             # process that uses the GPU itself.
             self_cuda: set[str] = set()
-            overhead, short = decide.listed_overhead(readings, excused)
+            overhead, short = decisions.listed_overhead(readings, excused)
             if short:
                 overhead.update(self._context_overhead(short, excused, self_cuda))
-            unexplained_use = decide.unexplained_use(readings, unexplained, excused, overhead, look.tolerance)
+            unexplained_use = decisions.unexplained_use(readings, unexplained, excused, overhead,
+                                                        look.tolerance)
             if look.scan_cookies or not unexplained_use:
                 break
             look.scan_cookies = True
@@ -295,7 +296,7 @@ class Checker:
         and only what is ours can be judged: nothing is excused, and each device's whole use is overhead (no
         memory offender)."""
         found = self.procs.take(scan_cookies=True)
-        sort = decide.sort_census(found, self.procs.is_protected, (), (), set())
+        sort = decisions.sort_census(found, self.procs.is_protected, (), (), set())
         return self._snapshot(look, readings, found, sort.ours, sort.unknown, set(), set(),
                               {s.device.uuid: s.used_bytes for s in readings}, set(), maybe_outside=False,
                               strays=False)
@@ -366,7 +367,7 @@ class Checker:
         refused = self.left_alone
         return {f.key: refused[f.key] for f in ours if f.key in refused} if refused else {}
 
-    def _context_overhead(self, short: list[decide.Short], excused: set[int], self_cuda: set[str]
+    def _context_overhead(self, short: list[decisions.Short], excused: set[int], self_cuda: set[str]
                           ) -> dict[str, int]:
         """The unlisted memory excused where the listed contexts fall short: asks which excused processes
         use CUDA there unlisted. Reading /proc/<pid>/fd costs a syscall per descriptor: only off the clean
@@ -375,9 +376,9 @@ class Checker:
         users: dict[int, frozenset[str]] = {}
         if backend is not None:
             users.update(backend.cuda_users([me]))
-            if decide.short_of_users(short, users):
+            if decisions.short_of_users(short, users):
                 users.update(backend.cuda_users(sorted(excused - {me})))
-        return decide.context_overhead(short, users, me, self_cuda)
+        return decisions.context_overhead(short, users, me, self_cuda)
 
     # ---- acting for a check ----------------------------------------------------------------------
 
@@ -449,7 +450,7 @@ class Checker:
         if self.before_grace is not None and safe and not kill_first and self.grace > 0:
             self.before_grace(sorted(f.pid for f in safe), self.grace)
         if any(f.depth == 1 for f in safe):
-            notes.extend(pools.shutdown_pools({f.pid for f in safe}, wait=self.grace))
+            notes.extend(reaping.shutdown_pools({f.pid for f in safe}, wait=self.grace))
         holders = {p.pid for s in snaps for p in s.processes} & {f.pid for f in safe}
         targets = [processes.KillTarget(f.pid, f.start_ticks, f.depth, f.handle) for f in safe]
         ended, _released = self.kill_and_confirm(targets, devices, holders, kill_first=kill_first)
@@ -552,12 +553,12 @@ class Checker:
                 # Exited, holding nothing: collected (if ours to wait for), not reported as a leftover.
                 processes.reap_if_child(f.pid)
         excluded = (PREEXISTING,) if include_session else (PREEXISTING, SESSION)
-        found = decide.of_the_sweep(census, excluded)
+        found = decisions.of_the_sweep(census, excluded)
         # (what may descend from a process that is still protected is not provably the session's: never swept)
         found = [f for f in found if not self.is_protected(f)]
         if not found or not self.reap_enabled:
             return []
-        return self._reap_unread(found, devices, again=lambda: decide.of_the_sweep(
+        return self._reap_unread(found, devices, again=lambda: decisions.of_the_sweep(
             self.census(scan_cookies=True), excluded))
 
     def _reap_unread(self, found: list[Found], devices: Sequence[DeviceInfo], notes: list[str] | None = None,
@@ -577,7 +578,7 @@ class Checker:
             snaps, devices = (), ()
             reaped = self.reap(found, snaps, devices, notes)
         done = {f.key for f in found}
-        for round_no in range(2, decide.MAX_REAP_ROUNDS + 1):
+        for round_no in range(2, decisions.MAX_REAP_ROUNDS + 1):
             new = [f for f in again() if f.key not in done] if again is not None else []
             if not new:
                 break
@@ -621,7 +622,7 @@ class Checker:
     def survivors(self) -> list[ProcessInfo]:
         """Processes of this session still alive (what the final sweep would reap)."""
         infos = (processes.describe(f.pid, f.start_ticks)
-                 for f in decide.of_the_sweep(self.census(scan_cookies=True), (PREEXISTING, SESSION))
+                 for f in decisions.of_the_sweep(self.census(scan_cookies=True), (PREEXISTING, SESSION))
                  if not self.is_protected(f))
         return [info for info in infos if info is not None]
 

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from pytest_gpuclean._check.verdict import OutsideState
+from pytest_gpuclean._check.decisions import OutsideState
 
 __all__ = [
     "STATE_VAR",

@@ -7,7 +7,8 @@ Each pass reads top to bottom:
    not explain widens it to a cookie scan), who each process is, the allowlist, under host scope the stray
    Python processes, what earlier checks waited out from outside.
 2. **Decide** (``core/deciding``, which reads nothing): what the pass does with leftovers of the session not
-   yet signalled (``decide.next_move``: let them settle, reap them; ``decide.self_replacing``: an owner whose
+   yet signalled (``decisions.next_move``: let them settle, reap them; ``decisions.self_replacing``: an owner
+   whose
    processes keep being born while the check waits is a chain, frozen and killed) or, with none, the verdict
    (``verdict.Judge``): the offenders, and whether looking again can help.
 3. **Act**: collect what exited, wait the settle time or reap (``Checker.reap_round``: the ladder, through
@@ -26,9 +27,8 @@ import time
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from pytest_gpuclean._check import decide
-from pytest_gpuclean._check.decide import MAX_REAP_ROUNDS
-from pytest_gpuclean._check.verdict import Judge, Key, Snapshot, Verdict, mib_of, offenders
+from pytest_gpuclean._check import decisions
+from pytest_gpuclean._check.decisions import MAX_REAP_ROUNDS, Judge, Key, Snapshot, Verdict, mib_of, offenders
 from pytest_gpuclean._model.outcomes import CheckResult
 from pytest_gpuclean._model.records import (
     MIB,
@@ -145,7 +145,7 @@ class Check:
         self.births: dict[str | None, set[Key]] = {}
         """Per owner, its processes born since the check began, as the passes saw them (alive or exited)."""
         self.chains: dict[str | None, set[int]] = {}
-        """Per owner found replacing itself (``decide.self_replacing``): the pids of its chain seen."""
+        """Per owner found replacing itself (``decisions.self_replacing``): the pids of its chain seen."""
         self.collected_of: dict[str | None, set[int]] = {}
         """Per owner, the pids collected as exited (a chain's are none of those: ``result``)."""
 
@@ -157,13 +157,13 @@ class Check:
             born = self.note_births(seen)
             # Decide: a chain that replaces itself first; then what of ours is alive and not signalled yet;
             # with none of it, the verdict.
-            chains = decide.self_replacing(self.births, {
+            chains = decisions.self_replacing(self.births, {
                 f.token for f in seen.ours if f.live and f.start_ticks < self.began_ticks}) if born else set()
             fresh = [f for f in seen.ours if f.live and f.key not in self.attempted] if seen.ours else []
             if chains and self.reap_enabled and self.rounds < MAX_REAP_ROUNDS:
-                move: decide.Move | None = None
+                move: decisions.Move | None = None
             else:
-                move = decide.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled,
+                move = decisions.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled,
                                         self.c.settle)
             verdict = self.judge.verdict(seen, self.attempted, now - self.started, now,
                                          self._known_alone(seen)) if move == "judge" else None
@@ -205,7 +205,7 @@ class Check:
         if not self.known:
             return frozenset()
         alive = frozenset(f.key for f in seen.ours if f.live and f.key in self.known)
-        if alive and decide.unexplained_beside(seen.readings, seen.excused | {pid for pid, _ in alive},
+        if alive and decisions.unexplained_beside(seen.readings, seen.excused | {pid for pid, _ in alive},
                                                self.look.tolerance):
             return frozenset()
         return alive
@@ -249,7 +249,8 @@ class Check:
 
     def stop_chains(self, owners: set[str | None], seen: Snapshot) -> None:
         """Freeze and SIGKILL the processes of ``owners``, which replace themselves while the check waits
-        (``decide.self_replacing``): what is alive of them now, and each that appears while the freeze looks
+        (``decisions.self_replacing``): what is alive of them now, and each that appears while the freeze
+        looks
         again, until none does. Their processes that exited meanwhile were the chain, not processes that
         exited by themselves."""
         self.rounds += 1
@@ -344,7 +345,8 @@ class Check:
         self.collect_zombies(seen)
         ours = [f for f in seen.ours if f.live]
         fresh = [f for f in ours if f.key not in self.attempted]
-        if decide.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled, c.settle) == "settle":
+        move = decisions.next_move(bool(fresh), self.reap_enabled, self.rounds, self.settled, c.settle)
+        if move == "settle":
             self.settle(fresh, seen)
             fresh = [f for f in fresh if f.key not in self.collected_ids]
             ours = [f for f in ours if f.key not in self.collected_ids]

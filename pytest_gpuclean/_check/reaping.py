@@ -1,16 +1,21 @@
 """The reap ladder: end processes (SIGTERM, the grace, SIGKILL; or SIGKILL at once) and wait until the
-driver lets their GPU memory go, timing the release.
+driver lets their GPU memory go, timing the release; and the process pools in the pytest process that own a
+leak's workers, shut down (a live ``multiprocessing.Pool`` replaces every worker killed from outside).
 
 It signals only what it is handed: which processes those may be is decided before, by the one gate
-(``deciding/gate.py``: ``Checker.gate`` over the census, ``reap_plan.plan`` for ``gpuclean reap``), and
-``processes.terminate`` signals each through the pidfd pinned when it was found. The plugin's reaper and
+(``gate.py``: ``Checker.gate`` over the census, ``reap_plan.plan`` for ``gpuclean reap``), and
+``processes.terminate`` signals each through the pidfd pinned when it was found. The plugin's checks and
 ``gpuclean reap`` both end processes through here.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from pytest_gpuclean._model.records import DeviceInfo, DeviceSnapshot, FoundBy, Owner, ProcessInfo, Reaped
 from pytest_gpuclean._reading import processes
@@ -20,6 +25,7 @@ __all__ = [
     "Read",
     "kill_and_confirm",
     "reaped_record",
+    "shutdown_pools",
     "vanished",
 ]
 
@@ -96,3 +102,79 @@ def reaped_record(info: ProcessInfo | None, pid: int, owner: Owner | None, found
     """What the kill ladder did to one process, as reported."""
     outcome, release = ended
     return Reaped.after_kill(info or vanished(pid), owner, found_by, held, outcome, release)
+
+
+def _worker_pids(obj: Any, pool_type: type | None, executor_type: type | None) -> set[int]:
+    if pool_type is not None and isinstance(obj, pool_type):
+        return {p.pid for p in list(getattr(obj, "_pool", None) or []) if p.pid}
+    if executor_type is not None and isinstance(obj, executor_type):
+        return set((getattr(obj, "_processes", None) or {}).keys())
+    return set()
+
+
+def _registered_pools(pool_type: type | None, executor_type: type | None) -> list[Any] | None:
+    """Live pools and executors, found through the standard library's own registries.
+
+    A ``Pool`` registers a ``multiprocessing.util.Finalize`` holding a weak reference to itself; a
+    ``ProcessPoolExecutor`` with workers runs a manager thread holding one. Walking the heap instead
+    takes time proportional to it, and in a process that imported torch, transformers and vllm all of
+    that lies between the teardown's start and the first signal (docs/benchmarks.md). None where these
+    internals are missing (another Python version): the caller walks the heap then.
+    """
+    found: list[Any] = []
+    if pool_type is not None:
+        registry = getattr(sys.modules.get("multiprocessing.util"), "_finalizer_registry", None)
+        if not isinstance(registry, dict):
+            return None
+        for finalizer in list(registry.values()):
+            ref = getattr(finalizer, "_weakref", None)
+            obj = ref() if callable(ref) else None
+            if isinstance(obj, pool_type):
+                found.append(obj)
+    if executor_type is not None:
+        manager_type = getattr(sys.modules.get("concurrent.futures.process"), "_ExecutorManagerThread", None)
+        if not isinstance(manager_type, type):
+            return None
+        for thread in threading.enumerate():
+            if isinstance(thread, manager_type):
+                ref = getattr(thread, "executor_reference", None)
+                obj = ref() if callable(ref) else None
+                if isinstance(obj, executor_type):
+                    found.append(obj)
+    return found
+
+
+def shutdown_pools(leaked_pids: set[int], wait: float) -> list[str]:
+    """Terminate pools in this process owning any of ``leaked_pids``; return a note per pool.
+
+    Finds them through the standard library's registries (``_registered_pools``), else by walking the
+    garbage collector's objects. Termination runs in a thread bounded by ``wait``: ``Pool.terminate``
+    joins its workers and would hang on one that ignores SIGTERM until the kill ladder escalates to
+    SIGKILL.
+    """
+    mp_pool = sys.modules.get("multiprocessing.pool")
+    cf_process = sys.modules.get("concurrent.futures.process")
+    pool_type = getattr(mp_pool, "Pool", None)
+    executor_type = getattr(cf_process, "ProcessPoolExecutor", None)
+    if pool_type is None and executor_type is None:
+        return []
+    notes: list[str] = []
+    registered = _registered_pools(pool_type, executor_type)
+    for obj in registered if registered is not None else gc.get_objects():
+        try:
+            owned = _worker_pids(obj, pool_type, executor_type) & leaked_pids
+        except Exception:  # a half-constructed or foreign object: not ours to judge
+            continue
+        if not owned:
+            continue
+        kind = type(obj).__name__
+        if pool_type is not None and isinstance(obj, pool_type):
+            stopper = threading.Thread(target=obj.terminate, name="gpuclean-pool-terminate", daemon=True)
+        else:
+            stopper = threading.Thread(target=obj.shutdown, kwargs={"wait": False, "cancel_futures": True},
+                                       name="gpuclean-executor-shutdown", daemon=True)
+        stopper.start()
+        stopper.join(wait)
+        notes.append(f"{kind} with workers {sorted(owned)} was still referenced in the pytest process: "
+                     f"shut it down{'' if not stopper.is_alive() else ' (still stopping)'}")
+    return notes

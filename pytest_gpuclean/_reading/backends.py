@@ -1,7 +1,7 @@
 """The device backends as the rest of the package holds them: the ``Backend`` protocol, and ``HealthSource``,
 what the health watch needs of one (``nvml.NvmlBackend`` and ``simulated.SimulatedBackend`` meet both);
-and the choice of the devices to check among a backend's (``choose_devices``). ``opening.py`` opens one;
-``devices.py`` has their errors.
+the choice of the devices to check among a backend's (``choose_devices``), and the opening of the backend
+the settings name (``open_backend``); ``devices.py`` has their errors.
 """
 
 from __future__ import annotations
@@ -10,10 +10,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pytest_gpuclean._model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, Selection
 from pytest_gpuclean._reading.devices import DeviceSelectionError
+from pytest_gpuclean._settings import parse_device_list
+
+if TYPE_CHECKING:
+    from pytest_gpuclean._reading.nvml import NvmlOpening
 
 __all__ = [
     "Backend",
@@ -21,6 +25,7 @@ __all__ = [
     "choose_devices",
     "cuda_order_matches_nvml",
     "cuda_ordinal_uuids",
+    "open_backend",
     "select_devices",
 ]
 
@@ -112,10 +117,6 @@ def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, opti
         return Selection(available, "all devices", len(available))
     # Processes pinned to some GPUs through CUDA_VISIBLE_DEVICES check and reap only those; its tokens
     # are CUDA ordinals, which may not be NVML's order.
-    from pytest_gpuclean._device_list import (
-        parse_device_list,  # (here, to keep the lazy start: see select_devices)
-    )
-
     ordinal_uuids = None
     if (any(t.isdigit() for t in parse_device_list(visible))
             and not cuda_order_matches_nvml(available) and backend.kind == "nvml"):
@@ -141,9 +142,6 @@ def select_devices(
     ``cuda_ordinals``, indices are CUDA ordinals (as in CUDA_VISIBLE_DEVICES) and ``ordinal_uuids`` gives
     the UUID of each ordinal when CUDA's order differs from NVML's; otherwise they are NVML indices.
     """
-    # Here, not at the top, to keep the lazy start: a session that checks all devices (no list, no
-    # CUDA_VISIBLE_DEVICES) never loads the list's syntax.
-    from pytest_gpuclean._device_list import parse_device_list
     by_uuid = {d.uuid.lower(): d for d in available}
     chosen: list[DeviceInfo] = []
     named_by: list[str] = []
@@ -222,3 +220,14 @@ def cuda_ordinal_uuids() -> list[str] | None:
         return None
     return out.split()
 
+
+def open_backend(simulate_dir: str | None, opening: NvmlOpening | None = None) -> Backend:
+    """The simulated backend when a directory is given, else NVML (``opening``: NVML's start, begun
+    earlier). Raises ``BackendUnavailable``."""
+    # Each backend is imported here, when it is opened, to keep the lazy start: a session reads one kind of
+    # device, and a CPU CI session never loads the NVML module (nor a GPU session the simulated one).
+    if simulate_dir:
+        from pytest_gpuclean._reading.simulated import SimulatedBackend
+        return SimulatedBackend(simulate_dir)
+    from pytest_gpuclean._reading.nvml import NvmlBackend
+    return NvmlBackend(opening)

@@ -408,7 +408,7 @@ class _Allocations:
         if owner == 0:
             return True
         # (imported here: a session that only names its devices opens this backend, and reads no holder)
-        from pytest_gpuclean._reading.users import uids_of, user_name
+        from pytest_gpuclean._reading.credentials import uids_of, user_name
         uids = uids_of(pid)
         if uids is not None and owner in uids:
             return True

@@ -14,7 +14,7 @@ import pytest
 
 from pytest_gpuclean import _settings as settings
 from pytest_gpuclean._reading import backends, devices
-from pytest_gpuclean._reading.opening import open_backend
+from pytest_gpuclean._reading.backends import open_backend
 
 if TYPE_CHECKING:
     from pytest_gpuclean._model.records import Selection

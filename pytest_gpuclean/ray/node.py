@@ -19,7 +19,7 @@ from pytest_gpuclean import _settings as settings
 from pytest_gpuclean._check import gate
 from pytest_gpuclean._model.records import DeviceInfo, DeviceSnapshot
 from pytest_gpuclean._reading import backends, credentials, devices, processes, procfs
-from pytest_gpuclean._reading.opening import open_backend
+from pytest_gpuclean._reading.backends import open_backend
 from pytest_gpuclean.ray.messages import NamedActor, NodeEnd, NodeProcess, NodeReport, Outcome
 
 __all__ = [
