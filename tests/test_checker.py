@@ -277,10 +277,9 @@ class FakeClock:
 def test_a_check_with_a_longer_timeout_waits_the_difference(backend: FakeBackend,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from pytest_gpuclean._check import checker as checker_module
-    from pytest_gpuclean._check import passes as check_module
+
     clock = FakeClock()
-    monkeypatch.setattr(checker_module, "time", clock)  # (when a check starts)
-    monkeypatch.setattr(check_module, "time", clock)  # (its passes)
+    monkeypatch.setattr(checker_module, "time", clock)  # (when a check starts, and its passes)
     backend.set(GPU0, 512)
     checker = Checker(backend, reap=False, dead_sessions=False)
     assert outside_check(checker, timeout=1).waited_s >= 1  # new: waited out in full
@@ -305,7 +304,7 @@ def test_a_foreign_process_of_our_xdist_run_is_not_outside(backend: FakeBackend,
         backend.set(GPU0, 512, (sibling.pid, 512))
         checker = Checker(backend, reap=False, dead_sessions=False, xdist_run="run1",
                           peer_cookie="gc.1.2.3.aa:session")
-        monkeypatch.setattr(checker.procs, "take", lambda *args: [])  # (not under this process, as in a run)
+        monkeypatch.setattr(checker.census, "take", lambda *args: [])  # (not under this process, as in a run)
         for where in ("t.py::test_1", "t.py::test_2"):
             result = outside_check(checker, where=where)
             assert [o.reason for o in result.offenders] == ["foreign"] and result.outside is None
@@ -323,7 +322,7 @@ def test_an_outside_holder_that_has_exited_is_a_changed_state(backend: FakeBacke
     try:
         backend.set(GPU0, 512, (holder.pid, 512))
         checker = Checker(backend, reap=False, dead_sessions=False)
-        monkeypatch.setattr(checker.procs, "take", lambda *args: [])  # (not ours, as if started elsewhere)
+        monkeypatch.setattr(checker.census, "take", lambda *args: [])  # (not ours, as if started elsewhere)
         outside_check(checker)
         known = outside_check(checker, where="t.py::test_2").outside
         assert known is not None and known.same_as == "t.py::test_1"
@@ -353,13 +352,13 @@ def own_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Checke
     init(str(sim), 2, 80 * 1024)
     own = allocate(str(sim), 0, 600)
     runs: list[int] = []
-    real_run = checker_module.Check.run
+    real_run = checker_module._Passes.run
 
-    def counted(self: checker_module.Check) -> CheckResult:
+    def counted(self: checker_module._Passes) -> CheckResult:
         runs.append(1)
         return real_run(self)
 
-    monkeypatch.setattr(checker_module.Check, "run", counted)
+    monkeypatch.setattr(checker_module._Passes, "run", counted)
     return Checker(SimulatedBackend(sim), dead_sessions=False), runs, own
 
 

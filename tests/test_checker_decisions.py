@@ -30,7 +30,7 @@ from pytest_gpuclean._model.records import (
     Owner,
     ProcessInfo,
 )
-from pytest_gpuclean._ownership.census import Found, is_peer, sibling_claim
+from pytest_gpuclean._ownership.census import CensusEntry, is_peer, sibling_claim
 from pytest_gpuclean._ownership.evidence import (
     PREEXISTING,
     SESSION,
@@ -110,11 +110,11 @@ def test_ownership_asks_born_in_with_its_windows() -> None:
 DEAD = SessionRef("gc.9.8.3.dd", 9, 8, 3)
 
 
-def found(pid: int, token: str | None, *, state: str = "S", debris: SessionRef | None = None) -> Found:
-    return Found(pid, pid * 10, 1, "descendant", token, state, debris_of=debris)  # type: ignore[arg-type]
+def found(pid: int, token: str | None, *, state: str = "S", debris: SessionRef | None = None) -> CensusEntry:
+    return CensusEntry(pid, pid * 10, 1, "descendant", token, state, debris_of=debris)  # type: ignore[arg-type]
 
 
-def protected_by(ownership: Ownership) -> Callable[[Found], bool]:
+def protected_by(ownership: Ownership) -> Callable[[CensusEntry], bool]:
     """As ``Census.is_protected``: debris of a dead session never is; otherwise as the token says."""
     return lambda f: f.debris_of is None and ownership.is_protected(f.token)
 
@@ -137,7 +137,7 @@ def ownership() -> Ownership:
     pytest.param(found(206, None, state="Z"), False, False, False, id="unknown birth, exited: nothing"),
     pytest.param(found(207, None, debris=DEAD), True, False, False, id="a dead session's debris: judged"),
 ])
-def test_sort_census(ownership: Ownership, process: Found, judged: bool, excused: bool,
+def test_sort_census(ownership: Ownership, process: CensusEntry, judged: bool, excused: bool,
                      unknown: bool) -> None:
     listed = {process.pid, 999}
     sort = decisions.sort_census([process], protected_by(ownership), {ME, PARENT}, {77}, listed)
@@ -156,7 +156,7 @@ def test_sort_census(ownership: Ownership, process: Found, judged: bool, excused
     pytest.param(found(305, None), False, False, id="unknown birth: never (reported, not signalled)"),
     pytest.param(found(306, "t1", state="Z"), False, False, id="exited: holds nothing"),
 ])
-def test_of_the_sweep(process: Found, at_session_end: bool, at_the_very_end: bool) -> None:
+def test_of_the_sweep(process: CensusEntry, at_session_end: bool, at_the_very_end: bool) -> None:
     # The session-end sweep and, with reaping off, the closing note of what it would have ended: one rule.
     assert (process in decisions.of_the_sweep([process], (PREEXISTING, SESSION))) == at_session_end
     assert (process in decisions.of_the_sweep([process], (PREEXISTING,))) == at_the_very_end
@@ -368,7 +368,7 @@ def test_outside_of_a_clean_check_or_a_dirty_one_of_ours() -> None:
                       {400: 0}) == ({}, {}, [GPU1.uuid])
 
 
-def found_pid(pid: int) -> Found:
+def found_pid(pid: int) -> CensusEntry:
     return found(pid, "t1")
 
 

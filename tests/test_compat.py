@@ -447,7 +447,7 @@ def test_torch_211_compile_pools_are_found_in_torchs_own_set(monkeypatch: pytest
         module = types.ModuleType("torch._inductor.async_compile")
         module._pool_set = {SubprocPool(sidecar)}  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", module)
-        helpers = Checker(None).procs.helper_pids()
+        helpers = Checker(None).census.helper_pids()
         assert "a torch.compile worker pool" in helpers[sidecar.pid]
     finally:
         sidecar.kill()
@@ -596,9 +596,9 @@ def test_persistence_needs_the_very_process_a_record_names() -> None:
     proc = subprocess.Popen(["sleep", "60"])
     try:
         now = time.time()
-        census = Checker(None, persistent_registry=lambda: {proc.pid: ("xprocess 'old'", now - 600)}).procs
+        census = Checker(None, persistent_registry=lambda: {proc.pid: ("xprocess 'old'", now - 600)}).census
         assert census.persistent_of([proc.pid]) == {}
-        census = Checker(None, persistent_registry=lambda: {proc.pid: ("xprocess 'new'", now + 1)}).procs
+        census = Checker(None, persistent_registry=lambda: {proc.pid: ("xprocess 'new'", now + 1)}).census
         assert census.persistent_of([proc.pid]) == {proc.pid: "xprocess 'new'"}
     finally:
         proc.kill()

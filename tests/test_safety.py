@@ -195,7 +195,7 @@ def test_a_freeze_interrupted_by_an_error_continues_what_it_stopped(monkeypatch:
     child = exec_done(subprocess.Popen(["sleep", "600"],
                                        env={**os.environ, "GPUCLEAN_TEST": checker.ownership.cookie(token)}))
     try:
-        found = [f for f in checker.census() if f.pid == child.pid]
+        found = [f for f in checker.take_census() if f.pid == child.pid]
         assert [f.token for f in found] == [token]
 
         def broken(*args: object, **kwargs: object) -> None:

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
-from typing import Generic, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from pytest_gpuclean._model.records import (
     MIB,
     UNKNOWN_OWNER,
-    CensusEntry,
     DeviceInfo,
     DeviceSnapshot,
     Offender,
@@ -31,12 +29,14 @@ from pytest_gpuclean._model.records import (
     SiblingUse,
 )
 
+if TYPE_CHECKING:
+    from pytest_gpuclean._ownership.census import CensusEntry
+
 __all__ = [
     "CHAIN_BIRTHS",
     "CONTEXT_OVERHEAD_BYTES",
     "MAX_REAP_ROUNDS",
     "SLACK_BYTES",
-    "C",
     "Holders",
     "Judge",
     "Key",
@@ -75,22 +75,19 @@ CHAIN_BIRTHS = 3
 owner older than the check is left alive: each process forks the next and exits at once, so none waits for a
 signal (``self_replacing``). A daemon's double fork is two."""
 
-C = TypeVar("C", bound=CensusEntry)
-
-
-@dataclass(frozen=True, slots=True)
-class SortedCensus(Generic[C]):
+class SortedCensus(NamedTuple):
     """A census sorted against the pids the driver lists (``sort_census`` says what each part is). The sets
     are the caller's to go on with: it excuses more of what is unexplained (persistent processes, peers)."""
 
-    ours: list[C]
-    unknown: list[C]
+    ours: list[CensusEntry]
+    unknown: list[CensusEntry]
     excused: set[int]
     unexplained: set[int]
 
 
-def sort_census(found: Sequence[C], protected: Callable[[C], bool], never_touch: Collection[int],
-                helpers: Collection[int], listed: set[int]) -> SortedCensus[C]:
+def sort_census(found: Sequence[CensusEntry], protected: Callable[[CensusEntry], bool],
+                never_touch: Collection[int],
+                helpers: Collection[int], listed: set[int]) -> SortedCensus:
     """Sort ``found`` (a census) against ``listed`` (the pids the driver lists on the checked GPUs):
     ``ours``, ``unknown``, ``excused``, ``unexplained``.
 
@@ -103,8 +100,8 @@ def sort_census(found: Sequence[C], protected: Callable[[C], bool], never_touch:
     - unexplained: the listed pids that none of the above explains: another session's, another user's, a
       sibling xdist worker's (the caller excuses those it can prove), or a stranger's.
     """
-    ours: list[C] = []
-    unknown: list[C] = []
+    ours: list[CensusEntry] = []
+    unknown: list[CensusEntry] = []
     excused = {*never_touch, *helpers}
     for f in found:
         if not protected(f):
@@ -223,7 +220,7 @@ def self_replacing(births: Mapping[str | None, Collection[tuple[int, int]]],
             if owner is not None and len(born) >= CHAIN_BIRTHS and owner not in older_alive}
 
 
-def of_the_sweep(found: Iterable[C], excluded: Collection[str]) -> list[C]:
+def of_the_sweep(found: Iterable[CensusEntry], excluded: Collection[str]) -> list[CensusEntry]:
     """What a session-end sweep ends of a census: each live process of known birth (a token: a test's, a
     fixture's, the session set-up's) whose token is not ``excluded`` (what is older than the session, and,
     until the very end, the session set-up's). One of unknown birth is reported, never signalled; an exited

@@ -20,7 +20,6 @@ from typing import Literal, NamedTuple, Protocol, cast, get_args
 __all__ = [
     "MIB",
     "UNKNOWN_OWNER",
-    "CensusEntry",
     "Credentials",
     "DeviceHealth",
     "DeviceInfo",
@@ -186,36 +185,6 @@ class KillResult(Protocol):
     @property
     def state(self) -> str:
         """Non-empty when the process survived: its state then."""
-        ...
-
-
-class CensusEntry(Protocol):
-    """A process as the census found it (``census.Found``), as read where the census may not be imported:
-    the check's decisions (``decide.py``, ``verdict.py``), a check's passes (``check.py``) and a started
-    session's extensions (``started.py``)."""
-
-    @property
-    def pid(self) -> int: ...
-    @property
-    def start_ticks(self) -> int: ...
-    @property
-    def key(self) -> tuple[int, int]:
-        """``(pid, start_ticks)``: its identity."""
-        ...
-    @property
-    def found_by(self) -> FoundBy: ...
-    @property
-    def token(self) -> str | None:
-        """Whose it is (a test's, a fixture's, the session set-up's token); None: of unknown birth."""
-        ...
-    @property
-    def debris_of(self) -> object:
-        """The dead session that left it behind; None for any other."""
-        ...
-    @property
-    def live(self) -> bool: ...
-    def exited(self) -> bool:
-        """Whether it has exited since it was found (its pidfd says so)."""
         ...
 
 

@@ -8,12 +8,13 @@ be signalled) is decided in ``decide.py`` and ``verdict.py``; no signal is sent 
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
-from pytest_gpuclean._model.records import CensusEntry, FoundBy, Owner, OwnerKind
+from pytest_gpuclean._model.records import FoundBy, Owner, OwnerKind
 from pytest_gpuclean._ownership.evidence import (
     COOKIE_VAR,
     OWNER_VAR,
@@ -25,8 +26,8 @@ from pytest_gpuclean._ownership.evidence import (
     innermost_session,
     owner_named,
 )
+from pytest_gpuclean._ownership.handles import holders
 from pytest_gpuclean._ownership.library_helpers import library_helpers, torch_shm_manager
-from pytest_gpuclean._ownership.managed import Managed
 from pytest_gpuclean._reading import processes, procfs
 from pytest_gpuclean.report.text import one_line
 
@@ -34,7 +35,10 @@ __all__ = [
     "XDIST_RUN_VAR",
     "XDIST_WORKER_VAR",
     "Census",
-    "Found",
+    "CensusEntry",
+    "FixtureValues",
+    "Managed",
+    "Ownership",
     "Registry",
     "Sibling",
     "is_peer",
@@ -88,7 +92,7 @@ def _trees(walked: Sequence[tuple[int, int, int]], roots: Mapping[int, str]) -> 
     return root_of
 
 
-class Found:
+class CensusEntry:
     """A process that is ours (a descendant, or carrying a cookie of ours or of a dead session). (A plain
     class: see ``ownership.Window``.)"""
 
@@ -184,7 +188,7 @@ class Census:
         """Who in the pytest process manages a process it started (``managed.py``): asked once per direct
         child that would be judged."""
         self._tree = procfs.DescendantWalk()
-        self.last: list[Found] = []
+        self.last: list[CensusEntry] = []
         """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
         started)."""
         # What already runs under us belongs to the session set-up (a conftest imported before this
@@ -389,15 +393,15 @@ class Census:
         return self._tokens[key]
 
     def take(self, scan_cookies: bool = False, dead_sessions: bool = False,
-             listed: AbstractSet[int] = frozenset()) -> list[Found]:
+             listed: AbstractSet[int] = frozenset()) -> list[CensusEntry]:
         """Our processes: the descendant tree (cheap), plus cookie carriers outside it (a /proc scan). What
         serves the pytest process (``helpers``) and what is meant to outlive the session (``persistent``) is
         left out; ``listed``: the pids the driver lists on the checked GPUs (a helper holds none).
 
         With ``dead_sessions``, the scan also returns the debris of dead gpuclean sessions of this user.
         """
-        found: list[Found] = []
-        by_pid: dict[int, Found] = {}
+        found: list[CensusEntry] = []
+        by_pid: dict[int, CensusEntry] = {}
         me = self.me  # (one getpid per census: the pid cannot change during it, nothing here forks)
         my_sid: int | None = None  # (read when a direct child needs it: the clean path has none)
         seen_keys: set[tuple[int, int]] = set()
@@ -427,7 +431,7 @@ class Census:
                 if stat.sid != my_sid:
                     found_by = "adopted"
             state = "R" if procfs.live_state(pid, stat.state) else stat.state
-            entry = Found(pid, stat.start_ticks, depth, found_by, token, state, handle)
+            entry = CensusEntry(pid, stat.start_ticks, depth, found_by, token, state, handle)
             if entry.key in self._debris:
                 entry.found_by = "dead session"
                 entry.debris_of, entry.owner_name = self._debris[entry.key]
@@ -457,9 +461,9 @@ class Census:
         self.last = found
         return found
 
-    def _cookie_carriers(self, known: dict[int, Found], helpers: AbstractSet[int], dead_sessions: bool,
-                         seen_keys: set[tuple[int, int]]) -> list[Found]:
-        found: list[Found] = []
+    def _cookie_carriers(self, known: dict[int, CensusEntry], helpers: AbstractSet[int], dead_sessions: bool,
+                         seen_keys: set[tuple[int, int]]) -> list[CensusEntry]:
+        found: list[CensusEntry] = []
         prefix = "" if dead_sessions else self.ownership.session_id + ":"
         never_touch = self.never_touch
         carriers = [(pid, value) for pid, value in processes.cookie_holders(COOKIE_VAR, prefix, self.uid)
@@ -486,27 +490,27 @@ class Census:
             if stat.start_ticks < self.session_start_ticks and debris is None:
                 continue  # carries our cookie but predates us: a recycled value, not our child
             owner_name = procfs.read_environ_vars(pid, (OWNER_VAR,)).get(OWNER_VAR) if debris else None
-            entry = Found(pid, stat.start_ticks, 0, "dead session" if debris else "cookie", token,
+            entry = CensusEntry(pid, stat.start_ticks, 0, "dead session" if debris else "cookie", token,
                           "R" if procfs.live_state(pid, stat.state) else stat.state, handle, debris,
                           owner_name)
             seen_keys.add(entry.key)
             found.append(entry)
         return found
 
-    def pinned(self, entries: Iterable[CensusEntry]) -> list[Found]:
-        """The last census's own ``Found`` (pinned by its pidfd) for each of ``entries``, by identity: what a
-        check decided on, as ``CensusEntry`` (``check.py``), to act on."""
+    def pinned(self, entries: Iterable[CensusEntry]) -> list[CensusEntry]:
+        """The last census's own entry, pinned by its pidfd, for each of ``entries`` (by identity): what a
+        check decided on, to act on."""
         by_key = {f.key: f for f in self.last}
         return [by_key[e.key] for e in entries if e.key in by_key]
 
-    def owner_of(self, f: Found) -> Owner:
+    def owner_of(self, f: CensusEntry) -> Owner:
         if f.debris_of is not None:
             if f.owner_name:
                 return owner_named(f.owner_name)
             return Owner("session", f.debris_of.describe())
         return self.ownership.owner(f.token)
 
-    def is_protected(self, f: Found) -> bool:
+    def is_protected(self, f: CensusEntry) -> bool:
         """Not to be reaped now: an active fixture's, the session set-up's, or of unknown birth."""
         return f.debris_of is None and self.ownership.is_protected(f.token)
 
@@ -614,3 +618,138 @@ def sibling_claim(cookie: str, run: str | None, peer_cookie: str, xdist_run: str
     if ref is None or ref.session_id == own_session_id or not token:
         return None
     return ref, "session" if token == SESSION else _OWNER_KINDS.get(token[0], "unknown")
+
+
+_Key = tuple[int, int]
+FixtureValues = Callable[[], Iterable[tuple[str, object]]]
+"""The values of the fixtures wider than a test that are set up now, each with its token (the session
+layer's ``ItemChecks.live_fixture_values``)."""
+_PROTECTING_KINDS = ("fixture", "session")
+
+
+class Managed:
+    """What the census learnt of its direct children from the pytest process's objects (no record: the
+    census's mutable state, kept for the session)."""
+
+    def __init__(self, ownership: Ownership, notices: list[str], command_line: Callable[[int], str]) -> None:
+        self.ownership = ownership
+        self.notices = notices
+        self.command_line = command_line
+        """A process's command line (``processes.command_line``), for the notes."""
+        """The census's notes (one line per decision, once)."""
+        self.fixture_values: FixtureValues | None = None
+        """Where the live fixtures' values are read (set by the session layer)."""
+        self.suite_files: tuple[str, ...] = ()
+        """File name patterns of the suite's own modules (pytest's ``python_files`` and ``conftest.py``; set
+        by the session layer): their globals keep nothing for the pytest process."""
+        self.asked: set[_Key] = set()
+        """Direct children asked about: once per process."""
+        self._first_asked: dict[str, int] = {}
+        """Per owner's token, when its processes were first asked about (boot ticks)."""
+        self.kept: dict[_Key, str] = {}
+        """Direct children whose handle a module global keeps: the pytest process's helpers, with why."""
+        self._born_bare: set[_Key] = set()
+        """Processes owned by nothing but their birth in a test's window (no cookie of ours)."""
+        self._bare: dict[_Key, bool] = {}
+        """Whether a process's environment carries no cookie of this session (read once, when it matters)."""
+
+    def born_bare(self, key: _Key, token: str | None) -> None:
+        """The census gave ``key``, which carries no cookie of ours, ``token`` by its birth alone."""
+        self._bare[key] = True
+        if token is not None and self.ownership.owner(token).kind == "test":
+            self._born_bare.add(key)
+
+    def born_since_asked(self, token: str, start_ticks: int) -> bool:
+        """Whether a process of ``token``'s started (``start_ticks``) a clock tick after that owner's
+        processes were first asked about."""
+        first = self._first_asked.get(token)
+        return first is not None and start_ticks > first
+
+    def ask(self, undecided: Sequence[CensusEntry], found: Sequence[CensusEntry]) -> dict[_Key, str] | None:
+        """Whose are ``undecided`` (direct children of the pytest process that would be judged now; ``found``:
+        the whole census), each asked once: the new token of each whose owner changed (a live fixture's,
+        an ambiguous one's); None if nothing changed. A helper is added to ``kept``."""
+        now = procfs.boot_ticks_now()
+        for f in undecided:
+            if f.token is not None:
+                self._first_asked.setdefault(f.token, now)
+        values = self.fixture_values() if self.fixture_values is not None else ()
+        held = holders([f.pid for f in undecided], values, self.suite_files)
+        owners: dict[_Key, str] = {}
+        changed = unmanaged = False
+        for f in undecided:
+            self.asked.add(f.key)
+            holder = held.get(f.pid)
+            if holder is not None and holder[0] == "module":
+                self.kept[f.key] = f"its handle, a {holder[2]}, is kept in {holder[1]}"
+                changed = True
+            elif holder is not None and holder[0] == "fixture":
+                owners[f.key] = holder[1]
+                self.notices.append(
+                    f"gpuclean: pid {f.pid} is {self.ownership.owner(holder[1])}'s, not "
+                    f"{self.ownership.owner(f.token)}'s: the fixture's value holds its handle "
+                    f"({holder[2]}); protected while the fixture is set up: {self._command(f.pid)}")
+            elif holder is None and f.key in self._born_bare:
+                token = self._ambiguous(f, found)
+                if token is not None:
+                    owners[f.key] = token
+                else:
+                    unmanaged = True
+            else:
+                unmanaged = True
+        if unmanaged:
+            # What nothing holds may be garbage in a reference cycle that the collector has not reached yet (a
+            # dropped multiprocessing Manager, an executor in a cycle): collected now, its library's finalizer
+            # ends the process as it would at the next collection, and the settle time sees it exit by itself.
+            gc.collect()
+        return owners if owners or changed else None
+
+    def _ambiguous(self, orphan: CensusEntry, found: Sequence[CensusEntry]) -> str | None:
+        """The token of ``orphan`` (no cookie of ours, no handle in the pytest process, born in a test's
+        window) if a protected process that could have started it was alive: one of our tree, of a fixture,
+        the session set-up or older than the session, whose children carry no cookie of ours, born no
+        later than the orphan and alive now. None where there is none: the orphan is the test's."""
+        ownership = self.ownership
+        protectors: list[CensusEntry] = []
+        for f in found:
+            if (f is orphan or not f.live or f.token is None or f.start_ticks > orphan.start_ticks
+                    or f.debris_of is not None):
+                continue
+            if f.token != PREEXISTING and ownership.owner(f.token).kind not in _PROTECTING_KINDS:
+                continue
+            if self._carries_no_cookie(f):
+                protectors.append(f)
+        if not protectors:
+            return None
+        tokens = list(dict.fromkeys(str(f.token) for f in protectors))
+        who = "; ".join(f"pid {f.pid} ({_owned_by(ownership, f.token)})" for f in protectors[:3])
+        were = "was" if len(protectors) == 1 else "were"
+        why = (f"no cookie of the session, born during {ownership.owner(orphan.token)} while {who}, whose "
+               f"children carry no cookie of the session, {were} alive: either may have started it")
+        token = ownership.ambiguous_token(str(orphan.token), tokens, why)
+        until = ("never signalled: it may descend from a process older than the session"
+                 if PREEXISTING in tokens else f"judged again when {ownership.owner(tokens[0])} ends")
+        self.notices.append(
+            f"gpuclean: pid {orphan.pid} left alone ({why}); {until}: {self._command(orphan.pid)}")
+        return token
+
+    def _carries_no_cookie(self, f: CensusEntry) -> bool:
+        """Whether ``f``'s environment carries no cookie of this session (read once per process): its
+        children then carry none either, unless it gives them one."""
+        bare = self._bare.get(f.key)
+        if bare is None:
+            if f.token == PREEXISTING:
+                bare = True
+            else:
+                value = procfs.read_environ_vars(f.pid, (COOKIE_VAR,)).get(COOKIE_VAR)
+                bare = value is None or not value.startswith(self.ownership.session_id + ":")
+            self._bare[f.key] = bare
+        return bare
+
+
+    def _command(self, pid: int) -> str:
+        return one_line(self.command_line(pid), 80)
+
+
+def _owned_by(ownership: Ownership, token: str | None) -> str:
+    return "older than the session" if token == PREEXISTING else str(ownership.owner(token))

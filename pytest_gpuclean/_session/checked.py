@@ -98,9 +98,9 @@ class CheckedSession:
             raise
         self.tests = ItemChecks(self)
         # A process whose handle a live fixture's value holds is that fixture's (the census asks, on a leak).
-        self.checker.procs.managed.fixture_values = self.tests.live_fixture_values
+        self.checker.census.managed.fixture_values = self.tests.live_fixture_values
         # (what a test module or a conftest keeps in a global is the suite's own doing, no library's helper)
-        self.checker.procs.managed.suite_files = (*config.getini("python_files"), "conftest.py")
+        self.checker.census.managed.suite_files = (*config.getini("python_files"), "conftest.py")
 
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings
@@ -328,7 +328,7 @@ class CheckedSession:
         # Orphans of the child that ended (killed by its check, a double fork's middle process) were
         # re-parented to this process: exited, they hold nothing; collect them now rather than report
         # them as leftovers at session end.
-        for found in self.checker.census():
+        for found in self.checker.take_census():
             if not found.live and not self.checker.ownership.is_protected(found.token):
                 processes.reap_if_child(found.pid)
 

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
     from pytest_gpuclean._locks.held import HeldLocks
     from pytest_gpuclean._model.outcomes import CheckResult, TestRecord
-    from pytest_gpuclean._model.records import CensusEntry, HealthFinding, LockHolder, Phase
+    from pytest_gpuclean._model.records import HealthFinding, LockHolder, Phase
+    from pytest_gpuclean._ownership.census import CensusEntry
     from pytest_gpuclean._ownership.evidence import Ownership
     from pytest_gpuclean._reading.devices import DeviceLost
     from pytest_gpuclean._settings import Settings
