@@ -8,7 +8,7 @@ In the session layer, beside what calls the hooks (``session.py``, ``testcheck.p
 below what implements them (``ray/``) and adds them (``plugin.py``): each imports it without an import up a
 layer (``tests/test_layers.py``).
 
-A hook's ``session`` is the started session (``started.Started``); ``state`` and ``record`` the test's
+A hook's ``session`` is the started session (``CheckedSession``); ``state`` and ``record`` the test's
 state and record. What an extension finds goes into the record as ordinary records (``CheckResult``,
 ``Offender``, ``Reaped``: a finding off this host names its ``node``; a cluster's checks are a record's
 ``cluster_before`` / ``cluster_after``), so the decisions, the counts and every output take it as they take
@@ -27,7 +27,8 @@ import pytest
 if TYPE_CHECKING:
     from pytest_gpuclean._model.outcomes import TestRecord
     from pytest_gpuclean._model.records import Phase, Reaped
-    from pytest_gpuclean._session.started import ItemState, Started
+    from pytest_gpuclean._session.checked import CheckedSession
+    from pytest_gpuclean._session.guard import TestState
 __all__ = [
     "pytest_gpuclean_check_after",
     "pytest_gpuclean_check_before",
@@ -46,26 +47,26 @@ __all__ = [
 
 
 @pytest.hookspec
-def pytest_gpuclean_session_start(session: Started) -> None:
+def pytest_gpuclean_session_start(session: CheckedSession) -> None:
     """The session's checking is set up (devices, locks, checker): set up what the extension checks.
     Raise ``pytest.UsageError`` for what cannot be (an option naming something unreachable)."""
 
 
 @pytest.hookspec
-def pytest_gpuclean_check_before(session: Started, state: ItemState, record: TestRecord) -> str | None:
+def pytest_gpuclean_check_before(session: CheckedSession, state: TestState, record: TestRecord) -> str | None:
     """A test's setup, before this host's check: the extension's check. A failure fails the setup (this
     host is then not checked)."""
 
 
 @pytest.hookspec
-def pytest_gpuclean_check_after(session: Started, state: ItemState, record: TestRecord) -> str | None:
+def pytest_gpuclean_check_after(session: CheckedSession, state: TestState, record: TestRecord) -> str | None:
     """A test's teardown, after its last fixture, before this host's check: the extension's check, so that
     what it knows how to end (a Ray actor, through Ray) is ended its way first. A failure fails the
     teardown, with this host's."""
 
 
 @pytest.hookspec
-def pytest_gpuclean_checked(session: Started, state: ItemState, record: TestRecord, phase: Phase
+def pytest_gpuclean_checked(session: CheckedSession, state: TestState, record: TestRecord, phase: Phase
                             ) -> str | None:
     """After this host's check of ``phase`` (at setup, only a clean one): its census of the session's
     processes is ``session.checker.last_census``, where the extension may find something to check from now
@@ -73,14 +74,14 @@ def pytest_gpuclean_checked(session: Started, state: ItemState, record: TestReco
 
 
 @pytest.hookspec
-def pytest_gpuclean_sweep(session: Started, include_session: bool, timeout: float) -> list[Reaped]:
+def pytest_gpuclean_sweep(session: CheckedSession, include_session: bool, timeout: float) -> list[Reaped]:
     """The session's final sweep (after the last test): what the extension ended of the session's tests'
     (and, with ``include_session``, its set-up's) leftovers."""
     raise NotImplementedError  # (a specification: the extensions implement it)
 
 
 @pytest.hookspec
-def pytest_gpuclean_session_finish(session: Started) -> None:
+def pytest_gpuclean_session_finish(session: CheckedSession) -> None:
     """The session's very end (after every ``pytest_unconfigure``): the extension's last sweep, then it
     stops."""
 

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from pytest_gpuclean._model.records import Reaped
     from pytest_gpuclean._reading.backends import Backend
     from pytest_gpuclean._session.checked import CheckedSession
+    from pytest_gpuclean._session.guard import TestGuard
     from pytest_gpuclean._session.signals import SigtermAsInterrupt
 __all__ = [
     # What pytest and users take from the plugin: its hooks (found by name), the fixture and the warning
@@ -172,7 +173,7 @@ def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> Ba
 
 class _GpuCleanPlugin:
     """The session's hooks. They delegate to the started session (``session.CheckedSession``, made at
-    ``start``), which keeps the records in ``config.stash`` (``records.SessionRecords``)."""
+    ``start``), which keeps the records in ``config.stash`` (``records.RecordStore``)."""
 
     def __init__(self, config: pytest.Config, resolved: settings.Settings) -> None:
         self.config = config
@@ -182,6 +183,8 @@ class _GpuCleanPlugin:
         self.session: CheckedSession | None = None
         """Set up at the end of the collection if a collected test is checked; in an xdist controller, at
         session start."""
+        self.tests: TestGuard | None = None
+        """Each test's check, from its setup to its teardown: set up with the session."""
         self.controller = False
         self._workers_since: tuple[str | None] | None = None
         """An xdist controller: what ``WORKERS_SINCE_VAR`` was before it set it."""
@@ -218,11 +221,13 @@ class _GpuCleanPlugin:
             from pytest_gpuclean._reading.nvml import NvmlOpening
             opening = NvmlOpening()
         from pytest_gpuclean._session.checked import CheckedSession  # psutil and the checking code
+        from pytest_gpuclean._session.guard import TestGuard
 
         backend, self._opened = self._opened, None
         self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening, backend)
+        self.tests = TestGuard(self.session)
         for line in self.notes:
-            self.session.found.note(line, once=True)
+            self.session.records.note(line, once=True)
         self._install_sigterm()
         self.register_outputs()
         manager = self.config.pluginmanager
@@ -378,11 +383,13 @@ class _GpuCleanPlugin:
             return
         self._swept = True
         worker_output = getattr(session.config, "workeroutput", None)
+        if self.tests is not None:
+            self.tests.release_parked()  # (kept for a test that never ran: -x, or an interrupt between tests)
         if self.session is not None:
             self.session.sweep(interrupted=self._interrupted)
         if worker_output is not None:
             from pytest_gpuclean._session.store import EMPTY_PAYLOAD
-            found = self.session.found.payload() if self.session is not None else dict(EMPTY_PAYLOAD)
+            found = self.session.records.payload() if self.session is not None else dict(EMPTY_PAYLOAD)
             worker_output[WORKER_OUTPUT_KEY] = found
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
@@ -393,7 +400,7 @@ class _GpuCleanPlugin:
         if self.session is None:
             self.summarise_notes(terminalreporter)
             return  # (nothing found: what a report shows of such a session comes from the outputs)
-        merged = self.session.found.merged()
+        merged = self.session.records.merged()
         if not merged.records and not merged.session_reaped and not merged.notes:
             return
         from pytest_gpuclean.report.terminal import SUMMARY_TITLE, summary_lines
@@ -419,15 +426,15 @@ class _GpuCleanPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
                              ) -> Generator[None, Any, Any]:
-        if fixturedef.scope == "function" or self.controller or self.session is None:
+        if fixturedef.scope == "function" or self.controller or self.tests is None:
             return (yield)
-        with self.session.tests.fixture_window(fixturedef):
+        with self.tests.fixture_window(fixturedef):
             return (yield)
 
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any],
                                       request: pytest.FixtureRequest) -> None:
-        if self.session is not None:
-            self.session.tests.fixture_finalized(fixturedef)
+        if self.tests is not None:
+            self.tests.fixture_finalized(fixturedef)
 
     # ---- around each test -------------------------------------------------------------------------
 
@@ -454,8 +461,8 @@ class _GpuCleanPlugin:
                 return (yield)
             # Checked after all, though the collection did not say so (a marker added since): start now.
             self.start()
-        assert self.session is not None
-        self.session.tests.setup(item, checked=checked, marker=marker)
+        assert self.tests is not None
+        self.tests.setup(item, checked=checked, marker=marker)
         return (yield)
 
     # tryfirst: the outermost wrapper, so the check after ``yield`` runs after every fixture (and every
@@ -463,9 +470,9 @@ class _GpuCleanPlugin:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None
                                 ) -> Generator[None, None, None]:
-        if self.session is None:
+        if self.tests is None:
             return (yield)
-        return (yield from self.session.tests.teardown(item, has_next=nextitem is not None))
+        return (yield from self.tests.teardown(item, has_next=nextitem is not None))
 
     def reap_crashed(self, nodeid: str | None) -> None:
         """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran (None: on the
@@ -539,7 +546,7 @@ class _ForkedHooks:
         if call.when == "teardown" and session is not None and os.getpid() != self.plugin.pid:
             # This child's memory dies with it: its records travel on the teardown report, which
             # pytest-forked serialises (plain dicts and lists) with the report's other attributes.
-            setattr(test_report, FORKED_REPORT_ATTR, session.found.ship())
+            setattr(test_report, FORKED_REPORT_ATTR, session.records.ship())
         return test_report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

@@ -203,7 +203,7 @@ def test_a_record_keeps_its_sequence_types() -> None:
 
 
 def test_a_reaped_process_round_trips_alone() -> None:
-    # How a forked child ships what a later check found (store.SessionRecords.receive): the one path
+    # How a forked child ships what a later check found (store.RecordStore.receive): the one path
     # that names Reaped at run time in serialize (CI's pytest-8 forked run caught it unloaded).
     assert from_dict(Reaped, json.loads(json.dumps(to_dict(REAPED)))) == REAPED
 
@@ -355,7 +355,7 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
     # record (from the worker that ran the test), which the same process also found later.
     found_later = Record("t.py::test_leaks", found_later=(REAPED,))
     victim = Record("t.py::test_victim", ("t.py", 3), BEFORE, SEEN_SIBLING)
-    book = store.SessionRecords()
+    book = store.RecordStore()
     book.add_worker({"records": [to_dict(victim), to_dict(UNCHECKED_USER)],
                       "session_reaped": [], "notes": []})
     book.add_worker({"records": [to_dict(found_later)], "session_reaped": [], "notes": []})
@@ -389,9 +389,9 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
     assert "gpu_without_lock" not in document["tests"][0]
     assert "gpu_without_lock" not in jsonreport.summary_json([victim], [])
     # A forked child ships it like what a later check found.
-    child = store.SessionRecords()
+    child = store.RecordStore()
     child.record_for("t.py::test_leaks").gpu_without_lock += (SIBLING,)
-    parent = store.SessionRecords()
+    parent = store.RecordStore()
     parent.receive(json.loads(json.dumps(child.ship())))
     assert parent.record_for("t.py::test_leaks").gpu_without_lock == (SIBLING,)
 

@@ -99,7 +99,7 @@ def test_a_process_reaped_anywhere_is_not_also_collected_as_exited_by_itself() -
     really = Reaped(other, owner, "cookie", "exited by itself", (), None)
     witness = Record("t.py::test_later", before=CheckResult("setup", True, (), (),
                                                                  collected=(seen_exit, really)))
-    found = session_records.SessionRecords()
+    found = session_records.RecordStore()
     found.add_worker({"records": [to_dict(witness)], "session_reaped": [], "notes": []})
     found.found_later(ended)  # (the controller: reap_crashed)
     merged = found.merged()

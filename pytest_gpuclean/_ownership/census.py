@@ -623,7 +623,7 @@ def sibling_claim(cookie: str, run: str | None, peer_cookie: str, xdist_run: str
 _Key = tuple[int, int]
 FixtureValues = Callable[[], Iterable[tuple[str, object]]]
 """The values of the fixtures wider than a test that are set up now, each with its token (the session
-layer's ``ItemChecks.live_fixture_values``)."""
+layer's ``TestGuard.live_fixture_values``)."""
 _PROTECTING_KINDS = ("fixture", "session")
 
 

@@ -34,7 +34,6 @@ from pytest_gpuclean._ownership.cookie import (
 from pytest_gpuclean._ownership.evidence import SESSION_OWNER
 from pytest_gpuclean._reading import backends, devices, processes
 from pytest_gpuclean._session import store
-from pytest_gpuclean._session.guard import ItemChecks
 from pytest_gpuclean._session.names import MARKER
 from pytest_gpuclean._session.opening import open_devices, select_devices
 from pytest_gpuclean._session.signals import again_words, quiet_interrupts
@@ -65,7 +64,7 @@ class CheckedSession:
         self.settings = resolved
         self.pid = pid
         """The session's own process (a forked child of it runs one test)."""
-        self.found = store.of(config)
+        self.records = store.of(config)
         self.unavailable: str | None = None
         self.no_gpu = settings.no_gpu_action(resolved, os.environ)
         """What a marked test gets while ``unavailable`` (fail or skip), and the words for why."""
@@ -96,11 +95,6 @@ class CheckedSession:
             if self.backend is not None:
                 self.backend.close()
             raise
-        self.tests = ItemChecks(self)
-        # A process whose handle a live fixture's value holds is that fixture's (the census asks, on a leak).
-        self.checker.census.managed.fixture_values = self.tests.live_fixture_values
-        # (what a test module or a conftest keeps in a global is the suite's own doing, no library's helper)
-        self.checker.census.managed.suite_files = (*config.getini("python_files"), "conftest.py")
 
     def _open(self, exported: ExportedCookie) -> None:
         resolved = self.settings
@@ -156,7 +150,7 @@ class CheckedSession:
 
         try:
             self.health = health.HealthWatch(source, self.devices, probe=resolved.probe, prober=prober,
-                                             note=self.found.note)
+                                             note=self.records.note)
             self.health_at_start = self.health.start()
         except devices.SimulationError as exc:
             raise pytest.UsageError(resolved.refused("simulate", exc)) from None
@@ -198,18 +192,17 @@ class CheckedSession:
         """The final sweep: what the session's tests left behind; a second interrupt only makes it
         quicker. ``interrupted``: the session was (Ctrl-C, SIGTERM), and whoever did it hears at once what
         the sweep waits for, and how to cut it short."""
-        self.tests.release_parked()  # (kept for a test that never ran: -x, or an interrupt between two tests)
         hurry = threading.Event()
         restore = quiet_interrupts(hurry)
         self.checker.hurry = hurry.is_set
         if interrupted:
             self.checker.before_grace = self._say_waiting
-        found = self.found
+        records = self.records
         try:
-            found.session_reaped = self.checker.final_sweep(self.devices)
+            records.session_reaped = self.checker.final_sweep(self.devices)
             for reaped in self.config.hook.pytest_gpuclean_sweep(session=self, include_session=False,
                                                                  timeout=self.settings.timeout):
-                found.session_reaped += reaped
+                records.session_reaped += reaped
         finally:
             self.checker.hurry = None
             self.checker.before_grace = None
@@ -217,18 +210,18 @@ class CheckedSession:
         if not self.checker.reap_enabled:
             left = self.checker.survivors()
             if left:
-                found.note(f"session end: {len(left)} process(es) spawned by this session still alive "
+                records.note(f"session end: {len(left)} process(es) spawned by this session still alive "
                            "(reaping is off): "
                            + ", ".join(f"pid {p.pid} {terminal.one_line(p.cmdline, 60)}" for p in left))
-        for reaped in found.session_reaped:
-            found.found_later(reaped)
+        for reaped in records.session_reaped:
+            records.found_later(reaped)
         self.take_notices()
 
     def take_notices(self) -> None:
         """The checker's lines about helpers and persistent processes, into the session's notes."""
         notices = self.checker.notices
         for line in notices:
-            self.found.note(line, once=True)
+            self.records.note(line, once=True)
         notices.clear()
 
     def close(self, *, controller: bool) -> list[Reaped]:
@@ -252,7 +245,7 @@ class CheckedSession:
                 self.helpers_ended = self.checker.end_declared_helpers(self.devices)
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
             sys.stderr.write(f"gpuclean: the last sweep failed: {exc!r}\n")
-        self.found.session_reaped.extend(late)
+        self.records.session_reaped.extend(late)
         self.left_alone = older
         return late
 
@@ -268,10 +261,10 @@ class CheckedSession:
         process names)."""
         reaped, notes = self.checker.reap_dead_sessions(self.devices)
         for r in reaped:
-            self.found.found_later(r, otherwise=nodeid)
+            self.records.found_later(r, otherwise=nodeid)
         why = f"crashed while running {nodeid}" if nodeid is not None else "its xdist worker ended unheard"
         for note in notes:
-            self.found.note(f"gpuclean: {note} ({why})")
+            self.records.note(f"gpuclean: {note} ({why})")
 
     # ---- whose process is it ---------------------------------------------------------------------
 
@@ -320,11 +313,11 @@ class CheckedSession:
         # The subreaper setting is not inherited, and the records the child inherited are the session's,
         # which keeps its own; this child ships only what it records itself.
         _SUBREAPER[pid] = processes.set_child_subreaper()
-        self.found.forget()
+        self.records.forget()
 
     def receive_forked(self, shipped: Any) -> None:
         """Take what a forked child recorded, and collect that child's exited orphans."""
-        self.found.receive(shipped)
+        self.records.receive(shipped)
         # Orphans of the child that ended (killed by its check, a double fork's middle process) were
         # re-parented to this process: exited, they hold nothing; collect them now rather than report
         # them as leftovers at session end.
@@ -342,10 +335,10 @@ class CheckedSession:
         one issued in ``nodeid``'s phase would be filed under ``nodeid``, and ``-W error`` would make it
         ``nodeid``'s error."""
         for r in reaped:
-            self.found.found_later(r)
+            self.records.found_later(r)
             origin = next((n for n in notes if n.startswith(f"pid {r.process.pid}: left by ")), None)
             if origin is not None:
-                self.found.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended}) before "
+                self.records.note(f"gpuclean: {origin}, spawned by {r.owner}: reaped ({r.how_ended}) before "
                                 f"{nodeid}")
 
     def _say_waiting(self, pids: list[int], grace: float) -> None:

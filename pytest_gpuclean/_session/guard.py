@@ -27,15 +27,16 @@ from pytest_gpuclean._ownership.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean._ownership.evidence import fixture_owner
 from pytest_gpuclean._session import store
 from pytest_gpuclean._session.names import FIXTURE, MARKER, GpuCleanWarning
-from pytest_gpuclean._session.started import ItemState, Started
 from pytest_gpuclean._session.torch_growth import TorchGrowth, torch_allocated
 from pytest_gpuclean.report import terminal
 
 if TYPE_CHECKING:
     from pytest_gpuclean._locks.held import HeldLocks
     from pytest_gpuclean._model.records import DeviceInfo, LockHolder
+    from pytest_gpuclean._session.checked import CheckedSession
 __all__ = [
-    "ItemChecks",
+    "TestGuard",
+    "TestState",
     "fixture_location",
 ]
 
@@ -44,17 +45,42 @@ __all__ = [
 _EXTENSION_HOOKS = ("pytest_gpuclean_check_before", "pytest_gpuclean_check_after", "pytest_gpuclean_checked")
 
 
-class ItemChecks:
+class TestState:
+    """A test's state from its setup to the end of its teardown."""
+
+    __slots__ = ("checked", "devices", "fixture_tokens", "locks", "nodeid", "previous_cookie",
+                 "previous_visible", "timeout", "token", "tolerance_mib", "torch_before")
+
+    def __init__(self, nodeid: str, token: str, previous_cookie: tuple[str | None, str | None]) -> None:
+        self.nodeid = nodeid
+        self.token = token
+        self.previous_cookie = previous_cookie
+        self.checked = False
+        self.tolerance_mib = 0
+        self.timeout = 0.0
+        self.devices: tuple[DeviceInfo, ...] = ()
+        self.locks: HeldLocks | None = None
+        self.previous_visible: tuple[bool, str | None] | None = None
+        self.torch_before: dict[int, int] | None = None
+        self.fixture_tokens: list[str] = []
+
+
+class TestGuard:
     """The checks around each test of a started session."""
 
-    def __init__(self, session: Started) -> None:
+    def __init__(self, session: CheckedSession) -> None:
         self.session = session
+        managed = session.checker.census.managed
+        # A process whose handle a live fixture's value holds is that fixture's (the census asks, on a leak).
+        managed.fixture_values = self.live_fixture_values
+        # (what a test module or a conftest keeps in a global is the suite's own doing, no library's helper)
+        managed.suite_files = (*session.config.getini("python_files"), "conftest.py")
         self._fixture_tokens: dict[int, str] = {}
         self._fixture_defs: dict[str, pytest.FixtureDef[Any]] = {}
         """Token -> the fixture it was made for, until the check after the fixture ended (its name, scope
         and, on a finding, where it is defined)."""
-        self._tearing_down: ItemState | None = None
-        self._current: tuple[pytest.Item, ItemState] | None = None
+        self._tearing_down: TestState | None = None
+        self._current: tuple[pytest.Item, TestState] | None = None
         """The test being run and its state, from its setup to the end of its teardown (not in the item's
         stash: every item lives to the session's end, and full garbage collections walk what it keeps)."""
         self._parked: HeldLocks | None = None
@@ -73,7 +99,7 @@ class ItemChecks:
         self._count_told = False
         self._warned_own_context = False
         self._warned_own_cuda = False
-        self._torch_growth = TorchGrowth(session.found.note_replacing)
+        self._torch_growth = TorchGrowth(session.records.note_replacing)
         """Tests whose in-process torch growth stayed within the floor, and by how much (a session note)."""
         hook = session.config.hook
         # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
@@ -89,7 +115,7 @@ class ItemChecks:
         session.follow_fork()
         nodeid = item.nodeid  # (a property that builds the string on each use, under pytest 9)
         token = session.test_token(nodeid)
-        state = ItemState(nodeid, token, session.set_owner_env(token))
+        state = TestState(nodeid, token, session.set_owner_env(token))
         self._current = (item, state)
         if store.TEST in item.stash:
             del item.stash[store.TEST]  # a test run again (a rerun plugin) starts a new record
@@ -100,11 +126,11 @@ class ItemChecks:
         state.checked = True
         self._before(item, state, marker)
 
-    def _before(self, item: pytest.Item, state: ItemState, marker: pytest.Mark | None) -> None:
+    def _before(self, item: pytest.Item, state: TestState, marker: pytest.Mark | None) -> None:
         session = self.session
         applied = self._applied(item, marker)
         state.tolerance_mib, state.timeout = applied.tolerance_mib, applied.timeout
-        record = session.found.new(state.nodeid, (item.location[0], (item.location[1] or 0) + 1))
+        record = session.records.new(state.nodeid, (item.location[0], (item.location[1] or 0) + 1))
         item.stash[store.TEST] = record
         self._choose_devices(item, state, record, applied.count)
         unusable = self._health_before(item, state, record)
@@ -225,7 +251,7 @@ class ItemChecks:
             raise _skip(f"gpuclean: test needs {applied.count} GPU(s), found {len(session.devices)}")
         return applied
 
-    def _choose_devices(self, item: pytest.Item, state: ItemState, record: TestRecord,
+    def _choose_devices(self, item: pytest.Item, state: TestState, record: TestRecord,
                         count: int | None) -> None:
         # The devices this test checks: those it locked, else the first ``count``; with a count, the test
         # sees exactly those.
@@ -312,7 +338,7 @@ class ItemChecks:
         if failure:
             pytest.fail(failure, pytrace=False)
 
-    def _after(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+    def _after(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
         if record.before is None or not record.before.clean:
             return None  # the test never ran on clean GPUs: its setup error already says why
         session, hook = self.session, self._hook
@@ -326,7 +352,7 @@ class ItemChecks:
                                                      phase="teardown")
         return "\n\n".join(f for f in (*failures, local_failure, growth_failure, health_failure) if f) or None
 
-    def _after_local(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+    def _after_local(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
         session = self.session
         result = session.checker.check("teardown", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
@@ -379,14 +405,14 @@ class ItemChecks:
                 # failure of its. Said in the session's notes (no warning: -W error would fail it after
                 # all); the next test's setup check skips.
                 line = terminal.outside_line("teardown", result, state.timeout).removeprefix("gpuclean: ")
-                session.found.note(f"gpuclean: {item.nodeid}: {line}; the test has run: not failed "
+                session.records.note(f"gpuclean: {item.nodeid}: {line}; the test has run: not failed "
                                    f"({self._outside_source()})")
                 return None
             heading = terminal.not_clean_heading("teardown", result, state.timeout)
             return terminal.check_report(result, heading)
         return None
 
-    def _fixtures_alone(self, item: pytest.Item, state: ItemState, record: TestRecord | None) -> str | None:
+    def _fixtures_alone(self, item: pytest.Item, state: TestState, record: TestRecord | None) -> str | None:
         """The fixtures that ended at the teardown of a test that no check after it judges: what they left
         is theirs, found here (``Checker.check_owned``), in this test's record (a record made for it if it
         was not checked: the test's own outcome does not change)."""
@@ -396,12 +422,12 @@ class ItemChecks:
             self._remember_unreaped(result)
         if result.notes:
             for note in result.notes:
-                session.found.note(f"gpuclean: {note} (at the teardown of {state.nodeid})", once=True)
+                session.records.note(f"gpuclean: {note} (at the teardown of {state.nodeid})", once=True)
         fixtures = self._fixture_leaks(item, state, result)
         if not fixtures:
             return None
         if record is None:
-            record = session.found.record_for(state.nodeid)
+            record = session.records.record_for(state.nodeid)
             if not record.location[0]:
                 record.location = (item.location[0], (item.location[1] or 0) + 1)
             item.stash[store.TEST] = record  # (for its JUnit properties, and xdist's controller)
@@ -409,7 +435,7 @@ class ItemChecks:
         heading = "\n".join(terminal.fixture_leak_heading(f, session.checker.reap_enabled) for f in fixtures)
         return terminal.check_report(result, heading)
 
-    def _fixture_leaks(self, item: pytest.Item, state: ItemState, result: CheckResult) -> list[FixtureLeak]:
+    def _fixture_leaks(self, item: pytest.Item, state: TestState, result: CheckResult) -> list[FixtureLeak]:
         """What each fixture that ended at this teardown left behind, as that fixture's findings."""
         leaks: list[FixtureLeak] = []
         owners = self.session.checker.ownership.owners
@@ -434,22 +460,22 @@ class ItemChecks:
         if result.device_lost and not item.session.shouldstop:
             item.session.shouldstop = health_mod.stop_line(result.error or "a GPU is lost")
 
-    def _record_siblings(self, state: ItemState, result: CheckResult) -> None:
+    def _record_siblings(self, state: TestState, result: CheckResult) -> None:
         """A process of another xdist worker that this check found on a GPU whose lock this test held is a
         finding of the test that started it (an unmarked test using a GPU), recorded once per process;
         this test is not to blame, and the check's notes name it. Under ``--gpuclean-lock=off`` no test
         holds a GPU: the notes alone say it."""
         if not result.siblings or state.locks is None:
             return
-        found = self.session.found
+        records = self.session.records
         worker = os.environ.get("PYTEST_XDIST_WORKER", "")
         for use in result.siblings:
             if use.owner.kind != "test":  # a fixture or the set-up of that worker: no record of a test
-                found.note(f"gpuclean: pid {use.process.pid} of {use.describe()} held "
+                records.note(f"gpuclean: pid {use.process.pid} of {use.describe()} held "
                            f"{terminal.mib_list(use.mib_per_device)} while {state.nodeid} held the GPU lock",
                            once=True)
                 continue
-            record = found.record_for(use.owner.name)
+            record = records.record_for(use.owner.name)
             key = (use.process.pid, use.process.start_ticks)
             if all((u.process.pid, u.process.start_ticks) != key for u in record.gpu_without_lock):
                 record.gpu_without_lock += (
@@ -457,7 +483,7 @@ class ItemChecks:
 
     # ---- GPU health (health.py) ---------------------------------------------------------------------
 
-    def _health_before(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+    def _health_before(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
         # The Xid drain (microseconds), and the probe where its mode says so; a GPU found unusable
         # earlier fails this setup with the reason.
         watch = self.session.health
@@ -470,7 +496,7 @@ class ItemChecks:
         self._stop_on_health_lost(item, found)
         return health_mod.failure_text(found, "setup")
 
-    def _health_after(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+    def _health_after(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
         # The Xids that arrived during the test are its own; the slow reads where something points.
         watch = self.session.health
         if watch is None:
@@ -498,7 +524,7 @@ class ItemChecks:
             # One line, instead of every later test waiting out its timeout on a GPU that is gone.
             item.session.shouldstop = health_mod.stop_reason(lost)
 
-    def _end(self, state: ItemState, keep_locks: bool) -> None:
+    def _end(self, state: TestState, keep_locks: bool) -> None:
         for token in state.fixture_tokens:
             self._fixture_defs.pop(token, None)
         self.session.checker.ownership.close_window(state.token)
@@ -529,7 +555,7 @@ class ItemChecks:
     def _note_lock_notices(self) -> None:
         """What letting go of locks noticed about the lock directory (a deleted lock file), once each."""
         for notice in take_notices():
-            self.session.found.note(notice, once=True)
+            self.session.records.note(notice, once=True)
 
     # ---- fixtures owned by a scope wider than a test ----------------------------------------------
 
@@ -572,7 +598,7 @@ class ItemChecks:
 
     # ---- what a check excuses -------------------------------------------------------------------------
 
-    def _note_excused(self, state: ItemState, result: CheckResult) -> None:
+    def _note_excused(self, state: TestState, result: CheckResult) -> None:
         """Said once per process: GPU memory that a clean check excused as the session's own, held by a live
         fixture's process (or the session set-up's, or one older than the session), with whose it is and
         why; and once, what a ``count`` test got beside it."""
@@ -591,7 +617,7 @@ class ItemChecks:
         for key, ((whose, why), mib) in held.items():
             if key not in self._excused:
                 self._excused.add(key)
-                self.session.found.note(f"gpuclean: excused: {terminal.mib_list(mib)} held by pid {key[0]} "
+                self.session.records.note(f"gpuclean: excused: {terminal.mib_list(mib)} held by pid {key[0]} "
                                         f"{whose}, {why}, not a test's leak")
         if held and state.previous_visible is not None and not self._count_told:
             # (a test with a count: only it has CUDA_VISIBLE_DEVICES set for it) It asked for its GPUs
@@ -599,7 +625,7 @@ class ItemChecks:
             self._count_told = True
             got = "; ".join(", ".join(f"{label} with {value:.0f} MiB" for label, value in mib) + f" {whose}"
                             for (whose, _), mib in held.values())
-            self.session.found.note(
+            self.session.records.note(
                 f"gpuclean: {state.nodeid} (count={len(state.devices)}) got {got} on it: count makes a "
                 "test's GPUs exclusive against other tests and sessions, not against this session's own "
                 "fixtures")
@@ -634,10 +660,10 @@ class ItemChecks:
 
     def _note_own(self, what: str, phase: Phase, nodeid: str) -> None:
         when = f"after {nodeid}" if phase == "teardown" else f"before {nodeid}"
-        self.session.found.note(f"gpuclean: this pytest process (pid {os.getpid()}) {what}, first seen "
+        self.session.records.note(f"gpuclean: this pytest process (pid {os.getpid()}) {what}, first seen "
                                 f"{when}; it is not counted as a leak")
 
-    def _note_torch_growth(self, item: pytest.Item, state: ItemState, record: TestRecord) -> str | None:
+    def _note_torch_growth(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
         """The test's torch growth in the pytest process, recorded, and a ``GpuCleanWarning`` at the test's
         own line; the teardown's failure if the warning filters make that warning an error."""
         grown, floor = self._torch_growth.after(state.nodeid, state.tolerance_mib, state.torch_before)
@@ -664,7 +690,7 @@ def _warn_at(item: pytest.Item, message: str) -> str | None:
 
 
 def _checked_after(record: TestRecord | None) -> bool:
-    """Whether the check after the test ran (``ItemChecks._after``): only for a test that ran on GPUs its
+    """Whether the check after the test ran (``TestGuard._after``): only for a test that ran on GPUs its
     check before found clean."""
     return record is not None and record.before is not None and record.before.clean
 

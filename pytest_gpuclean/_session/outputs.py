@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pytest
 
 from pytest_gpuclean._model.outcomes import FixtureLeak, TestRecord, has_findings
-from pytest_gpuclean._model.records import DeviceInfo, Reaped
+from pytest_gpuclean._model.records import Reaped
 from pytest_gpuclean._session import store
 from pytest_gpuclean.report import terminal
 
 if TYPE_CHECKING:
-    from pytest_gpuclean._reading.backends import Backend
+    from pytest_gpuclean._session.checked import CheckedSession
     from pytest_gpuclean._settings import Settings
     from pytest_gpuclean.report import jsonreport
 
@@ -45,10 +45,8 @@ __all__ = [
     "TITLE_LOCK_TIMEOUT",
     "TITLE_NOT_CLEAN",
     "TITLE_WITHOUT_LOCK",
-    "CheckingSession",
     "OutputHooks",
     "PerTestOutputs",
-    "StartedSession",
     "annotation_lines",
     "annotation_message",
     "escape_data",
@@ -349,24 +347,16 @@ def _make_report_dir(directory: Path, source: str) -> None:
                                 f"{exc.strerror or exc} ({source})") from None
 
 
-class StartedSession(Protocol):
-    """What the outputs need of a session that started checking: its set-up."""
-
-    backend: Backend | None
-    devices: tuple[DeviceInfo, ...]
-    unavailable: str | None
-    no_gpu: tuple[str, str]
-
-
-class CheckingSession(Protocol):
-    """What the outputs need of the plugin that checks the session: its set-up and its final sweep."""
+class _Plugin(Protocol):
+    """The plugin that registers these hooks (``plugin._GpuCleanPlugin``, a layer above): its set-up, the
+    session it started, and its final sweep."""
 
     config: pytest.Config
     settings: Settings
     controller: bool
 
     @property
-    def session(self) -> StartedSession | None: ...
+    def session(self) -> CheckedSession | None: ...
 
     def sweep(self, session: pytest.Session) -> None: ...
 
@@ -402,16 +392,16 @@ class PerTestOutputs:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = getattr(report, RECORD_ATTRIBUTE, None)
         if record is not None and not self.outputs.worker and report.when in ("setup", "teardown"):
-            self.outputs.found.stream(report.nodeid, record)
+            self.outputs.records.stream(report.nodeid, record)
 
 
 class OutputHooks:
     """Turns the session's records into the JSON report, JUnit properties and GitHub output."""
 
-    def __init__(self, plugin: CheckingSession) -> None:
+    def __init__(self, plugin: _Plugin) -> None:
         self.plugin = plugin
         config = plugin.config
-        self.found = store.of(config)
+        self.records = store.of(config)
         self.worker = hasattr(config, "workerinput")
         self.report_path: Path | None = None
         if plugin.settings.report and not self.worker:
@@ -422,7 +412,7 @@ class OutputHooks:
         # xdist workers and forked children see the controller's options, so they know too.
         self.junit = bool(config.getoption("xmlpath", None))
         self.started = time.time()
-        self._merged: store.Merged | None = None
+        self._merged: store.RecordSet | None = None
         self._session: pytest.Session | None = None
         """Set once the outputs were written at the session's end."""
         self._extension_keys: jsonreport.JsonDict | None = None
@@ -458,7 +448,7 @@ class OutputHooks:
                          "require_gpu": started is not None and started.no_gpu[0] == "fail",
                          "probe": settings.probe,
                          "outside": settings.outside},
-            "xdist_workers": len(self.found.worker_payloads) if plugin.controller else None,
+            "xdist_workers": len(self.records.worker_payloads) if plugin.controller else None,
             **self._session_keys(),
         }
 
@@ -501,12 +491,12 @@ class OutputHooks:
 
     def _write(self, session: pytest.Session) -> None:
         self._session = session
-        self._merged = merged = self.found.merged()
+        self._merged = merged = self.records.merged()
         self._write_report(session, merged)
         if self.github and (merged.records or merged.session_reaped):
             self._append_step_summary(session, step_summary(merged.records, merged.session_reaped))
 
-    def _write_report(self, session: pytest.Session, merged: store.Merged) -> None:
+    def _write_report(self, session: pytest.Session, merged: store.RecordSet) -> None:
         if self.report_path is None:
             return
         from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
@@ -538,7 +528,7 @@ class OutputHooks:
         session = self._session
         if self.worker or session is None:
             return
-        self._merged = merged = self.found.merged()
+        self._merged = merged = self.records.merged()
         self._write_report(session, merged)
         if self.github:
             writer = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -1,6 +1,6 @@
 """What a gpuclean session found, test by test: the bookkeeping that the summary and the CI outputs read.
 
-One ``SessionRecords`` per pytest session, kept in ``config.stash`` (``of``); the record of the test being
+One ``RecordStore`` per pytest session, kept in ``config.stash`` (``of``); the record of the test being
 run in ``item.stash[TEST]``. Records travel between processes as plain dicts: from an xdist worker to the
 controller (each test's record as it ends, and the worker's whole payload at session end) and from a
 forked child (pytest-forked) back to the session's process.
@@ -24,9 +24,9 @@ from pytest_gpuclean._model.records import Reaped, SiblingUse
 __all__ = [
     "EMPTY_PAYLOAD",
     "TEST",
-    "Merged",
     "Payload",
-    "SessionRecords",
+    "RecordSet",
+    "RecordStore",
     "of",
 ]
 
@@ -34,7 +34,7 @@ Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""
 
 
-class Merged(NamedTuple):
+class RecordSet(NamedTuple):
     """Everything a session and (in the xdist controller) its workers found: what every output reads.
     (Declared here, not in the model: it is this module's answer, folded anew for each output.)"""
 
@@ -43,7 +43,7 @@ class Merged(NamedTuple):
     notes: list[str]
 
 
-class SessionRecords:
+class RecordStore:
     """The records of one session's tests, what its last sweep reaped, its notes, and what workers sent."""
 
     def __init__(self) -> None:
@@ -155,7 +155,7 @@ class SessionRecords:
         """Drop the records (a forked child's copy of its parent's: the parent keeps its own)."""
         self.records, self.late = [], {}
 
-    def merged(self) -> Merged:
+    def merged(self) -> RecordSet:
         """Records, session-end reaps and notes of this process and of the workers."""
         from pytest_gpuclean.report.serialize import from_dict  # (lazy: the module's docstring says why)
 
@@ -176,12 +176,12 @@ class SessionRecords:
         shipped = {r.nodeid for r in records[mine:]}
         records.extend(r for nodeid, r in self.streamed.items()
                        if nodeid not in checked and (not _late(r) or nodeid not in shipped))
-        return Merged(_reaped_once(_one_per_test(records), session_reaped), session_reaped, notes)
+        return RecordSet(_reaped_once(_one_per_test(records), session_reaped), session_reaped, notes)
 
 
 def _late(record: TestRecord) -> bool:
     """Made only for what was found later, or for a fixture that ended at its teardown: the test was not
-    checked here (``SessionRecords.late``)."""
+    checked here (``RecordStore.late``)."""
     return record.before is None and record.after is None and record.lock_timeout is None
 
 
@@ -246,7 +246,7 @@ def _reaped_once(records: list[TestRecord], session_reaped: list[Reaped]) -> lis
     return [changed.get(id(r), r) for r in records]
 
 
-_SESSION = pytest.StashKey[SessionRecords]()
+_SESSION = pytest.StashKey[RecordStore]()
 TEST = pytest.StashKey["TestRecord"]()
 """In ``item.stash``: the record of a checked test, from its setup check on."""
 
@@ -254,9 +254,9 @@ EMPTY_PAYLOAD: Payload = {"records": [], "session_reaped": [], "notes": []}
 """The payload of a worker that checked nothing."""
 
 
-def of(config: pytest.Config) -> SessionRecords:
+def of(config: pytest.Config) -> RecordStore:
     """The session's records (made on first use)."""
     found = config.stash.get(_SESSION, None)
     if found is None:
-        found = config.stash[_SESSION] = SessionRecords()
+        found = config.stash[_SESSION] = RecordStore()
     return found

@@ -26,7 +26,9 @@ from pytest_gpuclean.ray import reporting
 from pytest_gpuclean.report import terminal
 
 if TYPE_CHECKING:
-    from pytest_gpuclean._session.started import CheckerView, ItemState, Started
+    from pytest_gpuclean._check.checker import Checker
+    from pytest_gpuclean._session.checked import CheckedSession
+    from pytest_gpuclean._session.guard import TestState
     from pytest_gpuclean._settings import Settings
 __all__ = [
     "GCS_SERVER",
@@ -50,7 +52,7 @@ def watches(resolved: Settings) -> bool:
     return resolved.ray == "auto" and not os.environ.get("RAY_ADDRESS")
 
 
-def open_cluster(resolved: Settings, checker: CheckerView) -> Any:
+def open_cluster(resolved: Settings, checker: Checker) -> Any:
     """The cluster's check (``cluster.RayCheck``, started), or None when the option names no cluster (or,
     with ``auto`` and no ``RAY_ADDRESS``, none yet). Raises ``pytest.UsageError`` for a cluster that
     cannot be reached."""
@@ -70,7 +72,7 @@ def open_cluster(resolved: Settings, checker: CheckerView) -> Any:
     return check
 
 
-def _new_check(address: str, resolved: Settings, checker: CheckerView) -> Any:
+def _new_check(address: str, resolved: Settings, checker: Checker) -> Any:
     from pytest_gpuclean.ray import cluster  # (once a cluster is named or found: the module's docstring)
 
     # The agent is the session's own helper, whenever it starts (a cluster found during a test, an agent
@@ -126,7 +128,7 @@ class RayChecks:
 
     def __init__(self) -> None:
         self.ray: Any = None
-        self.session: Started | None = None
+        self.session: CheckedSession | None = None
         self.watch = False
         self.gcs: tuple[int, int] | None = None
         """The discovered cluster's GCS server (pid, start ticks), while its cluster is checked."""
@@ -142,20 +144,20 @@ class RayChecks:
 
     # ---- gpuclean's hooks (session/hookspecs.py) ------------------------------------------------------
 
-    def pytest_gpuclean_session_start(self, session: Started) -> None:
+    def pytest_gpuclean_session_start(self, session: CheckedSession) -> None:
         self.session = session
         self.ray = open_cluster(session.settings, session.checker)
         self.watch = self.ray is None and watches(session.settings)
         if self.ray is not None:
             self._connected(self.ray.address, self.ray.version)
 
-    def pytest_gpuclean_check_before(self, state: ItemState, record: TestRecord) -> str | None:
+    def pytest_gpuclean_check_before(self, state: TestState, record: TestRecord) -> str | None:
         return self.before(state, record)
 
-    def pytest_gpuclean_check_after(self, state: ItemState, record: TestRecord) -> str | None:
+    def pytest_gpuclean_check_after(self, state: TestState, record: TestRecord) -> str | None:
         return self.after(state, record)
 
-    def pytest_gpuclean_checked(self, state: ItemState, record: TestRecord, phase: Phase) -> str | None:
+    def pytest_gpuclean_checked(self, state: TestState, record: TestRecord, phase: Phase) -> str | None:
         if not self.discover("before" if phase == "setup" else "after", state.nodeid):
             return None
         if phase == "setup":
@@ -182,7 +184,7 @@ class RayChecks:
         return {"ray": reporting.ray_json(self.address, self.version, self.sweeps)}
 
     @property
-    def _session(self) -> Started:
+    def _session(self) -> CheckedSession:
         assert self.session is not None  # (every hook but the first comes after the session started)
         return self.session
 
@@ -222,16 +224,16 @@ class RayChecks:
             check.start(resolved.timeout)
         except cluster.ClusterError as exc:
             self._refused.add(found.key)
-            self._session.found.note(
+            self._session.records.note(
                 f"gpuclean: --gpuclean-ray=auto: found the Ray cluster at {address} that this session "
                 f"started (GCS server pid {found.pid}) at the check {phase} {nodeid}, but cannot check it: "
                 f"{exc}")
             return False
         self.ray, self.gcs = check, found.key
         self._connected(address, check.version)
-        self._session.found.note(f"gpuclean: --gpuclean-ray=auto: checking the Ray cluster at {address} (GCS "
-                                f"server pid {found.pid}, started by this session) from the check {phase} "
-                                f"{nodeid} on")
+        self._session.records.note(
+            f"gpuclean: --gpuclean-ray=auto: checking the Ray cluster at {address} (GCS server pid "
+            f"{found.pid}, started by this session) from the check {phase} {nodeid} on")
         return True
 
     def _active(self) -> bool:
@@ -252,16 +254,15 @@ class RayChecks:
         return True
 
     def _let_go(self) -> None:
-        self._session.found.note(f"gpuclean: --gpuclean-ray=auto: the Ray cluster at {self.ray.address} shut "
-                                 "down "
-                                "(its GCS server exited); watching for another")
+        self._session.records.note(f"gpuclean: --gpuclean-ray=auto: the Ray cluster at {self.ray.address} "
+                                   "shut down (its GCS server exited); watching for another")
         self.ray.stop()
         self.ray = None
         self.gcs = None
 
     # ---- the checks ---------------------------------------------------------------------------------
 
-    def before(self, state: ItemState, record: TestRecord) -> str | None:
+    def before(self, state: TestState, record: TestRecord) -> str | None:
         """Check the cluster before the test; the failure (it is not clean), if any."""
         if not self._active():
             return None
@@ -274,7 +275,7 @@ class RayChecks:
             return reporting.check_report(result, "gpuclean: the Ray cluster is not clean before the test")
         return None
 
-    def after(self, state: ItemState, record: TestRecord, *, appeared: bool = False) -> str | None:
+    def after(self, state: TestState, record: TestRecord, *, appeared: bool = False) -> str | None:
         """Check the cluster after the test; the failure to report, if any.
 
         ``appeared``: the cluster was found only now (started during the test, by it or by a fixture it
@@ -306,13 +307,13 @@ class RayChecks:
 
     def sweep(self, *, include_session: bool, timeout: float) -> list[Reaped]:
         """The cluster's part of the final sweep: what the session left on the cluster, reaped."""
-        found = self._session.found
+        records = self._session.records
         if not self._active():
             return []
         try:
             check = self.ray.sweep(include_session=include_session, timeout=timeout)
         except Exception as exc:  # the session is over: say what went wrong, lose nothing else
-            found.note(f"session end: the sweep of the Ray cluster failed: {exc!r}")
+            records.note(f"session end: the sweep of the Ray cluster failed: {exc!r}")
             sys.stderr.write(f"gpuclean: the sweep of the Ray cluster failed: {exc!r}\n")
             return []
         if self._gone():
