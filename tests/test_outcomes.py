@@ -34,8 +34,7 @@ from pytest_gpuclean._model.records import (
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean._session import outputs
-from pytest_gpuclean.report import jsonreport, terminal
+from pytest_gpuclean.report import ci, jsonreport, terminal
 
 NODEID = "t.py::test_it"
 ME = Owner("test", NODEID)
@@ -184,7 +183,7 @@ def test_outcome(record: Record, expected: str, findings: bool) -> None:
     assert jsonreport.record_json(record)["outcome"] == expected
     assert has_findings(record) is findings
     assert own_leaks(record).any() is (expected == "leaked") is bool(jsonreport.leaked_json(record))
-    assert ("gpuclean_outcome", expected) in outputs.junit_properties(record)
+    assert ("gpuclean_outcome", expected) in ci.junit_properties(record)
     assert jsonreport.record_json(record)["findings"] is findings
     # Every outcome but clean is the test's finding; a clean one only by a finding of its own that does not
     # fail it (torch memory grown, a GPU used without its lock). What its checks did for others is noticed.

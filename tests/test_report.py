@@ -38,9 +38,9 @@ from pytest_gpuclean._model.records import (
     Reaped,
     SiblingUse,
 )
-from pytest_gpuclean._session import outputs, store
+from pytest_gpuclean._session import store
 from pytest_gpuclean.ray import reporting as ray_reporting
-from pytest_gpuclean.report import jsonreport, terminal
+from pytest_gpuclean.report import ci, jsonreport, terminal
 from pytest_gpuclean.report.serialize import from_dict, to_dict
 
 GPU0 = DeviceInfo(0, "GPU-0000", "H200")
@@ -325,10 +325,10 @@ def test_a_fixtures_leak_is_the_fixtures_in_every_output() -> None:
     assert [p["ended_by"] for p in fixture["leaked"]] == ["SIGTERM", None, "exited by itself"]
     summary = jsonreport.summary_json([FIXTURE_RECORD], [])
     assert (summary["leaked"], summary["fixture_leaks"], summary["reaped"]) == (0, 1, 1)
-    properties = dict(outputs.junit_properties(FIXTURE_RECORD))
+    properties = dict(ci.junit_properties(FIXTURE_RECORD))
     assert (properties["gpuclean_outcome"], properties["gpuclean_fixture_leaks"]) == (
         "clean", "fixture engine (session-scoped, conftest.py:12) leaked 3 process(es)")
-    [annotation] = outputs.annotation_lines([FIXTURE_RECORD], [])
+    [annotation] = ci.annotation_lines([FIXTURE_RECORD], [])
     assert annotation.startswith("::error file=conftest.py,line=12,title=GPU leak::fixture engine "
                                  "(session-scoped, conftest.py:12) leaked 3 process(es), found at the "
                                  "teardown of t2.py::test_d%0Apid 4242 ended by SIGTERM")
@@ -345,7 +345,7 @@ def test_a_check_that_could_not_read_a_device_is_counted_and_said_in_one_line() 
     assert jsonreport.check_json(UNREADABLE)["error"] == UNREADABLE.error
     summary = jsonreport.summary_json([record], [])
     assert (summary["checked"], summary["leaked"], summary["device_errors"]) == (1, 1, 1)
-    assert dict(outputs.junit_properties(record))["gpuclean_device_error"] == UNREADABLE.error
+    assert dict(ci.junit_properties(record))["gpuclean_device_error"] == UNREADABLE.error
 
 
 def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -> None:
@@ -397,13 +397,13 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
 
 
 def test_the_annotation_of_a_test_that_used_a_gpu_without_its_lock() -> None:
-    from pytest_gpuclean._session import outputs
-    assert outputs.annotation_message(UNCHECKED_USER) == (
-        outputs.TITLE_WITHOUT_LOCK,
+    from pytest_gpuclean.report import ci
+    assert ci.annotation_message(UNCHECKED_USER) == (
+        ci.TITLE_WITHOUT_LOCK,
         "t.py::test_leaks used a GPU whose lock another xdist worker's test held\n"
         "pid 4242 held GPU 0 512 MiB while gw1's t.py::test_victim held the GPU lock: python -c 'hold()'")
-    title, message = outputs.annotation_message(replace(UNCHECKED_USER, found_later=(REAPED,))) or ("", "")
-    assert title == outputs.TITLE_LEAK and message.splitlines()[2:] == [
+    title, message = ci.annotation_message(replace(UNCHECKED_USER, found_later=(REAPED,))) or ("", "")
+    assert title == ci.TITLE_LEAK and message.splitlines()[2:] == [
         "and used a GPU whose lock another xdist worker's test held:",
         "pid 4242 held GPU 0 512 MiB while gw1's t.py::test_victim held the GPU lock: python -c 'hold()'"]
 

@@ -6,7 +6,8 @@ one ``stat`` of the events' file on simulated devices). The slow reads (row rema
 run at session start, and after a test only where something points at them: an Xid, a reaped GPU process,
 a failed test. Clock event reasons are read then too, and after a test that ran ``CLOCKS_AFTER_S`` or more.
 
-No pytest here: ``testcheck.py`` calls the watch around each test and turns its findings into failures;
+No pytest here: ``guard.py`` calls the watch around each test and turns its findings into failures
+(worded by ``report/terminal.py``);
 ``cli.py`` uses ``device_problems`` for ``gpuclean status`` and ``check``. It reads the devices through a
 backend (``backends.HealthSource``); only ``nvml.py`` talks to NVML.
 """
@@ -30,7 +31,6 @@ from pytest_gpuclean._reading.devices import Device, DeviceLost
 
 __all__ = [
     "CLOCKS_AFTER_S",
-    "HEALTH_PREFIX",
     "SETTINGS",
     "XIDS",
     "XID_CATALOGUE",
@@ -38,11 +38,8 @@ __all__ = [
     "Prober",
     "changes",
     "device_problems",
-    "failure_text",
     "finding",
     "reset_reasons",
-    "stop_line",
-    "stop_reason",
     "xid_meaning",
     "xid_message",
 ]
@@ -335,37 +332,3 @@ class HealthWatch:
         item = finding("lost", "lost", device, f"{device.label} is lost: {reason}", phase)
         self.lost.setdefault(device.uuid, item)
         return item
-
-
-# ---- the verdict as text --------------------------------------------------------------------------------
-
-HEALTH_PREFIX = "gpuclean: GPU"
-
-
-def failure_text(findings: Sequence[HealthFinding], phase: Phase) -> str | None:
-    """The failure text of a test's health findings (None if nothing fails): one heading, a line each."""
-    failing = [f for f in findings if f.effect != "info"]
-    if not failing:
-        return None
-    effects = {f.effect for f in failing}
-    if "lost" in effects:
-        heading = f"{HEALTH_PREFIX} lost: the session's remaining tests are stopped"
-    elif phase == "setup":
-        heading = f"{HEALTH_PREFIX} not usable before the test (gpuclean never resets a GPU)"
-    elif "unusable" in effects:
-        heading = f"{HEALTH_PREFIX} not usable after the test (gpuclean never resets a GPU)"
-    else:
-        heading = f"{HEALTH_PREFIX} fault during the test"
-    return "\n".join([heading, *(f"  {f.message}" for f in failing)])
-
-
-def stop_line(cause: str) -> str:
-    """The one line that stops the session (``session.shouldstop``) when a GPU is lost, whoever found it:
-    a check that could not read it, or the health watch."""
-    return (f"gpuclean: {cause}; stopping the session's tests instead of letting each wait its timeout "
-            "(every later check would fail)")
-
-
-def stop_reason(item: HealthFinding) -> str:
-    """``stop_line`` for a health finding of effect ``lost``."""
-    return stop_line(item.message)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpuclean import _settings as settings
-from pytest_gpuclean._check import health as health_mod
 from pytest_gpuclean._locks.describe import describe_holders
 from pytest_gpuclean._locks.directory import take_notices
 from pytest_gpuclean._locks.gpus import LockTimeout
@@ -458,7 +457,7 @@ class TestGuard:
         # A lost GPU fails every later check and runs every later test on a GPU that is gone: one line,
         # once, instead of an error per test.
         if result.device_lost and not item.session.shouldstop:
-            item.session.shouldstop = health_mod.stop_line(result.error or "a GPU is lost")
+            item.session.shouldstop = terminal.stop_line(result.error or "a GPU is lost")
 
     def _record_siblings(self, state: TestState, result: CheckResult) -> None:
         """A process of another xdist worker that this check found on a GPU whose lock this test held is a
@@ -481,7 +480,7 @@ class TestGuard:
                 record.gpu_without_lock += (
                     use._replace(seen_by=state.nodeid, seen_worker=worker, phase=result.phase),)
 
-    # ---- GPU health (health.py) ---------------------------------------------------------------------
+    # ---- GPU health (_check/health.py) ---------------------------------------------------------------------
 
     def _health_before(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
         # The Xid drain (microseconds), and the probe where its mode says so; a GPU found unusable
@@ -494,7 +493,7 @@ class TestGuard:
             return None
         record.health += tuple(found)
         self._stop_on_health_lost(item, found)
-        return health_mod.failure_text(found, "setup")
+        return terminal.failure_text(found, "setup")
 
     def _health_after(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
         # The Xids that arrived during the test are its own; the slow reads where something points.
@@ -507,7 +506,7 @@ class TestGuard:
             return None
         record.health += tuple(found)
         self._stop_on_health_lost(item, found)
-        return health_mod.failure_text(found, "teardown")
+        return terminal.failure_text(found, "teardown")
 
     def _note_lost(self, record: TestRecord, result: CheckResult, phase: Phase) -> None:
         """A check found a GPU lost (it ended at once, ``result.error`` says so): also the health watch's
@@ -522,7 +521,7 @@ class TestGuard:
         lost = next((f for f in found if f.effect == "lost"), None)
         if lost is not None and not item.session.shouldstop:
             # One line, instead of every later test waiting out its timeout on a GPU that is gone.
-            item.session.shouldstop = health_mod.stop_reason(lost)
+            item.session.shouldstop = terminal.stop_reason(lost)
 
     def _end(self, state: TestState, keep_locks: bool) -> None:
         for token in state.fixture_tokens:

@@ -14,12 +14,21 @@ from pytest_gpuclean._model.outcomes import (
     outcome,
     reaped_count,
 )
-from pytest_gpuclean._model.records import MIB, DeviceSnapshot, Offender, ProcessInfo, Reaped
+from pytest_gpuclean._model.records import (
+    MIB,
+    DeviceSnapshot,
+    HealthFinding,
+    Offender,
+    Phase,
+    ProcessInfo,
+    Reaped,
+)
 from pytest_gpuclean.report.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checker.py's messages use them too)
 from pytest_gpuclean.report.text import mib_list as mib_list
 from pytest_gpuclean.report.text import one_line as one_line
 
 __all__ = [
+    "HEALTH_PREFIX",
     "LEAK_PREFIX",
     "NOT_CLEAN_PREFIX",
     "SUMMARY_TITLE",
@@ -28,6 +37,7 @@ __all__ = [
     "check_report",
     "device_line",
     "dry_run_lines",
+    "failure_text",
     "fixture_leak_heading",
     "fixture_part",
     "health_parts",
@@ -40,6 +50,8 @@ __all__ = [
     "reaped_lines",
     "set_up_reaped_line",
     "short",
+    "stop_line",
+    "stop_reason",
     "summary_lines",
     "totals_line",
     "unreadable_heading",
@@ -381,3 +393,37 @@ def short(offender: Offender) -> str:
     if offender.process is None:
         return offender.detail
     return f"{offender.reason} pid {offender.process.pid}"
+
+
+# ---- a GPU's health, as a test's failure ----------------------------------------------------------------
+
+HEALTH_PREFIX = "gpuclean: GPU"
+
+
+def failure_text(findings: Sequence[HealthFinding], phase: Phase) -> str | None:
+    """The failure text of a test's health findings (None if nothing fails): one heading, a line each."""
+    failing = [f for f in findings if f.effect != "info"]
+    if not failing:
+        return None
+    effects = {f.effect for f in failing}
+    if "lost" in effects:
+        heading = f"{HEALTH_PREFIX} lost: the session's remaining tests are stopped"
+    elif phase == "setup":
+        heading = f"{HEALTH_PREFIX} not usable before the test (gpuclean never resets a GPU)"
+    elif "unusable" in effects:
+        heading = f"{HEALTH_PREFIX} not usable after the test (gpuclean never resets a GPU)"
+    else:
+        heading = f"{HEALTH_PREFIX} fault during the test"
+    return "\n".join([heading, *(f"  {f.message}" for f in failing)])
+
+
+def stop_line(cause: str) -> str:
+    """The one line that stops the session (``session.shouldstop``) when a GPU is lost, whoever found it:
+    a check that could not read it, or the health watch."""
+    return (f"gpuclean: {cause}; stopping the session's tests instead of letting each wait its timeout "
+            "(every later check would fail)")
+
+
+def stop_reason(item: HealthFinding) -> str:
+    """``stop_line`` for a health finding of effect ``lost``."""
+    return stop_line(item.message)
