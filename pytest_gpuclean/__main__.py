@@ -4,7 +4,5 @@ import sys
 
 from pytest_gpuclean._cli import main
 
-__all__: list[str] = []
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
-from pytest_gpuclean import __version__
 from pytest_gpuclean import _settings as settings
 from pytest_gpuclean._check import reap_plan
 from pytest_gpuclean._check.checker import Checker
@@ -37,21 +36,13 @@ from pytest_gpuclean._model.records import Credentials, DeviceInfo, DeviceSnapsh
 from pytest_gpuclean._ownership.cookie import COOKIE_VAR
 from pytest_gpuclean._reading import backends, credentials, devices, processes, procfs
 from pytest_gpuclean._reading.backends import open_backend
+from pytest_gpuclean._version import __version__
 from pytest_gpuclean.report import commands, terminal
 from pytest_gpuclean.report.commands import PROG as _PROG
 from pytest_gpuclean.report.commands import ReapTarget
 
 # The command is the interface (README): its exit statuses, main() for __main__.py and the tests, and
 # the plan of a reap, which the tests hold against real processes.
-__all__ = [
-    "EXIT_CLEAN",
-    "EXIT_DIRTY",
-    "EXIT_ERROR",
-    "EXIT_UNHEALTHY",
-    "ini_value",
-    "main",
-    "plan_reap",
-]
 
 EXIT_CLEAN = 0
 EXIT_DIRTY = 1

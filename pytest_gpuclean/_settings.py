@@ -23,33 +23,6 @@ if TYPE_CHECKING:
     import pytest
 
     from pytest_gpuclean._model.records import OnOff, OutsideAction, Scope
-__all__ = [
-    "DEFAULT_GRACE_S",
-    "DEFAULT_TIMEOUT_S",
-    "DEFAULT_TOLERANCE_MIB",
-    "INTERNAL_VARIABLES",
-    "NO_GPU_ACTIONS",
-    "ON_OFF",
-    "OPTIONS",
-    "OUTSIDE_ACTIONS",
-    "SCOPES",
-    "SETTINGS_FIELDS",
-    "Option",
-    "SettingError",
-    "Settings",
-    "TestSettings",
-    "add_options",
-    "check_environment",
-    "for_marker",
-    "no_gpu_action",
-    "option",
-    "parse_device_list",
-    "parse_seconds",
-    "repeated_tokens",
-    "resolve",
-    "resolve_options",
-    "unknown_variables",
-]
 
 # The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
 # that they agree), spelt out: every pytest run with the plugin installed imports this module, and
@@ -456,7 +429,7 @@ INTERNAL_VARIABLES = frozenset((
     "GPUCLEAN_XDIST_WORKERS_SINCE",  # cookie.WORKERS_SINCE_VAR
     "GPUCLEAN_HELD_LOCKS",  # locks.HELD_VAR
     "GPUCLEAN_OUTSIDE_STATE",  # outside.STATE_VAR
-    "GPUCLEAN_BYTECODE_CACHE",  # pytest_gpuclean._CACHE_ENV: read before any option (not one)
+    "GPUCLEAN_BYTECODE_CACHE",  # pytest_gpuclean._imports._CACHE_ENV: read before any option (not one)
 ))
 """The variables the package sets itself for the processes it starts, spelt out (tests/test_settings.py
 checks them against the package's constants): importing ``locks`` or ``outside`` to ask would cost every

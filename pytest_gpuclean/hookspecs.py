@@ -25,22 +25,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gpuclean._model.outcomes import TestRecord
-    from pytest_gpuclean._model.records import Phase, Reaped
+    from pytest_gpuclean._model.records import Phase, Reaped, TestRecord
     from pytest_gpuclean._session.checked import CheckedSession
     from pytest_gpuclean._session.guard import TestState
-__all__ = [
-    "pytest_gpuclean_check_after",
-    "pytest_gpuclean_check_before",
-    "pytest_gpuclean_checked",
-    "pytest_gpuclean_report_session",
-    "pytest_gpuclean_report_test",
-    "pytest_gpuclean_session_finish",
-    "pytest_gpuclean_session_start",
-    "pytest_gpuclean_summary_parts",
-    "pytest_gpuclean_sweep",
-]
-
 
 
 # ---- the checks ---------------------------------------------------------------------------------------

@@ -44,26 +44,17 @@ from pytest_gpuclean._session.names import (
     PLUGIN_NAME,
     WORKER_OUTPUT_KEY,
     ExportedCookie,
-    GpuCleanWarning,
+)
+from pytest_gpuclean._session.names import (
+    GpuCleanWarning as GpuCleanWarning,  # (public here too: -W error::pytest_gpuclean.plugin.GpuCleanWarning)
 )
 
 if TYPE_CHECKING:
-    from pytest_gpuclean._model.outcomes import CleanGpus
-    from pytest_gpuclean._model.records import Reaped
+    from pytest_gpuclean._model.records import CleanGpus, Reaped
     from pytest_gpuclean._reading.backends import Backend
     from pytest_gpuclean._session.checked import CheckedSession
     from pytest_gpuclean._session.guard import TestGuard
     from pytest_gpuclean._session.signals import SigtermAsInterrupt
-__all__ = [
-    # What pytest and users take from the plugin: its hooks (found by name), the fixture and the warning
-    # class (``-W error::...`` names it here). gpuclean's own hook specs are ``session/hookspecs.py``'s.
-    "GpuCleanWarning",
-    "clean_gpus",
-    "pytest_addhooks",
-    "pytest_addoption",
-    "pytest_configure",
-    "pytest_load_initial_conftests",
-]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -489,7 +480,7 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
     """
     # Here, not at the top: a session that checks nothing imports neither the model nor the session's
     # records (a test that requests the fixture is checked, and its session has loaded both).
-    from pytest_gpuclean._model.outcomes import CleanGpus, DeviceState
+    from pytest_gpuclean._model.records import CleanGpus, DeviceState
     from pytest_gpuclean._session.store import TEST
     # (from the test's record: its setup check's readings; the fixture's value is built only for a test that
     # asks for it)

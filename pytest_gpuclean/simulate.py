@@ -29,16 +29,6 @@ from pytest_gpuclean._reading import simulated_layout as layout
 MIB = 1024 * 1024
 _DEFAULT_TOTAL_MIB = layout.DEFAULT_TOTAL // MIB
 
-__all__ = [
-    "MIB",
-    "allocate",
-    "init",
-    "init_cuda",
-    "main",
-    "set_state",
-    "xid",
-]
-
 
 def allocate(root: str, device: int, mib: float, pid: int | None = None) -> Path:
     """Record ``mib`` MiB on simulated ``device`` for ``pid`` (default: this process)."""

@@ -19,8 +19,7 @@ import pytest
 from helpers import exec_done
 
 from pytest_gpuclean._check.checker import Checker
-from pytest_gpuclean._model.outcomes import CheckResult
-from pytest_gpuclean._model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean._model.records import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
 GPU1 = DeviceInfo(1, "GPU-fake-1", "Fake GPU")

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from helpers import alive, clean_environment, read_pids, unprivileged, wait_dead
 
-from pytest_gpuclean import __version__, _cli, simulate
+from pytest_gpuclean import _cli, simulate
 from pytest_gpuclean._model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
 from pytest_gpuclean._reading import procfs
 from pytest_gpuclean._reading.simulated import simulated_uuid
+from pytest_gpuclean._version import __version__
 
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
 ME = pwd.getpwuid(os.getuid()).pw_name

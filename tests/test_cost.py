@@ -37,10 +37,11 @@ def test_a_session_that_checks_nothing_does_nothing(sim: Path, pytester: pytest.
     assert state["subreaper"] == 0
     # No psutil, no NVML bindings, none of the checking code: only what validates the options and
     # exports the cookie, and gpuclean's own hook specs (pytest_addhooks adds them in every run).
-    assert state["modules"] == ["pytest_gpuclean._ownership", "pytest_gpuclean._ownership.cookie",
-                                "pytest_gpuclean._reading", "pytest_gpuclean._reading.procfs",
-                                "pytest_gpuclean._session", "pytest_gpuclean._session.names",
-                                "pytest_gpuclean._settings", "pytest_gpuclean.hookspecs",
+    assert state["modules"] == ["pytest_gpuclean._imports", "pytest_gpuclean._ownership",
+                                "pytest_gpuclean._ownership.cookie", "pytest_gpuclean._reading",
+                                "pytest_gpuclean._reading.procfs", "pytest_gpuclean._session",
+                                "pytest_gpuclean._session.names", "pytest_gpuclean._settings",
+                                "pytest_gpuclean._version", "pytest_gpuclean.hookspecs",
                                 "pytest_gpuclean.plugin"]
     assert state["cookie"].endswith(":session")
     if not args:
@@ -67,15 +68,15 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     # The device modules are those of the one backend opened (here the simulated devices: their reader and
     # its layout; no NVML module), what it shares with NVML's (``devices``), and the protocols, the device
     # choice and the opener (``backends``).
-    assert state["modules"] == ["pytest_gpuclean._model", "pytest_gpuclean._model.records",
-                                "pytest_gpuclean._ownership", "pytest_gpuclean._ownership.cookie",
-                                "pytest_gpuclean._reading", "pytest_gpuclean._reading.backends",
-                                "pytest_gpuclean._reading.devices", "pytest_gpuclean._reading.procfs",
-                                "pytest_gpuclean._reading.simulated",
+    assert state["modules"] == ["pytest_gpuclean._imports", "pytest_gpuclean._model",
+                                "pytest_gpuclean._model.records", "pytest_gpuclean._ownership",
+                                "pytest_gpuclean._ownership.cookie", "pytest_gpuclean._reading",
+                                "pytest_gpuclean._reading.backends", "pytest_gpuclean._reading.devices",
+                                "pytest_gpuclean._reading.procfs", "pytest_gpuclean._reading.simulated",
                                 "pytest_gpuclean._reading.simulated_layout", "pytest_gpuclean._session",
                                 "pytest_gpuclean._session.names", "pytest_gpuclean._session.opening",
-                                "pytest_gpuclean._settings", "pytest_gpuclean.hookspecs",
-                                "pytest_gpuclean.plugin"]
+                                "pytest_gpuclean._settings", "pytest_gpuclean._version",
+                                "pytest_gpuclean.hookspecs", "pytest_gpuclean.plugin"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
 

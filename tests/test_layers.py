@@ -16,7 +16,7 @@ ROOT = "pytest_gpuclean"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # (bottom first; the layers of one row are independent: neither may import the other)
-    ("pytest_gpuclean",),  # the version and the package's import finder
+    ("pytest_gpuclean._version", "pytest_gpuclean._imports"),  # the version; the package's import finder
     ("pytest_gpuclean._model",),  # the records, and the decisions over a test's record
     ("pytest_gpuclean._settings", "pytest_gpuclean.report"),  # the options; formatting (text, JSON, CI)
     ("pytest_gpuclean._reading",),  # what the machine says: /proc, psutil, NVML, simulated devices
@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_gpuclean.hookspecs",),  # gpuclean's own hooks (the session's types in their annotations)
     ("pytest_gpuclean.plugin", "pytest_gpuclean._cli",
      "pytest_gpuclean.simulate"),  # the entry points: pytest's, the gpuclean command, the device simulator
-    ("pytest_gpuclean.__main__",),  # python -m pytest_gpuclean
+    ("pytest_gpuclean.__main__", "pytest_gpuclean"),  # python -m pytest_gpuclean; the public names
 )
 
 DECISIONS = ("pytest_gpuclean._check.decisions", "pytest_gpuclean._check.gate",

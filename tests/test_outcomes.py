@@ -12,10 +12,6 @@ from pytest_gpuclean._check import reap_plan
 from pytest_gpuclean._check.reap_plan import plan as plan_reap
 from pytest_gpuclean._model.outcomes import (
     ALL_KINDS,
-    CheckResult,
-    ClusterReading,
-    FixtureLeak,
-    NodeReading,
     has_findings,
     noticed,
     outcome,
@@ -23,17 +19,21 @@ from pytest_gpuclean._model.outcomes import (
     reaped_count,
     split_own,
 )
-from pytest_gpuclean._model.outcomes import TestRecord as Record
 from pytest_gpuclean._model.records import (
+    CheckResult,
+    ClusterReading,
     Credentials,
+    FixtureLeak,
     FoundBy,
     HealthFinding,
+    NodeReading,
     Offender,
     Owner,
     OwnerKind,
     ProcessInfo,
     Reaped,
 )
+from pytest_gpuclean._model.records import TestRecord as Record
 from pytest_gpuclean.report import ci, jsonreport, terminal
 
 NODEID = "t.py::test_it"

@@ -13,24 +13,21 @@ import pytest
 from pytest_gpuclean._check import reap_plan
 from pytest_gpuclean._model import outcomes
 from pytest_gpuclean._model import records as model
-from pytest_gpuclean._model.outcomes import (
-    CheckResult,
-    ClusterReading,
-    FixtureLeak,
-    NodeReading,
-    NodeRelease,
-    has_findings,
-)
-from pytest_gpuclean._model.outcomes import TestRecord as Record
+from pytest_gpuclean._model.outcomes import has_findings
 from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
+    ClusterReading,
     Credentials,
     DeviceInfo,
     DeviceSnapshot,
+    FixtureLeak,
     GpuProcess,
     HealthFinding,
     HolderRecord,
     LockHolder,
+    NodeReading,
+    NodeRelease,
     Offender,
     Outside,
     Owner,
@@ -38,6 +35,7 @@ from pytest_gpuclean._model.records import (
     Reaped,
     SiblingUse,
 )
+from pytest_gpuclean._model.records import TestRecord as Record
 from pytest_gpuclean._session import store
 from pytest_gpuclean.ray import reporting as ray_reporting
 from pytest_gpuclean.report import ci, jsonreport, terminal
@@ -107,8 +105,8 @@ RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_befo
                     cluster_after=RAY_AFTER)
 
 # What the clean_gpus fixture gives a test.
-GPU_STATE = outcomes.DeviceState(0, "GPU-0000", "H200", 600 * MIB, 1000 * MIB)
-CLEAN_GPUS = outcomes.CleanGpus((GPU_STATE, outcomes.DeviceState(3, "GPU-3333", "H200", 0, 1000 * MIB)))
+GPU_STATE = model.DeviceState(0, "GPU-0000", "H200", 600 * MIB, 1000 * MIB)
+CLEAN_GPUS = model.CleanGpus((GPU_STATE, model.DeviceState(3, "GPU-3333", "H200", 0, 1000 * MIB)))
 HOLDER_RECORD = HolderRecord(4242, 1000, "ci", "h", "t.py::test_holds", 1.5e9, "GPU-0000", start=99)
 LOCK_HOLDER = LockHolder(HOLDER_RECORD, alive=False, lock_pid=4343, lock_user="ci",
                          lock_cmd="python -m pytest", queued=True)

@@ -146,7 +146,7 @@ def test_the_spelt_out_choices_are_the_models_words() -> None:
 def test_the_spelt_out_variables_are_the_packages_own() -> None:
     # (settings.py names them without importing the modules that set them: see INTERNAL_VARIABLES)
     assert {cookie.COOKIE_VAR, cookie.OWNER_VAR, cookie.WORKERS_SINCE_VAR, held.HELD_VAR, outside.STATE_VAR,
-            pytest_gpuclean._CACHE_ENV} == settings.INTERNAL_VARIABLES
+            pytest_gpuclean._imports._CACHE_ENV} == settings.INTERNAL_VARIABLES
 
 
 @pytest.mark.parametrize("where", ["cli", "env", "ini"])

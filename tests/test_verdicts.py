@@ -30,10 +30,10 @@ from helpers import (
 )
 
 from pytest_gpuclean._check import decisions
-from pytest_gpuclean._model.outcomes import CheckResult, reaped_count
-from pytest_gpuclean._model.outcomes import TestRecord as Record
+from pytest_gpuclean._model.outcomes import reaped_count
 from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     GpuProcess,
@@ -41,6 +41,7 @@ from pytest_gpuclean._model.records import (
     ProcessInfo,
     Reaped,
 )
+from pytest_gpuclean._model.records import TestRecord as Record
 from pytest_gpuclean._session import store as session_records
 from pytest_gpuclean.report.serialize import to_dict
 

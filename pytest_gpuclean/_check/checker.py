@@ -41,9 +41,9 @@ from pytest_gpuclean._check.decisions import (
     offenders,
 )
 from pytest_gpuclean._check.outside import OutsideMemory
-from pytest_gpuclean._model.outcomes import CheckResult
 from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     EndedBy,
@@ -62,16 +62,6 @@ from pytest_gpuclean._reading.backends import Backend
 from pytest_gpuclean._reading.devices import DeviceError, DeviceLost
 from pytest_gpuclean._settings import DEFAULT_GRACE_S
 from pytest_gpuclean.report.text import mib_list, one_line
-
-__all__ = [
-    "AT_REST_S",
-    "MAX_FREEZE_PASSES",
-    "POLL_S",
-    "SETTLE_POLL_S",
-    "Checker",
-    "respawned_note",
-]
-
 
 POLL_S = 0.02
 """Polling interval while waiting for a device to come clean."""
@@ -668,7 +658,6 @@ class Checker:
         infos = (processes.describe(f.pid, f.start_ticks) for f in self.take_census()
                  if f.live and f.token == PREEXISTING)
         return [info for info in infos if info is not None]
-
 
 
 class _Passes:

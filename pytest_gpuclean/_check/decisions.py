@@ -32,38 +32,6 @@ from pytest_gpuclean._model.records import (
 if TYPE_CHECKING:
     from pytest_gpuclean._ownership.census import CensusEntry
 
-__all__ = [
-    "CHAIN_BIRTHS",
-    "CONTEXT_OVERHEAD_BYTES",
-    "MAX_REAP_ROUNDS",
-    "SLACK_BYTES",
-    "Holders",
-    "Judge",
-    "Key",
-    "Move",
-    "OutsideState",
-    "Short",
-    "Snapshot",
-    "SortedCensus",
-    "Verdict",
-    "context_overhead",
-    "excess_memory",
-    "hopeless",
-    "known_outside",
-    "leak_detail",
-    "listed_overhead",
-    "mib_of",
-    "next_move",
-    "of_the_sweep",
-    "offenders",
-    "outside_of",
-    "self_replacing",
-    "short_of_users",
-    "sort_census",
-    "unexplained_beside",
-    "unexplained_use",
-]
-
 
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process (9 MiB on an H200:

@@ -21,10 +21,6 @@ from __future__ import annotations
 from pytest_gpuclean._model.records import Credentials
 from pytest_gpuclean.report.text import one_line
 
-__all__ = [
-    "refusal",
-]
-
 
 def refusal(credentials: Credentials | None, my_uid: int, *, itself: bool = False,
             protected: bool = False) -> str | None:

@@ -29,22 +29,6 @@ from pytest_gpuclean._model.records import (
 from pytest_gpuclean._reading.backends import HealthSource
 from pytest_gpuclean._reading.devices import Device, DeviceLost
 
-__all__ = [
-    "CLOCKS_AFTER_S",
-    "SETTINGS",
-    "XIDS",
-    "XID_CATALOGUE",
-    "HealthWatch",
-    "Prober",
-    "changes",
-    "device_problems",
-    "finding",
-    "reset_reasons",
-    "xid_meaning",
-    "xid_message",
-]
-
-
 XID_CATALOGUE = "https://docs.nvidia.com/deploy/xid-errors/"
 XIDS: dict[int, tuple[HealthEffect, str]] = {
     # Faults a test's own kernels cause: the test fails; the GPU stays usable (docs/ci.md).

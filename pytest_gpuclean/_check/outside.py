@@ -23,12 +23,6 @@ from typing import Any
 
 from pytest_gpuclean._check.decisions import OutsideState
 
-__all__ = [
-    "STATE_VAR",
-    "OutsideMemory",
-]
-
-
 STATE_VAR = "GPUCLEAN_OUTSIDE_STATE"
 """Set by an xdist controller for its workers: the file where they share what held a GPU from outside."""
 _READ_LIMIT = 1 << 20

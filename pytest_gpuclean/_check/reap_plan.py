@@ -17,11 +17,6 @@ from pytest_gpuclean._check.gate import refusal
 from pytest_gpuclean._model.records import Credentials, FoundBy, ProcessInfo
 from pytest_gpuclean.report.text import one_line
 
-__all__ = [
-    "ReapCandidate",
-    "plan",
-]
-
 
 class ReapCandidate(NamedTuple):
     """A process ``reap`` might end, with every fact the decision needs (``reap_plan.plan``): gathered by

@@ -21,14 +21,6 @@ from pytest_gpuclean._model.records import DeviceInfo, DeviceSnapshot, FoundBy, 
 from pytest_gpuclean._reading import processes
 from pytest_gpuclean._reading.devices import DeviceError
 
-__all__ = [
-    "Read",
-    "kill_and_confirm",
-    "reaped_record",
-    "shutdown_pools",
-    "vanished",
-]
-
 _RELEASE_POLL_S = 0.005
 
 Read = Callable[[Sequence[DeviceInfo]], Sequence[DeviceSnapshot]]

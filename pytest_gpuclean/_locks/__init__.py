@@ -2,4 +2,3 @@
 its lock files and per-GPU marks), ``held.py`` (a test's locks, its holder records, the kept locks),
 ``holders.py`` (who holds a lock) and ``describe.py`` (that, in words) are what it stands on."""
 
-__all__: list[str] = []

@@ -11,12 +11,6 @@ import time
 from pytest_gpuclean._locks.directory import HOST, QUEUE_AFTER_S
 from pytest_gpuclean._model.records import HolderRecord, LockHolder
 
-__all__ = [
-    "describe_holder",
-    "describe_holders",
-]
-
-
 
 def describe_holders(holders: dict[str, LockHolder]) -> str:
     """``uuid: holder; uuid: holder`` for a message."""

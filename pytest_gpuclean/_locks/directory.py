@@ -24,37 +24,6 @@ import stat
 import struct
 from collections.abc import Sequence
 
-__all__ = [
-    "DIR_MODE",
-    "FILE_FLAGS",
-    "HOST",
-    "LOCK_FILE_MODE",
-    "MAKE_BASE",
-    "MARKS_LEN",
-    "MISSING",
-    "QUEUE_AFTER_S",
-    "LockDir",
-    "LockDirError",
-    "cache",
-    "cache_lock",
-    "clear",
-    "create",
-    "dir_error",
-    "forget",
-    "let_go",
-    "mark",
-    "mark_at",
-    "marked",
-    "marks_of",
-    "open_dir_once",
-    "share",
-    "take_notices",
-    "unchanged",
-    "unlock",
-    "unqueue",
-]
-
-
 HOST = socket.gethostname()
 """This host, as the holder records written here name it: a record of another host is a container's that
 shares the directory (its pids are its own)."""

@@ -62,12 +62,6 @@ from pytest_gpuclean._locks.holders import lock_holders, read_records
 from pytest_gpuclean._model.records import HolderRecord, LockHolder
 from pytest_gpuclean._reading import procfs
 
-__all__ = [
-    "GpuLocks",
-    "LockTimeout",
-]
-
-
 _RETRY_S = (0.02, 0.1)
 """Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
 

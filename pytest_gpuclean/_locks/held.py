@@ -30,18 +30,6 @@ from pytest_gpuclean._locks.directory import (
 )
 from pytest_gpuclean._reading import procfs
 
-__all__ = [
-    "HELD_VAR",
-    "HOLDER_FILE_MODE",
-    "HeldLocks",
-    "holder_fd",
-    "holder_name",
-    "resume",
-    "still_named",
-    "write_records",
-]
-
-
 _RECORD_BYTES = 512
 _BLANK = b" " * _RECORD_BYTES
 

@@ -25,13 +25,6 @@ from pytest_gpuclean._locks.directory import FILE_FLAGS, HOST, LockDir, cache_lo
 from pytest_gpuclean._model.records import HolderRecord, LockHolder
 from pytest_gpuclean._reading import procfs
 
-__all__ = [
-    "clean_text",
-    "lock_holders",
-    "read_records",
-]
-
-
 _READ_LIMIT = 4096
 """A holder record is well under 1 KiB: a bigger file is not one, and is not read further."""
 _CLOCK_SKEW_S = 300.0

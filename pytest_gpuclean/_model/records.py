@@ -17,39 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol, cast, get_args
 
-__all__ = [
-    "MIB",
-    "UNKNOWN_OWNER",
-    "Credentials",
-    "DeviceHealth",
-    "DeviceInfo",
-    "DeviceSnapshot",
-    "EndedBy",
-    "FoundBy",
-    "GpuProcess",
-    "HealthEffect",
-    "HealthFinding",
-    "HealthKind",
-    "HolderRecord",
-    "KillResult",
-    "LockHolder",
-    "Offender",
-    "OnOff",
-    "Outside",
-    "OutsideAction",
-    "Owner",
-    "OwnerKind",
-    "Phase",
-    "ProcessInfo",
-    "ProcessState",
-    "Reaped",
-    "Reason",
-    "Scope",
-    "Selection",
-    "SiblingUse",
-    "Via",
-]
-
 MIB = 1024 * 1024
 
 # Closed sets of words, as types so that ``mypy --strict`` catches a misspelt one. The JSON report
@@ -374,3 +341,167 @@ class HealthFinding(NamedTuple):
     """``setup``: found before the test (not caused by it); ``teardown``: during or right after it."""
     xid: int | None = None
 
+
+# ---- what a check and a test came to ----------------------------------------------------------------------
+
+
+class NodeReading(NamedTuple):
+    """One alive Ray node as a cluster's check read it; its devices are named with the node."""
+
+    node_id: str
+    devices: tuple[DeviceSnapshot, ...]
+    error: str = ""
+
+
+class NodeRelease(NamedTuple):
+    """How long one Ray node's devices took to let go of what a cluster's check ended there."""
+
+    node_id: str
+    release_s: float | None
+    """Seconds from the first kill on the node (``ray.kill`` or SIGTERM) until its devices listed none of
+    the ended processes; None if none of them was on a device, or they were still listed at the deadline."""
+    pids: tuple[int, ...] = ()
+    """The ended processes that were on the node's devices."""
+
+
+class ClusterReading(NamedTuple):
+    """What a check of a Ray cluster read beside its findings (``CheckResult.cluster``): the cluster, each
+    alive node's devices, and how long each node took to release what was ended there. The findings
+    themselves are ordinary ``Offender``/``Reaped`` records that name their ``node``."""
+
+    address: str
+    nodes: tuple[NodeReading, ...] = ()
+    releases: tuple[NodeRelease, ...] = ()
+
+
+class CheckResult(NamedTuple):
+    """The verdict of one check of the devices and processes."""
+
+    phase: Phase
+    clean: bool
+    devices: tuple[DeviceSnapshot, ...]
+    offenders: tuple[Offender, ...]
+    reaped: tuple[Reaped, ...] = ()
+    waited_s: float = 0.0
+    clean_after_s: float | None = None
+    """Seconds from the start of this check to confirmed clean (None if it never got clean)."""
+    notes: tuple[str, ...] = ()
+    tolerance_mib: int = 0
+    collected: tuple[Reaped, ...] = ()
+    """Processes of ours that had exited without anybody waiting for them (zombies), or that exited by
+    themselves within the settle time: collected and reported, not counted as leaks."""
+    lingered: tuple[Offender, ...] = ()
+    """Our processes that were alive when the check started and ended by themselves while it waited
+    (reaping off): not dirty any more, but still leaked by whoever spawned them."""
+    self_mib: tuple[tuple[str, float], ...] = ()
+    """This process's own memory per device (a CUDA context of the pytest process): not a leak."""
+    self_cuda_only: tuple[str, ...] = ()
+    """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
+    error: str | None = None
+    """Why a device could not be read (naming it), which ended the check at once, not clean: what was
+    provably ours was still reaped, as process ownership needs no device reading. None if every read
+    succeeded."""
+    device_lost: bool = False
+    """The device that could not be read is gone (NVML's GPU_IS_LOST, a simulated device's folder removed):
+    no later check can succeed."""
+    siblings: tuple[SiblingUse, ...] = ()
+    """Processes of other workers of the same xdist run on these devices: excused, not waited for, never
+    signalled (the notes name them)."""
+    outside: Outside | None = None
+    """What of the findings came from outside the session; None if nothing did."""
+    cluster: ClusterReading | None = None
+    """A Ray cluster's check: the cluster and each node's devices (``devices`` is empty: they are the
+    nodes'), its offenders and reaped naming their ``node``; None for this host's check."""
+
+
+class FixtureLeak(NamedTuple):
+    """What a fixture wider than a test (module, class, package or session scope) left behind, found at the
+    teardown of the test that finalized it: the fixture's finding, not that test's."""
+
+    name: str
+    scope: str
+    location: tuple[str, int]
+    """Where the fixture is defined: file (relative to rootdir where it is under it) and 1-based line of its
+    first decorator (pytest's convention for a test); ("", 0) if unknown."""
+    reported_on: str
+    """The node id of the test at whose teardown the fixture ended and its leftovers were found."""
+    reaped: tuple[Reaped, ...] = ()
+    leaked: tuple[Offender, ...] = ()
+    """Its processes still there after the check: not reaped (reaping off, or they could not be ended)."""
+    lingered: tuple[Offender, ...] = ()
+    """Its processes that ended by themselves while the check waited (reaping off)."""
+
+    @property
+    def where(self) -> str:
+        """``conftest.py:12``, or "" if unknown."""
+        return f"{self.location[0]}:{self.location[1]}" if self.location[0] else ""
+
+    def __str__(self) -> str:
+        """``fixture engine (session-scoped, conftest.py:12)``."""
+        return f"fixture {self.name} ({self.scope}-scoped" + (f", {self.where})" if self.where else ")")
+
+
+@dataclass(slots=True)
+class TestRecord:
+    """Everything gpuclean saw for one checked test; feeds the summary, JSON and JUnit output."""
+
+    nodeid: str
+    location: tuple[str, int] = ("", 0)
+    before: CheckResult | None = None
+    after: CheckResult | None = None
+    found_later: tuple[Reaped, ...] = ()
+    """Processes this test leaked that a later check found (e.g. the test was not checked)."""
+    in_process_mib: tuple[tuple[str, float], ...] = ()
+    """Growth of ``torch.cuda.memory_allocated`` during the test, per device."""
+    devices: tuple[str, ...] = ()
+    """UUIDs the test held the locks of."""
+    lock_wait_s: float = 0.0
+    lock_timeout: str | None = None
+    """Why the test never got its GPU locks (it waited ``lock_wait_s``); None if it got them."""
+    before_s: float = 0.0
+    after_s: float = 0.0
+    cluster_before: CheckResult | None = None
+    """The Ray cluster check before the test (``--gpuclean-ray``); None without it."""
+    cluster_after: CheckResult | None = None
+    fixture_leaks: tuple[FixtureLeak, ...] = ()
+    """Leaks of fixtures wider than a test that ended at this test's teardown: found by its check, but
+    the fixtures' findings (its ``after`` keeps only what is this test's own). Like the other collections
+    of a record, a tuple: the empty one is shared by every record (the session keeps them all, and the
+    garbage collector walks them)."""
+    gpu_without_lock: tuple[SiblingUse, ...] = ()
+    """Processes this test started that another xdist worker found holding memory on a GPU whose lock
+    that worker's test held (recorded there, merged in by the controller)."""
+    health: tuple[HealthFinding, ...] = ()
+    """What the health watch (``health.py``) found on this test's GPUs: Xid events, a GPU that needs a reset,
+    a changed setting, a lost GPU, a failed probe, clock event reasons."""
+    outside_action: OutsideAction | None = None
+    """What the test got because a check found its GPUs dirty only from outside the session
+    (``--gpuclean-outside``); None if none did."""
+    blocked_by: tuple[str, ...] = ()
+    """Who leaked what its check before found and nothing else: leaks an earlier check found and left
+    (reaping is off), not waited for again; the test was skipped. Each a test's node id or a fixture
+    (``fixture NAME (SCOPE-scoped)``); empty if no such leak kept it from running."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceState:
+    """A device under check as the ``clean_gpus`` fixture shows it (figures from the setup check). Made only
+    for a test that requests the fixture, from its setup check's readings."""
+
+    index: int
+    """NVML index of the physical GPU (what nvidia-smi shows)."""
+    uuid: str
+    name: str
+    used_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CleanGpus:
+    """What the ``clean_gpus`` fixture yields: the devices this test checks (and holds locks of)."""
+
+    devices: tuple[DeviceState, ...]
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(d.uuid for d in self.devices)

@@ -15,9 +15,8 @@ from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 from pytest_gpuclean._model.records import FoundBy, Owner, OwnerKind
+from pytest_gpuclean._ownership.cookie import COOKIE_VAR, OWNER_VAR
 from pytest_gpuclean._ownership.evidence import (
-    COOKIE_VAR,
-    OWNER_VAR,
     PREEXISTING,
     SESSION,
     Ownership,
@@ -30,21 +29,6 @@ from pytest_gpuclean._ownership.handles import holders
 from pytest_gpuclean._ownership.library_helpers import library_helpers, torch_shm_manager
 from pytest_gpuclean._reading import processes, procfs
 from pytest_gpuclean.report.text import one_line
-
-__all__ = [
-    "XDIST_RUN_VAR",
-    "XDIST_WORKER_VAR",
-    "Census",
-    "CensusEntry",
-    "FixtureValues",
-    "Managed",
-    "Ownership",
-    "Registry",
-    "Sibling",
-    "is_peer",
-    "sibling_claim",
-]
-
 
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"

@@ -9,18 +9,6 @@ from __future__ import annotations
 
 import os
 
-__all__ = [
-    "COOKIE_VAR",
-    "OWNER_VAR",
-    "PREEXISTING_TOKEN",
-    "SESSION_NAME",
-    "SESSION_TOKEN",
-    "WORKERS_SINCE_VAR",
-    "cookie",
-    "new_session_id",
-    "restore_env",
-]
-
 COOKIE_VAR = "GPUCLEAN_TEST"
 """Set in the pytest process while a test or higher-scoped fixture runs: every process spawned then
 inherits ``<session id>:<owner token>`` and so says who started it, wherever it ends up."""

@@ -17,34 +17,12 @@ from typing import NamedTuple
 
 from pytest_gpuclean._model.records import UNKNOWN_OWNER, Owner
 from pytest_gpuclean._ownership.cookie import (
-    COOKIE_VAR,
-    OWNER_VAR,
     PREEXISTING_TOKEN,
     SESSION_NAME,
     SESSION_TOKEN,
     cookie,
 )
 from pytest_gpuclean._reading import procfs
-
-__all__ = [
-    "COOKIE_VAR",
-    "OWNER_VAR",
-    "PREEXISTING",
-    "SESSION",
-    "SESSION_OWNER",
-    "Ambiguous",
-    "Liveness",
-    "Ownership",
-    "SessionRef",
-    "Window",
-    "born_in",
-    "dead_session_of",
-    "fixture_owner",
-    "innermost_session",
-    "older_than_session",
-    "owner_named",
-    "pid_between",
-]
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
 PREEXISTING = PREEXISTING_TOKEN
@@ -268,8 +246,6 @@ class Ownership:
             return any(self.is_protected(t) for t in self.ambiguous[token].protectors)
         return (token is None or token == PREEXISTING or (token == SESSION and not self.session_over)
                 or token in self.active_fixtures)
-
-
 
 
 # ---- the decisions, over plain values (the readings are the caller's) --------------------------------

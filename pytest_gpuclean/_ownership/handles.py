@@ -43,12 +43,6 @@ from collections.abc import Collection, Iterable, Sequence
 from fnmatch import fnmatch
 from typing import Any, Literal, cast
 
-__all__ = [
-    "Holder",
-    "HolderKind",
-    "holders",
-]
-
 HolderKind = Literal["module", "fixture", "bookkeeping"]
 
 

@@ -9,13 +9,6 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = [
-    "MULTIPROCESSING_PACKAGES",
-    "library_helpers",
-    "torch_shm_manager",
-]
-
-
 MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
 """Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
 dill-based fork that vLLM's tests use)."""

@@ -19,17 +19,6 @@ from pytest_gpuclean._settings import parse_device_list
 if TYPE_CHECKING:
     from pytest_gpuclean._reading.nvml import NvmlOpening
 
-__all__ = [
-    "Backend",
-    "HealthSource",
-    "choose_devices",
-    "cuda_order_matches_nvml",
-    "cuda_ordinal_uuids",
-    "open_backend",
-    "select_devices",
-]
-
-
 
 class Backend(Protocol):
     """What the checker needs from a device source."""
@@ -71,7 +60,6 @@ class Backend(Protocol):
         ...
 
 
-
 @runtime_checkable
 class HealthSource(Protocol):
     """What the health watch (``health.py``) needs of a backend; both backends have it.
@@ -95,7 +83,6 @@ class HealthSource(Protocol):
     def drain_xids(self) -> list[tuple[str, int]]:
         """The Xid events since the last drain, as (device UUID, Xid code), without waiting."""
         ...
-
 
 
 def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, option: str) -> Selection:

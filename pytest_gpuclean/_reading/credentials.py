@@ -15,12 +15,6 @@ import pwd
 from pytest_gpuclean._model.records import Credentials, ProcessInfo
 from pytest_gpuclean._reading import processes, procfs
 
-__all__ = [
-    "credentials",
-    "uids_of",
-    "user_name",
-]
-
 
 def credentials(pid: int, start_ticks: int | None = None) -> Credentials | None:
     """What the gate needs to know of ``pid`` (the process that started at ``start_ticks``, if given): the

@@ -16,19 +16,6 @@ from __future__ import annotations
 
 from typing import Generic, Protocol, TypeVar
 
-__all__ = [
-    "CLOCK_REASONS",
-    "COMPUTE_MODES",
-    "BackendUnavailable",
-    "Device",
-    "DeviceError",
-    "DeviceLost",
-    "DeviceSelectionError",
-    "LastReadings",
-    "SimulationError",
-]
-
-
 
 class Device(Protocol):
     """What an error or a reading names of its device: a ``records.DeviceInfo`` (a protocol here, not an

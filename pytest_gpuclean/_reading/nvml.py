@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from pytest_gpuclean import import_cached
+from pytest_gpuclean._imports import import_cached
 from pytest_gpuclean._model.records import DeviceHealth, DeviceInfo, DeviceSnapshot, GpuProcess
 from pytest_gpuclean._reading import procfs
 from pytest_gpuclean._reading.devices import (
@@ -21,13 +21,6 @@ from pytest_gpuclean._reading.devices import (
     DeviceLost,
     LastReadings,
 )
-
-__all__ = [
-    "XID_EVENT",
-    "NvmlBackend",
-    "NvmlOpening",
-]
-
 
 XID_EVENT = 0x8
 """``nvmlEventTypeXidCriticalError``."""

@@ -20,12 +20,6 @@ from collections.abc import Sequence
 from pytest_gpuclean._model.records import DeviceInfo
 from pytest_gpuclean._reading import simulated_layout as layout
 
-__all__ = [
-    "PROBE_BYTES",
-    "run",
-]
-
-
 PROBE_BYTES = 1 << 20
 
 # The child's first line names the simulated devices' files that it reads (their layout's one home).

@@ -21,27 +21,6 @@ from typing import Any, NamedTuple
 from pytest_gpuclean._model.records import ProcessInfo, ProcessState
 from pytest_gpuclean._reading import procfs
 
-__all__ = [
-    "PR_SET_CHILD_SUBREAPER",
-    "Handle",
-    "KillOutcome",
-    "KillTarget",
-    "ancestors",
-    "command_line",
-    "cookie_holders",
-    "describe",
-    "matches_any",
-    "pin",
-    "reap_if_child",
-    "resume",
-    "set_child_subreaper",
-    "state_name",
-    "stop",
-    "stray_python_processes",
-    "terminate",
-]
-
-
 PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.005
 

@@ -15,46 +15,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, NamedTuple, cast
 
-__all__ = [
-    "CLOCK_TICKS",
-    "EXITED",
-    "SETTLED_NS",
-    "WALK_FULL_EVERY_S",
-    "WALK_LOOKBACK",
-    "WALK_PENDING_S",
-    "WALK_RANGE_LIMIT",
-    "DescendantWalk",
-    "KernelState",
-    "ProcStat",
-    "ancestry",
-    "boot_ticks_now",
-    "children",
-    "cpu_demand_ns",
-    "cuda_device_minors",
-    "descendants",
-    "exe_name",
-    "exe_path",
-    "fd_target",
-    "has_nvidia_device_open",
-    "is_live",
-    "last_pid",
-    "live_state",
-    "owned_by",
-    "pid_max",
-    "pid_namespace",
-    "pids_of_uid",
-    "pipes_of",
-    "read_environ_var",
-    "read_environ_vars",
-    "read_file",
-    "read_stat",
-    "self_identity",
-    "thread_ids",
-    "ticks_to_wall",
-    "wall_minus_boot",
-]
-
-
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 KernelState = Literal["R", "S", "D", "T", "t", "Z", "X", "x", "K", "W", "P", "I"]

@@ -26,13 +26,6 @@ from pytest_gpuclean._reading.devices import (
     SimulationError,
 )
 
-__all__ = [
-    "SIM_NAME",
-    "SimulatedBackend",
-    "simulated_uuid",
-]
-
-
 SIM_NAME = "Simulated GPU"
 """A device's name where its folder has no ``name`` file."""
 _LOST_BY_FILE = f"simulated (its file {layout.LOST!r})"

@@ -13,31 +13,6 @@ from __future__ import annotations
 
 import os
 
-__all__ = [
-    "CLOCKS_EVENT_REASONS",
-    "COMPUTE_MODE",
-    "CONTEXT_OVERHEAD",
-    "CUDA",
-    "DEFAULT_TOTAL",
-    "ECC_UNCORRECTED",
-    "HEALTH_FILES",
-    "LOST",
-    "MIG_MODE",
-    "NAME",
-    "PERSISTENCE",
-    "PROBE_FAILS",
-    "PROBE_HANGS",
-    "REMAP_FAILED",
-    "REMAP_PENDING",
-    "TOTAL",
-    "UUID",
-    "XID",
-    "XID_LINE",
-    "device_indices",
-    "no_device",
-    "xid_line",
-]
-
 
 def device_indices(root: str | os.PathLike[str]) -> list[int]:
     """The devices ``root`` holds: its folders named by an index, in order. Raises ``OSError`` if ``root``

@@ -2,4 +2,3 @@
 specs (how an extension, the Ray cluster's checks, takes part), the report outputs. (Empty: importing a layer
 loads none of its modules.)"""
 
-__all__: list[str] = []

@@ -43,9 +43,6 @@ if TYPE_CHECKING:
     from pytest_gpuclean._check.health import HealthWatch
     from pytest_gpuclean._reading.nvml import NvmlOpening
     from pytest_gpuclean._session.names import ExportedCookie
-__all__ = [
-    "CheckedSession",
-]
 
 _SUBREAPER: dict[int, bool] = {}
 """pid -> whether PR_SET_CHILD_SUBREAPER took; once per process (xdist workers are processes too)."""

@@ -20,8 +20,17 @@ from pytest_gpuclean import _settings as settings
 from pytest_gpuclean._locks.describe import describe_holders
 from pytest_gpuclean._locks.directory import take_notices
 from pytest_gpuclean._locks.gpus import LockTimeout
-from pytest_gpuclean._model.outcomes import CheckResult, FixtureLeak, TestRecord, split_own
-from pytest_gpuclean._model.records import MIB, HealthFinding, Offender, OutsideAction, Phase
+from pytest_gpuclean._model.outcomes import split_own
+from pytest_gpuclean._model.records import (
+    MIB,
+    CheckResult,
+    FixtureLeak,
+    HealthFinding,
+    Offender,
+    OutsideAction,
+    Phase,
+    TestRecord,
+)
 from pytest_gpuclean._ownership.cookie import COOKIE_VAR, OWNER_VAR, restore_env
 from pytest_gpuclean._ownership.evidence import fixture_owner
 from pytest_gpuclean._session import store
@@ -33,12 +42,6 @@ if TYPE_CHECKING:
     from pytest_gpuclean._locks.held import HeldLocks
     from pytest_gpuclean._model.records import DeviceInfo, LockHolder
     from pytest_gpuclean._session.checked import CheckedSession
-__all__ = [
-    "TestGuard",
-    "TestState",
-    "fixture_location",
-]
-
 
 
 _EXTENSION_HOOKS = ("pytest_gpuclean_check_before", "pytest_gpuclean_check_after", "pytest_gpuclean_checked")

@@ -11,17 +11,6 @@ from typing import NamedTuple
 
 import pytest
 
-__all__ = [
-    "FIXTURE",
-    "FORKED_REPORT_ATTR",
-    "FORKING_PLUGINS",
-    "MARKER",
-    "PLUGIN_NAME",
-    "WORKER_OUTPUT_KEY",
-    "ExportedCookie",
-    "GpuCleanWarning",
-]
-
 MARKER = "needs_clean_gpus"
 FIXTURE = "clean_gpus"
 PLUGIN_NAME = "gpuclean-checker"

@@ -20,10 +20,6 @@ if TYPE_CHECKING:
     from pytest_gpuclean._model.records import Selection
     from pytest_gpuclean._reading.backends import Backend
     from pytest_gpuclean._reading.nvml import NvmlOpening
-__all__ = [
-    "open_devices",
-    "select_devices",
-]
 
 
 def open_devices(resolved: settings.Settings, opening: NvmlOpening | None = None) -> Backend:

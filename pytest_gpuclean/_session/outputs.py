@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 
-from pytest_gpuclean._model.outcomes import TestRecord
-from pytest_gpuclean._model.records import Reaped
+from pytest_gpuclean._model.records import Reaped, TestRecord
 from pytest_gpuclean._session import store
 
 if TYPE_CHECKING:
@@ -35,41 +34,10 @@ if TYPE_CHECKING:
     from pytest_gpuclean._settings import Settings
     from pytest_gpuclean.report import jsonreport
 
-__all__ = [
-    "RECORD_ATTRIBUTE",
-    "REPORT_OPTION",
-    "OutputHooks",
-    "PerTestOutputs",
-]
-
 
 REPORT_OPTION = "--gpuclean-report"
 RECORD_ATTRIBUTE = "gpuclean_record"
 """Attribute of an xdist worker's teardown report: the test's record, for the controller."""
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ---- the hooks ---------------------------------------------------------------------------------------

@@ -15,12 +15,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = [
-    "SigtermAsInterrupt",
-    "again_words",
-    "quiet_interrupts",
-]
-
 
 class SigtermAsInterrupt:
     """A cancelled CI job sends SIGTERM: taken like Ctrl-C, so that the final sweep runs and the reports

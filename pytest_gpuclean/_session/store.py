@@ -18,17 +18,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from pytest_gpuclean._model.outcomes import CheckResult, FixtureLeak, TestRecord
-from pytest_gpuclean._model.records import Reaped, SiblingUse
-
-__all__ = [
-    "EMPTY_PAYLOAD",
-    "TEST",
-    "Payload",
-    "RecordSet",
-    "RecordStore",
-    "of",
-]
+from pytest_gpuclean._model.records import CheckResult, FixtureLeak, Reaped, SiblingUse, TestRecord
 
 Payload = dict[str, Any]
 """A session's findings as plain dicts (JSON-able, picklable): what a process ships to another."""

@@ -10,13 +10,6 @@ from typing import Any
 
 from pytest_gpuclean._model.records import MIB
 
-__all__ = [
-    "CACHE_GROWTH_PREFIX",
-    "IN_PROCESS_FLOOR_MIB",
-    "TorchGrowth",
-    "torch_allocated",
-]
-
 IN_PROCESS_FLOOR_MIB = 64
 """Growth of ``torch.cuda.memory_allocated`` in the pytest process up to this (or the test's tolerance, if
 larger) on each device is not a finding: torch fills caches once per process and keeps them (a cuBLAS and

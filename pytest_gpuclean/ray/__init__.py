@@ -2,4 +2,3 @@
 pinned to each node, the cluster's part of the outputs, and ``gpuclean status/check/reap --ray``. (Empty:
 importing a layer loads none of its modules.)"""
 
-__all__: list[str] = []

@@ -19,11 +19,6 @@ from typing import Any
 from pytest_gpuclean.ray.messages import ActorRecord, Census, JobRecord, NamedActor, NodeEnd, NodeReport
 from pytest_gpuclean.ray.node import end_on_node, probe_node, ray_module
 
-__all__ = [
-    "main",
-]
-
-
 
 class _Agent:
     """The agent's side of each request: an op of ``main``'s loop is a method here."""

@@ -30,26 +30,22 @@ from multiprocessing.connection import Connection
 from typing import Any, cast, get_args
 
 from pytest_gpuclean import _settings as settings
-from pytest_gpuclean._model.outcomes import CheckResult, ClusterReading, NodeReading, NodeRelease
-from pytest_gpuclean._model.records import MIB, EndedBy, Offender, Owner, Phase, ProcessInfo, Reaped
+from pytest_gpuclean._model.records import (
+    MIB,
+    CheckResult,
+    ClusterReading,
+    EndedBy,
+    NodeReading,
+    NodeRelease,
+    Offender,
+    Owner,
+    Phase,
+    ProcessInfo,
+    Reaped,
+)
 from pytest_gpuclean._ownership.evidence import SESSION, Ownership
 from pytest_gpuclean._reading import procfs
 from pytest_gpuclean.ray.messages import ActorRecord, Census, NamedActor, NodeEnd, NodeProcess, Outcome
-
-__all__ = [
-    "AGENT_COMMAND",
-    "AUTO",
-    "CONNECT_ENV",
-    "OFF",
-    "RAY_DAEMONS",
-    "ClusterError",
-    "RayCheck",
-    "ended_by",
-    "node_findings",
-    "node_reaped",
-    "resolve_address",
-]
-
 
 OFF = "off"
 AUTO = "auto"

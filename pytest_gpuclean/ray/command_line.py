@@ -20,27 +20,21 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
 
-from pytest_gpuclean import __version__
 from pytest_gpuclean import _settings as settings
 from pytest_gpuclean._check import reap_plan
-from pytest_gpuclean._model.outcomes import CheckResult, ClusterReading, NodeReading
-from pytest_gpuclean._model.records import MIB, Offender, ProcessInfo
+from pytest_gpuclean._model.records import (
+    MIB,
+    CheckResult,
+    ClusterReading,
+    NodeReading,
+    Offender,
+    ProcessInfo,
+)
 from pytest_gpuclean._ownership.evidence import Ownership
+from pytest_gpuclean._version import __version__
 from pytest_gpuclean.ray import cluster
 from pytest_gpuclean.ray.messages import ActorRecord, Census, NamedActor, NodeProcess, NodeReport
 from pytest_gpuclean.report import jsonreport, terminal
-
-__all__ = [
-    "RayCliError",
-    "as_check",
-    "cmd_check",
-    "cmd_reap",
-    "cmd_status",
-    "connect",
-    "plan",
-    "status_json",
-]
-
 
 
 class RayCliError(Exception):

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean._model.outcomes import ALL_KINDS, CheckResult, TestRecord, split_own
-from pytest_gpuclean._model.records import Phase, Reaped
+from pytest_gpuclean._model.outcomes import ALL_KINDS, split_own
+from pytest_gpuclean._model.records import CheckResult, Phase, Reaped, TestRecord
 from pytest_gpuclean._ownership.cookie import COOKIE_VAR, OWNER_VAR, SESSION_NAME, SESSION_TOKEN
 from pytest_gpuclean._reading import procfs
 from pytest_gpuclean.ray import reporting
@@ -30,14 +30,6 @@ if TYPE_CHECKING:
     from pytest_gpuclean._session.checked import CheckedSession
     from pytest_gpuclean._session.guard import TestState
     from pytest_gpuclean._settings import Settings
-__all__ = [
-    "GCS_SERVER",
-    "PLUGIN_NAME",
-    "RayChecks",
-    "gcs_address",
-    "open_cluster",
-    "watches",
-]
 
 
 PLUGIN_NAME = "gpuclean-ray"

@@ -8,24 +8,11 @@ one record from the node to the verdict, no dicts at the boundary.
 """
 
 
-
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from pytest_gpuclean._model.records import DeviceSnapshot, ProcessInfo
-
-__all__ = [
-    "ActorRecord",
-    "Census",
-    "JobRecord",
-    "NamedActor",
-    "NodeEnd",
-    "NodeProcess",
-    "NodeReport",
-    "Outcome",
-]
-
 
 # ---- what a node returns (inside a Ray worker: ``node.py``) --------------------------------------------
 

@@ -22,14 +22,6 @@ from pytest_gpuclean._reading import backends, credentials, devices, processes, 
 from pytest_gpuclean._reading.backends import open_backend
 from pytest_gpuclean.ray.messages import NamedActor, NodeEnd, NodeProcess, NodeReport, Outcome
 
-__all__ = [
-    "end_on_node",
-    "node_devices",
-    "probe_node",
-    "ray_module",
-]
-
-
 
 def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Sequence[int] = ()) -> NodeReport:
     """On a node (inside a Ray worker): its devices and the processes that matter, this user's only.

@@ -14,22 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_gpuclean._model.outcomes import CheckResult, TestRecord
-from pytest_gpuclean._model.records import DeviceSnapshot, Reaped
+from pytest_gpuclean._model.records import CheckResult, DeviceSnapshot, Reaped, TestRecord
 from pytest_gpuclean.report import jsonreport, terminal
-
-__all__ = [
-    "JsonDict",
-    "check_report",
-    "cluster_check_json",
-    "cluster_devices",
-    "cluster_notes",
-    "cluster_reaped_json",
-    "ray_json",
-    "record_keys",
-    "summary_parts",
-]
-
 
 JsonDict = dict[str, Any]
 

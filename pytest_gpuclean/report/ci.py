@@ -8,28 +8,9 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_gpuclean._model.outcomes import FixtureLeak, TestRecord, has_findings
-from pytest_gpuclean._model.records import Reaped
+from pytest_gpuclean._model.outcomes import has_findings
+from pytest_gpuclean._model.records import FixtureLeak, Reaped, TestRecord
 from pytest_gpuclean.report import jsonreport, terminal
-
-__all__ = [
-    "PROPERTY_PREFIX",
-    "TITLE_GPU_FAULT",
-    "TITLE_GPU_UNUSABLE",
-    "TITLE_LEAK",
-    "TITLE_LOCK_TIMEOUT",
-    "TITLE_NOT_CLEAN",
-    "TITLE_WITHOUT_LOCK",
-    "annotation_lines",
-    "annotation_message",
-    "escape_data",
-    "escape_property",
-    "fixture_annotation_message",
-    "junit_properties",
-    "late_step_summary",
-    "step_summary",
-    "workflow_command",
-]
 
 TITLE_LEAK = "GPU leak"
 TITLE_NOT_CLEAN = "GPU not clean"

@@ -11,10 +11,9 @@ import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TextIO
 
-from pytest_gpuclean import __version__
-from pytest_gpuclean._model.outcomes import CheckResult
 from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
     DeviceHealth,
     DeviceInfo,
     DeviceSnapshot,
@@ -22,37 +21,8 @@ from pytest_gpuclean._model.records import (
     ProcessInfo,
     Reaped,
 )
+from pytest_gpuclean._version import __version__
 from pytest_gpuclean.report import jsonreport, terminal
-
-__all__ = [
-    "CMDLINE_WIDTH",
-    "PROG",
-    "Debris",
-    "Health",
-    "ReapTarget",
-    "Selection",
-    "Unreadable",
-    "check_json",
-    "check_lines",
-    "cmd",
-    "dead_session_note",
-    "debris_lines",
-    "header",
-    "health_json",
-    "health_lines",
-    "mib_text",
-    "print_json",
-    "processes_note",
-    "reap_ended_lines",
-    "reap_json",
-    "reap_opening_lines",
-    "status_json",
-    "status_lines",
-    "status_text",
-    "unreadable_lines",
-    "unusable_json",
-    "unusable_lines",
-]
 
 PROG = "gpuclean"
 CMDLINE_WIDTH = 200

@@ -18,58 +18,22 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuclean._model.outcomes import (
-    CheckResult,
-    FixtureLeak,
-    OwnLeaks,
-    TestRecord,
-    has_findings,
-    own_leaks,
-    reaped_count,
-)
+from pytest_gpuclean._model.outcomes import OwnLeaks, has_findings, own_leaks, reaped_count
 from pytest_gpuclean._model.outcomes import outcome as results_outcome
 from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
+    FixtureLeak,
     HealthFinding,
     Offender,
     Owner,
     ProcessInfo,
     Reaped,
     SiblingUse,
+    TestRecord,
 )
-
-__all__ = [
-    "SCHEMA_PATH",
-    "SCHEMA_VERSION",
-    "JsonDict",
-    "check_json",
-    "device_json",
-    "fixture_json",
-    "fixture_leaked_json",
-    "health_json",
-    "iso_time",
-    "leaked_json",
-    "load_schema",
-    "mib_pairs_json",
-    "offender_json",
-    "outcome",
-    "outside_json",
-    "own_reaped",
-    "owner_json",
-    "process_json",
-    "reaped_json",
-    "record_json",
-    "report_document",
-    "seconds",
-    "sibling_use_json",
-    "snapshot_json",
-    "summary_json",
-    "versions",
-    "write_atomic",
-]
-
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report_schema.json")

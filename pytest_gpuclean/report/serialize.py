@@ -12,11 +12,6 @@ import functools
 import types
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
-__all__ = [
-    "from_dict",
-    "to_dict",
-]
-
 _T = TypeVar("_T")
 
 

@@ -5,58 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from pytest_gpuclean._model.outcomes import (
-    CheckResult,
-    FixtureLeak,
-    TestRecord,
-    has_findings,
-    noticed,
-    outcome,
-    reaped_count,
-)
+from pytest_gpuclean._model.outcomes import has_findings, noticed, outcome, reaped_count
 from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
     DeviceSnapshot,
+    FixtureLeak,
     HealthFinding,
     Offender,
     Phase,
     ProcessInfo,
     Reaped,
+    TestRecord,
 )
 from pytest_gpuclean.report.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checker.py's messages use them too)
 from pytest_gpuclean.report.text import mib_list as mib_list
 from pytest_gpuclean.report.text import one_line as one_line
-
-__all__ = [
-    "HEALTH_PREFIX",
-    "LEAK_PREFIX",
-    "NOT_CLEAN_PREFIX",
-    "SUMMARY_TITLE",
-    "UNREADABLE_PREFIX",
-    "DryRunTarget",
-    "check_report",
-    "device_line",
-    "dry_run_lines",
-    "failure_text",
-    "fixture_leak_heading",
-    "fixture_part",
-    "health_parts",
-    "leak_heading",
-    "mib",
-    "not_clean_heading",
-    "offender_lines",
-    "outside_cause",
-    "outside_line",
-    "reaped_lines",
-    "set_up_reaped_line",
-    "short",
-    "stop_line",
-    "stop_reason",
-    "summary_lines",
-    "totals_line",
-    "unreadable_heading",
-]
-
 
 LEAK_PREFIX = "gpuclean: test leaked"
 NOT_CLEAN_PREFIX = "gpuclean: GPUs not clean"

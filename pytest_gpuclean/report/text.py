@@ -5,12 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = [
-    "CMDLINE_CHARS",
-    "mib_list",
-    "one_line",
-]
-
 CMDLINE_CHARS = 200
 
 
