@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, TextIO
 
 from pytest_gpuclean import _settings as settings
 from pytest_gpuclean._check import reap_plan
-from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._check.checker import Checker, CheckSettings
 from pytest_gpuclean._check.decisions import mib_of
 from pytest_gpuclean._check.reaping import reaped_record
 from pytest_gpuclean._model.records import Credentials, DeviceInfo, DeviceSnapshot, ProcessInfo, Reaped
@@ -213,7 +213,7 @@ def _checker(backend: backends.Backend, *, grace: float = settings.DEFAULT_GRACE
     # hook started from inside a test run (as our own tests do) must not excuse that run's processes.
     # Dead sessions' debris is listed on its own (``_debris_lines``) and ended only by ``reap
     # --dead-sessions``: off the GPUs it does not make them dirty.
-    return Checker(backend, reap=False, grace=grace, ignore=ignore, dead_sessions=False)
+    return Checker(backend, CheckSettings(reap=False, grace=grace, ignore=tuple(ignore), dead_sessions=False))
 
 
 def _selection(found: _Devices) -> commands.Selection:

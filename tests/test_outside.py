@@ -356,7 +356,8 @@ def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
     # What a sibling worker's test started carries the controller's cookie extended by that worker's
     # session: the run's, not outside the session (its own worker accounts for it).
     from pytest_gpuclean._check.checker import Checker
-    worker = Checker(None, xdist_run="run1", peer_cookie="gc.1.2.3.aa:session")
+    from pytest_gpuclean._ownership.census import Census, XdistPeers
+    worker = Checker(None, census=Census.of_its_own(peers=XdistPeers("run1", "gc.1.2.3.aa:session")))
     alone = Checker(None)
     with _running("gc.1.2.3.aa:session/gc.4.5.3.bb:t7") as sibling, \
             _running("gc.9.9.3.cc:session/gc.4.5.3.bb:t7") as other_run, \

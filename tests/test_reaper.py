@@ -251,8 +251,8 @@ def test_reaper_never_steals_popen_exit_statuses(example: Callable[..., Path],
 
 def test_fixture_protection_ends_with_the_fixture(tmp_path: Path) -> None:
     # Ownership bookkeeping: a process spawned under a fixture's cookie is protected only while it lives.
-    from pytest_gpuclean._check.checker import Ownership
     from pytest_gpuclean._model.records import Owner
+    from pytest_gpuclean._ownership.evidence import Ownership
     ownership = Ownership("s1")
     token = ownership.new_token(Owner("fixture", "server (module-scoped)"))
     ownership.active_fixtures.add(token)

@@ -28,12 +28,16 @@ import operator
 import os
 import time
 from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 from pytest_gpuclean._check import decisions, reaping
 from pytest_gpuclean._check.decisions import (
     MAX_REAP_ROUNDS,
+    Identities,
     Judge,
     Key,
+    Others,
+    OwnUse,
     Snapshot,
     Verdict,
     leak_detail,
@@ -54,9 +58,8 @@ from pytest_gpuclean._model.records import (
     Reaped,
     SiblingUse,
 )
-from pytest_gpuclean._ownership.census import Census, CensusEntry, Registry, Sibling
-from pytest_gpuclean._ownership.cookie import new_session_id
-from pytest_gpuclean._ownership.evidence import PREEXISTING, SESSION, Ownership
+from pytest_gpuclean._ownership.census import Census, CensusEntry, Sibling
+from pytest_gpuclean._ownership.evidence import PREEXISTING, SESSION
 from pytest_gpuclean._reading import processes, procfs
 from pytest_gpuclean._reading.backends import Backend
 from pytest_gpuclean._reading.devices import DeviceError, DeviceLost
@@ -78,34 +81,40 @@ _LISTED = operator.attrgetter("processes")
 _USED = operator.attrgetter("used_bytes")
 
 
+class CheckSettings(NamedTuple):
+    """What every check of a checker does: the options that shape it."""
+
+    reap: bool = True
+    grace: float = DEFAULT_GRACE_S
+    """Seconds between SIGTERM and SIGKILL."""
+    settle: float = 0.0
+    """Seconds leftovers get to exit by themselves before the first reaping."""
+    ignore: tuple[str, ...] = ()
+    """Command-line globs of processes that are never strays (host scope, GPU processes)."""
+    host_scope: bool = False
+    """Also this user's other Python processes are looked for."""
+    dead_sessions: bool = True
+    """The debris of dead sessions is looked for (and reaped) too."""
+
+
 class Checker:
     """Checks devices and processes; reaps leaks that are provably this session's."""
 
-    def __init__(self, backend: Backend | None, *, reap: bool = True, grace: float = DEFAULT_GRACE_S,
-                 ignore: Sequence[str] = (), host_scope: bool = False,
-                 session_id: str | None = None, settle: float = 0.0, xdist_run: str | None = None,
-                 peer_cookie: str | None = None, dead_sessions: bool = True,
-                 session_start_ticks: int | None = None, peers_since: int | None = None,
-                 session_start_pid: int | None = None, helpers: Sequence[str] = (),
-                 persistent: Sequence[str] = (), persistent_registry: Registry | None = None) -> None:
+    def __init__(self, backend: Backend | None, settings: CheckSettings | None = None,
+                 census: Census | None = None) -> None:
+        """``census``: the session's (None: a session of its own, as the ``gpuclean`` command's)."""
+        settings = settings or CheckSettings()
         self.backend = backend
-        self.reap_enabled = reap
-        self.grace = grace
-        self.settle = settle
-        self.ignore = tuple(ignore)
-        self.host_scope = host_scope
-        self.dead_sessions = dead_sessions
+        self.reap_enabled = settings.reap
+        self.grace = settings.grace
+        self.settle = settings.settle
+        self.ignore = settings.ignore
+        self.host_scope = settings.host_scope
+        self.dead_sessions = settings.dead_sessions
         self.uid = os.getuid()
-        if session_start_ticks is None:
-            session_start_ticks, session_start_pid = procfs.boot_ticks_now(), procfs.last_pid()
-        if session_id is None:  # a checker of its own (the command line's, a test's)
-            session_id = new_session_id(None, *procfs.self_identity())
-        self.ownership = Ownership(session_id, session_start_ticks, session_start_pid)
-        self.census = Census(self.ownership, uid=self.uid, session_start_ticks=session_start_ticks,
-                            xdist_run=xdist_run, peer_cookie=peer_cookie, peers_since=peers_since,
-                            helper_globs=helpers, persistent_globs=persistent,
-                            persistent_registry=persistent_registry)
+        self.census = census if census is not None else Census.of_its_own()
         """The session's processes and their tokens."""
+        self.ownership = self.census.ownership
         self.last_lost: DeviceLost | None = None
         """The lost GPU that ended the last check (``check(device_errors=True)``), for the health watch."""
         self.hurry: Callable[[], bool] | None = None
@@ -333,7 +342,7 @@ class Checker:
             left = {f.key for f in self.census.take(scan_cookies=True) if f.live}
             ours = [f for f in ours if f.key in left]
         return self._snapshot(check, seen.readings, seen.census, self.census.pinned(ours), seen.unknown,
-                              set(), set(), dict(seen.overhead), set(), maybe_outside=False,
+                              set(), set(), dict(seen.own.overhead), set(), maybe_outside=False,
                               strays=self.host_scope)
 
     def _snapshot(self, check: _Passes, readings: tuple[DeviceSnapshot, ...], found: Sequence[CensusEntry],
@@ -376,14 +385,16 @@ class Checker:
             # What our xdist siblings run is theirs, as on the GPUs (``Census.siblings``).
             python_strays = [info for pid in sorted(python - census.siblings(python).keys())
                              if (info := processes.describe(pid)) is not None]
-        return Snapshot(
-            readings, tuple(found), tuple(ours), tuple(unknown), frozenset(excused), frozenset(unexplained),
-            overhead, described, vanished, owners, tuple(foreign), frozenset(allowlisted),
-            tuple(python_strays),
+        others = Others(
+            tuple(foreign), frozenset(allowlisted),
             frozenset([info.pid for info in foreign if census.of_our_run(info.pid)] if foreign else ()),
             {pid: _start_ticks(pid) for pid in unexplained} if unexplained else {},
             self.outside.load() if maybe_outside else {}, tuple(check.siblings.values()),
-            frozenset(check.peers), frozenset(self_cuda), census.me, self._left_alone_of(ours))
+            frozenset(check.peers), tuple(python_strays))
+        who = Identities(described, vanished, owners, self._left_alone_of(ours))
+        own = OwnUse(census.me, overhead, frozenset(self_cuda))
+        return Snapshot(readings, tuple(found), tuple(ours), tuple(unknown), frozenset(excused),
+                        frozenset(unexplained), who, others, own)
 
     def _left_alone_of(self, ours: Sequence[CensusEntry]) -> dict[tuple[int, int], str]:
         """Of ``ours``, what the gate refused so far, and why."""
@@ -856,8 +867,8 @@ class _Passes:
         # One of ours that ended without being killed: reported in the summary, not a leak.
         self.collected_ids.add(f.key)
         self.collected_of.setdefault(f.token, set()).add(f.pid)
-        info = seen.described.get(f.key) or seen.vanished[f.key]
-        self.collected.append(Reaped(info, seen.owners[f.key], f.found_by, how, (), None))
+        info = seen.who.described.get(f.key) or seen.who.vanished[f.key]
+        self.collected.append(Reaped(info, seen.who.owners[f.key], f.found_by, how, (), None))
 
     # ---- the result ------------------------------------------------------------------------------
 
@@ -870,11 +881,11 @@ class _Passes:
         notes = [*self.notes, *(
             f"pid {u.process.pid}: in use by {u.describe()} ({mib_list(u.mib_per_device)}); another worker "
             f"of this xdist run: not waited for, never signalled (its worker reaps it if it was leaked)"
-            for u in seen.siblings), *(
+            for u in seen.others.siblings), *(
             f"pid {pid}: another worker of this xdist run, its pytest process itself "
             f"({mib_list(mib_of(pid, seen.readings)) or 'no memory now'}): excused like our own"
-            for pid in sorted(seen.peers))]
-        found, readings, me = verdict.offenders, seen.readings, seen.me
+            for pid in sorted(seen.others.peers))]
+        found, readings, me = verdict.offenders, seen.readings, seen.own.me
         # A chain's processes did not exit by themselves: the chain replaced them.
         chained = {pid for owner in self.chains for pid in self.collected_of.get(owner, ())}
         collected = [r for r in self.collected if r.process.pid not in chained] if chained else self.collected
@@ -882,10 +893,10 @@ class _Passes:
             phase=self.phase, clean=not found, devices=readings, offenders=found,
             lingered=verdict.lingered, collected=tuple(collected), reaped=tuple(self.reaped),
             waited_s=waited, clean_after_s=waited if not found else None, notes=tuple(notes),
-            siblings=seen.siblings, tolerance_mib=self.tolerance_mib,
+            siblings=seen.others.siblings, tolerance_mib=self.tolerance_mib,
             self_mib=tuple((s.device.label, s.bytes_of({me}) / MIB) for s in readings if s.bytes_of({me})),
-            self_cuda_only=() if not seen.self_cuda else tuple(
-                s.device.label for s in readings if s.device.label in seen.self_cuda),
+            self_cuda_only=() if not seen.own.self_cuda else tuple(
+                s.device.label for s in readings if s.device.label in seen.own.self_cuda),
             outside=verdict.outside,
         )
 

@@ -229,38 +229,27 @@ Key = tuple[int, int]
 """A process's identity: (pid, start ticks)."""
 
 
-class Snapshot(NamedTuple):
-    """Every fact one pass of a check decides on, read at once (``Checker.observe``)."""
+class Identities(NamedTuple):
+    """Who the processes a pass judges are, by identity."""
 
-    readings: tuple[DeviceSnapshot, ...]
-    """The checked devices."""
-    census: tuple[CensusEntry, ...]
-    """The session's processes (``Census.take``)."""
-    ours: tuple[CensusEntry, ...]
-    """Of the census, what is judged (``decide.sort_census``): provably the session's and not protected now;
-    exited ones too (zombies the check collects)."""
-    unknown: tuple[CensusEntry, ...]
-    """Of the census, what is alive and of unknown birth: reported, never signalled."""
-    excused: frozenset[int]
-    """Pids whose GPU use is the session's own (this process, its ancestors, helpers, live fixtures'
-    processes, persistent ones, sibling xdist workers and what they started)."""
-    unexplained: frozenset[int]
-    """Pids the driver lists that nothing of the session explains."""
-    overhead: Mapping[str, int]
-    """Per device UUID: the memory the driver charges to no process that is excused as the contexts'."""
     described: Mapping[Key, ProcessInfo]
-    """Of ``ours`` and ``unknown``, each that could still be described, by its identity."""
+    """Of ``ours`` and ``unknown``, each that could still be described."""
     vanished: Mapping[Key, ProcessInfo]
     """Of ``ours``, a stand-in (``reaping.vanished``) for each that ended before it could be described."""
     owners: Mapping[Key, Owner]
     """Of ``ours``, whose each is."""
+    left_alone: Mapping[Key, str]
+    """Of ``ours``, what the signal gate refused so far, and why (``gate.refusal``)."""
+
+
+class Others(NamedTuple):
+    """What a pass found that is not the session's: on its GPUs, among its xdist run's, on this host."""
+
     foreign: tuple[ProcessInfo, ...]
     """The unexplained processes but the allowlisted, in pid order (one that ended before it could be
     described: a stand-in, ``reaping.vanished``)."""
     allowlisted: frozenset[int]
     """Unexplained pids whose command line an ``--gpuclean-ignore`` glob matches."""
-    strays: tuple[ProcessInfo, ...]
-    """Under host scope: this user's other live Python processes, in pid order."""
     of_our_run: frozenset[int]
     """Of ``foreign``, the pids a sibling xdist worker of our run started: the run's, not outside."""
     start_ticks: Mapping[int, int]
@@ -272,12 +261,41 @@ class Snapshot(NamedTuple):
     """What sibling xdist workers' tests ran on these devices, as this check has seen it so far."""
     peers: frozenset[int]
     """The sibling xdist workers seen on these devices so far (their own CUDA contexts)."""
-    self_cuda: frozenset[str]
-    """Labels of the devices where this process uses CUDA without a context the driver lists."""
+    strays: tuple[ProcessInfo, ...]
+    """Under host scope: this user's other live Python processes, in pid order."""
+
+
+class OwnUse(NamedTuple):
+    """The GPU use of the process running the check (and the contexts it excuses)."""
+
     me: int
     """The process running the check."""
-    left_alone: Mapping[Key, str]
-    """Of ``ours``, what the signal gate refused so far, and why (``gate.refusal``)."""
+    overhead: Mapping[str, int]
+    """Per device UUID: the memory the driver charges to no process that is excused as the contexts'."""
+    self_cuda: frozenset[str]
+    """Labels of the devices where this process uses CUDA without a context the driver lists."""
+
+
+class Snapshot(NamedTuple):
+    """Every fact one pass of a check decides on, read at once (``Checker.observe``)."""
+
+    readings: tuple[DeviceSnapshot, ...]
+    """The checked devices."""
+    census: tuple[CensusEntry, ...]
+    """The session's processes (``Census.take``)."""
+    ours: tuple[CensusEntry, ...]
+    """Of the census, what is judged (``sort_census``): provably the session's and not protected now; exited
+    ones too (zombies the check collects)."""
+    unknown: tuple[CensusEntry, ...]
+    """Of the census, what is alive and of unknown birth: reported, never signalled."""
+    excused: frozenset[int]
+    """Pids whose GPU use is the session's own (this process, its ancestors, helpers, live fixtures'
+    processes, persistent ones, sibling xdist workers and what they started)."""
+    unexplained: frozenset[int]
+    """Pids the driver lists that nothing of the session explains."""
+    who: Identities
+    others: Others
+    own: OwnUse
 
 
 class Verdict(NamedTuple):
@@ -322,9 +340,9 @@ class Judge:
                 self.first_seen.setdefault((o.process.pid, o.process.start_ticks), o)
         # What cannot be the session's, as each of its devices is now (and was it waited out before?).
         outside, states, clean = outside_of(found, seen.readings, self.devices, seen.excused, seen.census,
-                                            seen.unexplained, seen.overhead, self.tolerance, seen.of_our_run,
-                                            seen.start_ticks)
-        known_out = known_outside(states, seen.remembered if states else {}, self.outside_seen,
+                                            seen.unexplained, seen.own.overhead, self.tolerance,
+                                            seen.others.of_our_run, seen.others.start_ticks)
+        known_out = known_outside(states, seen.others.remembered if states else {}, self.outside_seen,
                                   max(self.tolerance, SLACK_BYTES), now, self.timeout, self.where)
         # Processes that survived our SIGKILL, or that we may not signal, do not go away by waiting; nor does
         # an outside state that an earlier check already waited out, and finds again unchanged.
@@ -369,28 +387,28 @@ def offenders(seen: Snapshot, tolerance: int, reap_enabled: bool, my_uid: int) -
     holds, under host scope this user's other Python processes, and what is of unknown birth."""
     readings = seen.readings
     found: list[Offender] = []
-    for process in seen.foreign:
+    for process in seen.others.foreign:
         found.append(Offender("foreign", process, None, "gpu", mib_of(process.pid, readings),
                               detail="not started by this session: waited for, never killed"))
     for f in seen.ours:
-        info = seen.described.get(f.key)
+        info = seen.who.described.get(f.key)
         if f.live and info is not None:
-            found.append(Offender("leaked", info, seen.owners[f.key], f.found_by, mib_of(f.pid, readings),
+            found.append(Offender("leaked", info, seen.who.owners[f.key], f.found_by, mib_of(f.pid, readings),
                                   detail=leak_detail(info.uid, info.user, info.state, my_uid, reap_enabled,
-                                                     seen.left_alone.get(f.key))))
+                                                     seen.who.left_alone.get(f.key))))
     blamed = {o.process.pid for o in found if o.process is not None}
-    for snap, extra in excess_memory(readings, seen.excused, seen.overhead, tolerance, blamed):
-        holders = sorted(seen.allowlisted & {p.pid for p in snap.processes})
+    for snap, extra in excess_memory(readings, seen.excused, seen.own.overhead, tolerance, blamed):
+        holders = sorted(seen.others.allowlisted & {p.pid for p in snap.processes})
         by = f"allowlisted pid(s) {holders}" if holders else "no process we can see"
         found.append(Offender(
             "memory", None, None, "gpu", ((snap.device.label, extra / MIB),),
             detail=f"{extra / MIB:.0f} MiB used on {snap.device.label} beyond the tolerance "
                    f"of {tolerance / MIB:.0f} MiB, held by {by}"))
-    for process in seen.strays:
+    for process in seen.others.strays:
         found.append(Offender("host", process, None, "host", (),
                               detail="Python process of this user (host scope): never killed"))
     for f in seen.unknown:
-        info = seen.described.get(f.key)
+        info = seen.who.described.get(f.key)
         if info is not None:
             found.append(Offender(
                 "leaked", info, UNKNOWN_OWNER, f.found_by, mib_of(f.pid, readings),

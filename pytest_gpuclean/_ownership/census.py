@@ -15,7 +15,7 @@ from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 from pytest_gpuclean._model.records import FoundBy, Owner, OwnerKind
-from pytest_gpuclean._ownership.cookie import COOKIE_VAR, OWNER_VAR
+from pytest_gpuclean._ownership.cookie import COOKIE_VAR, OWNER_VAR, new_session_id
 from pytest_gpuclean._ownership.evidence import (
     PREEXISTING,
     SESSION,
@@ -123,21 +123,44 @@ _OWNER_KINDS: dict[str, OwnerKind] = {"t": "test", "f": "fixture"}
 """A cookie token's first letter: the kind of owner (``Ownership.new_token``)."""
 
 
+class XdistPeers(NamedTuple):
+    """An xdist worker's run, by which it tells its sibling workers and what they started from its own."""
+
+    run: str | None = None
+    """The run's id (``PYTEST_XDIST_TESTRUNUID``), in a worker only."""
+    cookie: str | None = None
+    """The cookie the workers started with: their controller's."""
+    since: int | None = None
+    """When the controller started its workers (boot ticks; ``cookie.WORKERS_SINCE_VAR``)."""
+
+
+class KeptAlive(NamedTuple):
+    """What the options and the plugins say the session keeps alive: helpers of the pytest process and
+    processes meant to outlive the session."""
+
+    helpers: tuple[str, ...] = ()
+    """Command-line globs of the pytest process's children that serve it (``--gpuclean-helpers``)."""
+    persistent: tuple[str, ...] = ()
+    """Command-line globs of processes meant to outlive the session (``--gpuclean-persistent``)."""
+    registry: Registry | None = None
+    """Processes a plugin keeps alive across sessions (pytest-xprocess)."""
+
+
 class Census:
     """The session's processes as the checks find them: the descendant tree of the process running the
     checks, cookie carriers outside it, the debris of dead sessions; each with its token, decided once per
     process (pid and start time) and kept."""
 
-    def __init__(self, ownership: Ownership, *, uid: int, session_start_ticks: int,
-                 xdist_run: str | None = None, peer_cookie: str | None = None,
-                 peers_since: int | None = None, helper_globs: Sequence[str] = (),
-                 persistent_globs: Sequence[str] = (), persistent_registry: Registry | None = None) -> None:
+    def __init__(self, ownership: Ownership, *, uid: int, peers: XdistPeers | None = None,
+                 kept: KeptAlive | None = None) -> None:
+        assert ownership.began_tick is not None  # (the census of a session that began)
+        peers, kept = peers or XdistPeers(), kept or KeptAlive()
         self.ownership = ownership
-        self.helper_globs = tuple(helper_globs)
+        self.helper_globs = kept.helpers
         """Command lines of the pytest process's children that serve it (``--gpuclean-helpers``)."""
-        self.persistent_globs = tuple(persistent_globs)
+        self.persistent_globs = kept.persistent
         """Command lines of processes meant to outlive the session (``--gpuclean-persistent``)."""
-        self.persistent_registry = persistent_registry
+        self.persistent_registry = kept.registry
         """Processes a plugin keeps alive across sessions (pytest-xprocess), read when there is something to
         look at."""
         self.helpers: dict[int, str] = {}
@@ -154,13 +177,13 @@ class Census:
         """One line for each helper or persistent process when first seen (and each process whose owner its
         handle or a missing cookie decided: ``managed.py``), for the session's notes."""
         self.uid = uid
-        self.session_start_ticks = session_start_ticks
+        self.session_start_ticks = ownership.began_tick
         """When the session began (its cookie exported): a process carrying our cookie that is older is not
         ours, its value was recycled."""
-        self.xdist_run = xdist_run
-        self.peer_cookie = peer_cookie
+        self.xdist_run = peers.run
+        self.peer_cookie = peers.cookie
         """The cookie our xdist siblings started with (the controller's): theirs, not a leak's."""
-        self.peers_since = peers_since
+        self.peers_since = peers.since
         """When the controller started its workers (boot ticks; ``cookie.WORKERS_SINCE_VAR``)."""
         self._me = -1
         self._never_touch: set[int] = set()
@@ -199,6 +222,13 @@ class Census:
         if value is not None and value.startswith(self.ownership.session_id + ":"):
             return SESSION
         return SESSION if self.ownership.existed_before(pid, start_ticks, upto) is False else PREEXISTING
+
+    @classmethod
+    def of_its_own(cls, *, peers: XdistPeers | None = None, kept: KeptAlive | None = None) -> Census:
+        """The census of a session that begins now, with an id of its own (the ``gpuclean`` command's)."""
+        began_tick, began_pid = procfs.boot_ticks_now(), procfs.last_pid()
+        ownership = Ownership(new_session_id(None, *procfs.self_identity()), began_tick, began_pid)
+        return cls(ownership, uid=os.getuid(), peers=peers, kept=kept)
 
     # ---- who we are (a forked test runner changes it) -------------------------------------------
 

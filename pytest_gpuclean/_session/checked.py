@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpuclean import _settings as settings
-from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._check.checker import Checker, CheckSettings
 from pytest_gpuclean._check.outside import STATE_VAR, OutsideMemory
 from pytest_gpuclean._locks.gpus import GpuLocks
 from pytest_gpuclean._model.records import MIB, DeviceInfo, HealthFinding, Owner, ProcessInfo, Reaped
-from pytest_gpuclean._ownership.census import Registry
+from pytest_gpuclean._ownership.census import Census, KeptAlive, Registry, XdistPeers
 from pytest_gpuclean._ownership.cookie import (
     COOKIE_VAR,
     OWNER_VAR,
@@ -31,7 +31,7 @@ from pytest_gpuclean._ownership.cookie import (
     WORKERS_SINCE_VAR,
     restore_env,
 )
-from pytest_gpuclean._ownership.evidence import SESSION_OWNER
+from pytest_gpuclean._ownership.evidence import SESSION_OWNER, Ownership
 from pytest_gpuclean._reading import backends, devices, processes
 from pytest_gpuclean._session import store
 from pytest_gpuclean._session.names import MARKER
@@ -113,16 +113,14 @@ class CheckedSession:
         worker = hasattr(self.config, "workerinput")
         # Its start-up walk takes whatever already runs under us (a conftest's server, what the
         # collection started) for the session set-up's.
-        self.checker = Checker(self.backend, reap=resolved.reap == "on", grace=resolved.grace,
-                               ignore=resolved.ignore, host_scope=resolved.scope == "host",
-                               settle=resolved.settle, session_id=exported.session_id,
-                               xdist_run=os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None,
-                               peer_cookie=exported.inherited, peers_since=_ticks(WORKERS_SINCE_VAR),
-                               dead_sessions=resolved.dead_sessions == "on",
-                               session_start_ticks=exported.started_ticks,
-                               session_start_pid=exported.last_pid, helpers=resolved.helpers,
-                               persistent=resolved.persistent,
-                               persistent_registry=_xprocess_registry(self.config))
+        ownership = Ownership(exported.session_id, exported.started_ticks, exported.last_pid)
+        peers = XdistPeers(os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None, exported.inherited,
+                           _ticks(WORKERS_SINCE_VAR))
+        kept = KeptAlive(resolved.helpers, resolved.persistent, _xprocess_registry(self.config))
+        self.checker = Checker(self.backend, CheckSettings(
+            reap=resolved.reap == "on", grace=resolved.grace, settle=resolved.settle, ignore=resolved.ignore,
+            host_scope=resolved.scope == "host", dead_sessions=resolved.dead_sessions == "on"),
+            Census(ownership, uid=os.getuid(), peers=peers, kept=kept))
         shared = os.environ.get(STATE_VAR) if worker else None
         if shared:
             self.checker.outside = OutsideMemory(shared)  # the run's other workers' too
