@@ -1,19 +1,15 @@
-"""``gpuclean status|check|reap``: the plugin's clean check and reaper as a command for CI runner hooks.
+"""``gpuclean status|check|reap``: the plugin's check and reaper as a command for CI runner hooks.
 
 * ``gpuclean status [--json]``: what each GPU holds, and who.
-* ``gpuclean check [--wait S] [--json]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or
-  driver error, 3 a GPU is not usable (it needs a reset, or is lost): take the runner out of service.
-* ``gpuclean reap [--dry-run] [--json]``: post-job cleanup of the invoking user's GPU processes (and of the
-  processes carrying a ``--cookie``), with the plugin's TERM -> grace -> KILL ladder; exit 0 done, 1 a
-  process survived, 2 usage or driver error, 3 a GPU could not be read (what was provably the job's was
-  ended all the same; the output names the GPU).
+* ``gpuclean check [--wait S] [--json]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or driver
+  error, 3 a GPU is not usable (it needs a reset, or is lost).
+* ``gpuclean reap [--dry-run] [--json]``: post-job cleanup of the invoking user's GPU processes (and of
+  those carrying a ``--cookie``) with the plugin's ladder; exit 0 done, 1 a process survived, 2 usage or
+  driver error, 3 a GPU could not be read.
 
-Nothing here talks to NVML or signals a process itself: devices come from ``opening.open_backend``,
-verdicts from ``checker.Checker``, process details and kills from ``processes``, option values from
-``settings`` (the plugin's parsers and environment variables); what it prints, text and JSON, is worded
-by ``report/commands.py`` from what it read here. The CLI has no process tree of its own, so for it
-"clean" means: no process on the devices and memory within the tolerance.
-"""
+It reads and acts through the same modules as the plugin; ``report/commands.py`` words what it found. The
+command has no process tree of its own: "clean" means no process on the devices and memory within the
+tolerance."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""gpuclean's options: declared once, resolved once (marker > CLI > environment > ini > default).
-
-Every value remembers where it came from, so a bad one is reported as e.g.
-``--gpuclean-timeout: 'abc' is not a number (from environment variable GPUCLEAN_TIMEOUT)``.
-The ``gpuclean`` command resolves its options through the same table and parsers (without an ini file),
-so this module imports pytest only where the plugin needs it.
-
-One rule for the environment, in a pytest session and in every ``gpuclean`` command alike: every
-``GPUCLEAN_<NAME>`` variable of an option that is set is checked at start-up, whether or not this run reads
-it (``check_environment``), and a ``GPUCLEAN_`` variable that is neither an option's nor one the package
-sets itself is warned of, with the closest option's (``unknown_variables``).
-"""
+"""gpuclean's options: declared once, resolved once (marker > CLI > environment > ini > default), each value
+with where it came from (``--gpuclean-timeout: 'abc' is not a number (from environment variable
+GPUCLEAN_TIMEOUT)``). The ``gpuclean`` command resolves its options through the same table. Every
+``GPUCLEAN_`` variable is checked at start-up, whether or not the run reads it, and one that is not
+gpuclean's is warned of. Every pytest run imports this module: pytest only where the plugin needs it."""
 
 from __future__ import annotations
 
@@ -24,9 +17,9 @@ if TYPE_CHECKING:
 
     from pytest_gpuclean._model.records import OnOff, OutsideAction, Scope
 
-# The values of ``model.Scope``, ``model.OnOff`` and ``model.OutsideAction`` (tests/test_settings.py checks
-# that they agree), spelt out: every pytest run with the plugin installed imports this module, and
-# model/records.py is not cheap.
+# The values of ``records.Scope``, ``records.OnOff`` and ``records.OutsideAction`` (tests/test_settings.py
+# checks that they agree), spelt out: every pytest run with the plugin installed imports this module, and
+# _model/records.py is not cheap.
 SCOPES: tuple[Scope, ...] = ("session", "host")
 ON_OFF: tuple[OnOff, ...] = ("on", "off")
 OUTSIDE_ACTIONS: tuple[OutsideAction, ...] = ("fail", "skip", "stop")

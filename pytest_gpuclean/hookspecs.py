@@ -1,22 +1,11 @@
-"""gpuclean's own hooks: how an extension (the Ray cluster's checks, ``ray/checks.py``) takes part in each
-test's check, in the session's end and in what the outputs say, without the per-test check or the outputs
-knowing of it. A module of specifications, as xdist's ``newhooks.py``; ``plugin.py``'s ``pytest_addhooks``
-adds it. An extension is a plugin that implements them, registered only when it is asked for (the Ray
-cluster's checks: ``--gpuclean-ray``); an implementation takes only the arguments it needs.
+"""gpuclean's own hooks: how an extension (the Ray cluster's checks, ``ray/hooks.py``) takes part in each
+test's check, in the session's end and in the outputs, without the per-test check or the outputs knowing of
+it. ``plugin.py`` adds them (``pytest_addhooks``); an extension implements the ones it needs.
 
-In the session layer, beside what calls the hooks (``session.py``, ``testcheck.py``, ``outputs.py``) and
-below what implements them (``ray/``) and adds them (``plugin.py``): each imports it without an import up a
-layer (``tests/test_layers.py``).
-
-A hook's ``session`` is the started session (``CheckedSession``); ``state`` and ``record`` the test's
-state and record. What an extension finds goes into the record as ordinary records (``CheckResult``,
-``Offender``, ``Reaped``: a finding off this host names its ``node``; a cluster's checks are a record's
-``cluster_before`` / ``cluster_after``), so the decisions, the counts and every output take it as they take
-this host's. A check hook returns the failure to report (its text), or None. The report hooks add the
-extension's own parts (text, JSON keys) of what it put in the records. The report's schema
-(``report/report_schema.json``) describes gpuclean's keys, the Ray extension's among them: a report with
-another extension's keys does not validate against it (that extension describes its own).
-"""
+A hook's ``session`` is the started session; ``state`` and ``record`` the test's. What an extension finds
+goes into the record as ordinary records (``CheckResult``, ``Offender``, ``Reaped``, naming their
+``node``), so every decision and output takes it as it takes this host's. A check hook returns the failure
+to report, or None; the report hooks add the extension's own text and JSON keys."""
 
 from __future__ import annotations
 

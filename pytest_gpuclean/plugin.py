@@ -1,18 +1,11 @@
-"""pytest-gpuclean: a clean-GPU gate before and after each marked test; reaps what a test leaked.
+"""pytest-gpuclean's pytest plugin (the ``pytest11`` entry point): a clean-GPU gate before and after each
+marked test, and the reaping of what a test leaked.
 
-Declarations live at module level; the stateful ``_GpuCleanPlugin`` is registered in ``pytest_configure``
-and undone through ``config.add_cleanup``. Its hooks delegate: to the started session (``session.py``:
-device backend, locks, checker, final sweep), to each test's check (``testcheck.py``) and to the signal
-handling (``signals.py``). The Ray cluster's checks (``ray/checks.py``) are a plugin of gpuclean's own
-hooks (``session/hookspecs.py``, added by ``pytest_addhooks``), registered only with ``--gpuclean-ray``.
-
-The plugin loads into every pytest run of an environment that has it installed, so it starts lazily: at
-``pytest_configure`` it only validates its options and exports the session's cookie; ``session.py`` (and
-what it needs: the subreaper, the lock directory, the checker, psutil and NVML among them) comes at the
-end of the collection, and only if a collected test is to be checked. Hence the function-level imports
-of the package's own modules below: each where what it loads is first needed (tests/test_cost.py holds
-what a session imports).
-"""
+Declarations are at module level; ``_GpuCleanPlugin`` is registered in ``pytest_configure`` and undone
+through ``config.add_cleanup``. Its hooks delegate to the started session (``_session/checked.py``) and to
+each test's check (``_session/guard.py``). It starts lazily: at ``pytest_configure`` it only validates its
+options and exports the session's cookie; the rest comes at the end of the collection, and only if a
+collected test is to be checked. Hence the function-level imports below."""
 
 from __future__ import annotations
 
@@ -116,7 +109,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # The Ray cluster's checks: idle until a session starts checking (its hooks open the cluster);
         # imported only with the option.
         from pytest_gpuclean.ray import hooks
-        config.pluginmanager.register(hooks.RayChecks(), hooks.PLUGIN_NAME)
+        config.pluginmanager.register(hooks.RayHooks(), hooks.PLUGIN_NAME)
     if resolved.report:
         # A report was asked for: check its path now, and write it even if no test is checked.
         plugin.register_outputs()
@@ -142,7 +135,7 @@ def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> Ba
     devices in every session, not only in one that starts checking, at the session's start: a bad list
     stops pytest before the collection, as a usage error (raised later, pytest would print it after the
     session's summary). That costs one opening of the backend (NVML's start is slow next to the rest of a
-    session's start: docs/benchmarks.md), which a session that starts checking goes on with; a session
+    session's start), which a session that starts checking goes on with; a session
     without the option opens nothing here. An xdist worker leaves it to its controller, which checked the
     list when it started. Returns the backend, open; None where there is nothing to hold the list against
     (no driver: a checked test would be skipped or fail)."""
@@ -163,8 +156,8 @@ def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> Ba
 
 
 class _GpuCleanPlugin:
-    """The session's hooks. They delegate to the started session (``session.CheckedSession``, made at
-    ``start``), which keeps the records in ``config.stash`` (``records.RecordStore``)."""
+    """The session's hooks. They delegate to the started session (``checked.CheckedSession``, made at
+    ``start``), which keeps the records in ``config.stash`` (``store.RecordStore``)."""
 
     def __init__(self, config: pytest.Config, resolved: settings.Settings) -> None:
         self.config = config

@@ -92,7 +92,7 @@ def test_idle_devices_are_clean(backend: FakeBackend) -> None:
 
 def test_an_idle_check_takes_the_short_way_to_the_same_result(backend: FakeBackend,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # Nothing of ours alive and every device idle: Checker._quiet answers without a Check's bookkeeping.
+    # Nothing of ours alive and every device idle: Checker._clean_path answers without a Check's bookkeeping.
     # Its result must be the one a full round gives, and anything there must take the full round.
     checker = Checker(backend, CheckSettings(reap=False))
     devices = (GPU0, GPU1)

@@ -1,8 +1,8 @@
 """The check's decisions over plain data, unit-tested without processes: ownership by birth
-(``ownership.born_in``, ``older_than_session``), which processes of a census are judged, excused or of
+(``evidence.born_in``, ``older_than_session``), which processes of a census are judged, excused or of
 unknown owner (``decisions.sort_census``), which xdist siblings and peers are excused (``census.is_peer``,
 ``sibling_claim``), which cookie carriers are a dead session's debris and which another session's
-(``ownership.dead_session_of``), what memory is an offender (``decisions.excess_memory``, the context
+(``evidence.dead_session_of``), what memory is an offender (``decisions.excess_memory``, the context
 overhead), what may be signalled at all (the signal gate, ``gate.refusal``), which owners replace themselves
 (``decisions.self_replacing``) and when waiting is hopeless
 (``decisions.hopeless``, with ``decisions.outside_of``: what cannot be the session's, and

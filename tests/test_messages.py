@@ -128,7 +128,7 @@ def test_an_unknown_variable_is_said_in_a_quiet_session_that_checks_nothing(
 def test_torch_memory_a_test_keeps_alive_warns_at_the_test_itself(
         example: Callable[..., Path], pytester: pytest.Pytester, mode: str) -> None:
     # The one GpuCleanWarning left: the test's own finding, at the test's own line, so that a filter (-W
-    # error::...GpuCleanWarning) can make it that test's error, in one line. Before: at testcheck.py's line,
+    # error::...GpuCleanWarning) can make it that test's error, in one line. Before: at the plugin's own line,
     # and under -W error a traceback into the plugin.
     example("core/in_process_torch_memory_growth")
     result = run_in_mode(pytester, mode)

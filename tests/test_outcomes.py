@@ -408,7 +408,7 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
     def no_answer(*args: object, **kwargs: object) -> None:
         raise ray_cluster.ClusterError("the Ray cluster at 127.0.0.1:6379 did not answer (census) within 5s")
 
-    check = ray_cluster.RayCheck("127.0.0.1:6379", Ownership("t"))
+    check = ray_cluster.ClusterChecker("127.0.0.1:6379", Ownership("t"))
     monkeypatch.setattr(check, "_call", no_answer)
     result = check.check_cluster("teardown", tolerance_mib=0, timeout=5.0)
     assert not result.clean and result.cluster is not None and result.cluster.address == "127.0.0.1:6379"

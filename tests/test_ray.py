@@ -517,14 +517,14 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
     from pytest_gpuclean._model.records import Owner
     from pytest_gpuclean._ownership.evidence import Ownership, Window
     from pytest_gpuclean._reading import procfs
-    from pytest_gpuclean.ray.cluster import RayCheck
+    from pytest_gpuclean.ray.cluster import ClusterChecker
 
     ownership = Ownership("gc.test")
     test = ownership.new_token(Owner("test", "t"))
     fixture = ownership.new_token(Owner("fixture", "f (module-scoped)"))
     now = procfs.boot_ticks_now()
     ownership.windows += [Window(test, None, now - 500), Window(fixture, None, now - 400, None, now - 100)]
-    check = RayCheck("127.0.0.1:1", ownership)
+    check = ClusterChecker("127.0.0.1:1", ownership)
     tick = 1 / procfs.CLOCK_TICKS
     end = procfs.ticks_to_wall(now - 100)
     assert check._token_at(end + 0.6 * tick) == fixture

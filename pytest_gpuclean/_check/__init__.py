@@ -1,2 +1,3 @@
-"""Checking: one check as a pipeline, observe -> decide -> act, and what lasts between checks."""
+"""The check: one check, pass after pass (observe -> decide -> act), what lasts between checks, the
+reaping, and the GPUs' health."""
 

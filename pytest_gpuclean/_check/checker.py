@@ -3,23 +3,17 @@
 ``Checker.check`` answers a clean check itself (``_clean_path``: every device idle, nothing of ours alive);
 otherwise it runs the check's passes (``_Passes``), each read top to bottom:
 
-1. **Observe** (``Checker.observe``): every fact the pass decides on, read in one place into a
-   ``decisions.Snapshot``: the devices, the census sorted against them (something the session's tree does
-   not explain widens it to a cookie scan), who each process is, the allowlist, under host scope the stray
-   Python processes, what earlier checks waited out from outside.
-2. **Decide** (``decisions.py``, which reads nothing): what the pass does with leftovers of the session not
-   yet signalled (``next_move``: let them settle, reap them; ``self_replacing``: an owner whose processes
-   keep being born while the check waits is a chain, frozen and killed) or, with none, the verdict
-   (``Judge``): the offenders, and whether looking again can help.
-3. **Act**: collect what exited, wait the settle time or reap (``Checker.reap_round``: the gate, then the
-   ladder through the census's pidfds), remember what was waited out from outside; then look again, or
-   give the ``CheckResult`` (not while processes of ours are still being born).
+1. **Observe** (``Checker.observe``): every fact the pass decides on, in one ``decisions.Snapshot``: the
+   devices, the census sorted against them (what the session's tree does not explain widens it to a cookie
+   scan), who each process is, what is not the session's, what earlier checks waited out from outside.
+2. **Decide** (``decisions.py``, which reads nothing): settle or reap what of ours is alive
+   (``next_move``), freeze a chain that replaces itself (``self_replacing``), or give the verdict (``Judge``).
+3. **Act**: collect what exited, wait the settle time or reap (the gate, then the ladder through the
+   census's pidfds), remember what was waited out; then look again, or give the ``CheckResult``.
 
-The checker holds what lasts from one check to the next: the census (``census.py``), the device backend,
-what was waited out from outside (``outside.py``), and the reaping that a check and the session's edges
-(the final sweep, a dead session's debris) share. No pytest here: the plugin and the ``gpuclean`` command
-drive the same ``Checker``.
-"""
+The checker holds what lasts from one check to the next (the census, the device backend, the memory of
+outside states) and the reaping that a check and the session's edges (the final sweep, a dead session's
+debris) share. No pytest here: the plugin and the ``gpuclean`` command drive the same ``Checker``."""
 
 from __future__ import annotations
 
@@ -236,7 +230,7 @@ class Checker:
         (``Census.last``)."""
         snaps = self.snapshot(devices)
         found: list[CensusEntry] | None = None
-        # (C-level passes, no frame per device: a device with processes listed or memory used is busy)
+        # (a device with processes listed or memory used is busy)
         if not any(map(_LISTED, snaps)) and not any(map(_USED, snaps)):
             found = self.census.take()
         else:
@@ -266,7 +260,7 @@ class Checker:
         mine = self.never_touch
         return all(p.pid in mine for s in result.devices for p in s.processes)
 
-    # ---- reading a pass of a check (``check.Check``) --------------------------------------------
+    # ---- reading a pass of a check (``_Passes``) --------------------------------------------
 
     def observe(self, check: _Passes) -> Snapshot:
         """Every fact one pass of a check decides on. The devices and the census first, sorted against
@@ -300,7 +294,7 @@ class Checker:
             excused |= peers
             # What a live sibling worker's test (or fixture) started is that worker's to reap: waiting for it
             # here, while this test holds the GPU locks that the sibling needs for its next check, would only
-            # stall both. Named in the notes, and a finding of the test that started it (testcheck.py).
+            # stall both. Named in the notes, and a finding of the test that started it (guard.py).
             siblings = census.siblings(unexplained - excused)
             for pid, sibling in siblings.items():
                 _saw_sibling(check, pid, sibling, readings)
@@ -713,7 +707,7 @@ class _Passes:
         self.rounds = 0
         self.reaped_owners: set[str | None] = set()
         # When the check began, on the clock of the processes' start times (its first census may be older
-        # than this object: ``Checker._quiet``'s).
+        # than this object: ``Checker._clean_path``'s).
         self.began_ticks = procfs.boot_ticks_now() - int(
             (time.monotonic() - self.started) * procfs.CLOCK_TICKS)
         self.births: dict[str | None, set[Key]] = {}

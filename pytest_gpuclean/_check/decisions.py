@@ -1,15 +1,11 @@
-"""What a check decides from its readings before the verdict: functions over plain data, no /proc, no
-devices, no signals.
+"""What a pass of a check decides, as functions over plain data: no /proc, no devices, no signals.
 
-A check reads (``devices``: a snapshot of each GPU; ``census.py``: the session's processes and their
-tokens), then decides here: which processes are the session's to judge and which are excused
-(``sort_census``), what unlisted memory the excused contexts explain (``listed_overhead``,
-``context_overhead``), whether something the session's tree does not explain is on the GPUs
-(``unexplained_use``: the census then looks wider), and what the pass does next (``next_move``: let
-leftovers settle, reap, or judge: ``verdict.py``), and what the session-end sweep ends (``of_the_sweep``).
-What may be signalled at all is the gate's (``gate.py``). Each is unit-tested without processes
-(``tests/test_checker_decisions.py``).
-"""
+Which processes are the session's to judge and which are excused (``sort_census``), what unlisted memory the
+excused contexts explain (``listed_overhead``, ``context_overhead``), whether something the session does not
+explain holds a GPU (``unexplained_use``), what the pass does next (``next_move``), which owners replace
+themselves (``self_replacing``), what the session's end sweeps (``of_the_sweep``); then the verdict on the
+pass's ``Snapshot`` (``Judge``, ``offenders``), and what of it is from outside the session and was waited out
+before (``outside_of``, ``known_outside``). Tested by hand-built records (tests/test_checker_decisions.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +31,7 @@ if TYPE_CHECKING:
 
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
 """Per excused CUDA context, memory the driver counts as used but lists under no process (9 MiB on an H200:
-docs/benchmarks.md 9); the margin keeps other drivers' larger overheads excused too."""
+measured); the margin keeps other drivers' larger overheads excused too."""
 MAX_REAP_ROUNDS = 4
 """Rounds of reaping within one check; from the second on, what reappeared is frozen and SIGKILLed."""
 CHAIN_BIRTHS = 3
@@ -333,7 +329,7 @@ class Judge:
                 known: AbstractSet[Key] = frozenset()) -> Verdict:
         """The verdict on ``seen``, ``waited`` seconds into the check (at ``now``, ``time.monotonic``);
         ``attempted``: what the check has signalled; ``known``: leaks of ours that an earlier check found and
-        left (reaping is off), with nothing new beside them (``decide.known_alone``): not waited for."""
+        left (reaping is off), with nothing new beside them (``known_alone``): not waited for."""
         found = offenders(seen, self.tolerance, self.reap_enabled, self.my_uid)
         for o in found:
             if o.reason == "leaked" and o.process is not None:
@@ -475,7 +471,7 @@ def outside_of(offenders: Sequence[Offender], snaps: Sequence[DeviceSnapshot], d
     xdist worker's processes are the run's, ``of_our_run``: not outside), and memory that no process we can
     see holds. A leak of ours, or a process of unknown owner that carries our cookie, never is. ``found``
     is the check's census, ``excused``, ``unexplained`` and ``overhead`` what it made of the snapshot
-    (``decide.sort_census``, ``decide.listed_overhead``); ``start_ticks`` names each unexplained holder's
+    (``sort_census``, ``listed_overhead``); ``start_ticks`` names each unexplained holder's
     start time (0 if it cannot be seen).
     """
     outside: dict[int, frozenset[str]] = {}

@@ -1,20 +1,11 @@
-"""The one gate before every signal: whether gpuclean may signal a process at all, decided over plain facts.
+"""The one gate before every signal: whether gpuclean may signal a process at all, over plain facts.
 
-Every path that signals (a check's reaping rounds and the freeze of what replaces itself, the session-end
-sweep, a dead session's debris, ``gpuclean reap`` in all its modes) asks ``refusal`` first, for SIGSTOP as for
-SIGTERM and SIGKILL, and leaves alone, naming it, each process it refuses:
-
-- this process or one of its ancestors;
-- what is protected now (a live fixture's, the session set-up's, what is older than the session);
-- another user's process: one whose real, effective, saved or filesystem uid, or one of whose threads', is not
-  the invoking user's (a ``setpriv``'d child, a setuid program);
-- a relay: a process whose descendants run as another user. ``su``, ``sudo`` and ``runuser`` pass the signals
-  they receive on to the child they run as someone else, and nothing tells a program that does from one
-  that does not, so a signal to any ancestor of another user's process may reach that user.
-
-The facts (``Credentials``) are read from /proc by ``reading/credentials.py``; nothing here reads or signals
-(``tests/test_checker_decisions.py`` tables it).
-"""
+Every path that signals (a check's reaping and freezing, the final sweep, a dead session's debris,
+``gpuclean reap``) asks ``refusal`` first, for SIGSTOP as for SIGTERM and SIGKILL, and leaves alone, naming
+it, this process and its ancestors, what is protected now (a live fixture's, the session set-up's, what is
+older than the session), another user's process (any uid of it or of its threads), and a relay: a process
+whose descendants run as another user (``su``, ``sudo``, ``runuser`` pass signals on). The facts
+(``Credentials``) are read by ``_reading/credentials.py``."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """A clean GPU is a healthy GPU: Xid events blamed on the test during which they arrived, GPUs that need a
-reset, a lost GPU, settings changed under the session, and the CUDA sanity probe (``probe.py``).
+reset, a lost GPU, settings changed under the session, and the CUDA sanity probe (``_reading/probe.py``).
 
-What it costs the quiet path: one drain of the Xid events per check (an NVML event set waited on for 0 ms;
-one ``stat`` of the events' file on simulated devices). The slow reads (row remapping, ECC, compute mode)
-run at session start, and after a test only where something points at them: an Xid, a reaped GPU process,
-a failed test. Clock event reasons are read then too, and after a test that ran ``CLOCKS_AFTER_S`` or more.
-
-No pytest here: ``guard.py`` calls the watch around each test and turns its findings into failures
-(worded by ``report/terminal.py``);
-``cli.py`` uses ``device_problems`` for ``gpuclean status`` and ``check``. It reads the devices through a
-backend (``backends.HealthSource``); only ``nvml.py`` talks to NVML.
-"""
+The quiet path drains the Xid events once per check; the slow reads (row remapping, ECC, compute mode) run
+at the session's start, and after a test only where something points at them (an Xid, a reaped GPU
+process, a failed test) or after a long test (the clock event reasons). ``guard.py`` calls the watch around
+each test; ``report/terminal.py`` words its findings as failures."""
 
 from __future__ import annotations
 

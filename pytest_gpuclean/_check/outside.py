@@ -1,16 +1,10 @@
-"""What held a GPU from outside the session when a check waited it out, remembered for the later checks.
+"""What held a GPU from outside the session when a check waited it out, remembered per device: a later check
+that finds the very same state, unchanged for as long as its own timeout, does not wait for it again
+(``decisions.known_outside``).
 
-A check that waits out its timeout on GPUs dirty from outside the session (processes the driver lists that
-are not ours, memory no process we can see holds) remembers that state per device (``verdict.OutsideState``).
-A later check that finds the very same state, unchanged for as long as its own timeout, does not wait for it
-again (``verdict.known_outside``).
-
-The workers of one pytest-xdist run share what they remember: they take turns on the same GPUs (the GPU
-locks), and each would otherwise wait out the same holder once. The controller makes a private directory
-for the run and names a file in it in ``STATE_VAR``, which the workers inherit; each worker reads and
-updates that file under an exclusive ``flock``. It holds only this optimisation: a lost or unreadable file
-costs a check its wait, never makes one pass.
-"""
+The workers of one xdist run share it through a file (``STATE_VAR``, in a private directory the controller
+makes), under an exclusive ``flock``: they take turns on the same GPUs. Only an optimisation: a lost or
+unreadable file costs a check its wait, never makes one pass."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""What ``gpuclean reap`` may end, decided over plain facts: one planner for this host's devices and for a
-Ray cluster's nodes (``--ray``).
-
-The commands gather the facts (``cli.py`` from the devices and ``/proc``, ``ray/cli_ray.py`` from the
-cluster's census) into ``ReapCandidate`` records (declared here); ``plan`` decides, in one order,
-which are targets and why each other one is left alone, so both cases are unit-tested without processes.
-On this host the user and relay checks are the signal gate's (``gate.refusal``), as for the plugin's
-reaping: a process whose credentials were read is a target only if the gate lets it through.
-"""
+"""What ``gpuclean reap`` may end, over plain facts: one planner for this host's devices and for a Ray
+cluster's nodes. The commands gather the facts into ``ReapCandidate`` records; ``plan`` decides which are
+targets and why each other one is left alone, asking the signal gate where the credentials were read."""
 
 from __future__ import annotations
 
@@ -20,7 +14,7 @@ from pytest_gpuclean.report.text import one_line
 
 class ReapCandidate(NamedTuple):
     """A process ``reap`` might end, with every fact the decision needs (``reap_plan.plan``): gathered by
-    ``cli.py`` from the devices and ``/proc``, by ``ray/cli_ray.py`` from a cluster's census."""
+    ``_cli.py`` from the devices and ``/proc``, by ``ray/command_line.py`` from a cluster's census."""
 
     pid: int
     info: ProcessInfo | None

@@ -1,12 +1,8 @@
-"""The reap ladder: end processes (SIGTERM, the grace, SIGKILL; or SIGKILL at once) and wait until the
-driver lets their GPU memory go, timing the release; and the process pools in the pytest process that own a
-leak's workers, shut down (a live ``multiprocessing.Pool`` replaces every worker killed from outside).
+"""The reap ladder: end processes (SIGTERM, the grace, SIGKILL; or SIGKILL at once) and time how long the
+driver takes to let their GPU memory go; and the process pools in the pytest process that own a leak's
+workers, shut down (a live ``multiprocessing.Pool`` replaces every worker killed from outside).
 
-It signals only what it is handed: which processes those may be is decided before, by the one gate
-(``gate.py``: ``Checker.gate`` over the census, ``reap_plan.plan`` for ``gpuclean reap``), and
-``processes.terminate`` signals each through the pidfd pinned when it was found. The plugin's checks and
-``gpuclean reap`` both end processes through here.
-"""
+It signals only what it is handed: the gate decided before (``Checker.gate``, ``reap_plan.plan``)."""
 
 from __future__ import annotations
 
@@ -110,7 +106,7 @@ def _registered_pools(pool_type: type | None, executor_type: type | None) -> lis
     A ``Pool`` registers a ``multiprocessing.util.Finalize`` holding a weak reference to itself; a
     ``ProcessPoolExecutor`` with workers runs a manager thread holding one. Walking the heap instead
     takes time proportional to it, and in a process that imported torch, transformers and vllm all of
-    that lies between the teardown's start and the first signal (docs/benchmarks.md). None where these
+    that lies between the teardown's start and the first signal. None where these
     internals are missing (another Python version): the caller walks the heap then.
     """
     found: list[Any] = []

@@ -1,8 +1,4 @@
-"""Who holds a GPU's lock, in words: one line per GPU for a waiting session's message and a lock timeout.
-
-Wording only, over a ``LockHolder`` that ``holders.py`` read and put together: its record checked against
-the kernel's ``/proc/locks`` and the marks on the lock directory.
-"""
+"""Who holds a GPU's lock, in words: a line per GPU, for a waiting session and a lock timeout."""
 
 from __future__ import annotations
 

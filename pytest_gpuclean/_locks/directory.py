@@ -1,14 +1,11 @@
-"""The lock directory: opened once without following a link, checked, the lock files in it, and the marks
-that sessions set on it.
+"""The lock directory: opened once without following a link, the lock files in it, and the marks sessions
+set on it.
 
-The directory is opened once, without following a symbolic link, and every file is opened relative to that
-descriptor, so swapping the directory's path for a link later changes nothing. While a session holds a GPU's
-lock it also marks that GPU on the directory itself (an open file description lock on one byte of it), so
-that nobody makes a new lock file for a GPU whose file was deleted under its holder; see ``create``. Its
-files are untrusted: another user may have planted a link, a FIFO or a hard link under a lock file's name.
-
-This module imports nothing of the package.
-"""
+Every file is opened relative to the directory's descriptor, so swapping its path for a link later changes
+nothing. While a session holds a GPU's lock it also marks that GPU on the directory (an open file
+description lock on one byte of it), so that nobody makes a new lock file for a GPU whose file was deleted
+under its holder (``create``). Its files are untrusted: another user may plant a link, a FIFO or a hard
+link under a lock file's name."""
 
 from __future__ import annotations
 
@@ -311,7 +308,7 @@ def marked(state: LockDir, offset: int, length: int = 1, fd: int | None = None) 
 
 
 def clear(state: LockDir, request: bytes) -> None:
-    try:  # noqa: SIM105 (per test: cheaper than contextlib.suppress)
+    try:  # noqa: SIM105 (per test)
         fcntl.fcntl(state.fd, fcntl.F_OFD_SETLK, request)
     except OSError:
         pass  # (a mark left up only delays making that GPU's lock file if it goes missing, until we exit)
@@ -342,7 +339,7 @@ def unqueue(state: LockDir, uuids: set[str]) -> None:
 def unlock(state: LockDir, fd: int) -> None:
     # The descriptor stays open (cached in lock_fds) for the next test.
     state.held.discard(fd)
-    try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
+    try:  # noqa: SIM105 (per GPU and test)
         fcntl.lockf(fd, fcntl.LOCK_UN)
     except OSError:
         pass

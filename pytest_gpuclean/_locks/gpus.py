@@ -1,18 +1,9 @@
-"""The GPU locks themselves: one per physical GPU (by UUID), taken all-or-nothing for a test (``GpuLocks``).
+"""The GPU locks: one per physical GPU (by UUID), taken all-or-nothing for a test (``GpuLocks``).
 
-Each lock is a POSIX record lock (``fcntl`` ``F_SETLK``, a write lock on the whole file) on
-``<dir>/<uuid>.lock``. A POSIX lock belongs to the process that took it: the kernel drops it when that
-process ends (SIGKILL, the OOM killer, ``os._exit``), and no child ever holds it, whether made by
-``os.fork``, ``multiprocessing`` or a raw ``fork()`` from C that skips Python's at-fork hooks. (A BSD
-``flock`` belongs to the open file instead: a child that inherited the descriptor kept the GPU locked after
-its pytest died.) Next to each lock, each user has a small JSON holder record saying who holds it; records
-are untrusted input (another user writes them). docs/sharing.md has the threat model.
-
-The package, bottom up: ``directory.py`` (the lock directory, opened once without following a link, its
-lock files and the marks on it), ``held.py`` (the locks a test holds, their holder records, and the locks
-kept for the session's next test), ``holders.py`` (who holds a lock: the records read back, and
-``/proc/locks``), ``describe.py`` (that holder in words) and this module, which takes the locks.
-"""
+Each is a POSIX record lock on ``<dir>/<uuid>.lock``: it belongs to the process that took it, so the kernel
+drops it when that process ends and no child ever holds it, however it was forked (a BSD ``flock`` belongs
+to the open file, and a child that inherited it kept the GPU locked after its pytest died). Beside each
+lock, each user keeps a holder record saying who holds it (``held.py``); records are untrusted input."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The locks a test holds (``HeldLocks``): the holder records that name it, their release after the test,
-and the kept-lock speed-up: locks kept for the session's next test (``HeldLocks.park``) and taken over by
-it (``resume``), its records rewritten in place.
-
-A holder record is a small JSON file next to the lock, one per GPU and user (``<uuid>.<uid>.holder``),
-saying who holds the GPU; this module writes this process's own (overwritten in place, in files kept open
-for the whole session), ``holders.py`` reads everyone's.
-"""
+"""The locks a test holds (``HeldLocks``): the holder records that name it, their release, and the locks kept
+for the session's next test (``park``, ``resume``). A holder record is a small JSON file next to the lock,
+one per GPU and user, overwritten in place in a file kept open for the session."""
 
 from __future__ import annotations
 
@@ -109,7 +104,7 @@ class HeldLocks:
         # Holder record first: once the lock is free, the next holder writes its own. A blank file is
         # no record (``holders.read_records`` skips it), and stays open for the next acquire to reuse.
         for fd, padded in self.holder_fds:
-            try:  # (try/except, not contextlib.suppress: this runs per GPU and test)
+            try:
                 if padded:
                     os.pwrite(fd, _BLANK, 0)
                 else:
@@ -259,7 +254,7 @@ def _rewrite_records(slots: Sequence[tuple[int, list[int]]], current: bytes) -> 
             return False
         data = current.ljust(_RECORD_BYTES - start)
         for holder in holders:
-            try:  # noqa: SIM105 (per GPU and test: cheaper than contextlib.suppress)
+            try:  # noqa: SIM105 (per GPU and test)
                 os.pwrite(holder, data, start)
             except OSError:
                 pass
@@ -340,7 +335,7 @@ def _write_holder(state: LockDir, name: str, payload: bytes) -> tuple[int, bool]
     Returns the descriptor and whether the record was padded to ``_RECORD_BYTES``.
 
     Overwritten in place: a file created, renamed or deleted per GPU and test costs more than the whole
-    clean check (docs/benchmarks.md 9). A reader that catches a half-written record fails to parse
+    clean check. A reader that catches a half-written record fails to parse
     it and reads "unknown holder", as for a missing one.
     """
     fd = holder_fd(state, name)

@@ -1,12 +1,6 @@
-"""Who holds a GPU's lock: the holder records read back, and what the kernel and the lock directory say.
-
-A holder record (``held.py`` writes this process's own) is untrusted input: another user writes it. So only
-the user a record file is named after may have written it (the kernel says who made it), a record is read
-only if it is small, checked field by field, and its text made safe to print (``clean_text``). Then
-``/proc/locks`` names the process that really holds the lock, and the marks on the lock directory say
-whether a session is making the lock file, holds the GPU through a deleted one, or queues for it
-(``lock_holders``). ``describe.py`` puts that in words.
-"""
+"""Who holds a GPU's lock: the holder records read back (untrusted: another user writes them; read only
+from the user the file is named after, small, checked field by field, cleaned for printing), what
+``/proc/locks`` names, and what the marks on the lock directory say."""
 
 from __future__ import annotations
 

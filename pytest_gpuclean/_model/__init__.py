@@ -1,3 +1,2 @@
-"""The model: plain records that flow between the layers (readings -> findings -> results); imports nothing
-of the package but itself. (Empty: importing a layer loads none of its modules.)"""
+"""The model: the records that flow through the package, and the decisions over a test's record."""
 

@@ -118,7 +118,6 @@ def outcome(record: TestRecord) -> Outcome:
     A GPU that is not usable (it needs a reset, is lost, failed the probe) is not clean; ``gpu_fault``: the
     test's GPUs were clean, but an Xid it caused (or a setting it changed) fails it. A fixture's leak is
     the fixture's (``fixture_leaks``), not the test's; a leak found by a later check is the test's."""
-    # (no generator over a test's checks or an empty health list: every output asks this once per test)
     if _may_have_leaked(record) and own_leaks(record).any():
         return "leaked"
     before, health = record.before, record.health
@@ -176,7 +175,7 @@ def reaped_count(records: Sequence[TestRecord], session_reaped: Sequence[Reaped]
     line's count and the JSON report's. Each process once, by its identity (node, pid and start time): a leak
     a later check found is in that check's ``reaped`` and in its test's ``found_later``."""
     ended = {_identity(r) for r in session_reaped}
-    for r in records:  # (a loop: once per test of the session)
+    for r in records:
         for c in (r.before, r.after, r.cluster_before, r.cluster_after):
             if c and c.reaped:
                 ended.update(map(_identity, c.reaped))

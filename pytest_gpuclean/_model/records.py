@@ -1,16 +1,12 @@
-"""The package's records of what is read and found: plain data that flows between the layers, one style
-(as psutil keeps its result tuples in ``_ntuples.py``). What is read (devices, snapshots, owners, who holds a
-GPU lock) and the closed sets of words; what a check found (offenders, reaped processes, health findings; on a
-Ray node, naming it). What a check and a test came to (``CheckResult``, ``TestRecord``, ...) is in
-``outcomes.py``, beside the decisions over them.
+"""The records that flow through the package: what is read (devices, their snapshots, processes, owners, who
+holds a GPU lock), what a check found (offenders, reaped processes, health findings; on a Ray node, naming
+it), what a check and a test came to (``CheckResult``, ``TestRecord``), and the closed sets of words.
 
-Only ``nvml.py`` knows NVML and only ``processes.py`` knows psutil; everything else works on these.
 A record is a ``NamedTuple``: immutable, compared and hashed by value, and cheap to define (a checked session
-defines some thirty at its start: a NamedTuple costs a tenth of a millisecond to create, a frozen dataclass
-ten times that, on the CPU box: benchmarks/import_cost.py). A dataclass where a tuple will not do: a record
-filled in as the test runs (``TestRecord``), the fixture's public values (``CleanGpus``, ``DeviceState``)
-and ``DeviceInfo``, whose ``index`` would shadow ``tuple.index``.
-"""
+defines some thirty at its start: a tenth of a millisecond each, a frozen dataclass ten times that:
+benchmarks/import_cost.py). A dataclass where a tuple will not do: a record filled in as the test runs
+(``TestRecord``), the fixture's public values (``CleanGpus``, ``DeviceState``) and ``DeviceInfo``, whose
+``index`` would shadow ``tuple.index``."""
 
 from __future__ import annotations
 
@@ -93,7 +89,7 @@ class DeviceSnapshot(NamedTuple):
     def bytes_of(self, pids: frozenset[int] | set[int]) -> int:
         """Memory the driver attributes to ``pids`` on this device."""
         if not self.processes:
-            return 0  # the clean path asks several times per device and check: skip the generator
+            return 0  # (an idle device)
         return sum(p.used_bytes or 0 for p in self.processes if p.pid in pids)
 
 
@@ -168,10 +164,10 @@ class Outside(NamedTuple):
     id) already waited out; None if this check waited for it."""
 
 
-# ---- who holds a GPU lock: read by ``core/locks/holders.py``, worded by ``core/locks/describe.py`` -------
+# ---- who holds a GPU lock: read by ``_locks/holders.py``, worded by ``_locks/describe.py`` -------
 
 class HolderRecord(NamedTuple):
-    """A GPU lock's holder record, as its holder wrote it next to the lock (``core/locks/held.py``), read back
+    """A GPU lock's holder record, as its holder wrote it next to the lock (``_locks/held.py``), read back
     checked and cleaned: another user may have written anything there."""
 
     pid: int

@@ -1,2 +1,2 @@
-"""Ownership: whose a process is (the cookie, the ownership windows, the session's census)."""
+"""Ownership: whose a process is (the cookie, the evidence of birth, the session's census)."""
 

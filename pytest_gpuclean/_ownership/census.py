@@ -1,10 +1,11 @@
 """The census: the session's processes, and whose each is (the token that names its owner).
 
-Readings only: the descendant tree through ``procfs``, cookie carriers outside it, the evidence of
-``ownership``; each process pinned by ``processes`` from the moment it is found (what the pytest process's
-libraries keep is left out: ``helpers.py``). What a check makes of a census (offenders, excused, what may
-be signalled) is decided in ``decide.py`` and ``verdict.py``; no signal is sent here.
-"""
+The descendant tree, cookie carriers outside it and the debris of dead sessions, each process pinned by its
+pidfd from the moment it is found; the pytest process's helpers and what is meant to outlive the session
+are left out. A direct child that would be judged is asked about once more (``Managed``): a process whose
+handle a module global keeps is the pytest process's helper, one a live fixture's value holds is that
+fixture's, and an orphan born beside a protected process that gives its children no cookie is neither's for
+sure. Nothing here decides a verdict or sends a signal."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def _trees(walked: Sequence[tuple[int, int, int]], roots: Mapping[int, str]) -> 
 
 class CensusEntry:
     """A process that is ours (a descendant, or carrying a cookie of ours or of a dead session). (A plain
-    class: see ``ownership.Window``.)"""
+    class: see ``evidence.Window``.)"""
 
     __slots__ = ("debris_of", "depth", "found_by", "handle", "owner_name", "pid", "start_ticks", "state",
                  "token")
@@ -175,7 +176,7 @@ class Census:
         self._announced: set[tuple[int, int]] = set()
         self.notices: list[str] = []
         """One line for each helper or persistent process when first seen (and each process whose owner its
-        handle or a missing cookie decided: ``managed.py``), for the session's notes."""
+        handle or a missing cookie decided: ``Managed``), for the session's notes."""
         self.uid = uid
         self.session_start_ticks = ownership.began_tick
         """When the session began (its cookie exported): a process carrying our cookie that is older is not
@@ -192,7 +193,7 @@ class Census:
         self._debris: dict[tuple[int, int], tuple[SessionRef, str | None]] = {}
         """Processes under us that a nested session left when it died: (that session, owner name)."""
         self.managed = Managed(ownership, self.notices, processes.command_line)
-        """Who in the pytest process manages a process it started (``managed.py``): asked once per direct
+        """Who in the pytest process manages a process it started (``Managed``): asked once per direct
         child that would be judged."""
         self._tree = procfs.DescendantWalk()
         self.last: list[CensusEntry] = []
@@ -261,12 +262,12 @@ class Census:
 
     def helper_pids(self) -> dict[int, str]:
         """The pytest process's own helpers that its libraries keep, each with why
-        (``helpers.library_helpers``)."""
+        (``library_helpers``)."""
         return library_helpers()
 
     def _left_out(self, walked: list[tuple[int, int, int]], listed: AbstractSet[int],
                   roots: dict[int, str]) -> tuple[dict[int, str], dict[int, str]]:
-        """Of a walk of our descendants: the helpers (the libraries', ``helpers.library_helpers``, and the
+        """Of a walk of our descendants: the helpers (the libraries', ``library_helpers``, and the
         pytest process's children whose command line a ``helper_globs`` pattern matches) and the persistent
         processes (``persistent_globs``, ``persistent_registry``), each with its descendants, to leave out of
         the census. A helper whose tree holds GPU memory (``listed``) is judged like any process: the
@@ -416,7 +417,7 @@ class Census:
         """
         found: list[CensusEntry] = []
         by_pid: dict[int, CensusEntry] = {}
-        me = self.me  # (one getpid per census: the pid cannot change during it, nothing here forks)
+        me = self.me  # (read once: nothing here forks)
         my_sid: int | None = None  # (read when a direct child needs it: the clean path has none)
         seen_keys: set[tuple[int, int]] = set()
         walked = self._walk(me)

@@ -1,9 +1,6 @@
-"""The environment cookie that says which gpuclean session (and which test of it) started a process.
-
-Kept apart from ``ownership.py``, which decides what the cookie proves: the plugin exports the session's
-cookie as soon as pytest is configured, so that whatever a conftest or the collection starts carries it,
-and a session that checks nothing must not pay for importing the rest (see docs/ownership.md).
-"""
+"""The environment cookie that says which gpuclean session (and which test of it) started a process. Apart
+from ``evidence.py``, which decides what it proves: every pytest run exports it before any conftest runs,
+and a session that checks nothing loads no more than this."""
 
 from __future__ import annotations
 

@@ -1,36 +1,21 @@
-"""Who in the pytest process still holds a process's handle: the evidence that a process the pytest process
-started is managed, not stray.
+"""Who in the pytest process still holds a process's handle: the evidence that a process it started is
+managed, not stray.
 
-A library keeps a reusable pool or a service for the process's life in a module global (joblib's and loky's
-``get_reusable_executor``, a ``concurrent.futures`` executor a library caches, a service kept in a module
-singleton); a fixture wider than a test keeps its server in its value, a factory's closure included. Either
-way a live object holds the process's *handle*: an object whose instance ``__dict__`` (or slot) has an int
-``pid`` or ``_pid`` naming the process, still running as far as the handle knows (``subprocess.Popen``,
-multiprocessing's and loky's popen objects, ``psutil.Process``, a resource tracker). ``holders`` looks for
-one by walking what is reachable (``gc.get_referents``: containers, closures, caches alike) from three kinds
-of roots, in this order:
+A library keeps a pool or a service for the process's life in a module global; a fixture keeps its server in
+its value. Either way a live object holds the process's handle: an instance whose ``pid`` or ``_pid`` names
+the process, not yet waited for (``Popen``, multiprocessing's popen objects, ``psutil.Process``).
+``holders`` walks what is reachable (``gc.get_referents``) from three kinds of roots, in order:
 
-- ``module``: the values of every module's globals (a class's own attributes too): the process is the pytest
-  process's helper, whoever's call happened to start it;
-- ``fixture``: the values of the fixtures wider than a test that are still set up: the process is that
-  fixture's;
-- ``bookkeeping``: the standard library's own records of the processes and threads it started
-  (``subprocess._active``, which a dropped running ``Popen`` joins; ``multiprocessing.process._children``;
-  ``threading._active``, where a dropped executor's manager thread holds its workers; the finalizer
-  registries). These hold every process the pytest process started, managed or not: they are never roots of
-  the first two walks, and what only they hold is a process the pytest process started itself and dropped.
+- ``module``: every module's globals (a class's own attributes too): the pytest process's helper;
+- ``fixture``: the values of the fixtures wider than a test that are still set up: that fixture's;
+- ``bookkeeping``: the standard library's own records of what it started (``subprocess._active``,
+  ``multiprocessing.process._children``, ``threading._active``, the finalizer registries), which hold every
+  process, managed or not: what only they hold, the pytest process started and dropped.
 
-The walks never enter the objects of pytest, pluggy, xdist, execnet or gpuclean (the session holds the
-items, which hold every function fixture's value), frames, code, tracebacks, nor a function's globals (only
-its closure, defaults and attributes): a handle in a test's locals or a function fixture's value is the
-test's. They read instance dictionaries and slots through the interpreter's own descriptors and never call a
-method or a property of a user object: the guest runs no user code.
-
-One walk costs about 2 us per object it reaches (0.2 s for 1,250 modules on the CPU box; more in a process
-that imported torch and vLLM: docs/benchmarks.md), so the census asks only about a process that would
-otherwise be judged, once per process (pid and start time), and the walk stops as soon as each process asked
-about is found.
-"""
+The walks never enter pytest's, pluggy's, xdist's, execnet's or gpuclean's objects (the session holds the
+items, which hold every function fixture's value), frames, code or a function's globals, and read instance
+dictionaries and slots through the interpreter's own descriptors: no user code runs. A walk costs about
+2 us per object, so the census asks only about a process that would otherwise be judged, once each."""
 
 from __future__ import annotations
 

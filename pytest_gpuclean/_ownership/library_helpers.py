@@ -1,8 +1,7 @@
-"""The pytest process's own helpers: the processes its libraries keep for the process's life, found through
-what the libraries themselves hold in this process (``library_helpers``), and the executable of torch's
-shared-memory manager (``torch_shm_manager``). The census leaves them out (``Census._left_out``): killing
-them breaks later tests, and they end with the pytest process. Read from Python objects only: no /proc.
-"""
+"""The pytest process's own helpers: the processes its libraries keep for the process's life (resource
+trackers, fork servers, pools registered to be shut down at exit, torch.compile's workers), found through
+what the libraries hold in this process, and the executable of torch's shared-memory manager. The census
+leaves them out: killing them breaks later tests, and they end with the pytest process."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def library_helpers() -> dict[int, str]:
     for package in MULTIPROCESSING_PACKAGES:
         helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
     # torch.compile keeps every worker pool it starts in one set, and shuts them all down at exit
-    # (``shutdown_compile_workers``); torch 2.13 also registers each pool's shutdown with
-    # Finalize (above), torch 2.11 does not (seen on the H200, docs/lab/gpu-runs.md).
+    # (``shutdown_compile_workers``); some torch versions register no Finalize for them (above).
     compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
     if compile_pools:
         for pool in list(compile_pools):

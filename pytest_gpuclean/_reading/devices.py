@@ -1,16 +1,7 @@
-"""Reading GPUs: what every device backend shares, and what the rest of the package catches of them.
-
-Two backends read devices: ``nvml.py`` (real GPUs; the only module that imports pynvml) and ``simulated.py``
-(directories of simulated devices, for CPU CI). Both produce the same ``DeviceSnapshot``s, so every other
-module runs the same code on a CPU CI box as on a GPU runner. ``backends.py`` has the protocols the rest
-holds a backend by (``Backend``, ``HealthSource``) and chooses the devices to check; ``opening.py`` opens
-the backend the settings name.
-
-Here: the errors of reading devices, ``LastReadings`` and NVML's words. A leaf: it imports nothing of the
-package, and names a device by the ``Device`` protocol, which ``records.DeviceInfo`` meets. So a backend is
-one floor above the records and no more: a Ray node opens one from four floors down the ``gpuclean``
-command's imports, and tests/test_layers.py allows six floors.
-"""
+"""What every device backend shares: the errors of reading devices, ``LastReadings`` (a reading equal to the
+device's last one is that object, so the records of clean tests share them), and NVML's words. The two
+backends (``nvml.py``, ``simulated.py``) give the same ``DeviceSnapshot``s, so the rest of the package runs
+the same code on a CPU CI box as on a GPU runner."""
 
 from __future__ import annotations
 

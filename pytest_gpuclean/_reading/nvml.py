@@ -29,7 +29,7 @@ XID_EVENT = 0x8
 class NvmlOpening:
     """``import pynvml``, ``nvmlInit`` and the GPUs' handles, by default in a thread of their own.
 
-    A checked session's start waits for NVML more than for anything else (docs/benchmarks.md 5d), in C
+    A checked session's start waits for NVML more than for anything else, in C
     calls that let go of the GIL. Started before the session imports the rest of its code, they run
     meanwhile; ``NvmlBackend`` takes the result.
     """
@@ -148,7 +148,7 @@ class NvmlBackend:
                 processes: dict[int, int | None] = {}
                 # The clean path's shortcut: a listed process has a context on the device, and a context
                 # holds memory of its own, whatever it allocated, so with v2 "used" at 0 no process can be
-                # listed, and the two process queries can be skipped (docs/benchmarks.md).
+                # listed, and the two process queries can be skipped.
                 getters = () if self._memory_v2 and memory.used == 0 else (
                     nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses)
                 for getter in getters:
@@ -275,8 +275,7 @@ class NvmlBackend:
         nvml = self._nvml
         found: list[tuple[str, int]] = []
         with self._lock:
-            # A wait of 0 ms returns an event or "timeout" at once (docs/benchmarks.md, section 7: the
-            # health watch's cost).
+            # (a wait of 0 ms returns an event or "timeout" at once)
             for _ in range(1000):  # a GPU flooding Xids must not hold the check forever
                 try:
                     data = nvml.nvmlEventSetWait_v2(self._events, 0)

@@ -1,11 +1,8 @@
 """The only module that talks to psutil, and the only one that sends signals.
 
-Everything here identifies a process by ``(pid, start_ticks)`` and re-checks that identity before it
-acts, through a pidfd where the kernel has them, so a recycled pid is never signalled.
-
-psutil (and ctypes) are imported where they are used: describing a process for a report is off the clean
-path, and a session that finds nothing to describe does not pay for the import.
-"""
+A process is identified by ``(pid, start_ticks)`` and pinned by a pidfd where the kernel has them, so a
+recycled pid is never signalled. psutil is imported when a process is first described: a session that
+finds nothing to describe never loads it."""
 
 from __future__ import annotations
 
@@ -41,7 +38,7 @@ def _prctl(option: int, value: int) -> int:
     """``prctl(option, value, 0, 0, 0)`` through ctypes' own building blocks (``_ctypes``).
 
     Not ``import ctypes``: that defines all of ctypes' types and loaders, in every checked session's start,
-    for one call (docs/benchmarks.md 9). ``ctypes.CDLL(None).prctl`` is made of these
+    for one call. ``ctypes.CDLL(None).prctl`` is made of these
     same three pieces (a C int type, a cdecl function type returning it, ``dlopen``/``dlsym``); should a
     Python lack one, this falls back to ctypes.
     """
@@ -261,7 +258,7 @@ def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcSt
 
 class KillTarget(NamedTuple):
     """A process to end; ``depth`` orders children before their parents. (Declared here, not in
-    ``model/records.py``: its ``handle`` is this module's.)
+    ``_model/records.py``: its ``handle`` is this module's.)
 
     With a ``handle`` (pinned when the process was found) signals go through it and the caller keeps it
     open; without one, ``terminate`` pins the process by ``(pid, start_ticks)`` itself.

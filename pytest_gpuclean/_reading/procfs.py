@@ -1,12 +1,7 @@
-"""Raw, allocation-light reads of /proc: the fast path shared by the device and process modules.
-
-psutil is the richer interface (user names, command lines) and lives in ``processes.py``; the hot path
-of a clean check only needs a process's state, parent and start time, which one read of
-``/proc/<pid>/stat`` gives.
-
-A leaf: it imports nothing of the package. Every session loads it (the plugin names its session by this
-process's start), and it is the last floor of the package's longest import chains (tests/test_layers.py).
-"""
+"""Raw, allocation-light reads of /proc: what a clean check needs of a process (state, parent, start time:
+one read of ``/proc/<pid>/stat``), the descendant walk, and the pid readings that bracket a process's birth.
+psutil, the richer interface, is ``processes.py``'s. Every session loads this module (its id names the
+pytest process's start)."""
 
 from __future__ import annotations
 

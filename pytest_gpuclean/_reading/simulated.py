@@ -359,7 +359,7 @@ class _Allocations:
     - A file being rewritten in place (a shell's ``echo N > file`` truncates first) is read again; if it is
       still empty, its process is listed with its amount unknown, as NVML lists a process it cannot size.
     - A file speaks for its process only if it belongs to root or to a user the process runs as (any of its
-      uids, ``users.uids_of``): another user may write into a directory of simulated devices, and a
+      uids, ``credentials.uids_of``): another user may write into a directory of simulated devices, and a
       file naming someone else's process must not make gpuclean end or claim it. Such a file lists no
       process; its bytes are memory charged to none (``of`` gives them, not held), and it is named once.
     """

@@ -1,13 +1,9 @@
-"""The simulated devices' directory: the one home of its layout, which ``pytest_gpuclean.simulate`` writes
-and ``simulated.py`` (and the CUDA probe, ``probe.py``) read. Names, defaults and which folders are devices
-(``device_indices``), importing nothing of the package: a holder (``python -m pytest_gpuclean.simulate
-hold``) starts in every leak test, and loads no more of the plugin than this; the plugin checks a
-``--gpuclean-simulate`` directory with it at start-up, in every session that names one.
+"""The simulated devices' directory layout, which ``pytest_gpuclean.simulate`` writes and ``simulated.py``
+and the probe read; it imports nothing (a holder, ``simulate hold``, loads only this).
 
-``DIR/<index>/`` is a device. In its folder ``<pid>`` holds the bytes that process has allocated (a whole
-number), ``CUDA/<pid>`` marks a process that has initialised CUDA there without a context, and the other
-files below are optional. ``DIR/XID`` holds the Xid events of all devices.
-"""
+``DIR/<index>/`` is a device. In its folder ``<pid>`` holds the bytes that process has allocated,
+``cuda/<pid>`` marks a process that initialised CUDA there without a context, and the other files are
+optional. ``DIR/xid`` holds the Xid events of all devices."""
 
 from __future__ import annotations
 

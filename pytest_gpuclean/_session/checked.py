@@ -1,9 +1,6 @@
-"""A gpuclean session that checks: its device backend, locks, checker and records, set up once.
-
-Imported when the session starts (at the end of the collection if a collected test is to be checked),
-never by a session that checks nothing: psutil, NVML and the checking code come with it. The plugin's
-hooks (``plugin.py``) delegate here, and to ``testcheck.py`` for each test.
-"""
+"""A gpuclean session that checks: its device backend, locks, checker and records, set up once, when a
+collected test is to be checked (a session that checks nothing never imports it: psutil, NVML and the
+checking code come with it)."""
 
 from __future__ import annotations
 

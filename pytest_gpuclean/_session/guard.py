@@ -1,8 +1,5 @@
-"""Each test's check, from its setup to the end of its teardown: the marker's settings, the GPU locks,
-the check before, the check after every fixture is torn down, and whose leak is whose.
-
-Part of a started session (``session.py``); the plugin's setup and teardown hooks delegate here.
-"""
+"""Each test's check, from its setup to the end of its teardown: the marker's settings, the GPU locks, the
+check before, the check after every fixture is torn down, and whose leak is whose."""
 
 from __future__ import annotations
 
@@ -105,8 +102,7 @@ class TestGuard:
         """Tests whose in-process torch growth stayed within the floor, and by how much (a session note)."""
         hook = session.config.hook
         # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
-        # only when one implements them: three calls that find nothing would cost every checked test
-        # (docs/benchmarks.md has what).
+        # only when one implements them: three calls that find nothing would cost every checked test.
         extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
         self._hook: Any = hook if extended else None
 
@@ -263,7 +259,7 @@ class TestGuard:
             state.devices, record.devices = self._locked_devices(state.locks.uuids)
         else:
             state.devices = session.devices if count is None else session.devices[:count]
-            record.devices = tuple([d.uuid for d in state.devices])  # (a list: no generator frame per GPU)
+            record.devices = tuple([d.uuid for d in state.devices])
         if count is not None:
             state.previous_visible = ("CUDA_VISIBLE_DEVICES" in os.environ,
                                       os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -576,7 +572,7 @@ class TestGuard:
     def live_fixture_values(self) -> list[tuple[str, object]]:
         """The value of each fixture wider than a test that is set up now, with its token: what the census
         asks about a process that would be judged (a process whose handle one holds is that fixture's,
-        ``core/ownership/managed.py``). Read only then, never on the clean path."""
+        ``census.Managed``). Read only then, never on the clean path."""
         values: list[tuple[str, object]] = []
         for token in self._fixture_tokens.values():
             fixturedef = self._fixture_defs.get(token)

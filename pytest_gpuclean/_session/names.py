@@ -1,9 +1,5 @@
-"""The pytest integration's declarations: its marker, fixture and plugin names, its warning class, the
-session's exported cookie.
-
-A leaf, as pytest keeps ``_pytest/warning_types.py``: ``plugin.py`` and what it delegates to
-(``session.py``, ``testcheck.py``) take these from here, so none of them imports the plugin.
-"""
+"""The pytest integration's names: marker, fixture, plugin names, the warning class, the exported cookie. A
+leaf, as pytest keeps ``_pytest/warning_types.py``: every pytest run imports it."""
 
 from __future__ import annotations
 

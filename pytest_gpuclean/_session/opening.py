@@ -1,10 +1,5 @@
-"""The devices a session checks, opened and chosen as its options say, with pytest's word for a bad value:
-the core's ``devices.SimulationError`` and ``devices.DeviceSelectionError`` become ``pytest.UsageError``
-lines that name the option and where its value came from. Used where the session starts
-(``session.CheckedSession``) and where an explicit ``--gpuclean-devices`` is held against the devices in a
-session that checks nothing (``plugin._check_device_list``). ``devices.BackendUnavailable`` (no driver) is
-left to each: the one skips its checked tests, the other has nothing to hold the list against.
-"""
+"""The devices a session checks, opened and chosen as its options say; the reading's errors become
+``pytest.UsageError`` lines that name the option and where its value came from."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""Machine-readable outputs of a gpuclean session, for CI: the JSON report (``--gpuclean-report``), JUnit
-``user_properties`` and, on GitHub Actions, ``::error`` annotations plus a job-summary table. The hooks that
-write them are here; what they write is worded in ``report/`` (``jsonreport.py``, ``ci.py``).
-
-``OutputHooks`` reads the session's records (``store.py``); it never checks or reaps anything itself. Under
-pytest-xdist the workers add JUnit properties to their own reports (xdist ships them to the
-controller's junitxml) and the controller writes everything else from the records the workers sent. An
-extension's parts of the report come through gpuclean's report hooks (``hookspecs.py``).
-
-Every checked session registers these hooks, but one without a report, JUnit XML, GitHub or xdist makes
-no output: the JSON shapes (``jsonreport.py``), CI's words (``ci.py``) and the records' shipping
-(``serialize.py``) are imported by
-the functions that make one, when they first run, so that such a session never loads them (the lazy start:
-tests/test_cost.py). Hence their function-level imports here.
-"""
+"""The hooks that write what CI reads of a session: the JSON report (``--gpuclean-report``), JUnit
+``user_properties`` and, on GitHub Actions, annotations and a job summary (worded in ``report/``). Under
+xdist the workers add the JUnit properties to their own reports and send their records; the controller
+writes the rest. The wording and the records' shipping are imported only by an output that needs them: a
+session without any never loads them."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""What a gpuclean session found, test by test: the bookkeeping that the summary and the CI outputs read.
-
-One ``RecordStore`` per pytest session, kept in ``config.stash`` (``of``); the record of the test being
-run in ``item.stash[TEST]``. Records travel between processes as plain dicts: from an xdist worker to the
-controller (each test's record as it ends, and the worker's whole payload at session end) and from a
-forked child (pytest-forked) back to the session's process.
-
-Imported only by a session that checks something, and then cheaply: the records' (de)serialisation
-(``serialize.py``) is imported by the methods that ship or take in records, when they first run, so that a
-session without xdist, pytest-forked or a report never loads it (the lazy start: tests/test_cost.py).
-Hence their function-level imports here.
-"""
+"""What a gpuclean session found, test by test: the records the summary and the outputs read. One
+``RecordStore`` per session (``config.stash``); a test's record in ``item.stash[TEST]``. Records travel as
+plain dicts from an xdist worker to its controller and from a forked child to the session's process (their
+(de)serialisation is imported when first needed)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""The agent: gpuclean's helper driver for a Ray cluster, in a Python process of its own (``cluster.RayCheck``
-starts it: the pytest process never imports Ray), a job of its own on the cluster.
+"""The agent: gpuclean's helper driver for a Ray cluster, in a Python process of its own
+(``cluster.ClusterChecker`` starts it: the pytest process never imports Ray), a job of its own on the
+cluster.
 
 It reads the control store's tables (jobs, actors, nodes: no dashboard needed), runs ``node.probe_node``
 pinned to each alive node and, when asked, ``node.end_on_node`` on one; it answers the pytest process over a
 pipe (``main``), each request as ``(op, args)``, each answer ``("ok", value)`` or ``("error", why)``. What
-it sends are ``records.py``'s records, pickled.
+it sends are ``messages.py``'s records, pickled.
 """
 
 from __future__ import annotations

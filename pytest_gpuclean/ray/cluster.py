@@ -1,20 +1,15 @@
-"""The check across a Ray cluster (``--gpuclean-ray``), the pytest process's side: every alive node's devices
-and the test's Ray actors and processes, through Ray's own records.
+"""The check across a Ray cluster, the pytest process's side: every alive node's devices and the test's Ray
+actors and processes, through Ray's own records.
 
-The pytest process never imports Ray. ``RayCheck`` starts the agent (``agent.py``: a helper driver in a
-Python process of its own, a job of its own), which reads the control store's tables and runs a probe pinned
-to each node (``node.py``); from the census it sends back, ``RayCheck`` decides what is a test's leak, has
-the agent end it on its node, and gives the verdict as an ordinary ``CheckResult``. It talks to the agent
-over a pipe; every request has a deadline, and an agent that misses it is killed and reported, so an
-unreachable cluster never hangs a test.
+The pytest process never imports Ray: ``ClusterChecker`` starts the agent (``agent.py``, a driver in a process
+of its own), which reads the control store and runs a probe pinned to each node (``node.py``); from the
+census it sends back, ``ClusterChecker`` decides what is a test's leak, has the agent end it, and gives an
+ordinary ``CheckResult``. Every request has a deadline: an unreachable cluster never hangs a test.
 
-Attribution: a Ray actor belongs to a test when its job's driver is this pytest process and Ray's
-record says it started inside the test's window (the same windows as the local check); a process on
-a node belongs to it through its actor's worker (ancestry), or when it carries the job's id
-(``RAY_JOB_ID``, inherited by every process a worker starts) and was born inside the window. Ray's
-daemons, idle workers (``ray::IDLE``), another job's actors and other users' processes are never
-signalled.
-"""
+A Ray actor is a test's when its job's driver is this pytest process and Ray says it started inside the
+test's window; a process on a node is, through its actor's worker, or when it carries the job's id and
+was born in the window. Ray's daemons, idle workers, another job's actors and other users' processes are
+never signalled."""
 
 from __future__ import annotations
 
@@ -87,7 +82,7 @@ def _never_older(pid: int, start_ticks: int) -> bool:
     return False
 
 
-class RayCheck:
+class ClusterChecker:
     """Drives the agent from the pytest process: census, attribution, reaping, the verdict. (Not a record:
     it owns the agent's process and pipe.)"""
 
@@ -464,7 +459,7 @@ def _process_start(pid: int) -> float:
 
 def resolve_address(value: str) -> str | None:
     """The address ``--gpuclean-ray`` names: None for ``off``; ``auto`` is ``RAY_ADDRESS`` if set (a cluster
-    the session starts itself is found by ``checks.RayChecks.discover``)."""
+    the session starts itself is found by ``hooks.RayHooks.discover``)."""
     if value == OFF:
         return None
     if value == AUTO:

@@ -1,16 +1,8 @@
-"""``gpuclean status|check|reap --ray ADDRESS``: the CLI's commands across every alive node of a Ray cluster.
-
-Imported by ``cli`` only when ``--ray`` (or ``GPUCLEAN_RAY``) names a cluster. The cluster is read as the
-plugin reads it (``cluster.RayCheck``: a helper driver in a process of its own, a probe pinned to each
-node, every request under ``--timeout``), so a CI hook sees what a ``--gpuclean-ray`` session would.
-
-``reap --ray`` is post-job cleanup on a cluster that others may use too, so it ends less than the local
-``reap``: on each node, this user's processes on the GPUs whose Ray job is over (a detached actor, a
-process a worker started that outlived it) or that belong to no Ray job; never a running job's, never
-Ray's daemons or task workers (Ray ends those with their job), never another user's. Named actors end
-through ``ray.kill``, the rest through the TERM -> grace -> KILL ladder in a task pinned to the node,
-which checks each target again there.
-"""
+"""``gpuclean status|check|reap --ray ADDRESS``: the commands across every alive node of a Ray cluster,
+read as the plugin reads it (``cluster.ClusterChecker``). ``reap --ray`` ends less than the local ``reap``:
+on each node, this user's GPU processes whose Ray job is over or that belong to none; never a running job's,
+Ray's own or another user's. Named actors end through ``ray.kill``, the rest through the ladder on their
+node."""
 
 from __future__ import annotations
 
@@ -41,9 +33,9 @@ class RayCliError(Exception):
     """The cluster cannot be used: the message names ``--ray`` and where the value came from."""
 
 
-def connect(address: str, resolved: settings.Settings) -> cluster.RayCheck:
+def connect(address: str, resolved: settings.Settings) -> cluster.ClusterChecker:
     """A started agent for ``address``; ``RayCliError`` if it cannot connect within ``--timeout``."""
-    check = cluster.RayCheck(address, Ownership("gpuclean-cli"), reap=False, grace=resolved.grace)
+    check = cluster.ClusterChecker(address, Ownership("gpuclean-cli"), reap=False, grace=resolved.grace)
     try:
         check.start(resolved.timeout)
     except cluster.ClusterError as exc:
@@ -51,14 +43,14 @@ def connect(address: str, resolved: settings.Settings) -> cluster.RayCheck:
     return check
 
 
-def _census(agent: cluster.RayCheck, resolved: settings.Settings) -> Census:
+def _census(agent: cluster.ClusterChecker, resolved: settings.Settings) -> Census:
     try:
         return agent.census(resolved.timeout)
     except cluster.ClusterError as exc:
         raise RayCliError(f"--ray: {exc} ({resolved.sources.get('ray', 'from the command line')})") from None
 
 
-def _header(agent: cluster.RayCheck, census: Census) -> str:
+def _header(agent: cluster.ClusterChecker, census: Census) -> str:
     return f"Ray cluster at {agent.address} (Ray {agent.version}), {len(census.nodes)} alive node(s)"
 
 
@@ -72,7 +64,7 @@ def _node_line(node: NodeReport) -> str:
     return f"node {node.node_id}: {len(node.devices)} device(s){error}"
 
 
-def status_json(agent: cluster.RayCheck, census: Census) -> dict[str, Any]:
+def status_json(agent: cluster.ClusterChecker, census: Census) -> dict[str, Any]:
     """``status --ray --json``: each alive node with its devices (named with the node) and processes."""
     return {"gpuclean_version": __version__, "ray": {"address": agent.address, "version": agent.version},
             "nodes": [{"node_id": n.node_id, "error": n.error,
@@ -211,7 +203,8 @@ def cmd_reap(args: argparse.Namespace, out: TextIO, resolved: settings.Settings,
     return 1 if survived else 0
 
 
-def _end(agent: cluster.RayCheck, targets: list[_Target], resolved: settings.Settings, out: TextIO) -> bool:
+def _end(agent: cluster.ClusterChecker, targets: list[_Target], resolved: settings.Settings,
+         out: TextIO) -> bool:
     by_node: dict[str, list[_Target]] = {}
     for t in targets:
         by_node.setdefault(t.node.node_id, []).append(t)

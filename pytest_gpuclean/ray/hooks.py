@@ -1,14 +1,7 @@
-"""The Ray cluster's part of a session's checks (``--gpuclean-ray``): before and after each test, the
-cluster's sweep at the session's end, and its part of what the session reports. A plugin that implements
-gpuclean's own hooks (``session/hookspecs.py``), registered by ``plugin.py`` only when ``--gpuclean-ray`` is
-on: the per-test check and the outputs call the hooks and know nothing of Ray (``reporting.py`` words the
-cluster's part).
-
-``cluster.py`` (which drives the agent, and through it Ray) is imported only when the option names a
-cluster, or, with ``auto`` and no ``RAY_ADDRESS``, once the session's own processes include a Ray GCS
-server: a cluster the session's tests or fixtures started (``RayChecks.discover``). A session that finds
-none never imports it (tests/examples/ray/no_ray_auto), hence its function-level imports here.
-"""
+"""The Ray cluster's part of a session's checks: before and after each test, the sweep at the session's end,
+and its part of the outputs; a plugin of gpuclean's own hooks, registered only with ``--gpuclean-ray``.
+``cluster.py`` is imported only once a cluster is named or found (with ``auto``, a Ray GCS server among the
+session's own processes), hence the function-level imports."""
 
 from __future__ import annotations
 
@@ -45,8 +38,8 @@ def watches(resolved: Settings) -> bool:
 
 
 def open_cluster(resolved: Settings, checker: Checker) -> Any:
-    """The cluster's check (``cluster.RayCheck``, started), or None when the option names no cluster (or,
-    with ``auto`` and no ``RAY_ADDRESS``, none yet). Raises ``pytest.UsageError`` for a cluster that
+    """The cluster's check (``cluster.ClusterChecker``, started), or None when the option names no cluster
+    (or, with ``auto`` and no ``RAY_ADDRESS``, none yet). Raises ``pytest.UsageError`` for a cluster that
     cannot be reached."""
     if resolved.ray == "off" or watches(resolved):
         return None
@@ -69,9 +62,10 @@ def _new_check(address: str, resolved: Settings, checker: Checker) -> Any:
 
     # The agent is the session's own helper, whenever it starts (a cluster found during a test, an agent
     # started again after a lost connection): never a test's leak.
-    return cluster.RayCheck(address, checker.ownership, reap=resolved.reap == "on", grace=resolved.grace,
-                            agent_env={COOKIE_VAR: checker.ownership.cookie(SESSION_TOKEN),
-                                       OWNER_VAR: SESSION_NAME}, older=checker.is_older)
+    return cluster.ClusterChecker(address, checker.ownership, reap=resolved.reap == "on",
+                                  grace=resolved.grace,
+                                  agent_env={COOKIE_VAR: checker.ownership.cookie(SESSION_TOKEN),
+                                             OWNER_VAR: SESSION_NAME}, older=checker.is_older)
 
 
 def gcs_address(pid: int) -> str | None:
@@ -109,8 +103,8 @@ def _command_name(pid: int) -> str:
         return ""
 
 
-class RayChecks:
-    """Checks the cluster around each checked test, and sweeps it at the end (``ray``: a ``RayCheck``).
+class RayHooks:
+    """Checks the cluster around each checked test, and sweeps it at the end (``ray``: a ``ClusterChecker``).
 
     With ``watch`` (``auto`` and no ``RAY_ADDRESS``) there is no cluster to begin with: each check's
     census of the session's processes (the local check's descendant walk) is looked at for a Ray GCS
@@ -134,7 +128,7 @@ class RayChecks:
         self.sweeps: list[CheckResult] = []
         """The cluster's session-end sweeps."""
 
-    # ---- gpuclean's hooks (session/hookspecs.py) ------------------------------------------------------
+    # ---- gpuclean's hooks (hookspecs.py) --------------------------------------------------------------
 
     def pytest_gpuclean_session_start(self, session: CheckedSession) -> None:
         self.session = session

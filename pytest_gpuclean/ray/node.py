@@ -3,7 +3,7 @@ agent's job (``agent.py`` pins each task to its node: node affinity, ``num_cpus=
 answers). ``probe_node`` reads the node's devices and the processes that matter; ``end_on_node`` ends what
 the pytest process decided is a test's leak, checking each target again where its pid means something.
 
-What they return (``records.py``) travels back through Ray. Ray pickles these functions by reference, so a
+What they return (``messages.py``) travels back through Ray. Ray pickles these functions by reference, so a
 node imports this module (and what it reads with: ``devices``, ``processes``) from its own installation.
 """
 

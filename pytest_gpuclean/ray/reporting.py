@@ -1,13 +1,7 @@
-"""The Ray cluster's part of what gpuclean reports: the long text of a cluster's failed check, its part of a
-test's summary line, and its keys of the JSON report (each test's ``cluster_before`` / ``cluster_after``,
-the session's ``ray``; ``report/report_schema.json`` describes them). Pure functions over the records, no
-pytest: ``checks.RayChecks`` hands them to gpuclean's report hooks (``session/hookspecs.py``).
-
-What a cluster's check found is already in the ordinary records (its ``Offender`` and ``Reaped`` name their
-``node``), so the decisions, the counts, a test's ``leaked`` list, JUnit and the annotations take it without
-this module; here is only what is the cluster's own: its nodes, how each node's devices let go, what Ray
-ended itself (``ray.kill``).
-"""
+"""The Ray cluster's own part of what gpuclean reports: the long text of a cluster's failed check, its parts
+of a test's summary line, and its keys of the JSON report. What a cluster's check found is already in the
+ordinary records (naming their ``node``); here is only the cluster's own: its nodes, how each let go, what
+Ray ended itself."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""What the ``gpuclean`` command prints, as text and JSON: pure functions over plain records.
-
-``cli.py`` reads and acts (the devices, their health, the processes, the kill ladder); this module words
-and shapes what it found, as ``terminal.py`` does for the plugin. Nothing here reads a device or a process:
-where the output names the backend, the driver or a process, ``cli.py`` passes the values it read.
-"""
+"""What the ``gpuclean`` command prints, as text and JSON, from what ``_cli.py`` read: pure functions."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The JSON shapes gpuclean publishes (schema version 1), built from the records of ``model/records.py``.
+"""The JSON shapes gpuclean publishes (schema version 1), built from the records of ``_model/records.py``.
 
 Pure functions, no pytest: the ``--gpuclean-report`` file and ``gpuclean status --json`` share the
 device and process shapes. ``report_schema.json`` next to this module is the contract; the

@@ -319,7 +319,6 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
     with a finding), and so does a fixture that leaked (apart from the test at whose teardown it was found).
     ``dirty``: the records with findings, if the caller has them already.
     """
-    # One loop over the records, not one generator each: this runs once per test of the session.
     checked = unchecked_leakers = timeouts = fixtures = unreadable = without_lock = 0
     for r in records:
         before, after = r.before, r.after

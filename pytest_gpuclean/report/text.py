@@ -1,4 +1,4 @@
-"""A record's values on one line: a command line, (device, MiB) pairs. The report's (``report.py``) and a
+"""A record's values on one line: a command line, (device, MiB) pairs. The report's (``terminal.py``) and a
 check's own messages (``checker.py``) both use them."""
 
 from __future__ import annotations
