@@ -195,7 +195,7 @@ def of_the_sweep(found: Iterable[CensusEntry], excluded: Collection[str]) -> lis
 SLACK_BYTES = 16 * MIB
 """How far memory held from outside may move and still be "the same" state (or the check's tolerance, if
 larger): a CUDA context of the session's that the driver lists under no process while a process that is
-not ours is listed there (seen on an H200) must not make the same outside holder new again. Only how long
+not ours is listed there must not make the same outside holder new again. Only how long
 a check waits depends on it: never its verdict."""
 
 Holders = frozenset[tuple[int, int]]

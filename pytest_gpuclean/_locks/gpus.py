@@ -177,8 +177,7 @@ class GpuLocks:
         if not share(state):
             return "closed"
         taken: list[tuple[str, int | None]] = []
-        # One loop per GPU (the lock, the hold mark; the names' check after it, one look for all GPUs): a
-        # helper call per step and GPU was most of the locks' Python cost per test.
+        # One loop per GPU: the lock, then the hold mark; the names are checked after it, once for all GPUs.
         try:
             for uuid in ordered:
                 if uuid in inherited:

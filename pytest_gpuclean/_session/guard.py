@@ -385,7 +385,6 @@ class TestGuard:
         if result.error is not None:
             self._stop_if_lost(item, result)
             headings.append(terminal.unreadable_heading(result))
-        # (each only where there is something: the clean path builds no list and no generator)
         leaked_offenders = [o for o in (*mine.offenders, *mine.lingered) if o.reason == "leaked"] if (
             mine.offenders or mine.lingered) else []
         if mine.reaped or leaked_offenders:
@@ -482,7 +481,7 @@ class TestGuard:
     # ---- GPU health (_check/health.py) ---------------------------------------------------------------------
 
     def _health_before(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
-        # The Xid drain (microseconds), and the probe where its mode says so; a GPU found unusable
+        # The Xid drain, and the probe where its mode says so; a GPU found unusable
         # earlier fails this setup with the reason.
         watch = self.session.health
         if watch is None:
