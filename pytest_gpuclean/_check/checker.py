@@ -200,14 +200,15 @@ class Checker:
         self.last_lost = None
         first: tuple[tuple[DeviceSnapshot, ...], bool] | None = None
         check: _Passes | None = None
+        asked = _Asked(phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
+                       self.reap_enabled if reap is None else reap, where, frozenset(known))
         try:
             if not (scan_cookies or dead_sessions or self.host_scope):
                 quiet = self._clean_path(phase, devices, tolerance_mib, started)
                 if isinstance(quiet, CheckResult):
                     return quiet
                 first = quiet
-            check = _Passes(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                          self.reap_enabled if reap is None else reap, where, started, first, known)
+            check = _Passes(self, asked, started, first)
             result = check.run()
             self._clean_again = result if self._only_ours(result) else None
             return result
@@ -217,8 +218,7 @@ class Checker:
             if isinstance(exc, DeviceLost):
                 self.last_lost = exc
             if check is None:  # (the first reading failed: nothing was reaped yet)
-                check = _Passes(self, phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions,
-                              self.reap_enabled if reap is None else reap, where, started)
+                check = _Passes(self, asked, started)
             return check.unreadable(exc)
 
     def _clean_path(self, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int, started: float
@@ -665,21 +665,32 @@ class Checker:
         return [info for info in infos if info is not None]
 
 
-class _Passes:
-    """One check of ``devices``, pass after pass until its verdict (``Checker.check`` says what the
-    arguments mean)."""
+class _Asked(NamedTuple):
+    """What ``Checker.check`` was asked (its docstring says what each means)."""
 
-    def __init__(self, checker: Checker, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int,
-                 timeout: float, scan_cookies: bool, dead_sessions: bool, reap: bool,
-                 where: str = "an earlier check", started: float | None = None,
-                 first: tuple[tuple[DeviceSnapshot, ...], bool] | None = None, known: Collection[Key] = ()
-                 ) -> None:
+    phase: Phase
+    devices: Sequence[DeviceInfo]
+    tolerance_mib: int
+    timeout: float
+    scan_cookies: bool
+    dead_sessions: bool
+    reap: bool
+    where: str
+    known: frozenset[Key]
+
+
+class _Passes:
+    """One check, pass after pass until its verdict."""
+
+    def __init__(self, checker: Checker, asked: _Asked, started: float,
+                 first: tuple[tuple[DeviceSnapshot, ...], bool] | None = None) -> None:
+        phase, devices, tolerance_mib, timeout, scan_cookies, dead_sessions, reap, where, known = asked
         self.checker = checker
         self.phase = phase
         self.devices = devices
         self.tolerance_mib = tolerance_mib
         self.reap_enabled = reap
-        self.started = time.monotonic() if started is None else started
+        self.started = started
         # How the passes observe (``Checker.observe``): how wide the census reaches, and what they saw.
         self.tolerance = tolerance_mib * MIB
         self.scan_cookies = scan_cookies
@@ -695,7 +706,7 @@ class _Passes:
         self.peers: set[int] = set()
         """Sibling xdist workers themselves seen on these devices (their own CUDA contexts)."""
         self.judge = Judge(devices, tolerance_mib, timeout, reap, checker.uid, where)
-        self.known = frozenset(known)
+        self.known = known
         """Leaks of ours an earlier check found and left (reaping is off), by identity."""
         # What the acts did:
         self.reaped: list[Reaped] = []
