@@ -49,7 +49,7 @@ def library_helpers() -> dict[int, str]:
         helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
     # torch.compile keeps every worker pool it starts in one set, and shuts them all down at exit
     # (``shutdown_compile_workers``); torch 2.13 also registers each pool's shutdown with
-    # Finalize (above), torch 2.11 does not (seen on the H200, docs/lab/gpu-runs.md).
+    # Finalize (above), torch 2.11 does not (seen on an H200).
     compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
     if compile_pools:
         for pool in list(compile_pools):
