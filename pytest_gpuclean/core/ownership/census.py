@@ -454,7 +454,7 @@ class Census:
                      and not self.ownership.is_protected(f.token)
                      and not self.managed.born_since_asked(f.token, f.start_ticks)]
         if undecided:
-            owners = self.managed.ask(undecided, found)
+            owners = self.managed.ask(undecided, found, listed)
             if owners is not None:
                 self._tokens.update(owners)
                 return self.take(scan_cookies, dead_sessions, listed)  # (once: each is asked once)

@@ -223,15 +223,20 @@ class _Walk:
 
 
 def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),
-            suite_files: Sequence[str] = ()) -> dict[int, Holder]:
+            suite_files: Sequence[str] = (), *, modules: bool = True) -> dict[int, Holder]:
     """For each of ``pids`` (processes the pytest process started) whose handle a live object holds: what
     holds it (see the module's doc). ``fixtures``: (token, value) of each fixture wider than a test that is
     still set up. ``suite_files``: file name patterns of the suite's own modules (its test modules and
     conftests), whose globals keep nothing for the pytest process: what a test leaves there is its own. A pid
-    none holds is left out."""
+    none holds is left out. Without ``modules``, only the fixtures' values are walked (a few objects, where
+    the modules' globals are the whole heap): for processes whose verdict a module's holding would not
+    change."""
     if not pids:
         return {}
     walk = _Walk(pids)
+    if not modules:
+        walk.walk([(value, token) for token, value in fixtures], "fixture")
+        return walk.found
     bookkeeping = _bookkeeping()
     walk.seen.update(id(obj) for obj, _ in bookkeeping)  # (walked last, as their own kind)
     roots: list[tuple[object, str]] = []

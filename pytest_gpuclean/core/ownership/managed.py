@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
@@ -93,16 +94,21 @@ class Managed:
         first = self._first_asked.get(token)
         return first is not None and start_ticks > first
 
-    def ask(self, undecided: Sequence[CensusEntry], found: Sequence[CensusEntry]) -> dict[_Key, str] | None:
+    def ask(self, undecided: Sequence[CensusEntry], found: Sequence[CensusEntry],
+            listed: AbstractSet[int] = frozenset()) -> dict[_Key, str] | None:
         """Whose are ``undecided`` (direct children of the pytest process that would be judged now; ``found``:
         the whole census), each asked once: the new token of each whose owner changed (a live fixture's,
-        an ambiguous one's); None if nothing changed. A helper is added to ``kept``."""
+        an ambiguous one's); None if nothing changed. A helper is added to ``kept``. ``listed``: the pids the
+        driver lists on the checked GPUs: a helper that holds GPU memory is judged like any process, so for
+        those only a live fixture's holding can change the verdict, and the heap's modules are not walked (a
+        leak of GPU memory is then reaped as soon as it is at rest, not after a walk of the heap)."""
         now = procfs.boot_ticks_now()
         for f in undecided:
             if f.token is not None:
                 self._first_asked.setdefault(f.token, now)
-        values = self.fixture_values() if self.fixture_values is not None else ()
-        held = holders([f.pid for f in undecided], values, self.suite_files)
+        values = list(self.fixture_values()) if self.fixture_values is not None else []
+        held = holders([f.pid for f in undecided if f.pid not in listed], values, self.suite_files)
+        held.update(holders([f.pid for f in undecided if f.pid in listed], values, modules=False))
         owners: dict[_Key, str] = {}
         changed = unmanaged = False
         for f in undecided:
@@ -122,13 +128,16 @@ class Managed:
                 if token is not None:
                     owners[f.key] = token
                 else:
-                    unmanaged = True
+                    unmanaged = unmanaged or f.pid not in listed
             else:
-                unmanaged = True
+                unmanaged = unmanaged or f.pid not in listed
         if unmanaged:
             # What nothing holds may be garbage in a reference cycle that the collector has not reached yet (a
             # dropped multiprocessing Manager, an executor in a cycle): collected now, its library's finalizer
             # ends the process as it would at the next collection, and the settle time sees it exit by itself.
+            # (Not for a process that holds GPU memory: an engine dropped unshut, waiting for a collection
+            # that may never come, is the leak this plugin exists for, and a collection of a torch process's
+            # heap costs a tenth of a second.)
             gc.collect()
         return owners if owners or changed else None
 
