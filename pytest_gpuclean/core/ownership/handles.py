@@ -19,6 +19,10 @@ of roots, in this order:
   ``threading._active``, where a dropped executor's manager thread holds its workers; the finalizer
   registries). These hold every process the pytest process started, managed or not: they are never roots of
   the first two walks, and what only they hold is a process the pytest process started itself and dropped.
+  A running thread is such a record wherever it is found: asyncio's child watcher keeps, in the event loop
+  policy (a session fixture's value under pytest-asyncio), one thread per child whose arguments hold the
+  child's transport. Its waiting for the child is no claim on it, so the first two walks never enter a
+  running thread.
 
 The walks never enter the objects of pytest, pluggy, xdist, execnet or gpuclean (the session holds the
 items, which hold every function fixture's value), frames, code, tracebacks, nor a function's globals (only
@@ -106,6 +110,21 @@ def _bookkeeping() -> list[tuple[object, str]]:
         if registry is not None:
             found.append((registry, "weakref.finalize._registry"))
     return found
+
+
+def _running_threads() -> list[object]:
+    """The threads the ``threading`` module knows are starting or running (its own dictionaries, read
+    without calling into a thread object)."""
+    threading_module = sys.modules.get("threading")
+    if not issubclass(type(threading_module), types.ModuleType):
+        return []
+    namespace = _module_dict(threading_module)
+    threads: list[object] = []
+    for name in ("_active", "_limbo"):
+        records = namespace.get(name)
+        if type(records) is dict:
+            threads.extend(list(records.values()))
+    return threads
 
 
 def _instance_value(obj: object, name: str) -> object:
@@ -234,6 +253,8 @@ def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),
     if not pids:
         return {}
     walk = _Walk(pids)
+    threads = _running_threads()
+    walk.seen.update(id(thread) for thread in threads)  # (bookkeeping wherever found: the module's doc)
     if not modules:
         walk.walk([(value, token) for token, value in fixtures], "fixture")
         return walk.found
@@ -255,5 +276,6 @@ def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),
         walk.walk([(value, token) for token, value in fixtures], "fixture")
     if walk.wanted:
         walk.seen.difference_update(id(obj) for obj, _ in bookkeeping)
+        walk.seen.difference_update(id(thread) for thread in threads)
         walk.walk(bookkeeping, "bookkeeping")
     return walk.found
