@@ -297,11 +297,13 @@ def set_child_subreaper() -> bool:
         return False
 
 
-SETTLE_S = 5.0
+SETTLE_S = 20.0
 """How long a process below a finished pytest may take to end on its own before it counts as left behind.
 multiprocessing's resource tracker (and ``multiprocess``'s) ends when it reads EOF on the pipe from the
 pytest process it served, so it outlives pytest by the time it takes to exit: a few ms, more on a loaded
-box. CI once caught two trackers still exiting (state running) the instant pytest was reaped."""
+box. CI once caught two trackers still exiting (state running) the instant pytest was reaped. Generous: on
+a 2-core box at load 15 an exiting process may wait seconds for a core, and the wait ends as soon as every
+such process is gone (only a real leftover costs all of it)."""
 
 
 def end_leftovers() -> list[str]:
@@ -415,6 +417,35 @@ def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None,
     else:
         result["findings"] = []
     return result
+
+
+def rerun_alone(suite: Suite, way: str, keys: list[str], base: dict[str, str], outcomes: dict[str, str],
+                failures: list[str]) -> dict[str, list[tuple[str | None, str | None]]]:
+    """Run the tests whose outcomes differ again, alone: plugin off, then ``way``, in rounds (--reproduce);
+    a round runs only the tests every earlier round reproduced (the same outcome off as before and the same
+    under gpuclean), so a real difference pays every round and the noise of a busy box (a test that measures
+    the whole machine's free memory, say) rarely survives two. Returns each test's (off, way) outcome per
+    round it ran in (fewer rounds than --reproduce for a test that reproduced: --budget left no time)."""
+    alone: dict[str, list[tuple[str | None, str | None]]] = {key: [] for key in keys}
+    pending = list(keys)
+    for n in range(1, suite.args.reproduce + 1):
+        if n > 1 and suite.left() < RERUN_MIN_S:
+            break
+        tag = f"{way}-rerun" if n == 1 else f"{way}-rerun{n}"
+        keep = keep_file_for(suite, pending, tag)
+        share = (suite.left() - BUDGET_RESERVE_S) / 2
+        got: dict[str, dict[str, str]] = {}
+        for rerun_way, limit in (("off", share), (way, None)):
+            result = run_way(suite, rerun_way, f"{tag}-{rerun_way}", keep, limit)
+            got[rerun_way] = result["outcomes"]
+            if result["timed_out"]:  # (what it did not end is no reproduction either way)
+                failures.append(f"{way}: the rerun alone ({tag}), {rerun_way}: {result['timed_out']}")
+        for key in pending:
+            alone[key].append((got["off"].get(key), got[way].get(key)))
+        pending = [key for key in pending if alone[key][-1] == (base.get(key), outcomes.get(key))]
+        if not pending:
+            break
+    return alone
 
 
 def compared_tests(off: dict[str, Any], way: dict[str, Any]) -> tuple[set[str], list[str]]:
@@ -542,6 +573,9 @@ def main() -> int:
                         "gpuclean only (one string), e.g. --gpuclean-helpers=GLOB")
     parser.add_argument("--budget", type=float, default=0, help="seconds the whole run may take (0: none)"
                         ": a way gets at most what is left; differences run again only while time is left")
+    parser.add_argument("--reproduce", type=int, default=3,
+                        help="a difference fails the run only if it reproduces alone (plugin off, then on) "
+                        "in each of this many rounds (default 3)")
     parser.add_argument("--max-reruns", type=int, default=40,
                         help="run at most this many differing tests again alone (each way)")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -571,6 +605,8 @@ def main() -> int:
     ways = [w for w in args.ways.split(",") if w]
     if any(w not in WAYS for w in ways) or (ways[0] != "off" and not args.baseline):
         parser.error(f"--ways: start with off (or give --baseline), then any of {WAYS}")
+    if args.reproduce < 1:
+        parser.error(f"--reproduce: {args.reproduce} is less than 1")
     if args.record_reference and (args.baseline or "off" not in ways):
         parser.error("--record-reference records the off way: run it (no --baseline)")
     key = reference_key(args)
@@ -632,37 +668,35 @@ def main() -> int:
             if base.keys() != outcomes.keys() and not res["not_compared"]:
                 other = sorted(base.keys() ^ outcomes.keys())
                 failures.append(f"{way}: ran other tests than off ({len(other)}): {other[:50]}")
-            # A difference counts only if it reproduces: the test alone, plugin off and this way again; not
-            # more than --max-reruns tests (so many differences are no test's own).
+            # A difference counts only if it reproduces: the test alone, plugin off and this way again, in
+            # every one of --reproduce rounds; not more than --max-reruns tests (so many differences are no
+            # test's own).
             rerun = differs[:args.max_reruns]
             no_time = bool(rerun) and suite.left() < RERUN_MIN_S
             if no_time:
                 rerun = []
-            again_off: dict[str, str] = {}
-            again_way: dict[str, str] = {}
-            if rerun:
-                keep = keep_file_for(suite, rerun, f"{way}-rerun")
-                share = (suite.left() - BUDGET_RESERVE_S) / 2
-                for again, rerun_way, limit in ((again_off, "off", share), (again_way, way, None)):
-                    alone = run_way(suite, rerun_way, f"{way}-rerun-{rerun_way}", keep, limit)
-                    again.update(alone["outcomes"])
-                    if alone["timed_out"]:  # (what it did not end is no reproduction either way)
-                        failures.append(f"{way}: the rerun alone, {rerun_way}: {alone['timed_out']}")
+            alone = rerun_alone(suite, way, rerun, base, outcomes, failures) if rerun else {}
             for key in differs:
+                rounds = alone.get(key, [])
                 record = {"test": key, "off": base.get(key), way: outcomes.get(key),
-                          "alone_off": again_off.get(key), f"alone_{way}": again_way.get(key),
+                          "alone_off": rounds[0][0] if rounds else None,
+                          f"alone_{way}": rounds[0][1] if rounds else None,
                           "rerun": key in rerun, "reproduced": False}
+                if key in rerun:
+                    record["alone"] = [list(pair) for pair in rounds]  # (off, way) per round
                 if key not in rerun:
                     record["why_not_rerun"] = (
                         "--budget had no time left" if no_time
                         else f"more than --max-reruns {args.max_reruns} differences")
-                elif again_off.get(key) == base.get(key) and again_way.get(key) == outcomes.get(key):
+                elif all(pair == (base.get(key), outcomes.get(key)) for pair in rounds):
                     record["reproduced"] = True
+                    times = f"{len(rounds)} of {args.reproduce} time(s)" + (
+                        ": --budget left no time for more" if len(rounds) < args.reproduce else "")
                     failures.append(f"{way}: {key}: {outcomes.get(key)} with gpuclean, {base.get(key)} "
-                                    "without (reproduced alone)")
+                                    f"without (reproduced alone, {times})")
                 else:
                     res["flaky"].append(f"{key}: {base.get(key)} -> {outcomes.get(key)}, alone "
-                                        f"{again_off.get(key)} -> {again_way.get(key)}")
+                                        + ", ".join(f"{off} -> {on}" for off, on in rounds))
                 res["differences"].append(record)
             if no_time:
                 failures.append(f"{way}: {len(differs)} outcomes differ; --budget left no time to "
