@@ -297,19 +297,25 @@ def set_child_subreaper() -> bool:
         return False
 
 
-SETTLE_S = 20.0
-"""How long a process below a finished pytest may take to end on its own before it counts as left behind.
-multiprocessing's resource tracker (and ``multiprocess``'s) ends when it reads EOF on the pipe from the
-pytest process it served, so it outlives pytest by the time it takes to exit: a few ms, more on a loaded
-box. CI once caught two trackers still exiting (state running) the instant pytest was reaped. Generous: on
-a 2-core box at load 15 an exiting process may wait seconds for a core, and the wait ends as soon as every
-such process is gone (only a real leftover costs all of it)."""
+SETTLE_S = 5.0
+"""How long a process below a finished pytest may take to end on its own before it counts as left behind,
+on an idle box (settle_s() scales it with the load). multiprocessing's resource tracker (and
+``multiprocess``'s) ends when it reads EOF on the pipe from the pytest process it served, so it outlives
+pytest by the time it takes to exit: a few ms, more on a loaded box. CI once caught two trackers still exiting
+(state running) the instant pytest was reaped."""
+
+
+def settle_s() -> float:
+    """SETTLE_S times how many processes wait for each core (the last minute's load average), at most 60 s: on
+    a 2-core box at load 15 an exiting process may wait seconds for a core. The wait ends as soon as every
+    such process is gone, so only a real leftover costs all of it."""
+    return min(60.0, SETTLE_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
 
 
 def end_leftovers() -> list[str]:
-    """End every process still below us SETTLE_S after a way's pytest is done: TERM, 5 s, KILL; describe
+    """End every process still below us settle_s() after a way's pytest is done: TERM, 5 s, KILL; describe
     each."""
-    _gone, left = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=SETTLE_S)
+    _gone, left = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=settle_s())
     described = []
     for proc in left:
         with contextlib.suppress(psutil.Error):
