@@ -211,6 +211,21 @@ def test_a_difference_that_one_rerun_repeats_but_the_next_does_not_is_the_suites
             "alone passed -> failed, passed -> passed") in done.stdout
 
 
+def test_a_difference_that_cannot_run_alone_is_no_flakiness(tmp_path: Path) -> None:
+    """A rerun alone that gives no outcome at all (its collection broke) rules nothing out: the difference
+    fails the run, rather than pass as 'not reproduced'."""
+    work = tmp_path / "work"
+    done = _run_dir(tmp_path, work, "--env", "PEER_FLAKY={work}/flaky-count", "--env", "PEER_NO_RERUN=1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads((work / "out.json").read_text())
+    (difference,) = result["results"]["all"]["differences"]
+    assert difference["alone"] == [[None, None]] and not difference["reproduced"]
+    assert result["failures"] == [
+        "all: tests.test_suite::test_passes: failed with gpuclean, passed without; run again alone it gave "
+        f"no outcome (see {work}/all-rerun*.log)"]
+    assert "not reproduced" not in done.stdout
+
+
 def test_a_budget_ends_each_way_as_a_time_out(tmp_path: Path) -> None:
     # A test that hangs (120 s) in every way: with --budget 40 the off way gets what is left (less 15 s for
     # the results) and is killed then; the failure is that time-out, with the test it was in, not "no

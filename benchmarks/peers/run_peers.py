@@ -694,6 +694,12 @@ def main() -> int:
                     record["why_not_rerun"] = (
                         "--budget had no time left" if no_time
                         else f"more than --max-reruns {args.max_reruns} differences")
+                elif any(None in pair for pair in rounds):
+                    # (no outcome alone: its collection broke or was cut short there; a difference it cannot
+                    # rule out is no flakiness)
+                    failures.append(f"{way}: {key}: {outcomes.get(key)} with gpuclean, {base.get(key)} "
+                                    f"without; run again alone it gave no outcome (see "
+                                    f"{work}/{way}-rerun*.log)")
                 elif all(pair == (base.get(key), outcomes.get(key)) for pair in rounds):
                     record["reproduced"] = True
                     times = f"{len(rounds)} of {args.reproduce} time(s)" + (
