@@ -226,16 +226,22 @@ def test_a_difference_that_cannot_run_alone_is_no_flakiness(tmp_path: Path) -> N
     assert "not reproduced" not in done.stdout
 
 
+def _cut_short(tmp_path: Path, way: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], Any, Any]:
+    """Run the stand-in suite (work folder tmp_path/work), which must fail with ``way`` timed out: the run's
+    output, its --out document and that way's result."""
+    done = _run_dir(tmp_path, tmp_path / "work", *extra)
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads((tmp_path / "work" / "out.json").read_text())
+    res = result["results"][way]
+    assert res["timed_out"].startswith("TIMED OUT after "), res
+    return done, result, res
+
+
 def test_a_budget_ends_each_way_as_a_time_out(tmp_path: Path) -> None:
     # A test that hangs (120 s) in every way: with --budget 40 the off way gets what is left (less 15 s for
     # the results) and is killed then; the failure is that time-out, with the test it was in, not "no
     # outcomes".
-    work = tmp_path / "work"
-    done = _run_dir(tmp_path, work, "--env", "PEER_SLOW=1", "--budget", "40")
-    assert done.returncode == 1, done.stdout + done.stderr
-    result = json.loads((work / "out.json").read_text())
-    off = result["results"]["off"]
-    assert off["timed_out"].startswith("TIMED OUT after "), off
+    done, result, off = _cut_short(tmp_path, "off", "--env", "PEER_SLOW=1", "--budget", "40")
     assert "(what --budget 40s left): killed, while tests/test_suite.py::test_sleeps_when_asked ran" in (
         off["timed_out"])
     assert result["failures"][0] == f"off: {off['timed_out']}; 6 test(s) ended"
@@ -250,12 +256,8 @@ def test_a_way_that_hangs_is_a_time_out_and_only_what_both_ways_ended_is_compare
     ended for --stall-timeout, the run fails on that time-out, named as one, and the six tests both ways ended
     are compared (identical), the seventh is 'not compared', never a difference."""
     work = tmp_path / "work"
-    done = _run_dir(tmp_path, work, "--env", "PEER_SLOW=gpuclean", "--stall-timeout", "15")
-    assert done.returncode == 1, done.stdout + done.stderr
-    result = json.loads((work / "out.json").read_text())
-    on = result["results"]["all"]
-    assert on["timed_out"].startswith("TIMED OUT after "), on
-    assert ("no test started or ended for 15s (--stall-timeout 15s): killed, while "
+    done, result, on = _cut_short(tmp_path, "all", "--env", "PEER_SLOW=gpuclean", "--stall-timeout", "15")
+    assert ("no test started or ended for 15s (--stall-timeout): killed, while "
             "tests/test_suite.py::test_sleeps_when_asked ran") in on["timed_out"]
     assert result["results"]["off"]["timed_out"] is None
     assert len(result["results"]["off"]["outcomes"]) == 7

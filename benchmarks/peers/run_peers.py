@@ -392,7 +392,7 @@ def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None,
                 timed_out = f"TIMED OUT after {now - started:.0f}s ({total_why}): killed"
             elif stall and now - moved_at > stall:
                 timed_out = (f"TIMED OUT after {now - started:.0f}s: no test started or ended for "
-                             f"{now - moved_at:.0f}s (--stall-timeout {stall:.0f}s): killed")
+                             f"{stall:.0f}s (--stall-timeout): killed")
             if hung or timed_out:
                 proc.kill()
                 proc.wait()
