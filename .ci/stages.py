@@ -49,7 +49,8 @@ class Stage:
 
 
 def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)}m{seconds % 60:04.1f}s"
+    tenths = round(seconds * 10)  # (rounded first: 299.97 s is 5m00.0s, not 4m60.0s)
+    return f"{tenths // 600}m{tenths % 600 / 10:04.1f}s"
 
 
 def _show_new(stage: Stage) -> None:

@@ -8,7 +8,7 @@ with locking on, acquiring and releasing the per-GPU locks. It is measured side 
   --query-gpu=index,memory.used --format=csv,noheader``, run twice per test (before and after) through
   ``subprocess.run(..., shell=True)``. Without ``nvidia-smi`` on the machine (the CPU box), only the
   ``ps`` half runs: a lower bound (on the H200 the whole command, ``ps`` and ``nvidia-smi``, cost 58.8 ms per
-  test: docs/lab/gpu-runs.md run 17).
+  test: benchmarks/README.md).
 * ``vllm``: our own equivalent of vLLM's ``tests/utils.py::wait_for_gpu_memory_to_clear`` (NVML v1
   used memory of each device against a byte threshold, printing a line per poll, polling every 5 s until
   clean; ``nvmlInit``/``nvmlShutdown`` around every call, as vLLM's ``@_nvml()`` decorator does). It runs
@@ -218,7 +218,7 @@ def main() -> int:
     print(f"clean-path benchmark, {mode} devices, {info['date_utc']}, {info['host']} ({info['cpus']} CPUs)")
     if not has_smi:
         print("note: no nvidia-smi here; the shell check runs only its 'ps aux | grep python3' half "
-              "(a lower bound: with nvidia-smi, 58.8 ms per test on the H200, docs/lab/gpu-runs.md run 17)")
+              "(a lower bound: with nvidia-smi, 58.8 ms per test on the H200)")
 
     for n in counts:
         devs = tuple(physical[i % len(physical)] for i in range(n))

@@ -4,8 +4,7 @@ Wall-clock ratios on a loaded 2-core VM (or a bimodal GPU machine) move by tens 
 the number of Python calls a checked test makes does not. This counts them with cProfile for the loop
 ``bench_clean_path.py`` times (the health watch's Xid drains around the two checks, with and without the GPU
 locks) on simulated devices, and for the two checks alone while this process "holds" a CUDA context on
-every device. Compare trees with ``PYTHONPATH=<tree> python benchmarks/call_counts.py``
-(docs/lab/benchmarks-history.md 8).
+every device. Compare trees with ``PYTHONPATH=<tree> python benchmarks/call_counts.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 27, item 3 on a real GPU: how long sessions wait for GPU locks they need not wait for, before/after.
+"""On a real GPU: how long sessions wait for GPU locks they need not wait for, for one tree or several.
 
     python benchmarks/demo_lock_waits.py --trees f6c231e,WORKTREE [--devices real|simulated]
                                          [--hold 25] [--lag 4] [--stream 30] [--json F]

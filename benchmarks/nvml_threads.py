@@ -1,5 +1,5 @@
-"""Which NVML step leaves a thread or descriptors in the process: run on a GPU machine (docs/lab/gpu-runs.md
-run 64)."""
+"""Which NVML step leaves a thread or descriptors in the process: run on a GPU machine (docs/guest.md lists
+what it found among the exceptions on real GPUs)."""
 
 import os
 

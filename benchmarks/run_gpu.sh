@@ -34,7 +34,7 @@ status=0
 
     echo; echo "== 2. the plugin's cost per checked test, fixed and idle (trees: $trees)"
     timeout 400 "$PY" benchmarks/bench_gpu_cost.py --trees "$trees" --rounds "${ROUNDS:-5}" --tests 20 \
-        --big-tests 220 --json "$OUT/gpu_cost.json" || { echo "rc=$?"; status=1; }
+        --big-tests "${BIG_TESTS:-220}" --json "$OUT/gpu_cost.json" || { echo "rc=$?"; status=1; }
 
     echo; echo "== 3. leak-to-clean latency"
     for tree in ${BEFORE:+$BEFORE} .; do

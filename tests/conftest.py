@@ -155,7 +155,7 @@ def _give_each_test_a_timeout(config: pytest.Config, items: list[pytest.Item]) -
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _give_each_test_a_timeout(config, items)
-    # tests/gpu/ needs a real GPU (run it on the H200: docs/lab/gpu-runs.md); elsewhere say why it is skipped.
+    # tests/gpu/ needs a real GPU (benchmarks/GPU-RUNS.md); elsewhere say why it is skipped.
     gpu_items = [item for item in items if "tests/gpu/" in item.nodeid or item.nodeid.startswith("gpu/")]
     if not gpu_items:
         return

@@ -77,8 +77,9 @@ def wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def read_pids(path: Path, expected: int = 1, timeout: float = 15.0) -> list[int]:
-    """Pids appended to ``path`` by holders (``--pidfile``), waiting until ``expected`` are there."""
+def read_pids(path: Path, expected: int = 1, timeout: float = 60.0) -> list[int]:
+    """Pids appended to ``path`` by holders (``--pidfile``), waiting until ``expected`` are there (up to 60 s:
+    on a 2-core box at load 15 a holder once took more than 15 s to start and write its pid)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():

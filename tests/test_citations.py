@@ -1,8 +1,8 @@
 """What the repository cites is in it: every ``NAME.md`` that a tracked file mentions is a file of the
 repository. GPU-FACTS.md and RAY-FACTS.md were cited by docs/ci.md, the GPU run log (then docs/gpu.md),
 docs/multinode.md, tests/gpu/test_gpu_health.py and two benchmarks, and lived outside it; what they
-measured is now stated where it is used, with how it was measured. Recorded output (docs/lab/gpu-logs/,
-benchmarks/results/) stays as it was recorded. (tests/test_docs.py checks the docs' links.)"""
+measured is now stated where it is used, with how it was measured. Recorded output (benchmarks/results/)
+stays as it was recorded. (tests/test_docs.py checks the docs' links.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RECORDED = ("docs/lab/gpu-logs/", "benchmarks/results/")
+RECORDED = ("benchmarks/results/",)
 HERE = ("tests/test_citations.py", "tests/test_docs.py")
 """(Their own mentions are examples of what they look for.)"""
 WRITTEN_BY_TESTS = {"step_summary.md", "summary.md"}
@@ -52,11 +52,11 @@ def test_every_markdown_file_the_repository_cites_is_in_it() -> None:
 
 def test_a_citation_of_a_file_outside_the_repository_is_found(tmp_path: Path) -> None:
     # The check bites: the kind of mention it replaced, and not a mention of a file that is there.
-    lab = tmp_path / "docs" / "lab"
-    (lab / "gpu-logs").mkdir(parents=True)
-    (lab / "gpu-runs.md").write_text("the release time matched GPU-FACTS.md; see ci.md\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "gpu.md").write_text("the release time matched GPU-FACTS.md; see ci.md\n")
     (tmp_path / "docs" / "ci.md").write_text("not queued behind them (RAY-FACTS.md §6)\n")
-    (lab / "gpu-logs" / "run6.log").write_text("# measured in GPU-FACTS.md: 14.8 GB\n")
-    files = ["docs/lab/gpu-runs.md", "docs/ci.md", "docs/lab/gpu-logs/run6.log"]
+    (tmp_path / "benchmarks" / "results" / "run6.log").write_text("# measured in GPU-FACTS.md: 14.8 GB\n")
+    files = ["docs/gpu.md", "docs/ci.md", "benchmarks/results/run6.log"]
     assert cited_but_missing(files, tmp_path) == [
-        ("docs/lab/gpu-runs.md", "GPU-FACTS.md"), ("docs/ci.md", "RAY-FACTS.md")]
+        ("docs/gpu.md", "GPU-FACTS.md"), ("docs/ci.md", "RAY-FACTS.md")]

@@ -115,7 +115,7 @@ def test_tolerance_counts_allowlisted_memory(example: Callable[..., Path], pytes
 
 def test_own_process_memory_is_not_a_leak(example: Callable[..., Path], pytester: pytest.Pytester,
                                           sim: Path) -> None:
-    # The H200 charged 9 MiB of a context to no process (docs/lab/gpu-runs.md): model that too.
+    # The H200 charged 9 MiB of a context to no process (benchmarks/GPU-RUNS.md): model that too.
     (sim / "0" / "context_overhead").write_text(str(9 * 1024 * 1024))
     example("core/own_process_memory_is_not_a_leak")
     result = run_inner(pytester)
@@ -129,7 +129,7 @@ def test_own_process_memory_is_not_a_leak(example: Callable[..., Path], pytester
 def test_own_cuda_without_a_context_is_not_a_leak(example: Callable[..., Path], pytester: pytest.Pytester,
                                                   sim: Path) -> None:
     # On the H200, torch.cuda.is_available() in the pytest process left 3 MiB per GPU charged to no
-    # process for the rest of the session (docs/lab/gpu-runs.md, run 6): the driver's cost of CUDA without a
+    # process for the rest of the session (benchmarks/GPU-RUNS.md): the driver's cost of CUDA without a
     # context.
     (sim / "0" / "context_overhead").write_text(str(3 * 1024 * 1024))
     example("core/own_cuda_without_a_context_is_not_a_leak")

@@ -40,7 +40,7 @@ PYTHON_FORKS = ("fork", "mp_fork", "grandchild", "setsid")
 """Forks through Python (``os.fork``, multiprocessing): Python's at-fork hooks run in the child."""
 
 REAL_GPU = os.environ.get("GUEST_REAL_GPU") == "1"
-"""The plugin's runs read NVML on a GPU box (docs/lab/gpu-runs.md), not simulated devices."""
+"""The plugin's runs read NVML on a GPU box (benchmarks/GPU-RUNS.md), not simulated devices."""
 
 IDLE, CHECKING, ALL, XDIST = "idle", "checking", "all", "xdist"
 STARTED = frozenset({CHECKING, ALL, XDIST})
@@ -208,14 +208,14 @@ EXCEPTIONS: tuple[Exception_, ...] = (
                "/dev/nvidia-caps/*) and the driver thread's eventfds and pipes, all close-on-exec: forked "
                "children have them until they exec, as they would after the test's own CUDA use; no exec'ed "
                "child gets them",
-               "docs/lab/gpu-runs.md run 64 (benchmarks/nvml_threads.py: 6 descriptors after nvmlInit, none "
+               "benchmarks/nvml_threads.py (6 descriptors after nvmlInit, none "
                "after nvmlShutdown)",
                modes=STARTED, fits=lambda d: REAL_GPU and _only_added(_driver_fd)(d)),
     Exception_(("body.os_threads", "experiments.threads_at_fork.os_threads"),
                "real GPUs only (GUEST_REAL_GPU=1): nvmlInit starts one thread of the driver's (cuda0000...) "
                "that stays for the process's life, even after nvmlShutdown; Python 3.12 then warns at each "
                "fork() of a test (a DeprecationWarning, as after any CUDA use in the process)",
-               "docs/lab/gpu-runs.md run 64 (benchmarks/nvml_threads.py)",
+               "benchmarks/nvml_threads.py",
                modes=STARTED, fits=lambda d: REAL_GPU and d.plugin == d.plain + 1),
     Exception_(("rawfork.lock_owners",),
                "a child forked from C sees the GPU lock files it inherited: held by the test's process, "
@@ -310,7 +310,7 @@ def guest(pytester: pytest.Pytester, sim: Path, tmp_path: Path, monkeypatch: pyt
                  "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT"):
         monkeypatch.delenv(name, raising=False)
     if REAL_GPU:
-        # On a GPU box (docs/lab/gpu-runs.md): the plugin's runs read NVML, which opens the driver's device
+        # On a GPU box (benchmarks/GPU-RUNS.md): the plugin's runs read NVML, which opens the driver's device
         # files and may start threads in the pytest process, neither of which simulated devices show.
         monkeypatch.delenv("GPUCLEAN_SIMULATE")
     return Guest(pytester, monkeypatch, tmp_path)
@@ -358,7 +358,7 @@ def test_what_a_test_observes_is_as_without_the_plugin(guest: Guest, mode: str) 
             continue
         assert plugin[test]["experiments"]["threads_at_fork"] == plain[test]["experiments"]["threads_at_fork"]
         # (xdist's own execnet thread is there with or without the plugin; the H200 image's libraries start 16
-        # in every pytest process, plugin or not: docs/lab/gpu-runs.md run 65)
+        # in every pytest process, plugin or not: benchmarks/GPU-RUNS.md)
         if mode != XDIST and not REAL_GPU:
             assert plugin[test]["experiments"]["threads_at_fork"] == {"python_threads": 1, "os_threads": 1}
         for role in ("body", *FORKED, *EXECED, "scrubbed"):

@@ -284,3 +284,30 @@ def test_the_walk_tells_keepers_from_bookkeeping(monkeypatch: pytest.MonkeyPatch
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_a_thread_that_waits_for_a_process_is_no_keeper(monkeypatch: pytest.MonkeyPatch) -> None:
+    # asyncio's child watcher (in the event loop policy, a session fixture's value under pytest-asyncio)
+    # keeps one thread per child, whose arguments hold the child's transport: found through the fixture,
+    # a child the test forgot was excused as the fixture's. A running thread is bookkeeping wherever found.
+    import threading
+
+    proc = subprocess.Popen(["sleep", "30"])
+    release = threading.Event()
+    waiter = threading.Thread(target=lambda handle: release.wait(), args=(proc,), daemon=True)
+    waiter.start()
+    try:
+        watcher = types.SimpleNamespace(threads={proc.pid: waiter})
+        module = types.ModuleType("watching_library")
+        module.watcher = watcher  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "watching_library", module)
+        assert holders([proc.pid], [("event_loop_policy", watcher)], modules=False) == {}
+        assert holders([proc.pid], [("event_loop_policy", watcher)]) == {
+            proc.pid: ("bookkeeping", "threading._active", "subprocess.Popen")}
+        watcher.kept = proc  # what the watcher keeps itself is the fixture's
+        assert holders([proc.pid], [("event_loop_policy", watcher)], modules=False) == {
+            proc.pid: ("fixture", "event_loop_policy", "subprocess.Popen")}
+    finally:
+        release.set()
+        proc.kill()
+        proc.wait()

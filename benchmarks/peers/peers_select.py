@@ -9,13 +9,18 @@ hashes the test's name within its class (the driver's file name differs between 
 ``PEERS_KEEP_FILE=PATH`` keeps only the node ids listed in PATH (one a line): the re-run of a test whose
 outcome differed between two runs. ``PEERS_LIST_FILE=PATH`` writes each kept test's JUnit key
 (``classname::name``, as pytest's junitxml names it) and node id to PATH, a tab between them, one test a
-line: how run_peers.py finds the node id of a test it knows from JUnit XML.
+line: how run_peers.py finds the node id of a test it knows from JUnit XML. ``PEERS_PROGRESS_FILE=PATH``
+appends ``start<TAB>NODEID`` when a test starts and ``done<TAB>JUNIT KEY<TAB>OUTCOME`` when it has ended
+(OUTCOME as run_peers.py reads JUnit XML: error if its setup or teardown failed, else failed, skipped or
+passed), a line at a time: how run_peers.py tells a way that hangs from one that is slow, and which tests a
+way that it had to kill finished (pytest writes its JUnit XML only at the end).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from typing import IO
 
 import pytest
 
@@ -75,3 +80,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if listing:
         with open(listing, "w", encoding="utf-8") as f:
             f.writelines(f"{junit_key(item.nodeid)}\t{item.nodeid}\n" for item in selected)
+
+
+RANK = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+"""Which outcome of a test's phases wins, as in run_peers.py's reading of JUnit XML."""
+
+
+class Progress:
+    """``PEERS_PROGRESS_FILE``: each test's start and outcome, written as they happen."""
+
+    def __init__(self, path: str) -> None:
+        self.file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the session)
+        self.outcomes: dict[str, str] = {}
+
+    def write(self, *fields: str) -> None:
+        self.file.write("\t".join(fields) + "\n")
+        self.file.flush()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        self.outcomes[nodeid] = "passed"
+        self.write("start", nodeid)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if str(report.outcome) == "rerun":  # (pytest-rerunfailures: the next attempt decides)
+            self.outcomes[report.nodeid] = "passed"
+            return
+        outcome = ("error" if report.failed and report.when != "call" else "failed" if report.failed
+                   else "skipped" if report.skipped else "passed")
+        if RANK[outcome] > RANK[self.outcomes.get(report.nodeid, "passed")]:
+            self.outcomes[report.nodeid] = outcome
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        self.write("done", junit_key(nodeid), self.outcomes.pop(nodeid, "passed"))
+
+    def pytest_unconfigure(self) -> None:
+        self.file.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = os.environ.get("PEERS_PROGRESS_FILE")
+    if path and not hasattr(config, "workerinput"):  # (an xdist worker's tests are its controller's)
+        config.pluginmanager.register(Progress(path), "peers_progress")

@@ -19,7 +19,13 @@ The run FAILS (exit 1) when a test's outcome under gpuclean differs from the plu
 difference reproduces when that test runs again alone both ways (a difference that does not reproduce is
 the peer suite's own flakiness, reported as such), when a way runs a different set of tests, or when
 gpuclean reports a finding (a leak, GPUs not clean, a leftover reaped at session end): each is printed
-with its processes. On a CPU box ``--simulate`` gives gpuclean two idle simulated devices, so the checks
+with its processes. A way that has to be killed fails the run as a time-out, ``TIMED OUT after N s`` with
+the limit that ended it, and never as differences: the tests it finished (peers_select.py writes each
+outcome as it comes) are compared with the same tests of the other way, the rest are counted as not
+compared. The limit against a hang is ``--stall-timeout`` (no test started or ended for that long: a
+slow box still makes progress, a hung pytest does not); ``--way-timeout`` and ``--budget`` bound the
+whole way, where a call has a length to keep to (the GPU machine's).
+On a CPU box ``--simulate`` gives gpuclean two idle simulated devices, so the checks
 are about processes; on a GPU box it checks the real devices.
 
 The plugin-off way depends only on the peer suite and the libraries it runs on, not on gpuclean: with
@@ -277,8 +283,9 @@ RERUN_MIN_S = 45.0
 """Differences run again alone only while --budget has this much left (for the two reruns)."""
 
 EXIT_GRACE_S = 30.0
-"""How long pytest may take to exit after writing its JUnit XML (a peer test's non-daemon thread can keep
-the interpreter alive forever after the session ended; the outcomes are in by then)."""
+"""How long pytest may take to exit after its session ended (its JUnit XML written, and under gpuclean its
+report, which gpuclean writes after its final sweep): a peer test's non-daemon thread can keep the
+interpreter alive forever after the session ended; the outcomes are all in by then."""
 
 
 def set_child_subreaper() -> bool:
@@ -291,16 +298,24 @@ def set_child_subreaper() -> bool:
 
 
 SETTLE_S = 5.0
-"""How long a process below a finished pytest may take to end on its own before it counts as left behind.
-multiprocessing's resource tracker (and ``multiprocess``'s) ends when it reads EOF on the pipe from the
-pytest process it served, so it outlives pytest by the time it takes to exit: a few ms, more on a loaded
-box. CI once caught two trackers still exiting (state running) the instant pytest was reaped."""
+"""How long a process below a finished pytest may take to end on its own before it counts as left behind,
+on an idle box (settle_s() scales it with the load). multiprocessing's resource tracker (and
+``multiprocess``'s) ends when it reads EOF on the pipe from the pytest process it served, so it outlives
+pytest by the time it takes to exit: a few ms, more on a loaded box. CI once caught two trackers still exiting
+(state running) the instant pytest was reaped."""
+
+
+def settle_s() -> float:
+    """SETTLE_S times how many processes wait for each core (the last minute's load average), at most 60 s: on
+    a 2-core box at load 15 an exiting process may wait seconds for a core. The wait ends as soon as every
+    such process is gone, so only a real leftover costs all of it."""
+    return min(60.0, SETTLE_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
 
 
 def end_leftovers() -> list[str]:
-    """End every process still below us SETTLE_S after a way's pytest is done: TERM, 5 s, KILL; describe
+    """End every process still below us settle_s() after a way's pytest is done: TERM, 5 s, KILL; describe
     each."""
-    _gone, left = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=SETTLE_S)
+    _gone, left = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=settle_s())
     described = []
     for proc in left:
         with contextlib.suppress(psutil.Error):
@@ -316,41 +331,87 @@ def end_leftovers() -> list[str]:
     return [d for d in described if "(zombie)" not in d]
 
 
+def read_progress(path: Path) -> tuple[dict[str, str], str | None]:
+    """A way's PEERS_PROGRESS_FILE (peers_select.py): the outcome of each test that ended (by JUnit key), and
+    the node id of the test that started and had not ended (None if none)."""
+    outcomes: dict[str, str] = {}
+    running = None
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            fields = line.split("\t")
+            if fields[0] == "start" and len(fields) == 2:
+                running = fields[1]
+            elif fields[0] == "done" and len(fields) == 3:
+                outcomes[fields[1]] = fields[2]
+                running = None
+    return outcomes, running
+
+
+def way_limit(suite: Suite, limit: float | None) -> tuple[float, str]:
+    """How long the way may take in all, and what sets that: --way-timeout, what --budget has left (less the
+    time to write the results), or the share of it a rerun was given."""
+    limits = [(suite.args.way_timeout, f"--way-timeout {suite.args.way_timeout:.0f}s"),
+              (suite.left() - BUDGET_RESERVE_S, f"what --budget {suite.args.budget:.0f}s left")]
+    if limit is not None:
+        limits.append((limit, "the reruns' share of --budget"))
+    return min(limits)
+
+
 def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None,
             limit: float | None = None) -> dict[str, Any]:
     cmd, env = suite.command(way, tag, keep_file)
     log = suite.work / f"{tag}.log"
     xml = suite.work / f"{tag}.xml"
+    report_path = suite.work / f"{tag}.json"
+    progress = suite.work / f"{tag}.progress"
+    for stale in (xml, report_path, progress):  # (a kept work folder's earlier run must not end this one)
+        stale.unlink(missing_ok=True)
+    env["PEERS_PROGRESS_FILE"] = str(progress)
+    stall = suite.args.stall_timeout
+    total, total_why = way_limit(suite, limit)
     started = time.monotonic()
-    # --way-timeout, or less: what --budget has left (minus time to write the results), or ``limit``
-    limit = min(suite.args.way_timeout, suite.left() - BUDGET_RESERVE_S, limit or math.inf)
-    hung = None
+    moved_at, size = started, 0
+    hung = timed_out = None
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=suite.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
-        written_at = None
+        ended_at = None
         while proc.poll() is None:
             time.sleep(0.5)
             now = time.monotonic()
-            if written_at is None and xml.exists():
-                written_at = now
-            if written_at is not None and now - written_at > EXIT_GRACE_S:
-                hung = f"pytest did not exit {EXIT_GRACE_S:.0f}s after the session ended: killed"
-            elif now - started > limit:
-                hung = f"the way ran past {limit:.0f}s (--way-timeout, --budget): killed"
-            if hung:
+            with contextlib.suppress(FileNotFoundError):
+                if progress.stat().st_size != size:
+                    moved_at, size = now, progress.stat().st_size
+            if ended_at is None and xml.exists() and (way == "off" or report_path.exists()):
+                ended_at = now
+            if ended_at is not None:
+                if now - ended_at > EXIT_GRACE_S:
+                    hung = (f"pytest did not exit {EXIT_GRACE_S:.0f}s after its session ended: killed (its "
+                            "outcomes were all in)")
+            elif now - started > total:
+                timed_out = f"TIMED OUT after {now - started:.0f}s ({total_why}): killed"
+            elif stall and now - moved_at > stall:
+                timed_out = (f"TIMED OUT after {now - started:.0f}s: no test started or ended for "
+                             f"{stall:.0f}s (--stall-timeout): killed")
+            if hung or timed_out:
                 proc.kill()
                 proc.wait()
-    wall = (written_at if hung and written_at else time.monotonic()) - started
+    wall = (ended_at if hung and ended_at else time.monotonic()) - started
+    finished, running = read_progress(progress)
+    if timed_out:
+        timed_out += (f", while {running} ran" if running else
+                      " before its first test started" if not finished else " after its last test ended")
     text = log.read_text(errors="replace")
     tail = text.splitlines()[-1:] or [""]
     # gpuclean's own terminal summary ("N checked test(s), M with findings, ..."), to hold against its report
     said = re.findall(r"^\S*\d+ checked test\(s\).*$", re.sub(r"\x1b\[[0-9;]*m", "", text), re.M)
     result: dict[str, Any] = {"way": way, "exit": proc.returncode, "wall_s": round(wall, 1),
                               "last_line": tail[0], "log": str(log), "command": cmd, "hung": hung,
-                              "leftovers": end_leftovers(), "gpuclean_said": said[-1:] or None}
-    result["outcomes"] = junit_outcomes(xml) if xml.exists() else {}
-    report_path = suite.work / f"{tag}.json"
+                              "timed_out": timed_out, "leftovers": end_leftovers(),
+                              "gpuclean_said": said[-1:] or None}
+    # The JUnit XML of a session that ended; the tests that ended, of one that was killed.
+    result["outcomes"] = junit_outcomes(xml) if xml.exists() else finished
+    result["report"] = report_path.exists()
     if way != "off" and report_path.exists():
         report = json.loads(report_path.read_text())
         result["finding_records"] = finding_records(report)
@@ -362,6 +423,48 @@ def run_way(suite: Suite, way: str, tag: str, keep_file: Path | None = None,
     else:
         result["findings"] = []
     return result
+
+
+def rerun_alone(suite: Suite, way: str, keys: list[str], base: dict[str, str], outcomes: dict[str, str],
+                failures: list[str]) -> dict[str, list[tuple[str | None, str | None]]]:
+    """Run the tests whose outcomes differ again, alone: plugin off, then ``way``, in rounds (--reproduce);
+    a round runs only the tests every earlier round reproduced (the same outcome off as before and the same
+    under gpuclean), so a real difference pays every round and the noise of a busy box (a test that measures
+    the whole machine's free memory, say) rarely survives two. Returns each test's (off, way) outcome per
+    round it ran in (fewer rounds than --reproduce for a test that reproduced: --budget left no time)."""
+    alone: dict[str, list[tuple[str | None, str | None]]] = {key: [] for key in keys}
+    pending = list(keys)
+    for n in range(1, suite.args.reproduce + 1):
+        if n > 1 and suite.left() < RERUN_MIN_S:
+            break
+        tag = f"{way}-rerun" if n == 1 else f"{way}-rerun{n}"
+        keep = keep_file_for(suite, pending, tag)
+        share = (suite.left() - BUDGET_RESERVE_S) / 2
+        got: dict[str, dict[str, str]] = {}
+        for rerun_way, limit in (("off", share), (way, None)):
+            result = run_way(suite, rerun_way, f"{tag}-{rerun_way}", keep, limit)
+            got[rerun_way] = result["outcomes"]
+            if result["timed_out"]:  # (what it did not end is no reproduction either way)
+                failures.append(f"{way}: the rerun alone ({tag}), {rerun_way}: {result['timed_out']}")
+        for key in pending:
+            alone[key].append((got["off"].get(key), got[way].get(key)))
+        pending = [key for key in pending if alone[key][-1] == (base.get(key), outcomes.get(key))]
+        if not pending:
+            break
+    return alone
+
+
+def compared_tests(off: dict[str, Any], way: dict[str, Any]) -> tuple[set[str], list[str]]:
+    """The tests whose outcomes the comparison holds against each other, and those it cannot: where either way
+    was cut short, only the tests both ended are compared (a test a killed way never reached is no
+    difference, and the time-out is that way's failure); otherwise every test either way ran (one that only
+    one ran is a difference)."""
+    base, outcomes = off["outcomes"], way["outcomes"]
+    every = base.keys() | outcomes.keys()
+    if not (off.get("timed_out") or way.get("timed_out")):
+        return set(every), []
+    both = base.keys() & outcomes.keys()
+    return both, sorted(every - both)
 
 
 def installed(*names: str) -> str:
@@ -467,11 +570,18 @@ def main() -> int:
     parser.add_argument("--no-iomp", dest="iomp", action="store_false",
                         help="vllm: do not preload libiomp5 (CPU vLLM needs it; CUDA vLLM does not)")
     parser.add_argument("--ways", default=",".join(WAYS), help="comma-separated subset of off,marked,all")
-    parser.add_argument("--way-timeout", type=float, default=3600, help="seconds one way may take")
+    parser.add_argument("--way-timeout", type=float, default=3600,
+                        help="seconds one way may take in all (default 3600)")
+    parser.add_argument("--stall-timeout", type=float, default=0,
+                        help="kill a way in which no test started or ended for this many seconds (0: none); "
+                        "more than the per-test timeout, so that only a hung pytest meets it")
     parser.add_argument("--gpuclean-args", default="", help="extra pytest arguments of the ways under "
                         "gpuclean only (one string), e.g. --gpuclean-helpers=GLOB")
     parser.add_argument("--budget", type=float, default=0, help="seconds the whole run may take (0: none)"
                         ": a way gets at most what is left; differences run again only while time is left")
+    parser.add_argument("--reproduce", type=int, default=3,
+                        help="a difference fails the run only if it reproduces alone (plugin off, then on) "
+                        "in each of this many rounds (default 3)")
     parser.add_argument("--max-reruns", type=int, default=40,
                         help="run at most this many differing tests again alone (each way)")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -501,6 +611,8 @@ def main() -> int:
     ways = [w for w in args.ways.split(",") if w]
     if any(w not in WAYS for w in ways) or (ways[0] != "off" and not args.baseline):
         parser.error(f"--ways: start with off (or give --baseline), then any of {WAYS}")
+    if args.reproduce < 1:
+        parser.error(f"--reproduce: {args.reproduce} is less than 1")
     if args.record_reference and (args.baseline or "off" not in ways):
         parser.error("--record-reference records the off way: run it (no --baseline)")
     key = reference_key(args)
@@ -513,7 +625,7 @@ def main() -> int:
             baseline = json.load(f)["results"]["off"]
     elif reference is not None:
         baseline = dict(reference["off"], log=f"recorded reference {reference['path']}", command=[],
-                        hung=None, leftovers=[], findings=[])
+                        hung=None, timed_out=None, leftovers=[], findings=[])
     if baseline is not None:
         ways = [w for w in ways if w != "off"]
 
@@ -530,75 +642,91 @@ def main() -> int:
     if baseline is not None:
         results = {"off": baseline, **results}
         ways = ["off", *ways]
-    if args.record_reference and results["off"]["outcomes"] and not results["off"]["hung"]:
+    if args.record_reference and results["off"]["outcomes"] and not results["off"]["timed_out"]:
         path = record_reference(args.record_reference, key, suite.targets, results["off"])
         print(f"recorded the plugin-off way as the reference {path}")
     base = results["off"]["outcomes"]
     failures: list[str] = []
-    if not base:
+    if not base and not results["off"].get("timed_out"):
         failures.append(f"the plugin-off run produced no JUnit outcomes (see {results['off']['log']})")
     rows = []
     for way in ways:
         res = results[way]
         outcomes = res["outcomes"]
         counts = {k: list(outcomes.values()).count(k) for k in ("passed", "failed", "error", "skipped")}
-        differs = sorted(k for k in base.keys() | outcomes.keys() if base.get(k) != outcomes.get(k))
+        compared, res["not_compared"] = compared_tests(results["off"], res)
+        differs = sorted(k for k in compared if base.get(k) != outcomes.get(k))
         res["differs"] = differs
         res["flaky"] = []
         res["differences"] = []
+        if res.get("timed_out"):
+            # A time-out is the way's own failure, whatever the tests it ended did.
+            failures.append(f"{way}: {res['timed_out']}; {len(outcomes)} test(s) ended"
+                            + (f", {len(compared)} compared with off, {len(res['not_compared'])} not"
+                               if way != "off" else ""))
+        elif way != "off" and res["not_compared"]:
+            failures.append(f"{way}: off was cut short: {len(compared)} test(s) compared, "
+                            f"{len(res['not_compared'])} not")
+        if way != "off" and not res["timed_out"] and not res["report"]:
+            failures.append(f"{way}: gpuclean wrote no report ({suite.work / f'{way}.json'}): its findings "
+                            f"are unknown (see {res['log']})")
         if way != "off" and differs:
-            if base.keys() != outcomes.keys():
+            if base.keys() != outcomes.keys() and not res["not_compared"]:
                 other = sorted(base.keys() ^ outcomes.keys())
                 failures.append(f"{way}: ran other tests than off ({len(other)}): {other[:50]}")
-            # A difference counts only if it reproduces: the test alone, plugin off and this way again. Not
-            # the tests a way killed at its time limit never ran (their absence is that way's failure,
-            # above), and not more than --max-reruns tests (so many differences are no test's own).
-            cut = {k for k in differs
-                   if (k not in outcomes and res["hung"]) or (k not in base and results["off"]["hung"])}
-            rerun = [k for k in differs if k not in cut][:args.max_reruns]
+            # A difference counts only if it reproduces: the test alone, plugin off and this way again, in
+            # every one of --reproduce rounds; not more than --max-reruns tests (so many differences are no
+            # test's own).
+            rerun = differs[:args.max_reruns]
             no_time = bool(rerun) and suite.left() < RERUN_MIN_S
             if no_time:
                 rerun = []
-            again_off: dict[str, str] = {}
-            again_way: dict[str, str] = {}
-            if rerun:
-                keep = keep_file_for(suite, rerun, f"{way}-rerun")
-                share = (suite.left() - BUDGET_RESERVE_S) / 2
-                again_off = run_way(suite, "off", f"{way}-rerun-off", keep, share)["outcomes"]
-                again_way = run_way(suite, way, f"{way}-rerun-{way}", keep)["outcomes"]
+            alone = rerun_alone(suite, way, rerun, base, outcomes, failures) if rerun else {}
             for key in differs:
+                rounds = alone.get(key, [])
                 record = {"test": key, "off": base.get(key), way: outcomes.get(key),
-                          "alone_off": again_off.get(key), f"alone_{way}": again_way.get(key),
+                          "alone_off": rounds[0][0] if rounds else None,
+                          f"alone_{way}": rounds[0][1] if rounds else None,
                           "rerun": key in rerun, "reproduced": False}
+                if key in rerun:
+                    record["alone"] = [list(pair) for pair in rounds]  # (off, way) per round
                 if key not in rerun:
                     record["why_not_rerun"] = (
-                        "a run was killed at its time limit before the test" if key in cut
-                        else "--budget had no time left" if no_time
+                        "--budget had no time left" if no_time
                         else f"more than --max-reruns {args.max_reruns} differences")
-                elif again_off.get(key) == base.get(key) and again_way.get(key) == outcomes.get(key):
-                    record["reproduced"] = True
+                elif any(None in pair for pair in rounds):
+                    # (no outcome alone: its collection broke or was cut short there; a difference it cannot
+                    # rule out is no flakiness)
                     failures.append(f"{way}: {key}: {outcomes.get(key)} with gpuclean, {base.get(key)} "
-                                    "without (reproduced alone)")
+                                    f"without; run again alone it gave no outcome (see "
+                                    f"{work}/{way}-rerun*.log)")
+                elif all(pair == (base.get(key), outcomes.get(key)) for pair in rounds):
+                    record["reproduced"] = True
+                    times = f"{len(rounds)} of {args.reproduce} time(s)" + (
+                        ": --budget left no time for more" if len(rounds) < args.reproduce else "")
+                    failures.append(f"{way}: {key}: {outcomes.get(key)} with gpuclean, {base.get(key)} "
+                                    f"without (reproduced alone, {times})")
                 else:
                     res["flaky"].append(f"{key}: {base.get(key)} -> {outcomes.get(key)}, alone "
-                                        f"{again_off.get(key)} -> {again_way.get(key)}")
+                                        + ", ".join(f"{off} -> {on}" for off, on in rounds))
                 res["differences"].append(record)
             if no_time:
-                failures.append(f"{way}: {len(differs) - len(cut)} outcomes differ; --budget left no time to "
+                failures.append(f"{way}: {len(differs)} outcomes differ; --budget left no time to "
                                 "run them again alone")
-            elif len(rerun) < len(differs) - len(cut):
-                failures.append(f"{way}: {len(differs) - len(cut)} outcomes differ, more than --max-reruns "
+            elif len(rerun) < len(differs):
+                failures.append(f"{way}: {len(differs)} outcomes differ, more than --max-reruns "
                                 f"{args.max_reruns}: only the first {len(rerun)} ran again alone")
         for finding in res["findings"]:
             failures.append(f"{way}: gpuclean finding:\n{finding}")
-        if way != "off" and res["leftovers"] and not res["hung"]:
+        if way != "off" and res["leftovers"] and not res.get("hung") and not res.get("timed_out"):
             # The final sweep reaps whatever the session spawned: anything still here escaped gpuclean.
             failures.append(f"{way}: processes outlived the session under gpuclean:\n  "
                             + "\n  ".join(res["leftovers"]))
         rows.append([way, str(len(outcomes)),
                      *(str(counts[k]) for k in ("passed", "failed", "error", "skipped")),
                      "-" if way == "off" else ("yes" if not differs else
-                                               f"no ({len(differs)}, {len(res['flaky'])} flaky)"),
+                                               f"no ({len(differs)}, {len(res['flaky'])} flaky)")
+                     + (f" ({len(res['not_compared'])} not compared)" if res["not_compared"] else ""),
                      "-" if way == "off" else str(len(res["findings"])),
                      f"{res['wall_s']:.0f}"])
     targets = " ".join(suite.targets) if len(suite.targets) <= 3 else f"{len(suite.targets)} files"
@@ -608,15 +736,19 @@ def main() -> int:
     # (A reference's wall time, recorded on another machine or day, is no yardstick for this run's.)
     off_s = 0 if reference is not None else results["off"]["wall_s"]
     for way in ways[1:]:
-        if off_s:
+        if off_s and not results[way]["timed_out"]:
             print(f"{way}: {results[way]['wall_s'] / off_s:.2f}x the plugin-off wall time")
         for line in results[way]["flaky"]:
             print(f"  not reproduced (the peer suite's flakiness): {line}")
     for way in ways:
         for line in results[way].get("debris", []):
             print(f"{way}: reaped debris of another, dead session (not this suite's): {line}")
-        if results[way]["hung"]:
-            print(f"{way}: {results[way]['hung']}")
+        for cut in ("timed_out", "hung"):
+            if results[way].get(cut):
+                print(f"{way}: {results[way][cut]}")
+        if results[way].get("not_compared"):
+            print(f"{way}: {len(results[way]['not_compared'])} test(s) not compared (a way was cut short "
+                  f"before they ended): {results[way]['not_compared'][:10]}")
         if results[way]["leftovers"]:
             print(f"{way}: {len(results[way]['leftovers'])} process(es) left behind when pytest ended:")
             for line in results[way]["leftovers"]:
@@ -627,8 +759,10 @@ def main() -> int:
     if not base:
         failed_ways = set(ways[1:])
     # One closing line a CI log reader understands: the comparisons (one per way under gpuclean).
+    cut_short = [w for w in ways if results[w].get("timed_out")]
     if len(ways) > 1:
-        print(f"{label}: {len(ways) - 1 - len(failed_ways)} passed, {len(failed_ways)} failed")
+        print(f"{label}: {len(ways) - 1 - len(failed_ways)} passed, {len(failed_ways)} failed"
+              + (f" (TIMED OUT: {', '.join(cut_short)})" if cut_short else ""))
     else:
         print(f"{label}: the plugin-off way alone, nothing compared")
     if args.out:

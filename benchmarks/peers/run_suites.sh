@@ -23,9 +23,15 @@
 # Settings (environment):
 #   PYTHON                python3 by default
 #   SUITE_TEST_TIMEOUT    seconds a test may take (pytest-timeout; default 120)
-#   WAY_TIMEOUT_<SUITE>   seconds one way of that suite may take (defaults below)
+#   SUITES_STALL_TIMEOUT  a way in which no test started or ended for this long is hung: killed, a time-out
+#                         (default SUITE_TEST_TIMEOUT + 180: only a pytest stuck beyond its tests' own timeout
+#                         meets it; a slow or busy box still ends a test now and then)
 #   SUITES_DEADLINE       seconds the whole call may take: each suite keeps within what is left, a suite that
 #                         cannot get one way's time is not started (on the GPU machine: 540, under 600 a call)
+#   WAY_TIMEOUT_<SUITE>   seconds one way of that suite may take in all: with SUITES_DEADLINE, that suite's share
+#                         of the call (defaults below); without it, SUITES_WAY_TIMEOUT (default 1200), a safety
+#                         net alone, well above what any box takes (a way killed by a limit fails as TIMED OUT,
+#                         its tests compared only where both ways ended them)
 #   SUITES_SHARD=K        run the 1 test in K whose node id hashes to 0 (benchmarks/peers/peers_select.py;
 #                         default 1: all); SHARD_<SUITE>=K for one suite; SHARD_<SUITE>=K/R runs part R
 #                         (0..K-1) instead: K calls of parts 0..K-1 cover a suite that does not fit one call
@@ -143,12 +149,15 @@ for suite in "${suites[@]}"; do
     if [ ! -d ".suites/$suite" ]; then
         say "== $suite: not staged (bash benchmarks/peers/stage_suites.sh $suite)"; continue
     fi
+    # (way_default: that suite's share of a device call; a length to keep to only where a call has one)
+    [ -n "${SUITES_DEADLINE:-}" ] || way_default=${SUITES_WAY_TIMEOUT:-1200}
     var="WAY_TIMEOUT_${suite^^}"
     way_timeout=${!var:-$way_default}
     # The suite's budget: its two ways and, at worst, the reruns of its differences (4 ways), within what
     # SUITES_DEADLINE leaves (less 30 s for the summary and the archive); a suite that cannot get one way's
-    # time is not started.
+    # time is not started. Without SUITES_DEADLINE there is none: the way limits alone (safety nets).
     suite_budget=$((4 * way_timeout + 60))
+    budget=()
     if [ -n "${SUITES_DEADLINE:-}" ]; then
         left=$((started_all + SUITES_DEADLINE - $(date +%s) - 30))
         if [ "$left" -lt "$way_timeout" ]; then
@@ -156,6 +165,7 @@ for suite in "${suites[@]}"; do
             continue
         fi
         [ "$suite_budget" -le "$left" ] || suite_budget=$left
+        budget=(--budget "$suite_budget")
     fi
     var="SHARD_${suite^^}"
     shard=${!var:-${SUITES_SHARD:-1}}
@@ -171,17 +181,22 @@ for suite in "${suites[@]}"; do
     elif [ -n "${SUITES_REFERENCE_DIR:-}" ]; then reference=(--reference-dir "$SUITES_REFERENCE_DIR"); fi
     args=(dir --suite-dir "$work/suites/$suite" --name "$suite" --libs "$libs" --ways "$ways" "${reference[@]}"
           --keep-work "$work/$suite" --out "$work/$suite.json" --way-timeout "$way_timeout" --max-reruns 40
-          --budget "$suite_budget"
+          "${budget[@]}" --stall-timeout "${SUITES_STALL_TIMEOUT:-$(( ${SUITE_TEST_TIMEOUT:-120} + 180 ))}"
           --shard "$shard" --shard-part "$part"
           "${common_env[@]}" "${env[@]}" --pytest-args="--timeout=${SUITE_TEST_TIMEOUT:-120} -rfE --durations=10"
           --gpuclean-args="${SUITES_GPUCLEAN_ARGS:-}")
     [ "$SIMULATE" = 1 ] && args+=(--simulate)
     started=$(date +%s)
-    # (run_peers.py keeps to --budget; the timeout is the last resort, and loses the suite's result.)
+    # (run_peers.py keeps to its limits; the timeout is the last resort, and loses the suite's result.)
     timeout -k 10 $((suite_budget + 30)) "$py" benchmarks/peers/run_peers.py "${args[@]}" -- "${targets[@]}" \
         2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
-    say "== $suite: run_peers.py exit $rc after $(( $(date +%s) - started ))s"
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        say "== $suite: TIMED OUT: run_peers.py killed after $(( $(date +%s) - started ))s (the suite's last-resort" \
+            "limit, $((suite_budget + 30))s)"
+    else
+        say "== $suite: run_peers.py exit $rc after $(( $(date +%s) - started ))s"
+    fi
     "$py" benchmarks/peers/suites_summary.py --work "$work" --staged .suites --out "$out/suites.json" \
         "${suites[@]}" >/dev/null
     tar czf "$out/suites-logs.tgz" -C "$work" --exclude='suites' --exclude='cache-*' --exclude='sim' \

@@ -6,7 +6,8 @@ Reads each suite's run_peers.py result (WORK/<suite>.json) and where it came fro
 writes one JSON document (per suite: tests, identical outcomes, each difference with both outcomes and its
 reruns, gpuclean's findings with their processes, what gpuclean noted, wall time each way, versions) and
 prints a table. Exit 1 if any suite's comparison failed (a reproduced difference, a finding, a leftover
-process, a run that did not finish) or has no result.
+process, a way that timed out: its table row says TIMED OUT, and only the tests both ways ended count) or has
+no result.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def way_summary(res: dict[str, Any], base: dict[str, str] | None) -> dict[str, A
     summary: dict[str, Any] = {
         "tests": len(outcomes), **{k: values.count(k) for k in COUNTS},
         "wall_s": res.get("wall_s"), "exit": res.get("exit"), "hung": res.get("hung"),
+        "timed_out": res.get("timed_out"),
         "leftovers": res.get("leftovers", []), "last_line": res.get("last_line")}
     if base is not None:
         summary["identical"] = sum(1 for k, v in outcomes.items() if base.get(k) == v)
         summary["differences"] = res.get("differences", [])
+        summary["not_compared"] = res.get("not_compared", [])
         summary["not_reproduced"] = res.get("flaky", [])
         summary["findings"] = res.get("finding_records", [])
         summary["findings_text"] = res.get("findings", [])
@@ -77,7 +80,7 @@ def main() -> int:
     args = parser.parse_args()
     suites = [suite_summary(name, Path(args.work), Path(args.staged)) for name in args.suites]
     rows = []
-    totals = dict.fromkeys(("tests", "identical", "differences", "findings"), 0)
+    totals = dict.fromkeys(("tests", "identical", "differences", "findings", "not_compared", "timed_out"), 0)
     for s in suites:
         ways = s.get("ways") or {}
         off, on = ways.get("off"), ways.get("all")
@@ -91,16 +94,26 @@ def main() -> int:
         totals["identical"] += on["identical"]
         totals["differences"] += len(on["differences"])
         totals["findings"] += len(on["findings"])
+        totals["not_compared"] += len(on["not_compared"])
+        cut_short = [way for way, res in ways.items() if res.get("timed_out")]
+        totals["timed_out"] += len(cut_short)
+        verdict = (f"TIMED OUT ({', '.join(cut_short)})" if cut_short else "ok" if not s["failures"]
+                   else "FAIL")
         rows.append([s["suite"], f"{version} ({installed})" if installed else version, ref, str(off["tests"]),
                      "/".join(str(off[k]) for k in COUNTS), str(on["identical"]),
                      str(len(on["differences"])), str(len(on["findings"])),
-                     f"{off['wall_s']:.0f} / {on['wall_s']:.0f}", "ok" if not s["failures"] else "FAIL"])
+                     f"{off['wall_s']:.0f} / {on['wall_s']:.0f}", verdict])
     print(table(rows, ["suite", "version (installed)", "tag / sdist", "tests (off)",
                        "pass/fail/err/skip (off)", "identical", "differences", "findings", "wall s off / all",
                        "comparison"]))
     print(f"total: {totals['tests']} tests, {totals['identical']} identical outcomes, "
-          f"{totals['differences']} differences, {totals['findings']} gpuclean findings")
+          f"{totals['differences']} differences, {totals['findings']} gpuclean findings"
+          + (f", {totals['not_compared']} not compared ({totals['timed_out']} way(s) TIMED OUT)"
+             if totals["timed_out"] else ""))
     for s in suites:
+        for way, res in (s.get("ways") or {}).items():
+            if res.get("timed_out"):
+                print(f"{s['suite']}: {way} {res['timed_out']}")
         on = (s.get("ways") or {}).get("all")
         if on:
             for d in on["differences"]:

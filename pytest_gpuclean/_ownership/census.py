@@ -468,7 +468,7 @@ class Census:
                      and not self.ownership.is_protected(f.token)
                      and not self.managed.born_since_asked(f.token, f.start_ticks)]
         if undecided:
-            owners = self.managed.ask(undecided, found)
+            owners = self.managed.ask(undecided, found, listed)
             if owners is not None:
                 self._tokens.update(owners)
                 return self.take(scan_cookies, dead_sessions, listed)  # (once: each is asked once)
@@ -649,9 +649,9 @@ class Managed:
     def __init__(self, ownership: Ownership, notices: list[str], command_line: Callable[[int], str]) -> None:
         self.ownership = ownership
         self.notices = notices
+        """The census's notes (one line per decision, once)."""
         self.command_line = command_line
         """A process's command line (``processes.command_line``), for the notes."""
-        """The census's notes (one line per decision, once)."""
         self.fixture_values: FixtureValues | None = None
         """Where the live fixtures' values are read (set by the session layer)."""
         self.suite_files: tuple[str, ...] = ()
@@ -680,16 +680,21 @@ class Managed:
         first = self._first_asked.get(token)
         return first is not None and start_ticks > first
 
-    def ask(self, undecided: Sequence[CensusEntry], found: Sequence[CensusEntry]) -> dict[_Key, str] | None:
+    def ask(self, undecided: Sequence[CensusEntry], found: Sequence[CensusEntry],
+            listed: AbstractSet[int] = frozenset()) -> dict[_Key, str] | None:
         """Whose are ``undecided`` (direct children of the pytest process that would be judged now; ``found``:
         the whole census), each asked once: the new token of each whose owner changed (a live fixture's,
-        an ambiguous one's); None if nothing changed. A helper is added to ``kept``."""
+        an ambiguous one's); None if nothing changed. A helper is added to ``kept``. ``listed``: the pids the
+        driver lists on the checked GPUs: a helper that holds GPU memory is judged like any process, so for
+        those only a live fixture's holding can change the verdict, and the modules are not walked (a leak of
+        GPU memory is reaped as soon as it is at rest, not after a walk of the heap)."""
         now = procfs.boot_ticks_now()
         for f in undecided:
             if f.token is not None:
                 self._first_asked.setdefault(f.token, now)
-        values = self.fixture_values() if self.fixture_values is not None else ()
-        held = holders([f.pid for f in undecided], values, self.suite_files)
+        values = list(self.fixture_values()) if self.fixture_values is not None else []
+        held = holders([f.pid for f in undecided if f.pid not in listed], values, self.suite_files)
+        held.update(holders([f.pid for f in undecided if f.pid in listed], values, modules=False))
         owners: dict[_Key, str] = {}
         changed = unmanaged = False
         for f in undecided:
@@ -709,13 +714,15 @@ class Managed:
                 if token is not None:
                     owners[f.key] = token
                 else:
-                    unmanaged = True
+                    unmanaged = unmanaged or f.pid not in listed
             else:
-                unmanaged = True
+                unmanaged = unmanaged or f.pid not in listed
         if unmanaged:
             # What nothing holds may be garbage in a reference cycle that the collector has not reached yet (a
             # dropped multiprocessing Manager, an executor in a cycle): collected now, its library's finalizer
             # ends the process as it would at the next collection, and the settle time sees it exit by itself.
+            # Not for a process that holds GPU memory: an engine dropped unshut, waiting for a collection
+            # that may never come, is the leak this plugin exists for; and collecting torch's heap is slow.
             gc.collect()
         return owners if owners or changed else None
 

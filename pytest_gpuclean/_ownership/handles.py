@@ -11,6 +11,10 @@ the process, not yet waited for (``Popen``, multiprocessing's popen objects, ``p
 - ``bookkeeping``: the standard library's own records of what it started (``subprocess._active``,
   ``multiprocessing.process._children``, ``threading._active``, the finalizer registries), which hold every
   process, managed or not: what only they hold, the pytest process started and dropped.
+  A running thread is such a record wherever it is found: asyncio's child watcher (in the event loop
+  policy, a session fixture's value under pytest-asyncio) keeps a thread per child, whose arguments hold the
+  child's transport. Waiting for a child is no claim on it, so the first two walks never enter a running
+  thread.
 
 The walks never enter pytest's, pluggy's, xdist's, execnet's or gpuclean's objects (the session holds the
 items, which hold every function fixture's value), frames, code or a function's globals, and read instance
@@ -85,6 +89,21 @@ def _bookkeeping() -> list[tuple[object, str]]:
         if registry is not None:
             found.append((registry, "weakref.finalize._registry"))
     return found
+
+
+def _running_threads() -> list[object]:
+    """The threads the ``threading`` module knows are starting or running (its own dictionaries, read
+    without calling into a thread object)."""
+    threading_module = sys.modules.get("threading")
+    if not issubclass(type(threading_module), types.ModuleType):
+        return []
+    namespace = _module_dict(threading_module)
+    threads: list[object] = []
+    for name in ("_active", "_limbo"):
+        records = namespace.get(name)
+        if type(records) is dict:
+            threads.extend(list(records.values()))
+    return threads
 
 
 def _instance_value(obj: object, name: str) -> object:
@@ -202,15 +221,22 @@ class _Walk:
 
 
 def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),
-            suite_files: Sequence[str] = ()) -> dict[int, Holder]:
+            suite_files: Sequence[str] = (), *, modules: bool = True) -> dict[int, Holder]:
     """For each of ``pids`` (processes the pytest process started) whose handle a live object holds: what
     holds it (see the module's doc). ``fixtures``: (token, value) of each fixture wider than a test that is
     still set up. ``suite_files``: file name patterns of the suite's own modules (its test modules and
     conftests), whose globals keep nothing for the pytest process: what a test leaves there is its own. A pid
-    none holds is left out."""
+    none holds is left out. Without ``modules``, only the fixtures' values are walked (a few objects, where
+    the modules' globals are the whole heap): for processes whose verdict a module's holding would not
+    change."""
     if not pids:
         return {}
     walk = _Walk(pids)
+    threads = _running_threads()
+    walk.seen.update(id(thread) for thread in threads)  # (bookkeeping wherever found: the module's doc)
+    if not modules:
+        walk.walk([(value, token) for token, value in fixtures], "fixture")
+        return walk.found
     bookkeeping = _bookkeeping()
     walk.seen.update(id(obj) for obj, _ in bookkeeping)  # (walked last, as their own kind)
     roots: list[tuple[object, str]] = []
@@ -229,5 +255,6 @@ def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),
         walk.walk([(value, token) for token, value in fixtures], "fixture")
     if walk.wanted:
         walk.seen.difference_update(id(obj) for obj, _ in bookkeeping)
+        walk.seen.difference_update(id(thread) for thread in threads)
         walk.walk(bookkeeping, "bookkeeping")
     return walk.found

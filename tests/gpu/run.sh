@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for the real-GPU proof (see docs/lab/gpu-runs.md): installs the plugin without network access
+# One command for the real-GPU proof (see benchmarks/GPU-RUNS.md): installs the plugin without network access
 # (the GPU image already has pytest, psutil, filelock, nvidia-ml-py, torch) and runs tests/gpu.
 # Usage, from the repository root on a GPU machine:  bash tests/gpu/run.sh [OUTDIR]
 set -uo pipefail

@@ -1,7 +1,7 @@
 """Faults on a real GPU: a pytest killed with SIGKILL while its test's CUDA child holds memory, and an
 xdist worker that segfaults after leaking a CUDA child.
 
-Figures are printed so docs/lab/gpu-runs.md can quote them.
+Figures are printed so benchmarks/GPU-RUNS.md can quote them.
 """
 
 from __future__ import annotations

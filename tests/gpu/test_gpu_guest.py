@@ -324,7 +324,7 @@ def gpu_inner(pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.Mon
     """Inner sessions on the real GPU; the folder where their processes write their pids. At the end, every
     one of them still alive is killed, and NVML must show the GPU memory back as it was before the test."""
     # Not importorskip: torch imported here would be dropped from sys.modules by the pytester fixture's
-    # snapshot at this test's end (docs/lab/gpu-runs.md run 39). The CUDA users are subprocesses.
+    # snapshot at this test's end (seen on an H200). The CUDA users are subprocesses.
     if importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch (the inner sessions' CUDA processes)")
     monkeypatch.delenv("GPUCLEAN_SIMULATE", raising=False)

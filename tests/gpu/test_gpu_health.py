@@ -5,12 +5,12 @@ process), and the next test passes on the same GPU. No GPU is reset and no setti
 The kernel is PTX loaded through the CUDA driver API with ctypes (no torch). Tried on the H200 (driver
 580.159.04) before this test was written: ``cuCtxSynchronize`` returns 700 (CUDA_ERROR_ILLEGAL_ADDRESS) in
 the process that launched it, and an NVML event set delivers Xid 31 within a millisecond; this test's own
-run there is docs/lab/gpu-runs.md run 38.
+run there is in benchmarks/GPU-RUNS.md.
 
 "Its own test" runs the kernel in the inner pytest process itself: that process's context keeps the
 sticky error (CUDA cannot be used in it again), which is why the inner session is a process of its own
 and why its later tests use CUDA only in child processes (the child case, and the probe of the next test).
-Figures are printed so docs/lab/gpu-runs.md can quote them.
+Figures are printed so benchmarks/GPU-RUNS.md can quote them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ as far as it can tell), holds CUDA memory on every GPU while the inner session r
 5 s timeout, without xdist and with ``-n 2``. Only the first check waits; the others find the same holder
 and memory and fail at once. Whether the driver lists the holder (same PID namespace: ``foreign pid``) or
 not (another namespace: ``memory held by no process we can see``), the outside state is the same from one
-check to the next. Figures are printed so docs/lab/gpu-runs.md can quote them.
+check to the next. Figures are printed so benchmarks/GPU-RUNS.md can quote them.
 
 Run on one GPU: ``python3 -m pytest tests/gpu/test_gpu_outside.py -v -s -p no:cacheprovider``.
 """
@@ -55,7 +55,7 @@ def outside_cuda_holder(tmp_path: Path) -> Iterator[int]:
     """A CUDA process outside the inner session (started before it, not by it, without its cookie)."""
     # Not importorskip: torch imported here would be dropped from sys.modules by the pytester fixture's
     # snapshot at this test's end, and importing it again in the next test fails inside torch (seen on the
-    # H200, docs/lab/gpu-runs.md run 39). The holder is a subprocess: this process needs torch only to exist.
+    # H200). The holder is a subprocess: this process needs torch only to exist.
     if importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch (the outside CUDA holder)")
     pidfile = tmp_path / "outside.pid"

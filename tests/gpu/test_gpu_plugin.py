@@ -1,7 +1,7 @@
 """The plugin against a real GPU: NVML v2 memory, per-process attribution, reaping CUDA holders.
 
 Each scenario runs an inner pytest session (``-p gpuclean``, real NVML) in a subprocess, so leaks and
-kills stay there; figures are printed so docs/lab/gpu-runs.md can quote them.
+kills stay there; figures are printed so benchmarks/GPU-RUNS.md can quote them.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def test_after():
 
 
 def test_own_cuda_without_a_context_is_not_a_leak(gpu_inner: Path, pytester: pytest.Pytester) -> None:
-    # What broke the example suite in run 6 (docs/lab/gpu-runs.md): a library asked torch whether CUDA is
+    # What once broke the example suite on a GPU: a library asked torch whether CUDA is
     # there, in the pytest process. That initialises CUDA without a context, and the driver then counts a
     # few MiB per GPU as used, listed under no process, until the process exits.
     result = _run(pytester, """

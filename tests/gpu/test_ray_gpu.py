@@ -2,7 +2,7 @@
 Ray actor holding CUDA memory (reaped through ``ray.kill``), another an anonymous one (reaped by the signal
 ladder on the node); each is found on its node, attributed to its test, the GPU is back to what it was, the
 release time is reported per node, and the next test is clean. Run by tests/gpu/ray_gpu.sh
-(docs/lab/gpu-runs.md)."""
+(benchmarks/GPU-RUNS.md)."""
 
 from __future__ import annotations
 
