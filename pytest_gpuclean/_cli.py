@@ -1,11 +1,6 @@
-"""``gpuclean status|check|reap``: the plugin's check and reaper as a command for CI runner hooks.
-
-* ``gpuclean status [--json]``: what each GPU holds, and who.
-* ``gpuclean check [--wait S] [--json]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or driver
-  error, 3 a GPU is not usable (it needs a reset, or is lost).
-* ``gpuclean reap [--dry-run] [--json]``: post-job cleanup of the invoking user's GPU processes (and of
-  those carrying a ``--cookie``) with the plugin's ladder; exit 0 done, 1 a process survived, 2 usage or
-  driver error, 3 a GPU could not be read.
+"""``gpuclean status|check|reap``: the plugin's check and reaper as a command for CI runner hooks: what each
+GPU holds, the pre-job gate, and the post-job cleanup of the user's GPU processes (and ``--cookie``
+carriers).
 
 The command has no process tree of its own: "clean" means no process on the devices and memory within the
 tolerance."""
@@ -48,7 +43,7 @@ EXIT_UNHEALTHY = 3
 taken out of service. ``reap``: a GPU could not be read; what was provably the job's was ended anyway."""
 
 class _CliError(Exception):
-    """A problem the user must fix (bad option or environment value, no devices): exit status 2."""
+    """A problem the user must fix (bad option or environment value, no devices)."""
 
 
 # ---- option values -----------------------------------------------------------------------------------
@@ -65,8 +60,8 @@ def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _settings(args: argparse.Namespace, *names: str) -> settings.Settings:
-    """The options ``names`` from the command line, else the plugin's environment variables, so a runner
-    configured once applies to both the hooks and the pytest sessions they guard."""
+    """The options ``names`` from the command line, else the plugin's environment variables: a runner
+    configured once configures both."""
     chosen = [settings.option(name) for name in names]
     given = {option.dest: getattr(args, option.name, None) for option in chosen}
     try:
@@ -146,7 +141,7 @@ def _ray_command(run: Callable[[], int]) -> int:
 # ---- devices -----------------------------------------------------------------------------------------
 
 class _Devices(NamedTuple):
-    """The devices a command works on: its backend, those chosen of it, and where the choice came from."""
+    """The devices a command works on."""
 
     backend: backends.Backend
     chosen: tuple[DeviceInfo, ...]
@@ -156,8 +151,7 @@ class _Devices(NamedTuple):
 
 @contextlib.contextmanager
 def _open_devices(resolved: settings.Settings, command: str) -> Iterator[_Devices]:
-    # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those, as the
-    # pytest sessions it runs do.
+    # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those.
     try:
         backend = open_backend(resolved.simulate)
     except devices.SimulationError as exc:
@@ -234,7 +228,7 @@ def _print(lines: Sequence[str], out: TextIO) -> None:
 
 
 def _cmd_status(args: argparse.Namespace, out: TextIO) -> int:
-    """``gpuclean status``: memory and processes of each device; ``--json`` for machines."""
+    """``gpuclean status``: memory and processes of each device."""
     address, ray_resolved = _ray_settings(args)
     if address is not None:
         from pytest_gpuclean.ray import command_line
@@ -407,8 +401,7 @@ def _reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str 
 
 
 def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
-    """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers); ``--json``
-    for machines."""
+    """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers)."""
     address, ray_resolved = _ray_settings(args, "grace")
     if address is not None:
         if args.json:
@@ -446,8 +439,7 @@ def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
                 commands.print_json(document, out)
 
         def ending(status: int) -> int:
-            # A device that could not be read says so last, where a hook's log ends, and in the status:
-            # what could be proven the job's was ended all the same.
+            # An unreadable device is said last, where a hook's log ends, and in the status.
             _print(commands.unreadable_lines(unreadable, args.cookie, EXIT_UNHEALTHY), text)
             return EXIT_UNHEALTHY if unreadable else status
 

@@ -51,7 +51,7 @@ def split_own(found: Iterable[_O], mine: Callable[[Owner], bool],
 
 
 class OwnLeaks(NamedTuple):
-    """Every process a test left behind, by where it was found (the order the reports list them in)."""
+    """Every process a test left behind, by where it was found, in the reports' order."""
 
     reaped: list[Reaped]
     later: list[Reaped]
@@ -124,9 +124,8 @@ def _found_something(check: CheckResult | None) -> bool:
 
 def has_findings(record: TestRecord) -> bool:
     """Whether the test is at fault: an outcome other than clean, or a finding that does not fail it
-    (in-process torch growth, a GPU used under another worker's lock). The summary's "with findings" and
-    the JSON report's ``findings`` are this. What a check did for others (another's leftover reaped, a
-    zombie collected, a lock wait given up, ``blocked_by``) is ``noticed`` instead."""
+    (in-process torch growth, a GPU used under another worker's lock). What a check did for others (another's
+    leftover reaped, a zombie collected, a lock wait given up) is ``noticed`` instead."""
     if record.in_process_mib or record.gpu_without_lock:
         return True
     decided = outcome(record)

@@ -1,9 +1,8 @@
-"""The records that flow through the package: what is read (devices, processes, owners, GPU lock holders),
-what a check found, and what a check and a test came to (``CheckResult``, ``TestRecord``).
+"""The records that flow through the package: what is read, what a check found, and what a check and a test
+came to (``CheckResult``, ``TestRecord``).
 
-A record is a ``NamedTuple`` (immutable, compared by value, cheap to define at import). A dataclass only
-where a tuple will not do: ``TestRecord`` is filled in as the test runs, ``CleanGpus``/``DeviceState`` are
-public, and ``DeviceInfo.index`` would shadow ``tuple.index``."""
+Records are ``NamedTuple``s (immutable, cheap to define at import); a dataclass only where a tuple will
+not do (filled in as the test runs, public, or a field that would shadow ``tuple.index``)."""
 
 from __future__ import annotations
 
@@ -15,35 +14,32 @@ MIB = 1024 * 1024
 # Closed sets of words, as types so that mypy catches a misspelt one. The JSON report publishes them
 # verbatim: report_schema.json must list the same values.
 Reason = Literal["leaked", "foreign", "host", "memory", "unreachable"]
-"""``leaked``: ours (a descendant, or carries our cookie); ``foreign``: on our GPU, not ours; ``host``: a
-stray Python process; ``memory``: no process accounts for it; ``unreachable``: a Ray cluster or node."""
+"""``leaked``: ours; ``foreign``: on our GPU, not ours; ``host``: a stray Python process; ``memory``: no
+process accounts for it; ``unreachable``: a Ray cluster or node."""
 FoundBy = Literal["descendant", "adopted", "cookie", "gpu", "host", "dead session"]
 """``adopted``: re-parented to our subreaper; ``dead session``: left by a gpuclean session that died."""
 EndedBy = Literal["SIGTERM", "SIGKILL", "already exited", "reaped zombie", "exited by itself", "pid reused",
                   "survived"]
-"""``exited by itself``: within the settle time; ``pid reused``: its identity changed, so it was left
-alone; ``survived``: still there after SIGKILL."""
+"""``pid reused``: its identity changed, so it was left alone; ``survived``: still there after SIGKILL."""
 OwnerKind = Literal["test", "fixture", "session", "unknown"]
 """``session`` is gpuclean's own session, outside any test."""
 Phase = Literal["setup", "teardown", "check"]
 """Before a test, after it, or a ``gpuclean check``."""
 ProcessState = Literal["running", "sleeping", "disk-sleep", "stopped", "tracing-stop", "zombie", "dead",
                        "wake-kill", "waking", "parked", "idle", "running (main thread exited)", "gone", "?"]
-"""psutil's names, plus ``running (main thread exited)`` (a leader whose threads still run), ``gone``
-(ended before it could be described) and ``?`` (another node's process)."""
+"""psutil's names, plus ``gone`` (ended before it could be described) and ``?`` (another node's)."""
 OnOff = Literal["on", "off"]
 Via = Literal["", "ray.kill", "ladder"]
-"""How a Ray cluster's check ended something on a node: ``ray.kill`` of a named actor (so Ray frees its GPU
-its own way), or the signal ladder in a task pinned to the node; '' on this host."""
+"""How a Ray cluster's check ended something on a node; '' on this host."""
 HealthKind = Literal["xid", "needs_reset", "changed", "lost", "probe", "clocks"]
 """``needs_reset``: row remapping pending or failed, or uncorrectable ECC errors; ``changed``: compute mode,
-MIG or persistence changed under the session; ``clocks``: clock event reasons (information only)."""
+MIG or persistence changed under the session."""
 HealthEffect = Literal["fault", "unusable", "lost", "info"]
 """``fault`` fails the test that caused it; ``unusable`` makes the GPU dirty for the rest of the session;
 ``lost`` stops the session; ``info`` is only recorded."""
 Scope = Literal["session", "host"]
 OutsideAction = Literal["fail", "skip", "stop"]
-"""What a test gets when its GPUs are dirty only from outside the session (``--gpuclean-outside``)."""
+"""``--gpuclean-outside``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +66,7 @@ class GpuProcess(NamedTuple):
 
 
 class DeviceSnapshot(NamedTuple):
-    """One reading of a device: memory (NVML v2 ``used``) and the processes on it."""
+    """One reading of a device; ``used_bytes`` is NVML v2's ``used``."""
 
     device: DeviceInfo
     used_bytes: int
@@ -88,7 +84,7 @@ class DeviceHealth(NamedTuple):
     """The slow health reads of one device; None where the device cannot tell."""
 
     remap_pending: int | None = None
-    """Rows waiting for a reset to be remapped (retired pages pending, before Ampere)."""
+    """Rows waiting for a reset to be remapped (retired pages, before Ampere)."""
     remap_failed: bool | None = None
     ecc_uncorrected: int | None = None
     """Volatile count: since the last reset or driver load."""
@@ -98,13 +94,13 @@ class DeviceHealth(NamedTuple):
 
 
 class Selection(NamedTuple):
-    """The devices to check, and where that choice came from (for headers and error messages)."""
+    """The devices to check, and where that choice came from."""
 
     devices: tuple[DeviceInfo, ...]
     source: str
     """``all devices``, ``from CUDA_VISIBLE_DEVICES='1'``, or the source of an explicit list."""
     found: int
-    """How many devices the backend has."""
+    """How many devices the backend has, chosen or not."""
 
     def none_reason(self, kind: str) -> str:
         """Why there is nothing to check, when ``devices`` is empty."""
@@ -140,16 +136,14 @@ class KillResult(Protocol):
 
 
 class Outside(NamedTuple):
-    """What a check found that cannot be the session's: processes not ours (nor excused), and memory no
-    visible process holds."""
+    """What a check found that cannot be the session's."""
 
     devices: tuple[tuple[str, float], ...]
     """(device label, MiB held from outside) per dirty device."""
     only: bool
     """Every finding was from outside: nothing of the session's kept the GPUs dirty."""
     same_as: str | None = None
-    """The node id of the check that already waited out this same outside state, so this one did not;
-    None if this check waited."""
+    """The node id of the check that already waited out this same state, so this one did not."""
 
 
 # ---- who holds a GPU lock: read by ``_locks/holders.py``, worded by ``_locks/describe.py`` -------
@@ -162,9 +156,7 @@ class HolderRecord(NamedTuple):
     uid: int
     """The uid the file is named after and the kernel says owns it."""
     user: str
-    """``uid N`` if the uid has no name here."""
     host: str
-    """``?`` if it named none that can be printed."""
     test: str
     since: float
     """``time.time``."""
@@ -174,23 +166,21 @@ class HolderRecord(NamedTuple):
 
 
 class LockHolder(NamedTuple):
-    """Who holds a GPU's lock, as a waiting session names it: the holder record, ``/proc/locks`` and the
-    marks on the lock directory."""
+    """Who holds a GPU's lock, as a waiting session names it."""
 
     record: HolderRecord | None = None
-    """The newest valid record: a holder writes it after taking the lock, so an older one was left by a
-    session killed while holding it."""
+    """The newest valid record: an older one was left by a session killed while holding the lock."""
     alive: bool | None = None
     """None: no record, or one written on another host."""
     lock_pid: int | None = None
     """The POSIX lock's holder per ``/proc/locks`` (0: one in another PID namespace; None: nobody named)."""
     lock_user: str | None = None
     lock_cmd: str | None = None
-    """Cleaned for printing; None unless ``lock_pid`` is a process we see."""
+    """None unless ``lock_pid`` is a process we see."""
     missing: bool = False
     """The lock file is missing."""
     held: bool = False
-    """(Where ``missing``.) A session holds the GPU through its deleted lock file (its hold mark is up)."""
+    """(Where ``missing``.) A session holds the GPU through its deleted lock file."""
     making: bool = False
     """A session is creating the lock file."""
     queued: bool = False
@@ -217,8 +207,7 @@ class Credentials(NamedTuple):
 
     pid: int
     users: tuple[tuple[int, str], ...]
-    """(uid, name) of every uid the process or a thread of it runs as (real, effective, saved,
-    filesystem), in uid order."""
+    """(uid, name) of every uid any of its threads runs as (real, effective, saved, filesystem)."""
     relays_to: tuple[ProcessInfo, ...] = ()
     """Descendants (threads included) that run as a user the process does not, nearest first."""
 
@@ -237,7 +226,7 @@ class Offender(NamedTuple):
 
 
 class Reaped(NamedTuple):
-    """What happened to one leaked process during reaping."""
+    """What happened to one process during reaping."""
 
     process: ProcessInfo
     owner: Owner | None
@@ -251,7 +240,6 @@ class Reaped(NamedTuple):
     survived_as: str = ""
     """Its state when it outlived SIGKILL, e.g. ``stopped``."""
     node: str | None = None
-    """The Ray node's id; None: this host."""
     via: Via = ""
     actor_id: str = ""
     """'' for a process a Ray worker started, or on this host."""
@@ -280,9 +268,8 @@ _ENDED_BY = frozenset(get_args(EndedBy))
 
 
 class SiblingUse(NamedTuple):
-    """A process another worker of the same xdist run started (its cookie proves it), holding memory on a
-    GPU a check of this worker covered: excused, never waited for, never signalled. It is a finding of the
-    sibling's test only when this worker's test held that GPU's lock."""
+    """Another xdist worker's process (its cookie proves it) on a GPU this worker checked: excused, never
+    signalled; a finding of the sibling's test only if this worker's test held that GPU's lock."""
 
     process: ProcessInfo
     owner: Owner
@@ -291,7 +278,7 @@ class SiblingUse(NamedTuple):
     """``PYTEST_XDIST_WORKER`` in the process's environment."""
     mib_per_device: tuple[tuple[str, float], ...]
     seen_by: str = ""
-    """The node id of this worker's test whose check found it; set when recorded as a finding."""
+    """This worker's test whose check found it; set when recorded as a finding."""
     seen_worker: str = ""
     phase: Phase | None = None
 
@@ -308,10 +295,9 @@ class HealthFinding(NamedTuple):
     kind: HealthKind
     effect: HealthEffect
     device: str
-    """The device's label (``GPU 3``)."""
     uuid: str
     message: str
-    """One line that names the device: ``GPU 3: Xid 31 (GPU memory page fault ...)``."""
+    """``GPU 3: Xid 31 (GPU memory page fault ...)``."""
     phase: Phase
     """``setup``: found before the test, so not caused by it."""
     xid: int | None = None
@@ -329,14 +315,13 @@ class NodeReading(NamedTuple):
 
 
 class NodeRelease(NamedTuple):
-    """How long one Ray node's devices took to let go of what a cluster's check ended there."""
+    """How long one Ray node's devices took to let go of what was ended there."""
 
     node_id: str
     release_s: float | None
     """From the first kill on the node until its devices listed none of the ended processes; None if none
     was on a device, or some were still listed at the deadline."""
     pids: tuple[int, ...] = ()
-    """The ended processes that were on the node's devices."""
 
 
 class ClusterReading(NamedTuple):
@@ -362,23 +347,21 @@ class CheckResult(NamedTuple):
     notes: tuple[str, ...] = ()
     tolerance_mib: int = 0
     collected: tuple[Reaped, ...] = ()
-    """Processes of ours that were zombies, or exited by themselves within the settle time: reported, not
-    counted as leaks."""
+    """Ours, but zombies or exited by themselves within the settle time: not counted as leaks."""
     lingered: tuple[Offender, ...] = ()
-    """Ours, alive at the start, that ended by themselves while the check waited (reaping off): not dirty
-    any more, but still leaked."""
+    """Ours, ended by themselves while the check waited (reaping off): not dirty now, but still leaked."""
     self_mib: tuple[tuple[str, float], ...] = ()
     """The pytest process's own memory per device (its CUDA context): not a leak."""
     self_cuda_only: tuple[str, ...] = ()
-    """Devices where this process initialised CUDA without a context (charged to no process): not a leak."""
+    """Where this process initialised CUDA without a context (charged to no process): not a leak."""
     error: str | None = None
-    """Why a device could not be read, which ended the check at once, not clean. What was provably ours
-    was still reaped: ownership needs no device reading."""
+    """Why a device could not be read, which ended the check at once, not clean (what was provably ours
+    was still reaped)."""
     device_lost: bool = False
     """The unreadable device is gone (NVML's GPU_IS_LOST, a simulated device's folder removed): no later
     check can succeed."""
     siblings: tuple[SiblingUse, ...] = ()
-    """Other xdist workers' processes on these devices: excused (the notes name them)."""
+    """Other xdist workers' processes on these devices: excused."""
     outside: Outside | None = None
     cluster: ClusterReading | None = None
     """Set for a Ray cluster's check, whose ``devices`` is then empty (they are the nodes')."""
@@ -391,15 +374,13 @@ class FixtureLeak(NamedTuple):
     name: str
     scope: str
     location: tuple[str, int]
-    """File (relative to rootdir where under it) and 1-based line of its first decorator, as pytest
-    locates a test; ("", 0) if unknown."""
+    """As pytest locates a test; ("", 0) if unknown."""
     reported_on: str
-    """The node id of the test at whose teardown the fixture ended."""
+    """The test at whose teardown the fixture ended."""
     reaped: tuple[Reaped, ...] = ()
     leaked: tuple[Offender, ...] = ()
     """Still there after the check: reaping off, or they could not be ended."""
     lingered: tuple[Offender, ...] = ()
-    """Ended by themselves while the check waited (reaping off)."""
 
     @property
     def where(self) -> str:
@@ -422,14 +403,13 @@ class TestRecord:
     before: CheckResult | None = None
     after: CheckResult | None = None
     found_later: tuple[Reaped, ...] = ()
-    """Processes this test leaked that a later check found (e.g. the test was not checked)."""
+    """Processes this test leaked that a later check found."""
     in_process_mib: tuple[tuple[str, float], ...] = ()
     """Growth of ``torch.cuda.memory_allocated`` during the test, per device."""
     devices: tuple[str, ...] = ()
     """UUIDs the test held the locks of."""
     lock_wait_s: float = 0.0
     lock_timeout: str | None = None
-    """Why the test never got its GPU locks; None if it got them."""
     before_s: float = 0.0
     after_s: float = 0.0
     cluster_before: CheckResult | None = None
@@ -438,14 +418,12 @@ class TestRecord:
     """Leaks of wider fixtures that ended at this test's teardown: found by its check, but the fixtures'
     findings (``after`` keeps only this test's own)."""
     gpu_without_lock: tuple[SiblingUse, ...] = ()
-    """Processes this test started that another xdist worker found on a GPU whose lock that worker's test
-    held (merged in by the controller)."""
+    """Processes this test started that another xdist worker found on a GPU its test held the lock of."""
     health: tuple[HealthFinding, ...] = ()
     outside_action: OutsideAction | None = None
-    """What the test got because its GPUs were dirty only from outside the session; None if never."""
+    """What the test got because its GPUs were dirty only from outside the session."""
     blocked_by: tuple[str, ...] = ()
-    """Skipped: its check before found only leaks an earlier check left (reaping off), not waited for
-    again. Each a node id or ``fixture NAME (SCOPE-scoped)``."""
+    """Who leaked what its check before found, if that was all: the test was skipped, not waited for."""
 
 
 @dataclass(frozen=True, slots=True)

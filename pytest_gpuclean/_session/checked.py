@@ -52,8 +52,7 @@ class CheckedSession:
     def __init__(self, config: pytest.Config, resolved: settings.Settings, exported: ExportedCookie,
                  pid: int, opening: NvmlOpening | None = None, backend: backends.Backend | None = None
                  ) -> None:
-        """``backend``: one opened already, taken over; else opened here (``opening``: NVML's start,
-        begun earlier)."""
+        """``backend``: one opened already, taken over; else opened here."""
         self.config = config
         self.settings = resolved
         self.pid = pid

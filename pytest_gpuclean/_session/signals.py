@@ -1,8 +1,5 @@
 """Signals around a gpuclean session: SIGTERM taken as Ctrl-C, and interrupts that only hurry the final
-sweep.
-
-Imported by a session that starts checking, or that writes a report (a cancelled job still gets it).
-"""
+sweep."""
 
 from __future__ import annotations
 
@@ -47,7 +44,7 @@ class SigtermAsInterrupt:
         _at_fork[:] = [h for h in _at_fork if h is not self]
 
     def restore_in_child(self) -> None:
-        """In a forked child: SIGTERM as it was before the plugin took it, if the handler is still ours."""
+        """In a forked child: SIGTERM as before the plugin took it, if the handler is still ours."""
         if self._previous is not None and os.getpid() != self._pid and (
                 signal.getsignal(signal.SIGTERM) == self._on_sigterm):
             signal.signal(signal.SIGTERM, self._previous)

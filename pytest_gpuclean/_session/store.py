@@ -24,13 +24,13 @@ class RecordSet(NamedTuple):
 
 
 class RecordStore:
-    """The records of one session's tests, what its last sweep reaped, its notes, and what workers sent."""
+    """One session's records, its last sweep's reaps, its notes, and what workers sent."""
 
     def __init__(self) -> None:
         self.records: list[TestRecord] = []
         """In order."""
         self.late: dict[str, TestRecord] = {}
-        """Records of tests that were not checked, made when a later check found what they leaked."""
+        """Records of unchecked tests, made when a later check found what they leaked."""
         self.session_reaped: list[Reaped] = []
         self.notes: list[str] = []
         self.worker_payloads: list[Payload] = []
@@ -66,7 +66,7 @@ class RecordStore:
             record.found_later += (reaped,)
 
     def note(self, message: str, once: bool = False) -> None:
-        """Add a line to the session's notes (``once``: unless it is there already)."""
+        """Add a line to the session's notes (``once``: unless already there)."""
         if not once or message not in self.notes:
             self.notes.append(message)
 
@@ -103,7 +103,7 @@ class RecordStore:
         self.streamed[nodeid] = from_dict(TestRecord, record)
 
     def ship(self) -> Payload:
-        """What a forked child found, for the session's process; forgotten here (the child ends)."""
+        """What a forked child found, for the session's process; forgotten here."""
         from pytest_gpuclean.report.serialize import to_dict
 
         shipped = {"records": [to_dict(r) for r in self.records],
@@ -132,7 +132,7 @@ class RecordStore:
             record.fixture_leaks += tuple(from_dict(FixtureLeak, f) for f in leaks)
 
     def forget(self) -> None:
-        """Drop the records (a forked child's copy of its parent's: the parent keeps its own)."""
+        """Drop a forked child's copy of its parent's records: the parent keeps its own."""
         self.records, self.late = [], {}
 
     def merged(self) -> RecordSet:
