@@ -1,14 +1,8 @@
-"""``gpuclean status|check|reap``: the plugin's check and reaper as a command for CI runner hooks.
+"""``gpuclean status|check|reap``: the plugin's check and reaper as a command for CI runner hooks: what each
+GPU holds, the pre-job gate, and the post-job cleanup of the user's GPU processes (and ``--cookie``
+carriers).
 
-* ``gpuclean status [--json]``: what each GPU holds, and who.
-* ``gpuclean check [--wait S] [--json]``: the pre-job gate; exit 0 clean, 1 not clean, 2 usage or driver
-  error, 3 a GPU is not usable (it needs a reset, or is lost).
-* ``gpuclean reap [--dry-run] [--json]``: post-job cleanup of the invoking user's GPU processes (and of
-  those carrying a ``--cookie``) with the plugin's ladder; exit 0 done, 1 a process survived, 2 usage or
-  driver error, 3 a GPU could not be read.
-
-It reads and acts through the same modules as the plugin; ``report/commands.py`` words what it found. The
-command has no process tree of its own: "clean" means no process on the devices and memory within the
+The command has no process tree of its own: "clean" means no process on the devices and memory within the
 tolerance."""
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ from pytest_gpuclean.report import commands, terminal
 from pytest_gpuclean.report.commands import PROG as _PROG
 from pytest_gpuclean.report.commands import ReapTarget
 
-# The command is the interface (README): its exit statuses, main() for __main__.py and the tests, and
-# the plan of a reap, which the tests hold against real processes.
+# The exit statuses are documented interface (README).
 
 EXIT_CLEAN = 0
 EXIT_DIRTY = 1
@@ -46,13 +39,11 @@ EXIT_DIRTY = 1
 EXIT_ERROR = 2
 """A usage error (the message names the option) or the devices could not be read."""
 EXIT_UNHEALTHY = 3
-"""``check``: a GPU needs a reset (row remapping pending or failed, uncorrectable ECC errors), its compute
-mode is Prohibited, or it is lost. Waiting does not help: the runner should be taken out of service.
-``reap``: a GPU could not be read (lost, or its reads fail); what could be proven the job's (its cookie's
-carriers, this user's processes on the other GPUs) was ended all the same, and a survivor is named too."""
+"""``check``: a GPU needs a reset, is Prohibited, or is lost; waiting does not help, so the runner should be
+taken out of service. ``reap``: a GPU could not be read; what was provably the job's was ended anyway."""
 
 class _CliError(Exception):
-    """A problem the user must fix (bad option or environment value, no devices): exit status 2."""
+    """A problem the user must fix (bad option or environment value, no devices)."""
 
 
 # ---- option values -----------------------------------------------------------------------------------
@@ -69,12 +60,8 @@ def _argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _settings(args: argparse.Namespace, *names: str) -> settings.Settings:
-    """The options ``names`` from the command line, else the plugin's environment variables.
-
-    The command's flags are the plugin's options without the ``gpuclean-`` prefix and read the same
-    variables (``GPUCLEAN_SIMULATE``, ...), so a runner configured once applies to both the hooks and
-    the pytest sessions they guard.
-    """
+    """The options ``names`` from the command line, else the plugin's environment variables: a runner
+    configured once configures both."""
     chosen = [settings.option(name) for name in names]
     given = {option.dest: getattr(args, option.name, None) for option in chosen}
     try:
@@ -84,11 +71,9 @@ def _settings(args: argparse.Namespace, *names: str) -> settings.Settings:
 
 
 def _check_environment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Every command checks every GPUCLEAN_ variable at start-up, as a pytest session does, whether or not
-    it reads it (settings.check_environment), and warns of one nothing reads. A bad one is named as the
-    flag of the ``gpuclean`` command that takes its value (this subcommand's, else another's: ``--grace (of
-    gpuclean reap)``; a value, not a switch like reap's --dead-sessions, which is another thing), else as
-    the plugin's option: the name its user knows it by where this variable is set, a runner's environment."""
+    """Check every GPUCLEAN_ variable, read or not, as a pytest session does. A bad one is named by the
+    ``gpuclean`` flag that takes its value (``--grace (of gpuclean reap)``), else by the plugin's option:
+    the name its user knows it by in a runner's environment."""
     takes = _value_flags(parser)
 
     def flag(option: settings.Option) -> str:
@@ -108,7 +93,7 @@ def _check_environment(args: argparse.Namespace, parser: argparse.ArgumentParser
 def _value_flags(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
     """Option name -> the subcommands that take its value (``--grace S``; no switch)."""
     takes: dict[str, list[str]] = {}
-    # (the subcommands are the one action whose choices map names to parsers)
+    # The subcommands are the one action whose choices map names to parsers.
     subcommands = next(a.choices for a in parser._actions if isinstance(a.choices, dict))
     for command, sub in subcommands.items():
         for option in sub._actions:
@@ -128,9 +113,7 @@ _RAY_EXCLUSIVE = ("devices", "cookie", "dead_sessions", "all_users")
 
 def _ray_settings(args: argparse.Namespace, *names: str) -> tuple[str | None, settings.Settings]:
     """The cluster ``--ray`` (or ``GPUCLEAN_RAY``) names, None for the local devices; and the options.
-
-    Ray (and the modules that drive it) is imported only when a cluster is named.
-    """
+    Ray is imported only when a cluster is named."""
     resolved = _settings(args, "ray", "timeout", *names)
     if resolved.ray == "off":
         return None, resolved
@@ -158,18 +141,17 @@ def _ray_command(run: Callable[[], int]) -> int:
 # ---- devices -----------------------------------------------------------------------------------------
 
 class _Devices(NamedTuple):
-    """The devices a command works on: its backend, those chosen of it, and where the choice came from."""
+    """The devices a command works on."""
 
     backend: backends.Backend
     chosen: tuple[DeviceInfo, ...]
     source: str
-    """Where the device list came from, for the header and error messages."""
+    """For the header and error messages."""
 
 
 @contextlib.contextmanager
 def _open_devices(resolved: settings.Settings, command: str) -> Iterator[_Devices]:
-    # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those, as the
-    # pytest sessions it runs do.
+    # A runner pinned to some GPUs through CUDA_VISIBLE_DEVICES checks and reaps only those.
     try:
         backend = open_backend(resolved.simulate)
     except devices.SimulationError as exc:
@@ -185,14 +167,14 @@ def _open_devices(resolved: settings.Settings, command: str) -> Iterator[_Device
             raise _CliError(str(exc)) from None
         yield _Devices(backend, selection.devices, selection.source)
     finally:
-        for line in backend.notices:  # (a simulated device file that may not speak for its process)
+        for line in backend.notices:  # a simulated device file that may not speak for its process
             print(f"{_PROG} {command}: warning: {line}", file=sys.stderr)
         backend.close()
 
 
 def _ini_simulate_hint() -> str:
-    """Where NVML cannot be opened: if the project's pytest runs on simulated devices (its ini file sets
-    ``gpuclean_simulate``), which this command does not read, the words that say so, and how to name them."""
+    """Where NVML cannot be opened: if the project's ini sets ``gpuclean_simulate`` (which this command
+    does not read), a hint to name the devices."""
     option = settings.option("simulate")
     found = ini_value(Path.cwd(), option.ini)
     if found is None:
@@ -205,10 +187,8 @@ def _ini_simulate_hint() -> str:
 
 def _checker(backend: backends.Backend, *, grace: float = settings.DEFAULT_GRACE_S, ignore: Sequence[str] = ()
              ) -> Checker:
-    # No xdist run: the plugin excuses sibling xdist workers of its own run; the CLI has no run, and a
-    # hook started from inside a test run (as our own tests do) must not excuse that run's processes.
-    # Dead sessions' debris is listed on its own (``_debris_lines``) and ended only by ``reap
-    # --dead-sessions``: off the GPUs it does not make them dirty.
+    # No xdist run: a hook started from inside a test run must not excuse that run's workers. Dead
+    # sessions' debris off the GPUs does not make them dirty: only ``reap --dead-sessions`` ends it.
     return Checker(backend, CheckSettings(reap=False, grace=grace, ignore=tuple(ignore), dead_sessions=False))
 
 
@@ -221,8 +201,7 @@ def _selection(found: _Devices) -> commands.Selection:
 # ---- health ------------------------------------------------------------------------------------------
 
 def _read_health(found: _Devices, chosen: Sequence[DeviceInfo] | None = None) -> list[commands.Health]:
-    """Each chosen device's health (the slow NVML reads: milliseconds per GPU, nothing for a command); of
-    ``chosen`` where given."""
+    """Each device's health (of ``chosen`` where given)."""
     from pytest_gpuclean._check.health import device_problems
     source = found.backend
     if not isinstance(source, backends.HealthSource):
@@ -249,7 +228,7 @@ def _print(lines: Sequence[str], out: TextIO) -> None:
 
 
 def _cmd_status(args: argparse.Namespace, out: TextIO) -> int:
-    """``gpuclean status``: memory and processes of each device; ``--json`` for machines."""
+    """``gpuclean status``: memory and processes of each device."""
     address, ray_resolved = _ray_settings(args)
     if address is not None:
         from pytest_gpuclean.ray import command_line
@@ -328,13 +307,11 @@ def _process_uids() -> set[int]:
 def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[int], all_users: bool,
               cookie: str | None, require_device_file: bool = False, debris: Sequence[commands.Debris] = ()
               ) -> tuple[dict[int, ReapTarget], list[str]]:
-    """What ``reap`` may end, and a line for each process it leaves alone (and why): the processes the
-    devices list, the carriers of ``cookie`` and the dead sessions' ``debris``, each through the signal gate
-    (``reap_plan.plan``, with its credentials read here).
+    """What ``reap`` may end, and why it leaves each other process alone: the devices' processes, the
+    ``cookie`` carriers and ``debris``, each through the signal gate (``reap_plan.plan``).
 
-    With ``require_device_file`` (real GPUs), a pid the driver lists is a target only if that process
-    has a GPU device file open: in a container the driver may list host pids, and the same number can
-    name an unrelated local process.
+    ``require_device_file`` (real GPUs): in a container the driver may list host pids, and the same number
+    can name an unrelated local process; so a target must have a GPU device file open.
     """
     def candidates() -> Iterator[reap_plan.ReapCandidate]:
         for pid in sorted({p.pid for s in snaps for p in s.processes}):
@@ -347,7 +324,7 @@ def plan_reap(snaps: Sequence[DeviceSnapshot], *, my_uid: int, never_touch: set[
             # Every user's carriers where they can be read (root): another user's is named as left alone.
             for uid in sorted(_process_uids()) if all_users or os.geteuid() == 0 else [my_uid]:
                 for pid, _value in processes.cookie_holders(COOKIE_VAR, cookie, uid):
-                    # (One that is a target already, as listed on a device, the planner passes over.)
+                    # The planner passes over one already a target.
                     info = processes.describe(pid)
                     yield reap_plan.ReapCandidate(pid, info, mib_of(pid, snaps), "cookie",
                                                   gpuclean_itself=pid in never_touch,
@@ -377,12 +354,8 @@ def _kill_targets(targets: dict[int, ReapTarget]) -> list[processes.KillTarget]:
 
 def _reap_targets(checker: Checker, chosen: Sequence[DeviceInfo], targets: dict[int, ReapTarget]
                   ) -> tuple[list[Reaped], float | None]:
-    """End ``targets`` with the kill ladder (and the checker's grace); returns what happened and when the
-    devices let go.
-
-    The second value is the seconds from the first signal until the driver listed none of the GPU
-    holders among ``targets`` any more (None if none held a GPU or they never disappeared).
-    """
+    """End ``targets`` with the kill ladder; returns what happened, and the seconds from the first signal
+    until the driver listed none of them (None if none held a GPU, or they never disappeared)."""
     holders = {pid for pid, t in targets.items() if t.mib}
     ended, all_released = checker.kill_and_confirm(_kill_targets(targets), chosen, holders)
     reaped = [reaped_record(target.info, pid, None, target.found_by, ended[pid], target.mib)
@@ -398,9 +371,8 @@ def _unreadable(device: DeviceInfo, error: devices.DeviceError) -> commands.Unre
 
 def _read_what_can_be_read(checker: Checker, chosen: Sequence[DeviceInfo],
                            unreadable: list[commands.Unreadable]) -> tuple[DeviceSnapshot, ...]:
-    """The readings of ``chosen``, less the devices that cannot be read, which go to ``unreadable`` (once
-    each) and are not read again: ``reap`` needs no device to end what carries the job's cookie, and a lost
-    GPU must not cost the job's cleanup on the others (as ``Checker.final_sweep`` copes)."""
+    """The readings of ``chosen``; unreadable devices go to ``unreadable`` once and are not read again: a
+    lost GPU must not cost the job's cleanup on the others."""
     skip = {u.device.uuid for u in unreadable}
     readable = [d for d in chosen if d.uuid not in skip]
     try:
@@ -421,7 +393,7 @@ def _reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str 
                reaped: Sequence[Reaped], released_s: float | None,
                unreadable: Sequence[commands.Unreadable] = ()) -> dict[str, Any]:
     """``gpuclean reap --json`` (``commands.reap_json``), with the devices' health read anew."""
-    skip = {u.device.uuid for u in unreadable if not u.lost}  # (a lost one's health says it is lost)
+    skip = {u.device.uuid for u in unreadable if not u.lost}  # a lost one's health says it is lost
     health = _read_health(found, [d for d in found.chosen if d.uuid not in skip])
     return commands.reap_json(_selection(found), snaps, _described(snaps), health, cookie=cookie,
                               dry_run=dry_run, targets=targets, left_alone=left_alone, notes=notes,
@@ -429,8 +401,7 @@ def _reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str 
 
 
 def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
-    """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers); ``--json``
-    for machines."""
+    """``gpuclean reap``: end this user's processes on the devices (and ``--cookie`` carriers)."""
     address, ray_resolved = _ray_settings(args, "grace")
     if address is not None:
         if args.json:
@@ -449,8 +420,7 @@ def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         checker = _checker(found.backend, grace=resolved.grace)
         unreadable: list[commands.Unreadable] = []
         snaps = _read_what_can_be_read(checker, found.chosen, unreadable)
-        # Processes whose cookie names a gpuclean session that provably died (its pytest was killed): that
-        # session's leaks, which nobody else will ever reap.
+        # Leaks of a gpuclean session that provably died: nobody else will ever reap them.
         debris = _debris(checker) if args.dead_sessions else []
         targets, left_alone = plan_reap(snaps, my_uid=checker.uid, never_touch=checker.never_touch,
                                         all_users=args.all_users, cookie=args.cookie,
@@ -469,8 +439,7 @@ def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
                 commands.print_json(document, out)
 
         def ending(status: int) -> int:
-            # A device that could not be read says so last, where a hook's log ends, and in the status:
-            # what could be proven the job's was ended all the same.
+            # An unreadable device is said last, where a hook's log ends, and in the status.
             _print(commands.unreadable_lines(unreadable, args.cookie, EXIT_UNHEALTHY), text)
             return EXIT_UNHEALTHY if unreadable else status
 
@@ -499,7 +468,7 @@ def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     """The argument parser: the commands and their options."""
-    # Option values stay text here: settings parses them with the source named in any error.
+    # Option values stay text: settings parses them, naming the source in any error.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--simulate", metavar="DIR",
                         help=f"use simulated devices in DIR instead of NVML {_env_note('simulate')}")
@@ -593,14 +562,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 _FILES = (("pytest.ini", "pytest"), (".pytest.ini", "pytest"), ("pyproject.toml", ""), ("tox.ini", "pytest"),
           ("setup.cfg", "tool:pytest"))
-"""pytest's candidates in each directory, in its order, with the section that makes one its file (a
-``pytest.ini`` is, whatever it holds)."""
+"""pytest's candidates, in its order, with the section that makes one its file (any ``pytest.ini`` is)."""
 
 
 def ini_value(start: Path, key: str) -> tuple[Path, str] | None:
-    """The file pytest would take for its configuration from ``start`` (the first candidate that is one,
-    ``start`` first, then its parents) and the value it gives ``key``; None if there is no such file, or it
-    does not set ``key``. Unreadable files are passed over, as if absent."""
+    """The file pytest would take for its configuration from ``start`` upwards, and its value of ``key``;
+    None if there is none, or it does not set ``key``. Unreadable files count as absent."""
     for folder in (start, *start.parents):
         for name, section in _FILES:
             path = folder / name
@@ -628,7 +595,7 @@ def _read(path: Path, section: str, key: str) -> tuple[bool, str | None] | None:
             tool = tomllib.load(f).get("tool", {}).get("pytest")
         if not isinstance(tool, dict):
             return None
-        table = tool.get("ini_options", tool)  # (pytest 9 reads [tool.pytest] itself too)
+        table = tool.get("ini_options", tool)  # pytest 9 reads [tool.pytest] too
         value = table.get(key) if isinstance(table, dict) else None
         return True, value if isinstance(value, str) else None
     parser = configparser.ConfigParser(interpolation=None)

@@ -1,6 +1,5 @@
 """The package's own imports: past pytest's assertion rewriting, and through a bytecode cache of its own where
-Python writes none. Imported first, by the package's ``__init__``, so that every later module of the package
-loads through it."""
+Python writes none. The package's ``__init__`` imports it first, so every later module loads through it."""
 
 from __future__ import annotations
 
@@ -21,13 +20,10 @@ _CACHE_ENV = "GPUCLEAN_BYTECODE_CACHE"
 
 
 class _CachedBytecode(SourceFileLoader):
-    """A source module's loader that keeps its bytecode in the plugin's own cache where Python writes none.
+    """A loader that keeps bytecode in the plugin's own cache, checked by source mtime and size as ``.pyc``.
 
-    With ``PYTHONDONTWRITEBYTECODE=1`` (GPU images set it, and often ship packages without bytecode),
-    every process compiles each module it imports from source: pynvml's 5,000-line module alone cost
-    57-82 ms of CPU per pytest run on an H100 image, 6x its ``nvmlInit``. The plugin keeps the bytecode of
-    what it imports itself in a directory of the user's own (``_cache_dir``), checked against the
-    source's modification time and size as Python's own ``.pyc`` files are.
+    GPU images often set ``PYTHONDONTWRITEBYTECODE=1`` and ship no bytecode: compiling pynvml alone then
+    costs 57-82 ms of CPU per pytest run, 6x its ``nvmlInit``.
     """
 
     def __init__(self, fullname: str, path: str, cache_dir: str) -> None:
@@ -40,7 +36,7 @@ class _CachedBytecode(SourceFileLoader):
             st = os.stat(source)
         except OSError:
             return super().get_code(fullname)
-        # (the header of Python's own timestamp-checked .pyc files: magic, flags, source mtime and size)
+        # The header of a timestamp-checked .pyc: magic, flags, source mtime and size.
         header = (importlib.util.MAGIC_NUMBER + bytes(4)
                   + (int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
                   + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little"))
@@ -56,7 +52,7 @@ class _CachedBytecode(SourceFileLoader):
                     return code
         except (OSError, EOFError, ValueError, TypeError):
             pass
-        code = super().get_code(fullname)  # compiled from source (Python writes nothing under the flag)
+        code = super().get_code(fullname)
         if code is not None:
             temporary = f"{cached}.{os.getpid()}.tmp"
             try:
@@ -71,12 +67,11 @@ class _CachedBytecode(SourceFileLoader):
 
 _NO_CACHE = ""
 _cache: list[str] = []
-"""The cache directory once looked for: ``_NO_CACHE`` where there is none."""
+"""Empty until looked for; then the directory, or ``_NO_CACHE``."""
 
 
 def _cache_dir() -> str | None:
-    """The bytecode cache's directory, made if missing: the user's own and writable by nobody else, or
-    None (bytecode written by Python, the cache turned off, or no such directory to be had)."""
+    """The cache directory, made if missing; None where Python writes bytecode, or none is to be had."""
     if not sys.dont_write_bytecode:
         return None
     if not _cache:
@@ -105,20 +100,19 @@ def _find_cache_dir() -> str | None:
 def _cached_spec(spec: ModuleSpec | None) -> ModuleSpec | None:
     if spec is not None and type(spec.loader) is SourceFileLoader and isinstance(spec.origin, str):
         cache = _cache_dir()
-        # (Python's own bytecode, where there is some, is used as Python would)
+        # Python's own bytecode, where there is some, wins.
         if cache is not None and not os.path.exists(importlib.util.cache_from_source(spec.origin)):
             spec.loader = _CachedBytecode(spec.name, spec.origin, cache)
     return spec
 
 
 _importing: set[str] = set()
-"""Modules being imported by ``import_cached`` right now (``_PlainImports`` answers for them)."""
+"""Modules ``import_cached`` is importing now: ``_PlainImports`` answers for them."""
 
 
 def import_cached(name: str) -> ModuleType:
-    """``import name`` for the plugin's own use, through the bytecode cache where Python writes none
-    (``_CachedBytecode``); a module already imported is what it is. Only this very import goes through the
-    cache: ``_PlainImports`` answers for ``name`` while it runs, and finds nothing of it otherwise."""
+    """``import name`` through the bytecode cache, for a third-party module the plugin uses. Only this very
+    import goes through the cache; elsewhere the module is imported the ordinary way."""
     module = sys.modules.get(name)
     if module is not None:
         return module
@@ -134,12 +128,9 @@ def import_cached(name: str) -> ModuleType:
 class _PlainImports:
     """Imports this package's modules the standard way, in front of pytest's assertion rewriting.
 
-    pytest rewrites the asserts of every module of a distribution with a ``pytest11`` entry point (ours
-    among them) as it is imported, and keeps the rewritten code in a ``.pyc`` of its own only where it may
-    write bytecode: under ``PYTHONDONTWRITEBYTECODE=1`` or a read-only ``site-packages``, every pytest run
-    parsed, rewrote and compiled the ~10k lines a checked session imports. The package's asserts only
-    state invariants, which need no rewritten messages; imported the standard way, its ordinary
-    (installed) bytecode is used, or the plugin's own cache (``_CachedBytecode``) where there is none.
+    pytest rewrites a ``pytest11`` plugin's asserts and caches the result only where it may write bytecode;
+    elsewhere every run recompiled the ~10k lines a checked session imports. Our asserts only state
+    invariants, so they need no rewritten messages.
     """
 
     @staticmethod
@@ -150,5 +141,5 @@ class _PlainImports:
         return _cached_spec(PathFinder.find_spec(name, path, target))
 
 
-if not any(type(f).__name__ == _PlainImports.__name__ for f in sys.meta_path):  # once: (re)imports
+if not any(type(f).__name__ == _PlainImports.__name__ for f in sys.meta_path):  # once, even if reimported
     sys.meta_path.insert(0, _PlainImports())

@@ -1,8 +1,8 @@
 """gpuclean's options: declared once, resolved once (marker > CLI > environment > ini > default), each value
-with where it came from (``--gpuclean-timeout: 'abc' is not a number (from environment variable
-GPUCLEAN_TIMEOUT)``). The ``gpuclean`` command resolves its options through the same table. Every
-``GPUCLEAN_`` variable is checked at start-up, whether or not the run reads it, and one that is not
-gpuclean's is warned of. Every pytest run imports this module: pytest only where the plugin needs it."""
+with where it came from, for error messages. The ``gpuclean`` command uses the same table.
+
+Every pytest run of an environment with the plugin imports this module: keep its imports cheap (no
+pytest, no dataclasses, nothing of ``_model``)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ if TYPE_CHECKING:
 
     from pytest_gpuclean._model.records import OnOff, OutsideAction, Scope
 
-# The values of ``records.Scope``, ``records.OnOff`` and ``records.OutsideAction`` (tests/test_settings.py
-# checks that they agree), spelt out: every pytest run with the plugin installed imports this module, and
-# _model/records.py is not cheap.
+# ``records.Scope``, ``records.OnOff`` and ``records.OutsideAction`` spelt out, as records.py is not cheap
+# to import; a test checks that they agree.
 SCOPES: tuple[Scope, ...] = ("session", "host")
 ON_OFF: tuple[OnOff, ...] = ("on", "off")
 OUTSIDE_ACTIONS: tuple[OutsideAction, ...] = ("fail", "skip", "stop")
@@ -27,7 +26,7 @@ NO_GPU_ACTIONS = ("fail", "skip")
 """What a marked test gets when there is no GPU to check (``--gpuclean-no-gpu``)."""
 _MARKER_KWARGS = ("tolerance_mib", "timeout", "count")
 _PROBE_MODES = ("off", "start", "after-incident", "each")
-"""The ``--gpuclean-probe`` modes, as ``health.HealthWatch`` reads them."""
+"""As ``health.HealthWatch`` reads them."""
 _DEFAULT_PROBE = "after-incident"
 
 DEFAULT_TOLERANCE_MIB = 0
@@ -35,12 +34,12 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_GRACE_S = 5.0
 _DEFAULT_SETTLE_S = 1.0
 _DEFAULT_LOCK_TIMEOUT_S = 600.0
-# No dataclasses here: every pytest run of an environment that has the plugin imports this module.
+# No dataclasses here: see the module's docstring.
 
 
 def _default_lock_dir() -> str:
-    """``<tmp>/gpuclean-locks``. Asked for only when a session takes locks: finding the temporary
-    directory writes a probe file there, and a session that checks nothing must not depend on it."""
+    """``<tmp>/gpuclean-locks``. Only when a session takes locks: finding the temporary directory writes
+    a probe file there."""
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), "gpuclean-locks")
@@ -61,7 +60,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def parse_seconds(text: str) -> float:
-    """A number of seconds >= 0 (``ValueError`` with a message for the user otherwise)."""
+    """A number of seconds >= 0."""
     try:
         value = float(text)
     except ValueError:
@@ -76,8 +75,7 @@ _FALSE = ("off", "0", "false", "no")
 
 
 def _boolean(text: str) -> bool:
-    # The same spellings for every on/off option, switch or not, wherever it is set: a CI file that says
-    # GPUCLEAN_ALL=1 says GPUCLEAN_REAP=0 too.
+    # The same spellings for every on/off option: a CI file that says GPUCLEAN_ALL=1 says GPUCLEAN_REAP=0.
     lowered = text.strip().lower()
     if lowered in _TRUE:
         return True
@@ -104,8 +102,8 @@ def _device_list(text: str) -> str:
     tokens = parse_device_list(text)
     if not tokens:
         raise ValueError(f"{text!r} names no device")
-    # A device listed twice is a slip (which one was meant?); this much is plain without the devices, an
-    # index and the same GPU's UUID only once they are read (backends.select_devices).
+    # A device listed twice is a slip. An index and the same GPU's UUID show only once the devices are
+    # read (backends.select_devices).
     repeated = repeated_tokens(tokens)
     if repeated is not None:
         first, second = repeated
@@ -115,8 +113,7 @@ def _device_list(text: str) -> str:
 
 
 def _path(text: str, base: str = "") -> str:
-    # ``--gpuclean-simulate=~/sim``: no shell expands ``~`` after ``=``, nor in an ini file or a variable
-    # quoted in a CI config. ``base``: the ini file's directory for a value from it (see ``Option.path``).
+    # No shell expands ``~`` after ``=``, nor in an ini file or a variable quoted in a CI config.
     return os.path.join(base, os.path.expanduser(text))
 
 
@@ -148,17 +145,15 @@ class Option(NamedTuple):
     help: str
     parse: Callable[..., Any]
     """Text to value; raises ``ValueError`` with a message for the user. A ``path`` option's also takes the
-    directory a relative path is relative to."""
+    base directory."""
     metavar: str | None = None
     flag: bool = False
     """A CLI switch without a value (``--gpuclean-all``)."""
     listed: bool = False
-    """A list: repeatable on the command line, one value per line in the ini file (``linelist``), and
-    comma-separated anywhere (``--gpuclean-ignore``)."""
+    """Repeatable on the command line, one value per line in the ini file, comma-separated anywhere."""
     path: bool = False
-    """A file-system path: from the ini file, a relative one is relative to the ini file's directory, as
-    pytest's own ``paths`` ini values are, so that the same ini file means the same place from any
-    directory; from the command line or the environment, relative to the current directory."""
+    """Relative to the ini file's directory for a value from it (as pytest's ``paths`` values), so the
+    same ini means the same place from anywhere; else relative to the current directory."""
 
     @property
     def cli(self) -> str:
@@ -267,9 +262,7 @@ def add_options(parser: pytest.Parser) -> None:
 
 class Settings:
     """Resolved options (immutable); ``sources`` says where each explicitly set value came from.
-
-    A value not given keeps its default; ``lock_dir``'s, ``_default_lock_dir()``, is found when first read.
-    """
+    ``lock_dir``'s default is found when first read."""
 
     all: bool = False
     tolerance_mib: int = DEFAULT_TOLERANCE_MIB
@@ -328,24 +321,21 @@ class Settings:
         return name in self.sources
 
     def refused(self, name: str, why: object) -> str:
-        """The line for a value of ``name`` that proved unusable only once used (simulated devices that
-        cannot be read): ``--gpuclean-<name>: <why> (<where the value came from>)``."""
+        """The error line for a value of ``name`` that proved unusable only once used."""
         return f"{option(name).cli}: {why} ({self.sources.get(name)})"
 
 
 SETTINGS_FIELDS: tuple[str, ...] = (*(name for name in Settings.__annotations__ if name != "sources"),
                                     "lock_dir")
-"""The fields of ``Settings``: one per option."""
+"""One per option."""
 
 
 _NOT_CI = ("", "0", "false", "no", "off")
 
 
 def no_gpu_action(settings: Settings, env: Mapping[str, str]) -> tuple[str, str]:
-    """What a marked test gets when there is no GPU to check, ``fail`` or ``skip``, and the words for why
-    ('' for the default outside CI, which needs none). Unless ``--gpuclean-no-gpu`` chose, ``fail`` where
-    ``CI`` is set in ``env`` (GitHub Actions, GitLab CI, Buildkite set ``CI=true``): a GPU runner whose job
-    lost its GPUs (a container started without them, a broken driver) must not skip every GPU test to a
+    """``fail`` or ``skip`` for a marked test without a GPU, and why ('' for the default outside CI). By
+    default ``fail`` where ``CI`` is set: a runner that lost its GPUs must not skip every GPU test to a
     green run."""
     flag = option("no_gpu").cli
     if settings.no_gpu is not None:
@@ -393,11 +383,9 @@ def resolve_options(
     *,
     flag: Callable[[Option], str] = lambda option: option.cli,
 ) -> Settings:
-    """Build ``Settings`` from ``options`` as found in the sources (``cli`` is keyed by ``Option.dest``);
-    the others keep their defaults. Raises ``SettingError`` naming the option (as ``flag`` spells it).
-
-    An option's variable that is set is checked even where the command line overrides it (the module's
-    one rule for the environment)."""
+    """Build ``Settings`` from ``options`` as found in the sources (``cli`` is keyed by ``Option.dest``).
+    Raises ``SettingError`` naming the option. A set variable is checked even where the command line
+    overrides it."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for option in options:
@@ -422,26 +410,24 @@ INTERNAL_VARIABLES = frozenset((
     "GPUCLEAN_XDIST_WORKERS_SINCE",  # cookie.WORKERS_SINCE_VAR
     "GPUCLEAN_HELD_LOCKS",  # locks.HELD_VAR
     "GPUCLEAN_OUTSIDE_STATE",  # outside.STATE_VAR
-    "GPUCLEAN_BYTECODE_CACHE",  # pytest_gpuclean._imports._CACHE_ENV: read before any option (not one)
+    "GPUCLEAN_BYTECODE_CACHE",  # _imports._CACHE_ENV: read before any option, so not one
 ))
-"""The variables the package sets itself for the processes it starts, spelt out (tests/test_settings.py
-checks them against the package's constants): importing ``locks`` or ``outside`` to ask would cost every
-pytest run of the environment, and a session inherits them from an outer one (a CI job's cookie, the test
-of an outer session)."""
+"""Variables the package sets for what it starts, so a session may inherit them from an outer one. Spelt
+out: importing their modules would cost every pytest run."""
 _VARIABLE_PREFIX = "GPUCLEAN_"
 _REPLACED = {"GPUCLEAN_REQUIRE_GPU": "GPUCLEAN_NO_GPU=fail"}
 """Variables of options that another one replaced, and what says the same now."""
 
 
 def unknown_variables(env: Mapping[str, str]) -> list[str]:
-    """A line for each ``GPUCLEAN_`` variable in ``env`` that nothing reads, naming the closest option's
-    variable: ``GPUCLEAN_TIMOUT=5`` would otherwise change nothing, silently."""
+    """A line for each unknown ``GPUCLEAN_`` variable, naming the closest: ``GPUCLEAN_TIMOUT=5`` would
+    otherwise change nothing, silently."""
     options = {option.env_var for option in OPTIONS}
     unknown = sorted(name for name in env if name.startswith(_VARIABLE_PREFIX)
                      and name not in options and name not in INTERNAL_VARIABLES)
     if not unknown:
         return []
-    import difflib  # only for a slip: every pytest run of the environment imports this module
+    import difflib  # only for a slip
 
     # Matched without the prefix, which every candidate shares: GPUCLEAN_FOO is like none of them.
     suffixes = {name[len(_VARIABLE_PREFIX):]: name for name in sorted(options)}
@@ -455,9 +441,8 @@ def unknown_variables(env: Mapping[str, str]) -> list[str]:
 
 
 def check_environment(env: Mapping[str, str], flag: Callable[[Option], str]) -> list[str]:
-    """What the ``gpuclean`` command does with the environment at start-up, as a pytest session does
-    (``resolve``): every option's variable that is set is checked, whether or not the command reads it
-    (``SettingError`` naming it as ``flag`` says), and the lines to warn of unknown ``GPUCLEAN_`` ones."""
+    """For the ``gpuclean`` command, as ``resolve`` for a session: check every set option variable, read or
+    not; return the warnings for unknown ``GPUCLEAN_`` ones."""
     resolve_options(OPTIONS, {}, env, flag=flag)
     return unknown_variables(env)
 
@@ -492,12 +477,9 @@ class TestSettings:
 def for_marker(settings: Settings, kwargs: Mapping[str, Any], where: str, args: Sequence[Any] = ()
                ) -> TestSettings:
     """Apply a ``needs_clean_gpus(...)`` marker's arguments over the session's settings, wherever those
-    came from: the most specific setting wins, as a test's own timeout marker does in pytest-timeout (a
-    CI-wide ``GPUCLEAN_TIMEOUT`` must not undo the one test that says it needs longer, or less).
-
-    Raises ``ValueError`` with a message naming the marker argument and the test.
-    """
-    if not kwargs and not args:  # a bare marker (most tests): the session's settings, no checks per test
+    came from: as in pytest-timeout, a CI-wide ``GPUCLEAN_TIMEOUT`` must not undo a test's own.
+    Raises ``ValueError`` naming the marker argument and the test."""
+    if not kwargs and not args:  # a bare marker (most tests)
         return TestSettings(tolerance_mib=settings.tolerance_mib, timeout=settings.timeout, count=None)
     if args:
         # needs_clean_gpus(2) reads as "2 GPUs" to some and "2 MiB" to others: make the reader say which.
@@ -543,9 +525,8 @@ def parse_device_list(spec: str) -> list[str]:
 
 
 def repeated_tokens(tokens: Sequence[str]) -> tuple[str, str] | None:
-    """Two tokens of a device list that name the same device whatever the devices are, or None: the same
-    index (``0,00``), or the same UUID or one a prefix of the other, case aside (a UUID prefix names a
-    single device or is an error). Needs no backend."""
+    """Two tokens that name the same device whatever the devices are (``0,00``; a UUID and its prefix,
+    case aside), or None."""
     for i, later in enumerate(tokens):
         for earlier in tokens[:i]:
             if earlier.isdigit() != later.isdigit():

@@ -1,11 +1,9 @@
-"""gpuclean's own hooks: how an extension (the Ray cluster's checks, ``ray/hooks.py``) takes part in each
-test's check, in the session's end and in the outputs, without the per-test check or the outputs knowing of
-it. ``plugin.py`` adds them (``pytest_addhooks``); an extension implements the ones it needs.
+"""gpuclean's own hooks: how an extension (such as ``ray/hooks.py``) takes part in each test's check, the
+session's end and the outputs, without those knowing of it.
 
-A hook's ``session`` is the started session; ``state`` and ``record`` the test's. What an extension finds
-goes into the record as ordinary records (``CheckResult``, ``Offender``, ``Reaped``, naming their
-``node``), so every decision and output takes it as it takes this host's. A check hook returns the failure
-to report, or None; the report hooks add the extension's own text and JSON keys."""
+An extension puts what it finds into the record as ordinary records (``CheckResult``, ``Offender``,
+``Reaped``, naming their ``node``), so every decision and output treats it as this host's. A check hook
+returns the failure to report, or None."""
 
 from __future__ import annotations
 
@@ -53,7 +51,7 @@ def pytest_gpuclean_checked(session: CheckedSession, state: TestState, record: T
 def pytest_gpuclean_sweep(session: CheckedSession, include_session: bool, timeout: float) -> list[Reaped]:
     """The session's final sweep (after the last test): what the extension ended of the session's tests'
     (and, with ``include_session``, its set-up's) leftovers."""
-    raise NotImplementedError  # (a specification: the extensions implement it)
+    raise NotImplementedError
 
 
 @pytest.hookspec
@@ -70,7 +68,7 @@ def pytest_gpuclean_summary_parts(record: TestRecord) -> list[str]:
     """The extension's parts of ``record``'s line in the terminal summary (a test with findings, or whose
     checks noticed something), after this host's and before the GPU health's; [] for nothing. Also for a
     record an xdist worker sent: a function of the record alone."""
-    raise NotImplementedError  # (a specification: the extensions implement it)
+    raise NotImplementedError
 
 
 @pytest.hookspec

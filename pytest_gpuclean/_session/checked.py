@@ -1,6 +1,6 @@
-"""A gpuclean session that checks: its device backend, locks, checker and records, set up once, when a
-collected test is to be checked (a session that checks nothing never imports it: psutil, NVML and the
-checking code come with it)."""
+"""A gpuclean session that checks: its device backend, locks, checker and records, set up once a test is to
+be checked. A session that checks nothing never imports it (psutil, NVML and the checking code come with
+it)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from pytest_gpuclean._session.names import ExportedCookie
 
 _SUBREAPER: dict[int, bool] = {}
-"""pid -> whether PR_SET_CHILD_SUBREAPER took; once per process (xdist workers are processes too)."""
+"""pid -> whether PR_SET_CHILD_SUBREAPER took; once per process."""
 
 
 class CheckedSession:
@@ -52,30 +52,28 @@ class CheckedSession:
     def __init__(self, config: pytest.Config, resolved: settings.Settings, exported: ExportedCookie,
                  pid: int, opening: NvmlOpening | None = None, backend: backends.Backend | None = None
                  ) -> None:
-        """``backend``: one opened already (to hold an explicit device list against), taken over; else
-        the one the settings name is opened here (``opening``: NVML's start, begun earlier)."""
+        """``backend``: one opened already, taken over; else opened here."""
         self.config = config
         self.settings = resolved
         self.pid = pid
-        """The session's own process (a forked child of it runs one test)."""
+        """The session's own process: a forked child of it runs one test."""
         self.records = store.of(config)
         self.unavailable: str | None = None
         self.no_gpu = settings.no_gpu_action(resolved, os.environ)
-        """What a marked test gets while ``unavailable`` (fail or skip), and the words for why."""
+        """What a marked test gets while ``unavailable``, and why."""
         self.backend: backends.Backend | None = None
         self.devices: tuple[DeviceInfo, ...] = ()
         self.locks: GpuLocks | None = None
         self.left_alone: list[ProcessInfo] = []
-        self.helpers_ended: list[Reaped] = []
-        """The helpers that only ``--gpuclean-helpers`` vouched for, ended at the very end."""
         """Set by ``close``: processes under pytest that existed before the session (never signalled)."""
+        self.helpers_ended: list[Reaped] = []
+        """Helpers only ``--gpuclean-helpers`` vouched for, ended at the very end."""
         self.health: HealthWatch | None = None
-        """Xid events, GPUs that need a reset, lost GPUs, the CUDA probe (``health.py``)."""
         self.health_at_start: list[HealthFinding] = []
         self._test_tokens: dict[str, str] = {}
         self._shared: tuple[str, str | None] | None = None
-        """xdist controller: the directory its workers share what held a GPU from outside in, and the
-        value ``STATE_VAR`` had before."""
+        """xdist controller: the workers' shared directory for outside holders, and ``STATE_VAR``'s old
+        value."""
         me = os.getpid()
         if me not in _SUBREAPER:
             _SUBREAPER[me] = processes.set_child_subreaper()
@@ -96,7 +94,7 @@ class CheckedSession:
             selection = select_devices(self.backend, resolved)
             self.devices = selection.devices
             if not self.devices:
-                # Like a machine without GPUs: marked tests skip or fail, as --gpuclean-no-gpu (or CI) says.
+                # Like a machine without GPUs: marked tests skip or fail, as --gpuclean-no-gpu says.
                 self.unavailable = selection.none_reason(self.backend.kind)
         if resolved.lock == "on" and self.backend is not None:
             try:
@@ -105,11 +103,10 @@ class CheckedSession:
             except OSError as exc:
                 source = resolved.sources.get("lock_dir", "the default")
                 raise pytest.UsageError(f"--gpuclean-lock-dir: {exc} ({source})") from None
-        # Only an xdist worker has peers: otherwise the run id in our environment was inherited (we are
-        # a nested session started by a worker's test), and our siblings are no peers of ours.
+        # Only an xdist worker has peers: otherwise the run id was inherited (a nested session started by
+        # a worker's test), and our siblings are no peers.
         worker = hasattr(self.config, "workerinput")
-        # Its start-up walk takes whatever already runs under us (a conftest's server, what the
-        # collection started) for the session set-up's.
+        # Its start-up walk takes whatever already runs under us for the session set-up's.
         ownership = Ownership(exported.session_id, exported.started_ticks, exported.last_pid)
         peers = XdistPeers(os.environ.get("PYTEST_XDIST_TESTRUNUID") if worker else None, exported.inherited,
                            _ticks(WORKERS_SINCE_VAR))
@@ -121,12 +118,11 @@ class CheckedSession:
         shared = os.environ.get(STATE_VAR) if worker else None
         if shared:
             self.checker.outside = OutsideMemory(shared)  # the run's other workers' too
-        # Processes started outside any test (collection, other plugins, conftest imports) carry the
-        # session's cookie: the session set-up's, protected until the very last sweep.
+        # What starts outside any test is the session set-up's, protected until the very last sweep.
         self.checker.ownership.register(SESSION_TOKEN, SESSION_OWNER)
         if self.backend is not None and self.devices:
             self._watch_health()
-        # An extension (the Ray cluster's checks, with --gpuclean-ray) sets up what it checks.
+        # An extension (--gpuclean-ray) sets up what it checks.
         self.config.hook.pytest_gpuclean_session_start(session=self)
 
     def _watch_health(self) -> None:
@@ -134,7 +130,7 @@ class CheckedSession:
         from pytest_gpuclean._reading import probe
         source = self.backend
         if not isinstance(source, backends.HealthSource):
-            return  # (a backend without health reads: none of ours)
+            return  # a backend without health reads
         resolved = self.settings
 
         def prober(chosen: Sequence[DeviceInfo]) -> dict[str, str | None]:
@@ -170,8 +166,8 @@ class CheckedSession:
         return lines
 
     def share_outside(self) -> None:
-        """xdist controller, before it starts the workers (they inherit the environment): a private file
-        for them to share what held a GPU from outside, so that one worker's wait spares the others."""
+        """xdist controller, before it starts the workers: a private place for them to share what held a
+        GPU from outside, so one worker's wait spares the others."""
         import tempfile
 
         folder = tempfile.mkdtemp(prefix="gpuclean-run-")  # 0700: no other user plants anything there
@@ -181,9 +177,8 @@ class CheckedSession:
     # ---- the session's end -----------------------------------------------------------------------
 
     def sweep(self, interrupted: bool = False) -> None:
-        """The final sweep: what the session's tests left behind; a second interrupt only makes it
-        quicker. ``interrupted``: the session was (Ctrl-C, SIGTERM), and whoever did it hears at once what
-        the sweep waits for, and how to cut it short."""
+        """The final sweep: what the session's tests left behind; a second interrupt only makes it quicker.
+        ``interrupted``: say at once what the sweep waits for, and how to cut it short."""
         hurry = threading.Event()
         restore = quiet_interrupts(hurry)
         self.checker.hurry = hurry.is_set
@@ -217,9 +212,8 @@ class CheckedSession:
         notices.clear()
 
     def close(self, *, controller: bool) -> list[Reaped]:
-        """After every pytest_unconfigure: reap what the session set-up started (a conftest's server, a
-        plugin's daemon) and its owner did not stop, which would otherwise outlive pytest. What it reaped
-        joins the session's ``session_reaped``; the plugin says so and has the report written again."""
+        """After every pytest_unconfigure: reap what the session set-up started (a conftest's server) and
+        its owner did not stop, which would otherwise outlive pytest."""
         self.config.hook.pytest_gpuclean_session_finish(session=self)
         if self._shared is not None:
             import shutil
@@ -248,8 +242,7 @@ class CheckedSession:
             self.backend.close()
 
     def reap_crashed(self, nodeid: str | None) -> None:
-        """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran (``nodeid``;
-        None: the workers were shut down and some never sent what they found: blamed on the test each
+        """In the controller: reap what a crashed worker left, blamed on ``nodeid`` (None: on the test each
         process names)."""
         reaped, notes = self.checker.reap_dead_sessions(self.devices)
         for r in reaped:
@@ -288,9 +281,8 @@ class CheckedSession:
         return None
 
     def announce(self, nodeid: str) -> None:
-        """A test is about to run: pytest-forked calls this in the session's process, then forks the
-        child that runs the test. A token made here is unique across children, and the session knows
-        whose cookie a leftover carries. Without a fork, setup takes it from the same process."""
+        """A test is about to run. pytest-forked calls this before forking the test's child, so a token made
+        here is unique across children and known to the session."""
         self._test_tokens[nodeid] = self.checker.ownership.new_token(Owner("test", nodeid))
 
     def test_token(self, nodeid: str) -> str:
@@ -302,17 +294,15 @@ class CheckedSession:
         pid = os.getpid()
         if pid == self.pid or pid in _SUBREAPER:
             return
-        # The subreaper setting is not inherited, and the records the child inherited are the session's,
-        # which keeps its own; this child ships only what it records itself.
+        # The subreaper setting is not inherited; the child ships only what it records itself.
         _SUBREAPER[pid] = processes.set_child_subreaper()
         self.records.forget()
 
     def receive_forked(self, shipped: Any) -> None:
         """Take what a forked child recorded, and collect that child's exited orphans."""
         self.records.receive(shipped)
-        # Orphans of the child that ended (killed by its check, a double fork's middle process) were
-        # re-parented to this process: exited, they hold nothing; collect them now rather than report
-        # them as leftovers at session end.
+        # The child's orphans were re-parented to us: exited, they hold nothing; collect them now rather
+        # than report them as leftovers at session end.
         for found in self.checker.take_census():
             if not found.live and not self.checker.ownership.is_protected(found.token):
                 processes.reap_if_child(found.pid)
@@ -321,11 +311,9 @@ class CheckedSession:
 
     def attribute_earlier(self, reaped: list[Reaped] | tuple[Reaped, ...], nodeid: str,
                           notes: tuple[str, ...] = ()) -> None:
-        """Blame a leak of an earlier (e.g. unmarked) test, or of a session that died, found now in
-        ``nodeid``'s check on the test that spawned it; the finder goes on if reaping made things clean.
-        Said in that test's record (the summary's line, the report's ``found_later``), not as a warning:
-        one issued in ``nodeid``'s phase would be filed under ``nodeid``, and ``-W error`` would make it
-        ``nodeid``'s error."""
+        """Blame a leak of an earlier test (or a dead session) found in ``nodeid``'s check on its spawner.
+        In that test's record, not a warning: a warning would be filed under ``nodeid``, and ``-W error``
+        would make it ``nodeid``'s error."""
         for r in reaped:
             self.records.found_later(r)
             origin = next((n for n in notes if n.startswith(f"pid {r.process.pid}: left by ")), None)
@@ -339,31 +327,27 @@ class CheckedSession:
                  f"interrupt again ({again_words()}) to SIGKILL them now")
 
     def say(self, line: str) -> None:
-        """Show ``line`` now, while the session waits (a lock can take minutes), not only in the final
-        report: past the output capture, which would otherwise file it under the test's output."""
+        """Show ``line`` now, past the output capture, while the session waits (a lock can take minutes)."""
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is None:
             return
         capture = self.config.pluginmanager.get_plugin("capturemanager")
         with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
             reporter.write_line(line)
-            flush = getattr(reporter, "flush", None)  # (a file or a pipe, a CI log: now, not at the end)
+            flush = getattr(reporter, "flush", None)  # a pipe (a CI log): now, not at the end
             if flush is not None:
                 flush()
 
 
 def _xprocess_registry(config: pytest.Config) -> Registry | None:
-    """What pytest-xprocess keeps alive across sessions, if it is loaded: ``xprocess.ensure`` starts a server
-    once and reuses it while it runs, in later sessions too. Its records are the evidence that a process is
-    meant to outlive the session: the pid file of each process it started (an earlier session's server
-    among them), and the ``Popen`` of what it started in this session."""
+    """What pytest-xprocess keeps alive across sessions, if loaded: its pid files and live ``Popen``s are
+    the evidence that a process is meant to outlive the session."""
     if not config.pluginmanager.hasplugin("xprocess"):
         return None
-    # Where pytest's cache provider keeps its directory (the ``cache_dir`` ini value, from the root
-    # directory), and in it xprocess's (``config.cache.makedir(".xprocess")``); not made here.
+    # xprocess's directory is ``.xprocess`` in pytest's cache directory; not made here.
     try:
         cache_dir = os.path.expanduser(os.path.expandvars(str(config.getini("cache_dir"))))
-    except ValueError:  # (-p no:cacheprovider: no such ini value, and xprocess has no records)
+    except ValueError:  # -p no:cacheprovider: no such ini value, and xprocess has no records
         return None
     root = Path(config.rootpath, cache_dir, "d", ".xprocess")
     uid = os.getuid()
@@ -382,7 +366,7 @@ def _xprocess_registry(config: pytest.Config) -> Registry | None:
                     continue  # another user's file in a shared cache directory vouches for nothing of ours
                 recorded = record.st_mtime
                 found[pid] = (f"pytest-xprocess keeps {entry.name!r}", recorded)
-        xprocess = getattr(config, "_xprocess", None)  # (xprocess's own attribute: its live processes)
+        xprocess = getattr(config, "_xprocess", None)  # xprocess's live processes
         for resource in getattr(xprocess, "resources", None) or ():
             popen, info = getattr(resource, "popen", None), getattr(resource, "info", None)
             if isinstance(popen, subprocess.Popen) and popen.returncode is None:

@@ -70,48 +70,44 @@ class TestGuard:
     def __init__(self, session: CheckedSession) -> None:
         self.session = session
         managed = session.checker.census.managed
-        # A process whose handle a live fixture's value holds is that fixture's (the census asks, on a leak).
+        # A process whose handle a live fixture's value holds is that fixture's (asked only on a leak).
         managed.fixture_values = self.live_fixture_values
-        # (what a test module or a conftest keeps in a global is the suite's own doing, no library's helper)
+        # What a test module or conftest keeps in a global is the suite's doing, no library's helper.
         managed.suite_files = (*session.config.getini("python_files"), "conftest.py")
         self._fixture_tokens: dict[int, str] = {}
         self._fixture_defs: dict[str, pytest.FixtureDef[Any]] = {}
-        """Token -> the fixture it was made for, until the check after the fixture ended (its name, scope
-        and, on a finding, where it is defined)."""
+        """Token -> the fixture it was made for, until the check after the fixture ended."""
         self._tearing_down: TestState | None = None
         self._current: tuple[pytest.Item, TestState] | None = None
-        """The test being run and its state, from its setup to the end of its teardown (not in the item's
-        stash: every item lives to the session's end, and full garbage collections walk what it keeps)."""
+        """The test being run and its state. Not in the item's stash: every item lives to the session's
+        end, and full garbage collections walk what it keeps."""
         self._parked: HeldLocks | None = None
-        """The last test's GPU locks, kept for the next test (``HeldLocks.park``): its setup takes them, or
-        lets them go if it is not checked or needs other GPUs."""
+        """The last test's GPU locks, kept for the next test's setup to take or let go."""
         self._candidates = tuple([d.uuid for d in session.devices])
-        """The UUIDs of every device the session checks: what each test may lock."""
+        """What each test may lock."""
         self._by_locks: dict[tuple[str, ...], tuple[tuple[DeviceInfo, ...], tuple[str, ...]]] = {}
         self._known: dict[tuple[int, int], str] = {}
-        """Leaks a check found and left (reaping is off), by (pid, start ticks): who leaked each (a test's
-        node id, or the fixture). A later check that finds them alone does not wait for them, and its test
-        is skipped, naming them (``_blocked``)."""
+        """(pid, start ticks) -> who leaked it, for leaks left with reaping off: a later check that finds
+        only these does not wait, and its test is skipped (``_blocked``)."""
         self._excused: set[tuple[int, int]] = set()
-        """The processes of the session's own (live fixtures', the set-up's) whose GPU memory a check excused,
-        said once each (``_note_excused``)."""
+        """Session-owned processes whose GPU memory a check excused: said once each."""
         self._count_told = False
         self._warned_own_context = False
         self._warned_own_cuda = False
         self._torch_growth = TorchGrowth(session.records.note_replacing)
-        """Tests whose in-process torch growth stayed within the floor, and by how much (a session note)."""
+        """Tests whose in-process torch growth stayed within the floor (a session note)."""
         hook = session.config.hook
-        # gpuclean's own hooks for an extension (the Ray cluster's checks, registered at configure), called
-        # only when one implements them: three calls that find nothing would cost every checked test.
+        # gpuclean's extension hooks, called only where one implements them: empty calls would cost every
+        # checked test.
         extended = any(getattr(hook, name).get_hookimpls() for name in _EXTENSION_HOOKS)
         self._hook: Any = hook if extended else None
 
     def setup(self, item: pytest.Item, *, checked: bool, marker: pytest.Mark | None) -> None:
-        """Open the test's ownership window; if it is ``checked`` (by its ``marker``, or otherwise), lock its
-        GPUs and check them (fails or skips the setup; the result is in the test's record)."""
+        """Open the test's ownership window; if it is ``checked``, lock its GPUs and check them (fails or
+        skips the setup)."""
         session = self.session
         session.follow_fork()
-        nodeid = item.nodeid  # (a property that builds the string on each use, under pytest 9)
+        nodeid = item.nodeid  # a property that builds the string on each use, under pytest 9
         token = session.test_token(nodeid)
         state = TestState(nodeid, token, session.set_owner_env(token))
         self._current = (item, state)
@@ -119,7 +115,7 @@ class TestGuard:
             del item.stash[store.TEST]  # a test run again (a rerun plugin) starts a new record
         session.checker.ownership.open_window(token)
         if not checked:
-            self.release_parked()  # (kept by the last test's teardown, for a test that is not checked)
+            self.release_parked()  # kept by the last test's teardown; this test is not checked
             return
         state.checked = True
         self._before(item, state, marker)
@@ -134,7 +130,7 @@ class TestGuard:
         unusable = self._health_before(item, state, record)
         if unusable:
             pytest.fail(unusable, pytrace=False)  # at once: waiting would not make the GPU usable
-        # An extension's check (the Ray cluster's) first: what it ends, it ends its own way.
+        # An extension's check first: what it ends, it ends its own way.
         hook = self._hook
         if hook is not None and (failures := hook.pytest_gpuclean_check_before(session=session, state=state,
                                                                                record=record)):
@@ -142,8 +138,7 @@ class TestGuard:
         result = session.checker.check("setup", state.devices, tolerance_mib=state.tolerance_mib,
                                        timeout=state.timeout, device_errors=True,
                                        where=state.nodeid, known=self._known)
-        # (each helper only where its result has something for it: a clean check has nothing, and the
-        # calls would be a good part of the plugin's Python calls per test)
+        # Each helper only where the result has something for it: the clean path stays short.
         if result.device_lost:
             self._note_lost(record, result, "setup")
         record.before = result
@@ -182,10 +177,8 @@ class TestGuard:
 
     def _outside_action(self, item: pytest.Item, record: TestRecord, result: CheckResult
                         ) -> OutsideAction | None:
-        """What the test gets for a check whose every finding is from outside the session
-        (``--gpuclean-outside``), recorded; with ``stop``, the session stops after this test (under xdist,
-        this worker, and the controller ends the run). None if something of the session's is dirty too:
-        that is a finding like any other."""
+        """What the test gets (``--gpuclean-outside``) when every finding is from outside the session;
+        ``stop`` stops the session after this test. None if something of the session's is dirty too."""
         if result.outside is None or not result.outside.only:
             return None
         action = self.session.settings.outside
@@ -205,8 +198,7 @@ class TestGuard:
         return f"{settings.option(name).cli}={value}, {source}"
 
     def _blocked(self, result: CheckResult) -> list[tuple[str, Offender]]:
-        """Who leaked what a check found, if it found nothing else: each offender a leak an earlier check
-        found and left (the check did not wait for them: ``Checker.check(known=...)``). Empty otherwise."""
+        """Who leaked what a check found, if it found only leaks an earlier check left; else empty."""
         known = self._known
         found: list[tuple[str, Offender]] = []
         for o in result.offenders:
@@ -217,8 +209,7 @@ class TestGuard:
         return found if result.error is None and result.outside is None else []
 
     def _remember_unreaped(self, result: CheckResult) -> None:
-        """With reaping off: the leaks of tests and fixtures that ``result`` found and left, for the later
-        checks (``_blocked``)."""
+        """With reaping off: remember the leaks ``result`` found and left, for ``_blocked``."""
         if self.session.checker.reap_enabled:
             return
         for o in result.offenders:
@@ -251,8 +242,7 @@ class TestGuard:
 
     def _choose_devices(self, item: pytest.Item, state: TestState, record: TestRecord,
                         count: int | None) -> None:
-        # The devices this test checks: those it locked, else the first ``count``; with a count, the test
-        # sees exactly those.
+        # Those it locked, else the first ``count``; with a count, the test sees exactly those.
         session = self.session
         if session.locks is not None and session.devices:
             state.locks = self._lock_gpus(item, record, count or len(session.devices))
@@ -266,8 +256,8 @@ class TestGuard:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.uuid for d in state.devices)
 
     def _locked_devices(self, uuids: tuple[str, ...]) -> tuple[tuple[DeviceInfo, ...], tuple[str, ...]]:
-        """The session's devices whose locks are held (``uuids``), in the session's order, and their UUIDs:
-        the same tuples from test to test (made once per set of GPUs, and shared by the records)."""
+        """The session's devices whose locks are held, in the session's order, and their UUIDs: the same
+        tuples from test to test, shared by the records."""
         chosen = self._by_locks.get(uuids)
         if chosen is None:
             devices = tuple([d for d in self.session.devices if d.uuid in uuids])
@@ -305,9 +295,8 @@ class TestGuard:
         return held
 
     def teardown(self, item: pytest.Item, *, has_next: bool) -> Generator[None, None, None]:
-        """Around the test's teardown (the plugin's outermost wrapper delegates here): after every fixture
-        is torn down, check the GPUs; fails the teardown with what the test leaked. ``has_next``: another
-        test follows, so the GPU locks may be kept for it (its setup lets them go if it is not checked)."""
+        """Around the test's teardown: after every fixture is torn down, check the GPUs; fails the teardown
+        with what the test leaked. ``has_next``: the GPU locks may be kept for the next test."""
         current = self._current
         state = current[1] if current is not None and current[0] is item else None
         self._tearing_down = state
@@ -320,14 +309,13 @@ class TestGuard:
             record = item.stash.get(store.TEST, None) if state is not None and state.checked else None
             failure = self._after(item, state, record) if state is not None and record is not None else None
             if state is not None and state.fixture_tokens and not _checked_after(record):
-                # A fixture wider than a test ended here, and no check after this test judges it (the test
-                # is not checked, or never ran on clean GPUs): judged alone, as the fixture's finding.
+                # A wider fixture ended here and no check after this test judges it: judged alone.
                 failure = "\n\n".join(f for f in (failure, self._fixtures_alone(item, state, record)) if f)
         finally:
             self._tearing_down = None
             if state is not None:
                 self._current = None
-                # (an interrupt, or pytest.exit: the session ends, so nothing is kept)
+                # An interrupt or pytest.exit: the session ends, so nothing is kept.
                 self._end(state, has_next and (outcome is None or isinstance(outcome, Exception)))
         if outcome is not None:
             if failure:
@@ -368,8 +356,7 @@ class TestGuard:
             # This test's record keeps only what this test leaked; earlier tests' leaks went to theirs.
             if len(own) != len(result.reaped):
                 result = result._replace(reaped=tuple(own))
-        # What a fixture that ended with this test left is that fixture's finding: pytest reports the
-        # fixture's teardown here, but the test may not even use it.
+        # What a fixture that ended here left is its own finding: the test may not even use it.
         fixtures = self._fixture_leaks(item, state, result)
         mine = result
         if fixtures:
@@ -394,13 +381,12 @@ class TestGuard:
         if fixtures:
             headings.extend(terminal.fixture_leak_heading(f, session.checker.reap_enabled) for f in fixtures)
         if headings:
-            # The body lists every process, each with who spawned it (the test or the fixture).
+            # Every process, each with who spawned it.
             return terminal.check_report(result, "\n".join(headings))
         if not result.clean:
             if self._outside_action(item, record, result) == "skip":
-                # The test has run: it cannot be skipped, and what another job put on its GPUs is no
-                # failure of its. Said in the session's notes (no warning: -W error would fail it after
-                # all); the next test's setup check skips.
+                # The test has run: another job's use of its GPUs is no failure of its, so a note (a
+                # warning would fail it under -W error); the next test's setup check skips.
                 line = terminal.outside_line("teardown", result, state.timeout).removeprefix("gpuclean: ")
                 session.records.note(f"gpuclean: {item.nodeid}: {line}; the test has run: not failed "
                                    f"({self._outside_source()})")
@@ -410,9 +396,8 @@ class TestGuard:
         return None
 
     def _fixtures_alone(self, item: pytest.Item, state: TestState, record: TestRecord | None) -> str | None:
-        """The fixtures that ended at the teardown of a test that no check after it judges: what they left
-        is theirs, found here (``Checker.check_owned``), in this test's record (a record made for it if it
-        was not checked: the test's own outcome does not change)."""
+        """Fixtures that ended at the teardown of a test no check judges: what they left, in this test's
+        record (made for it if it was not checked; its outcome does not change)."""
         session = self.session
         result = session.checker.check_owned(set(state.fixture_tokens), session.devices)
         if result.offenders:
@@ -427,7 +412,7 @@ class TestGuard:
             record = session.records.record_for(state.nodeid)
             if not record.location[0]:
                 record.location = (item.location[0], (item.location[1] or 0) + 1)
-            item.stash[store.TEST] = record  # (for its JUnit properties, and xdist's controller)
+            item.stash[store.TEST] = record  # for its JUnit properties, and xdist's controller
         record.fixture_leaks += tuple(fixtures)
         heading = "\n".join(terminal.fixture_leak_heading(f, session.checker.reap_enabled) for f in fixtures)
         return terminal.check_report(result, heading)
@@ -445,29 +430,26 @@ class TestGuard:
             lingered = tuple(o for o in result.lingered if o.reason == "leaked" and o.owner is owner)
             if not (reaped or leaked or lingered):
                 continue
-            # Only now, on a finding: where the fixture is defined (inspect reads its code object).
+            # Only on a finding: inspect reads the code object.
             leaks.append(FixtureLeak(fixturedef.argname, fixturedef.scope,
                                      fixture_location(fixturedef, item.config.rootpath), state.nodeid,
                                      reaped, leaked, lingered))
         return leaks
 
     def _stop_if_lost(self, item: pytest.Item, result: CheckResult) -> None:
-        # A lost GPU fails every later check and runs every later test on a GPU that is gone: one line,
-        # once, instead of an error per test.
+        # One line, once, instead of an error per later test on a GPU that is gone.
         if result.device_lost and not item.session.shouldstop:
             item.session.shouldstop = terminal.stop_line(result.error or "a GPU is lost")
 
     def _record_siblings(self, state: TestState, result: CheckResult) -> None:
-        """A process of another xdist worker that this check found on a GPU whose lock this test held is a
-        finding of the test that started it (an unmarked test using a GPU), recorded once per process;
-        this test is not to blame, and the check's notes name it. Under ``--gpuclean-lock=off`` no test
-        holds a GPU: the notes alone say it."""
+        """Another xdist worker's process on a GPU whose lock this test held: a finding of the test that
+        started it, once per process; the check's notes name it. Without locks the notes alone say it."""
         if not result.siblings or state.locks is None:
             return
         records = self.session.records
         worker = os.environ.get("PYTEST_XDIST_WORKER", "")
         for use in result.siblings:
-            if use.owner.kind != "test":  # a fixture or the set-up of that worker: no record of a test
+            if use.owner.kind != "test":  # a fixture or that worker's set-up: no test's record
                 records.note(f"gpuclean: pid {use.process.pid} of {use.describe()} held "
                            f"{terminal.mib_list(use.mib_per_device)} while {state.nodeid} held the GPU lock",
                            once=True)
@@ -481,8 +463,7 @@ class TestGuard:
     # ---- GPU health (_check/health.py) ---------------------------------------------------------------------
 
     def _health_before(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
-        # The Xid drain, and the probe where its mode says so; a GPU found unusable
-        # earlier fails this setup with the reason.
+        # A GPU found unusable earlier fails this setup with the reason.
         watch = self.session.health
         if watch is None:
             return None
@@ -507,8 +488,7 @@ class TestGuard:
         return terminal.failure_text(found, "teardown")
 
     def _note_lost(self, record: TestRecord, result: CheckResult, phase: Phase) -> None:
-        """A check found a GPU lost (it ended at once, ``result.error`` says so): also the health watch's
-        finding, so that the GPU's state is in the test's ``health`` and later checks know it."""
+        """A check found a GPU lost: also a health finding, so later checks know it."""
         lost = self.session.checker.last_lost
         watch = self.session.health
         if result.device_lost and lost is not None and watch is not None:
@@ -518,7 +498,7 @@ class TestGuard:
     def _stop_on_health_lost(item: pytest.Item, found: list[HealthFinding]) -> None:
         lost = next((f for f in found if f.effect == "lost"), None)
         if lost is not None and not item.session.shouldstop:
-            # One line, instead of every later test waiting out its timeout on a GPU that is gone.
+            # One line, not every later test waiting out its timeout on a GPU that is gone.
             item.session.shouldstop = terminal.stop_reason(lost)
 
     def _end(self, state: TestState, keep_locks: bool) -> None:
@@ -532,18 +512,17 @@ class TestGuard:
             restore_env("CUDA_VISIBLE_DEVICES", value if was_set else None)
         held, state.locks = state.locks, None
         if held is not None:
-            # (not in a forked child: the session's process never sees its next test)
+            # Not in a forked child: the session's process never sees its next test.
             if keep_locks and os.getpid() == self.session.pid and held.park():
                 self._parked = held
             else:
                 held.release()
             self._note_lock_notices()
         if not keep_locks:
-            self.release_parked()  # (a test skipped before it locked anything leaves the earlier ones)
+            self.release_parked()  # a test skipped before locking leaves the earlier ones
 
     def release_parked(self) -> None:
-        """Let go of the GPU locks kept for a next test that will not take them (the session ends, or the
-        next test is not checked)."""
+        """Let go of the GPU locks kept for a next test that will not take them."""
         parked, self._parked = self._parked, None
         if parked is not None:
             parked.release()
@@ -558,8 +537,7 @@ class TestGuard:
 
     @contextlib.contextmanager
     def fixture_window(self, fixturedef: pytest.FixtureDef[Any]) -> Iterator[None]:
-        """While a fixture wider than a test is set up, what it spawns is its own, protected while it is
-        active."""
+        """While a wider fixture is set up, what it spawns is its own, protected while it is active."""
         ownership = self.session.checker.ownership
         token = ownership.new_token(fixture_owner(fixturedef.argname, fixturedef.scope))
         self._fixture_tokens[id(fixturedef)] = token
@@ -569,9 +547,8 @@ class TestGuard:
             yield
 
     def live_fixture_values(self) -> list[tuple[str, object]]:
-        """The value of each fixture wider than a test that is set up now, with its token: what the census
-        asks about a process that would be judged (a process whose handle one holds is that fixture's,
-        ``census.Managed``). Read only then, never on the clean path."""
+        """The value of each live wider fixture, with its token: a process whose handle one holds is that
+        fixture's. Read only for a process to be judged, never on the clean path."""
         values: list[tuple[str, object]] = []
         for token in self._fixture_tokens.values():
             fixturedef = self._fixture_defs.get(token)
@@ -581,13 +558,11 @@ class TestGuard:
         return values
 
     def fixture_finalized(self, fixturedef: pytest.FixtureDef[Any]) -> None:
-        """A fixture wider than a test was torn down: from now on its processes are checked like a
-        test's, at the end of this teardown."""
+        """A wider fixture was torn down: its processes are checked like a test's at this teardown's end."""
         token = self._fixture_tokens.pop(id(fixturedef), None)
         if token is not None:
             self.session.checker.ownership.active_fixtures.discard(token)
-            # The test whose teardown finalizes it (not the fixture's own node) is the one that finds its
-            # leaks, and names the fixture for them.
+            # The test whose teardown finalizes it finds its leaks, and names the fixture for them.
             if self._tearing_down is not None:
                 self._tearing_down.fixture_tokens.append(token)
             else:
@@ -596,9 +571,8 @@ class TestGuard:
     # ---- what a check excuses -------------------------------------------------------------------------
 
     def _note_excused(self, state: TestState, result: CheckResult) -> None:
-        """Said once per process: GPU memory that a clean check excused as the session's own, held by a live
-        fixture's process (or the session set-up's, or one older than the session), with whose it is and
-        why; and once, what a ``count`` test got beside it."""
+        """Said once per process: GPU memory a clean check excused as the session's own, whose and why; and
+        once, what a ``count`` test got beside it."""
         checker = self.session.checker
         ownership, me = checker.ownership, os.getpid()
         by_pid = {f.pid: f for f in checker.last_census if f.token is not None and f.live}
@@ -617,8 +591,7 @@ class TestGuard:
                 self.session.records.note(f"gpuclean: excused: {terminal.mib_list(mib)} held by pid {key[0]} "
                                         f"{whose}, {why}, not a test's leak")
         if held and state.previous_visible is not None and not self._count_told:
-            # (a test with a count: only it has CUDA_VISIBLE_DEVICES set for it) It asked for its GPUs
-            # exclusively: said once what that means beside the session's own.
+            # A test with a count asked for its GPUs exclusively: say once what it got beside the session's.
             self._count_told = True
             got = "; ".join(", ".join(f"{label} with {value:.0f} MiB" for label, value in mib) + f" {whose}"
                             for (whose, _), mib in held.values())
@@ -628,8 +601,8 @@ class TestGuard:
                 "fixtures")
 
     def _whose(self, token: str | None) -> tuple[str, str]:
-        """Whose a process of the session's own is (``of fixture server (session-scoped, conftest.py:5)``),
-        and why its memory is excused."""
+        """Whose a session-owned process is (``of fixture server (session-scoped, conftest.py:5)``), and
+        why its memory is excused."""
         fixturedef = self._fixture_defs.get(token or "")
         if fixturedef is not None:
             where = fixture_location(fixturedef, self.session.config.rootpath)
@@ -643,9 +616,8 @@ class TestGuard:
     # ---- what the pytest process itself holds -----------------------------------------------------
 
     def _note_own_context(self, result: CheckResult, nodeid: str) -> None:
-        # Once, at the first check that sees it (the one after the test that made it, or before the first
-        # test if the session's set-up did), in the session's notes: about the session, not about the test
-        # whose phase it is (a warning would be filed under that test, and -W error would make it its error).
+        # Once, as a session note: a warning would be filed under the test whose phase it is, and -W error
+        # would make it that test's error.
         if result.self_mib and not self._warned_own_context:
             self._warned_own_context = True
             self._note_own(f"holds a CUDA context ({terminal.mib_list(result.self_mib)})", result.phase,
@@ -661,8 +633,8 @@ class TestGuard:
                                 f"{when}; it is not counted as a leak")
 
     def _note_torch_growth(self, item: pytest.Item, state: TestState, record: TestRecord) -> str | None:
-        """The test's torch growth in the pytest process, recorded, and a ``GpuCleanWarning`` at the test's
-        own line; the teardown's failure if the warning filters make that warning an error."""
+        """Record the test's in-process torch growth and warn; the teardown's failure if the filters make
+        that warning an error."""
         grown, floor = self._torch_growth.after(state.nodeid, state.tolerance_mib, state.torch_before)
         if not grown:
             return None
@@ -674,9 +646,8 @@ class TestGuard:
 
 
 def _warn_at(item: pytest.Item, message: str) -> str | None:
-    """``message`` as a ``GpuCleanWarning`` of ``item``'s, at its own file and line (where pytest reports
-    its skips), not at this line of the plugin. Where the warning filters make it an error (``-W error``),
-    the error's line, for the test's teardown to fail with: no traceback into the plugin."""
+    """Warn ``message`` at ``item``'s own file and line, not the plugin's. Where the filters make it an
+    error, return the error's line for the teardown to fail with: no traceback into the plugin."""
     path, line, _ = item.location
     try:
         warnings.warn_explicit(GpuCleanWarning(message), GpuCleanWarning, str(item.config.rootpath / path),
@@ -687,14 +658,12 @@ def _warn_at(item: pytest.Item, message: str) -> str | None:
 
 
 def _checked_after(record: TestRecord | None) -> bool:
-    """Whether the check after the test ran (``TestGuard._after``): only for a test that ran on GPUs its
-    check before found clean."""
+    """Whether the check after the test ran: only for a test its check before found clean."""
     return record is not None and record.before is not None and record.before.clean
 
 
 def _skip(reason: str) -> BaseException:
-    # Reported at the test's own file:line (``-rs``), as pytest's skip markers and a skipping fixture are,
-    # not at this line of the plugin.
+    # At the test's own file:line (``-rs``), as pytest's skip markers are, not the plugin's.
     return pytest.skip.Exception(reason, _use_item_location=True)
 
 
@@ -710,8 +679,7 @@ def _without(result: CheckResult, fixtures: list[FixtureLeak]) -> CheckResult:
 
 
 def fixture_location(fixturedef: pytest.FixtureDef[Any], rootpath: Path) -> tuple[str, int]:
-    """Where a fixture is defined: (file relative to ``rootpath`` if under it, 1-based line of its first
-    decorator, as pytest locates a test); ("", 0) if its code cannot be found."""
+    """Where a fixture is defined, as pytest locates a test; ("", 0) if its code cannot be found."""
     func = getattr(fixturedef.func, "__func__", fixturedef.func)  # a method fixture of a test class
     try:
         func = inspect.unwrap(func)

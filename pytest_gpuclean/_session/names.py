@@ -1,5 +1,5 @@
 """The pytest integration's names: marker, fixture, plugin names, the warning class, the exported cookie. A
-leaf, as pytest keeps ``_pytest/warning_types.py``: every pytest run imports it."""
+leaf: every pytest run imports it."""
 
 from __future__ import annotations
 
@@ -11,18 +11,17 @@ MARKER = "needs_clean_gpus"
 FIXTURE = "clean_gpus"
 PLUGIN_NAME = "gpuclean-checker"
 FORKING_PLUGINS = {"pytest_forked", "pytest_isolate.plugin"}
-"""Modules of the plugins that run each test in a forked child (by module: entry point or ``-p``)."""
+"""Modules of the plugins that run each test in a forked child."""
 WORKER_OUTPUT_KEY = "gpuclean"
 FORKED_REPORT_ATTR = "gpuclean_forked"
-"""Attribute of a teardown report made in a forked child (pytest-forked): that child's records."""
+"""On a teardown report made in a forked child: that child's records."""
 
 
 class GpuCleanWarning(pytest.PytestWarning):
-    """A finding of the test it is issued at that does not fail it: torch memory the test kept alive in the
-    pytest process. Issued at that test's own file and line, so that a filter (``-W
+    """A finding that does not fail the test it is issued at: torch memory the test kept alive in the pytest
+    process. Issued at that test's own file and line, so that a filter (``-W
     error::pytest_gpuclean.plugin.GpuCleanWarning``) can make it that test's error. What gpuclean notices
-    about the session or about another test (an earlier test's leak reaped, the pytest process's CUDA context,
-    an unknown ``GPUCLEAN_`` variable) is no warning: a note, in the terminal and the JSON report."""
+    about the session or another test is a note, not a warning."""
 
 
 class ExportedCookie(NamedTuple):
@@ -33,5 +32,5 @@ class ExportedCookie(NamedTuple):
     started_ticks: int
     previous: tuple[str | None, str | None]
     last_pid: int | None = None
-    """The last pid allocated when it was exported: what is older is no part of the session, and within
-    the export's own clock tick only the pids tell (docs/ownership.md)."""
+    """The last pid allocated at export: within the export's own clock tick, only pids tell older
+    processes from the session's (docs/ownership.md)."""

@@ -1,8 +1,6 @@
-"""The hooks that write what CI reads of a session: the JSON report (``--gpuclean-report``), JUnit
-``user_properties`` and, on GitHub Actions, annotations and a job summary (worded in ``report/``). Under
-xdist the workers add the JUnit properties to their own reports and send their records; the controller
-writes the rest. The wording and the records' shipping are imported only by an output that needs them: a
-session without any never loads them."""
+"""The hooks that write what CI reads of a session: the JSON report, JUnit ``user_properties`` and, on
+GitHub Actions, annotations and a job summary. Under xdist the workers add the JUnit properties and send
+their records; the controller writes the rest. ``report/`` is imported only by an output that needs it."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ RECORD_ATTRIBUTE = "gpuclean_record"
 # ---- the hooks ---------------------------------------------------------------------------------------
 
 def _report_path(value: str, source: str, base: Path) -> Path:
-    # Checked at startup so that a typo fails in a second, not after an hour of GPU tests. Every way the
-    # path can fail is the user's to fix: a directory that may not be searched (another user's home), a
-    # name too long, a loop of links; each is one line naming the option, not an INTERNALERROR.
+    # Checked at startup, so a typo fails in a second, not after an hour of GPU tests; every failure is
+    # the user's to fix, so a usage error, not an INTERNALERROR.
     try:
         path = (base / Path(value).expanduser()).absolute()
     except RuntimeError as exc:  # ~name of no such user, or no home directory to expand ~ to
@@ -55,9 +52,8 @@ def _report_path(value: str, source: str, base: Path) -> Path:
 
 
 def _make_report_dir(directory: Path, source: str) -> None:
-    # As --junitxml does: CI's documented command names a reports/ directory a fresh checkout lacks. Made
-    # now, not when the report is written, so that a directory that cannot be made fails at start-up; and
-    # one level at a time, so that a failure half-way removes what this made and leaves nothing behind.
+    # As --junitxml does. Made now, so a failure shows at start-up; one level at a time, so a failure
+    # half-way removes what this made.
     missing: list[Path] = []
     for candidate in (directory, *directory.parents):
         if candidate.is_dir():
@@ -85,8 +81,7 @@ def _make_report_dir(directory: Path, source: str) -> None:
 
 
 class _Plugin(Protocol):
-    """The plugin that registers these hooks (``plugin._GpuCleanPlugin``, a layer above): its set-up, the
-    session it started, and its final sweep."""
+    """What these hooks need of ``plugin._GpuCleanPlugin``, a layer above."""
 
     config: pytest.Config
     settings: Settings
@@ -99,8 +94,7 @@ class _Plugin(Protocol):
 
 
 class PerTestOutputs:
-    """The outputs' hooks that run for every test report: registered only where they have work (JUnit
-    properties, an xdist worker's or controller's records in flight)."""
+    """The outputs' hooks that run for every test report: registered only where they have work."""
 
     def __init__(self, outputs: OutputHooks) -> None:
         self.outputs = outputs
@@ -115,15 +109,13 @@ class PerTestOutputs:
             if record is not None:
                 if self.outputs.junit and when == "teardown":
                     # On the report, not the item: junitxml and xdist take them from the teardown terminal.
-                    from pytest_gpuclean.report.ci import junit_properties  # (lazy: see the docstring)
+                    from pytest_gpuclean.report.ci import junit_properties
 
                     test_report.user_properties.extend(junit_properties(record))
                 if self.outputs.worker:
-                    # xdist ships a report's attributes to the controller as each test is set up and ends:
-                    # if the run is interrupted, the controller still knows what the finished tests found
-                    # (the worker's session-end payload never comes), and that a test whose worker died
-                    # while it ran was checked before it (its setup's record).
-                    from pytest_gpuclean.report.serialize import to_dict  # (lazy: the module's docstring)
+                    # Streamed with the report, so an interrupted run's controller still knows what the
+                    # finished tests found, though the worker's payload never comes.
+                    from pytest_gpuclean.report.serialize import to_dict
 
                     setattr(test_report, RECORD_ATTRIBUTE, to_dict(record))
         return test_report
@@ -147,8 +139,7 @@ class OutputHooks:
             source = plugin.settings.sources.get("report", "from the command line")
             self.report_path = _report_path(plugin.settings.report, source, config.invocation_params.dir)
         self.github = os.environ.get("GITHUB_ACTIONS") == "true" and not self.worker
-        # The properties are for junitxml alone: building them for every test of a run without it is waste.
-        # xdist workers and forked children see the controller's options, so they know too.
+        # For junitxml alone; xdist workers and forked children see the controller's options too.
         self.junit = bool(config.getoption("xmlpath", None))
         self.started = time.time()
         self._merged: store.RecordSet | None = None
@@ -158,12 +149,11 @@ class OutputHooks:
         """The extensions' keys of the report's ``session`` object, as at the report's first write."""
 
     def per_test(self) -> bool:
-        """Whether ``PerTestOutputs`` has work (an xdist controller is known to be one at its session's
-        start)."""
+        """Whether ``PerTestOutputs`` has work (known for an xdist controller only at its start)."""
         return self.junit or self.worker or self.plugin.controller
 
     def _session_json(self, exitstatus: int) -> jsonreport.JsonDict:
-        from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
+        from pytest_gpuclean.report import jsonreport
 
         plugin = self.plugin
         started = plugin.session
@@ -183,7 +173,7 @@ class OutputHooks:
             "settings": {"all": settings.all, "tolerance_mib": settings.tolerance_mib,
                          "timeout": settings.timeout, "scope": settings.scope, "reap": settings.reap,
                          "grace": settings.grace, "lock": settings.lock,
-                         # (marked tests error with no GPU to check: --gpuclean-no-gpu=fail, chosen or CI's)
+                         # marked tests error with no GPU to check (--gpuclean-no-gpu=fail)
                          "require_gpu": started is not None and started.no_gpu[0] == "fail",
                          "probe": settings.probe,
                          "outside": settings.outside},
@@ -192,8 +182,7 @@ class OutputHooks:
         }
 
     def _session_keys(self) -> jsonreport.JsonDict:
-        # As at the first write: what an extension finds at the session's very end (its last sweep, after
-        # pytest_unconfigure) it says itself, and a report written again for this host's does not take it in.
+        # As at the first write: an extension reports its own last sweep itself.
         if self._extension_keys is None:
             self._extension_keys = {}
             for keys in self.plugin.config.hook.pytest_gpuclean_report_session(config=self.plugin.config):
@@ -216,11 +205,9 @@ class OutputHooks:
 
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
-        # A wrapper, so this runs after every plain implementation, the checker's final sweep included;
-        # and in ``finally``, so that a conftest's or another plugin's failing pytest_sessionfinish does
-        # not cost the reports (the sweep then runs here first). trylast: inside the terminal reporter's
-        # wrapper, which prints the summary (our annotations) when its own ends, whenever we were
-        # registered (at the end of the collection, when the session starts checking).
+        # A wrapper, to run after every plain implementation (the final sweep included); in ``finally``, so
+        # another's failing pytest_sessionfinish does not cost the reports. trylast: inside the terminal
+        # reporter's wrapper, which prints the summary when its own ends.
         try:
             yield
         finally:
@@ -233,14 +220,14 @@ class OutputHooks:
         self._merged = merged = self.records.merged()
         self._write_report(session, merged)
         if self.github and (merged.records or merged.session_reaped):
-            from pytest_gpuclean.report.ci import step_summary  # (lazy: see the docstring)
+            from pytest_gpuclean.report.ci import step_summary
 
             self._append_step_summary(session, step_summary(merged.records, merged.session_reaped))
 
     def _write_report(self, session: pytest.Session, merged: store.RecordSet) -> None:
         if self.report_path is None:
             return
-        from pytest_gpuclean.report import jsonreport  # (lazy: the module's docstring says why)
+        from pytest_gpuclean.report import jsonreport
 
         document = jsonreport.report_document(
             records=merged.records, session_reaped=merged.session_reaped, notes=merged.notes,
@@ -262,17 +249,16 @@ class OutputHooks:
                                     f"{summary_file}: {exc}")
 
     def add_late(self, late: Sequence[Reaped]) -> None:
-        """The very last sweep (after every pytest_unconfigure) reaped ``late``, already in the session's
-        ``session_reaped``: write the report again with them, whole and atomically as before (a reader
-        sees the first report or this one), and tell GitHub. Only after the outputs were written once; an
-        xdist worker's last sweep comes after it sent its findings, and is only printed."""
+        """The very last sweep (after every pytest_unconfigure) reaped ``late``: write the report again,
+        atomically, and tell GitHub. Only once the outputs were written; an xdist worker's last sweep is
+        only printed, as its findings are sent already."""
         session = self._session
         if self.worker or session is None:
             return
         self._merged = merged = self.records.merged()
         self._write_report(session, merged)
         if self.github:
-            from pytest_gpuclean.report import ci  # (lazy: see the docstring)
+            from pytest_gpuclean.report import ci
 
             writer = session.config.pluginmanager.get_plugin("terminalreporter")
             for line in ci.annotation_lines((), late, self._github_path):
@@ -307,7 +293,7 @@ class OutputHooks:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if not self.github or self._merged is None:
             return
-        from pytest_gpuclean.report.ci import annotation_lines  # (lazy: see the docstring)
+        from pytest_gpuclean.report.ci import annotation_lines
 
         for line in annotation_lines(self._merged.records, self._merged.session_reaped, self._github_path):
             terminalreporter.write_line(line)

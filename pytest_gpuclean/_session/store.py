@@ -1,7 +1,6 @@
-"""What a gpuclean session found, test by test: the records the summary and the outputs read. One
-``RecordStore`` per session (``config.stash``); a test's record in ``item.stash[TEST]``. Records travel as
-plain dicts from an xdist worker to its controller and from a forked child to the session's process (their
-(de)serialisation is imported when first needed)."""
+"""What a gpuclean session found, test by test: one ``RecordStore`` per session (``config.stash``), a test's
+record in ``item.stash[TEST]``. Records travel as plain dicts from an xdist worker to its controller and
+from a forked child to its parent; the serialiser is imported only then."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ Payload = dict[str, Any]
 
 
 class RecordSet(NamedTuple):
-    """Everything a session and (in the xdist controller) its workers found: what every output reads.
-    (Declared here, not in the model: it is this module's answer, folded anew for each output.)"""
+    """Everything a session and (in the xdist controller) its workers found: what every output reads."""
 
     records: list[TestRecord]
     session_reaped: list[Reaped]
@@ -26,22 +24,22 @@ class RecordSet(NamedTuple):
 
 
 class RecordStore:
-    """The records of one session's tests, what its last sweep reaped, its notes, and what workers sent."""
+    """One session's records, its last sweep's reaps, its notes, and what workers sent."""
 
     def __init__(self) -> None:
         self.records: list[TestRecord] = []
-        """Records of the tests this process checked, in order."""
+        """In order."""
         self.late: dict[str, TestRecord] = {}
-        """Records of tests that were not checked, made when a later check found what they leaked."""
+        """Records of unchecked tests, made when a later check found what they leaked."""
         self.session_reaped: list[Reaped] = []
         self.notes: list[str] = []
         self.worker_payloads: list[Payload] = []
-        """xdist controller: each worker's payload, sent when the worker ends."""
+        """xdist controller: each worker's payload, sent when it ends."""
         self.streamed: dict[str, TestRecord] = {}
-        """xdist controller: each worker's records as its tests ended (stand-ins for a lost payload)."""
+        """xdist controller: each worker's records as its tests ended: stand-ins for a lost payload."""
 
     def new(self, nodeid: str, location: tuple[str, int]) -> TestRecord:
-        """A record for a test that is checked now."""
+        """A record for the test checked now."""
 
         record = TestRecord(nodeid, location=location)
         self.records.append(record)
@@ -68,7 +66,7 @@ class RecordStore:
             record.found_later += (reaped,)
 
     def note(self, message: str, once: bool = False) -> None:
-        """Add a line to the session's notes (``once``: unless it is there already)."""
+        """Add a line to the session's notes (``once``: unless already there)."""
         if not once or message not in self.notes:
             self.notes.append(message)
 
@@ -81,7 +79,7 @@ class RecordStore:
         self.notes.append(message)
 
     def own(self) -> list[TestRecord]:
-        """This process's records: the checked tests', then the late ones."""
+        """The checked tests' records, then the late ones."""
         known = {id(r) for r in self.records}
         return self.records + [r for r in self.late.values() if id(r) not in known]
 
@@ -89,7 +87,7 @@ class RecordStore:
 
     def payload(self) -> Payload:
         """This process's findings, for an xdist worker's ``workeroutput``."""
-        from pytest_gpuclean.report.serialize import to_dict  # (lazy: the module's docstring says why)
+        from pytest_gpuclean.report.serialize import to_dict
 
         return {"records": [to_dict(r) for r in self.own()],
                 "session_reaped": [to_dict(r) for r in self.session_reaped],
@@ -100,13 +98,13 @@ class RecordStore:
 
     def stream(self, nodeid: str, record: dict[str, Any]) -> None:
         """A worker's record of ``nodeid`` as the test ended."""
-        from pytest_gpuclean.report.serialize import from_dict  # (lazy: the module's docstring says why)
+        from pytest_gpuclean.report.serialize import from_dict
 
         self.streamed[nodeid] = from_dict(TestRecord, record)
 
     def ship(self) -> Payload:
-        """What a forked child found, for the session's process; forgotten here (the child ends)."""
-        from pytest_gpuclean.report.serialize import to_dict  # (lazy: the module's docstring says why)
+        """What a forked child found, for the session's process; forgotten here."""
+        from pytest_gpuclean.report.serialize import to_dict
 
         shipped = {"records": [to_dict(r) for r in self.records],
                    "found_later": {nodeid: [to_dict(r) for r in record.found_later]
@@ -120,7 +118,7 @@ class RecordStore:
 
     def receive(self, shipped: Payload) -> None:
         """Take in what a forked child shipped (``ship``)."""
-        from pytest_gpuclean.report.serialize import from_dict  # (lazy: the module's docstring says why)
+        from pytest_gpuclean.report.serialize import from_dict
 
         self.records.extend(from_dict(TestRecord, r) for r in shipped["records"])
         for nodeid, reaped in shipped["found_later"].items():
@@ -134,22 +132,19 @@ class RecordStore:
             record.fixture_leaks += tuple(from_dict(FixtureLeak, f) for f in leaks)
 
     def forget(self) -> None:
-        """Drop the records (a forked child's copy of its parent's: the parent keeps its own)."""
+        """Drop a forked child's copy of its parent's records: the parent keeps its own."""
         self.records, self.late = [], {}
 
     def merged(self) -> RecordSet:
         """Records, session-end reaps and notes of this process and of the workers."""
-        from pytest_gpuclean.report.serialize import from_dict  # (lazy: the module's docstring says why)
+        from pytest_gpuclean.report.serialize import from_dict
 
         records = self.own()
         mine = len(records)
         session_reaped = list(self.session_reaped)
         notes = list(self.notes)
-        # A worker's session-end payload has everything; its tests' records as they were set up and ended
-        # stand in for it when it never came (the run was interrupted, the worker crashed). What only this
-        # controller found of such a test (a crashed worker's orphans) folds into them.
-        # (A late one streamed stands in only where no payload has the test at all: one that came is the
-        # same record.)
+        # A worker's streamed records stand in for a payload that never came (interrupted, crashed); what
+        # only this controller found of such a test (a crashed worker's orphans) folds into them.
         for payload in self.worker_payloads:
             records.extend(from_dict(TestRecord, r) for r in payload["records"])
             session_reaped.extend(from_dict(Reaped, r) for r in payload["session_reaped"])
@@ -162,22 +157,22 @@ class RecordStore:
 
 
 def _late(record: TestRecord) -> bool:
-    """Made only for what was found later, or for a fixture that ended at its teardown: the test was not
-    checked here (``RecordStore.late``)."""
+    """For a test not checked here: made for what was found later, or for a fixture that ended at its
+    teardown."""
     return record.before is None and record.after is None and record.lock_timeout is None
 
 
 def _one_per_test(records: list[TestRecord]) -> list[TestRecord]:
-    """``records`` with each late record folded into the test's own record, or into the first late one:
-    under xdist, the worker that ran a test and the other workers that found what it put on their GPUs
-    each make one. The records are not changed (a fold makes a new one): this runs for every output."""
+    """``records`` with each late record folded into the test's own, or the first late one: under xdist,
+    every worker that found what a test left makes one. The records are not changed: this runs per
+    output."""
     firsts: dict[str, TestRecord] = {}
     for record in records:
         first = firsts.get(record.nodeid)
         if first is None or (_late(first) and not _late(record)):
             firsts[record.nodeid] = record
     if len(firsts) == len(records):
-        return records  # one record per test: nothing to fold (the usual case, and this runs per output)
+        return records  # one record per test: the usual case
     folded: dict[int, TestRecord] = {}
     for record in records:
         into = firsts[record.nodeid]
@@ -197,13 +192,12 @@ def _one_per_test(records: list[TestRecord]) -> list[TestRecord]:
 
 
 def _reaped_once(records: list[TestRecord], session_reaped: list[Reaped]) -> list[TestRecord]:
-    """``records`` with what a check collected as "exited by itself" left out where another check, a
-    controller or the session's end reaped that very process: under xdist a worker's check can see a crashed
-    worker's orphan end while the controller reaps it. A process is reported once, as reaped. (The records
-    are not changed: a record that collected such a process is a new one.)"""
+    """``records`` less what a check collected as "exited by itself" that something else reaped: under xdist
+    a worker can see a crashed worker's orphan end while the controller reaps it. Reported once, as
+    reaped; the records are not changed."""
     collected = [r for r in records for c in (r.before, r.after) if c is not None and c.collected]
     if not collected:
-        return records  # (the usual case: nothing exited by itself)
+        return records
     ended = {(x.process.pid, x.process.start_ticks) for x in session_reaped}
     for r in records:
         ended.update((x.process.pid, x.process.start_ticks) for x in r.found_later)
@@ -215,7 +209,7 @@ def _reaped_once(records: list[TestRecord], session_reaped: list[Reaped]) -> lis
     pids = {pid for pid, _ in ended}
 
     def reaped(x: Reaped) -> bool:
-        # (a process that ended before it could be described has no start time: its pid decides)
+        # A process that ended before it could be described has no start time: its pid decides.
         pid, start = x.process.pid, x.process.start_ticks
         return (pid, start) in ended if start else pid in pids
 
@@ -230,7 +224,7 @@ def _reaped_once(records: list[TestRecord], session_reaped: list[Reaped]) -> lis
 
 _SESSION = pytest.StashKey[RecordStore]()
 TEST = pytest.StashKey["TestRecord"]()
-"""In ``item.stash``: the record of a checked test, from its setup check on."""
+"""In ``item.stash``: a checked test's record, from its setup check on."""
 
 EMPTY_PAYLOAD: Payload = {"records": [], "session_reaped": [], "notes": []}
 """The payload of a worker that checked nothing."""

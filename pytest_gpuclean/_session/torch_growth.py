@@ -1,6 +1,5 @@
-"""torch's memory in the pytest process across a test: growth of ``torch.cuda.memory_allocated`` beyond a
-floor is a finding (tensors kept alive after the test); growth within it is what torch fills once per
-process and keeps, one note for the session."""
+"""Growth of ``torch.cuda.memory_allocated`` in the pytest process across a test: beyond a floor, a finding
+(tensors kept alive); within it, what torch fills once per process and keeps (one session note)."""
 
 from __future__ import annotations
 
@@ -11,15 +10,14 @@ from typing import Any
 from pytest_gpuclean._model.records import MIB
 
 IN_PROCESS_FLOOR_MIB = 64
-"""Growth of ``torch.cuda.memory_allocated`` in the pytest process up to this (or the test's tolerance, if
-larger) on each device is not a finding: torch fills caches once per process and keeps them (a cuBLAS and
-a cuBLASLt workspace per stream, the autocast weight cache, lazily made constants; README)."""
+"""Per device, or the test's tolerance if larger: torch's once-per-process caches (cuBLAS and cuBLASLt
+workspaces per stream, the autocast weight cache, lazy constants) fit under it."""
 CACHE_GROWTH_PREFIX = "gpuclean: torch memory in the pytest process grew in"
 
 
 def torch_allocated() -> dict[int, int] | None:
-    """``torch.cuda.memory_allocated`` per device, or None where torch has not initialised CUDA in this
-    process (never initialise it)."""
+    """``torch.cuda.memory_allocated`` per device; None where torch has not initialised CUDA (never do it
+    here)."""
     torch: Any = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is None or not cuda.is_initialized():
@@ -28,9 +26,8 @@ def torch_allocated() -> dict[int, int] | None:
 
 
 class TorchGrowth:
-    """The session's tests whose in-process growth stayed within the floor: how many, the growth per device
-    in all, the first few (named in the note, which ``note_replacing`` rewrites as tests add to it, so a
-    slow drip across many tests is still in plain sight; running totals: a session may have thousands)."""
+    """Running totals of the tests whose growth stayed within the floor, so a slow drip across many tests is
+    still in plain sight in the one note."""
 
     __slots__ = ("first", "note_replacing", "tests", "total")
 
@@ -45,7 +42,7 @@ class TorchGrowth:
         """A test's growth beyond the floor, per device (empty if none: within it, noted), and the floor."""
         floor = max(tolerance_mib, IN_PROCESS_FLOOR_MIB)
         if before is None:
-            return (), floor  # (torch had not initialised CUDA before the test: nothing to compare with)
+            return (), floor  # CUDA not initialised before the test: nothing to compare with
         now = torch_allocated()
         if now is None:
             return (), floor
@@ -59,8 +56,7 @@ class TorchGrowth:
         return (), floor
 
     def _within(self, nodeid: str, grown: list[tuple[str, float]], floor: int) -> None:
-        # Not a finding: what torch fills once per process and keeps (cuBLAS workspaces, the autocast cache,
-        # lazily made constants).
+        # Within the floor: not a finding.
         self.tests += 1
         for device, mib in grown:
             self.total[device] = self.total.get(device, 0.0) + mib

@@ -1,7 +1,6 @@
-"""The Ray cluster's part of a session's checks: before and after each test, the sweep at the session's end,
-and its part of the outputs; a plugin of gpuclean's own hooks, registered only with ``--gpuclean-ray``.
-``cluster.py`` is imported only once a cluster is named or found (with ``auto``, a Ray GCS server among the
-session's own processes), hence the function-level imports."""
+"""The Ray cluster's part of a session's checks and outputs: a plugin of gpuclean's own hooks, registered
+only with ``--gpuclean-ray``. ``cluster.py`` is imported only once a cluster is named or found, hence the
+function-level imports."""
 
 from __future__ import annotations
 
@@ -38,12 +37,11 @@ def watches(resolved: Settings) -> bool:
 
 
 def open_cluster(resolved: Settings, checker: Checker) -> Any:
-    """The cluster's check (``cluster.ClusterChecker``, started), or None when the option names no cluster
-    (or, with ``auto`` and no ``RAY_ADDRESS``, none yet). Raises ``pytest.UsageError`` for a cluster that
-    cannot be reached."""
+    """The started cluster check, or None when no cluster is named (yet). Raises ``pytest.UsageError`` for
+    a cluster that cannot be reached."""
     if resolved.ray == "off" or watches(resolved):
         return None
-    from pytest_gpuclean.ray import cluster  # (once a cluster is named: the module's docstring says why)
+    from pytest_gpuclean.ray import cluster
 
     address = cluster.resolve_address(resolved.ray)
     if address is None:
@@ -58,10 +56,9 @@ def open_cluster(resolved: Settings, checker: Checker) -> Any:
 
 
 def _new_check(address: str, resolved: Settings, checker: Checker) -> Any:
-    from pytest_gpuclean.ray import cluster  # (once a cluster is named or found: the module's docstring)
+    from pytest_gpuclean.ray import cluster
 
-    # The agent is the session's own helper, whenever it starts (a cluster found during a test, an agent
-    # started again after a lost connection): never a test's leak.
+    # The agent is the session's own helper whenever it starts: never a test's leak.
     return cluster.ClusterChecker(address, checker.ownership, reap=resolved.reap == "on",
                                   grace=resolved.grace,
                                   agent_env={COOKIE_VAR: checker.ownership.cookie(SESSION_TOKEN),
@@ -71,9 +68,8 @@ def _new_check(address: str, resolved: Settings, checker: Checker) -> Any:
 def gcs_address(pid: int) -> str | None:
     """The address of the Ray GCS server ``pid``, None while it does not listen yet (or it is gone).
 
-    Ray 2.60 starts it with ``--node-ip-address=IP`` and ``--gcs_server_port=PORT``; a port of 0 (what
-    ``ray.init()`` and ``ray.cluster_utils.Cluster`` ask for) lets the system pick, and the server writes
-    the port it bound to ``<--session-dir>/gcs_server_port_<--node-id>`` once it listens.
+    From its ``--node-ip-address`` and ``--gcs_server_port``; with port 0 (what ``ray.init()`` asks for)
+    the server writes the bound port to ``<--session-dir>/gcs_server_port_<--node-id>`` once it listens.
     """
     try:
         raw = procfs.read_file(f"/proc/{pid}/cmdline")
@@ -104,12 +100,10 @@ def _command_name(pid: int) -> str:
 
 
 class RayHooks:
-    """Checks the cluster around each checked test, and sweeps it at the end (``ray``: a ``ClusterChecker``).
+    """Checks the cluster around each checked test, and sweeps it at the end.
 
-    With ``watch`` (``auto`` and no ``RAY_ADDRESS``) there is no cluster to begin with: each check's
-    census of the session's processes (the local check's descendant walk) is looked at for a Ray GCS
-    server, and once one listens its cluster is checked like a named one, until that GCS server exits
-    (the fixture that started the cluster shut it down): then the session watches again.
+    With ``watch`` (``auto`` without ``RAY_ADDRESS``), each local census is searched for a Ray GCS server
+    of the session's; once one listens its cluster is checked like a named one, until that server exits.
     """
 
     def __init__(self) -> None:
@@ -119,14 +113,14 @@ class RayHooks:
         self.gcs: tuple[int, int] | None = None
         """The discovered cluster's GCS server (pid, start ticks), while its cluster is checked."""
         self._looked: dict[tuple[int, int], bool] = {}
-        """The session's processes looked at so far (pid, start ticks): whether each is a GCS server."""
+        """(pid, start ticks) -> whether that session process is a GCS server."""
         self._refused: set[tuple[int, int]] = set()
         """GCS servers whose cluster could not be used: not tried again."""
         self.address = ""
         self.version = ""
         """The (last) cluster checked and its Ray version ('' for none: ``auto`` found none)."""
         self.sweeps: list[CheckResult] = []
-        """The cluster's session-end sweeps."""
+        """Session-end sweeps."""
 
     # ---- gpuclean's hooks (hookspecs.py) --------------------------------------------------------------
 
@@ -164,25 +158,24 @@ class RayHooks:
         return reporting.record_keys(record)
 
     def pytest_gpuclean_report_session(self) -> reporting.JsonDict:
-        # Only once a cluster was checked: a report without one keeps exactly its old shape.
+        # Only once a cluster was checked: a report without one keeps its shape.
         if not self.address:
-            return {}  # (with auto: no cluster found)
+            return {}  # auto found no cluster
         return {"ray": reporting.ray_json(self.address, self.version, self.sweeps)}
 
     @property
     def _session(self) -> CheckedSession:
-        assert self.session is not None  # (every hook but the first comes after the session started)
+        assert self.session is not None  # every hook but the first comes after the session started
         return self.session
 
     def _connected(self, address: str, version: str) -> None:
-        self.address, self.version = address, version  # (the last cluster checked, for the JSON report)
+        self.address, self.version = address, version  # the last cluster checked, for the JSON report
 
     # ---- a cluster the session started (``auto``) ---------------------------------------------------
 
     def discover(self, phase: str, nodeid: str) -> bool:
-        """Watching: whether the census of the local check that just ran (``phase`` the test ``nodeid``)
-        shows a GCS server among the session's processes that now listens; if so, its cluster is checked
-        from now on."""
+        """Watching: whether the local check's census shows a session GCS server that now listens; if so,
+        its cluster is checked from now on."""
         if not self.watch or self.ray is not None:
             return False
         looked: dict[tuple[int, int], bool] = {}
@@ -202,7 +195,7 @@ class RayHooks:
         address = gcs_address(found.pid)
         if address is None:
             return False
-        from pytest_gpuclean.ray import cluster  # (once a cluster is found: the module's docstring says why)
+        from pytest_gpuclean.ray import cluster
 
         resolved = self._session.settings
         check = _new_check(address, resolved, self._session.checker)
@@ -232,8 +225,8 @@ class RayHooks:
         return True
 
     def _gone(self) -> bool:
-        """After a check that could not reach the cluster: whether that is because the session's own
-        cluster shut down meanwhile (no finding: the session watches again)."""
+        """After a check that could not reach the cluster: whether the session's own cluster shut down
+        meanwhile (no finding: the session watches again)."""
         if self.gcs is None or not self.ray.unreachable or procfs.is_live(*self.gcs):
             return False
         self._let_go()
@@ -264,10 +257,8 @@ class RayHooks:
     def after(self, state: TestState, record: TestRecord, *, appeared: bool = False) -> str | None:
         """Check the cluster after the test; the failure to report, if any.
 
-        ``appeared``: the cluster was found only now (started during the test, by it or by a fixture it
-        set up), so no check before the test saw it: the test answers for what of its own it left there
-        (its actors and their processes, found by Ray's records as always), but not for the state of the
-        nodes' devices, which the next test's check before it judges.
+        ``appeared``: found only now, so no check before saw it: the test answers for what of its own it
+        left there, not for the nodes' devices.
         """
         if not self._active():
             return None
@@ -276,8 +267,7 @@ class RayHooks:
             return None
         session = self._session
         own_tokens = {state.token, *state.fixture_tokens}
-        # Every kind of owner is judged here: on the cluster, only what carries this test's (or its fixtures')
-        # token is its own; the session's is charged to the session.
+        # Every kind of owner is judged: only what carries this test's (or its fixtures') token is its own.
         own, earlier = split_own(result.reaped, lambda owner: session.token_of(owner) in own_tokens,
                                  ALL_KINDS)
         session.attribute_earlier(earlier, state.nodeid, result.notes)
@@ -317,7 +307,7 @@ class RayHooks:
     def stop(self) -> None:
         """The last sweep (the session set-up's leftovers too), then the cluster's agent stops."""
         if self.session is None:
-            return  # (the session never started: nothing was opened)
+            return  # the session never started: nothing was opened
         self.sweep(include_session=True, timeout=self.session.settings.timeout)
         if self.ray is not None:
             self.ray.stop()

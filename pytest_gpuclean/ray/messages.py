@@ -1,10 +1,7 @@
-"""What crosses the Ray extension's process boundaries, as records: what a node's probe and reaping return
-(``node.py``, inside a Ray worker, shipped back by Ray), what the agent (``agent.py``, a driver of its own)
-sends the pytest process over its pipe (``cluster.py``), and the named actors a reaping is asked to end (the
-other way: pytest process or CLI, agent, node).
+"""What crosses the Ray extension's process boundaries: what a node returns (``node.py``, through Ray), what
+the agent sends the pytest process over its pipe, and the named actors a reaping is asked to end.
 
-Both ways pickle them (Ray's pickler, the pipe's ``pickle``): a NamedTuple pickles as it is, so each is the
-one record from the node to the verdict, no dicts at the boundary.
+All are NamedTuples, pickled as they are both ways: one record from the node to the verdict, no dicts.
 """
 
 
@@ -29,7 +26,7 @@ class NodeProcess(NamedTuple):
 
 
 class NodeReport(NamedTuple):
-    """One node's devices and the processes that matter, as its probe saw them."""
+    """One node's devices and the processes that matter."""
 
     node_id: str
     raylet_pid: int
@@ -39,21 +36,20 @@ class NodeReport(NamedTuple):
 
 
 class NamedActor(NamedTuple):
-    """A named actor for ``node.end_on_node`` to end by ``ray.kill``: looked up by its name, killed only if
-    the name still resolves to ``actor_id``; its worker (``pid``, ``start_ticks``) is watched until gone."""
+    """A named actor for ``node.end_on_node`` to ``ray.kill``, only if its name still resolves to
+    ``actor_id``; its worker is watched until gone."""
 
     name: str
     namespace: str
     actor_id: str
     pid: int
-    """Its worker, as the control store names it."""
+    """Its worker, per the control store."""
     start_ticks: int
-    """The worker's start time (0 when its process was not found on the node)."""
+    """0 when the worker's process was not found on the node."""
 
 
 Outcome = tuple[int, str, str, float | None, str]
-"""What ``node.end_on_node`` did to one process: (pid, via, ended_by, exit_s, state); via ``ray.kill`` or
-``ladder``; state when it survived."""
+"""What ``node.end_on_node`` did to one process: (pid, via, ended_by, exit_s, state when it survived)."""
 
 
 class NodeEnd(NamedTuple):
@@ -61,7 +57,7 @@ class NodeEnd(NamedTuple):
 
     outcomes: tuple[Outcome, ...]
     release_s: float | None
-    """Seconds from the first kill until the node's devices listed none of the ended GPU holders."""
+    """From the first kill until the node's devices listed none of the ended GPU holders."""
     held: tuple[int, ...]
     """The targets the node's devices listed when the reaping began."""
     errors: tuple[str, ...]
@@ -95,7 +91,7 @@ class JobRecord(NamedTuple):
 
 
 class Census(NamedTuple):
-    """The cluster at one moment: nodes, actors, which jobs are ours, and each alive node's report."""
+    """The cluster at one moment: nodes, actors, our jobs, and each alive node's report."""
 
     nodes: tuple[NodeReport, ...]
     dead_nodes: tuple[tuple[str, str], ...]
@@ -104,4 +100,4 @@ class Census(NamedTuple):
     our_jobs: tuple[str, ...]
     took_s: float
     jobs: tuple[JobRecord, ...] = ()
-    """Every job the control store knows (for ``gpuclean reap --ray``: is a job over?)."""
+    """Every job the control store knows: ``gpuclean reap --ray`` asks whether one is over."""

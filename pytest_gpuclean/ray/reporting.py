@@ -1,7 +1,5 @@
-"""The Ray cluster's own part of what gpuclean reports: the long text of a cluster's failed check, its parts
-of a test's summary line, and its keys of the JSON report. What a cluster's check found is already in the
-ordinary records (naming their ``node``); here is only the cluster's own: its nodes, how each let go, what
-Ray ended itself."""
+"""The Ray cluster's own part of what gpuclean reports (text, summary parts, JSON keys): its nodes, how each
+let go, what Ray ended itself. Its findings are already in the ordinary records."""
 
 from __future__ import annotations
 
@@ -18,14 +16,14 @@ JsonDict = dict[str, Any]
 
 
 def check_report(result: CheckResult, heading: str) -> str:
-    """The long text of a cluster's failed or leaking check (``terminal.check_report``): its nodes' devices,
-    and notes on how they let go and on what Ray ended."""
+    """The long text of a cluster's failed or leaking check: its nodes' devices, how they let go, what Ray
+    ended."""
     return terminal.check_report(result, heading, more_notes=cluster_notes(result),
                                devices=cluster_devices(result))
 
 
 def cluster_devices(result: CheckResult) -> tuple[DeviceSnapshot, ...]:
-    """Every alive node's devices, as the check read them (each named with its node)."""
+    """Every alive node's devices, as the check read them."""
     return () if result.cluster is None else tuple(s for n in result.cluster.nodes for s in n.devices)
 
 
@@ -43,8 +41,7 @@ def cluster_notes(result: CheckResult) -> list[str]:
 
 
 def summary_parts(record: TestRecord) -> list[str]:
-    """The Ray cluster's part of a test's summary line: per node, what was ended and how (``ray.kill`` or
-    the signal ladder), what is still there, and how long the node's devices took to let go."""
+    """Per node: what was ended and how, what is still there, and how long its devices took to let go."""
     parts: list[str] = []
     for check in (record.cluster_before, record.cluster_after):
         if check is None or (check.clean and not check.reaped):
@@ -80,9 +77,7 @@ def cluster_reaped_json(reaped: Reaped) -> JsonDict:
 
 
 def cluster_check_json(check: CheckResult, phase: str | None = None) -> JsonDict:
-    """One check of a Ray cluster: each alive node with its devices, the findings (with their node), what
-    was ended (``via`` ``ray.kill`` or ``ladder``) and how long each node's devices took to let go.
-    ``phase``: ``session end`` for the session's sweeps."""
+    """One check of a Ray cluster; ``phase`` is ``session end`` for the session's sweeps."""
     cluster = check.cluster
     seconds = jsonreport.seconds
     return {"address": cluster.address if cluster is not None else "", "phase": phase or check.phase,
@@ -98,8 +93,8 @@ def cluster_check_json(check: CheckResult, phase: str | None = None) -> JsonDict
 
 
 def record_keys(record: TestRecord) -> JsonDict:
-    """A test's ``cluster_before`` and ``cluster_after``; none for a test no cluster was checked around, so
-    that a report without a cluster keeps exactly its old shape."""
+    """A test's ``cluster_before`` and ``cluster_after``; none without a cluster, so such a report keeps its
+    shape."""
     before, after = record.cluster_before, record.cluster_after
     if before is None and after is None:
         return {}

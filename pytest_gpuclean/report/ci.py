@@ -67,7 +67,7 @@ def _verdict_message(record: TestRecord) -> tuple[str, str] | None:
     if record.lock_timeout is not None:
         return TITLE_LOCK_TIMEOUT, f"{record.nodeid} never got its GPU locks: {record.lock_timeout}"
     if record.blocked_by and not has_findings(record):
-        return None  # (skipped for a leak reported and left: its leaker's annotation says it)
+        return None  # skipped for a leak left unreaped: its leaker's annotation says it
     verdict = jsonreport.outcome(record)
     if verdict == "leaked":
         leaked = jsonreport.leaked_json(record)
@@ -114,12 +114,8 @@ def fixture_annotation_message(leak: FixtureLeak) -> str:
 
 def annotation_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
                      file_of: Any = None) -> list[str]:
-    """``::error`` lines: one per test with findings (at the test), one per fixture that leaked (at the
-    fixture's definition), one for leftovers reaped at session end.
-
-    ``file_of`` maps a record's file (relative to rootdir) to the path GitHub expects (relative to
-    the workspace); identity by default.
-    """
+    """``::error`` lines: one per test with findings, one per leaking fixture (at its definition), one for
+    leftovers reaped at session end. ``file_of`` maps a rootdir-relative file to GitHub's workspace path."""
     lines: list[str] = []
 
     def at(location: tuple[str, int], title: str) -> list[tuple[str, str]]:
@@ -234,7 +230,7 @@ def junit_properties(record: TestRecord) -> list[tuple[str, str]]:
         # A fixture that ended at this test's teardown and left processes: its finding, not this test's.
         ("fixture_leaks", "; ".join(f"{leak} leaked {len(jsonreport.fixture_leaked_json(leak))} process(es)"
                                     for leak in record.fixture_leaks)),
-        # GPU health (health.py): what fails or stops, then the Xid codes seen, information included.
+        # What fails or stops, then every Xid code seen, information included.
         ("health", "; ".join(f.message for f in record.health if f.effect != "info")),
         ("xids", ",".join(str(f.xid) for f in record.health if f.xid is not None)),
         ("outside_action", record.outside_action or ""),

@@ -201,9 +201,8 @@ def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
 
 def check_json(selection: Selection, result: CheckResult, described: dict[int, ProcessInfo | None],
                debris: Sequence[Debris], read: Sequence[Health]) -> dict[str, Any]:
-    """``gpuclean check --json``: the ``status --json`` document of the devices as the check last read
-    them (``described``: their processes), plus the verdict, what ``reap --dead-sessions`` would end and
-    each device's health."""
+    """``gpuclean check --json``: the ``status --json`` document as last read, plus the verdict, what
+    ``reap --dead-sessions`` would end and each device's health."""
     note = processes_note(result)
     return {**status_json(selection, result.devices, described),
             "clean": result.clean, "tolerance_mib": result.tolerance_mib,
@@ -272,8 +271,7 @@ def reap_ended_lines(reaped: Sequence[Reaped], grace: float, released_s: float |
 
 
 def unreadable_lines(unreadable: Sequence[Unreadable], cookie: str | None, exit_status: int) -> list[str]:
-    """Which devices ``reap`` could not read, and what that means for what ran on them (``exit_status``:
-    the command's for it)."""
+    """Which devices ``reap`` could not read, and what that means for what ran on them."""
     if not unreadable:
         return []
     lines = [f"{PROG} reap: could not read {u.device.label} ({u.device.uuid}): {u.why}" for u in unreadable]
@@ -292,10 +290,8 @@ def reap_json(selection: Selection, snaps: Sequence[DeviceSnapshot], described: 
               targets: dict[int, ReapTarget], left_alone: Sequence[str], notes: Sequence[str],
               reaped: Sequence[Reaped], released_s: float | None,
               unreadable: Sequence[Unreadable] = ()) -> dict[str, Any]:
-    """``gpuclean reap --json``: the ``status --json`` document of the devices as last read (after the
-    reaping; before it with ``--dry-run`` or nothing to end), what it set out to end (``targets``: with
-    ``--dry-run``, what it would end), how each one ended, what it left alone and why, and the devices it
-    could not read."""
+    """``gpuclean reap --json``: the ``status --json`` document as last read, the targets (with
+    ``--dry-run``, what it would end), how each ended, what it left alone and why, and unreadable devices."""
     return {**status_json(selection, snaps, described), "health": health_json(health),
             "unreadable": [{"device": u.device.label, "uuid": u.device.uuid, "lost": u.lost, "error": u.why}
                            for u in unreadable],

@@ -18,7 +18,7 @@ from pytest_gpuclean._model.records import (
     Reaped,
     TestRecord,
 )
-from pytest_gpuclean.report.text import CMDLINE_CHARS as CMDLINE_CHARS  # (checker.py's messages use them too)
+from pytest_gpuclean.report.text import CMDLINE_CHARS as CMDLINE_CHARS  # re-exported: checker.py uses it
 from pytest_gpuclean.report.text import mib_list as mib_list
 from pytest_gpuclean.report.text import one_line as one_line
 
@@ -87,9 +87,8 @@ def reaped_lines(reaped: Reaped) -> list[str]:
 
 def check_report(result: CheckResult, heading: str, *, more_notes: Sequence[str] = (),
                  devices: Sequence[DeviceSnapshot] | None = None) -> str:
-    """The long text of a failed or leaking check, shown as the test's setup/teardown error. An extension's
-    check adds its own notes (``more_notes``) and names the devices it read (``devices``: the check's own
-    by default)."""
+    """The long text of a failed or leaking check, shown as the test's setup/teardown error; an extension
+    passes its own ``more_notes`` and ``devices``."""
     lines = [heading]
     if result.reaped:
         lines.append(f"reaped {len(result.reaped)} process(es):")
@@ -131,7 +130,7 @@ class DryRunTarget(NamedTuple):
 
 
 def dry_run_lines(prog: str, targets: Sequence[DryRunTarget]) -> list[str]:
-    """``reap --dry-run``'s list, on this host (``gpuclean reap``) or an extension's nodes."""
+    """``reap --dry-run``'s list, on this host or an extension's nodes."""
     lines = [f"{prog} reap: --dry-run: would end {len(targets)} process(es):"]
     for t in targets:
         lines.append(f"  {t.where}pid {t.info.pid} (user {t.info.user}, {t.how}): held "
@@ -143,8 +142,8 @@ def dry_run_lines(prog: str, targets: Sequence[DryRunTarget]) -> list[str]:
 def leak_heading(reaped: Sequence[Reaped], leaked: Sequence[Offender], reap_enabled: bool) -> str:
     """``gpuclean: test leaked N process(es) (reaped)``; ``leaked`` are the ones not reaped.
 
-    Exited children nobody waited for (zombies) are counted apart: they held no memory, and the
-    intermediate parents of a double fork become such zombies once our subreaper adopts them.
+    Zombies are counted apart: they hold no memory, and a double fork's middle parent becomes one once our
+    subreaper adopts it.
     """
     return f"{LEAK_PREFIX} {_leak_count(reaped, leaked, reap_enabled)}"
 
@@ -211,10 +210,8 @@ def outside_cause(result: CheckResult) -> str:
 
 def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped], notes: Sequence[str],
                   more_parts: Callable[[TestRecord], Sequence[str]] | None = None) -> list[str]:
-    """The terminal summary: one line per test with findings (``has_findings``: at fault), one per test
-    whose checks noticed something that is not its finding (an earlier test's leftover reaped there, a
-    fixture's process that exited by itself), then totals. ``more_parts``: an extension's parts of a test's
-    line (``hookspecs.pytest_gpuclean_summary_parts``)."""
+    """The terminal summary: a line per test with findings, one per test whose checks noticed something,
+    then totals. ``more_parts``: an extension's parts of a test's line."""
     lines: list[str] = []
     dirty: list[TestRecord] = []
     for record in records:
@@ -222,7 +219,7 @@ def summary_lines(records: Sequence[TestRecord], session_reaped: Sequence[Reaped
             dirty.append(record)
             lines.append(f"{record.nodeid}: " + "; ".join(_record_parts(record, more_parts)))
         elif noticed(record):
-            # (a test that never got its GPU locks did not run: said as it is, counted apart in the totals)
+            # A test that never got its GPU locks did not run: counted apart in the totals.
             label = "" if record.lock_timeout is not None else "noticed, not a finding: "
             lines.append(f"{record.nodeid}: {label}" + "; ".join(_record_parts(record, more_parts)))
     for record in records:
@@ -301,8 +298,7 @@ def fixture_part(leak: FixtureLeak) -> str:
 
 
 def health_parts(record: TestRecord) -> list[str]:
-    """The GPU health part of a test's summary line (``health.py``); information (clock event reasons,
-    informational Xids) is for the JSON report only."""
+    """The GPU health part of a test's summary line; information-only findings are for the JSON report."""
     return [f"{f.message} (before the test)" if f.phase == "setup" else f.message
             for f in record.health if f.effect != "info"]
 
@@ -312,12 +308,8 @@ def totals_line(records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
     """``3 checked test(s), 1 with findings, 2 process(es) reaped``.
 
     ``with findings`` counts every test at fault (``has_findings``), as the JSON report's ``with_findings``
-    does. A test that was not checked has a record only when a later check found processes it leaked (at
-    fault: counted with findings, and named apart as an unchecked test that leaked), when it gave up waiting
-    for its GPU locks, when another xdist worker found its process on a GPU whose lock that worker held, or
-    when a fixture ended at its teardown. A check that could not read a device counts (its test was checked,
-    with a finding), and so does a fixture that leaked (apart from the test at whose teardown it was found).
-    ``dirty``: the records with findings, if the caller has them already.
+    does; an unchecked test that leaked is counted there and named apart. ``dirty``: the records with
+    findings, if the caller has them already.
     """
     checked = unchecked_leakers = timeouts = fixtures = unreadable = without_lock = 0
     for r in records:

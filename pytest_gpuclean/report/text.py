@@ -1,5 +1,5 @@
-"""A record's values on one line: a command line, (device, MiB) pairs. The report's (``terminal.py``) and a
-check's own messages (``checker.py``) both use them."""
+"""A record's values on one line: a command line, (device, MiB) pairs. A leaf: the report and the checker's
+messages both use it."""
 
 from __future__ import annotations
 
