@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.locks.gpus import GpuLocks
-from pytest_gpuclean.model.records import DeviceInfo
+from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._locks.gpus import GpuLocks
+from pytest_gpuclean._model.records import DeviceInfo
 
 
 def checked_test(checker: Checker, watch: Any, devs: tuple[DeviceInfo, ...], locks: GpuLocks | None = None,
@@ -32,7 +32,7 @@ def health_watch(backend: Any, physical: list[DeviceInfo]) -> Any:
     """The GPU health watch a checked test pays for around its checks (issue 28: the Xid drain before and
     after, nothing else on a clean test), started as a session starts it; None in a tree from before it."""
     try:
-        from pytest_gpuclean.core.reading.health import HealthWatch
+        from pytest_gpuclean._check.health import HealthWatch
     except ImportError:
         return None
     watch = HealthWatch(backend, physical)

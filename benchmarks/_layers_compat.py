@@ -1,7 +1,7 @@
 """Lets a benchmark written for the layered package (issue 29) run against a tree from before it.
 
 Before/after pairs (``ab_trees.py``, ``call_counts.py``) import the checking code by its new names
-(``pytest_gpuclean.core.checking.checker``); a tree exported from before the layers has the same modules flat
+(``pytest_gpuclean._check.checker``); a tree exported from before the layers has the same modules flat
 (``pytest_gpuclean.checker``). Imported before ``pytest_gpuclean``'s modules, this maps each new name to
 the old module when the tree has no ``pytest_gpuclean/core``, and does nothing otherwise.
 """

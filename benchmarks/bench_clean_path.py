@@ -46,11 +46,11 @@ import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 from _checked import checked_test, health_watch
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.locks.gpus import GpuLocks
-from pytest_gpuclean.core.reading.nvml import NvmlBackend
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-from pytest_gpuclean.model.records import DeviceInfo
+from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._locks.gpus import GpuLocks
+from pytest_gpuclean._model.records import DeviceInfo
+from pytest_gpuclean._reading.nvml import NvmlBackend
+from pytest_gpuclean._reading.simulated import SimulatedBackend
 
 SHELL_FULL = ("ps aux | grep python3 | grep -v grep; "
               "nvidia-smi --query-gpu=index,memory.used --format=csv,noheader")

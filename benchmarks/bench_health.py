@@ -32,12 +32,12 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.reading import probe
-from pytest_gpuclean.core.reading.health import HealthWatch
-from pytest_gpuclean.core.reading.nvml import NvmlBackend
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-from pytest_gpuclean.model.records import DeviceInfo
+from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._check.health import HealthWatch
+from pytest_gpuclean._model.records import DeviceInfo
+from pytest_gpuclean._reading import probe
+from pytest_gpuclean._reading.nvml import NvmlBackend
+from pytest_gpuclean._reading.simulated import SimulatedBackend
 
 
 def _per_call(fn: Callable[[], object], reps: int) -> float:

@@ -31,7 +31,7 @@ import types
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pytest_gpuclean.core.ownership import handles
+from pytest_gpuclean._ownership import handles
 
 
 def _import_all(packages: list[str], stdlib: bool) -> None:

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
-from pytest_gpuclean.core.locks.gpus import GpuLocks
+from pytest_gpuclean._locks.gpus import GpuLocks
 
 
 def main() -> None:

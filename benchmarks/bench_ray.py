@@ -3,8 +3,8 @@
 Two measurements per cluster size:
 
 * ``pair``: one checked test costs a cluster check before and one after it. The benchmark drives
-  ``cluster.RayCheck`` (the plugin's own object, its agent in a process of its own) exactly as the plugin
-  does, ``--rounds`` times, on a clean cluster with simulated devices per node; the median of a
+  ``cluster.ClusterChecker`` (the plugin's own object, its agent in a process of its own) exactly as the
+  plugin does, ``--rounds`` times, on a clean cluster with simulated devices per node; the median of a
   before+after pair is the per-test cost.
 * ``session``: an inner pytest session of ``--tests`` trivial checked tests, run with the option and
   without it, interleaved (``--sessions`` of each); (median on - median off) / tests is the per-test cost
@@ -58,10 +58,10 @@ def start_cluster(nodes: int, root: Path) -> Any:
 
 
 def bench_pairs(address: str, rounds: int) -> dict[str, Any]:
-    from pytest_gpuclean.core.ownership.evidence import Ownership
-    from pytest_gpuclean.ray.cluster import RayCheck
+    from pytest_gpuclean._ownership.evidence import Ownership
+    from pytest_gpuclean.ray.cluster import ClusterChecker
 
-    check = RayCheck(address, Ownership("bench"))
+    check = ClusterChecker(address, Ownership("bench"))
     began = time.monotonic()
     check.start(60)
     start_s = time.monotonic() - began

@@ -39,11 +39,11 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR
-from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-from pytest_gpuclean.model.records import Owner
+from pytest_gpuclean._check.checker import Checker, CheckSettings
+from pytest_gpuclean._model.records import Owner
+from pytest_gpuclean._ownership.cookie import COOKIE_VAR
+from pytest_gpuclean._reading import processes, procfs
+from pytest_gpuclean._reading.simulated import SimulatedBackend
 
 DEVICES = 8
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
@@ -165,7 +165,7 @@ def main() -> int:
     for i in range(DEVICES):
         os.makedirs(os.path.join(sim, str(i)))
     backend = SimulatedBackend(sim)
-    checker = Checker(backend, grace=args.grace)
+    checker = Checker(backend, CheckSettings(grace=args.grace))
     first = checker.check("setup", backend.devices(), tolerance_mib=0, timeout=1.0)
     assert first.clean, first.offenders
     info = _common.machine()

@@ -60,12 +60,12 @@ import _common  # noqa: E402
 PACKAGE = _common.measure_this_tree()
 import _layers_compat  # noqa: E402, F401  # (a tree from before the layers: issue 29)
 
-from pytest_gpuclean.core.checking.checker import Checker  # noqa: E402
-from pytest_gpuclean.core.ownership.cookie import COOKIE_VAR  # noqa: E402
-from pytest_gpuclean.core.reading import processes  # noqa: E402
-from pytest_gpuclean.core.reading.nvml import NvmlBackend  # noqa: E402
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend  # noqa: E402
-from pytest_gpuclean.model.records import MIB, DeviceInfo, Owner  # noqa: E402
+from pytest_gpuclean._check.checker import Checker, CheckSettings  # noqa: E402
+from pytest_gpuclean._model.records import MIB, DeviceInfo, Owner  # noqa: E402
+from pytest_gpuclean._ownership.cookie import COOKIE_VAR  # noqa: E402
+from pytest_gpuclean._reading import processes  # noqa: E402
+from pytest_gpuclean._reading.nvml import NvmlBackend  # noqa: E402
+from pytest_gpuclean._reading.simulated import SimulatedBackend  # noqa: E402
 
 HOLDER = r"""
 import os, signal, sys, time
@@ -224,7 +224,7 @@ class Bench:
         self.probe = Probe(self.backend, self.device)
         processes.set_child_subreaper()  # as the plugin does
         # The plugin's default settle time: a leak's latency is what a user's check pays.
-        self.checker = Checker(self.backend, grace=args.grace, settle=args.settle)
+        self.checker = Checker(self.backend, CheckSettings(grace=args.grace, settle=args.settle))
         self.holders: list[Holder] = []
         self.signals: list[tuple[float, int, int]] = []
         self.timelines: list[Timeline] = []

@@ -348,22 +348,21 @@ def import_cost(env: dict[str, str], cwd: str, runs: int = 21) -> dict[str, floa
 
 def per_check(rounds: int, sleepers: int) -> dict[str, Any]:
     """Median cost of one clean ``Checker.check`` on 8 simulated devices, by situation."""
-    from pytest_gpuclean.core.checking.checker import Checker
-    from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-
+    from pytest_gpuclean._check.checker import Checker, CheckSettings
+    from pytest_gpuclean._reading.simulated import SimulatedBackend
     tmp = tempfile.mkdtemp(prefix="gpuclean-check-")
     backend = SimulatedBackend(make_sim(os.path.join(tmp, "sim"), DEVICES))
     devices = backend.devices()
 
     def first_check() -> float:
-        checker = Checker(backend, grace=1.0, settle=0.0)
+        checker = Checker(backend, CheckSettings(grace=1.0, settle=0.0))
         start = time.perf_counter()
         checker.check("setup", devices, tolerance_mib=0, timeout=5.0)
         elapsed = time.perf_counter() - start
         checker.close()
         return elapsed
 
-    checker = Checker(backend, grace=1.0, settle=0.0)
+    checker = Checker(backend, CheckSettings(grace=1.0, settle=0.0))
 
     def checks(n: int = 200, repeat: int = rounds) -> float:
         per: list[float] = []

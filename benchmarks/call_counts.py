@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
 from _checked import checked_test, health_watch
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.locks.gpus import GpuLocks
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-from pytest_gpuclean.model.records import DeviceInfo
+from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._locks.gpus import GpuLocks
+from pytest_gpuclean._model.records import DeviceInfo
+from pytest_gpuclean._reading.simulated import SimulatedBackend
 
 WARM, COUNTED = 50, 300
 

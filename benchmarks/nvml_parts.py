@@ -25,7 +25,7 @@ t1 = time.perf_counter()
 pynvml.nvmlInit()
 t2 = time.perf_counter()
 import _layers_compat  # noqa: F401  # (a tree from before the layers: issue 29)
-from pytest_gpuclean.core.reading.nvml import NvmlBackend
+from pytest_gpuclean._reading.nvml import NvmlBackend
 handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
 backend = NvmlBackend.__new__(NvmlBackend)
 backend._nvml, backend._handles, backend._minors, backend._memory_v2 = pynvml, {}, {}, True

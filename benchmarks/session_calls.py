@@ -2,7 +2,7 @@
 CPU-time slope (docs/benchmarks.md 1).
 
 ``call_counts.py`` counts the locks and the two checks alone; this counts everything the plugin adds to a
-test, its hook wrappers and ``testcheck.py``'s bookkeeping included: ``python -m cProfile`` over whole
+test, its hook wrappers and the per-test check's bookkeeping included: ``python -m cProfile`` over whole
 ``pytest -q`` processes of 50 and 650 marked tests on 8 simulated devices with locks (the suites
 ``bench_session.py`` writes), each against the same suite with ``-p no:gpuclean``. Per checked test:
 ((calls(650) - calls(50)) on - (the same) off) / 600, with the functions that make the difference.

@@ -30,16 +30,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_session import make_sim, write_suite
 
 STEPS = {
-    "the two checks (Checker.check)": ("pytest_gpuclean.core.checking.checker", "Checker", "check"),
-    "taking the GPU locks (GpuLocks.acquire)": ("pytest_gpuclean.core.locks.gpus", "GpuLocks", "acquire"),
-    "keeping them for the next test (HeldLocks.park)": ("pytest_gpuclean.core.locks.held", "HeldLocks",
+    "the two checks (Checker.check)": ("pytest_gpuclean._check.checker", "Checker", "check"),
+    "taking the GPU locks (GpuLocks.acquire)": ("pytest_gpuclean._locks.gpus", "GpuLocks", "acquire"),
+    "keeping them for the next test (HeldLocks.park)": ("pytest_gpuclean._locks.held", "HeldLocks",
                                                         "park"),
-    "letting them go (HeldLocks.release)": ("pytest_gpuclean.core.locks.held", "HeldLocks", "release"),
-    "the health watch (ItemChecks._health_before/_after)": ("pytest_gpuclean.session.testcheck", "ItemChecks",
+    "letting them go (HeldLocks.release)": ("pytest_gpuclean._locks.held", "HeldLocks", "release"),
+    "the health watch (ItemChecks._health_before/_after)": ("pytest_gpuclean._session.guard", "ItemChecks",
                                                             "_health_before", "_health_after"),
-    "ownership windows (Ownership.open_window/close_window)": ("pytest_gpuclean.core.ownership.evidence",
+    "ownership windows (Ownership.open_window/close_window)": ("pytest_gpuclean._ownership.evidence",
                                                                "Ownership", "open_window", "close_window"),
-    "the test's cookie in the environment (set_owner_env)": ("pytest_gpuclean.session.session",
+    "the test's cookie in the environment (set_owner_env)": ("pytest_gpuclean._session.checked",
                                                              "CheckedSession", "set_owner_env"),
 }
 

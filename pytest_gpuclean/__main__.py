@@ -2,9 +2,7 @@
 
 import sys
 
-from pytest_gpuclean.cli import main
-
-__all__: list[str] = []
+from pytest_gpuclean._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

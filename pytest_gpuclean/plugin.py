@@ -1,18 +1,9 @@
-"""pytest-gpuclean: a clean-GPU gate before and after each marked test; reaps what a test leaked.
+"""pytest-gpuclean's pytest plugin (the ``pytest11`` entry point): a clean-GPU gate before and after each
+marked test, and the reaping of what a test leaked.
 
-Declarations live at module level; the stateful ``_GpuCleanPlugin`` is registered in ``pytest_configure``
-and undone through ``config.add_cleanup``. Its hooks delegate: to the started session (``session.py``:
-device backend, locks, checker, final sweep), to each test's check (``testcheck.py``) and to the signal
-handling (``signals.py``). The Ray cluster's checks (``ray/checks.py``) are a plugin of gpuclean's own
-hooks (``session/hookspecs.py``, added by ``pytest_addhooks``), registered only with ``--gpuclean-ray``.
-
-The plugin loads into every pytest run of an environment that has it installed, so it starts lazily: at
-``pytest_configure`` it only validates its options and exports the session's cookie; ``session.py`` (and
-what it needs: the subreaper, the lock directory, the checker, psutil and NVML among them) comes at the
-end of the collection, and only if a collected test is to be checked. Hence the function-level imports
-of the package's own modules below: each where what it loads is first needed (tests/test_cost.py holds
-what a session imports).
-"""
+The hooks delegate to the session (``_session/checked.py``) and each test's check (``_session/guard.py``).
+It starts lazily, at the end of the collection and only if a test is checked: hence the function-level
+imports. Until then it only validates its options and exports the session's cookie."""
 
 from __future__ import annotations
 
@@ -23,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.ownership.cookie import (
+from pytest_gpuclean import _settings as settings
+from pytest_gpuclean import hookspecs
+from pytest_gpuclean._ownership.cookie import (
     COOKIE_VAR,
     OWNER_VAR,
     SESSION_NAME,
@@ -34,9 +26,8 @@ from pytest_gpuclean.core.ownership.cookie import (
     new_session_id,
     restore_env,
 )
-from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.session import hookspecs
-from pytest_gpuclean.session.names import (
+from pytest_gpuclean._reading import procfs
+from pytest_gpuclean._session.names import (
     FIXTURE,
     FORKED_REPORT_ATTR,
     FORKING_PLUGINS,
@@ -44,26 +35,17 @@ from pytest_gpuclean.session.names import (
     PLUGIN_NAME,
     WORKER_OUTPUT_KEY,
     ExportedCookie,
-    GpuCleanWarning,
+)
+from pytest_gpuclean._session.names import (
+    GpuCleanWarning as GpuCleanWarning,  # public here too: -W error::pytest_gpuclean.plugin.GpuCleanWarning
 )
 
 if TYPE_CHECKING:
-    from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
-    from pytest_gpuclean.core.reading.backends import Backend
-    from pytest_gpuclean.model.outcomes import CleanGpus
-    from pytest_gpuclean.model.records import Reaped
-    from pytest_gpuclean.session.session import CheckedSession
-
-__all__ = [
-    # What pytest and users take from the plugin: its hooks (found by name), the fixture and the warning
-    # class (``-W error::...`` names it here). gpuclean's own hook specs are ``session/hookspecs.py``'s.
-    "GpuCleanWarning",
-    "clean_gpus",
-    "pytest_addhooks",
-    "pytest_addoption",
-    "pytest_configure",
-    "pytest_load_initial_conftests",
-]
+    from pytest_gpuclean._model.records import CleanGpus, Reaped
+    from pytest_gpuclean._reading.backends import Backend
+    from pytest_gpuclean._session.checked import CheckedSession
+    from pytest_gpuclean._session.guard import TestGuard
+    from pytest_gpuclean._session.signals import SigtermAsInterrupt
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -79,10 +61,8 @@ _COOKIE = pytest.StashKey[ExportedCookie]()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    # Before any conftest is imported: what a conftest, a plugin's pytest_configure or the collection
-    # starts carries the session's cookie. A process that then leaves our tree before the session starts
-    # (a daemon's double fork: we are no subreaper yet) is still known as the session set-up's, protected
-    # while the session runs and reaped at its very end, like one that stayed in the tree.
+    # Before any conftest is imported, so what a conftest or plugin starts carries the cookie: a daemon
+    # that double-forks before we are a subreaper is still known as the session set-up's.
     _export_cookie(early_config)
 
 
@@ -114,7 +94,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if resolved.simulate:
         _check_simulated(resolved)
     plugin = _GpuCleanPlugin(config, resolved)
-    if not hasattr(config, "workerinput"):  # (an xdist worker's would repeat its controller's)
+    if not hasattr(config, "workerinput"):  # an xdist worker's would repeat its controller's
         # Notes, not config-time warnings: -W error would turn one into an INTERNALERROR before any test.
         plugin.notes.extend(f"gpuclean: {line}" for line in settings.unknown_variables(os.environ))
     config.pluginmanager.register(plugin, PLUGIN_NAME)
@@ -122,46 +102,35 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(_XdistHooks(plugin), PLUGIN_NAME + "-xdist")
     if resolved.ray != "off":
-        # The Ray cluster's checks: idle until a session starts checking (its hooks open the cluster);
-        # imported only with the option.
-        from pytest_gpuclean.ray import checks
-
-        config.pluginmanager.register(checks.RayChecks(), checks.PLUGIN_NAME)
+        # Idle until a session starts checking; imported only with the option.
+        from pytest_gpuclean.ray import hooks
+        config.pluginmanager.register(hooks.RayHooks(), hooks.PLUGIN_NAME)
     if resolved.report:
-        # A report was asked for: check its path now, and write it even if no test is checked.
+        # Check the report's path now, and write it even if no test is checked.
         plugin.register_outputs()
 
 
 def _check_simulated(resolved: settings.Settings) -> None:
-    """A ``--gpuclean-simulate`` directory that holds no device (a typo, ``.``) is a usage error in every
-    session, before anything runs, as ``simulate hold --dir`` refuses it: the session would otherwise find
-    no GPU and skip its checked tests, a green run that checked nothing. One listing; the layout's module
-    imports nothing of the package."""
-    from pytest_gpuclean.core.reading.simulated_layout import device_indices, no_device
-
+    """A ``--gpuclean-simulate`` directory without devices (a typo) is a usage error in every session:
+    otherwise the checked tests would be skipped, a green run that checked nothing."""
+    from pytest_gpuclean._reading.simulated_layout import device_indices, no_device
     assert resolved.simulate is not None
     try:
         found = device_indices(resolved.simulate)
     except OSError:
-        return  # (one this user may not list: the backend says so, in the same words, when it opens it)
+        return  # unreadable: the backend says so, in the same words, when it opens it
     if not found:
         raise pytest.UsageError(resolved.refused("simulate", no_device(resolved.simulate)))
 
 
 def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> Backend | None:
-    """An explicit ``--gpuclean-devices`` (command line, environment or ini) is checked against the
-    devices in every session, not only in one that starts checking, at the session's start: a bad list
-    stops pytest before the collection, as a usage error (raised later, pytest would print it after the
-    session's summary). That costs one opening of the backend (NVML's start is slow next to the rest of a
-    session's start: docs/benchmarks.md), which a session that starts checking goes on with; a session
-    without the option opens nothing here. An xdist worker leaves it to its controller, which checked the
-    list when it started. Returns the backend, open; None where there is nothing to hold the list against
-    (no driver: a checked test would be skipped or fail)."""
+    """Check an explicit ``--gpuclean-devices`` at the session's start, in every session: raised later, the
+    usage error would print after the summary. Returns the opened backend (NVML's start is slow) for the
+    session to go on with; None without the option, in an xdist worker, or without a driver."""
     if not resolved.explicit("devices") or hasattr(config, "workerinput"):
         return None
-    from pytest_gpuclean.core.reading import devices
-    from pytest_gpuclean.session.opening import open_devices, select_devices
-
+    from pytest_gpuclean._reading import devices
+    from pytest_gpuclean._session.opening import open_devices, select_devices
     try:
         backend = open_devices(resolved)
     except devices.BackendUnavailable:
@@ -175,33 +144,29 @@ def _check_device_list(config: pytest.Config, resolved: settings.Settings) -> Ba
 
 
 class _GpuCleanPlugin:
-    """The session's hooks. They delegate to the started session (``session.CheckedSession``, made at
-    ``start``), which keeps the records in ``config.stash`` (``records.SessionRecords``)."""
+    """The session's hooks; they delegate to the started session (``checked.CheckedSession``)."""
 
     def __init__(self, config: pytest.Config, resolved: settings.Settings) -> None:
         self.config = config
         self.settings = resolved
         self.pid = os.getpid()
-        """The session's own process (a forked child of it runs one test)."""
+        """The session's own process: a forked child of it runs one test."""
         self.session: CheckedSession | None = None
-        """Set up at the end of the collection if a collected test is checked; in an xdist controller, at
-        session start."""
+        """Set at the end of the collection; in an xdist controller, at session start."""
+        self.tests: TestGuard | None = None
         self.controller = False
         self._workers_since: tuple[str | None] | None = None
         """An xdist controller: what ``WORKERS_SINCE_VAR`` was before it set it."""
         self._swept = False
         self._opened: Backend | None = None
-        """The backend opened at the session's start to hold an explicit device list against, for the
-        session to go on with if it starts checking (closed at the collection's end otherwise)."""
+        """Opened by ``_check_device_list``; closed at the collection's end unless the session starts."""
         self._interrupted = False
-        """Ctrl-C or SIGTERM ended the session: the sweep says at once what it waits for."""
+        """Ctrl-C or SIGTERM: the sweep says at once what it waits for."""
         self.notes: list[str] = []
-        """What the session's start says (an unknown ``GPUCLEAN_`` variable): in the header, and in the
-        summary and the JSON report (the session's notes)."""
+        """Start-up notes (an unknown ``GPUCLEAN_`` variable): in the header, summary and JSON report."""
         self._notes_shown = False
         self._sigterm: SigtermAsInterrupt | None = None
-        # Exported before the conftests were imported (unless this plugin was registered later, by a
-        # conftest's pytest_plugins: then now).
+        # Exported already, unless a conftest's pytest_plugins registered this plugin late.
         self._cookie = _export_cookie(config)
         if resolved.report:
             self._install_sigterm()  # a cancelled job still gets its report
@@ -217,17 +182,17 @@ class _GpuCleanPlugin:
             return
         opening = None
         if not self.settings.simulate and self._opened is None:
-            # NVML starts first, in a thread, while the checking code is imported (nvml.NvmlOpening); here,
-            # not at the top, to keep the lazy start (as the session's import below).
-            from pytest_gpuclean.core.reading.nvml import NvmlOpening
-
+            # NVML starts in a thread while the checking code is imported.
+            from pytest_gpuclean._reading.nvml import NvmlOpening
             opening = NvmlOpening()
-        from pytest_gpuclean.session.session import CheckedSession  # psutil and the checking code
+        from pytest_gpuclean._session.checked import CheckedSession  # psutil and the checking code
+        from pytest_gpuclean._session.guard import TestGuard
 
         backend, self._opened = self._opened, None
         self.session = CheckedSession(self.config, self.settings, self._cookie, self.pid, opening, backend)
+        self.tests = TestGuard(self.session)
         for line in self.notes:
-            self.session.found.note(line, once=True)
+            self.session.records.note(line, once=True)
         self._install_sigterm()
         self.register_outputs()
         manager = self.config.pluginmanager
@@ -236,23 +201,21 @@ class _GpuCleanPlugin:
 
     def register_outputs(self) -> None:
         """Register the JSON report, JUnit and GitHub outputs (checks the report path)."""
-        from pytest_gpuclean.session.outputs import OutputHooks, PerTestOutputs
-
+        from pytest_gpuclean._session.outputs import OutputHooks, PerTestOutputs
         manager = self.config.pluginmanager
         outputs = manager.get_plugin(PLUGIN_NAME + "-outputs")
         if outputs is None:
             outputs = OutputHooks(self)
             manager.register(outputs, PLUGIN_NAME + "-outputs")
-        # Again at the start of an xdist controller's session (it is known to be one only then), if the
-        # report had them registered at configure.
+        # Again at an xdist controller's start (known to be one only then), if the report registered
+        # them at configure.
         per_test = PLUGIN_NAME + "-outputs-tests"
         if outputs.per_test() and manager.get_plugin(per_test) is None:
             manager.register(PerTestOutputs(outputs), per_test)
 
     def _install_sigterm(self) -> None:
         if self._sigterm is None:
-            from pytest_gpuclean.core.acting.signals import SigtermAsInterrupt
-
+            from pytest_gpuclean._session.signals import SigtermAsInterrupt
             self._sigterm = SigtermAsInterrupt()
         self._sigterm.install()
 
@@ -268,9 +231,8 @@ class _GpuCleanPlugin:
                                + ", ".join(f"pid {r.process.pid} {r.how_ended}" for r in ended))
             older = self.session.left_alone if self.session is not None else []
             if older:
-                # Never signalled; said once, so that nobody wonders why gpuclean left them.
-                from pytest_gpuclean.report.report import one_line
-
+                # Said once, so that nobody wonders why gpuclean left them.
+                from pytest_gpuclean.report.terminal import one_line
                 self._say_last(f"gpuclean: left alone {len(older)} process(es) under pytest that are no part "
                                "of the session (they, or the process that started them, existed before it): "
                                + ", ".join(f"pid {p.pid} ({one_line(p.cmdline, 60)})" for p in older))
@@ -283,8 +245,7 @@ class _GpuCleanPlugin:
             opened.close()
 
     def _say_last(self, line: str) -> None:
-        # After the terminal summary, on a line of its own. An xdist worker's terminal goes nowhere: its
-        # stderr reaches the controller's.
+        # An xdist worker's terminal goes nowhere; its stderr reaches the controller's.
         reporter = (None if hasattr(self.config, "workerinput")
                     else self.config.pluginmanager.get_plugin("terminalreporter"))
         if reporter is not None:
@@ -293,11 +254,9 @@ class _GpuCleanPlugin:
             sys.stderr.write(line + "\n")
 
     def _report_late(self, late: list[Reaped]) -> None:
-        # The very last sweep runs after the terminal summary and the report (a plugin's or conftest's
-        # pytest_unconfigure may still stop what it started): its line comes last, and the report is
-        # written again, whole, with it in ``session_reaped``.
-        from pytest_gpuclean.report.report import set_up_reaped_line
-
+        # The very last sweep runs after the summary and the report (a pytest_unconfigure may still stop
+        # what it started): its line comes last, and the report is written again with it.
+        from pytest_gpuclean.report.terminal import set_up_reaped_line
         self._say_last(set_up_reaped_line(late))
         outputs = self.config.pluginmanager.get_plugin(PLUGIN_NAME + "-outputs")
         if outputs is not None:
@@ -317,17 +276,15 @@ class _GpuCleanPlugin:
     # ---- session ---------------------------------------------------------------------------------
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        # The xdist controller runs no tests; its children are the workers, which check themselves. It
-        # collects nothing either, so it starts now, before it spawns the workers: as their subreaper it
-        # adopts what a crashed worker leaves, and its start-up checks the options for all of them.
+        # The xdist controller collects nothing, so it starts now, before it spawns the workers: as their
+        # subreaper it adopts what a crashed worker leaves, and it checks the options for all of them.
         self.controller = session.config.pluginmanager.hasplugin("dsession")
         if not self.controller:
             self._opened = _check_device_list(self.config, self.settings)
         if self.controller:
             self.start()
-            # Just before xdist starts the workers (its own pytest_sessionstart is trylast): what they
-            # inherit tells each which of the controller's children are its sibling workers, and which
-            # ones a conftest started while the controller was configured.
+            # Just before xdist starts the workers (its sessionstart is trylast): tells each worker which
+            # of the controller's children are sibling workers and which a conftest started.
             self._workers_since = (os.environ.get(WORKERS_SINCE_VAR),)
             os.environ[WORKERS_SINCE_VAR] = str(procfs.boot_ticks_now())
             assert self.session is not None
@@ -335,10 +292,8 @@ class _GpuCleanPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        # The end of the collection: start if anything will be checked, or if a report was asked for (the
-        # session is then watched: what its unmarked tests leave behind is reaped and reported). Not for
-        # --collect-only, nor when collection errors stop the run before any test. (An explicit device list
-        # was held against the devices at the session's start: _check_device_list.)
+        # With a report, the session starts even if nothing is marked: what unmarked tests leave behind
+        # is reaped and reported.
         if self.started or self.controller:
             return
         if session.config.option.collectonly or (
@@ -349,20 +304,18 @@ class _GpuCleanPlugin:
             self.start()
         else:
             self._close_opened()
-            # Nothing to check: off the hooks that run for every test, in favour of one that notices a
-            # test that is checked after all.
+            # Off the per-test hooks, for one that notices a test checked after all.
             session.config.pluginmanager.unregister(self)
             session.config.pluginmanager.register(_IdleSession(self), PLUGIN_NAME + "-idle")
 
-    # tryfirst: pytest prints the header hooks' lines in the reverse of their call order, and this plugin
-    # was registered before the terminal reporter; called first, its lines come after rootdir: and plugins:.
+    # tryfirst: pytest prints header lines in reverse call order, so ours come after rootdir: and plugins:.
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         self._notes_shown = True
         return [*self.notes, *(self.session.header_lines() if self.session is not None else [])]
 
     def pytest_report_collectionfinish(self, config: pytest.Config) -> list[str]:
-        # What the header says in an xdist controller, for a session that started at collection's end.
+        # The header, for a session that started at the collection's end (xdist's workers).
         if self.session is None or self.controller or config.option.no_header:
             return []
         return self.session.header_lines() if config.get_verbosity() >= 0 else []
@@ -373,9 +326,7 @@ class _GpuCleanPlugin:
 
     @pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_sessionfinish")
     def sessionfinish_guard(self, session: pytest.Session) -> Generator[None, None, None]:
-        # A second pytest_sessionfinish: when another plugin's or a
-        # conftest's pytest_sessionfinish raises, pluggy skips the rest, ours included; this outermost
-        # wrapper sweeps anyway.
+        # When another pytest_sessionfinish raises, pluggy skips the rest, ours included: this sweeps anyway.
         try:
             return (yield)
         finally:
@@ -387,41 +338,39 @@ class _GpuCleanPlugin:
             return
         self._swept = True
         worker_output = getattr(session.config, "workeroutput", None)
+        if self.tests is not None:
+            self.tests.release_parked()  # locks kept for a test that never ran (-x, an interrupt)
         if self.session is not None:
             self.session.sweep(interrupted=self._interrupted)
         if worker_output is not None:
-            from pytest_gpuclean.report.records import EMPTY_PAYLOAD
-
-            found = self.session.found.payload() if self.session is not None else dict(EMPTY_PAYLOAD)
+            from pytest_gpuclean._session.store import EMPTY_PAYLOAD
+            found = self.session.records.payload() if self.session is not None else dict(EMPTY_PAYLOAD)
             worker_output[WORKER_OUTPUT_KEY] = found
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
-        # (also pytest.exit's, which is no interrupt of anybody's)
+        # Also called for pytest.exit, which is no interrupt.
         self._interrupted = isinstance(excinfo.value, KeyboardInterrupt)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.session is None:
             self.summarise_notes(terminalreporter)
-            return  # (nothing found: what a report shows of such a session comes from the outputs)
-        merged = self.session.found.merged()
+            return
+        merged = self.session.records.merged()
         if not merged.records and not merged.session_reaped and not merged.notes:
             return
-        from pytest_gpuclean.report.report import SUMMARY_TITLE, summary_lines
-
+        from pytest_gpuclean.report.terminal import SUMMARY_TITLE, summary_lines
         terminalreporter.write_sep("=", SUMMARY_TITLE)
-        extension = self.config.hook.pytest_gpuclean_summary_parts  # (an extension's parts of a test's line)
+        extension = self.config.hook.pytest_gpuclean_summary_parts
         for line in summary_lines(merged.records, merged.session_reaped, merged.notes,
                                   more_parts=lambda record: [
                                       part for parts in extension(record=record) for part in parts]):
             terminalreporter.write_line(line)
 
     def summarise_notes(self, terminalreporter: Any) -> None:
-        """A session that did not start: its notes in a summary of their own where the header did not show
-        them (``-q``, ``--no-header``); a started session's summary has them among the session's notes."""
+        """A session that did not start: its notes, where the header did not show them (``-q``)."""
         if not self.notes or self._notes_shown:
             return
-        from pytest_gpuclean.report.report import SUMMARY_TITLE
-
+        from pytest_gpuclean.report.terminal import SUMMARY_TITLE
         terminalreporter.write_sep("=", SUMMARY_TITLE)
         for line in self.notes:
             terminalreporter.write_line(line)
@@ -431,15 +380,15 @@ class _GpuCleanPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
                              ) -> Generator[None, Any, Any]:
-        if fixturedef.scope == "function" or self.controller or self.session is None:
+        if fixturedef.scope == "function" or self.controller or self.tests is None:
             return (yield)
-        with self.session.tests.fixture_window(fixturedef):
+        with self.tests.fixture_window(fixturedef):
             return (yield)
 
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any],
                                       request: pytest.FixtureRequest) -> None:
-        if self.session is not None:
-            self.session.tests.fixture_finalized(fixturedef)
+        if self.tests is not None:
+            self.tests.fixture_finalized(fixturedef)
 
     # ---- around each test -------------------------------------------------------------------------
 
@@ -447,8 +396,7 @@ class _GpuCleanPlugin:
         return self._marked(item)[0]
 
     def _marked(self, item: pytest.Item) -> tuple[bool, pytest.Mark | None]:
-        """Whether ``item`` is checked, and its marker (looked up once per test: the check's settings come
-        from it too)."""
+        """Whether ``item`` is checked, and its marker (the check's settings come from it too)."""
         if self.controller:
             return False, None
         marker = item.get_closest_marker(MARKER)
@@ -457,31 +405,29 @@ class _GpuCleanPlugin:
 
     # trylast: the innermost wrapper. Our check may fail the setup before ``yield``, and wrappers
     # outside us (logging, capture) must have run their own setup so that their teardown finds it.
-    # Every wrapper still runs before the function-scoped fixtures are set up.
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
         checked, marker = self._marked(item)
         if self.session is None:
             if not checked:
                 return (yield)
-            # Checked after all, though the collection did not say so (a marker added since): start now.
+            # A marker added since the collection.
             self.start()
-        assert self.session is not None
-        self.session.tests.setup(item, checked=checked, marker=marker)
+        assert self.tests is not None
+        self.tests.setup(item, checked=checked, marker=marker)
         return (yield)
 
-    # tryfirst: the outermost wrapper, so the check after ``yield`` runs after every fixture (and every
-    # other plugin's teardown) has finished.
+    # tryfirst: the outermost wrapper, so the check runs after every fixture and plugin's teardown.
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None
                                 ) -> Generator[None, None, None]:
-        if self.session is None:
+        if self.tests is None:
             return (yield)
-        return (yield from self.session.tests.teardown(item, has_next=nextitem is not None))
+        return (yield from self.tests.teardown(item, has_next=nextitem is not None))
 
     def reap_crashed(self, nodeid: str | None) -> None:
-        """Reap what a crashed xdist worker left (in the controller), blamed on the test it ran (None: on the
-        test each process names, the worker's shutdown having interrupted whatever it ran)."""
+        """In the controller: reap what a crashed worker left, blamed on ``nodeid`` (None: on the test each
+        process names)."""
         if self.session is not None:
             self.session.reap_crashed(nodeid)
 
@@ -492,13 +438,9 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
 
     Requesting this fixture checks the test like the ``needs_clean_gpus`` marker does.
     """
-    # Here, not at the top: a session that checks nothing imports neither the model nor the session's
-    # records (a test that requests the fixture is checked, and its session has loaded both).
-    from pytest_gpuclean.model.outcomes import CleanGpus, DeviceState
-    from pytest_gpuclean.report.records import TEST
-
-    # (from the test's record: its setup check's readings; the fixture's value is built only for a test that
-    # asks for it)
+    # Here, not at the top: a session that checks nothing imports neither.
+    from pytest_gpuclean._model.records import CleanGpus, DeviceState
+    from pytest_gpuclean._session.store import TEST
     record = request.node.stash.get(TEST, None)
     if record is None or record.before is None:
         pytest.skip("gpuclean is not checking this session (xdist controller or disabled)")
@@ -507,9 +449,8 @@ def clean_gpus(request: pytest.FixtureRequest) -> CleanGpus:
 
 
 class _IdleSession:
-    """Stands in for the plugin in a session whose collection found nothing to check, so that the session
-    pays for one hook per test, not for each of the plugin's. A test that is checked after all (a marker
-    added by another plugin while the test is set up) starts the session and brings the plugin back."""
+    """Stands in for the plugin when nothing is to be checked: one hook per test, not all of the plugin's.
+    A test checked after all (a marker added late) starts the session and brings the plugin back."""
 
     def __init__(self, plugin: _GpuCleanPlugin) -> None:
         self.plugin = plugin
@@ -522,19 +463,17 @@ class _IdleSession:
         manager = plugin.config.pluginmanager
         manager.unregister(self)
         manager.register(plugin, PLUGIN_NAME)  # its hooks from the next call on; this one it joins here
-        # Starts the session and checks the GPUs (or fails the setup), then goes on as the plugin's wrapper.
         return (yield from plugin.pytest_runtest_setup(item))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        self.plugin.sweep(session)  # (nothing to sweep: what an xdist worker sends back all the same)
+        self.plugin.sweep(session)  # nothing to sweep, but an xdist worker must send its payload
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         self.plugin.summarise_notes(terminalreporter)
 
 
 class _ForkedHooks:
-    """Hooks for tests run in a forked child (pytest-forked, pytest-isolate): registered only where one of
-    those is loaded, as they run for every test (three reports each)."""
+    """Hooks for tests run in a forked child (pytest-forked, pytest-isolate); registered only with those."""
 
     def __init__(self, plugin: _GpuCleanPlugin) -> None:
         self.plugin = plugin
@@ -550,9 +489,8 @@ class _ForkedHooks:
         test_report = yield
         session = self.plugin.session
         if call.when == "teardown" and session is not None and os.getpid() != self.plugin.pid:
-            # This child's memory dies with it: its records travel on the teardown report, which
-            # pytest-forked serialises (plain dicts and lists) with the report's other attributes.
-            setattr(test_report, FORKED_REPORT_ATTR, session.found.ship())
+            # The child's memory dies with it: its records travel on the teardown report.
+            setattr(test_report, FORKED_REPORT_ATTR, session.records.ship())
         return test_report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -570,7 +508,7 @@ class _XdistHooks:
     def __init__(self, plugin: _GpuCleanPlugin) -> None:
         self.plugin = plugin
         self._ready: set[int] = set()
-        """Workers that started (``id`` of xdist's node), and those whose findings arrived."""
+        """``id`` of xdist's nodes: those that started, and (``_heard``) those whose findings arrived."""
         self._heard: set[int] = set()
 
     @pytest.hookimpl(optionalhook=True)
@@ -579,9 +517,8 @@ class _XdistHooks:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_handlecrashitem(self, crashitem: str, report: Any, sched: Any) -> None:
-        # A worker died while running ``crashitem`` (a segfault, os._exit): its leaks were adopted by us,
-        # the controller, and no worker's check would blame them on the right test. Reap them now, so
-        # that no later test runs on dirty GPUs, and put them in the crashed test's record.
+        # We, the controller, adopted the dead worker's leaks, and no worker's check would blame the
+        # right test: reap them now, before a later test runs on dirty GPUs.
         self.plugin.reap_crashed(crashitem)
 
     @pytest.hookimpl(optionalhook=True)
@@ -589,31 +526,25 @@ class _XdistHooks:
         self._take(node)
 
     def _stream(self, test_report: Any) -> None:
-        """A test's record on a report xdist never got to hand on (``outputs.PerTestOutputs`` takes the
-        others)."""
-        from pytest_gpuclean.session.outputs import RECORD_ATTRIBUTE
-
+        """A test's record on a report xdist never handed on."""
+        from pytest_gpuclean._session.outputs import RECORD_ATTRIBUTE
         record = getattr(test_report, RECORD_ATTRIBUTE, None)
         if record is not None and test_report.when in ("setup", "teardown"):
-            from pytest_gpuclean.report.records import of
-
+            from pytest_gpuclean._session.store import of
             of(self.plugin.config).stream(test_report.nodeid, record)
 
     def _take(self, node: Any) -> None:
         payload = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT_KEY)
         if payload and id(node) not in self._heard:
-            from pytest_gpuclean.report.records import of
-
+            from pytest_gpuclean._session.store import of
             self._heard.add(id(node))
             of(self.plugin.config).add_worker(payload)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        # After xdist's own, which shut the workers down. An interrupted controller (Ctrl-C, or SIGTERM: a
-        # cancelled job) stops reading its workers' events before they end: their shutdown interrupts the
-        # test they run, their sweep reaps what it leaked, and what they found arrives in xdist's queue,
-        # where nothing reads it any more. Taken from there, the summary and the report have it. What a
-        # worker that never sent it (killed) left is reaped here, as a crashed worker's is.
+        # After xdist's own. An interrupted controller stops reading its workers' events before they end,
+        # so their findings sit unread in xdist's queue: take them from there. A worker that never sent
+        # them (killed) is reaped as a crashed one.
         if not self.plugin.controller:
             return
         dsession = session.config.pluginmanager.get_plugin("dsession")
@@ -621,7 +552,7 @@ class _XdistHooks:
         while events is not None:
             try:
                 name, kwargs = events.get_nowait()
-            except Exception:  # (queue.Empty: all taken)
+            except Exception:  # queue.Empty
                 break
             if name == "workerfinished":
                 self._take(kwargs.get("node"))

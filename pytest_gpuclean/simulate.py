@@ -3,13 +3,9 @@
 ``... xid --dir DIR --device N --code 31`` raises an Xid event there and ``... state --dir DIR --device N
 --remap-pending 1`` (and the other health states: ``--help``) sets its health (docs/ci.md).
 
-``init`` makes ``DIR/<index>/`` with a ``total`` capacity file for each device (``simulated_layout`` holds
-the layout; ``simulated.SimulatedBackend`` reads it). The other commands take ``--dir`` from
-``GPUCLEAN_SIMULATE`` (the plugin's variable) when it is not given, and refuse a directory ``init`` did not
-make or a device it lacks: a typo never makes a new tree or a new GPU. A holder "allocates" by writing
-``DIR/<device>/<pid>`` and keeps the memory until it is killed, like a CUDA process: the simulated backend
-stops counting it the moment the process dies. Tests use it to make realistic leakers: children,
-SIGTERM-ignoring processes and setsid daemons.
+A holder "allocates" by writing ``DIR/<device>/<pid>`` and keeps the memory until it dies, like a CUDA
+process: tests use it to make realistic leakers (children, SIGTERM-ignoring processes, setsid daemons).
+Commands refuse a directory ``init`` did not make, so a typo never makes a new tree or GPU.
 """
 
 from __future__ import annotations
@@ -22,22 +18,11 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-# The layout only (names, defaults; it imports nothing): a holder starts in every leak test, and loads
-# nothing else of the plugin, to start quickly.
-from pytest_gpuclean.core.reading import simulated_layout as layout
+# The layout only: a holder starts in every leak test, so it loads nothing else of the plugin.
+from pytest_gpuclean._reading import simulated_layout as layout
 
 MIB = 1024 * 1024
 _DEFAULT_TOTAL_MIB = layout.DEFAULT_TOTAL // MIB
-
-__all__ = [
-    "MIB",
-    "allocate",
-    "init",
-    "init_cuda",
-    "main",
-    "set_state",
-    "xid",
-]
 
 
 def allocate(root: str, device: int, mib: float, pid: int | None = None) -> Path:
@@ -52,9 +37,8 @@ def allocate(root: str, device: int, mib: float, pid: int | None = None) -> Path
 
 
 def init_cuda(root: str, device: int, pid: int | None = None) -> Path:
-    """Mark ``pid`` (default: this process) as having initialised CUDA on simulated ``device``, without a
-    context: listed under no process, it costs the device's ``context_overhead`` (as
-    ``torch.cuda.is_available()`` costs a few MiB per real GPU)."""
+    """Mark ``pid`` (default: this process) as having initialised CUDA on simulated ``device`` without a
+    context: it costs ``context_overhead``, listed under no process, as ``torch.cuda.is_available()`` does."""
     folder = Path(root) / str(device) / layout.CUDA
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / str(pid or os.getpid())
@@ -88,8 +72,7 @@ def set_state(root: str, device: int, name: str, value: str | None) -> None:
 
 
 _SIMULATE_VAR = "GPUCLEAN_SIMULATE"
-"""The plugin's variable for the devices' directory: the default of ``--dir`` here, so that a shell set up
-for the plugin (README's first minute) needs no ``--dir``."""
+"""The default of ``--dir``, so a shell set up for the plugin needs no ``--dir``."""
 
 
 def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -109,8 +92,8 @@ def _number(parser: argparse.ArgumentParser, option: str, text: str | None, what
 
 
 def _device_folder(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Path:
-    """The folder of ``--device`` in ``--dir`` (or ``GPUCLEAN_SIMULATE``), which ``init`` made: a typo in
-    either must not make a new tree or a new device, nor end in a traceback."""
+    """The folder of ``--device`` in ``--dir``, which ``init`` must have made: a typo in either must not
+    make a new tree or device, nor end in a traceback."""
     if args.dir is not None:
         given, source = args.dir, "from the command line"
     else:
@@ -189,10 +172,9 @@ def _hold(args: argparse.Namespace) -> None:
 def init(root: str, count: int, total_mib: int) -> list[Path]:
     """Make simulated devices ``0..count-1`` of ``total_mib`` MiB in ``root``; returns their folders.
 
-    Idempotent: devices already there keep what they hold (a live holder's allocation stays counted), only
-    their capacity is set. Raises ``ValueError`` (naming the entry) if ``root`` holds anything but device
-    folders, or devices beyond ``count``: that is someone else's directory, or a layout this call would
-    not describe, and either way the devices the plugin then finds would not be the ones asked for.
+    Idempotent: devices already there keep what they hold; only their capacity is set. Raises
+    ``ValueError`` (naming the entry) if ``root`` holds anything but device folders, or devices beyond
+    ``count``: the plugin would then find other devices than the ones asked for.
     """
     base = Path(root)
     if base.exists() and not base.is_dir():
@@ -256,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("--devices", type=_positive, default=1, metavar="N", help="how many (default 1)")
     make.add_argument("--total-mib", type=_positive, default=_DEFAULT_TOTAL_MIB, metavar="MIB",
                       help=f"capacity of each (default {_DEFAULT_TOTAL_MIB}, an 80 GB GPU)")
-    # The numbers stay text here and are checked after parsing, so that a bad one is one line, as a bad
-    # --dir or --device is.
+    # Numbers are checked after parsing, so a bad one is one line, as a bad --dir or --device is.
     tree = argparse.ArgumentParser(add_help=False)
     tree.add_argument("--dir", metavar="DIR",
                       help=f"the simulated devices, as 'init' made them (default: ${_SIMULATE_VAR}, the "

@@ -1,6 +1,6 @@
 """The plugin's bytecode cache: where Python writes no bytecode (``PYTHONDONTWRITEBYTECODE=1``), what the
 plugin imports itself (its own modules, pynvml) is compiled once and kept in a directory of the user's own
-(``pytest_gpuclean/__init__.py``, ``_CachedBytecode``). Each case runs a fresh interpreter."""
+(``pytest_gpuclean/_imports.py``, ``_CachedBytecode``). Each case runs a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 IMPORT = """
 import pytest_gpuclean
-module = pytest_gpuclean.import_cached("gc_probe")
+module = pytest_gpuclean._imports.import_cached("gc_probe")
 print(module.VALUE, type(module.__spec__.loader).__name__)
 """
 
@@ -35,8 +35,8 @@ def run(code: str, tmp_path: Path, *, flag: bool = True, **extra: str) -> str:
     return done.stdout.strip()
 
 
-def cached_files(tmp_path: Path) -> list[Path]:
-    return sorted((tmp_path / "cache").glob("pytest-gpuclean/bytecode/*/*.pyc"))
+def cached_files(tmp_path: Path, name: str = "*") -> list[Path]:
+    return sorted((tmp_path / "cache").glob(f"pytest-gpuclean/bytecode/*/*-{name}.pyc"))
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def probe(tmp_path: Path) -> Path:
 
 def test_compiled_once_then_loaded_from_the_cache(probe: Path, tmp_path: Path) -> None:
     assert run(IMPORT, tmp_path) == "from source _CachedBytecode"
-    [cached] = cached_files(tmp_path)
+    [cached] = cached_files(tmp_path, "gc_probe")  # (importing the package caches its own _version too)
     assert not (probe.parent / "__pycache__").exists()  # nothing written beside the source
     assert cached.parent.stat().st_mode & 0o777 == 0o700
     # The next run loads the cached code, not the source: a cache whose code says otherwise is believed.
@@ -62,7 +62,7 @@ def test_a_changed_source_is_compiled_again(probe: Path, tmp_path: Path) -> None
     run(IMPORT, tmp_path)
     probe.write_text("VALUE = 'changed source'\n")  # another size (and mtime)
     assert run(IMPORT, tmp_path) == "changed source _CachedBytecode"
-    [cached] = cached_files(tmp_path)
+    [cached] = cached_files(tmp_path, "gc_probe")
     assert marshal.loads(cached.read_bytes()[16:]).co_consts[0] == "changed source"
 
 
@@ -101,10 +101,10 @@ def test_the_plugins_own_modules_are_cached(tmp_path: Path) -> None:
     code = ("import sys\n"
             "sys.meta_path[:] = [f for f in sys.meta_path\n"
             "                   if 'editable' not in getattr(f, '__module__', '')]\n"
-            "import pytest_gpuclean.core.checking.checker as m\n"
+            "import pytest_gpuclean._check.checker as m\n"
             "print(m.__file__, type(m.__spec__.loader).__name__)")
     out = run(code, tmp_path)
-    assert out == f"{tree / 'pytest_gpuclean/core/checking/checker.py'} _CachedBytecode", out
+    assert out == f"{tree / 'pytest_gpuclean/_check/checker.py'} _CachedBytecode", out
     names = {p.name.split("-", 2)[2] for p in cached_files(tmp_path)}
     assert {"checker.pyc", "census.pyc", "records.pyc"} <= names, names
     assert not list(tree.rglob("__pycache__"))

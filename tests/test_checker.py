@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from helpers import exec_done
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.model.outcomes import CheckResult
-from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean._check.checker import Checker, CheckSettings
+from pytest_gpuclean._model.records import MIB, CheckResult, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean._ownership.census import Census, XdistPeers
 
 GPU0 = DeviceInfo(0, "GPU-fake-0", "Fake GPU")
 GPU1 = DeviceInfo(1, "GPU-fake-1", "Fake GPU")
@@ -75,7 +75,7 @@ def backend() -> FakeBackend:
 
 def check(backend: FakeBackend, tolerance_mib: int = 0, devices: tuple[DeviceInfo, ...] = (GPU0,)
           ) -> CheckResult:
-    checker = Checker(backend, reap=False, dead_sessions=False)  # (never another run's debris)
+    checker = Checker(backend, CheckSettings(reap=False, dead_sessions=False))  # (never another run's debris)
     return checker.check("check", devices, tolerance_mib=tolerance_mib, timeout=0)
 
 
@@ -92,9 +92,9 @@ def test_idle_devices_are_clean(backend: FakeBackend) -> None:
 
 def test_an_idle_check_takes_the_short_way_to_the_same_result(backend: FakeBackend,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    # Nothing of ours alive and every device idle: Checker._quiet answers without a Check's bookkeeping.
+    # Nothing of ours alive and every device idle: Checker._clean_path answers without a Check's bookkeeping.
     # Its result must be the one a full round gives, and anything there must take the full round.
-    checker = Checker(backend, reap=False)
+    checker = Checker(backend, CheckSettings(reap=False))
     devices = (GPU0, GPU1)
     checker.check("setup", devices, tolerance_mib=5, timeout=0)  # (the first looks for dead sessions)
     rounds: list[int] = []
@@ -211,7 +211,7 @@ def outside_check(checker: Checker, timeout: float = 0, where: str = "t.py::test
 def test_an_unchanged_outside_state_is_known_and_still_dirty(backend: FakeBackend) -> None:
     stranger = absent_pid()
     backend.set(GPU0, 512, (stranger, 512))
-    checker = Checker(backend, reap=False, dead_sessions=False)
+    checker = Checker(backend, CheckSettings(reap=False, dead_sessions=False))
     first = outside_check(checker)
     assert first.outside is not None and (first.outside.same_as, first.outside.only) == (None, True)
     second = outside_check(checker, where="t.py::test_2")
@@ -228,7 +228,7 @@ def test_outside_memory_is_the_same_within_the_slack_or_the_tolerance(
         backend: FakeBackend, then_mib: float, tolerance_mib: int, known: bool) -> None:
     # 16 MiB (OUTSIDE_SLACK_BYTES): a CUDA context of ours that the driver charges to no process.
     backend.set(GPU0, 512)
-    checker = Checker(backend, reap=False, dead_sessions=False)
+    checker = Checker(backend, CheckSettings(reap=False, dead_sessions=False))
     outside_check(checker, tolerance_mib=tolerance_mib)
     backend.set(GPU0, then_mib)
     result = outside_check(checker, where="t.py::test_2", tolerance_mib=tolerance_mib)
@@ -237,11 +237,10 @@ def test_outside_memory_is_the_same_within_the_slack_or_the_tolerance(
 
 def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBackend,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuclean.core.checking import checker as checker_module
-
+    from pytest_gpuclean._check import checker as checker_module
     stranger = absent_pid()
     backend.set(GPU0, 512, (stranger, 512))
-    checker = Checker(backend, reap=False, dead_sessions=False)
+    checker = Checker(backend, CheckSettings(reap=False, dead_sessions=False))
     monkeypatch.setattr(checker_module, "_start_ticks", lambda pid: 1000)
     outside_check(checker)
     monkeypatch.setattr(checker_module, "_start_ticks", lambda pid: 2000)  # same pid, started later
@@ -253,7 +252,7 @@ def test_a_new_process_on_a_reused_pid_is_a_new_outside_state(backend: FakeBacke
 
 def test_a_device_clean_from_outside_forgets_what_held_it(backend: FakeBackend) -> None:
     backend.set(GPU0, 512)
-    checker = Checker(backend, reap=False, dead_sessions=False)
+    checker = Checker(backend, CheckSettings(reap=False, dead_sessions=False))
     outside_check(checker)
     backend.set(GPU0, 0)
     assert outside_check(checker, where="t.py::test_2").clean
@@ -277,14 +276,12 @@ class FakeClock:
 
 def test_a_check_with_a_longer_timeout_waits_the_difference(backend: FakeBackend,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytest_gpuclean.core.checking import check as check_module
-    from pytest_gpuclean.core.checking import checker as checker_module
+    from pytest_gpuclean._check import checker as checker_module
 
     clock = FakeClock()
-    monkeypatch.setattr(checker_module, "time", clock)  # (when a check starts)
-    monkeypatch.setattr(check_module, "time", clock)  # (its passes)
+    monkeypatch.setattr(checker_module, "time", clock)  # (when a check starts, and its passes)
     backend.set(GPU0, 512)
-    checker = Checker(backend, reap=False, dead_sessions=False)
+    checker = Checker(backend, CheckSettings(reap=False, dead_sessions=False))
     assert outside_check(checker, timeout=1).waited_s >= 1  # new: waited out in full
     clock.sleep(2)
     # Unchanged for 3 s since the first check first saw it: a check that would wait 5 s waits the 2 s
@@ -305,9 +302,10 @@ def test_a_foreign_process_of_our_xdist_run_is_not_outside(backend: FakeBackend,
     sibling = exec_done(subprocess.Popen(["sleep", "600"], env={**os.environ, "GPUCLEAN_TEST": cookie}))
     try:
         backend.set(GPU0, 512, (sibling.pid, 512))
-        checker = Checker(backend, reap=False, dead_sessions=False, xdist_run="run1",
-                          peer_cookie="gc.1.2.3.aa:session")
-        monkeypatch.setattr(checker.procs, "take", lambda *args: [])  # (not under this process, as in a run)
+        peers = XdistPeers(run="run1", cookie="gc.1.2.3.aa:session")
+        checker = Checker(backend, CheckSettings(reap=False, dead_sessions=False),
+                          Census.of_its_own(peers=peers))
+        monkeypatch.setattr(checker.census, "take", lambda *args: [])  # (not under this process, as in a run)
         for where in ("t.py::test_1", "t.py::test_2"):
             result = outside_check(checker, where=where)
             assert [o.reason for o in result.offenders] == ["foreign"] and result.outside is None
@@ -324,8 +322,8 @@ def test_an_outside_holder_that_has_exited_is_a_changed_state(backend: FakeBacke
     holder = subprocess.Popen(["sleep", "600"])
     try:
         backend.set(GPU0, 512, (holder.pid, 512))
-        checker = Checker(backend, reap=False, dead_sessions=False)
-        monkeypatch.setattr(checker.procs, "take", lambda *args: [])  # (not ours, as if started elsewhere)
+        checker = Checker(backend, CheckSettings(reap=False, dead_sessions=False))
+        monkeypatch.setattr(checker.census, "take", lambda *args: [])  # (not ours, as if started elsewhere)
         outside_check(checker)
         known = outside_check(checker, where="t.py::test_2").outside
         assert known is not None and known.same_as == "t.py::test_1"
@@ -347,22 +345,22 @@ def test_an_outside_holder_that_has_exited_is_a_changed_state(backend: FakeBacke
 def own_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Checker, list[int], Path]:
     """A checker over simulated devices on which this process holds 600 MiB (a torch suite's pytest
     process), and a count of the full checks it runs (``Check.run``)."""
-    from pytest_gpuclean.core.checking import checker as checker_module
-    from pytest_gpuclean.core.reading.simulated import SimulatedBackend
+    from pytest_gpuclean._check import checker as checker_module
+    from pytest_gpuclean._reading.simulated import SimulatedBackend
     from pytest_gpuclean.simulate import allocate, init
 
     sim = tmp_path / "sim"
     init(str(sim), 2, 80 * 1024)
     own = allocate(str(sim), 0, 600)
     runs: list[int] = []
-    real_run = checker_module.Check.run
+    real_run = checker_module._Passes.run
 
-    def counted(self: checker_module.Check) -> CheckResult:
+    def counted(self: checker_module._Passes) -> CheckResult:
         runs.append(1)
         return real_run(self)
 
-    monkeypatch.setattr(checker_module.Check, "run", counted)
-    return Checker(SimulatedBackend(sim), dead_sessions=False), runs, own
+    monkeypatch.setattr(checker_module._Passes, "run", counted)
+    return Checker(SimulatedBackend(sim), CheckSettings(dead_sessions=False)), runs, own
 
 
 def test_a_clean_reading_of_our_own_context_repeated_is_the_same_verdict(

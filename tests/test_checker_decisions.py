@@ -1,12 +1,12 @@
 """The check's decisions over plain data, unit-tested without processes: ownership by birth
-(``ownership.born_in``, ``older_than_session``), which processes of a census are judged, excused or of
-unknown owner (``decide.sort_census``), which xdist siblings and peers are excused (``census.is_peer``,
+(``evidence.born_in``, ``older_than_session``), which processes of a census are judged, excused or of
+unknown owner (``decisions.sort_census``), which xdist siblings and peers are excused (``census.is_peer``,
 ``sibling_claim``), which cookie carriers are a dead session's debris and which another session's
-(``ownership.dead_session_of``), what memory is an offender (``verdict.excess_memory``, the context
+(``evidence.dead_session_of``), what memory is an offender (``decisions.excess_memory``, the context
 overhead), what may be signalled at all (the signal gate, ``gate.refusal``), which owners replace themselves
-(``decide.self_replacing``) and when waiting is hopeless
-(``verdict.hopeless``, with ``verdict.outside_of``: what cannot be the session's, and
-``verdict.known_outside``: what an earlier check already waited out).
+(``decisions.self_replacing``) and when waiting is hopeless
+(``decisions.hopeless``, with ``decisions.outside_of``: what cannot be the session's, and
+``decisions.known_outside``: what an earlier check already waited out).
 
 What needs the kernel (pids, pidfds, signals, /proc) stays in tests/test_checker.py, test_reaper.py and
 test_faults.py.
@@ -18,11 +18,20 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_gpuclean.core.deciding import decide, gate, verdict
-from pytest_gpuclean.core.deciding.gate import Credentials
-from pytest_gpuclean.core.deciding.verdict import OutsideState, known_outside, outside_of
-from pytest_gpuclean.core.ownership.census import Found, is_peer, sibling_claim
-from pytest_gpuclean.core.ownership.evidence import (
+from pytest_gpuclean._check import decisions, gate
+from pytest_gpuclean._check.decisions import OutsideState, known_outside, outside_of
+from pytest_gpuclean._model.records import (
+    MIB,
+    Credentials,
+    DeviceInfo,
+    DeviceSnapshot,
+    GpuProcess,
+    Offender,
+    Owner,
+    ProcessInfo,
+)
+from pytest_gpuclean._ownership.census import CensusEntry, is_peer, sibling_claim
+from pytest_gpuclean._ownership.evidence import (
     PREEXISTING,
     SESSION,
     Ownership,
@@ -34,15 +43,6 @@ from pytest_gpuclean.core.ownership.evidence import (
     older_than_session,
     owner_named,
     pid_between,
-)
-from pytest_gpuclean.model.records import (
-    MIB,
-    DeviceInfo,
-    DeviceSnapshot,
-    GpuProcess,
-    Offender,
-    Owner,
-    ProcessInfo,
 )
 
 SPACE = 1 << 22  # pid_max on a 64-bit kernel
@@ -110,11 +110,11 @@ def test_ownership_asks_born_in_with_its_windows() -> None:
 DEAD = SessionRef("gc.9.8.3.dd", 9, 8, 3)
 
 
-def found(pid: int, token: str | None, *, state: str = "S", debris: SessionRef | None = None) -> Found:
-    return Found(pid, pid * 10, 1, "descendant", token, state, debris_of=debris)  # type: ignore[arg-type]
+def found(pid: int, token: str | None, *, state: str = "S", debris: SessionRef | None = None) -> CensusEntry:
+    return CensusEntry(pid, pid * 10, 1, "descendant", token, state, debris_of=debris)  # type: ignore[arg-type]
 
 
-def protected_by(ownership: Ownership) -> Callable[[Found], bool]:
+def protected_by(ownership: Ownership) -> Callable[[CensusEntry], bool]:
     """As ``Census.is_protected``: debris of a dead session never is; otherwise as the token says."""
     return lambda f: f.debris_of is None and ownership.is_protected(f.token)
 
@@ -137,10 +137,10 @@ def ownership() -> Ownership:
     pytest.param(found(206, None, state="Z"), False, False, False, id="unknown birth, exited: nothing"),
     pytest.param(found(207, None, debris=DEAD), True, False, False, id="a dead session's debris: judged"),
 ])
-def test_sort_census(ownership: Ownership, process: Found, judged: bool, excused: bool,
+def test_sort_census(ownership: Ownership, process: CensusEntry, judged: bool, excused: bool,
                      unknown: bool) -> None:
     listed = {process.pid, 999}
-    sort = decide.sort_census([process], protected_by(ownership), {ME, PARENT}, {77}, listed)
+    sort = decisions.sort_census([process], protected_by(ownership), {ME, PARENT}, {77}, listed)
     ours, unknowns, excused_pids, unexplained = sort.ours, sort.unknown, sort.excused, sort.unexplained
     assert (process in ours, process.pid in excused_pids, process in unknowns) == (judged, excused, unknown)
     # Each listed pid is judged, reported, excused or unexplained: never two of them, never none.
@@ -156,16 +156,17 @@ def test_sort_census(ownership: Ownership, process: Found, judged: bool, excused
     pytest.param(found(305, None), False, False, id="unknown birth: never (reported, not signalled)"),
     pytest.param(found(306, "t1", state="Z"), False, False, id="exited: holds nothing"),
 ])
-def test_of_the_sweep(process: Found, at_session_end: bool, at_the_very_end: bool) -> None:
+def test_of_the_sweep(process: CensusEntry, at_session_end: bool, at_the_very_end: bool) -> None:
     # The session-end sweep and, with reaping off, the closing note of what it would have ended: one rule.
-    assert (process in decide.of_the_sweep([process], (PREEXISTING, SESSION))) == at_session_end
-    assert (process in decide.of_the_sweep([process], (PREEXISTING,))) == at_the_very_end
+    assert (process in decisions.of_the_sweep([process], (PREEXISTING, SESSION))) == at_session_end
+    assert (process in decisions.of_the_sweep([process], (PREEXISTING,))) == at_the_very_end
 
 
 def test_sort_census_once_the_session_is_over(ownership: Ownership) -> None:
     # The very last sweep: what the session set-up started is no longer protected; a live fixture's is.
     ownership.session_over = True
-    sort = decide.sort_census([found(203, SESSION), found(202, "f2")], protected_by(ownership), (), (), set())
+    sort = decisions.sort_census([found(203, SESSION), found(202, "f2")], protected_by(ownership), (), (),
+                                 set())
     assert [f.pid for f in sort.ours] == [203] and sort.excused == {202}
 
 
@@ -216,38 +217,38 @@ def snap(device: DeviceInfo, used_mib: float, *processes: tuple[int, float | Non
     pytest.param(snap(GPU0, 800, (ME, 500), (300, 300)), set(), 270, id="an unblamed holder's memory"),
 ])
 def test_excess_memory(reading: DeviceSnapshot, blamed: set[int], extra_mib: float | None) -> None:
-    excess = verdict.excess_memory([reading], {ME}, {GPU0.uuid: 30 * MIB}, 16 * MIB, blamed)
+    excess = decisions.excess_memory([reading], {ME}, {GPU0.uuid: 30 * MIB}, 16 * MIB, blamed)
     assert [extra / MIB for _, extra in excess] == ([] if extra_mib is None else [extra_mib])
 
 
 def test_listed_contexts_explain_unlisted_memory_up_to_their_overhead() -> None:
     readings = [snap(GPU0, 509, (ME, 500)), snap(GPU1, 600, (ME, 500))]
-    overhead, short = decide.listed_overhead(readings, {ME})
+    overhead, short = decisions.listed_overhead(readings, {ME})
     assert overhead == {GPU0.uuid: 9 * MIB}  # one context's overhead: excused
     assert [(s.device, listed, unlisted / MIB) for s, listed, unlisted, _ in short] == [(GPU1, {ME}, 100)]
     # Not all listed processes excused: nothing is.
-    assert decide.listed_overhead([snap(GPU0, 509, (ME, 500), (300, None))], {ME}) == ({GPU0.uuid: 0}, [])
+    assert decisions.listed_overhead([snap(GPU0, 509, (ME, 500), (300, None))], {ME}) == ({GPU0.uuid: 0}, [])
 
 
 def test_unlisted_cuda_users_raise_the_excused_overhead() -> None:
     # GPU1: 100 MiB unlisted beside our listed context; the parent uses CUDA there without a context.
-    _, short = decide.listed_overhead([snap(GPU1, 600, (ME, 500))], {ME, PARENT})
-    assert decide.short_of_users(short, {})
+    _, short = decisions.listed_overhead([snap(GPU1, 600, (ME, 500))], {ME, PARENT})
+    assert decisions.short_of_users(short, {})
     users = {PARENT: frozenset({GPU1.uuid})}
-    assert not decide.short_of_users(short, users)
+    assert not decisions.short_of_users(short, users)
     self_cuda: set[str] = set()
-    assert decide.context_overhead(short, users, ME, self_cuda) == {GPU1.uuid: 100 * MIB}
+    assert decisions.context_overhead(short, users, ME, self_cuda) == {GPU1.uuid: 100 * MIB}
     assert self_cuda == set()
     # This process itself, on a device where it is not listed: named, as the check notes it.
-    _, short = decide.listed_overhead([snap(GPU1, 200, (PARENT, 64))], {ME, PARENT})
+    _, short = decisions.listed_overhead([snap(GPU1, 200, (PARENT, 64))], {ME, PARENT})
     users = {ME: frozenset({GPU1.uuid})}
-    assert decide.context_overhead(short, users, ME, self_cuda) == {GPU1.uuid: 128 * MIB}
+    assert decisions.context_overhead(short, users, ME, self_cuda) == {GPU1.uuid: 128 * MIB}
     assert self_cuda == {GPU1.label}
 
 
 def test_mib_of_lists_the_devices_a_process_is_on() -> None:
     readings = [snap(GPU0, 500, (ME, 500)), snap(GPU1, 0), snap(GPU1, 64, (ME, None))]
-    assert verdict.mib_of(ME, readings) == ((GPU0.label, 500.0), (GPU1.label, 0.0))
+    assert decisions.mib_of(ME, readings) == ((GPU0.label, 500.0), (GPU1.label, 0.0))
 
 
 # ---- what may be signalled, and when waiting is hopeless ----------------------------------------------
@@ -297,7 +298,7 @@ def test_the_signal_gate(credentials: Credentials | None, itself: bool, protecte
 ])
 def test_self_replacing(births: dict[str | None, set[tuple[int, int]]], older_alive: set[str | None],
                         chains: set[str | None]) -> None:
-    assert decide.self_replacing(births, older_alive) == chains
+    assert decisions.self_replacing(births, older_alive) == chains
 
 
 @pytest.mark.parametrize(("uid", "reap", "detail"), [
@@ -306,7 +307,7 @@ def test_self_replacing(births: dict[str | None, set[tuple[int, int]]], older_al
     (1000, True, "could not be reaped (stopped)"),
 ])
 def test_leak_detail(uid: int, reap: bool, detail: str) -> None:
-    assert verdict.leak_detail(uid, "other", "stopped", 1000, reap) == detail
+    assert decisions.leak_detail(uid, "other", "stopped", 1000, reap) == detail
 
 
 def leak(pid: int) -> Offender:
@@ -330,7 +331,7 @@ MEMORY = Offender("memory", None, None, "gpu", ((GPU0.label, 500.0),))
 def test_hopeless(offenders: list[Offender], unsignalled: set[tuple[int, int]], outside_on: set[str],
                   hopeless: bool) -> None:
     outside = {id(o): frozenset({GPU0.uuid}) for o in offenders if o.reason == "memory"}
-    assert verdict.hopeless(offenders, unsignalled, outside, outside_on) is hopeless
+    assert decisions.hopeless(offenders, unsignalled, outside, outside_on) is hopeless
 
 
 def foreign(pid: int, *on: DeviceInfo) -> Offender:
@@ -367,7 +368,7 @@ def test_outside_of_a_clean_check_or_a_dirty_one_of_ours() -> None:
                       {400: 0}) == ({}, {}, [GPU1.uuid])
 
 
-def found_pid(pid: int) -> Found:
+def found_pid(pid: int) -> CensusEntry:
     return found(pid, "t1")
 
 

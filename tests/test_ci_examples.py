@@ -161,7 +161,7 @@ def runner_user() -> tuple[tuple[str, ...], str, str]:
     if os.geteuid() == 0 and setpriv is not None:
         prefix = (setpriv, f"--reuid={NOBODY_UID}", f"--regid={NOBODY_UID}", "--clear-groups")
         for python in (sys.executable, f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
-            start = f'exec "{python}" -c "import pytest_gpuclean.cli, psutil"'
+            start = f'exec "{python}" -c "import pytest_gpuclean._cli, psutil"'
             probe = subprocess.run([*prefix, "/bin/sh", "-c", start], env={**os.environ, "PYTHONPATH": path},
                                    cwd="/", capture_output=True, timeout=60)
             if probe.returncode == 0:

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from helpers import alive, clean_environment, read_pids, unprivileged, wait_dead
 
-from pytest_gpuclean import __version__, cli, simulate
-from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.core.reading.simulated import simulated_uuid
-from pytest_gpuclean.model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean import _cli, simulate
+from pytest_gpuclean._model.records import MIB, DeviceInfo, DeviceSnapshot, GpuProcess
+from pytest_gpuclean._reading import procfs
+from pytest_gpuclean._reading.simulated import simulated_uuid
+from pytest_gpuclean._version import __version__
 
 HOLD = [sys.executable, "-m", "pytest_gpuclean.simulate", "hold"]
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -302,7 +303,7 @@ def test_on_real_gpus_reap_targets_only_processes_with_a_gpu_device_open(
     device = DeviceInfo(index=0, uuid="GPU-test", name="test GPU")
     snaps = [DeviceSnapshot(device, 1024 * MIB, 80 * 1024 * MIB, (GpuProcess(innocent.pid, 1024 * MIB),))]
     assert not procfs.has_nvidia_device_open(innocent.pid)
-    targets, left_alone = cli.plan_reap(snaps, my_uid=os.getuid(), never_touch=set(), all_users=False,
+    targets, left_alone = _cli.plan_reap(snaps, my_uid=os.getuid(), never_touch=set(), all_users=False,
                                         cookie=None, require_device_file=True)
     assert targets == {}
     [why] = left_alone
@@ -311,7 +312,7 @@ def test_on_real_gpus_reap_targets_only_processes_with_a_gpu_device_open(
     assert why.endswith("here, which has no /dev/nvidia* open: not the driver's process (another PID "
                         "namespace?)")
     # Simulated devices have no device files: there the driver's list is the truth.
-    targets, _ = cli.plan_reap(snaps, my_uid=os.getuid(), never_touch=set(), all_users=False, cookie=None)
+    targets, _ = _cli.plan_reap(snaps, my_uid=os.getuid(), never_touch=set(), all_users=False, cookie=None)
     assert list(targets) == [innocent.pid] and targets[innocent.pid].found_by == "gpu"
 
 
@@ -401,7 +402,7 @@ def test_reap_with_a_lost_gpu_ends_what_is_provably_the_jobs_and_says_which_gpu(
 
 def test_reap_json_is_refused_with_ray_rather_than_answered_in_text(sim: Path) -> None:
     result = gpuclean("reap", "--json", "--ray", "127.0.0.1:1")
-    assert result.returncode == cli.EXIT_ERROR
+    assert result.returncode == _cli.EXIT_ERROR
     assert result.stderr == ("gpuclean reap: error: --json is not available with --ray 127.0.0.1:1 (from the "
                              "command line) yet; use the text output\n")
     assert result.stdout == ""
@@ -464,7 +465,7 @@ def test_all_users_is_refused_to_non_root(sim: Path, monkeypatch: pytest.MonkeyP
                                           capsys: pytest.CaptureFixture[str]) -> None:
     # In-process, so it runs as "non-root" here too; the command line would exit with this status.
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert cli.main(["reap", "--all-users", "--simulate", str(sim)]) == 2
+    assert _cli.main(["reap", "--all-users", "--simulate", str(sim)]) == 2
     assert capsys.readouterr().err == ("gpuclean reap: error: --all-users: only root may end other users' "
                                        "processes\n")
 

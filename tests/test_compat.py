@@ -26,8 +26,9 @@ import psutil
 import pytest
 from helpers import INNER_TIMEOUT, alive, kill_all, read_pids, reap_orphans, run_inner, summary_of, wait_dead
 
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.report.report import LEAK_PREFIX
+from pytest_gpuclean._check.checker import Checker
+from pytest_gpuclean._ownership.census import Census, KeptAlive
+from pytest_gpuclean.report.terminal import LEAK_PREFIX
 
 PYTEST_VERSION = tuple(int(part) for part in pytest.__version__.split(".")[:2])
 
@@ -447,7 +448,7 @@ def test_torch_211_compile_pools_are_found_in_torchs_own_set(monkeypatch: pytest
         module = types.ModuleType("torch._inductor.async_compile")
         module._pool_set = {SubprocPool(sidecar)}  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", module)
-        helpers = Checker(None).procs.helper_pids()
+        helpers = Checker(None).census.helper_pids()
         assert "a torch.compile worker pool" in helpers[sidecar.pid]
     finally:
         sidecar.kill()
@@ -596,9 +597,9 @@ def test_persistence_needs_the_very_process_a_record_names() -> None:
     proc = subprocess.Popen(["sleep", "60"])
     try:
         now = time.time()
-        census = Checker(None, persistent_registry=lambda: {proc.pid: ("xprocess 'old'", now - 600)}).procs
+        census = Census.of_its_own(kept=KeptAlive(registry=lambda: {proc.pid: ("xprocess 'old'", now - 600)}))
         assert census.persistent_of([proc.pid]) == {}
-        census = Checker(None, persistent_registry=lambda: {proc.pid: ("xprocess 'new'", now + 1)}).procs
+        census = Census.of_its_own(kept=KeptAlive(registry=lambda: {proc.pid: ("xprocess 'new'", now + 1)}))
         assert census.persistent_of([proc.pid]) == {proc.pid: "xprocess 'new'"}
     finally:
         proc.kill()

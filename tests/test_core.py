@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import alive, clean_environment, marked_line, run_inner, unprivileged, wait_dead
 
-from pytest_gpuclean.core.reading.simulated import simulated_uuid
-from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
+from pytest_gpuclean._reading.simulated import simulated_uuid
+from pytest_gpuclean.report.terminal import LEAK_PREFIX, NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init, init_cuda
 
 

@@ -37,12 +37,12 @@ def test_a_session_that_checks_nothing_does_nothing(sim: Path, pytester: pytest.
     assert state["subreaper"] == 0
     # No psutil, no NVML bindings, none of the checking code: only what validates the options and
     # exports the cookie, and gpuclean's own hook specs (pytest_addhooks adds them in every run).
-    assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.options",
-                                "pytest_gpuclean.core.options.settings", "pytest_gpuclean.core.ownership",
-                                "pytest_gpuclean.core.ownership.cookie", "pytest_gpuclean.core.reading",
-                                "pytest_gpuclean.core.reading.procfs", "pytest_gpuclean.plugin",
-                                "pytest_gpuclean.session", "pytest_gpuclean.session.hookspecs",
-                                "pytest_gpuclean.session.names"]
+    assert state["modules"] == ["pytest_gpuclean._imports", "pytest_gpuclean._ownership",
+                                "pytest_gpuclean._ownership.cookie", "pytest_gpuclean._reading",
+                                "pytest_gpuclean._reading.procfs", "pytest_gpuclean._session",
+                                "pytest_gpuclean._session.names", "pytest_gpuclean._settings",
+                                "pytest_gpuclean._version", "pytest_gpuclean.hookspecs",
+                                "pytest_gpuclean.plugin"]
     assert state["cookie"].endswith(":session")
     if not args:
         # Of the plugin's hooks, only one per test is left: the one that notices a test checked after all.
@@ -66,21 +66,17 @@ def test_a_session_that_checks_nothing_but_names_its_devices_only_reads_them(
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 0
     # The device modules are those of the one backend opened (here the simulated devices: their reader and
-    # its layout; no NVML module), what it shares with NVML's (``devices``), the opener (``opening``) and
-    # the protocols and device choice (``backends``): once one module, ``devices``, split by backend.
-    assert state["modules"] == ["pytest_gpuclean.core", "pytest_gpuclean.core.options",
-                                "pytest_gpuclean.core.options.device_list",
-                                "pytest_gpuclean.core.options.settings", "pytest_gpuclean.core.ownership",
-                                "pytest_gpuclean.core.ownership.cookie", "pytest_gpuclean.core.reading",
-                                "pytest_gpuclean.core.reading.backends",
-                                "pytest_gpuclean.core.reading.devices",
-                                "pytest_gpuclean.core.reading.opening", "pytest_gpuclean.core.reading.procfs",
-                                "pytest_gpuclean.core.reading.simulated",
-                                "pytest_gpuclean.core.reading.simulated_layout",
-                                "pytest_gpuclean.model", "pytest_gpuclean.model.records",
-                                "pytest_gpuclean.plugin", "pytest_gpuclean.session",
-                                "pytest_gpuclean.session.hookspecs", "pytest_gpuclean.session.names",
-                                "pytest_gpuclean.session.opening"]
+    # its layout; no NVML module), what it shares with NVML's (``devices``), and the protocols, the device
+    # choice and the opener (``backends``).
+    assert state["modules"] == ["pytest_gpuclean._imports", "pytest_gpuclean._model",
+                                "pytest_gpuclean._model.records", "pytest_gpuclean._ownership",
+                                "pytest_gpuclean._ownership.cookie", "pytest_gpuclean._reading",
+                                "pytest_gpuclean._reading.backends", "pytest_gpuclean._reading.devices",
+                                "pytest_gpuclean._reading.procfs", "pytest_gpuclean._reading.simulated",
+                                "pytest_gpuclean._reading.simulated_layout", "pytest_gpuclean._session",
+                                "pytest_gpuclean._session.names", "pytest_gpuclean._session.opening",
+                                "pytest_gpuclean._settings", "pytest_gpuclean._version",
+                                "pytest_gpuclean.hookspecs", "pytest_gpuclean.plugin"]
     assert "gpuclean-checker-idle" in state["plugins"]
     assert not (tmp_path / "locks").exists()
 
@@ -100,7 +96,7 @@ def test_the_default_lock_directory_is_found_when_first_read() -> None:
     script = """
 import os, tempfile
 import pytest_gpuclean.plugin
-from pytest_gpuclean.core.options import settings
+from pytest_gpuclean import _settings as settings
 resolved = settings.Settings()
 assert tempfile.tempdir is None, "the temporary directory was looked up on import"
 assert resolved.lock_dir == os.path.join(tempfile.gettempdir(), "gpuclean-locks")
@@ -121,7 +117,7 @@ def test_a_collected_checked_test_starts_the_session(example: Callable[..., Path
     result.assert_outcomes(passed=3)
     state = json.loads(state_file.read_text())
     assert state["subreaper"] == 1
-    assert "pytest_gpuclean.core.checking.checker" in state["modules"]
+    assert "pytest_gpuclean._check.checker" in state["modules"]
     # The subreaper is set through _ctypes (processes._prctl says why): ctypes itself stays unloaded.
     assert not state["ctypes_loaded"]
     # pytest rewrote this conftest's asserts, but none of the package's modules (at most its __init__,
@@ -130,16 +126,15 @@ def test_a_collected_checked_test_starts_the_session(example: Callable[..., Path
     # compiled anew in every run (pytest_gpuclean/__init__.py, _PlainImports).
     assert state["conftest_rewritten"] == "AssertionRewritingHook"
     assert set(state["rewritten"]) <= {"pytest_gpuclean"}, state["rewritten"]
-    # The model is one module of records (cheap classes: no dataclass compiles methods at import) and its
-    # decisions, loaded whole; nothing of Ray loads without --gpuclean-ray, and no plugin of its hooks.
-    assert {m for m in state["modules"] if m.startswith("pytest_gpuclean.model")} == {
-        "pytest_gpuclean.model", "pytest_gpuclean.model.outcomes", "pytest_gpuclean.model.records",
-        "pytest_gpuclean.model.text"}
+    # The model is its records and the decisions over them, loaded whole; nothing of Ray loads without
+    # --gpuclean-ray, and no plugin of its hooks.
+    assert {m for m in state["modules"] if m.startswith("pytest_gpuclean._model")} == {
+        "pytest_gpuclean._model", "pytest_gpuclean._model.outcomes", "pytest_gpuclean._model.records"}
     assert not [m for m in state["modules"] if m.startswith("pytest_gpuclean.ray")]
     assert "gpuclean-ray" not in state["plugins"]
     # A session on simulated devices loads their reader only: neither NVML's module nor pynvml.
-    assert "pytest_gpuclean.core.reading.simulated" in state["modules"]
-    assert not {"pytest_gpuclean.core.reading.nvml", "pynvml"} & set(state["modules"])
+    assert "pytest_gpuclean._reading.simulated" in state["modules"]
+    assert not {"pytest_gpuclean._reading.nvml", "pynvml"} & set(state["modules"])
     # Nor the report's and shipping code, without a report, JUnit XML or xdist; and the hooks that run
     # for every test report are those of the outputs asked for (none here) and of pytest-forked (absent).
     assert not ({"pytest_gpuclean.report.jsonreport", "pytest_gpuclean.report.serialize"}
@@ -272,8 +267,7 @@ def test_a_walk_of_an_empty_lone_process_reads_only_the_last_pid_until_one_is_al
     # The clean path's usual walk: one thread, nothing under it. After a full look, the next walk reads
     # ns_last_pid alone while no pid was allocated; the first pid allocated after it (here: the process
     # forks) makes it look again, and the child is found, from whichever thread it was forked.
-    from pytest_gpuclean.core.reading import procfs
-
+    from pytest_gpuclean._reading import procfs
     if procfs.last_pid() is None:
         pytest.skip("the kernel does not say the last pid here")
     forker = subprocess.Popen([sys.executable, "-c", _FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -315,8 +309,7 @@ def test_a_walk_of_an_empty_lone_process_reads_only_the_last_pid_until_one_is_al
 def test_the_walk_finds_children_of_a_lone_thread_and_of_each_thread() -> None:
     # One thread: its children file is read without listing the task folder (its link count says one thread,
     # and that thread is the process's own pid); several: each thread's file.
-    from pytest_gpuclean.core.reading import procfs
-
+    from pytest_gpuclean._reading import procfs
     forker = subprocess.Popen([sys.executable, "-c", _FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
 

@@ -13,20 +13,20 @@ from typing import Any
 import pytest
 from helpers import run_inner
 
-from pytest_gpuclean.core.options.device_list import parse_device_list, repeated_tokens
-from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.core.reading.backends import choose_devices, select_devices
-from pytest_gpuclean.core.reading.devices import (
+from pytest_gpuclean._model.records import MIB, DeviceInfo, Selection
+from pytest_gpuclean._reading import procfs
+from pytest_gpuclean._reading.backends import choose_devices, select_devices
+from pytest_gpuclean._reading.devices import (
     BackendUnavailable,
     DeviceError,
     DeviceLost,
     DeviceSelectionError,
     SimulationError,
 )
-from pytest_gpuclean.core.reading.nvml import NvmlBackend, NvmlOpening
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend, simulated_uuid
-from pytest_gpuclean.core.reading.simulated_layout import DEFAULT_TOTAL
-from pytest_gpuclean.model.records import MIB, DeviceInfo, Selection
+from pytest_gpuclean._reading.nvml import NvmlBackend, NvmlOpening
+from pytest_gpuclean._reading.simulated import SimulatedBackend, simulated_uuid
+from pytest_gpuclean._reading.simulated_layout import DEFAULT_TOTAL
+from pytest_gpuclean._settings import parse_device_list, repeated_tokens
 from pytest_gpuclean.simulate import allocate
 
 GPU0 = DeviceInfo(0, "GPU-1a2b3c4d-0000-4000-8000-000000000000", "H200")

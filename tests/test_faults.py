@@ -27,9 +27,9 @@ from helpers import (
     wait_for_file,
 )
 
-from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.core.reading.simulated import simulated_uuid
-from pytest_gpuclean.report.report import LEAK_PREFIX
+from pytest_gpuclean._reading import processes, procfs
+from pytest_gpuclean._reading.simulated import simulated_uuid
+from pytest_gpuclean.report.terminal import LEAK_PREFIX
 
 # ---- it must not kill what a fixture, a conftest or the session set-up owns -----------------------
 

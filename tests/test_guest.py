@@ -57,8 +57,8 @@ CHECKED = {CHECKING: {"test_a_marked", "test_c_count"}, XDIST: {"test_a_marked",
 """The probe's tests that the plugin checks, by mode (they hold GPU locks while they run)."""
 
 SESSION_ID = r"gc\.<session>"  # (the probe masks the pid and random parts of a session id)
-PLAIN_IMPORTS = "pytest_gpuclean._PlainImports"
-ON_SIGTERM = "pytest_gpuclean.core.acting.signals.SigtermAsInterrupt._on_sigterm"
+PLAIN_IMPORTS = "pytest_gpuclean._imports._PlainImports"
+ON_SIGTERM = "pytest_gpuclean._session.signals.SigtermAsInterrupt._on_sigterm"
 SAME_EVERYWHERE = ("threads", "os_threads", "excepthook", "threading_excepthook", "unraisablehook", "atexit",
                    "warning_filters", "gc", "rlimits", "sigmask", "umask", "cwd", "nice", "affinity",
                    "path_hooks", "faulthandler", "switchinterval", "recursionlimit", "flags")

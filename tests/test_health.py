@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuclean import simulate
-from pytest_gpuclean.core.reading import devices, simulated
-from pytest_gpuclean.core.reading.health import HealthWatch, xid_meaning
-from pytest_gpuclean.model.records import DeviceHealth, DeviceInfo
+from pytest_gpuclean._check.health import HealthWatch, xid_meaning
+from pytest_gpuclean._model.records import DeviceHealth, DeviceInfo
+from pytest_gpuclean._reading import devices, simulated
 
 
 def run(pytester: pytest.Pytester, suite: str, *args: str) -> tuple[pytest.RunResult, dict[str, dict]]:

@@ -1,4 +1,4 @@
-"""gpuclean's own hooks (``session/hookspecs.py``): an extension takes part in each checked test's check, in
+"""gpuclean's own hooks (``hookspecs.py``): an extension takes part in each checked test's check, in
 the session's end and in the outputs without the per-test check or the outputs knowing of it (the Ray
 cluster's checks are one: tests/test_ray.py).
 """

@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 from helpers import EXAMPLES, alive
 
-from pytest_gpuclean.core.locks import held as held_mod
-from pytest_gpuclean.core.locks.directory import HOST, QUEUE_AFTER_S, LockDirError, take_notices
-from pytest_gpuclean.core.locks.gpus import GpuLocks, LockTimeout
-from pytest_gpuclean.core.locks.held import HELD_VAR
-from pytest_gpuclean.core.locks.holders import clean_text
-from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.records import LockHolder
+from pytest_gpuclean._locks import held as held_mod
+from pytest_gpuclean._locks.directory import HOST, QUEUE_AFTER_S, LockDirError, take_notices
+from pytest_gpuclean._locks.gpus import GpuLocks, LockTimeout
+from pytest_gpuclean._locks.held import HELD_VAR
+from pytest_gpuclean._locks.holders import clean_text
+from pytest_gpuclean._model.records import LockHolder
+from pytest_gpuclean._reading import procfs
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="acting as another user or mounting a tmpfs needs root")
@@ -303,7 +303,7 @@ def test_missing_lock_file_of_a_free_gpu_is_made_while_other_gpus_are_held(tmp_p
 
 MARKING = """
 import fcntl, os, sys
-from pytest_gpuclean.core.locks import directory
+from pytest_gpuclean._locks import directory
 fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
 offset = getattr(directory.marks_of("GPU-a"), sys.argv[2])
 fcntl.fcntl(fd, fcntl.F_OFD_SETLK, directory._FLOCK.pack(fcntl.F_RDLCK, 0, offset, 1, 0))
@@ -364,7 +364,7 @@ def test_a_newcomer_leaves_a_free_gpu_to_a_session_that_has_waited_long(tmp_path
 def other_session_tries(lock_dir: str, uuid: str) -> str:
     """Another session (not a child of this one's test: no ``HELD_VAR``) tries to lock ``uuid`` for 0.3 s:
     "locked", or why not (its LockTimeout)."""
-    script = ("import sys; from pytest_gpuclean.core.locks.gpus import GpuLocks, LockTimeout\n"
+    script = ("import sys; from pytest_gpuclean._locks.gpus import GpuLocks, LockTimeout\n"
               "try: GpuLocks(sys.argv[1]).acquire([sys.argv[2]], 1, 0.3, 'other::test').release()\n"
               "except LockTimeout as exc: print(exc)\n"
               "else: print('locked')")
@@ -485,7 +485,7 @@ def test_lock_file_deleted_while_its_lock_is_kept_is_seen_at_the_next_test(tmp_p
 STREAM = """
 import os, sys, time
 from pathlib import Path
-from pytest_gpuclean.core.locks import gpus
+from pytest_gpuclean._locks import gpus
 gpu = gpus.GpuLocks(sys.argv[1])
 stop = Path(sys.argv[2])
 tests = 0
@@ -629,7 +629,7 @@ def test_child_of_a_raw_fork_and_its_parent_exclude_each_other(tmp_path: Path) -
     lock_dir = str(tmp_path / "locks")
     script = """
 import ctypes, os, sys, time
-from pytest_gpuclean.core.locks import gpus
+from pytest_gpuclean._locks import gpus
 gpus.GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 5, "parent::first").release()  # GPU-a's file stays open
 held = gpus.GpuLocks(sys.argv[1]).acquire(["GPU-b"], 1, 5, "parent::holds")
 print("READY", flush=True)

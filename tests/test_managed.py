@@ -21,7 +21,7 @@ import pytest
 from helpers import alive, kill_all, read_pids, reap_orphans, summary_of, wait_dead
 from test_compat import compat_run, needs
 
-from pytest_gpuclean.core.ownership.handles import holders
+from pytest_gpuclean._ownership.handles import holders
 
 
 def _lines(path: Path) -> list[list[int]]:

@@ -128,7 +128,7 @@ def test_an_unknown_variable_is_said_in_a_quiet_session_that_checks_nothing(
 def test_torch_memory_a_test_keeps_alive_warns_at_the_test_itself(
         example: Callable[..., Path], pytester: pytest.Pytester, mode: str) -> None:
     # The one GpuCleanWarning left: the test's own finding, at the test's own line, so that a filter (-W
-    # error::...GpuCleanWarning) can make it that test's error, in one line. Before: at testcheck.py's line,
+    # error::...GpuCleanWarning) can make it that test's error, in one line. Before: at the plugin's own line,
     # and under -W error a traceback into the plugin.
     example("core/in_process_torch_memory_growth")
     result = run_in_mode(pytester, mode)
@@ -406,8 +406,7 @@ def test_the_readmes_strict_config_recipe_keeps_a_run_without_the_plugin_passing
 
 
 def test_the_ini_file_is_the_one_pytest_would_take(tmp_path: Path) -> None:
-    from pytest_gpuclean.core.options.ini_file import ini_value
-
+    from pytest_gpuclean._cli import ini_value
     (tmp_path / "setup.cfg").write_text("[tool:pytest]\ngpuclean_simulate = far\n")
     inner = tmp_path / "a"
     inner.mkdir()

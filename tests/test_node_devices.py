@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from helpers import exec_done
 
-from pytest_gpuclean.model.records import DeviceInfo
+from pytest_gpuclean._model.records import DeviceInfo
 from pytest_gpuclean.ray.node import node_devices
 
 GPUS = tuple(DeviceInfo(i, f"GPU-{i}{i}{i}{i}aaaa-0000", "H200") for i in range(4))

@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpuclean.core.deciding import reap_plan
-from pytest_gpuclean.core.deciding.gate import Credentials
-from pytest_gpuclean.core.deciding.reap_plan import plan as plan_reap
-from pytest_gpuclean.model.outcomes import (
+from pytest_gpuclean._check import reap_plan
+from pytest_gpuclean._check.reap_plan import plan as plan_reap
+from pytest_gpuclean._model.outcomes import (
     ALL_KINDS,
-    CheckResult,
-    ClusterReading,
-    FixtureLeak,
-    NodeReading,
     has_findings,
     noticed,
     outcome,
@@ -24,18 +19,22 @@ from pytest_gpuclean.model.outcomes import (
     reaped_count,
     split_own,
 )
-from pytest_gpuclean.model.outcomes import TestRecord as Record
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._model.records import (
+    CheckResult,
+    ClusterReading,
+    Credentials,
+    FixtureLeak,
     FoundBy,
     HealthFinding,
+    NodeReading,
     Offender,
     Owner,
     OwnerKind,
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.report import jsonreport, report
-from pytest_gpuclean.session import outputs
+from pytest_gpuclean._model.records import TestRecord as Record
+from pytest_gpuclean.report import ci, jsonreport, terminal
 
 NODEID = "t.py::test_it"
 ME = Owner("test", NODEID)
@@ -63,7 +62,7 @@ CLEAN_AFTER = CheckResult("teardown", True, (), ())
 
 
 def after(**fields: object) -> CheckResult:
-    return CLEAN_AFTER.replace(**fields)
+    return CLEAN_AFTER._replace(**fields)
 
 
 def health(effect: str) -> HealthFinding:
@@ -78,7 +77,7 @@ def cluster(clean: bool = True, reaped_: tuple[Reaped, ...] = (),
 
 
 def on_node(found: Reaped | Offender, node: str = NODE, **fields: object) -> Reaped | Offender:
-    return found.replace(node=node, **fields)
+    return found._replace(node=node, **fields)
 
 
 UNREACHABLE = Offender("unreachable", None, None, "gpu", detail="the Ray cluster at 127.0.0.1:6379 did not "
@@ -114,7 +113,7 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
     ("an earlier test's leftover reaped after it: noticed, not a finding",
      Record(NODEID, before=CLEAN_BEFORE, after=after(reaped=(reaped(EARLIER),))), "clean", False),
     ("an earlier test's leftover reaped before it: noticed, not a finding",
-     Record(NODEID, before=CLEAN_BEFORE.replace(reaped=(reaped(EARLIER),)), after=CLEAN_AFTER), "clean",
+     Record(NODEID, before=CLEAN_BEFORE._replace(reaped=(reaped(EARLIER),)), after=CLEAN_AFTER), "clean",
      False),
     ("an earlier test's leftover still there: not clean, not its leak",
      Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(leaked(EARLIER),))),
@@ -125,7 +124,7 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
     ("a fixture's leak is the fixture's, not the test's",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, fixture_leaks=(FIXTURE_LEAK,)), "clean",
      False),
-    ("not clean before", Record(NODEID, before=CLEAN_BEFORE.replace(clean=False, offenders=(MEMORY,))),
+    ("not clean before", Record(NODEID, before=CLEAN_BEFORE._replace(clean=False, offenders=(MEMORY,))),
      "not_clean", True),
     ("not clean after",
      Record(NODEID, before=CLEAN_BEFORE, after=after(clean=False, offenders=(MEMORY,))), "not_clean",
@@ -140,7 +139,7 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, cluster_after=cluster(False)), "not_clean",
      True),
     ("the Ray cluster could not be reached before the test: not clean, no leak",
-     Record(NODEID, cluster_before=cluster(False, findings=(UNREACHABLE,)).replace(phase="setup")),
+     Record(NODEID, cluster_before=(cluster(False, findings=(UNREACHABLE,)))._replace(phase="setup")),
      "not_clean", True),
     ("the Ray cluster could not be reached after the test: not clean, no leak",
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER,
@@ -166,7 +165,7 @@ OUTCOMES: list[tuple[str, Record, str, bool]] = [
      Record(NODEID, before=CLEAN_BEFORE, after=CLEAN_AFTER, in_process_mib=(("cuda:0", 2.0),)), "clean",
      True),
     ("dirty from outside, skipped",
-     Record(NODEID, before=CLEAN_BEFORE.replace(clean=False, offenders=(MEMORY,)), outside_action="skip"),
+     Record(NODEID, before=CLEAN_BEFORE._replace(clean=False, offenders=(MEMORY,)), outside_action="skip"),
      "not_clean", True),
 ]
 
@@ -184,7 +183,7 @@ def test_outcome(record: Record, expected: str, findings: bool) -> None:
     assert jsonreport.record_json(record)["outcome"] == expected
     assert has_findings(record) is findings
     assert own_leaks(record).any() is (expected == "leaked") is bool(jsonreport.leaked_json(record))
-    assert ("gpuclean_outcome", expected) in outputs.junit_properties(record)
+    assert ("gpuclean_outcome", expected) in ci.junit_properties(record)
     assert jsonreport.record_json(record)["findings"] is findings
     # Every outcome but clean is the test's finding; a clean one only by a finding of its own that does not
     # fail it (torch memory grown, a GPU used without its lock). What its checks did for others is noticed.
@@ -203,7 +202,7 @@ def test_totals_count_what_outcome_decides() -> None:
         assert summary[key] == decided.count(key)
     checked = [r for r in records if r.before is not None]
     unchecked_leaked = sum(1 for r in records if r.before is None and outcome(r) == "leaked")
-    assert report.totals_line(records, []).startswith(
+    assert terminal.totals_line(records, []).startswith(
         f"{len(checked)} checked test(s), {sum(1 for r in records if has_findings(r))} with findings, "
         f"1 fixture(s) that leaked processes, {unchecked_leaked} unchecked test(s) that leaked processes, ")
 
@@ -213,14 +212,14 @@ def test_reaped_count_counts_each_process_where_it_was_ended() -> None:
     # worker that died (found_later only), at the session's end; each process once, by its identity: a leak
     # found by a later check is in that check's reaped and in its test's found_later.
     def ended(pid: int, owner: Owner, node: str | None = None) -> Reaped:
-        return reaped(owner).replace(process=PROC.replace(pid=pid), node=node)
+        return (reaped(owner))._replace(process=PROC._replace(pid=pid), node=node)
 
     earlier = ended(1, EARLIER)
-    record = Record(NODEID, before=CLEAN_BEFORE.replace(reaped=(earlier,)),
+    record = Record(NODEID, before=CLEAN_BEFORE._replace(reaped=(earlier,)),
                     after=after(reaped=(ended(2, ME), ended(3, ME))),
                     cluster_before=cluster(reaped_=(ended(1, EARLIER, NODE),)),
                     cluster_after=cluster(reaped_=(ended(4, ME, NODE),)),
-                    fixture_leaks=(FIXTURE_LEAK.replace(reaped=(ended(5, MY_FIXTURE),)),),
+                    fixture_leaks=(FIXTURE_LEAK._replace(reaped=(ended(5, MY_FIXTURE),)),),
                     found_later=(ended(6, ME),))
     found_earlier = Record("t.py::test_earlier", found_later=(earlier,))
     records, session_reaped = [record, found_earlier, Record("t.py::test_unchecked")], [ended(7, SESSION)]
@@ -229,7 +228,7 @@ def test_reaped_count_counts_each_process_where_it_was_ended() -> None:
     assert reaped_count(records, session_reaped) == 1 + 2 + 1 + 1 + 1 + 1 + 1
     # The summary line and the JSON report ask it, so they agree.
     assert jsonreport.summary_json(records, session_reaped)["reaped"] == 8
-    assert ", 8 process(es) reaped" in report.totals_line(records, session_reaped)
+    assert ", 8 process(es) reaped" in terminal.totals_line(records, session_reaped)
 
 
 def test_own_leaks_lists_each_place_in_report_order() -> None:
@@ -292,7 +291,7 @@ def test_split_own_keeps_order_and_every_item() -> None:
 def test_split_own_by_name_for_a_record_without_tokens() -> None:
     """A record read back (an xdist worker's) has no tokens: the reports tell the test's own by its name,
     and list a dead session's offender as the reports always did."""
-    items = [leaked(EARLIER), leaked(ME), leaked(MY_FIXTURE), leaked(ME).replace(found_by="dead session")]
+    items = [leaked(EARLIER), leaked(ME), leaked(MY_FIXTURE), (leaked(ME))._replace(found_by="dead session")]
     own, earlier = split_own(items, lambda o: o.name == NODEID, ("test",), dead_sessions_theirs=False)
     assert own == items[1:]
     assert earlier == items[:1]
@@ -300,9 +299,9 @@ def test_split_own_by_name_for_a_record_without_tokens() -> None:
 
 # ---- what `gpuclean reap` may end, on this host and on a Ray cluster -----------------------------------
 
-MINE = PROC.replace(cmdline="python hold.py\n--mib 64")
-ROOTS = PROC.replace(uid=0, user="root", cmdline="python serve.py")
-THEIRS = PROC.replace(pid=4243, uid=1001, user="victim", cmdline="python3 logsig.py")
+MINE = PROC._replace(cmdline="python hold.py\n--mib 64")
+ROOTS = PROC._replace(uid=0, user="root", cmdline="python serve.py")
+THEIRS = PROC._replace(pid=4243, uid=1001, user="victim", cmdline="python3 logsig.py")
 CI_ONLY = Credentials(4242, ((1000, "ci"),))
 SETUID_ROOT = Credentials(4242, ((0, "root"), (1000, "ci")))
 RELAY = Credentials(4242, ((1000, "ci"),), (THEIRS,))
@@ -382,7 +381,7 @@ def test_reap_plan_considers_a_pid_once_per_place() -> None:
     assert targets == [listed, namesake_carrier, node_a, node_b]
     assert len(left) == 1 and left[0].startswith("pid 2 (listed on GPU 0) is ")
     # Another user's process listed on a device and carrying the cookie: left alone, said once.
-    theirs = THEIRS.replace(pid=5)
+    theirs = THEIRS._replace(pid=5)
     _, left = plan_reap([cand(pid=5, info=theirs), cand(pid=5, info=theirs, found_by="cookie")],
                         my_uid=PROC.uid, cmd_width=80)
     assert left == ["pid 5 of user victim (python3 logsig.py): another user's process (only root, with "
@@ -390,7 +389,7 @@ def test_reap_plan_considers_a_pid_once_per_place() -> None:
 
 
 def test_reap_plan_cuts_command_lines_at_the_width() -> None:
-    _, [line] = plan_reap([cand(gpuclean_itself=True, info=MINE.replace(cmdline="x" * 300))],
+    _, [line] = plan_reap([cand(gpuclean_itself=True, info=MINE._replace(cmdline="x" * 300))],
                           my_uid=PROC.uid, cmd_width=20)
     assert len(line.split("(", 1)[1].split(")", 1)[0]) <= 20
 
@@ -402,14 +401,14 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
     check is an ordinary ``CheckResult`` whose JSON the schema takes."""
     import jsonschema
 
-    from pytest_gpuclean.core.ownership.evidence import Ownership
+    from pytest_gpuclean._ownership.evidence import Ownership
     from pytest_gpuclean.ray import cluster as ray_cluster
     from pytest_gpuclean.ray import reporting as ray_reporting
 
     def no_answer(*args: object, **kwargs: object) -> None:
         raise ray_cluster.ClusterError("the Ray cluster at 127.0.0.1:6379 did not answer (census) within 5s")
 
-    check = ray_cluster.RayCheck("127.0.0.1:6379", Ownership("t"))
+    check = ray_cluster.ClusterChecker("127.0.0.1:6379", Ownership("t"))
     monkeypatch.setattr(check, "_call", no_answer)
     result = check.check_cluster("teardown", tolerance_mib=0, timeout=5.0)
     assert not result.clean and result.cluster is not None and result.cluster.address == "127.0.0.1:6379"
@@ -420,13 +419,13 @@ def test_an_unreachable_cluster_is_its_own_finding(monkeypatch: pytest.MonkeyPat
     document = jsonreport.record_json(record, ray_reporting.record_keys)
     assert document["cluster_after"]["findings"][0]["reason"] == "unreachable"
     jsonschema.validate(document, {"$defs": jsonreport.load_schema()["$defs"], "$ref": "#/$defs/test"})
-    assert "unreachable: the Ray cluster at 127.0.0.1:6379 did not answer" in report.check_report(result, "x")
+    assert ("unreachable: the Ray cluster at 127.0.0.1:6379 did not answer"
+            in terminal.check_report(result, "x"))
 
 
 def test_a_dead_or_unreadable_node_is_unreachable_and_named() -> None:
     from pytest_gpuclean.ray import cluster as ray_cluster
-    from pytest_gpuclean.ray.records import Census, NodeReport
-
+    from pytest_gpuclean.ray.messages import Census, NodeReport
     census = Census(nodes=(NodeReport("b" * 56, 0, (), (), "probe failed: boom"),),
                     dead_nodes=(("a" * 56, "node crashed"),), actors=(), our_jobs=(), took_s=0.1)
     found = ray_cluster.node_findings(census, 0, set())

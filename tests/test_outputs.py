@@ -28,9 +28,8 @@ from helpers import (
     wait_dead,
 )
 
-from pytest_gpuclean.core.reading.simulated import simulated_uuid
-from pytest_gpuclean.report import jsonreport
-from pytest_gpuclean.session import outputs
+from pytest_gpuclean._reading.simulated import simulated_uuid
+from pytest_gpuclean.report import ci, jsonreport
 
 
 @pytest.fixture(autouse=True)
@@ -337,12 +336,12 @@ def test_without_junitxml_no_properties_are_built(example: Callable[..., Path],
     ("%0A", "%250A", "%250A"),  # an escape sequence in the input is not an escape
 ])
 def test_workflow_command_escaping(text: str, data: str, prop: str) -> None:
-    assert outputs.escape_data(text) == data
-    assert outputs.escape_property(text) == prop
+    assert ci.escape_data(text) == data
+    assert ci.escape_property(text) == prop
 
 
 def test_workflow_command_shape() -> None:
-    line = outputs.workflow_command("error", "two\nlines: 100%", [("file", "a,b.py"), ("title", "GPU leak")])
+    line = ci.workflow_command("error", "two\nlines: 100%", [("file", "a,b.py"), ("title", "GPU leak")])
     assert line == "::error file=a%2Cb.py,title=GPU leak::two%0Alines: 100%25"
 
 

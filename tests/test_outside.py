@@ -21,9 +21,9 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from helpers import alive, exec_done, kill_all, read_pids, run_inner, summary_of
 
-from pytest_gpuclean.model.records import MIB
+from pytest_gpuclean._model.records import MIB
 from pytest_gpuclean.report import jsonreport
-from pytest_gpuclean.report.report import NOT_CLEAN_PREFIX
+from pytest_gpuclean.report.terminal import NOT_CLEAN_PREFIX
 from pytest_gpuclean.simulate import init_cuda
 
 TIMEOUT = 1.0
@@ -355,9 +355,9 @@ def _running(cookie: str) -> Iterator[int]:
 def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
     # What a sibling worker's test started carries the controller's cookie extended by that worker's
     # session: the run's, not outside the session (its own worker accounts for it).
-    from pytest_gpuclean.core.checking.checker import Checker
-
-    worker = Checker(None, xdist_run="run1", peer_cookie="gc.1.2.3.aa:session")
+    from pytest_gpuclean._check.checker import Checker
+    from pytest_gpuclean._ownership.census import Census, XdistPeers
+    worker = Checker(None, census=Census.of_its_own(peers=XdistPeers("run1", "gc.1.2.3.aa:session")))
     alone = Checker(None)
     with _running("gc.1.2.3.aa:session/gc.4.5.3.bb:t7") as sibling, \
             _running("gc.9.9.3.cc:session/gc.4.5.3.bb:t7") as other_run, \
@@ -370,14 +370,13 @@ def test_a_sibling_xdist_workers_process_is_never_outside() -> None:
 
 
 def test_the_shared_memory_of_an_xdist_run_round_trips_and_shrugs_off_a_bad_file(tmp_path: Path) -> None:
-    from pytest_gpuclean.core.checking.outside import OutsideMemory
-    from pytest_gpuclean.core.deciding.verdict import OutsideState
-
+    from pytest_gpuclean._check.decisions import OutsideState
+    from pytest_gpuclean._check.outside import OutsideMemory
     path = tmp_path / "outside.json"
     one, other = OutsideMemory(str(path)), OutsideMemory(str(path))  # two workers
     state = OutsideState(frozenset({(4242, 99)}), 719 * MIB, "t.py::test_1", 12.5)
-    one.update({"GPU-a": state, "GPU-b": state.replace(holders=frozenset())}, forget=())
-    assert other.load() == {"GPU-a": state, "GPU-b": state.replace(holders=frozenset())}
+    one.update({"GPU-a": state, "GPU-b": state._replace(holders=frozenset())}, forget=())
+    assert other.load() == {"GPU-a": state, "GPU-b": state._replace(holders=frozenset())}
     other.forget(["GPU-b"])
     assert one.load() == {"GPU-a": state}
     path.write_text("{not json")

@@ -108,8 +108,7 @@ def test_leaks_across_nodes_are_found_attributed_and_reaped(
     # was killed by its own finalizer, with ray.kill, which only asks the actor's node to end it: on a busy
     # box (CI, four stages at once) the session may end first, so its memory is given a while to go (a
     # process that stayed would hold it for ever).
-    from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-
+    from pytest_gpuclean._reading.simulated import SimulatedBackend
     for node_dir in ray_cluster["dirs"].values():
         backend = SimulatedBackend(node_dir)
         deadline = time.monotonic() + 30
@@ -346,7 +345,7 @@ def test_cli_off_never_imports_ray(sim: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from pytest_gpuclean import cli; assert cli.main(['check', '--ray', 'off']) == 0; "
+    code = ("import sys; from pytest_gpuclean import _cli; assert _cli.main(['check', '--ray', 'off']) == 0; "
             "assert 'ray' not in sys.modules and 'pytest_gpuclean.ray.cluster' not in sys.modules, "
             "'imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -487,8 +486,7 @@ def test_gcs_address_from_the_command_line(tmp_path: Path) -> None:
 
     from helpers import exec_done
 
-    from pytest_gpuclean.ray.checks import GCS_SERVER, gcs_address
-
+    from pytest_gpuclean.ray.hooks import GCS_SERVER, gcs_address
     fake = tmp_path / GCS_SERVER  # a Python named like Ray's GCS server
     fake.symlink_to(sys.executable)
     session = tmp_path / "session_x"
@@ -516,17 +514,17 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
     # Windows are read in clock ticks, truncated; the control store's start times in milliseconds. An
     # actor a fixture waits for before it returns (its start time comes a few ms before the first call
     # returns) often starts in the fixture's last tick, after its truncated end: still the fixture's.
-    from pytest_gpuclean.core.ownership.evidence import Ownership, Window
-    from pytest_gpuclean.core.reading import procfs
-    from pytest_gpuclean.model.records import Owner
-    from pytest_gpuclean.ray.cluster import RayCheck
+    from pytest_gpuclean._model.records import Owner
+    from pytest_gpuclean._ownership.evidence import Ownership, Window
+    from pytest_gpuclean._reading import procfs
+    from pytest_gpuclean.ray.cluster import ClusterChecker
 
     ownership = Ownership("gc.test")
     test = ownership.new_token(Owner("test", "t"))
     fixture = ownership.new_token(Owner("fixture", "f (module-scoped)"))
     now = procfs.boot_ticks_now()
     ownership.windows += [Window(test, None, now - 500), Window(fixture, None, now - 400, None, now - 100)]
-    check = RayCheck("127.0.0.1:1", ownership)
+    check = ClusterChecker("127.0.0.1:1", ownership)
     tick = 1 / procfs.CLOCK_TICKS
     end = procfs.ticks_to_wall(now - 100)
     assert check._token_at(end + 0.6 * tick) == fixture
@@ -535,9 +533,8 @@ def test_an_actor_started_in_a_windows_last_tick_is_its_owners() -> None:
 
 
 def _census() -> Any:
-    from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot, GpuProcess, ProcessInfo
-    from pytest_gpuclean.ray.records import ActorRecord, Census, JobRecord, NodeProcess, NodeReport
-
+    from pytest_gpuclean._model.records import DeviceInfo, DeviceSnapshot, GpuProcess, ProcessInfo
+    from pytest_gpuclean.ray.messages import ActorRecord, Census, JobRecord, NodeProcess, NodeReport
     info = ProcessInfo(4242, 99, 1, 1000, "ci", "ray::Holder.hold", "sleeping")
     snap = DeviceSnapshot(DeviceInfo(0, "GPU-0000", "node 3f2a9c1b: H200"), 512, 1024,
                           (GpuProcess(4242, 512),))
@@ -570,8 +567,7 @@ def test_the_records_that_cross_the_ray_boundary_pickle() -> None:
     import subprocess
     from multiprocessing.connection import Connection
 
-    from pytest_gpuclean.ray.records import NamedActor, NodeEnd
-
+    from pytest_gpuclean.ray.messages import NamedActor, NodeEnd
     census = _census()
     end = NodeEnd(((4242, "ray.kill", "ray.kill", 0.01, ""), (4243, "ladder", "SIGTERM", None, "")), 0.41,
                   (4242,), ("an error",))
@@ -582,7 +578,7 @@ def test_the_records_that_cross_the_ray_boundary_pickle() -> None:
             back = pickle.loads(pickle.dumps(record, protocol))
             assert back == record and type(back) is type(record) and hash(back) == hash(record)
     back = pickle.loads(pickle.dumps(census))
-    assert back.replace(took_s=1.0).took_s == 1.0 and back.nodes[0].devices[0].bytes_of({4242}) == 512
+    assert back._replace(took_s=1.0).took_s == 1.0 and back.nodes[0].devices[0].bytes_of({4242}) == 512
     assert pickle.loads(pickle.dumps(actor)).start_ticks == 99
     cloudpickles = [m for m in (_importable("ray.cloudpickle"), _importable("cloudpickle")) if m is not None]
     for cloudpickle in cloudpickles:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import alive, kill_all, owner_uid, read_pids, reap_orphans, run_inner, wait_dead
 
-from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.report.report import LEAK_PREFIX
+from pytest_gpuclean._reading import processes, procfs
+from pytest_gpuclean.report.terminal import LEAK_PREFIX
 
 # name (a function of tests/examples/reaper/scenarios) -> (pids expected in the pidfile, text expected in
 # the report)
@@ -251,9 +251,8 @@ def test_reaper_never_steals_popen_exit_statuses(example: Callable[..., Path],
 
 def test_fixture_protection_ends_with_the_fixture(tmp_path: Path) -> None:
     # Ownership bookkeeping: a process spawned under a fixture's cookie is protected only while it lives.
-    from pytest_gpuclean.core.checking.checker import Ownership
-    from pytest_gpuclean.model.records import Owner
-
+    from pytest_gpuclean._model.records import Owner
+    from pytest_gpuclean._ownership.evidence import Ownership
     ownership = Ownership("s1")
     token = ownership.new_token(Owner("fixture", "server (module-scoped)"))
     ownership.active_fixtures.add(token)
@@ -267,8 +266,7 @@ def test_what_existed_before_the_session_is_decided_by_evidence() -> None:
     # The session began (its cookie exported) in tick 1000, when the last pid allocated was 500. A start
     # time outside that tick decides; inside it only the pids can, and without them nothing is proven
     # (None: left alone, never taken for the session set-up's).
-    from pytest_gpuclean.core.ownership.evidence import PREEXISTING, Ownership
-
+    from pytest_gpuclean._ownership.evidence import PREEXISTING, Ownership
     ownership = Ownership("s1", began_tick=1000, began_pid=500)
     assert ownership.existed_before(600, 999, last_pid=700) is True
     assert ownership.existed_before(400, 1001, last_pid=700) is False

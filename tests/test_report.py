@@ -5,31 +5,29 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+from dataclasses import replace
 from typing import Any, get_args
 
 import pytest
 
-from pytest_gpuclean.core.deciding import reap_plan
-from pytest_gpuclean.core.deciding.gate import Credentials
-from pytest_gpuclean.model import outcomes
-from pytest_gpuclean.model import records as model
-from pytest_gpuclean.model.outcomes import (
+from pytest_gpuclean._check import reap_plan
+from pytest_gpuclean._model import outcomes
+from pytest_gpuclean._model import records as model
+from pytest_gpuclean._model.outcomes import has_findings
+from pytest_gpuclean._model.records import (
+    MIB,
     CheckResult,
     ClusterReading,
-    FixtureLeak,
-    NodeReading,
-    NodeRelease,
-    has_findings,
-)
-from pytest_gpuclean.model.outcomes import TestRecord as Record
-from pytest_gpuclean.model.records import (
-    MIB,
+    Credentials,
     DeviceInfo,
     DeviceSnapshot,
+    FixtureLeak,
     GpuProcess,
     HealthFinding,
     HolderRecord,
     LockHolder,
+    NodeReading,
+    NodeRelease,
     Offender,
     Outside,
     Owner,
@@ -37,10 +35,11 @@ from pytest_gpuclean.model.records import (
     Reaped,
     SiblingUse,
 )
+from pytest_gpuclean._model.records import TestRecord as Record
+from pytest_gpuclean._session import store
 from pytest_gpuclean.ray import reporting as ray_reporting
-from pytest_gpuclean.report import jsonreport, records, report
+from pytest_gpuclean.report import ci, jsonreport, terminal
 from pytest_gpuclean.report.serialize import from_dict, to_dict
-from pytest_gpuclean.session import outputs
 
 GPU0 = DeviceInfo(0, "GPU-0000", "H200")
 MIG = DeviceInfo(1, "MIG-1111", "A100", mig_index=2)
@@ -63,18 +62,18 @@ NO_LOCKS = Record("t.py::test_waits", ("t.py", 20), lock_wait_s=600.0,
                   lock_timeout="waited 600s for 1 of 1 GPU lock(s); held by: GPU-0000: pid 1")
 ENGINE = Owner("fixture", "engine (session-scoped)")
 ENGINE_LEAK = FixtureLeak("engine", "session", ("conftest.py", 12), "t2.py::test_d",
-                          (REAPED.replace(owner=ENGINE),),
-                          (LEAKED.replace(owner=ENGINE),),
-                          (LEAKED.replace(owner=ENGINE),))
+                          (REAPED._replace(owner=ENGINE),),
+                          (LEAKED._replace(owner=ENGINE),),
+                          (LEAKED._replace(owner=ENGINE),))
 UNREADABLE = CheckResult("teardown", False, (), (), reaped=(REAPED,), waited_s=0.01,
                          error="GPU 1 (GPU-1111): simulated device file '/s/1/7' holds 'x'", device_lost=True)
-FIXTURE_RECORD = Record("t2.py::test_d", ("t2.py", 4), BEFORE, BEFORE.replace(phase="teardown"),
+FIXTURE_RECORD = Record("t2.py::test_d", ("t2.py", 4), BEFORE, BEFORE._replace(phase="teardown"),
                         fixture_leaks=(ENGINE_LEAK,))
 
 # What another xdist worker found: a process of t.py::test_leaks on a GPU its own test held the lock of.
 SIBLING = SiblingUse(PROC, TEST, "gw0", (("GPU 0", 512.0),), "t.py::test_victim", "gw1", "teardown")
 SEEN_SIBLING = CheckResult("teardown", True, (SNAP,), (),
-                           siblings=(SIBLING.replace(seen_by="", seen_worker="", phase=None),),
+                           siblings=(SIBLING._replace(seen_by="", seen_worker="", phase=None),),
                            notes=("pid 4242: in use by gw0's test ...",))
 UNCHECKED_USER = Record("t.py::test_leaks", gpu_without_lock=(SIBLING,))
 
@@ -91,12 +90,12 @@ NODE = "3f2a9c1b" + "0" * 48
 RAY_SNAP = DeviceSnapshot(DeviceInfo(0, "GPU-0000", f"node {NODE[:8]}: H200"), 600 * MIB, 1000 * MIB,
                           (GpuProcess(4242, 512 * MIB),))
 # A Ray cluster's check: an ordinary check whose findings name their node.
-RAY_REAPED = REAPED.replace(ended_by="exited by itself", node=NODE, via="ray.kill",
-                                 actor_id="a" * 32, job_id="01000000")
-RAY_LADDER = REAPED.replace(process=PROC.replace(pid=4243), node=NODE, via="ladder", job_id="01000000")
+RAY_REAPED = REAPED._replace(ended_by="exited by itself", node=NODE, via="ray.kill", actor_id="a" * 32,
+                             job_id="01000000")
+RAY_LADDER = REAPED._replace(process=PROC._replace(pid=4243), node=NODE, via="ladder", job_id="01000000")
 RAY_RELEASE = NodeRelease(NODE, 0.41, (4242,))
 RAY_NODE = NodeReading(NODE, (RAY_SNAP,), "")
-RAY_AFTER = CheckResult("teardown", False, (), (LEAKED.replace(node=NODE),),
+RAY_AFTER = CheckResult("teardown", False, (), (LEAKED._replace(node=NODE),),
                         (RAY_REAPED, RAY_LADDER), 0.5, notes=("a note",),
                         cluster=ClusterReading("127.0.0.1:6379", (RAY_NODE,), (RAY_RELEASE,)))
 RAY_BEFORE = CheckResult("setup", True, (), (), cluster=ClusterReading(
@@ -106,8 +105,8 @@ RAY_RECORD = Record("t.py::test_ray", ("t.py", 30), BEFORE, BEFORE, cluster_befo
                     cluster_after=RAY_AFTER)
 
 # What the clean_gpus fixture gives a test.
-GPU_STATE = outcomes.DeviceState(0, "GPU-0000", "H200", 600 * MIB, 1000 * MIB)
-CLEAN_GPUS = outcomes.CleanGpus((GPU_STATE, outcomes.DeviceState(3, "GPU-3333", "H200", 0, 1000 * MIB)))
+GPU_STATE = model.DeviceState(0, "GPU-0000", "H200", 600 * MIB, 1000 * MIB)
+CLEAN_GPUS = model.CleanGpus((GPU_STATE, model.DeviceState(3, "GPU-3333", "H200", 0, 1000 * MIB)))
 HOLDER_RECORD = HolderRecord(4242, 1000, "ci", "h", "t.py::test_holds", 1.5e9, "GPU-0000", start=99)
 LOCK_HOLDER = LockHolder(HOLDER_RECORD, alive=False, lock_pid=4343, lock_user="ci",
                          lock_cmd="python -m pytest", queued=True)
@@ -115,8 +114,8 @@ LOCK_HOLDER = LockHolder(HOLDER_RECORD, alive=False, lock_pid=4343, lock_user="c
 # What `gpuclean reap` weighs, and what its --dry-run lists.
 REAP_CANDIDATE = reap_plan.ReapCandidate(4242, PROC, (("GPU 0", 512.0),), "cookie", f"node {NODE[:8]}", True,
                                      True, True, "01000000", True, 4241, True, Credentials(
-                                         4242, ((0, "root"), (1000, "ci")), (PROC.replace(pid=4243),)))
-DRY_RUN_TARGET = report.DryRunTarget(f"node {NODE[:8]}: ", PROC, "job 01000000, by ray.kill",
+                                         4242, ((0, "root"), (1000, "ci")), (PROC._replace(pid=4243),)))
+DRY_RUN_TARGET = terminal.DryRunTarget(f"node {NODE[:8]}: ", PROC, "job 01000000, by ray.kill",
                                     (("GPU 0", 512.0),))
 
 # One fully populated instance of every record class in the model: each must survive a round trip.
@@ -128,20 +127,20 @@ EXAMPLES: list[Any] = [GPU0, MIG, PROC, TEST, SNAP, GpuProcess(1, None), REAPED,
                        UNCHECKED_USER, XID, HEALTH, FAULTED, OUTSIDE, OUTSIDE_CHECK,
                        OUTSIDE_RECORD, GPU_STATE, CLEAN_GPUS, HOLDER_RECORD, LOCK_HOLDER,
                        model.Selection((GPU0, MIG), "from CUDA_VISIBLE_DEVICES='0,1'", 3), REAP_CANDIDATE,
-                       DRY_RUN_TARGET]
+                       DRY_RUN_TARGET, REAP_CANDIDATE.credentials]
 
 
 def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
-    # The Ray extension's parts (ray/reporting.py), as its report hooks give them to the summary and report.
+    # The Ray extension's parts (ray/reporting.py), as its report hooks give them to the summary and terminal.
     import jsonschema
 
-    lines = report.summary_lines([RAY_RECORD], [], [], ray_reporting.summary_parts)
+    lines = terminal.summary_lines([RAY_RECORD], [], [], ray_reporting.summary_parts)
     assert lines[0] == (f"t.py::test_ray: Ray teardown on node {NODE[:8]}: reaped pid 4242 by ray.kill, "
                         "pid 4243 SIGTERM, devices released in 0.41s, not clean (leaked pid 4242)")
     assert lines[-1] == "1 checked test(s), 1 with findings, 2 process(es) reaped"
     # Without the extension's parts, the line keeps what gpuclean itself says of the test (the counts
     # include the cluster's findings: they are ordinary records).
-    assert report.summary_lines([RAY_RECORD], [], [])[0] == "t.py::test_ray: "
+    assert terminal.summary_lines([RAY_RECORD], [], [])[0] == "t.py::test_ray: "
     document = jsonreport.report_document(records=[RAY_RECORD], session_reaped=[], notes=[], session={
         "start": "2026-12-01T00:00:00.000+00:00", "end": "2026-12-01T00:00:01.000+00:00", "duration_s": 1.0,
         "exitstatus": 1, "host": "h", "backend": "simulated", "driver": "simulated", "unavailable": None,
@@ -168,25 +167,22 @@ def test_cluster_findings_in_the_summary_and_the_json_report() -> None:
 
 def test_every_record_class_has_a_round_trip_example() -> None:
     classes = {cls for module in (model, outcomes) for _, cls in inspect.getmembers(module, inspect.isclass)
-               if issubclass(cls, model.Fields) and cls.__module__ == module.__name__
-               and cls is not model.Fields}
+               if (dataclasses.is_dataclass(cls) or hasattr(cls, "_fields"))
+               and cls.__module__ == module.__name__}
     # (the results' records live beside the decisions, in outcomes.py; OwnLeaks is a decision's answer, never
     # serialized; and two records declared where they are decided and worded, beside the model's)
-    assert classes - {outcomes.OwnLeaks} | {reap_plan.ReapCandidate, report.DryRunTarget} == {
+    assert classes - {outcomes.OwnLeaks} | {reap_plan.ReapCandidate, terminal.DryRunTarget} == {
         type(e) for e in EXAMPLES}
-    # One style: no record is a dataclass (their generated methods compile at import: model/records.py).
-    assert not [cls for module in (model, outcomes) for _, cls in inspect.getmembers(module, inspect.isclass)
-                if dataclasses.is_dataclass(cls)]
 
 
 def test_records_compare_hash_and_copy_by_their_fields() -> None:
     device = model.DeviceInfo(0, "GPU-a", "H200")
     same = model.DeviceInfo(0, "GPU-a", "H200")
     assert device == same and hash(device) == hash(same) and device is not same
-    assert device != device.replace(mig_index=1) and device != model.GpuProcess(0, None)
+    assert device != replace(device, mig_index=1) and device != model.GpuProcess(0, None)
     assert {device: 1}[same] == 1
     assert repr(device) == "DeviceInfo(index=0, uuid='GPU-a', name='H200', mig_index=None)"
-    assert model.Owner("test", "t").replace(kind="fixture") == model.Owner("fixture", "t")
+    assert (model.Owner("test", "t"))._replace(kind="fixture") == model.Owner("fixture", "t")
     with pytest.raises(TypeError):
         hash(Record("t.py::test"))  # filled in as the test runs: no hash, as a mutable dataclass
 
@@ -205,17 +201,17 @@ def test_a_record_keeps_its_sequence_types() -> None:
 
 
 def test_a_reaped_process_round_trips_alone() -> None:
-    # How a forked child ships what a later check found (records.SessionRecords.receive): the one path
+    # How a forked child ships what a later check found (store.RecordStore.receive): the one path
     # that names Reaped at run time in serialize (CI's pytest-8 forked run caught it unloaded).
     assert from_dict(Reaped, json.loads(json.dumps(to_dict(REAPED)))) == REAPED
 
 
 def test_reaped_lines_show_how_and_when() -> None:
-    assert report.reaped_lines(REAPED) == [
+    assert terminal.reaped_lines(REAPED) == [
         "  pid 4242 ended by SIGTERM after 0.25s (found as descendant, spawned by t.py::test_leaks): held "
         "GPU 0 512 MiB; the driver released it 0.12s after the SIGTERM",
         "      cmd: python -c 'hold()'"]
-    assert report.reaped_lines(SURVIVED)[0] == (
+    assert terminal.reaped_lines(SURVIVED)[0] == (
         "  pid 4242 survived SIGKILL (uninterruptible sleep (D)) (found as adopted, spawned by "
         "t.py::test_leaks): held no GPU memory")
 
@@ -223,22 +219,23 @@ def test_reaped_lines_show_how_and_when() -> None:
 def test_a_process_no_signal_ended_reads_as_such() -> None:
     # A Ray actor's worker ended through ray.kill, or a leak that exited while the check waited: "ended by"
     # names a signal, and there was none (H200 run 21 printed "ended by exited by itself").
-    gone = REAPED.replace(ended_by="exited by itself", exit_s=0.01, release_s=0.15)
-    assert report.reaped_lines(gone)[0] == (
+    gone = REAPED._replace(ended_by="exited by itself", exit_s=0.01, release_s=0.15)
+    assert terminal.reaped_lines(gone)[0] == (
         "  pid 4242 exited by itself after 0.01s (found as descendant, spawned by t.py::test_leaks): held "
         "GPU 0 512 MiB; the driver released it 0.15s after it ended")
-    zombie = REAPED.replace(ended_by="reaped zombie", exit_s=None, release_s=None)
-    assert report.reaped_lines(zombie)[0].startswith("  pid 4242 had exited (a zombie: collected) (found as")
+    zombie = REAPED._replace(ended_by="reaped zombie", exit_s=None, release_s=None)
+    assert terminal.reaped_lines(zombie)[0].startswith(
+        "  pid 4242 had exited (a zombie: collected) (found as")
 
 
 def test_check_report_lists_every_finding_then_the_devices() -> None:
-    text = report.check_report(AFTER, "HEADING")
+    text = terminal.check_report(AFTER, "HEADING")
     assert text.splitlines() == [
         "HEADING",
         "reaped 1 process(es):",
-        *report.reaped_lines(REAPED),
+        *terminal.reaped_lines(REAPED),
         "outlived the test, then ended by themselves:",
-        *report.offender_lines(LEAKED),
+        *terminal.offender_lines(LEAKED),
         "still dirty after 1.50s:",
         "  leaked pid 4242 (user ci, sleeping, found as cookie, spawned by t.py::test_leaks): GPU 0 512 MiB; "
         "reaping is off",
@@ -254,31 +251,31 @@ def test_check_report_lists_every_finding_then_the_devices() -> None:
     ((REAPED,), (), True, "gpuclean: test leaked 1 process(es) (reaped)"),
     ((REAPED,), (LEAKED,), True, "gpuclean: test leaked 2 process(es) (NOT all reaped)"),
     ((), (LEAKED,), False, "gpuclean: test leaked 1 process(es) (reaping is off: reported only)"),
-    ((REAPED.replace(ended_by="reaped zombie"),), (), True,
+    ((REAPED._replace(ended_by="reaped zombie"),), (), True,
      "gpuclean: test leaked 1 exited child(ren) nobody waited for (reaped)"),
-    ((REAPED, REAPED.replace(ended_by="reaped zombie")), (), True,
+    ((REAPED, REAPED._replace(ended_by="reaped zombie")), (), True,
      "gpuclean: test leaked 1 process(es) and 1 exited child(ren) nobody waited for (reaped)"),
 ])
 def test_leak_heading_counts_live_processes_and_zombies_apart(
         reaped: tuple[Reaped, ...], leaked: tuple[Offender, ...], reap_enabled: bool, heading: str) -> None:
-    assert report.leak_heading(reaped, leaked, reap_enabled) == heading
+    assert terminal.leak_heading(reaped, leaked, reap_enabled) == heading
 
 
 def test_totals_count_unchecked_leakers_apart_from_checked_tests() -> None:
     # An unchecked test has a record only because a later check found what it leaked.
-    clean = Record("t.py::test_clean", before=BEFORE, after=BEFORE.replace(phase="teardown"))
+    clean = Record("t.py::test_clean", before=BEFORE, after=BEFORE._replace(phase="teardown"))
     unchecked = Record("t.py::test_unmarked", found_later=(REAPED,))
     # At fault, so counted with findings as the JSON report's with_findings counts it, and named apart.
-    assert report.totals_line([clean, unchecked], [REAPED]) == (
+    assert terminal.totals_line([clean, unchecked], [REAPED]) == (
         "1 checked test(s), 1 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) reaped")
-    assert report.totals_line([clean, RECORD], []) == (
+    assert terminal.totals_line([clean, RECORD], []) == (
         "2 checked test(s), 1 with findings, 1 process(es) reaped")
     # A test that never got its GPU locks was not checked either.
-    assert report.totals_line([clean, NO_LOCKS], []) == (
+    assert terminal.totals_line([clean, NO_LOCKS], []) == (
         "1 checked test(s), 0 with findings, 0 process(es) reaped, 1 gave up waiting for GPU locks")
-    lines = report.summary_lines([clean, unchecked], [], ["a note"])
+    lines = terminal.summary_lines([clean, unchecked], [], ["a note"])
     assert lines == ["t.py::test_unmarked: leaked 1 process(es) found by a later check (pid 4242 SIGTERM)",
-                     "a note", report.totals_line([clean, unchecked], [])]
+                     "a note", terminal.totals_line([clean, unchecked], [])]
 
 
 def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
@@ -296,7 +293,7 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
     # (REAPED after the test and SURVIVED found later are one process, counted once; the session's end
     # reaped another)
     assert jsonreport.summary_json([RECORD, NO_LOCKS, Record("t.py::test_unchecked")],
-                                   [REAPED.replace(process=PROC.replace(pid=4343))]) == {
+                                   [REAPED._replace(process=PROC._replace(pid=4343))]) == {
         "tests": 3, "checked": 1, "with_findings": 1, "clean": 0, "leaked": 1, "not_clean": 0, "gpu_fault": 0,
         "reaped": 2,
         "lock_timeouts": 1, "fixture_leaks": 0, "device_errors": 0, "dirty_from_outside": 0}
@@ -304,16 +301,16 @@ def test_json_shapes_publish_the_words_and_the_survivor_state() -> None:
     assert jsonreport.record_json(FAULTED)["health"] == [{
         "kind": "xid", "effect": "fault", "device": "GPU 0", "uuid": "GPU-0000", "phase": "teardown",
         "xid": 31, "message": "GPU 0: Xid 31 (MMU fault)"}]
-    assert report.summary_lines([FAULTED], [], [])[0] == "t.py::test_faults: GPU 0: Xid 31 (MMU fault)"
+    assert terminal.summary_lines([FAULTED], [], [])[0] == "t.py::test_faults: GPU 0: Xid 31 (MMU fault)"
 
 
 def test_a_fixtures_leak_is_the_fixtures_in_every_output() -> None:
     # Found at test_d's teardown, which only pytest's order ties to it: the headline, the summary, the
     # JSON report, the JUnit properties and the annotation name the fixture; test_d stays clean.
-    assert report.fixture_leak_heading(ENGINE_LEAK, True) == (
+    assert terminal.fixture_leak_heading(ENGINE_LEAK, True) == (
         "gpuclean: fixture engine (session-scoped, conftest.py:12) leaked 3 process(es) (NOT all reaped), "
         "found at the teardown of t2.py::test_d")
-    assert report.summary_lines([FIXTURE_RECORD], [], []) == [
+    assert terminal.summary_lines([FIXTURE_RECORD], [], []) == [
         "fixture engine (session-scoped, conftest.py:12), found at the teardown of t2.py::test_d: leaked 3 "
         "process(es) (pid 4242 SIGTERM, pid 4242 NOT reaped, pid 4242 exited by itself)",
         "1 checked test(s), 0 with findings, 1 fixture(s) that leaked processes, 1 process(es) reaped"]
@@ -326,10 +323,10 @@ def test_a_fixtures_leak_is_the_fixtures_in_every_output() -> None:
     assert [p["ended_by"] for p in fixture["leaked"]] == ["SIGTERM", None, "exited by itself"]
     summary = jsonreport.summary_json([FIXTURE_RECORD], [])
     assert (summary["leaked"], summary["fixture_leaks"], summary["reaped"]) == (0, 1, 1)
-    properties = dict(outputs.junit_properties(FIXTURE_RECORD))
+    properties = dict(ci.junit_properties(FIXTURE_RECORD))
     assert (properties["gpuclean_outcome"], properties["gpuclean_fixture_leaks"]) == (
         "clean", "fixture engine (session-scoped, conftest.py:12) leaked 3 process(es)")
-    [annotation] = outputs.annotation_lines([FIXTURE_RECORD], [])
+    [annotation] = ci.annotation_lines([FIXTURE_RECORD], [])
     assert annotation.startswith("::error file=conftest.py,line=12,title=GPU leak::fixture engine "
                                  "(session-scoped, conftest.py:12) leaked 3 process(es), found at the "
                                  "teardown of t2.py::test_d%0Apid 4242 ended by SIGTERM")
@@ -338,15 +335,15 @@ def test_a_fixtures_leak_is_the_fixtures_in_every_output() -> None:
 
 def test_a_check_that_could_not_read_a_device_is_counted_and_said_in_one_line() -> None:
     record = Record("t.py::test_leaks", ("t.py", 3), BEFORE, UNREADABLE)
-    assert report.unreadable_heading(UNREADABLE) == (
+    assert terminal.unreadable_heading(UNREADABLE) == (
         "gpuclean: could not check the GPUs after the test: GPU 1 (GPU-1111): simulated device file "
         "'/s/1/7' holds 'x'")
-    assert report.totals_line([record], []) == (
+    assert terminal.totals_line([record], []) == (
         "1 checked test(s), 1 with findings, 1 process(es) reaped, 1 could not read a device")
     assert jsonreport.check_json(UNREADABLE)["error"] == UNREADABLE.error
     summary = jsonreport.summary_json([record], [])
     assert (summary["checked"], summary["leaked"], summary["device_errors"]) == (1, 1, 1)
-    assert dict(outputs.junit_properties(record))["gpuclean_device_error"] == UNREADABLE.error
+    assert dict(ci.junit_properties(record))["gpuclean_device_error"] == UNREADABLE.error
 
 
 def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -> None:
@@ -356,23 +353,23 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
     # record (from the worker that ran the test), which the same process also found later.
     found_later = Record("t.py::test_leaks", found_later=(REAPED,))
     victim = Record("t.py::test_victim", ("t.py", 3), BEFORE, SEEN_SIBLING)
-    store = records.SessionRecords()
-    store.add_worker({"records": [to_dict(victim), to_dict(UNCHECKED_USER)],
+    book = store.RecordStore()
+    book.add_worker({"records": [to_dict(victim), to_dict(UNCHECKED_USER)],
                       "session_reaped": [], "notes": []})
-    store.add_worker({"records": [to_dict(found_later)], "session_reaped": [], "notes": []})
-    merged = store.merged()
+    book.add_worker({"records": [to_dict(found_later)], "session_reaped": [], "notes": []})
+    merged = book.merged()
     assert [r.nodeid for r in merged.records] == ["t.py::test_victim", "t.py::test_leaks"]
     assert merged.records[1].found_later == (REAPED,) and merged.records[1].gpu_without_lock == (SIBLING,)
-    assert store.merged() == merged  # (folded anew for each output, nothing changed in place)
+    assert book.merged() == merged  # (folded anew for each output, nothing changed in place)
     assert not has_findings(merged.records[0]) and has_findings(merged.records[1])
-    assert report.summary_lines(merged.records, [], [])[0] == (
+    assert terminal.summary_lines(merged.records, [], [])[0] == (
         "t.py::test_leaks: leaked 1 process(es) found by a later check (pid 4242 SIGTERM); used a GPU whose "
         "lock another xdist worker's test held: pid 4242 GPU 0 512 MiB while gw1's t.py::test_victim held it")
-    assert report.totals_line(merged.records, []) == (
+    assert terminal.totals_line(merged.records, []) == (
         "1 checked test(s), 1 with findings, 1 unchecked test(s) that leaked processes, 1 process(es) "
         "reaped, 1 used a GPU another xdist worker held the lock of")
     # Alone, it is still a finding (an unchecked test that put memory on a locked GPU and leaked nothing).
-    assert report.totals_line([UNCHECKED_USER], []).endswith(", 1 used a GPU another xdist worker held the "
+    assert terminal.totals_line([UNCHECKED_USER], []).endswith(", 1 used a GPU another xdist worker held the "
                                                              "lock of")
     document = jsonreport.report_document(records=merged.records, session_reaped=[], notes=[], session={
         "start": "2026-12-01T00:00:00.000+00:00", "end": "2026-12-01T00:00:01.000+00:00", "duration_s": 1.0,
@@ -390,22 +387,21 @@ def test_a_gpu_used_without_its_lock_is_the_finding_of_the_test_that_used_it() -
     assert "gpu_without_lock" not in document["tests"][0]
     assert "gpu_without_lock" not in jsonreport.summary_json([victim], [])
     # A forked child ships it like what a later check found.
-    child = records.SessionRecords()
+    child = store.RecordStore()
     child.record_for("t.py::test_leaks").gpu_without_lock += (SIBLING,)
-    parent = records.SessionRecords()
+    parent = store.RecordStore()
     parent.receive(json.loads(json.dumps(child.ship())))
     assert parent.record_for("t.py::test_leaks").gpu_without_lock == (SIBLING,)
 
 
 def test_the_annotation_of_a_test_that_used_a_gpu_without_its_lock() -> None:
-    from pytest_gpuclean.session import outputs
-
-    assert outputs.annotation_message(UNCHECKED_USER) == (
-        outputs.TITLE_WITHOUT_LOCK,
+    from pytest_gpuclean.report import ci
+    assert ci.annotation_message(UNCHECKED_USER) == (
+        ci.TITLE_WITHOUT_LOCK,
         "t.py::test_leaks used a GPU whose lock another xdist worker's test held\n"
         "pid 4242 held GPU 0 512 MiB while gw1's t.py::test_victim held the GPU lock: python -c 'hold()'")
-    title, message = outputs.annotation_message(UNCHECKED_USER.replace(found_later=(REAPED,))) or ("", "")
-    assert title == outputs.TITLE_LEAK and message.splitlines()[2:] == [
+    title, message = ci.annotation_message(replace(UNCHECKED_USER, found_later=(REAPED,))) or ("", "")
+    assert title == ci.TITLE_LEAK and message.splitlines()[2:] == [
         "and used a GPU whose lock another xdist worker's test held:",
         "pid 4242 held GPU 0 512 MiB while gw1's t.py::test_victim held the GPU lock: python -c 'hold()'"]
 

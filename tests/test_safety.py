@@ -29,12 +29,12 @@ import pytest
 from helpers import EXAMPLES, alive, exec_done, run_inner
 
 from pytest_gpuclean import simulate
-from pytest_gpuclean.core.acting import reaping
-from pytest_gpuclean.core.checking.checker import Checker
-from pytest_gpuclean.core.reading import processes, procfs
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-from pytest_gpuclean.model.records import Owner
-from pytest_gpuclean.report.report import LEAK_PREFIX
+from pytest_gpuclean._check import reaping
+from pytest_gpuclean._check.checker import Checker, CheckSettings
+from pytest_gpuclean._model.records import Owner
+from pytest_gpuclean._reading import processes, procfs
+from pytest_gpuclean._reading.simulated import SimulatedBackend
+from pytest_gpuclean.report.terminal import LEAK_PREFIX
 
 VICTIM = "gpuclean-victim"
 
@@ -190,12 +190,12 @@ def test_another_users_process_is_never_stopped_by_the_freeze(
 
 def test_a_freeze_interrupted_by_an_error_continues_what_it_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     # Whatever was stopped and then is not killed gets SIGCONT, exceptions included.
-    checker = Checker(None, dead_sessions=False)
+    checker = Checker(None, CheckSettings(dead_sessions=False))
     token = checker.ownership.new_token(Owner("test", "t.py::test_x"))
     child = exec_done(subprocess.Popen(["sleep", "600"],
                                        env={**os.environ, "GPUCLEAN_TEST": checker.ownership.cookie(token)}))
     try:
-        found = [f for f in checker.census() if f.pid == child.pid]
+        found = [f for f in checker.take_census() if f.pid == child.pid]
         assert [f.token for f in found] == [token]
 
         def broken(*args: object, **kwargs: object) -> None:
@@ -348,7 +348,7 @@ def test_a_holder_file_planted_by_another_user_names_no_process(victim: Victim, 
         # In a session: no process is listed (nothing to own or reap), the memory is no process's, and the
         # file is named once in the session's notes however often it is read.
         backend = SimulatedBackend(sim)
-        checker = Checker(backend, dead_sessions=False)
+        checker = Checker(backend, CheckSettings(dead_sessions=False))
         for _ in range(2):
             found = checker.check("check", backend.devices(), tolerance_mib=0, timeout=0)
             assert [(o.reason, o.process) for o in found.offenders] == [("memory", None)], found.offenders

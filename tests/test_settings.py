@@ -15,10 +15,12 @@ import pytest
 from helpers import run_inner
 
 import pytest_gpuclean
-from pytest_gpuclean.core.checking import outside
-from pytest_gpuclean.core.locks import held
-from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.options.settings import (
+from pytest_gpuclean import _settings as settings
+from pytest_gpuclean._check import outside
+from pytest_gpuclean._locks import held
+from pytest_gpuclean._model import records as model
+from pytest_gpuclean._ownership import cookie
+from pytest_gpuclean._settings import (
     OPTIONS,
     SettingError,
     Settings,
@@ -27,8 +29,6 @@ from pytest_gpuclean.core.options.settings import (
     resolve,
     resolve_options,
 )
-from pytest_gpuclean.core.ownership import cookie
-from pytest_gpuclean.model import records as model
 
 
 def ini_of(values: dict[str, Any]) -> Callable[[str], Any]:
@@ -146,7 +146,7 @@ def test_the_spelt_out_choices_are_the_models_words() -> None:
 def test_the_spelt_out_variables_are_the_packages_own() -> None:
     # (settings.py names them without importing the modules that set them: see INTERNAL_VARIABLES)
     assert {cookie.COOKIE_VAR, cookie.OWNER_VAR, cookie.WORKERS_SINCE_VAR, held.HELD_VAR, outside.STATE_VAR,
-            pytest_gpuclean._CACHE_ENV} == settings.INTERNAL_VARIABLES
+            pytest_gpuclean._imports._CACHE_ENV} == settings.INTERNAL_VARIABLES
 
 
 @pytest.mark.parametrize("where", ["cli", "env", "ini"])
@@ -272,7 +272,7 @@ def test_a_misspelt_or_unknown_variable_is_named_with_the_closest_known_one() ->
 def test_the_variables_the_package_sets_itself_are_known() -> None:
     # Every GPUCLEAN_ constant of the package (the cookie, its owner, held locks, ...): a session's children
     # inherit them, and an inner session must not warn of its outer session's.
-    package = Path(settings.__file__).resolve().parent.parent
+    package = Path(settings.__file__).resolve().parent
     constants = {name for path in package.rglob("*.py")
                  for name in re.findall(r'^[A-Z_]+ = "(GPUCLEAN_[A-Z_]+)"$', path.read_text(), re.M)}
     assert {"GPUCLEAN_TEST", "GPUCLEAN_OWNER", "GPUCLEAN_HELD_LOCKS"} <= constants

@@ -33,12 +33,12 @@ from helpers import (
     wait_for_file,
 )
 
-from pytest_gpuclean.core.locks.gpus import GpuLocks, LockTimeout
-from pytest_gpuclean.core.locks.held import HELD_VAR
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-from pytest_gpuclean.model.records import LockHolder
+from pytest_gpuclean._locks.gpus import GpuLocks, LockTimeout
+from pytest_gpuclean._locks.held import HELD_VAR
+from pytest_gpuclean._model.records import LockHolder
+from pytest_gpuclean._reading.simulated import SimulatedBackend
 from pytest_gpuclean.report import jsonreport
-from pytest_gpuclean.report.report import LEAK_PREFIX, NOT_CLEAN_PREFIX
+from pytest_gpuclean.report.terminal import LEAK_PREFIX, NOT_CLEAN_PREFIX
 
 SESSION_TIMEOUT = 120
 """A session that runs longer than this is deadlocked (they take a few seconds)."""
@@ -701,7 +701,7 @@ def test_interrupted_acquire_keeps_nothing(tmp_path: Path, monkeypatch: pytest.M
     assert interruption.tb is not None
     # Another process can have GPU-a at once (the one that took it was interrupted).
     other = subprocess.run([sys.executable, "-c", "import sys; "
-                            "from pytest_gpuclean.core.locks.gpus import GpuLocks; "
+                            "from pytest_gpuclean._locks.gpus import GpuLocks; "
                             "GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'next::test')", locks.directory],
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 0, other.stderr
@@ -715,7 +715,7 @@ def test_lock_file_deleted_by_hand_is_not_trusted(tmp_path: Path) -> None:
     os.unlink(locks.lock_path("GPU-a"))
     ready = tmp_path / "ready"
     other = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from pytest_gpuclean.core.locks.gpus import GpuLocks; "
+        "import sys, time; from pathlib import Path; from pytest_gpuclean._locks.gpus import GpuLocks; "
         "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 5, 'other::test'); "
         "Path(sys.argv[2]).write_text('x'); time.sleep(60)"), locks.directory, str(ready)])
     try:

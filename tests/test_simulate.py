@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import read_pids
 
-from pytest_gpuclean.core.reading.simulated import SimulatedBackend
-from pytest_gpuclean.core.reading.simulated_layout import DEFAULT_TOTAL
+from pytest_gpuclean._reading.simulated import SimulatedBackend
+from pytest_gpuclean._reading.simulated_layout import DEFAULT_TOTAL
 from pytest_gpuclean.simulate import MIB, allocate
 
 PROG = "python -m pytest_gpuclean.simulate init"

@@ -29,11 +29,11 @@ from helpers import (
     wait_for_file,
 )
 
-from pytest_gpuclean.core.deciding import decide
-from pytest_gpuclean.model.outcomes import CheckResult, reaped_count
-from pytest_gpuclean.model.outcomes import TestRecord as Record
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._check import decisions
+from pytest_gpuclean._model.outcomes import reaped_count
+from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
     GpuProcess,
@@ -41,7 +41,8 @@ from pytest_gpuclean.model.records import (
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.report import records as session_records
+from pytest_gpuclean._model.records import TestRecord as Record
+from pytest_gpuclean._session import store as session_records
 from pytest_gpuclean.report.serialize import to_dict
 
 
@@ -99,7 +100,7 @@ def test_a_process_reaped_anywhere_is_not_also_collected_as_exited_by_itself() -
     really = Reaped(other, owner, "cookie", "exited by itself", (), None)
     witness = Record("t.py::test_later", before=CheckResult("setup", True, (), (),
                                                                  collected=(seen_exit, really)))
-    found = session_records.SessionRecords()
+    found = session_records.RecordStore()
     found.add_worker({"records": [to_dict(witness)], "session_reaped": [], "notes": []})
     found.found_later(ended)  # (the controller: reap_crashed)
     merged = found.merged()
@@ -296,14 +297,14 @@ def test_a_known_leak_is_alone_unless_something_new_holds_memory_beside_it() -> 
 
     theirs = {me, leak}
     # The leak's 512 MiB and its context's few unlisted MiB: nothing new.
-    assert not decide.unexplained_beside([snap(gpu0, 515, (leak, 512)), snap(gpu1, 0)], theirs, 0)
+    assert not decisions.unexplained_beside([snap(gpu0, 515, (leak, 512)), snap(gpu1, 0)], theirs, 0)
     # 100 MiB unlisted beside it: more than a context costs.
-    assert decide.unexplained_beside([snap(gpu0, 612, (leak, 512)), snap(gpu1, 0)], theirs, 0)
+    assert decisions.unexplained_beside([snap(gpu0, 612, (leak, 512)), snap(gpu1, 0)], theirs, 0)
     # Memory on another GPU that no process holds, or a process that is not the leak's.
-    assert decide.unexplained_beside([snap(gpu0, 512, (leak, 512)), snap(gpu1, 64)], theirs, 0)
-    assert decide.unexplained_beside([snap(gpu0, 576, (leak, 512), (77, 64)), snap(gpu1, 0)], theirs, 0)
+    assert decisions.unexplained_beside([snap(gpu0, 512, (leak, 512)), snap(gpu1, 64)], theirs, 0)
+    assert decisions.unexplained_beside([snap(gpu0, 576, (leak, 512), (77, 64)), snap(gpu1, 0)], theirs, 0)
     # Within the tolerance, nothing is new.
-    assert not decide.unexplained_beside([snap(gpu0, 512, (leak, 512)), snap(gpu1, 64)], theirs, 64 * MIB)
+    assert not decisions.unexplained_beside([snap(gpu0, 512, (leak, 512)), snap(gpu1, 64)], theirs, 64 * MIB)
 
 
 # ---- what a check excuses --------------------------------------------------------------------------------

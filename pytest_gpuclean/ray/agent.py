@@ -1,10 +1,8 @@
-"""The agent: gpuclean's helper driver for a Ray cluster, in a Python process of its own (``cluster.RayCheck``
-starts it: the pytest process never imports Ray), a job of its own on the cluster.
+"""The agent: gpuclean's helper driver for a Ray cluster, a process and Ray job of its own, so the pytest
+process never imports Ray.
 
-It reads the control store's tables (jobs, actors, nodes: no dashboard needed), runs ``node.probe_node``
-pinned to each alive node and, when asked, ``node.end_on_node`` on one; it answers the pytest process over a
-pipe (``main``), each request as ``(op, args)``, each answer ``("ok", value)`` or ``("error", why)``. What
-it sends are ``records.py``'s records, pickled.
+It reads the control store's tables (no dashboard needed) and runs the ``node.py`` tasks; over a pipe it
+answers each ``(op, args)`` with ``("ok", value)`` or ``("error", why)``.
 """
 
 from __future__ import annotations
@@ -16,13 +14,8 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pytest_gpuclean.ray.messages import ActorRecord, Census, JobRecord, NamedActor, NodeEnd, NodeReport
 from pytest_gpuclean.ray.node import end_on_node, probe_node, ray_module
-from pytest_gpuclean.ray.records import ActorRecord, Census, JobRecord, NamedActor, NodeEnd, NodeReport
-
-__all__ = [
-    "main",
-]
-
 
 
 class _Agent:
@@ -44,8 +37,8 @@ class _Agent:
         self.job_id = str(ray.get_runtime_context().get_job_id())
 
     def census(self, drivers: dict[int, float], timeout: float) -> Census:
-        """``drivers``: pids on this host whose jobs are ours, each with the earliest start such a job
-        may have (a job older than its driver's process belongs to an earlier process of that pid)."""
+        """``drivers``: pids on this host whose jobs are ours, each with the earliest start such a job may
+        have (an older job was an earlier process's of that pid)."""
         ray = self.ray
         started = time.monotonic()
         accessor = self.state.state._connect_and_get_accessor()
@@ -58,12 +51,10 @@ class _Agent:
         for job in table:
             all_jobs.append(JobRecord(job.job_id.hex(), job.driver_pid, job.is_dead))
             if job.job_id.hex() == self.job_id:
-                # This agent's own job, as Ray named it when the agent connected: the plugin's helper, and
-                # so are its workers, whenever Ray starts one (the probes' workers start on a node at its
-                # first check, and again once Ray has let an idle one go). Never a test's.
+                # This agent's own job, and so its workers whenever Ray starts one: never a test's.
                 continue
             # Dead jobs too: a driver that called ray.shutdown() leaves its detached actors behind. A pid
-            # means something only on its own host: the driver must run where this agent does.
+            # means something only on its own host.
             since = drivers.get(job.driver_pid)
             if since is not None and job.start_time / 1000.0 >= since and job.driver_ip_address == here:
                 jobs.append(job.job_id.hex())

@@ -1,20 +1,10 @@
-"""The check across a Ray cluster (``--gpuclean-ray``), the pytest process's side: every alive node's devices
-and the test's Ray actors and processes, through Ray's own records.
+"""The check across a Ray cluster, the pytest process's side. The pytest process never imports Ray: the
+agent (``agent.py``) reads the cluster; ``ClusterChecker`` decides what is a test's leak and has the agent
+end it. Every request has a deadline: an unreachable cluster never hangs a test.
 
-The pytest process never imports Ray. ``RayCheck`` starts the agent (``agent.py``: a helper driver in a
-Python process of its own, a job of its own), which reads the control store's tables and runs a probe pinned
-to each node (``node.py``); from the census it sends back, ``RayCheck`` decides what is a test's leak, has
-the agent end it on its node, and gives the verdict as an ordinary ``CheckResult``. It talks to the agent
-over a pipe; every request has a deadline, and an agent that misses it is killed and reported, so an
-unreachable cluster never hangs a test.
-
-Attribution: a Ray actor belongs to a test when its job's driver is this pytest process and Ray's
-record says it started inside the test's window (the same windows as the local check); a process on
-a node belongs to it through its actor's worker (ancestry), or when it carries the job's id
-(``RAY_JOB_ID``, inherited by every process a worker starts) and was born inside the window. Ray's
-daemons, idle workers (``ray::IDLE``), another job's actors and other users' processes are never
-signalled.
-"""
+A Ray actor is a test's when its job's driver is this pytest process and it started in the test's window;
+a process on a node is, through its actor's worker, or when it carries the job's id and was born in the
+window. Ray's daemons, idle workers, other jobs' actors and other users' processes are never signalled."""
 
 from __future__ import annotations
 
@@ -25,30 +15,27 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Final, cast, get_args
+from typing import Any, cast, get_args
 
-from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.ownership.evidence import SESSION, Ownership
-from pytest_gpuclean.core.reading import procfs
-from pytest_gpuclean.model.outcomes import CheckResult, ClusterReading, NodeReading, NodeRelease
-from pytest_gpuclean.model.records import MIB, EndedBy, Fields, Offender, Owner, Phase, ProcessInfo, Reaped
-from pytest_gpuclean.ray.records import ActorRecord, Census, NamedActor, NodeEnd, NodeProcess, Outcome
-
-__all__ = [
-    "AGENT_COMMAND",
-    "AUTO",
-    "CONNECT_ENV",
-    "OFF",
-    "RAY_DAEMONS",
-    "ClusterError",
-    "RayCheck",
-    "ended_by",
-    "node_findings",
-    "node_reaped",
-    "resolve_address",
-]
-
+from pytest_gpuclean import _settings as settings
+from pytest_gpuclean._model.records import (
+    MIB,
+    CheckResult,
+    ClusterReading,
+    EndedBy,
+    NodeReading,
+    NodeRelease,
+    Offender,
+    Owner,
+    Phase,
+    ProcessInfo,
+    Reaped,
+)
+from pytest_gpuclean._ownership.evidence import SESSION, Ownership
+from pytest_gpuclean._reading import procfs
+from pytest_gpuclean.ray.messages import ActorRecord, Census, NamedActor, NodeEnd, NodeProcess, Outcome
 
 OFF = "off"
 AUTO = "auto"
@@ -57,8 +44,7 @@ CONNECT_ENV = {
     "RAY_gcs_server_port_wait_time_s": "1",
     "RAY_py_gcs_connect_timeout_s": "2",
     "RAY_gcs_rpc_server_connect_timeout_s": "1",
-    # A GCS that goes away (the cluster shut down under a session) would hold each request of the agent
-    # for a minute (Ray's default): give up after a few seconds instead.
+    # A GCS that goes away would hold each of the agent's requests for a minute (Ray's default).
     "RAY_gcs_rpc_server_reconnect_timeout_s": "3",
 }
 RAY_DAEMONS = ("raylet", "gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE",
@@ -75,31 +61,22 @@ class ClusterError(Exception):
     """The cluster cannot be reached or used (wrong address, Ray missing, another Ray version)."""
 
 
-class _Leak(Fields):
-    """Something of ours alive on the cluster and not protected: an actor, its worker or a process of one of
-    our jobs, on ``node``, owned by ``token``'s window."""
+@dataclass(slots=True)
+class _Leak:
+    """Something of ours alive on the cluster and not protected, owned by ``token``'s window."""
 
-    __slots__ = ("process", "actor", "node", "token")
-    __hash__ = None  # type: ignore[assignment]  # (an actor's leak takes its worker once found)
     process: NodeProcess | None
-    actor: Final[ActorRecord | None]
-    node: Final[str]
-    token: Final[str]
-
-    def __init__(self, process: NodeProcess | None, actor: ActorRecord | None, node: str, token: str) -> None:
-        self.process = process
-        self.actor = actor
-        self.node = node
-        self.token = token
+    actor: ActorRecord | None
+    node: str
+    token: str
 
 
 def _never_older(pid: int, start_ticks: int) -> bool:
     return False
 
 
-class RayCheck:
-    """Drives the agent from the pytest process: census, attribution, reaping, the verdict. (Not a record:
-    it owns the agent's process and pipe.)"""
+class ClusterChecker:
+    """Drives the agent from the pytest process: census, attribution, reaping, the verdict."""
 
     def __init__(self, address: str, ownership: Ownership, reap: bool = True,
                  grace: float = settings.DEFAULT_GRACE_S, agent_env: dict[str, str] | None = None,
@@ -109,21 +86,20 @@ class RayCheck:
         self.reap = reap
         self.grace = grace
         self.agent_env = dict(agent_env or {})
-        """Set in the agent's environment (the session's cookie: the agent is the session's helper)."""
+        """The session's cookie, for the agent's environment: it is the session's helper."""
         self.older = older
-        """Whether a descendant (pid, start ticks) is no part of the session: it existed before it (the local
-        checker says so). Such a driver's jobs are not the session's, nor are those of what it starts."""
+        """Whether a descendant (pid, start ticks) existed before the session: its jobs, and those of what
+        it starts, are not the session's."""
         self.version = ""
         self.since = _process_start(os.getpid())
-        """Jobs whose driver is this process and started since then are this session's: a job started
-        before this process existed had a driver of the same pid (reused)."""
+        """Jobs of this pid started before then had another driver of the same pid."""
         self.unreachable = ""
         """Why the last check could not reach the cluster ('' when it could)."""
         self._proc: subprocess.Popen[bytes] | None = None
         self._inbox: Connection | None = None
         self._outbox: Connection | None = None
         self._tree = procfs.DescendantWalk()
-        """This process's descendants, walked at a cost independent of its thread count (as the checker's)."""
+        """This process's descendants, walked at a cost independent of its thread count."""
 
     def start(self, timeout: float) -> None:
         """Start the agent and connect it; ``ClusterError`` if that fails or takes over ``timeout``."""
@@ -206,20 +182,16 @@ class RayCheck:
         """The innermost window (test or fixture) that a Ray record's start time lies in."""
         for window in reversed(self.ownership.windows):
             start = procfs.ticks_to_wall(window.start_tick)
-            # A window's ticks are truncated (1/CLOCK_TICKS s), the control store's times are not: a window
-            # ends up to one tick after its end tick. An actor a fixture waited for before it returned
-            # started before the fixture's window closed, often in that last tick.
+            # A window's ticks are truncated, the control store's times are not: a window ends up to one tick
+            # after its end tick, and an actor a fixture waited for often started in that last tick.
             end = procfs.ticks_to_wall(window.end_tick + 1) if window.end_tick is not None else time.time()
             if start <= wall <= end:
                 return window.token
         return SESSION
 
     def leaks(self, census: Census, sweep: str = "") -> list[_Leak]:
-        """What of ours is alive on the cluster and not protected (an active fixture's, the session's).
-
-        ``sweep``: at session end, ``"tests"`` takes everything of the tests and fixtures (whose windows
-        are all closed), ``"all"`` the session set-up's too.
-        """
+        """What of ours is alive on the cluster and not protected. ``sweep`` (session end): ``"tests"``
+        takes everything of the tests and fixtures, ``"all"`` the session set-up's too."""
         def protected(token: str) -> bool:
             if sweep == "all":
                 return False
@@ -241,8 +213,8 @@ class RayCheck:
         for node in census.nodes:
             by_pid = {p.info.pid: p for p in node.processes}
             for p in node.processes:
-                # The control store's record decides whose worker this is, whatever its environment says
-                # (a prestarted worker has no RAY_JOB_ID): unless it started after the actor did.
+                # The control store decides whose worker this is (a prestarted one has no RAY_JOB_ID),
+                # unless it started after the actor did.
                 actor_leak = actor_by_pid.get((node.node_id, p.info.pid))
                 if actor_leak is not None and actor_leak.actor is not None and \
                         p.start_wall <= actor_leak.actor.start_wall + 1.0:
@@ -250,8 +222,7 @@ class RayCheck:
                     continue
                 if p.ray_worker:
                     continue  # a task worker, idle or not, is Ray's to reuse; only what it started is a leak
-                # Ancestry first: a subprocess of an actor's worker is that actor's (its environment may
-                # name no job either).
+                # Ancestry first: a subprocess of an actor's worker is that actor's.
                 owner_leak = None
                 parent = by_pid.get(p.info.ppid)
                 while parent is not None and owner_leak is None:
@@ -267,35 +238,30 @@ class RayCheck:
     # ---- the check ------------------------------------------------------------------------------
 
     def _drivers(self) -> dict[int, float]:
-        """This process and its live descendants, as drivers of Ray jobs: a test's job is started by pytest
-        itself or by a process the test started (vLLM's engine process connects to Ray as a driver of its
-        own and places its workers there)."""
+        """This process and its live descendants, as drivers of Ray jobs: a process a test started may
+        connect as a driver of its own (vLLM's engine does)."""
         drivers = {os.getpid(): self.since}
         older: set[int] = set()
         for pid, _, parent in self._tree.walk(os.getpid()):
             if pid == self.agent_pid:
-                continue  # the plugin's own helper driver (its job is left out by the agent too)
+                continue  # the plugin's own helper driver
             stat = procfs.read_stat(pid)
             if stat is None:
                 continue
             if parent in older or self.older(pid, stat.start_ticks):
-                older.add(pid)  # (`driver & exec pytest`: its jobs were never the session's)
+                older.add(pid)  # `driver & exec pytest`: its jobs were never the session's
                 continue
             drivers[pid] = max(self.since, procfs.ticks_to_wall(stat.start_ticks) - 0.5)
         return drivers
 
     def check_cluster(self, phase: Phase, *, tolerance_mib: int, timeout: float, sweep: str = ""
                       ) -> CheckResult:
-        """Check every alive node; reap the test's leaks (Ray first, then the ladder on the node). Its
-        offenders and reaped name their node; ``cluster`` holds the nodes' devices.
-
-        ``sweep`` (session end): only the session's leftovers matter, not the devices' state.
-        """
+        """Check every alive node; reap the test's leaks (Ray first, then the ladder on the node).
+        ``sweep`` (session end): only the session's leftovers matter, not the devices' state."""
         started = time.monotonic()
         notes: list[str] = []
         self.unreachable = ""
-        # Once per check: the reaping below ends processes on the nodes, and a driver it took with it still
-        # names the jobs whose leftovers the second census must see as ours.
+        # Once per check: a driver the reaping ends must still name its jobs for the second census.
         drivers = self._drivers()
         try:
             census: Census = self._call("census", drivers, timeout, timeout=timeout)
@@ -326,8 +292,7 @@ class RayCheck:
 
     def sweep(self, *, include_session: bool, timeout: float) -> CheckResult:
         """At session end: end what the session's tests and fixtures (and, with ``include_session``, its
-        set-up) left on the cluster; only what is provably the session's (its jobs' actors and the
-        processes their workers started)."""
+        set-up) left on the cluster, only what is provably the session's."""
         if include_session and self.unreachable:
             # The sweep after the last test could not reach it: do not wait for it a second time.
             return self.unreachable_result("check")
@@ -336,9 +301,8 @@ class RayCheck:
 
     def _reap(self, leaks: list[_Leak], census: Census, notes: list[str], timeout: float
               ) -> tuple[list[Reaped], list[NodeRelease]]:
-        # Named actors end through Ray (ray.kill frees their GPU through Ray's own path); anonymous ones
-        # cannot be looked up from another job, so their worker gets the ladder, which Ray sees as the
-        # actor's death. Each node's reaping runs on that node, which times its devices' release.
+        # Named actors end through ray.kill, so Ray frees their GPU its own way; anonymous ones cannot be
+        # looked up from another job, so their worker gets the ladder, which Ray sees as the actor's death.
         raylets = {n.node_id: n.raylet_pid for n in census.nodes}
         by_node: dict[str, list[_Leak]] = {}
         for lk in leaks:
@@ -408,8 +372,8 @@ class RayCheck:
 
 def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
                   ignore: Sequence[str] = ()) -> list[Offender]:
-    """Dead nodes and unreadable nodes (``unreachable``), processes on a device that no explained job
-    accounts for (foreign), and memory no process accounts for beyond the tolerance; each names its node."""
+    """Dead or unreadable nodes, processes on a device no known job accounts for, and memory no process
+    accounts for beyond the tolerance; each names its node."""
     found: list[Offender] = []
     for node_id, why in census.dead_nodes:
         found.append(Offender(
@@ -430,7 +394,7 @@ def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
                 if proc is not None and any(fnmatch.fnmatchcase(proc.info.cmdline, g) for g in ignore):
                     continue
                 where = f"[node {node.node_id[:8]}]"
-                info = (proc.info.replace(cmdline=f"{where} {proc.info.cmdline}")
+                info = (proc.info._replace(cmdline=f"{where} {proc.info.cmdline}")
                         if proc is not None else
                         ProcessInfo(gp.pid, 0, 0, -1, "?", f"[node {node.node_id[:8]}] pid {gp.pid} (not "
                                     "visible on its node)", "?"))
@@ -447,8 +411,7 @@ def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
 def node_reaped(info: ProcessInfo, owner: Owner | None, outcome: Outcome,
                 held: tuple[tuple[str, float], ...], end: NodeEnd, *, node: str | None = None,
                 actor_id: str = "", job_id: str = "") -> Reaped:
-    """A node's answer ``(pid, via, ended_by, exit_s, state)`` for one process, as a ``Reaped`` on
-    ``node``."""
+    """A node's answer for one process, as a ``Reaped`` on ``node``."""
     pid, via, ended, exit_s, state = outcome
     how = ended_by(via, ended)
     return Reaped(info, owner, "gpu", how, held, exit_s, end.release_s if pid in end.held else None,
@@ -457,8 +420,7 @@ def node_reaped(info: ProcessInfo, owner: Owner | None, outcome: Outcome,
 
 
 def ended_by(via: str, ended: str) -> EndedBy:
-    """How a node's outcome reads in a ``Reaped``: Ray ended a ``ray.kill``-ed actor's worker by itself
-    (``via`` says how); anything the ladder cannot name survived."""
+    """How a node's outcome reads in a ``Reaped``: anything the ladder cannot name survived."""
     if via == "ray.kill":
         return "exited by itself"
     for word in get_args(EndedBy):
@@ -473,8 +435,8 @@ def _process_start(pid: int) -> float:
 
 
 def resolve_address(value: str) -> str | None:
-    """The address ``--gpuclean-ray`` names: None for ``off``; ``auto`` is ``RAY_ADDRESS`` if set (a cluster
-    the session starts itself is found by ``checks.RayChecks.discover``)."""
+    """The address ``--gpuclean-ray`` names: None for ``off``; ``auto`` is ``RAY_ADDRESS`` if set (else
+    ``hooks.RayHooks.discover`` finds one the session starts)."""
     if value == OFF:
         return None
     if value == AUTO:

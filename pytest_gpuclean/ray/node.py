@@ -1,10 +1,7 @@
-"""The node side of the check across a Ray cluster: what runs on each node, inside a Ray worker of the
-agent's job (``agent.py`` pins each task to its node: node affinity, ``num_cpus=0`` so that a busy node still
-answers). ``probe_node`` reads the node's devices and the processes that matter; ``end_on_node`` ends what
-the pytest process decided is a test's leak, checking each target again where its pid means something.
+"""What runs on each node of a Ray cluster, in a task of the agent's job pinned to it (``num_cpus=0``, so a
+busy node still answers): ``probe_node`` reads it, ``end_on_node`` ends a test's leaks there.
 
-What they return (``records.py``) travels back through Ray. Ray pickles these functions by reference, so a
-node imports this module (and what it reads with: ``devices``, ``processes``) from its own installation.
+Ray pickles these functions by reference: a node imports this module from its own installation.
 """
 
 from __future__ import annotations
@@ -15,28 +12,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_gpuclean.core.deciding import gate
-from pytest_gpuclean.core.options import settings
-from pytest_gpuclean.core.reading import backends, credentials, devices, processes, procfs
-from pytest_gpuclean.core.reading.opening import open_backend
-from pytest_gpuclean.model.records import DeviceInfo, DeviceSnapshot
-from pytest_gpuclean.ray.records import NamedActor, NodeEnd, NodeProcess, NodeReport, Outcome
-
-__all__ = [
-    "end_on_node",
-    "node_devices",
-    "probe_node",
-    "ray_module",
-]
-
+from pytest_gpuclean import _settings as settings
+from pytest_gpuclean._check import gate
+from pytest_gpuclean._model.records import DeviceInfo, DeviceSnapshot
+from pytest_gpuclean._reading import backends, credentials, devices, processes, procfs
+from pytest_gpuclean._reading.backends import open_backend
+from pytest_gpuclean.ray.messages import NamedActor, NodeEnd, NodeProcess, NodeReport, Outcome
 
 
 def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Sequence[int] = ()) -> NodeReport:
-    """On a node (inside a Ray worker): its devices and the processes that matter, this user's only.
+    """On a node: its devices and the processes that matter, this user's only.
 
-    ``gpus`` is the node's "GPU" resource as the control store has it (see ``node_devices``);
-    ``actor_pids`` the workers the control store names for the watched jobs' actors on this node: a worker
-    Ray started before the job asked for it has no ``RAY_JOB_ID`` in its environment.
+    ``actor_pids``: the control store's workers of the watched jobs' actors here, since a worker Ray
+    started before the job asked for it has no ``RAY_JOB_ID`` in its environment.
     """
     raylet = int(os.environ.get("RAY_RAYLET_PID", "0"))
     node_id = _node_id()
@@ -83,11 +71,9 @@ def probe_node(jobs: Sequence[str], gpus: float | None = None, actor_pids: Seque
 def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | None) -> tuple[DeviceInfo, ...]:
     """The GPUs of the host that belong to this Ray node.
 
-    Several raylets can share a host (a test cluster, or one raylet per GPU): NVML shows each of them
-    every GPU, and a GPU seen by two nodes would be checked, and its holders blamed, twice. A raylet owns
-    what its ``CUDA_VISIBLE_DEVICES`` lists (Ray schedules GPU tasks within it); without the variable Ray
-    numbers the node's ``GPU`` resource from the first device on, and a node with no ``GPU`` resource
-    owns none.
+    Raylets sharing a host all see every GPU through NVML; a GPU seen by two would be checked, and its
+    holders blamed, twice. A raylet owns what its ``CUDA_VISIBLE_DEVICES`` lists, else its ``GPU`` resource
+    counted from the first device.
     """
     visible = procfs.read_environ_vars(raylet_pid, ("CUDA_VISIBLE_DEVICES",)).get("CUDA_VISIBLE_DEVICES") \
         if raylet_pid > 0 else None
@@ -104,16 +90,12 @@ def node_devices(listed: Sequence[DeviceInfo], raylet_pid: int, gpus: float | No
 
 def end_on_node(actors: Sequence[NamedActor], targets: Sequence[tuple[int, int, str]],
                 raylet_pid: int, grace: float, release_wait: float) -> NodeEnd:
-    """On a node: ``ray.kill`` of the named ``actors``,
-    then the TERM -> grace -> KILL ladder for the ``(pid, start ticks, job id)`` targets still alive,
-    then wait (up to ``release_wait``) until the node's devices list none of what was ended, timed on
-    this node from the first kill.
+    """On a node: ``ray.kill`` the named ``actors``, run the signal ladder on the targets still alive, then
+    wait (up to ``release_wait``) until the node's devices list none of them.
 
-    Each target is checked again here, where the pid means something: same start time, this node's raylet,
-    the job the check blamed (or, for ``job id`` '', no Ray job at all), and the signal gate
-    (``gate.refusal``: never another user's process or a relay to one, never this task's own ancestors: its
-    worker's raylet, the process that started the node). An actor is killed
-    only if its name still resolves to the same actor id.
+    Each target is checked again here, where its pid means something: same start time, this node's raylet,
+    the blamed job ('' for none), and the signal gate (never another user's process, a relay to one, or
+    this task's own ancestors).
     """
     begun = time.monotonic()
     uid = os.getuid()
@@ -156,7 +138,7 @@ def end_on_node(actors: Sequence[NamedActor], targets: Sequence[tuple[int, int, 
             by_ray[a.pid] = (a.start_ticks, sent)
         except Exception as exc:
             errors.append(f"ray.kill of actor {a.name!r} failed: {type(exc).__name__}: {exc}")
-    # Ray ends a killed actor's worker at once; the ladder takes what is still there after the grace period.
+    # Ray ends a killed actor's worker at once; the ladder takes what is still there after the grace.
     deadline = time.monotonic() + grace
     pending = dict(by_ray)
     while pending and time.monotonic() < deadline:
@@ -202,13 +184,12 @@ def _node_id() -> str:
 
 
 def ray_module() -> Any:
-    """Ray, imported by name."""
-    # Typed as Any: Ray is optional, and mypy must pass where it is not installed.
+    """Ray, typed as Any: it is optional, and mypy must pass where it is not installed."""
     return importlib.import_module("ray")
 
 
 def _named(snaps: tuple[DeviceSnapshot, ...], node_id: str) -> tuple[DeviceSnapshot, ...]:
-    # Devices carry their node in the name, so that reports across nodes say where a GPU is.
+    # Devices carry their node in the name, so reports say where a GPU is.
     out = []
     for s in snaps:
         device = DeviceInfo(s.device.index, s.device.uuid, f"node {node_id[:8]}: {s.device.name}",

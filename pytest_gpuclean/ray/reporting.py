@@ -1,35 +1,13 @@
-"""The Ray cluster's part of what gpuclean reports: the long text of a cluster's failed check, its part of a
-test's summary line, and its keys of the JSON report (each test's ``cluster_before`` / ``cluster_after``,
-the session's ``ray``; ``report/report_schema.json`` describes them). Pure functions over the records, no
-pytest: ``checks.RayChecks`` hands them to gpuclean's report hooks (``session/hookspecs.py``).
-
-What a cluster's check found is already in the ordinary records (its ``Offender`` and ``Reaped`` name their
-``node``), so the decisions, the counts, a test's ``leaked`` list, JUnit and the annotations take it without
-this module; here is only what is the cluster's own: its nodes, how each node's devices let go, what Ray
-ended itself (``ray.kill``).
-"""
+"""The Ray cluster's own part of what gpuclean reports (text, summary parts, JSON keys): its nodes, how each
+let go, what Ray ended itself. Its findings are already in the ordinary records."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_gpuclean.model.outcomes import CheckResult, TestRecord
-from pytest_gpuclean.model.records import DeviceSnapshot, Reaped
-from pytest_gpuclean.report import jsonreport, report
-
-__all__ = [
-    "JsonDict",
-    "check_report",
-    "cluster_check_json",
-    "cluster_devices",
-    "cluster_notes",
-    "cluster_reaped_json",
-    "ray_json",
-    "record_keys",
-    "summary_parts",
-]
-
+from pytest_gpuclean._model.records import CheckResult, DeviceSnapshot, Reaped, TestRecord
+from pytest_gpuclean.report import jsonreport, terminal
 
 JsonDict = dict[str, Any]
 
@@ -38,14 +16,14 @@ JsonDict = dict[str, Any]
 
 
 def check_report(result: CheckResult, heading: str) -> str:
-    """The long text of a cluster's failed or leaking check (``report.check_report``): its nodes' devices,
-    and notes on how they let go and on what Ray ended."""
-    return report.check_report(result, heading, more_notes=cluster_notes(result),
+    """The long text of a cluster's failed or leaking check: its nodes' devices, how they let go, what Ray
+    ended."""
+    return terminal.check_report(result, heading, more_notes=cluster_notes(result),
                                devices=cluster_devices(result))
 
 
 def cluster_devices(result: CheckResult) -> tuple[DeviceSnapshot, ...]:
-    """Every alive node's devices, as the check read them (each named with its node)."""
+    """Every alive node's devices, as the check read them."""
     return () if result.cluster is None else tuple(s for n in result.cluster.nodes for s in n.devices)
 
 
@@ -63,8 +41,7 @@ def cluster_notes(result: CheckResult) -> list[str]:
 
 
 def summary_parts(record: TestRecord) -> list[str]:
-    """The Ray cluster's part of a test's summary line: per node, what was ended and how (``ray.kill`` or
-    the signal ladder), what is still there, and how long the node's devices took to let go."""
+    """Per node: what was ended and how, what is still there, and how long its devices took to let go."""
     parts: list[str] = []
     for check in (record.cluster_before, record.cluster_after):
         if check is None or (check.clean and not check.reaped):
@@ -85,7 +62,7 @@ def summary_parts(record: TestRecord) -> list[str]:
                             else "devices did NOT let go")
             left = [o for o in check.offenders if (o.node or "") == node]
             if left:
-                bits.append("not clean (" + ", ".join(report.short(o) for o in left) + ")")
+                bits.append("not clean (" + ", ".join(terminal.short(o) for o in left) + ")")
             parts.append(f"Ray {check.phase} on {where}: " + ", ".join(bits))
     return parts
 
@@ -100,9 +77,7 @@ def cluster_reaped_json(reaped: Reaped) -> JsonDict:
 
 
 def cluster_check_json(check: CheckResult, phase: str | None = None) -> JsonDict:
-    """One check of a Ray cluster: each alive node with its devices, the findings (with their node), what
-    was ended (``via`` ``ray.kill`` or ``ladder``) and how long each node's devices took to let go.
-    ``phase``: ``session end`` for the session's sweeps."""
+    """One check of a Ray cluster; ``phase`` is ``session end`` for the session's sweeps."""
     cluster = check.cluster
     seconds = jsonreport.seconds
     return {"address": cluster.address if cluster is not None else "", "phase": phase or check.phase,
@@ -118,8 +93,8 @@ def cluster_check_json(check: CheckResult, phase: str | None = None) -> JsonDict
 
 
 def record_keys(record: TestRecord) -> JsonDict:
-    """A test's ``cluster_before`` and ``cluster_after``; none for a test no cluster was checked around, so
-    that a report without a cluster keeps exactly its old shape."""
+    """A test's ``cluster_before`` and ``cluster_after``; none without a cluster, so such a report keeps its
+    shape."""
     before, after = record.cluster_before, record.cluster_after
     if before is None and after is None:
         return {}

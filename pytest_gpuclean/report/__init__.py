@@ -1,4 +1,2 @@
-"""Reports: terminal lines, the JSON report, the session's records and their shipping between processes.
-(Empty: importing a layer loads none of its modules.)"""
+"""Formatting: terminal lines, the JSON report and its schema, what CI reads, the command's output."""
 
-__all__: list[str] = []

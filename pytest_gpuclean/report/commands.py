@@ -1,83 +1,39 @@
-"""What the ``gpuclean`` command prints, as text and JSON: pure functions over plain records.
-
-``cli.py`` reads and acts (the devices, their health, the processes, the kill ladder); this module words
-and shapes what it found, as ``report.py`` does for the plugin. Nothing here reads a device or a process:
-where the output names the backend, the driver or a process, ``cli.py`` passes the values it read.
-"""
+"""What the ``gpuclean`` command prints, as text and JSON, from what ``_cli.py`` read: pure functions."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any, Final, TextIO
+from typing import Any, NamedTuple, TextIO
 
-from pytest_gpuclean import __version__
-from pytest_gpuclean.model.outcomes import CheckResult
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
     DeviceHealth,
     DeviceInfo,
     DeviceSnapshot,
-    Fields,
     FoundBy,
     ProcessInfo,
     Reaped,
 )
-from pytest_gpuclean.report import jsonreport, report
-
-__all__ = [
-    "CMDLINE_WIDTH",
-    "PROG",
-    "Debris",
-    "Health",
-    "ReapTarget",
-    "Selection",
-    "Unreadable",
-    "check_json",
-    "check_lines",
-    "cmd",
-    "dead_session_note",
-    "debris_lines",
-    "header",
-    "health_json",
-    "health_lines",
-    "mib_text",
-    "print_json",
-    "processes_note",
-    "reap_ended_lines",
-    "reap_json",
-    "reap_opening_lines",
-    "status_json",
-    "status_lines",
-    "status_text",
-    "unreadable_lines",
-    "unusable_json",
-    "unusable_lines",
-]
+from pytest_gpuclean._version import __version__
+from pytest_gpuclean.report import jsonreport, terminal
 
 PROG = "gpuclean"
 CMDLINE_WIDTH = 200
 
 
-class Selection(Fields):
+class Selection(NamedTuple):
     """The devices a command works on, as its output names them."""
 
-    __slots__ = ("kind", "driver", "source", "chosen", "total")
-    kind: Final[str]
+    kind: str
     """The backend's kind: ``nvml`` or ``simulated``."""
-    driver: Final[str]
-    source: Final[str]
+    driver: str
+    source: str
     """Where the device list came from."""
-    chosen: Final[int]
-    total: Final[int]
+    chosen: int
+    total: int
     """How many devices the backend has, chosen or not."""
-
-    def __init__(self, kind: str, driver: str, source: str, chosen: int, total: int) -> None:
-        self.kind = kind
-        self.driver = driver
-        self.source = source
-        self.chosen = chosen
-        self.total = total
 
 
 def header(selection: Selection) -> str:
@@ -87,7 +43,7 @@ def header(selection: Selection) -> str:
 
 def cmd(cmdline: str) -> str:
     # One line per process: a ``python -c "<script>"`` command line carries newlines.
-    return report.one_line(cmdline, CMDLINE_WIDTH)
+    return terminal.one_line(cmdline, CMDLINE_WIDTH)
 
 
 def mib_text(num_bytes: int | None) -> str:
@@ -101,22 +57,14 @@ def print_json(document: dict[str, Any], out: TextIO) -> None:
 
 # ---- health ------------------------------------------------------------------------------------------
 
-class Health(Fields):
+class Health(NamedTuple):
     """One device's health as a command shows it."""
 
-    __slots__ = ("device", "reading", "problems", "lost")
-    device: Final[DeviceInfo]
-    reading: Final[DeviceHealth | None]
+    device: DeviceInfo
+    reading: DeviceHealth | None
     """None: the device is lost (``lost``), or its backend has no health reads."""
-    problems: Final[tuple[str, ...]]
-    lost: Final[str | None]
-
-    def __init__(self, device: DeviceInfo, reading: DeviceHealth | None, problems: tuple[str, ...],
-                 lost: str | None = None) -> None:
-        self.device = device
-        self.reading = reading
-        self.problems = problems
-        self.lost = lost
+    problems: tuple[str, ...]
+    lost: str | None = None
 
 
 def health_lines(read: Sequence[Health]) -> list[str]:
@@ -188,20 +136,14 @@ def status_json(selection: Selection, snaps: Sequence[DeviceSnapshot],
 
 # ---- check -------------------------------------------------------------------------------------------
 
-class Debris(Fields):
+class Debris(NamedTuple):
     """A process that a gpuclean session which died left behind: what ``reap --dead-sessions`` ends."""
 
-    __slots__ = ("info", "left_by", "owner")
-    info: Final[ProcessInfo]
-    left_by: Final[str]
+    info: ProcessInfo
+    left_by: str
     """The dead session, in words."""
-    owner: Final[str | None]
+    owner: str | None
     """Who spawned it, where known."""
-
-    def __init__(self, info: ProcessInfo, left_by: str, owner: str | None) -> None:
-        self.info = info
-        self.left_by = left_by
-        self.owner = owner
 
 
 def unusable_lines(unusable: Sequence[Health]) -> list[str]:
@@ -247,20 +189,20 @@ def check_lines(result: CheckResult, wait: float, my_uid: int) -> list[str]:
                 lines.append(f"  {offender.detail}")
                 continue
             lines.append(f"  pid {proc.pid} (user {proc.user}, {proc.state}) is on "
-                         f"{report.mib_list(offender.mib_per_device) or 'the devices'}: {cmd(proc.cmdline)}")
+                         f"{terminal.mib_list(offender.mib_per_device) or 'the devices'}: "
+                         f"{cmd(proc.cmdline)}")
         mine = [o.process.pid for o in result.offenders if o.process is not None and o.process.uid == my_uid]
         if mine:
             lines.append(f"  `{PROG} reap` would end the processes of this user: pid(s) "
                          + ", ".join(map(str, mine)))
-    lines.extend("  " + report.device_line(s) for s in result.devices)
+    lines.extend("  " + terminal.device_line(s) for s in result.devices)
     return lines
 
 
 def check_json(selection: Selection, result: CheckResult, described: dict[int, ProcessInfo | None],
                debris: Sequence[Debris], read: Sequence[Health]) -> dict[str, Any]:
-    """``gpuclean check --json``: the ``status --json`` document of the devices as the check last read
-    them (``described``: their processes), plus the verdict, what ``reap --dead-sessions`` would end and
-    each device's health."""
+    """``gpuclean check --json``: the ``status --json`` document as last read, plus the verdict, what
+    ``reap --dead-sessions`` would end and each device's health."""
     note = processes_note(result)
     return {**status_json(selection, result.devices, described),
             "clean": result.clean, "tolerance_mib": result.tolerance_mib,
@@ -286,34 +228,22 @@ def debris_lines(debris: Sequence[Debris]) -> list[str]:
 
 # ---- reap --------------------------------------------------------------------------------------------
 
-class ReapTarget(Fields):
+class ReapTarget(NamedTuple):
     """A process ``reap`` sets out to end."""
 
-    __slots__ = ("info", "found_by", "mib")
-    info: Final[ProcessInfo]
-    found_by: Final[FoundBy]
+    info: ProcessInfo
+    found_by: FoundBy
     """``gpu`` (listed on a device), ``cookie`` (carries the ``--cookie`` value) or ``dead session``."""
-    mib: Final[tuple[tuple[str, float], ...]]
-
-    def __init__(self, info: ProcessInfo, found_by: FoundBy, mib: tuple[tuple[str, float], ...]) -> None:
-        self.info = info
-        self.found_by = found_by
-        self.mib = mib
+    mib: tuple[tuple[str, float], ...]
 
 
-class Unreadable(Fields):
+class Unreadable(NamedTuple):
     """A device ``reap`` could not read: what it holds, and whose, is unknown."""
 
-    __slots__ = ("device", "lost", "why")
-    device: Final[DeviceInfo]
-    lost: Final[bool]
+    device: DeviceInfo
+    lost: bool
     """The device is lost (not only its reads failing)."""
-    why: Final[str]
-
-    def __init__(self, device: DeviceInfo, lost: bool, why: str) -> None:
-        self.device = device
-        self.lost = lost
-        self.why = why
+    why: str
 
 
 def dead_session_note(debris: Debris) -> str:
@@ -333,7 +263,7 @@ def reap_ended_lines(reaped: Sequence[Reaped], grace: float, released_s: float |
     """How each process ``reap`` set out to end ended, and when the driver let go of their memory."""
     lines = [f"{PROG} reap: ended {len(reaped)} process(es) (SIGTERM, SIGKILL after {grace:g}s):"]
     for item in reaped:
-        lines.extend(report.reaped_lines(item))
+        lines.extend(terminal.reaped_lines(item))
     if released_s is not None:
         lines.append(f"{PROG} reap: the driver released their GPU memory {released_s:.2f}s after the first "
                      "signal")
@@ -341,8 +271,7 @@ def reap_ended_lines(reaped: Sequence[Reaped], grace: float, released_s: float |
 
 
 def unreadable_lines(unreadable: Sequence[Unreadable], cookie: str | None, exit_status: int) -> list[str]:
-    """Which devices ``reap`` could not read, and what that means for what ran on them (``exit_status``:
-    the command's for it)."""
+    """Which devices ``reap`` could not read, and what that means for what ran on them."""
     if not unreadable:
         return []
     lines = [f"{PROG} reap: could not read {u.device.label} ({u.device.uuid}): {u.why}" for u in unreadable]
@@ -361,10 +290,8 @@ def reap_json(selection: Selection, snaps: Sequence[DeviceSnapshot], described: 
               targets: dict[int, ReapTarget], left_alone: Sequence[str], notes: Sequence[str],
               reaped: Sequence[Reaped], released_s: float | None,
               unreadable: Sequence[Unreadable] = ()) -> dict[str, Any]:
-    """``gpuclean reap --json``: the ``status --json`` document of the devices as last read (after the
-    reaping; before it with ``--dry-run`` or nothing to end), what it set out to end (``targets``: with
-    ``--dry-run``, what it would end), how each one ended, what it left alone and why, and the devices it
-    could not read."""
+    """``gpuclean reap --json``: the ``status --json`` document as last read, the targets (with
+    ``--dry-run``, what it would end), how each ended, what it left alone and why, and unreadable devices."""
     return {**status_json(selection, snaps, described), "health": health_json(health),
             "unreadable": [{"device": u.device.label, "uuid": u.device.uuid, "lost": u.lost, "error": u.why}
                            for u in unreadable],

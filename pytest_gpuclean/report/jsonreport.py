@@ -1,4 +1,4 @@
-"""The JSON shapes gpuclean publishes (schema version 1), built from the records of ``model/records.py``.
+"""The JSON shapes gpuclean publishes (schema version 1), built from the records of ``_model/records.py``.
 
 Pure functions, no pytest: the ``--gpuclean-report`` file and ``gpuclean status --json`` share the
 device and process shapes. ``report_schema.json`` next to this module is the contract; the
@@ -18,58 +18,22 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pytest_gpuclean.model.outcomes import (
-    CheckResult,
-    FixtureLeak,
-    OwnLeaks,
-    TestRecord,
-    has_findings,
-    own_leaks,
-    reaped_count,
-)
-from pytest_gpuclean.model.outcomes import outcome as results_outcome
-from pytest_gpuclean.model.records import (
+from pytest_gpuclean._model.outcomes import OwnLeaks, has_findings, own_leaks, reaped_count
+from pytest_gpuclean._model.outcomes import outcome as results_outcome
+from pytest_gpuclean._model.records import (
     MIB,
+    CheckResult,
     DeviceInfo,
     DeviceSnapshot,
+    FixtureLeak,
     HealthFinding,
     Offender,
     Owner,
     ProcessInfo,
     Reaped,
     SiblingUse,
+    TestRecord,
 )
-
-__all__ = [
-    "SCHEMA_PATH",
-    "SCHEMA_VERSION",
-    "JsonDict",
-    "check_json",
-    "device_json",
-    "fixture_json",
-    "fixture_leaked_json",
-    "health_json",
-    "iso_time",
-    "leaked_json",
-    "load_schema",
-    "mib_pairs_json",
-    "offender_json",
-    "outcome",
-    "outside_json",
-    "own_reaped",
-    "owner_json",
-    "process_json",
-    "reaped_json",
-    "record_json",
-    "report_document",
-    "seconds",
-    "sibling_use_json",
-    "snapshot_json",
-    "summary_json",
-    "versions",
-    "write_atomic",
-]
-
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report_schema.json")
@@ -162,8 +126,7 @@ def outside_json(check: CheckResult) -> JsonDict | None:
 
 
 def own_reaped(record: TestRecord) -> list[Reaped]:
-    """Processes the after-check reaped that this test (or a fixture ending with it) leaked
-    (``outcomes.own_leaks``: an earlier test's leftovers reaped there are charged to that test)."""
+    """Processes the after-check reaped that this test leaked (an earlier test's are charged to it)."""
     return own_leaks(record).reaped
 
 
@@ -184,8 +147,7 @@ def _offender_leak_json(offender: Offender, ended_by: str | None) -> JsonDict | 
 
 
 def leaked_json(record: TestRecord) -> list[JsonDict]:
-    """Every process this test left behind (``outcomes.own_leaks``): reaped after it, found by a later
-    check, or not reapable."""
+    """Every process this test left behind: reaped after it, found by a later check, or not reapable."""
     leaks = own_leaks(record)
     leaked: list[JsonDict] = [*(_reaped_leak_json(r, "teardown") for r in leaks.reaped),
                               *(_reaped_leak_json(r, "later") for r in leaks.later)]
@@ -210,8 +172,8 @@ def fixture_json(leak: FixtureLeak) -> JsonDict:
 
 
 def _cluster_leaked_json(leaks: OwnLeaks) -> list[JsonDict]:
-    """What a test left where an extension's check after it found it (``cluster_after``): ended after it,
-    or still there; each entry names its node and, when ended, how (``via``)."""
+    """What a test left where an extension's check after it found it (``cluster_after``): ended, or
+    still there."""
     return [*(_reaped_leak_json(r, "teardown") for r in leaks.cluster_reaped),
             *(e for o in leaks.cluster_left if (e := _offender_leak_json(o, None)) is not None)]
 
@@ -222,8 +184,7 @@ def outcome(record: TestRecord) -> str:
 
 
 def health_json(found: HealthFinding) -> JsonDict:
-    """One GPU health finding (``health.py``): an Xid, a GPU that needs a reset, a changed setting, a lost
-    GPU, a failed probe, clock event reasons."""
+    """One GPU health finding."""
     return {"kind": found.kind, "effect": found.effect, "device": found.device, "uuid": found.uuid,
             "phase": found.phase, "xid": found.xid, "message": found.message}
 
@@ -250,7 +211,7 @@ def record_json(record: TestRecord, more_keys: Callable[[TestRecord], JsonDict] 
         "timings": {"lock_wait_s": seconds(record.lock_wait_s), "before_s": seconds(record.before_s),
                     "after_s": seconds(record.after_s)},
         **(more_keys(record) if more_keys is not None else {}),
-        # Only under xdist, when another worker found one: a report without it keeps exactly its old shape.
+        # Only when another xdist worker found one: a report without it keeps its shape.
         **({"gpu_without_lock": [sibling_use_json(u) for u in record.gpu_without_lock]}
            if record.gpu_without_lock else {}),
     }
@@ -303,8 +264,8 @@ def iso_time(timestamp: float) -> str:
 def report_document(*, records: Sequence[TestRecord], session_reaped: Sequence[Reaped],
                     notes: Sequence[str], session: JsonDict,
                     test_keys: Callable[[TestRecord], JsonDict] | None = None) -> JsonDict:
-    """The whole ``--gpuclean-report`` document; ``session`` is built by the caller (it knows pytest), and
-    so are an extension's keys of each test (``test_keys``: see ``record_json``)."""
+    """The whole ``--gpuclean-report`` document; the caller, who knows pytest, builds ``session`` and
+    ``test_keys``."""
     return {
         "schema_version": SCHEMA_VERSION,
         "versions": versions(),

@@ -3,8 +3,8 @@ whole GPU and a torch process that holds memory on it."""
 
 from __future__ import annotations
 
-from pytest_gpuclean.core.reading.nvml import NvmlBackend
-from pytest_gpuclean.model.records import DeviceInfo
+from pytest_gpuclean._model.records import DeviceInfo
+from pytest_gpuclean._reading.nvml import NvmlBackend
 
 TORCH_HOLDER = r'''
 import sys, time

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from gpu_helpers import TORCH_HOLDER, first_whole_gpu
 
-from pytest_gpuclean.model.records import DeviceInfo
+from pytest_gpuclean._model.records import DeviceInfo
 
 HOLD_MIB = 1024
 

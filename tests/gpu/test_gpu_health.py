@@ -65,9 +65,8 @@ if __name__ == "__main__":
 INNER = '''
 import subprocess, sys
 import pytest
-from pytest_gpuclean.core.reading import probe
-from pytest_gpuclean.model.records import DeviceInfo
-
+from pytest_gpuclean._reading import probe
+from pytest_gpuclean._model.records import DeviceInfo
 FAULT = FAULT_SOURCE
 exec(FAULT.replace('if __name__ == "__main__":', "if False:"))
 
@@ -122,9 +121,8 @@ def test_xid_31_is_named_and_blamed_in_its_own_test_and_from_a_child(pytester: p
 
 
 def test_the_probe_passes_on_every_gpu(tmp_path: Path) -> None:
-    from pytest_gpuclean.core.reading import probe
-    from pytest_gpuclean.core.reading.nvml import NvmlBackend
-
+    from pytest_gpuclean._reading import probe
+    from pytest_gpuclean._reading.nvml import NvmlBackend
     backend = NvmlBackend()
     try:
         found = backend.devices()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuclean.core.reading.nvml import NvmlBackend
-from pytest_gpuclean.model.records import MIB
+from pytest_gpuclean._model.records import MIB
+from pytest_gpuclean._reading.nvml import NvmlBackend
 
 # A CUDA holder: allocates MIB of device memory, then records its pid (so the test knows it holds).
 HOLDER = r'''

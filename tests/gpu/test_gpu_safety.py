@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from gpu_helpers import TORCH_HOLDER, alive, first_whole_gpu
 
-from pytest_gpuclean.model.records import DeviceInfo
+from pytest_gpuclean._model.records import DeviceInfo
 
 VICTIM = "gpuclean-victim"
 HOLD_MIB = 512

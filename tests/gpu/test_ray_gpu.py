@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuclean.core.reading.nvml import NvmlBackend
-from pytest_gpuclean.model.records import MIB
+from pytest_gpuclean._model.records import MIB
+from pytest_gpuclean._reading.nvml import NvmlBackend
 
 INNER = '''
 import os

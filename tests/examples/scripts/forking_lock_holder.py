@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from pytest_gpuclean.core.locks.gpus import GpuLocks
+from pytest_gpuclean._locks.gpus import GpuLocks
 
 GpuLocks(sys.argv[1]).acquire(["GPU-a"], 1, 5, "forking::test")
 child = os.fork()

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from pytest_gpuclean.core.locks import directory, gpus
+from pytest_gpuclean._locks import directory, gpus
 
 held = gpus.GpuLocks(sys.argv[1]).acquire([sys.argv[2]], 1, 10, "holder::test")
 print("READY", os.getpid(), flush=True)

@@ -5,10 +5,10 @@ import os
 import subprocess
 import sys
 
-from pytest_gpuclean.core.locks.gpus import GpuLocks
-from pytest_gpuclean.core.locks.held import HELD_VAR
+from pytest_gpuclean._locks.gpus import GpuLocks
+from pytest_gpuclean._locks.held import HELD_VAR
 
-CHILD = ("import sys; from pytest_gpuclean.core.locks.gpus import GpuLocks; "
+CHILD = ("import sys; from pytest_gpuclean._locks.gpus import GpuLocks; "
          "held = GpuLocks(sys.argv[1]).acquire(['GPU-a'], 1, 0, 'child::test'); "
          "print('CHILD', held.uuids, held.locks, sorted(held.inherited))")
 

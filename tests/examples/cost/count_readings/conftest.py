@@ -5,8 +5,7 @@ import os
 
 
 def pytest_unconfigure(config):
-    from pytest_gpuclean.model.outcomes import DeviceState
-    from pytest_gpuclean.model.records import DeviceSnapshot
+    from pytest_gpuclean._model.records import DeviceSnapshot, DeviceState
     alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (DeviceSnapshot, DeviceState))]
     with open(os.environ["STATE_FILE"], "w") as f:
         json.dump({name: alive.count(name) for name in ("DeviceSnapshot", "DeviceState")}, f)

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from pytest_gpuclean.core.locks.gpus import GpuLocks
+from pytest_gpuclean._locks.gpus import GpuLocks
 
 
 @pytest.mark.needs_clean_gpus

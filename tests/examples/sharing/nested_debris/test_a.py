@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuclean.core.reading import procfs
+from pytest_gpuclean._reading import procfs
 
 
 def wait_for(name):

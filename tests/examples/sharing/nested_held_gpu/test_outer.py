@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from pytest_gpuclean.core.locks.held import HELD_VAR
+from pytest_gpuclean._locks.held import HELD_VAR
 
 
 @pytest.mark.needs_clean_gpus(count=1)

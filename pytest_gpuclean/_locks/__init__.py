@@ -1,0 +1,2 @@
+"""Cross-process GPU locks, shared by every session on the host (docs/sharing.md)."""
+

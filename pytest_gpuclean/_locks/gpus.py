@@ -1,0 +1,359 @@
+"""The GPU locks: one per physical GPU (by UUID), taken all-or-nothing for a test (``GpuLocks``).
+
+Each is a POSIX record lock on ``<dir>/<uuid>.lock``: it belongs to the process that took it, so the kernel
+drops it when that process ends and no child ever holds it, however it was forked (a BSD ``flock`` belongs
+to the open file, and a child that inherited it kept the GPU locked after its pytest died). Beside each
+lock, each user keeps a holder record saying who holds it (``held.py``); records are untrusted input."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import random
+import stat
+import time
+from collections.abc import Callable, Sequence
+
+from pytest_gpuclean._locks.describe import describe_holders
+from pytest_gpuclean._locks.directory import (
+    MAKE_BASE,
+    MARKS_LEN,
+    MISSING,
+    QUEUE_AFTER_S,
+    LockDir,
+    cache,
+    cache_lock,
+    clear,
+    create,
+    dir_error,
+    forget,
+    let_go,
+    mark,
+    mark_at,
+    marked,
+    marks_of,
+    open_dir_once,
+    share,
+    unchanged,
+    unlock,
+    unqueue,
+)
+from pytest_gpuclean._locks.held import (
+    HELD_VAR,
+    HeldLocks,
+    holder_fd,
+    holder_name,
+    resume,
+    still_named,
+    write_records,
+)
+from pytest_gpuclean._locks.holders import lock_holders, read_records
+from pytest_gpuclean._model.records import HolderRecord, LockHolder
+from pytest_gpuclean._reading import procfs
+
+_RETRY_S = (0.02, 0.1)
+"""Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
+
+
+class LockTimeout(Exception):
+    """The locks could not be had in time; ``holders`` says who has them, ``waited_s`` how long we waited."""
+
+    def __init__(self, message: str, holders: dict[str, LockHolder], waited_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.holders = holders
+        self.waited_s = waited_s
+
+
+class GpuLocks:
+    """Acquire per-GPU locks all-or-nothing, in one global (UUID) order, so no two sessions deadlock."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.abspath(directory)
+        self._ident = open_dir_once(self.directory).ident
+
+    def _cached(self) -> LockDir | None:
+        if os.getpid() != cache.owner_pid:
+            cache.forget_inherited()  # a raw fork() skipped the at-fork hook: nothing here is ours
+        return cache.dirs.get(self._ident)
+
+    def _state(self) -> LockDir:
+        state = self._cached()
+        if state is not None and unchanged(state, os.fstat(state.fd)):
+            return state
+        return self._looked_up(state)
+
+    def _looked_up(self, state: LockDir | None) -> LockDir:
+        """The directory the path names now (``state`` if it is still that one)."""
+        try:
+            now = os.stat(self.directory, follow_symlinks=False)
+            same = (now.st_dev, now.st_ino) == self._ident and stat.S_ISDIR(now.st_mode)
+        except OSError:
+            same = False
+        if state is not None and same:
+            return state
+        if state is not None:
+            cache.notices.append(
+                f"gpuclean: the GPU lock directory {self.directory} was removed or replaced while this "
+                "session ran; the new one is used from now on (sessions still in the old one don't see its "
+                "locks until their next test)")
+        state = open_dir_once(self.directory)
+        self._ident = state.ident
+        return state
+
+    def lock_path(self, uuid: str) -> str:
+        return f"{self.directory}/{marks_of(uuid).lock}"
+
+    def prepare(self, uuids: Sequence[str]) -> None:
+        """Open (and create, where nobody holds the GPU through a deleted one) the lock and holder files of
+        ``uuids``.
+
+        At session start, so that an unusable or full directory stops the session with a clear message
+        rather than failing a test later.
+        """
+        state = self._state()
+        missing = [u for u in uuids if (name := marks_of(u).lock) not in state.lock_fds
+                   and cache_lock(state, name) is None]
+        if missing:
+            create(state, missing)
+            for uuid in missing:
+                cache_lock(state, marks_of(uuid).lock)
+        for uuid in uuids:
+            try:
+                holder_fd(state, holder_name(uuid, os.geteuid()))
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                    raise dir_error(self.directory, "cannot create a holder record", exc) from None
+
+    def holder(self, uuid: str) -> HolderRecord | None:
+        """Who holds ``uuid``'s lock, as recorded next to it, checked and cleaned (None if nobody recorded).
+
+        The newest record wins: a holder writes its record after it got the lock, so any older one is
+        left over from a session that ended without releasing (killed).
+        """
+        return read_records(self._state(), [uuid]).get(uuid)
+
+    def holders(self, uuids: Sequence[str], seen: dict[str, str] | None = None) -> dict[str, LockHolder]:
+        """For each of ``uuids``: its newest valid record, plus what the kernel and the directory's marks say
+        about the lock (``holders.lock_holders``). ``seen``: what an attempt saw (see ``_attempt``), which
+        may have changed since: a waiter let in first may be done already."""
+        return lock_holders(self._state(), uuids, seen)
+
+    def _try(self, state: LockDir, name: str) -> int | None:
+        """Lock the GPU's file ``name``: its descriptor, None if it is busy, ``MISSING`` if there is no such
+        file. (Not yet trusted: see ``_attempt``.)"""
+        fd = state.lock_fds.get(name)
+        if fd is None:
+            fd = cache_lock(state, name)
+            if fd is None:
+                return MISSING
+        elif fd in state.held:
+            # Held by this process already (another acquire still open): a second POSIX lock of the same
+            # process would just succeed, so refuse here as another process would be refused.
+            return None
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            _busy_or_raise(state, name, exc)
+            return None
+        state.held.add(fd)
+        return fd
+
+    def _attempt(self, state: LockDir, ordered: Sequence[str], count: int,
+                 inherited: dict[str, tuple[int, int]], queued: set[str], careful: bool,
+                 seen: dict[str, str]) -> list[tuple[str, int | None]] | str:
+        """One all-or-nothing attempt: ``count`` of ``ordered`` taken (locked, marked, their names checked),
+        or why not: ``"busy"`` (fewer are free; ``seen`` says, per GPU that was not simply locked by someone
+        else, ``"free"`` (taken, and given back), ``"missing"`` (no lock file), ``"queued"`` (left to a
+        session that queues for it) or ``"making"`` (its lock file is being made)),
+        ``"closed"`` (the directory is locked exclusively: nothing was tried), ``"careful"`` (another
+        session is making a lock file or queues for a GPU: try again at once, looking at each GPU's marks),
+        ``"again"`` (a lock file was replaced: try again at once).
+
+        ``careful``: look at each GPU's marks before trusting it, and leave a GPU that another session
+        queues for to it unless this acquire queues for it too (``queued``).
+        """
+        if not share(state):
+            return "closed"
+        taken: list[tuple[str, int | None]] = []
+        # One loop per GPU: the lock, then the hold mark; the names are checked after it, once for all GPUs.
+        try:
+            for uuid in ordered:
+                if uuid in inherited:
+                    taken.append((uuid, None))
+                else:
+                    marks = marks_of(uuid)
+                    if careful and uuid not in queued and marked(state, marks.queue) is not None:
+                        seen[uuid] = "queued"  # a session that has waited long for it goes first
+                        continue
+                    fd = self._try(state, marks.lock)
+                    if fd is None:
+                        continue
+                    if fd == MISSING:
+                        seen[uuid] = "missing"
+                        continue
+                    taken.append((uuid, fd))
+                    mark(state, marks.set_hold)
+                    if careful and marked(state, marks.make) is not None:
+                        # Somebody saw the name missing and is making a file: ours may be a deleted one.
+                        taken.pop()
+                        unlock(state, fd)
+                        clear(state, marks.unset_hold)
+                        seen[uuid] = "making"
+                        continue
+                if len(taken) == count:
+                    break
+            if len(taken) < count:
+                seen.update((u, "free") for u, fd in taken if fd is not None)
+                let_go(state, taken)
+                return "busy"
+            # Our hold marks are up: from now on nobody makes a new file for these GPUs (see create). Only
+            # now can the names be trusted to stay ours: a make mark seen now may be one begun before ours.
+            if not careful and marked(state, MAKE_BASE, MARKS_LEN) is not None:
+                let_go(state, taken)
+                return "careful"
+            # One look at the directory serves it and every GPU's name (see unchanged, still_named).
+            info = os.fstat(state.fd)
+            if not unchanged(state, info) and self._looked_up(state) is not state:
+                let_go(state, taken)  # it was replaced: lock in the new one
+                return "again"
+            ctime = info.st_ctime_ns
+            for _uuid, fd in taken:
+                if fd is not None and not still_named(state, name := state.lock_names[fd], fd, ctime):
+                    # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
+                    # nothing. Look at what the name holds now.
+                    let_go(state, taken)
+                    forget(state, name)
+                    return "again"
+        except BaseException:
+            # Also on KeyboardInterrupt or a pytest-timeout signal: a lock kept by a stray descriptor would
+            # block this very session's next test.
+            let_go(state, taken)
+            raise
+        return taken
+
+    def acquire(self, candidates: Sequence[str], count: int, timeout: float, holder_id: str,
+                prefer: Sequence[str] = (),
+                on_wait: Callable[[dict[str, LockHolder]], None] | None = None,
+                parked: HeldLocks | None = None) -> HeldLocks:
+        """Lock ``count`` of ``candidates`` (all of them when ``count == len(candidates)``).
+
+        ``parked``: the previous test's locks, kept by ``HeldLocks.park``. If they are what this acquire
+        needs, they are this test's (its holder records rewritten); else they are released first.
+
+        GPUs that an ancestor process holds (see ``HELD_VAR``) count as taken, and come first; then free
+        devices are taken in UUID order, those listed in ``prefer`` first. If fewer than ``count`` are
+        free, everything taken is released and the attempt repeats until ``timeout``. ``on_wait`` is
+        called once, when the first attempt fails, with the holders of the busy devices (see ``holders``).
+
+        Once it has waited ``QUEUE_AFTER_S``, the acquire queues for the GPUs it could not get (their queue
+        marks), and attempts that do not queue for them leave them alone: a newcomer, or the holder's own
+        next test, waits its turn instead of taking a GPU the instant it is freed, so a stream of them can't
+        keep a waiter out for ever; the queued compete among themselves as everyone did before.
+        """
+        if parked is not None:
+            try:
+                if resume(parked, candidates, count, holder_id, self.directory, self._cached):
+                    return parked
+            except BaseException:
+                parked.release()  # (an interrupt: the caller no longer has them to let go)
+                raise
+            parked.release()
+        inherited = {u: h for u, h in self.inherited().items() if u in candidates}
+        ordered = (sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
+                   if inherited or prefer else sorted(candidates))  # (the same order: no key call per GPU)
+        started = time.monotonic()
+        notified = False
+        careful = False
+        queued: set[str] = set()
+        queued_in: LockDir | None = None
+        state = self._cached()  # (looked at once the locks are taken: see _attempt)
+        try:
+            while True:
+                if state is None:
+                    state = self._state()
+                seen: dict[str, str] = {}
+                outcome = self._attempt(state, ordered, count, inherited, queued, careful, seen)
+                if not isinstance(outcome, str):
+                    return self._record(state, outcome, holder_id, time.monotonic() - started, inherited)
+                if outcome == "careful":
+                    careful = True
+                    continue
+                if outcome == "again":
+                    state = None
+                    continue  # a name or the directory changed: try again at once
+                missing = [u for u, why in seen.items() if why == "missing"]
+                if missing:
+                    fresh = self._state()  # (never make files in a directory that was replaced)
+                    if fresh is not state or len(create(state, missing)) < len(missing):
+                        state = fresh
+                        continue  # we made lock files: try again at once
+                waited = time.monotonic() - started
+                if outcome == "closed" and waited < timeout:
+                    # Someone holds the directory exclusively for a moment (a tmp cleaner looking at it):
+                    # nothing was tried, so there is nobody to name yet.
+                    time.sleep(random.uniform(*_RETRY_S))
+                    state = None
+                    continue
+                busy = [u for u in ordered if u not in inherited and seen.get(u) != "free"]
+                if waited >= timeout:
+                    holders = self.holders(busy, seen)
+                    raise LockTimeout(
+                        f"waited {waited:.1f}s for {count} of {len(ordered)} GPU lock(s); held by: "
+                        + describe_holders(holders), holders, waited)
+                if waited >= QUEUE_AFTER_S:
+                    if queued_in is not state:  # (the directory was replaced: queue in the new one)
+                        if queued_in is not None:
+                            unqueue(queued_in, queued)
+                        queued_in, queued = state, set()
+                    for uuid in busy:
+                        if uuid not in queued:
+                            mark_at(state, fcntl.F_RDLCK, marks_of(uuid).queue)
+                            queued.add(uuid)
+                    careful = True
+                if on_wait is not None and not notified:
+                    notified = True
+                    on_wait(self.holders(busy, seen))
+                time.sleep(random.uniform(*_RETRY_S))
+                state = None  # (a wait is long enough for the directory to be replaced: look again)
+        finally:
+            if queued_in is not None:
+                unqueue(queued_in, queued)
+
+    def inherited(self) -> dict[str, tuple[int, int]]:
+        """GPUs of this lock directory that an ancestor of this process holds, per ``HELD_VAR``.
+
+        Trusted only if the named holder is still our ancestor (same pid and start time) and still the
+        recorded holder of the GPU: a process that outlived the test that started it inherits nothing.
+        """
+        value = os.environ.get(HELD_VAR)
+        if not value:
+            return {}  # (the usual case: no json.loads per test)
+        try:
+            data = json.loads(value)
+            if os.path.realpath(str(data["dir"])) != os.path.realpath(self.directory):
+                return {}
+            holders = {str(u): (int(pid), int(start)) for u, (pid, start) in data["holders"].items()}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return {}
+        if not holders:
+            return {}
+        ancestors = procfs.ancestry(os.getpid())
+        records = read_records(self._state(), list(holders))
+        return {u: (pid, start) for u, (pid, start) in holders.items()
+                if ancestors.get(pid) == start and (r := records.get(u)) is not None and r.pid == pid}
+
+    def _record(self, state: LockDir, taken: list[tuple[str, int | None]], holder_id: str, waited_s: float,
+                inherited: dict[str, tuple[int, int]]) -> HeldLocks:
+        held = HeldLocks(taken, waited_s, {u: inherited[u] for u, fd in taken if fd is None}, state)
+        write_records(state, held, holder_id, self.directory)
+        return held
+
+
+def _busy_or_raise(state: LockDir, name: str, exc: OSError) -> None:
+    """A refused ``lockf`` of lock file ``name``: returns if another process holds it; raises otherwise."""
+    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        return
+    raise dir_error(state.path, f"cannot lock {name}", exc) from None
+

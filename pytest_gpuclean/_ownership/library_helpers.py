@@ -1,0 +1,109 @@
+"""The pytest process's own helpers: the processes its libraries keep for the process's life (resource
+trackers, fork servers, pools registered to be shut down at exit, torch.compile's workers), found through
+what the libraries hold in this process, and the executable of torch's shared-memory manager. The census
+leaves them out: killing them breaks later tests, and they end with the pytest process."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
+"""Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
+dill-based fork that vLLM's tests use)."""
+_HELPER_MODULES = tuple((f"{p}.resource_tracker", f"{p}.forkserver") for p in MULTIPROCESSING_PACKAGES)
+
+
+def library_helpers() -> dict[int, str]:
+    """The pytest process's own helpers that its libraries keep for the process's life, found through
+    what the libraries themselves hold in this process, each with why: multiprocessing's (and
+    ``multiprocess``'s) resource tracker and forkserver, started lazily by whichever test first needs
+    them, and any object a library registered to be shut down at the process's exit (multiprocessing's
+    ``Finalize`` with no referent and an exit priority: torch.compile's worker pool is one) together
+    with the processes it owns. Killing them breaks later tests (a forkserver's own waitpid fails, the
+    next compile loses its pool); they end with the pytest process."""
+    helpers: dict[int, str] = {}
+    modules = sys.modules
+    for tracker_name, forkserver_name in _HELPER_MODULES:
+        # (each getattr only where the module was imported: most sessions never import them)
+        module = modules.get(tracker_name)
+        if module is not None:
+            tracker = getattr(module, "_resource_tracker", None)
+            if getattr(tracker, "_pid", None):
+                helpers[tracker._pid] = f"{tracker_name}'s resource tracker"  # type: ignore[union-attr]
+        module = modules.get(forkserver_name)
+        if module is not None:
+            forkserver = getattr(module, "_forkserver", None)
+            if getattr(forkserver, "_forkserver_pid", None):
+                helpers[forkserver._forkserver_pid] = (  # type: ignore[union-attr]
+                    f"{forkserver_name}'s fork server")
+    for package in MULTIPROCESSING_PACKAGES:
+        helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
+    # torch.compile keeps every worker pool it starts in one set, and shuts them all down at exit
+    # (``shutdown_compile_workers``); some torch versions register no Finalize for them (above).
+    compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
+    if compile_pools:
+        for pool in list(compile_pools):
+            how = (f"{type(pool).__module__}.{type(pool).__qualname__}, a torch.compile worker pool, "
+                   "which torch shuts down at the pytest process's exit")
+            for pid in _processes_of(pool):
+                helpers.setdefault(pid, how)
+    return helpers
+
+
+def torch_shm_manager() -> str | None:
+    """The executable of torch's shared-memory manager, for the torch this process imported: libshm starts it
+    from C++ (fork and exec) the first time a tensor is shared under the ``file_system`` strategy, to serve
+    this process for as long as its shared memory lives; nothing in Python holds it. None without torch."""
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if not isinstance(torch_file, str):
+        return None
+    manager = _SHM_MANAGERS.get(torch_file)
+    if manager is None:
+        # (as /proc/<pid>/exe names it: the real path, a venv's symlinks resolved)
+        manager = _SHM_MANAGERS[torch_file] = os.path.realpath(
+            os.path.join(os.path.dirname(torch_file), "bin", "torch_shm_manager"))
+    return manager
+
+
+_SHM_MANAGERS: dict[str, str] = {}
+
+
+def _shut_down_at_exit(util: object) -> dict[int, str]:
+    """The processes owned by objects registered with multiprocessing's ``Finalize`` to be shut down at the
+    process's exit and tied to no object's life (no referent, an exit priority): what a library keeps for
+    the whole process (torch.compile's worker pool registers its ``shutdown`` so)."""
+    registry = getattr(util, "_finalizer_registry", None)
+    if not isinstance(registry, dict) or not registry:
+        return {}
+    found: dict[int, str] = {}
+    for finalizer in list(registry.values()):
+        key = getattr(finalizer, "_key", None)
+        # (``Finalize`` keeps a ``_weakref`` only when it has a referent)
+        if hasattr(finalizer, "_weakref") or not isinstance(key, tuple) or key[0] is None:
+            continue  # tied to an object's life (a Pool's), or run only when called: not the process's
+        callback = getattr(finalizer, "_callback", None)
+        owner = getattr(callback, "__self__", None)
+        if owner is None:
+            continue
+        how = (f"{type(owner).__module__}.{type(owner).__qualname__}, which its library shuts down at the "
+               "pytest process's exit")
+        for pid in _processes_of(owner):
+            found[pid] = how
+    return found
+
+
+def _processes_of(owner: object) -> set[int]:
+    """The pids of the processes an object holds: a ``process`` (``Popen``, ``Process``), an executor's
+    ``_processes``, a pool's ``_pool``."""
+    pids: set[int] = set()
+    pid = getattr(getattr(owner, "process", None), "pid", None)
+    if isinstance(pid, int):
+        pids.add(pid)
+    workers = getattr(owner, "_processes", None)
+    if isinstance(workers, dict):
+        pids.update(p for p in workers if isinstance(p, int))
+    pool = getattr(owner, "_pool", None)
+    if isinstance(pool, list):
+        pids.update(p.pid for p in pool if isinstance(getattr(p, "pid", None), int))
+    return pids

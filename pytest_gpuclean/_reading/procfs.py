@@ -1,0 +1,554 @@
+"""Raw, allocation-light reads of /proc: what a clean check needs of a process (state, parent, start time:
+one read of ``/proc/<pid>/stat``), the descendant walk, and the pid readings that bracket a process's birth.
+psutil, the richer interface, is ``processes.py``'s. Every session loads this module (its id names the
+pytest process's start)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Literal, NamedTuple, cast
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+KernelState = Literal["R", "S", "D", "T", "t", "Z", "X", "x", "K", "W", "P", "I"]
+"""The state letter of ``/proc/<pid>/stat`` (proc(5)), as a type so that ``mypy --strict`` catches a
+misspelt one."""
+EXITED: frozenset[KernelState] = frozenset({"Z", "X"})
+"""Zombie or dead: the process (its thread-group leader, at least) has exited."""
+
+
+class ProcStat(NamedTuple):
+    """The fields of ``/proc/<pid>/stat`` that gpuclean uses."""
+
+    pid: int
+    state: KernelState
+    ppid: int
+    sid: int
+    start_ticks: int
+    """Start time in clock ticks since boot: with the pid, a process's identity (pid reuse guard)."""
+    thread: bool = False
+    """A thread that is not its thread group's leader: ``/proc/<tid>/stat`` reads like a process's, and
+    shows the parent of the whole group."""
+    exiting: bool = False
+    """The kernel is taking it down (``PF_EXITING``): on its way out, though not a zombie yet."""
+
+SETTLED_NS = 50_000_000
+"""A file's ctime this old (50 ms: five ticks of the coarsest kernel clock) is settled: the kernel stamps
+changes with a coarse clock, so a change in the same tick as the one seen would leave a ctime as it was;
+once it is settled, any later change moves it. A directory whose settled ctime has not moved has had no
+entry added, removed or renamed (``locks.held.still_named``, the simulated devices' idle folders)."""
+
+
+def read_file(path: str, whole: bool = False) -> bytes:
+    """The content of a /proc file; raises OSError (FileNotFoundError for a process that is gone).
+
+    A bare descriptor, not a Python file object: half the cost, and a check reads many of these. A list
+    (children, environ) may come in several reads; ``whole``: a file of one record (stat, a sysctl), which
+    the kernel hands out in one read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, _CHUNK)
+        if whole or not data:
+            return data
+        parts = [data]
+        while True:
+            chunk = os.read(fd, _CHUNK)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+    finally:
+        os.close(fd)
+
+
+_CHUNK = 65536
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """Return the stat fields of ``pid``, or None if it no longer exists."""
+    try:
+        data = read_file(f"/proc/{pid}/stat", whole=True)
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    close = data.rfind(b")")
+    fields = data[close + 2 :].split()
+    return ProcStat(
+        pid=pid,
+        state=cast(KernelState, fields[0].decode()),  # (the kernel's word: a check per read costs)
+        ppid=int(fields[1]),
+        sid=int(fields[3]),
+        start_ticks=int(fields[19]),
+        # exit_signal (field 38) is -1 only for a thread other than the group leader.
+        thread=len(fields) > 35 and fields[35] == b"-1",
+        exiting=bool(int(fields[6]) & _PF_EXITING),
+    )
+
+
+_PF_EXITING = 0x4
+
+
+def is_live(pid: int, start_ticks: int | None = None) -> bool:
+    """True if ``pid`` exists (as the process that started at ``start_ticks``, if given: not a pid reused
+    since) and is not a zombie or dead (the driver frees memory at exit)."""
+    st = read_stat(pid)
+    return st is not None and (start_ticks is None or st.start_ticks == start_ticks) and live_state(
+        pid, st.state)
+
+
+def live_state(pid: int, state: KernelState) -> bool:
+    """Whether a process whose stat says ``state`` still runs code.
+
+    A thread-group leader that called ``pthread_exit`` shows state Z while its other threads run on
+    (and, on a GPU, keep its memory): such a "zombie" is alive until its last thread ends.
+    """
+    if state not in EXITED:
+        return True
+    return any(tid != pid for tid in thread_ids(pid))
+
+
+def ancestry(pid: int) -> dict[int, int]:
+    """pid -> start ticks of each ancestor of ``pid`` (its parent, the parent's parent, ...)."""
+    found: dict[int, int] = {}
+    current = read_stat(pid)
+    while current is not None and current.ppid > 0 and current.ppid not in found:
+        current = read_stat(current.ppid)
+        if current is not None:
+            found[current.pid] = current.start_ticks
+    return found
+
+
+def thread_ids(pid: int) -> list[int]:
+    """The ids of ``pid``'s threads (none if it is gone)."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def cpu_demand_ns(pid: int) -> int | None:
+    """Nanoseconds the live threads of ``pid`` have run on a CPU or waited for one (the first two fields of
+    each thread's ``schedstat``); None once it is gone. A change between two readings means it ran, or
+    wanted to, meanwhile: a process starved on a busy machine is not at rest."""
+    total = 0
+    tids = thread_ids(pid)
+    if not tids:
+        return None
+    for tid in tids:
+        try:
+            fields = read_file(f"/proc/{pid}/task/{tid}/schedstat", whole=True).split()
+            total += int(fields[0]) + int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue  # (a thread that just ended)
+    return total
+
+
+def last_pid() -> int | None:
+    """The pid most recently allocated in this pid namespace (None where the kernel does not say).
+
+    Pids are handed out in increasing order until they wrap at ``pid_max``, so two readings bracket the
+    pids of everything created between them: evidence of when a process was born that does not depend
+    on the 10 ms resolution of its start time.
+    """
+    kept = _last_pid_file
+    if kept is not None:
+        fd, dev, ino = kept
+        try:
+            # Still the file we opened (a test may close every descriptor, and the number be reused)?
+            found = os.fstat(fd)
+            if found.st_ino == ino and found.st_dev == dev:
+                return int(os.pread(fd, 32, 0))
+        except (OSError, ValueError):
+            pass
+    return _open_last_pid()
+
+
+_LAST_PID_PATH = "/proc/sys/kernel/ns_last_pid"
+_last_pid_file: tuple[int, int, int] | None = None
+"""(descriptor, device, inode) of ``ns_last_pid``, kept open: a reading is a ``pread`` of it, not an open,
+read and close (no path to look up, and a checked test takes two readings). The kernel
+answers each read anew, for the pid namespace of the process that reads. A forked child closes it right
+after the fork (what a test forks sees no descriptor of the plugin) and opens its own if it reads."""
+
+
+def _open_last_pid() -> int | None:
+    global _last_pid_file
+    try:
+        fd = os.open(_LAST_PID_PATH, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(fd)
+        value = int(os.pread(fd, 32, 0))
+    except (OSError, ValueError):
+        os.close(fd)
+        return None
+    # (Two threads opening it at once keep one descriptor each, one of them unused: harmless.)
+    _last_pid_file = (fd, found.st_dev, found.st_ino)
+    return value
+
+
+def _forget_last_pid_in_child() -> None:
+    # A test's forked child must not hold the plugin's descriptors (docs/guest.md): close it there; the
+    # child opens its own if it ever reads (a forked test runner's checks).
+    global _last_pid_file
+    kept, _last_pid_file = _last_pid_file, None
+    if kept is not None:
+        try:
+            os.close(kept[0])
+        except OSError:
+            return  # (closed already)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_last_pid_in_child)
+
+
+def pid_max() -> int:
+    """The pid after which allocation wraps around (32768 on many hosts)."""
+    try:
+        with open("/proc/sys/kernel/pid_max", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 4194304
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace: pids from another namespace mean nothing here."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def self_identity() -> tuple[int, int]:
+    """This process's start ticks (0 if unreadable) and pid namespace: what a session id names it by."""
+    stat = read_stat(os.getpid())
+    return (stat.start_ticks if stat is not None else 0), pid_namespace()
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from ``/proc/<pid>/task/*/children`` (a file per thread)."""
+    return _children(pid)[0]
+
+
+def _children(pid: int) -> tuple[list[int], int]:
+    """Direct children of ``pid``, and how many files that took."""
+    result: list[int] = []
+    where = f"/proc/{pid}/task"
+    try:
+        # The task folder's link count is 2 + the process's threads (a leader that exited before its other
+        # threads still counts, a zombie, as it is still listed): at 3 its one entry is the process's own
+        # pid, and a stat is one system call where the listing takes five (a checked test walks twice).
+        tasks = [str(pid)] if os.stat(where).st_nlink == 3 else os.listdir(where)
+    except OSError:
+        return result, 1
+    for tid in tasks:
+        try:
+            data = read_file(f"/proc/{pid}/task/{tid}/children")
+        except OSError:
+            continue
+        if data:
+            result.extend(int(c) for c in data.split())
+    return result, 1 + len(tasks)
+
+
+WALK_RANGE_LIMIT = 256
+"""Pids an incremental walk examines at most; past that (a burst of forks on the host, a long pause) a full
+walk of the children lists is cheaper."""
+WALK_LOOKBACK = 32
+"""After a full walk, the next incremental walk also examines this many pids allocated before it began: a
+fork still in progress during the full walk had its pid but was in no children list yet."""
+WALK_PENDING_S = 0.1
+"""How long a pid allocated since the last walk but not (yet) in /proc stays under watch: a fork in progress
+has its pid before its process becomes visible; a pid that is still absent after this is an exited process."""
+WALK_FULL_EVERY_S = 5.0
+"""A full walk at least this often: a process that slipped through anyway is found within seconds."""
+
+
+class DescendantWalk:
+    """The descendants of one process, at a cost that depends on neither its thread count nor the host.
+
+    ``/proc/<pid>/task/<tid>/children`` lists the children of one thread only (a child belongs to the
+    thread that forked it), so a full walk reads one file per thread of every process in the tree: a
+    pytest process that imported torch or started thread pools pays for each of its threads at every check.
+
+    The incremental walk does not look at threads: every process in the tree is either one found before
+    (its stat says whether its parent is still in the tree) or was born since, and then its pid was
+    allocated after the last walk, since pids are handed out in order (``ns_last_pid``). So it reads the
+    stat of the processes it knows and of each pid allocated since the last walk, and builds the tree from
+    their parents, whatever thread forked them. A process never moves into the tree from outside: orphans
+    are re-parented to an ancestor (our subreaper) or to init.
+
+    Each walk takes the cheaper of the two, counted in files read: the full walk for a process with few
+    threads and few children on a host that forks a lot, the incremental one for many threads. A full walk
+    also runs first, for a new root (a forked test runner), when the kernel does not say the last pid or
+    /proc shows another pid namespace, and at least every ``WALK_FULL_EVERY_S``.
+    """
+
+    def __init__(self) -> None:
+        self._root = -1
+        self._cursor: int | None = None
+        self._known: set[int] = set()
+        self._pending: dict[int, tuple[float, int]] = {}
+        """pid -> (when first found absent, times found absent): allocated, not in /proc (yet)."""
+        self._full_at = 0.0
+        self._full_cost = 0
+        """Files the last full walk read: one per process and one per thread in the tree."""
+        self._space = pid_max()
+        self.stats: dict[int, ProcStat] = {}
+        """The stat each process of the last incremental walk was placed by (empty after a full walk)."""
+
+    def walk(self, root: int, me: int | None = None) -> list[tuple[int, int, int]]:
+        """``root``'s descendants as (pid, depth, parent pid), parents before their children. ``me``: this
+        process's pid, if the caller has just read it (spares a ``getpid``)."""
+        clock = time.monotonic()
+        if root != self._root or clock - self._full_at >= WALK_FULL_EVERY_S or not _own_namespace(me):
+            return self._full(root, last_pid(), clock)
+        now = last_pid()
+        span = None if now is None or self._cursor is None else (now - self._cursor) % self._space
+        if span == 0 and not self._known and not self._pending:
+            self.stats = {}
+            return []  # no pid allocated since an empty tree was seen: still empty
+        # A lone process with one thread (``_full_cost`` 2) looks at its one children file again: the stat of
+        # even one pid born since costs as much, and on a busy host others' pids are born all the time.
+        if span is None or self._full_cost <= 2 or span + len(self._pending) + len(self._known) > min(
+                WALK_RANGE_LIMIT, self._full_cost):
+            return self._full(root, now, clock)
+        assert self._cursor is not None
+        born = [(self._cursor + i) % self._space for i in range(1, span + 1)]
+        by_parent: dict[int, list[int]] = {}
+        stats: dict[int, ProcStat] = {}
+        for pid in (*self._known, *self._pending, *born):
+            if pid in stats:
+                continue
+            stat = read_stat(pid)
+            if stat is None:
+                if pid not in self._known:
+                    first, absent = self._pending.get(pid, (clock, 0))
+                    if clock - first < WALK_PENDING_S or absent < 1:
+                        self._pending[pid] = (first, absent + 1)  # watched until the next walk at least
+                    else:
+                        del self._pending[pid]
+                continue
+            self._pending.pop(pid, None)
+            stats[pid] = stat
+            if not stat.thread:
+                by_parent.setdefault(stat.ppid, []).append(pid)
+        found = _tree(root, lambda pid: by_parent.get(pid, ()))
+        self._known = {pid for pid, _depth, _parent in found}
+        self.stats = {pid: stats[pid] for pid in self._known}
+        self._cursor = now
+        return found
+
+    def _full(self, root: int, now: int | None, clock: float) -> list[tuple[int, int, int]]:
+        cost = 0
+
+        def counted(pid: int) -> list[int]:
+            nonlocal cost
+            found, reads = _children(pid)
+            cost += reads
+            return found
+
+        found = _tree(root, counted)
+        self._root = root
+        self._full_at = clock
+        self._full_cost = cost
+        self._known = {pid for pid, _depth, _parent in found}
+        self._pending.clear()
+        self.stats = {}
+        # A fork in progress during the walk has its pid but is in no children list yet: the next walk
+        # looks back at the pids allocated just before this one. Not for a lone process with one thread
+        # and nothing under it (that thread is the one walking, nobody else of the tree can fork), the
+        # clean path's usual case: its next walk, if no pid was allocated since, costs one reading of
+        # ``ns_last_pid`` instead of a stat and a children file.
+        lookback = 0 if cost <= 2 and not found else WALK_LOOKBACK
+        self._cursor = None if now is None else (now - lookback) % self._space
+        return found
+
+
+def _tree(root: int, children_of: Callable[[int], Iterable[int]]) -> list[tuple[int, int, int]]:
+    """Breadth first from ``root``: (pid, depth, parent pid), parents before their children."""
+    found: list[tuple[int, int, int]] = []
+    frontier = [(root, 0)]
+    seen = {root}
+    while frontier:
+        pid, depth = frontier.pop(0)
+        for child in children_of(pid):
+            if child not in seen:
+                seen.add(child)
+                found.append((child, depth + 1, pid))
+                frontier.append((child, depth + 1))
+    return found
+
+
+_NAMESPACE_OK: dict[int, bool] = {}
+
+
+def _own_namespace(me: int | None = None) -> bool:
+    """Whether /proc shows this process's pid namespace (pid numbers and ``ns_last_pid`` agree). ``me``:
+    this process's pid, read by the caller just now (else read here)."""
+    if me is None:
+        me = os.getpid()
+    if me not in _NAMESPACE_OK:
+        try:
+            _NAMESPACE_OK[me] = os.readlink("/proc/self") == str(me)
+        except OSError:
+            _NAMESPACE_OK[me] = False
+    return _NAMESPACE_OK[me]
+
+
+def descendants(root: int) -> list[tuple[int, int]]:
+    """All descendants of ``root`` as ``(pid, depth)`` pairs, depth 1 for direct children."""
+    found: list[tuple[int, int]] = []
+    frontier = [(root, 0)]
+    seen = {root}
+    while frontier:
+        pid, depth = frontier.pop()
+        for child in children(pid):
+            if child not in seen:
+                seen.add(child)
+                found.append((child, depth + 1))
+                frontier.append((child, depth + 1))
+    return found
+
+
+def boot_ticks_now() -> int:
+    """Now, in the clock that ``start_ticks`` uses (CLOCK_BOOTTIME in clock ticks)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLOCK_TICKS)
+
+
+def wall_minus_boot() -> float:
+    """The wall clock's time at boot, as the wall clock says now (it moves when the wall clock is set)."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def ticks_to_wall(ticks: int) -> float:
+    """Convert a start time in ticks since boot to a wall-clock timestamp."""
+    return wall_minus_boot() + ticks / CLOCK_TICKS
+
+
+def read_environ_var(pid: int, name: str) -> str | None:
+    """Value of ``name`` in the environment ``pid`` started with; None if absent or unreadable.
+
+    Only the owner (or root) can read another process's environ, which is exactly the set of
+    processes gpuclean may ever act on.
+    """
+    return read_environ_vars(pid, (name,)).get(name)
+
+
+def read_environ_vars(pid: int, names: tuple[str, ...]) -> dict[str, str]:
+    """The values of those of ``names`` that are in ``pid``'s initial environment (one read)."""
+    try:
+        data = read_file(f"/proc/{pid}/environ")
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for name in names:
+        # Searched, not split into entries: the scan for cookies reads every process of this user. The
+        # last occurrence counts, should a variable be there twice.
+        key = name.encode() + b"="
+        at = data.rfind(b"\0" + key)
+        if at >= 0:
+            start = at + 1 + len(key)
+        elif data.startswith(key):
+            start = len(key)
+        else:
+            continue
+        end = data.find(b"\0", start)
+        found[name] = data[start : end if end >= 0 else len(data)].decode(errors="replace")
+    return found
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    """All pids whose /proc entry belongs to ``uid`` (one stat per process, no psutil)."""
+    result: list[int] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid == uid:
+                result.append(int(name))
+        except OSError:
+            continue
+    return result
+
+
+def owned_by(pid: int, uid: int) -> bool:
+    """Whether ``pid``'s /proc entry belongs to ``uid`` (False if it is gone)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == uid
+    except OSError:
+        return False
+
+
+def exe_path(pid: int) -> str:
+    """The path of the executable of ``pid`` ('' if unreadable)."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
+def exe_name(pid: int) -> str:
+    """Basename of the executable of ``pid`` ('' if unreadable); survives setproctitle renames."""
+    try:
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        return ""
+
+
+def fd_target(pid: int, fd: int) -> str:
+    """What ``pid``'s descriptor ``fd`` refers to ('' if unreadable): a path, or ``pipe:[inode]`` for a pipe
+    (both ends of one pipe read the same)."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _fd_targets(pid: int) -> Iterator[str]:
+    """What each of ``pid``'s open descriptors refers to (none if its fds are unreadable)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            yield os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed while we looked
+
+
+def pipes_of(pid: int) -> frozenset[str]:
+    """The pipes among ``pid``'s open descriptors, as ``pipe:[inode]`` (none if its fds are unreadable)."""
+    return frozenset(target for target in _fd_targets(pid) if target.startswith("pipe:"))
+
+
+def _nvidia_files(pid: int) -> Iterator[str]:
+    """The ``/dev/nvidia*`` paths among ``pid``'s open files (none if its fds are unreadable)."""
+    return (target for target in _fd_targets(pid) if target.startswith("/dev/nvidia"))
+
+
+def cuda_device_minors(pid: int) -> frozenset[int] | None:
+    """Minor numbers of the ``/dev/nvidia<N>`` files ``pid`` has open, if it has initialised CUDA.
+
+    None when it has not: CUDA (``cuInit``) opens ``/dev/nvidia-uvm``, NVML alone does not, although both
+    open the ``/dev/nvidia<N>`` files. So a pytest process that merely reads NVML is not taken for one
+    that the driver charges memory to.
+    """
+    minors: set[int] = set()
+    uvm = False
+    for target in _nvidia_files(pid):
+        if target == "/dev/nvidia-uvm":
+            uvm = True
+        elif target[11:].isdigit():
+            minors.add(int(target[11:]))
+    return frozenset(minors) if uvm else None
+
+
+def has_nvidia_device_open(pid: int) -> bool:
+    """True if ``pid`` has a ``/dev/nvidia*`` file open, as every process with a CUDA context does."""
+    return next(_nvidia_files(pid), None) is not None

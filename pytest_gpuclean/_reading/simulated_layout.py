@@ -1,0 +1,71 @@
+"""The simulated devices' directory layout, which ``pytest_gpuclean.simulate`` writes and ``simulated.py``
+and the probe read; it imports nothing (a holder, ``simulate hold``, loads only this).
+
+``DIR/<index>/`` is a device. In its folder ``<pid>`` holds the bytes that process has allocated,
+``cuda/<pid>`` marks a process that initialised CUDA there without a context, and the other files are
+optional. ``DIR/xid`` holds the Xid events of all devices."""
+
+from __future__ import annotations
+
+import os
+
+
+def device_indices(root: str | os.PathLike[str]) -> list[int]:
+    """The devices ``root`` holds: its folders named by an index, in order. Raises ``OSError`` if ``root``
+    cannot be listed."""
+    with os.scandir(root) as entries:
+        return sorted(int(e.name) for e in entries if e.name.isdigit() and e.is_dir())
+
+
+def no_device(root: str) -> str:
+    """Why ``root`` is refused when it holds no device (``device_indices`` is empty): a directory that is not
+    one of simulated devices (a typo, ``.``), which must not read as a machine without GPUs."""
+    return (f"{root!r} holds no simulated device (DIR/<index>/); make them with 'python -m "
+            "pytest_gpuclean.simulate init DIR'")
+
+
+DEFAULT_TOTAL = 80 * 1024**3
+"""A device's capacity in bytes where its folder has no ``TOTAL`` file: an 80 GB GPU's."""
+
+TOTAL = "total"
+"""The device's capacity (bytes)."""
+UUID = "uuid"
+NAME = "name"
+CONTEXT_OVERHEAD = "context_overhead"
+"""Bytes per process that count as used but are charged to no process, as the driver does for each CUDA
+context (and for each process with CUDA initialised but no context)."""
+CUDA = "cuda"
+"""The folder of the processes that have initialised CUDA on the device without being listed."""
+
+XID = "xid"
+"""In ``DIR``, not a device's folder: one line per event (``xid_line``), appended; one file for all devices,
+so that the drain at every check costs one ``stat``."""
+
+
+def xid_line(index: int, code: int) -> str:
+    """The line of ``XID`` that is an event of Xid ``code`` on device ``index``."""
+    return f"{index} {code}\n"
+
+
+XID_LINE = "<device index> <Xid code>"
+"""``xid_line``'s form, for the message about a line that is not."""
+
+# The health files (``health.py``): what NVML would report of the device.
+REMAP_PENDING = "remap_pending"
+"""Rows waiting for a reset to be remapped."""
+REMAP_FAILED = "remap_failed"
+ECC_UNCORRECTED = "ecc_uncorrected"
+"""A count."""
+COMPUTE_MODE = "compute_mode"
+MIG_MODE = "mig_mode"
+PERSISTENCE = "persistence"
+CLOCKS_EVENT_REASONS = "clocks_event_reasons"
+"""Names, comma-separated."""
+LOST = "lost"
+"""The device is lost; its text says why."""
+PROBE_FAILS = "probe_fails"
+"""The CUDA probe fails on the device; its text is the error."""
+PROBE_HANGS = "probe_hangs"
+"""The CUDA probe never answers on the device."""
+HEALTH_FILES = (REMAP_PENDING, REMAP_FAILED, ECC_UNCORRECTED, COMPUTE_MODE, MIG_MODE, PERSISTENCE,
+                CLOCKS_EVENT_REASONS, LOST, PROBE_FAILS, PROBE_HANGS)

@@ -1,0 +1,3 @@
+"""The pytest integration below ``plugin.py``: the started session, each test's check, the records, the
+outputs."""
+

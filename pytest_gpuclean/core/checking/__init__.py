@@ -1,3 +1,0 @@
-"""Checking: one check as a pipeline, observe -> decide -> act, and what lasts between checks."""
-
-__all__: list[str] = []

@@ -1,3 +1,0 @@
-"""Ownership: whose a process is (the cookie, the ownership windows, the session's census)."""
-
-__all__: list[str] = []
