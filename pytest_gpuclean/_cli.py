@@ -388,16 +388,11 @@ def _read_what_can_be_read(checker: Checker, chosen: Sequence[DeviceInfo],
     return tuple(snaps)
 
 
-def _reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], *, cookie: str | None, dry_run: bool,
-               targets: dict[int, ReapTarget], left_alone: Sequence[str], notes: Sequence[str],
-               reaped: Sequence[Reaped], released_s: float | None,
-               unreadable: Sequence[commands.Unreadable] = ()) -> dict[str, Any]:
+def _reap_json(found: _Devices, snaps: Sequence[DeviceSnapshot], run: commands.ReapRun) -> dict[str, Any]:
     """``gpuclean reap --json`` (``commands.reap_json``), with the devices' health read anew."""
-    skip = {u.device.uuid for u in unreadable if not u.lost}  # a lost one's health says it is lost
+    skip = {u.device.uuid for u in run.unreadable if not u.lost}  # a lost one's health says it is lost
     health = _read_health(found, [d for d in found.chosen if d.uuid not in skip])
-    return commands.reap_json(_selection(found), snaps, _described(snaps), health, cookie=cookie,
-                              dry_run=dry_run, targets=targets, left_alone=left_alone, notes=notes,
-                              reaped=reaped, released_s=released_s, unreadable=unreadable)
+    return commands.reap_json(_selection(found), snaps, _described(snaps), health, run)
 
 
 def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
@@ -433,9 +428,9 @@ def _cmd_reap(args: argparse.Namespace, out: TextIO) -> int:
         def account(now: Sequence[DeviceSnapshot], reaped: Sequence[Reaped] = (),
                     released_s: float | None = None) -> None:
             if args.json:
-                document = _reap_json(found, now, cookie=args.cookie, dry_run=args.dry_run, targets=targets,
-                                      left_alone=left_alone, notes=debris_notes, reaped=reaped,
-                                      released_s=released_s, unreadable=unreadable)
+                run = commands.ReapRun(args.cookie, args.dry_run, targets, left_alone, debris_notes,
+                                       unreadable, reaped, released_s)
+                document = _reap_json(found, now, run)
                 commands.print_json(document, out)
 
         def ending(status: int) -> int:

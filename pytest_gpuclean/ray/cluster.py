@@ -335,9 +335,10 @@ class ClusterChecker:
                 outcome = by_pid.get(pid)
                 if outcome is None:
                     continue  # an anonymous actor whose worker was not found: still a finding
-                results.append(node_reaped(
-                    self._info(lk), self.ownership.owner(lk.token), outcome, self._held(lk, census), end,
-                    node=node, actor_id=lk.actor.actor_id if lk.actor else "",
+                reaped = node_reaped(self._info(lk), self.ownership.owner(lk.token), outcome,
+                                     self._held(lk, census), end, node)
+                results.append(reaped._replace(
+                    actor_id=lk.actor.actor_id if lk.actor else "",
                     job_id=lk.process.job_id if lk.process else lk.actor.job_id if lk.actor else ""))
             releases.append(NodeRelease(node, end.release_s, end.held))
         return results, releases
@@ -409,14 +410,13 @@ def node_findings(census: Census, tolerance_mib: int, explained_jobs: set[str],
 
 
 def node_reaped(info: ProcessInfo, owner: Owner | None, outcome: Outcome,
-                held: tuple[tuple[str, float], ...], end: NodeEnd, *, node: str | None = None,
-                actor_id: str = "", job_id: str = "") -> Reaped:
-    """A node's answer for one process, as a ``Reaped`` on ``node``."""
+                held: tuple[tuple[str, float], ...], end: NodeEnd, node: str) -> Reaped:
+    """A node's answer for one process, as a ``Reaped`` on ``node`` (its actor and job left blank)."""
     pid, via, ended, exit_s, state = outcome
     how = ended_by(via, ended)
     return Reaped(info, owner, "gpu", how, held, exit_s, end.release_s if pid in end.held else None,
                   survived_as=state if how == "survived" else "", node=node,
-                  via="ray.kill" if via == "ray.kill" else "ladder", actor_id=actor_id, job_id=job_id)
+                  via="ray.kill" if via == "ray.kill" else "ladder")
 
 
 def ended_by(via: str, ended: str) -> EndedBy:

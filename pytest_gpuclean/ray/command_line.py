@@ -225,7 +225,7 @@ def _end(agent: cluster.ClusterChecker, targets: list[_Target], resolved: settin
         for t in node_targets:
             outcome = outcomes.get(t.process.info.pid, (t.process.info.pid, "ladder", "survived", None,
                                                         "no answer"))
-            item = cluster.node_reaped(t.process.info, None, outcome, t.mib, end, node=node_id)
+            item = cluster.node_reaped(t.process.info, None, outcome, t.mib, end, node_id)
             survived = survived or item.ended_by == "survived"
             lines = terminal.reaped_lines(item)
             lines[0] += f" [via {outcome[1]}]"

@@ -285,21 +285,31 @@ def unreadable_lines(unreadable: Sequence[Unreadable], cookie: str | None, exit_
     return lines
 
 
+class ReapRun(NamedTuple):
+    """What one ``gpuclean reap`` set out to end and what became of it: its JSON document's own part."""
+
+    cookie: str | None
+    dry_run: bool
+    targets: dict[int, ReapTarget]
+    left_alone: Sequence[str]
+    notes: Sequence[str]
+    unreadable: Sequence[Unreadable] = ()
+    reaped: Sequence[Reaped] = ()
+    released_s: float | None = None
+
+
 def reap_json(selection: Selection, snaps: Sequence[DeviceSnapshot], described: dict[int, ProcessInfo | None],
-              health: Sequence[Health], *, cookie: str | None, dry_run: bool,
-              targets: dict[int, ReapTarget], left_alone: Sequence[str], notes: Sequence[str],
-              reaped: Sequence[Reaped], released_s: float | None,
-              unreadable: Sequence[Unreadable] = ()) -> dict[str, Any]:
+              health: Sequence[Health], run: ReapRun) -> dict[str, Any]:
     """``gpuclean reap --json``: the ``status --json`` document as last read, the targets (with
     ``--dry-run``, what it would end), how each ended, what it left alone and why, and unreadable devices."""
     return {**status_json(selection, snaps, described), "health": health_json(health),
             "unreadable": [{"device": u.device.label, "uuid": u.device.uuid, "lost": u.lost, "error": u.why}
-                           for u in unreadable],
-            "cookie": cookie, "dry_run": dry_run,
+                           for u in run.unreadable],
+            "cookie": run.cookie, "dry_run": run.dry_run,
             "targets": [{"process": jsonreport.process_json(t.info), "found_by": t.found_by,
                          "mib_per_device": jsonreport.mib_pairs_json(t.mib)}
-                        for _pid, t in sorted(targets.items())],
-            "reaped": [jsonreport.reaped_json(r) for r in reaped],
-            "survived": [r.process.pid for r in reaped if r.ended_by == "survived"],
-            "release_s": None if released_s is None else round(released_s, 6),
-            "left_alone": list(left_alone), "notes": list(notes)}
+                        for _pid, t in sorted(run.targets.items())],
+            "reaped": [jsonreport.reaped_json(r) for r in run.reaped],
+            "survived": [r.process.pid for r in run.reaped if r.ended_by == "survived"],
+            "release_s": None if run.released_s is None else round(run.released_s, 6),
+            "left_alone": list(run.left_alone), "notes": list(run.notes)}
