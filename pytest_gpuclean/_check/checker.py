@@ -1,9 +1,8 @@
 """The session's checker, and one check, pass after pass: observe, decide, act.
 
-``Checker.check`` answers a clean check itself (``_clean_path``); otherwise ``_Passes`` observes (one
-``decisions.Snapshot``), decides (``decisions.py``, which reads nothing) and acts (collect, settle, reap,
-remember what was waited out) until a verdict. The checker holds what lasts between checks: the census, the
-backend, the outside memory. No pytest here: the plugin and the ``gpuclean`` command drive it."""
+``_clean_path`` answers a clean check alone; otherwise ``_Passes`` observes a ``decisions.Snapshot``,
+decides (``decisions.py`` reads nothing) and acts until a verdict. No pytest here: the plugin and the
+``gpuclean`` command drive the same ``Checker``."""
 
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ POLL_S = 0.02
 SETTLE_POLL_S = 0.005
 AT_REST_S = 0.02
 """Leftovers all off every CPU this long end the settle time early: a process exiting by itself runs on its
-way out; one idle this long waits for something the test will not do any more."""
+way out."""
 MAX_FREEZE_PASSES = 20
 """A stopped process forks no more, so freezing ends after as many passes as the tree is deep."""
 _LISTED = operator.attrgetter("processes")
@@ -98,17 +97,16 @@ class Checker:
         self.hurry: Callable[[], bool] | None = None
         """Set while an interrupt asks for quick reaping: the grace ends at once."""
         self.before_grace: Callable[[list[int], float], None] | None = None
-        """Told the pids about to get SIGTERM and their grace, first (so the sweep after an interrupt says
-        what it waits for)."""
+        """Told the pids about to get SIGTERM and their grace, first (the sweep after an interrupt says
+        so)."""
         self._debris_checked = False
         self.left_alone: dict[tuple[int, int], str] = {}
         """Processes of ours the gate refused, by identity: why."""
         self._clean_again: CheckResult | None = None
-        """The last clean check whose only GPU users were this process and its ancestors: the same readings
-        with nothing of ours alive give the same verdict."""
+        """The last clean check whose only GPU users were us and our ancestors: the same readings repeat
+        its verdict."""
         self.outside = OutsideMemory()
-        """Per device UUID, the outside state a check waited out: a later check that finds it unchanged
-        does not wait again. Shared with the xdist run's other workers (``outside.py``)."""
+        """Per device UUID, the outside state a check waited out, not waited for again (``outside.py``)."""
 
     # ---- the census, as the session and the command line ask it ----------------------------------
 
@@ -167,12 +165,10 @@ class Checker:
               scan_cookies: bool = False, reap: bool | None = None,
               device_errors: bool = False, where: str = "an earlier check",
               known: Collection[tuple[int, int]] = ()) -> CheckResult:
-        """Check until clean or ``timeout``, reaping what is ours first (if enabled). ``where`` names this
-        check to later ones that find the same outside state; ``known``: leaks an earlier check left
-        (reaping off), by (pid, start ticks), not waited for when found alone.
+        """Check until clean or ``timeout``, reaping ours first (if enabled). ``where`` names this check to
+        later ones; ``known``: leaks an earlier check left (reaping off), not waited for alone.
 
-        A device that cannot be read raises ``DeviceError``; with ``device_errors`` it ends the check, not
-        clean, with the error (``CheckResult.error``)."""
+        An unreadable device raises ``DeviceError``, or with ``device_errors`` ends the check, not clean."""
         started = time.monotonic()
         dead_sessions = self.dead_sessions and not self._debris_checked
         self._debris_checked = True  # at start-up once; later only when something is unexplained
@@ -202,18 +198,17 @@ class Checker:
 
     def _clean_path(self, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int, started: float
                ) -> CheckResult | tuple[tuple[DeviceSnapshot, ...], bool]:
-        """The result when nothing at all is there (no process of ours alive, every device idle), without
-        the passes' bookkeeping, which is most of a clean check's cost. Otherwise the readings, for the
-        first pass, and whether the census was taken too."""
+        """The result when no process of ours is alive and every device is idle, without the passes'
+        bookkeeping (most of a clean check's cost); otherwise the readings and whether the census was
+        taken."""
         snaps = self.snapshot(devices)
         found: list[CensusEntry] | None = None
         if not any(map(_LISTED, snaps)) and not any(map(_USED, snaps)):
             found = self.census.take()
         else:
             again = self._clean_again
-            # The pytest process's own CUDA context keeps its devices busy: readings identical to those a
-            # clean check judged (the backend returns an unchanged reading as the same object), with nothing
-            # of ours alive, repeat that verdict.
+            # Our own CUDA context keeps the devices busy: readings identical to a clean check's (an unchanged
+            # reading is the same object), with nothing of ours alive, repeat its verdict.
             if (again is not None and again.tolerance_mib == tolerance_mib
                     and len(snaps) == len(again.devices) and all(map(operator.is_, snaps, again.devices))):
                 found = self.census.take()
@@ -228,8 +223,8 @@ class Checker:
                            clean_after_s=waited, tolerance_mib=tolerance_mib)
 
     def _only_ours(self, result: CheckResult) -> bool:
-        """Whether ``result`` is clean, its devices used only by this process and its ancestors, with
-        nothing done or said on the way: a verdict that a repeat of its readings may reuse."""
+        """Clean, only us and our ancestors on its devices, nothing done or said: a verdict its readings
+        may repeat."""
         if not result.clean or result.reaped or result.collected or result.notes or result.siblings or (
                 result.outside is not None or result.lingered or result.cluster is not None):
             return False
@@ -239,8 +234,8 @@ class Checker:
     # ---- reading a pass of a check (``_Passes``) --------------------------------------------
 
     def observe(self, check: _Passes) -> Snapshot:
-        """Every fact one pass decides on. GPU use that the session's tree does not explain widens the
-        census (our cookie anywhere, dead sessions' debris) and the pass reads again."""
+        """Every fact one pass decides on. GPU use our tree does not explain widens the census and reads
+        again."""
         census = self.census
         while True:
             first, check.first = check.first, None
@@ -251,10 +246,8 @@ class Checker:
             # Scanned once, unless it found debris: then again, so a later pass still sees it as the dead
             # session's.
             check.dead_sessions = check.dead_sessions and any(f.debris_of is not None for f in found)
-            # Excused: our ancestors (an outer pytest, a launcher: us as far as the GPU goes, never killed),
-            # the pytest process's helpers (they hold no GPU memory: the census judges one that does) and
-            # persistent processes. Of unknown birth: no evidence says which test made it, so it is reported,
-            # never signalled.
+            # Excused: our ancestors (us as far as the GPU goes), helpers (the census judges one holding GPU
+            # memory) and persistent processes. Of unknown birth: reported, never signalled.
             sort = decisions.sort_census(found, census.is_protected, census.never_touch,
                                       census.helpers.keys() | census.persistent.keys(), listed)
             ours, unknown, excused, unexplained = sort.ours, sort.unknown, sort.excused, sort.unexplained
@@ -265,8 +258,8 @@ class Checker:
             peers = census.peer_pids(unexplained)
             check.peers |= peers
             excused |= peers
-            # A live sibling worker's leftovers are that worker's to reap: waiting here, holding the GPU locks
-            # it needs for its next check, would stall both.
+            # A live sibling worker's leftovers are its to reap: waiting here, holding the locks it needs,
+            # stalls both.
             siblings = census.siblings(unexplained - excused)
             for pid, sibling in siblings.items():
                 _saw_sibling(check, pid, sibling, readings)
@@ -288,9 +281,9 @@ class Checker:
                               maybe_outside=unexplained_use, strays=self.host_scope)
 
     def observe_unread(self, check: _Passes, readings: tuple[DeviceSnapshot, ...]) -> Snapshot:
-        """A check that cannot read every device (``readings``: those it can): no reading says whether
-        something outside holds a GPU, so the census looks for our cookie everywhere and only ours is
-        judged (nothing excused, each device's whole use overhead)."""
+        """A check that cannot read every device: nothing says whether an outsider holds a GPU, so the
+        census looks for our cookie everywhere and only ours is judged (each device's whole use is
+        overhead)."""
         found = self.census.take(scan_cookies=True)
         sort = decisions.sort_census(found, self.census.is_protected, (), (), set())
         return self._snapshot(check, readings, found, sort.ours, sort.unknown, set(), set(),
@@ -299,8 +292,8 @@ class Checker:
 
     def observe_left(self, check: _Passes, seen: Snapshot, ours: Sequence[CensusEntry], recount: bool
                      ) -> Snapshot:
-        """The same check after it acted: what is left of ``ours`` (recounted if it reaped), and ``seen``'s
-        processes of unknown birth as they are now."""
+        """After acting: what is left of ``ours`` (recounted if it reaped), and ``seen``'s unknown
+        processes now."""
         if recount:
             left = {f.key for f in self.census.take(scan_cookies=True) if f.live}
             ours = [f for f in ours if f.key in left]
@@ -363,9 +356,8 @@ class Checker:
 
     def _context_overhead(self, short: list[decisions.Short], excused: set[int], self_cuda: set[str]
                           ) -> dict[str, int]:
-        """The unlisted memory excused where the listed contexts fall short: which excused processes use
-        CUDA there. Each /proc/<pid>/fd read costs a syscall per descriptor, so the other excused processes
-        are asked only if this one does not explain it all."""
+        """The unlisted memory excused where listed contexts fall short. Reading /proc/<pid>/fd costs a
+        syscall per descriptor, so other excused processes are asked only if we do not explain it."""
         backend, me = self.backend, self.census.me
         users: dict[int, frozenset[str]] = {}
         if backend is not None:
@@ -379,9 +371,8 @@ class Checker:
     def reap_round(self, fresh: Sequence[CensusEntry], readings: Sequence[DeviceSnapshot],
                    devices: Sequence[DeviceInfo], notes: list[str], *, freeze: set[str | None] | None = None,
                    scan_cookies: bool = False) -> tuple[list[CensusEntry], list[Reaped]]:
-        """Reap ``fresh`` (the last census's processes); with ``freeze`` (owners whose processes keep
-        reappearing), stop them and whatever else of theirs appears, then SIGKILL. Returns what it tried to
-        signal, and the records."""
+        """Reap ``fresh``; with ``freeze`` (owners that keep reappearing) stop them and theirs first, then
+        SIGKILL. Returns what it tried to signal, and the records."""
         targets = self.census.pinned(fresh)
         if freeze is None:
             return list(targets), self.reap(targets, readings, devices, notes)
@@ -413,8 +404,7 @@ class Checker:
         return gate.refusal(facts, self.uid, itself=itself, protected=protected)
 
     def gate(self, found: Sequence[CensusEntry], notes: list[str]) -> list[CensusEntry]:
-        """Of ``found``, what may be signalled: the one gate before every signal, SIGSTOP included. Each
-        refusal is noted once and remembered for the verdict."""
+        """Of ``found``, what may be signalled: the one gate before every signal, SIGSTOP included."""
         allowed: list[CensusEntry] = []
         for f in found:
             why = self.refusal(f)
@@ -432,8 +422,7 @@ class Checker:
     def reap(self, ours: Sequence[CensusEntry], snaps: Sequence[DeviceSnapshot],
              devices: Sequence[DeviceInfo],
              notes: list[str], kill_first: bool = False) -> list[Reaped]:
-        """Kill what of ``ours`` the gate lets through (TERM, grace, KILL; or KILL at once), then wait until
-        the driver lets them go."""
+        """Kill what of ``ours`` the gate lets through, then wait until the driver lets them go."""
         safe = self.gate(ours, notes)
         infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in safe}
         for f in safe:
@@ -459,12 +448,11 @@ class Checker:
     def freeze(self, targets: Sequence[CensusEntry], owners: set[str | None], scan_cookies: bool,
                notes: list[str], frozen: dict[tuple[int, int], CensusEntry],
                stopped: list[processes.KillTarget]) -> list[CensusEntry]:
-        """SIGSTOP ``targets`` and whatever else of ``owners`` appears until nothing new does, into
-        ``frozen`` (to kill) and ``stopped`` (the caller SIGCONTs what it does not kill). Returns what
-        appeared besides ``targets``.
+        """SIGSTOP ``targets`` and whatever of ``owners`` appears until nothing new does, into ``frozen``
+        (to kill) and ``stopped`` (the caller SIGCONTs what it does not kill). Returns what appeared.
 
-        The gate is passed before the stop and again once stopped: a process that became a relay in between
-        (it started another user's process) is continued and left alone."""
+        The gate runs again once a process is stopped: one that became a relay meanwhile is continued, left
+        alone."""
         seen = {f.key for f in targets}
         appeared: list[CensusEntry] = []
         batch = self.gate(targets, notes)
@@ -485,10 +473,9 @@ class Checker:
         return appeared
 
     def check_owned(self, tokens: Collection[str], devices: Sequence[DeviceInfo]) -> CheckResult:
-        """What ``tokens`` (fixtures that just ended) left alive, judged outside a test's check: the settle
-        time, then reaped if reaping is on. The devices only time the release, never judged: no GPU lock is
-        held, so another job's memory is not this check's business. Only the session's tree is walked (this
-        subreaper keeps what double-forked); what left it is the final sweep's."""
+        """What ``tokens`` (fixtures that just ended) left alive: settle, then reap if enabled. The devices
+        only time the release: no GPU lock is held, so another job's memory is not this check's business.
+        Only our tree is walked; what left it is the final sweep's."""
         started = time.monotonic()
         found = [f for f in self.take_census()
                  if f.token in tokens and f.debris_of is None and not self.is_protected(f)]
@@ -526,11 +513,8 @@ class Checker:
                            tuple(notes), collected=tuple(collected))
 
     def final_sweep(self, devices: Sequence[DeviceInfo], *, include_session: bool = False) -> list[Reaped]:
-        """At session end: reap everything this session's tests and fixtures spawned that is still alive.
-
-        The devices only time the release; one that cannot be read (a GPU lost at the end) does not stop
-        the sweep. ``include_session``: also what the session set-up started (conftest, plugins), for the
-        very end."""
+        """At session end: reap what this session's tests and fixtures spawned that is still alive; an
+        unreadable device does not stop it. ``include_session``: also the set-up's, for the very end."""
         self.ownership.active_fixtures.clear()
         self.ownership.session_over = include_session
         census = self.take_census(scan_cookies=True)
@@ -550,8 +534,7 @@ class Checker:
     def _reap_unread(self, found: list[CensusEntry], devices: Sequence[DeviceInfo],
                      notes: list[str] | None = None,
                      again: Callable[[], list[CensusEntry]] | None = None) -> list[Reaped]:
-        """Reap ``found`` at the session's edges, where a device that cannot be read does not stop it.
-        ``again`` finds what is left: what replaced itself (a SIGTERM handler that forks) is frozen and
+        """Reap ``found`` at the session's edges. ``again`` finds what replaced itself, which is frozen and
         SIGKILLed, for at most ``MAX_REAP_ROUNDS`` rounds."""
         notes = [] if notes is None else notes
         try:
@@ -579,9 +562,8 @@ class Checker:
         return reaped
 
     def end_declared_helpers(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
-        """At the very end: end the helpers only ``--gpuclean-helpers`` vouched for: they served the pytest
-        process, which is about to exit, and nothing else would end them. A library's own helpers are left
-        to its exit handler."""
+        """At the very end: end the helpers only ``--gpuclean-helpers`` vouched for; nothing else would. A
+        library's own helpers are left to its exit handler."""
         alive: list[CensusEntry] = []
         for (pid, start_ticks), handle in list(self.census.declared_helpers.items()):
             if handle.exited() or not procfs.is_live(pid, start_ticks):
@@ -684,8 +666,7 @@ class _Passes:
             seen = self.checker.observe(self)
             now = time.monotonic()
             born = self.note_births(seen)
-            # Decide: a chain that replaces itself first; then what of ours is alive and not signalled yet;
-            # with none of it, the verdict.
+            # Decide: a self-replacing chain first; then ours alive and not signalled yet; else the verdict.
             chains = decisions.self_replacing(self.births, {
                 f.token for f in seen.ours if f.live and f.start_ticks < self.began_ticks}) if born else set()
             fresh = [f for f in seen.ours if f.live and f.key not in self.attempted] if seen.ours else []
@@ -708,8 +689,8 @@ class _Passes:
                 self.reap_round(fresh, seen)
             elif verdict is not None and not verdict.again and not (
                     active and self.reap_enabled and now - self.started < self.judge.timeout):
-                # Not done while processes of ours keep being born or exiting: the census may be a step behind
-                # a chain that forks faster than it reads.
+                # Not while ours keep being born or exiting: the census may lag a chain that forks faster than
+                # it reads.
                 self.checker.remember(verdict)
                 return self.result(seen, verdict, fresh, now - self.started)
             else:
@@ -740,17 +721,15 @@ class _Passes:
     # ---- act ---------------------------------------------------------------------------------------
 
     def collect_zombies(self, seen: Snapshot) -> None:
-        # Exited processes nobody waited for hold no memory and are no leak: mostly orphans our subreaper
-        # adopted (a double fork's middle process), which init would have collected.
+        # Exited processes nobody waited for hold no memory: mostly orphans our subreaper adopted.
         for f in seen.ours:
             if not f.live and f.key not in self.collected_ids and processes.reap_if_child(f.pid):
                 self._collect(f, seen, "reaped zombie")
 
     def settle(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
-        """Before the first reaping, give leftovers up to ``settle`` seconds to exit on their own, while
-        one of them runs: once all stay off the CPU for ``AT_REST_S`` they wait for nothing and are reaped
-        at once (a leak costs its release time, not the settle time). The next pass looks again before any
-        signal: a child that was between fork and exec now shows its command line."""
+        """Before the first reaping, give leftovers up to ``settle`` seconds to exit on their own while one
+        of them runs; once all rest for ``AT_REST_S`` they are reaped at once. The next pass looks again
+        before any signal: a child caught between fork and exec now shows its command line."""
         self.settled = True
         now = time.monotonic()
         deadline, rest_from = now + self.checker.settle, now
@@ -771,8 +750,7 @@ class _Passes:
                 break
 
     def stop_chains(self, owners: set[str | None], seen: Snapshot) -> None:
-        """Freeze and SIGKILL the processes of ``owners``, which replace themselves, and each that appears
-        meanwhile. Their processes that exited were the chain, not processes that exited by themselves."""
+        """Freeze and SIGKILL ``owners``' self-replacing processes and each that appears meanwhile."""
         self.rounds += 1
         alive = [f for f in seen.ours if f.live and f.token in owners]
         targets, reaped = self.checker.reap_round(alive, seen.readings, self.devices, self.notes,
@@ -796,8 +774,8 @@ class _Passes:
     def reap_round(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
         frozen: set[str | None] | None = None
         if self.rounds:
-            # Killed processes were replaced (a forking SIGTERM handler, a supervisor): stop the whole set
-            # first, then SIGKILL it, so no handler runs again.
+            # Killed processes were replaced (a forking SIGTERM handler, a supervisor): stop the set, then
+            # SIGKILL.
             self.notes.append(respawned_note(self.rounds + 1, fresh))
             frozen = {f.token for f in fresh} | self.reaped_owners
         self.rounds += 1
@@ -847,9 +825,8 @@ class _Passes:
         )
 
     def unreadable(self, error: DeviceError) -> CheckResult:
-        """The result of a check that could not read a device: not clean, at once, with the error. What is
-        provably ours is reaped anyway (ownership needs no reading): a test's leftovers must not wait for
-        the session's end, nor fail every later check."""
+        """A check that could not read a device: not clean, at once. What is provably ours is reaped
+        anyway, so a test's leftovers do not wait for the session's end nor fail every later check."""
         checker = self.checker
         # Observe: the readable devices time the release; the census looks for our cookie everywhere.
         readable: list[DeviceInfo] = []
@@ -898,8 +875,7 @@ def _few(pids: Sequence[int], shown: int = 8) -> str:
 
 
 def _cpu_demand(entries: Sequence[CensusEntry]) -> list[int | None]:
-    """What each of ``entries`` has run or waited to run (``procfs.cpu_demand_ns``); -1 for one the kernel
-    is taking down (never at rest)."""
+    """What each of ``entries`` has run or waited to run; -1 for one the kernel is taking down."""
     found: list[int | None] = []
     for f in entries:
         stat = procfs.read_stat(f.pid)
@@ -921,8 +897,7 @@ def _saw_sibling(check: _Passes, pid: int, sibling: Sibling, readings: Sequence[
 
 
 def _start_ticks(pid: int) -> int:
-    """When ``pid`` started (clock ticks since boot), as an outside holder's identity; 0 for a process we
-    cannot see (another PID namespace's) or that has exited (its memory is being given back: not the state
-    an earlier check waited out)."""
+    """``pid``'s start ticks, an outside holder's identity; 0 if not visible or exited (its memory is being
+    given back: not a state to remember)."""
     stat = procfs.read_stat(pid)
     return 0 if stat is None or not procfs.live_state(pid, stat.state) else stat.start_ticks

@@ -1,8 +1,4 @@
-"""What a pass of a check decides, as functions over plain data: no /proc, no devices, no signals.
-
-Sorting the census against the driver's list (``sort_census``), the unlisted memory excused contexts
-explain, the pass's next move, self-replacing owners, the session-end sweep, and the verdict on a
-``Snapshot`` (``Judge``), including what is from outside and was waited out before."""
+"""What a pass of a check decides, as functions over plain data: no /proc, no devices, no signals."""
 
 from __future__ import annotations
 
@@ -27,14 +23,12 @@ if TYPE_CHECKING:
 
 
 CONTEXT_OVERHEAD_BYTES = 64 * MIB
-"""Per excused CUDA context, memory the driver counts as used but lists under no process (measured: 9 MiB);
-the margin covers other drivers' larger overheads."""
+"""Per excused CUDA context, memory the driver lists under no process (measured: 9 MiB), with a margin."""
 MAX_REAP_ROUNDS = 4
 """From the second round on, what reappeared is frozen and SIGKILLed."""
 CHAIN_BIRTHS = 3
-"""Births of one owner during a check that make it a self-replacing chain, once nothing of it older than
-the check is alive: each process forks the next and exits, so none waits for a signal. A daemon's double
-fork is two."""
+"""Births during a check that make an owner a self-replacing chain (none of it older alive). A daemon's
+double fork is two."""
 
 class SortedCensus(NamedTuple):
     """A census sorted against the driver's list (``sort_census``). The caller goes on to excuse more of
@@ -49,16 +43,14 @@ class SortedCensus(NamedTuple):
 def sort_census(found: Sequence[CensusEntry], protected: Callable[[CensusEntry], bool],
                 never_touch: Collection[int],
                 helpers: Collection[int], listed: set[int]) -> SortedCensus:
-    """Sort ``found`` (a census) against ``listed`` (the pids the driver lists on the checked GPUs).
+    """Sort ``found`` (a census) against ``listed`` (the pids on the checked GPUs).
 
-    - ours: provably the session's and not ``protected`` now: judged, and reaped if reaping is on. A dead
-      session's debris is never protected, so it is ours.
-    - unknown: alive and of unknown birth (no token): reported, never signalled.
-    - excused: GPU use that is the session's own: ``never_touch`` (this process, its ancestors),
-      ``helpers``, and what is protected now but of known owner (a live fixture's, the set-up's, older than
-      the session).
-    - unexplained: listed pids none of the above explains (another session's, user's, xdist worker's, a
-      stranger's)."""
+    - ours: provably the session's and not ``protected`` now: judged and reaped. A dead session's debris is
+      never protected.
+    - unknown: alive, of unknown birth: reported, never signalled.
+    - excused: GPU use that is the session's own (``never_touch``, ``helpers``, protected but of known
+      owner).
+    - unexplained: listed pids none of the above explains."""
     ours: list[CensusEntry] = []
     unknown: list[CensusEntry] = []
     excused = {*never_touch, *helpers}
@@ -83,9 +75,8 @@ bytes, bytes the listed contexts allow)."""
 
 
 def listed_overhead(snaps: Sequence[DeviceSnapshot], excused: set[int]) -> tuple[dict[str, int], list[Short]]:
-    """Per device, the unlisted memory excused as ours, at most CONTEXT_OVERHEAD_BYTES per listed process
-    and only where every listed process is excused; and the devices where that falls short (for
-    ``context_overhead``). Anything beyond stays visible as dirty memory."""
+    """Per device, the unlisted memory excused as ours (at most CONTEXT_OVERHEAD_BYTES per listed process,
+    all of them excused), and the devices where that falls short. Anything beyond stays dirty."""
     overhead: dict[str, int] = {}
     short: list[Short] = []
     for snap in snaps:
@@ -109,16 +100,15 @@ def _unlisted_users(snap: DeviceSnapshot, listed: set[int], users: Mapping[int, 
 
 
 def short_of_users(short: Sequence[Short], users: Mapping[int, frozenset[str]]) -> bool:
-    """Whether ``users`` (pid: UUIDs it has open) leave a device of ``short`` unexplained: only then are
-    the other excused processes worth a syscall per descriptor."""
+    """Whether ``users`` leave a device of ``short`` unexplained: only then are other excused processes
+    worth asking."""
     return any(u > a + CONTEXT_OVERHEAD_BYTES * len(_unlisted_users(s, ls, users)) for s, ls, u, a in short)
 
 
 def context_overhead(short: Sequence[Short], users: Mapping[int, frozenset[str]], me: int,
                      self_cuda: set[str]) -> dict[str, int]:
-    """For each device of ``short``, the unlisted memory excused: at most CONTEXT_OVERHEAD_BYTES per listed
-    process and per excused one using CUDA there unlisted (CUDA initialised without a context costs memory
-    too). Adds to ``self_cuda`` each device where ``me`` is such a user."""
+    """For each device of ``short``, the unlisted memory excused: CONTEXT_OVERHEAD_BYTES per listed process
+    and per excused one with CUDA open there (CUDA without a context costs memory too)."""
     overhead: dict[str, int] = {}
     for snap, listed, unlisted, allowed in short:
         unlisted_users = _unlisted_users(snap, listed, users)
@@ -130,16 +120,15 @@ def context_overhead(short: Sequence[Short], users: Mapping[int, frozenset[str]]
 
 def unexplained_use(snaps: Sequence[DeviceSnapshot], unexplained: Collection[int],
                     excused: frozenset[int] | set[int], overhead: Mapping[str, int], tolerance: int) -> bool:
-    """Whether something the session does not explain holds a GPU: a listed process neither ours nor
-    excused, or memory beyond ``tolerance`` nothing excused holds. Only then can a finding be from outside."""
+    """Whether something the session does not explain holds a GPU. Only then can a finding be from outside."""
     return bool(unexplained) or any(
         s.used_bytes - s.bytes_of(excused) - overhead[s.device.uuid] > tolerance for s in snaps)
 
 
 def unexplained_beside(snaps: Sequence[DeviceSnapshot], excused: frozenset[int] | set[int], tolerance: int
                        ) -> bool:
-    """Whether memory beyond ``tolerance`` on ``snaps`` is not held by ``excused`` (with the most their
-    contexts may cost unlisted): something new beside them."""
+    """Whether memory beyond ``tolerance`` is held beside ``excused`` (with the most their contexts may
+    cost)."""
     overhead, short = listed_overhead(snaps, set(excused))
     overhead.update((snap.device.uuid, allowed) for snap, _, _, allowed in short)
     return any(s.used_bytes - s.bytes_of(excused) - overhead[s.device.uuid] > tolerance for s in snaps)
@@ -149,8 +138,7 @@ Move = Literal["settle", "reap", "judge"]
 
 
 def next_move(fresh: bool, reap_enabled: bool, rounds: int, settled: bool, settle_s: float) -> Move:
-    """Settle once before the first reaping, then reap for at most ``MAX_REAP_ROUNDS`` rounds; with nothing
-    left to reap (or reaping off), judge."""
+    """Settle once, then reap for at most ``MAX_REAP_ROUNDS`` rounds; with nothing to reap, judge."""
     if not (reap_enabled and fresh):
         return "judge"
     if not rounds and not settled and settle_s > 0:
@@ -160,24 +148,21 @@ def next_move(fresh: bool, reap_enabled: bool, rounds: int, settled: bool, settl
 
 def self_replacing(births: Mapping[str | None, Collection[tuple[int, int]]],
                    older_alive: Collection[str | None]) -> set[str | None]:
-    """The owners replacing themselves while a check waits: ``CHAIN_BIRTHS`` or more born since it began
-    (``births``), and none older alive (``older_alive``: such a process could be a supervisor a SIGTERM
-    ends in order). A chain is frozen and SIGKILLed: a SIGTERM finds each process gone, and a single look
-    may see only the exited ones and call it clean."""
+    """Owners with ``CHAIN_BIRTHS`` or more born during the check and none older alive (that could be a
+    supervisor a SIGTERM ends in order). A chain is frozen and SIGKILLed: a SIGTERM finds each process
+    gone, and one look may see only the exited ones and call it clean."""
     return {owner for owner, born in births.items()
             if owner is not None and len(born) >= CHAIN_BIRTHS and owner not in older_alive}
 
 
 def of_the_sweep(found: Iterable[CensusEntry], excluded: Collection[str]) -> list[CensusEntry]:
-    """What a session-end sweep ends: each live process of known birth whose token is not ``excluded``. One
-    of unknown birth is reported, never signalled; an exited one holds nothing."""
+    """Each live process of known birth whose token is not ``excluded``."""
     return [f for f in found if f.live and f.token is not None and f.token not in excluded]
 
 
 SLACK_BYTES = 16 * MIB
-"""How far outside memory may move and still be the same state (or the check's tolerance, if larger): our
-own context, unlisted while an outside process is listed, must not make the same holder new again. It sets
-only how long a check waits, never its verdict."""
+"""How far outside memory may move and still be the same state: our unlisted context must not make the same
+holder new. It sets only how long a check waits, never its verdict."""
 
 Holders = frozenset[tuple[int, int]]
 """(pid, start ticks) of each process listed on a device that is not ours (start ticks 0: not visible)."""
@@ -191,8 +176,7 @@ class OutsideState(NamedTuple):
     where: str
     """A test's node id."""
     since: float
-    """``time.monotonic()`` (one clock for every process of the host) when a check first saw this state,
-    which did not change while it waited."""
+    """Monotonic (one clock for the host's processes): when a check first saw this state, unchanged since."""
 
     def same(self, holders: Holders, used_bytes: int, slack: int) -> bool:
         """Start times tell a reused pid from the same process; memory may differ by ``slack``."""
@@ -263,8 +247,8 @@ class Snapshot(NamedTuple):
 
 
 class Verdict(NamedTuple):
-    """What a pass decided: the offenders and whether to look again; if not, what ended by itself, what was
-    from outside, and what later checks remember."""
+    """The offenders and whether to look again; if not, what ended by itself, what was from outside, and
+    what to remember."""
 
     offenders: tuple[Offender, ...]
     again: bool
@@ -278,8 +262,7 @@ class Verdict(NamedTuple):
 
 
 class Judge:
-    """The verdicts of one check, and what it carries between passes: each leak as first seen (for one that
-    then ends by itself), each device's outside state and since when."""
+    """The verdicts of one check, and what it carries between passes (leaks as first seen, outside states)."""
 
     def __init__(self, devices: Sequence[DeviceInfo], tolerance_mib: int, timeout: float, reap_enabled: bool,
                  my_uid: int, where: str) -> None:
@@ -294,8 +277,7 @@ class Judge:
 
     def verdict(self, seen: Snapshot, attempted: AbstractSet[Key], waited: float, now: float,
                 known: AbstractSet[Key] = frozenset()) -> Verdict:
-        """The verdict on ``seen``, ``waited`` seconds in (at ``now``, monotonic). ``attempted``: what the
-        check signalled; ``known``: leaks an earlier check left (reaping off), not waited for when alone."""
+        """The verdict ``waited`` seconds in. ``known``: leaks an earlier check left, not waited for alone."""
         found = offenders(seen, self.tolerance, self.reap_enabled, self.my_uid)
         for o in found:
             if o.reason == "leaked" and o.process is not None:
@@ -306,8 +288,8 @@ class Judge:
                                             seen.others.of_our_run, seen.others.start_ticks)
         known_out = known_outside(states, seen.others.remembered if states else {}, self.outside_seen,
                                   max(self.tolerance, SLACK_BYTES), now, self.timeout, self.where)
-        # Survivors of our SIGKILL and what we may not signal do not go away by waiting; nor does an outside
-        # state an earlier check waited out.
+        # Survivors of SIGKILL and what we may not signal do not go away by waiting; nor does a known outside
+        # state.
         unsignalled = {f.key for f in seen.unknown} | {
             f.key for f in seen.ours if f.live and (f.key in attempted or f.key in known)} if found else set()
         waited_out = not hopeless(found, unsignalled, outside, known_out)
@@ -342,9 +324,7 @@ class Judge:
 
 
 def offenders(seen: Snapshot, tolerance: int, reap_enabled: bool, my_uid: int) -> list[Offender]:
-    """What keeps ``seen``'s devices from being clean, in the report's order: foreign processes (but the
-    allowlisted), leaks, memory beyond ``tolerance`` no visible process holds, host-scope strays, and what
-    is of unknown birth."""
+    """What keeps ``seen``'s devices from being clean, in the report's order."""
     readings = seen.readings
     found: list[Offender] = []
     for process in seen.others.foreign:
@@ -379,9 +359,8 @@ def offenders(seen: Snapshot, tolerance: int, reap_enabled: bool, my_uid: int) -
 def excess_memory(snaps: Sequence[DeviceSnapshot], excused: frozenset[int] | set[int],
                   overhead: Mapping[str, int], tolerance: int, blamed: Collection[int]
                   ) -> list[tuple[DeviceSnapshot, int]]:
-    """Devices with memory beyond ``tolerance`` that nothing excused holds, and how much. Allowlisted
-    processes' memory counts (only their presence is excused); a device where a ``blamed`` offender is
-    listed is not reported twice."""
+    """Devices with unexplained memory beyond ``tolerance``, and how much. Allowlisted processes' memory
+    counts; a device with a ``blamed`` offender listed is not reported twice."""
     found = []
     for snap in snaps:
         extra = snap.used_bytes - snap.bytes_of(excused) - overhead.get(snap.device.uuid, 0)
@@ -410,9 +389,8 @@ def mib_of(pid: int, snaps: Sequence[DeviceSnapshot]) -> tuple[tuple[str, float]
 
 def hopeless(offenders: Sequence[Offender], unsignalled: Collection[Key],
              outside: Mapping[int, frozenset[str]], known: AbstractSet[str]) -> bool:
-    """Whether waiting cannot make the check clean: each offender survived our SIGKILL or may not be
-    signalled (``unsignalled``), or is from outside (``outside``) only on devices whose outside state an
-    earlier check already waited out (``known``)."""
+    """Whether waiting cannot help: each offender survived SIGKILL, may not be signalled, or is from
+    outside only on devices whose state an earlier check waited out."""
     return bool(offenders) and all(
         (o.reason == "leaked" and o.process is not None
          and (o.process.pid, o.process.start_ticks) in unsignalled)
@@ -424,12 +402,9 @@ def outside_of(offenders: Sequence[Offender], snaps: Sequence[DeviceSnapshot], d
                unexplained: AbstractSet[int], overhead: Mapping[str, int], tolerance: int,
                of_our_run: AbstractSet[int], start_ticks: Mapping[int, int]
                ) -> tuple[dict[int, frozenset[str]], dict[str, tuple[Holders, int]], list[str]]:
-    """The findings that cannot be the session's (by ``id``, with the UUIDs of their devices), each
-    device's outside state for later checks (``known_outside``), and the devices clean from outside.
-
-    Cannot be the session's: a listed process neither ours nor excused (a sibling worker's are the run's,
-    not outside), and memory no visible process holds. A leak of ours, or an unknown process carrying our
-    cookie, never is."""
+    """The findings that cannot be the session's (by ``id``, with their devices' UUIDs), each device's
+    outside state, and the devices clean from outside. A leak of ours, or an unknown process with our
+    cookie, never is outside."""
     outside: dict[int, frozenset[str]] = {}
     if not offenders:
         return outside, {}, [d.uuid for d in devices]
@@ -457,11 +432,9 @@ def outside_of(offenders: Sequence[Offender], snaps: Sequence[DeviceSnapshot], d
 def known_outside(states: Mapping[str, tuple[Holders, int]], remembered: Mapping[str, OutsideState],
                   seen: dict[str, OutsideState], slack: int, now: float, timeout: float,
                   where: str) -> set[str]:
-    """The devices whose outside state (per UUID: holders, memory not ours) is one an earlier check waited
-    out (``remembered``), give or take ``slack``, unchanged for at least this check's ``timeout``: waiting
-    longer is waiting for nothing.
-
-    Updates ``seen`` per device with the state this check (``where``) has seen unchanged, and since when."""
+    """The devices whose outside state an earlier check waited out (``remembered``, give or take
+    ``slack``), unchanged for at least this ``timeout``: waiting longer is waiting for nothing. Updates
+    ``seen``."""
     known: set[str] = set()
     for uuid, (holders, used) in states.items():
         earlier = remembered.get(uuid)

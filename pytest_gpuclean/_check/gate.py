@@ -1,9 +1,7 @@
-"""The one gate before every signal (SIGSTOP, SIGTERM, SIGKILL), over plain facts: every path that signals
-asks ``refusal`` first.
+"""The one gate before every signal (SIGSTOP, SIGTERM, SIGKILL), over plain facts.
 
 It leaves alone this process and its ancestors, what is protected now, another user's process (any uid of
-it or its threads), and a relay: a process whose descendants run as another user (``su``, ``sudo`` pass
-signals on)."""
+any thread), and a relay: a process whose descendants run as another user (``su``, ``sudo``)."""
 
 from __future__ import annotations
 
@@ -13,9 +11,7 @@ from pytest_gpuclean.report.text import one_line
 
 def refusal(credentials: Credentials | None, my_uid: int, *, itself: bool = False,
             protected: bool = False) -> str | None:
-    """Why the process ``credentials`` describe may not be signalled by ``my_uid`` (None: it may).
-    ``itself``: this process or an ancestor; ``protected``: the census protects it now; ``credentials``
-    None: it is gone (the ladder reports it)."""
+    """Why ``my_uid`` may not signal the process (None: it may). ``credentials`` None: it is gone."""
     if itself:
         return "gpuclean itself or one of its ancestors"
     if protected:

@@ -1,8 +1,6 @@
-"""A clean GPU is a healthy GPU: Xid events blamed on the test during which they arrived, GPUs that need a
-reset, a lost GPU, settings changed under the session, and the CUDA sanity probe.
-
-The quiet path only drains Xid events; the slow reads (row remapping, ECC, compute mode) run at session
-start, and after a test only where something points at them or after a long test."""
+"""A clean GPU is a healthy GPU: Xid events blamed on the test they arrived during, reset-needing or lost
+GPUs, settings changed under the session, and the CUDA probe. Each check only drains Xids; the slow reads
+run at start, and after a test only where something points at them."""
 
 from __future__ import annotations
 
@@ -110,9 +108,8 @@ Prober = Callable[[Sequence[DeviceInfo]], dict[str, str | None]]
 
 
 class HealthWatch:
-    """The health of a session's devices: read at start, drained at each check, re-read when pointed at. A
-    device found unusable stays so for the session: every later test on it fails its setup at once.
-    gpuclean never resets a GPU nor changes its settings."""
+    """The health of a session's devices. A device found unusable stays so: every later test on it fails
+    its setup. gpuclean never resets a GPU nor changes its settings."""
 
     def __init__(self, source: HealthSource, devices: Sequence[DeviceInfo], *, probe: str = "off",
                  prober: Prober | None = None, note: Callable[[str], None] = lambda line: None) -> None:
@@ -126,8 +123,7 @@ class HealthWatch:
         """Per UUID, the finding that made the device unusable."""
         self.lost: dict[str, HealthFinding] = {}
         self.incidents: set[str] = set()
-        """UUIDs where a test had an Xid, a reaped GPU process or an error: probed before the next test on
-        them (``--gpuclean-probe=after-incident``)."""
+        """UUIDs where a test had an Xid, a reaped GPU process or an error: probed before their next test."""
         self.probe_s: list[float] = []
         """Seconds each probe run took, for the report."""
         self._by_uuid = {d.uuid: d for d in self.devices}
@@ -150,8 +146,8 @@ class HealthWatch:
                 found.append(self._mark_lost(device, exc.reason, "setup"))
                 continue
             self.baseline[device.uuid] = now
-            # ECC errors from before the session are not ours to judge (only a rise is); the remapping state
-            # tells whether they still need a reset.
+            # ECC errors from before the session are not ours (only a rise is); remapping tells if they need a
+            # reset.
             reasons = reset_reasons(now, now)
             if reasons:
                 found.append(self._mark_unusable(finding(
@@ -190,8 +186,8 @@ class HealthWatch:
 
     def after(self, nodeid: str, devices: Sequence[DeviceInfo], reaped: Sequence[Reaped],
               tests_failed: int) -> list[HealthFinding]:
-        """After a test (its teardown check done): the Xids that arrived during it are its findings; where
-        something points at trouble, the slow reads too."""
+        """After a test: the Xids during it are its findings; where something points at trouble, the slow
+        reads too."""
         events = self.source.drain_xids()
         long_test = time.monotonic() - self._started >= CLOCKS_AFTER_S
         last, self._last = self._last, (nodeid, devices)
@@ -209,8 +205,7 @@ class HealthWatch:
             item = finding("xid", effect, hit, xid_message(hit, code), "teardown", code)
             found.append(self._mark(item))
             pointed.add(uuid)
-        # A killed GPU process or a failed test may be a fault the driver has not reported as an Xid (yet):
-        # the slow reads tell.
+        # A killed GPU process or a failed test may be a fault not reported as an Xid (yet).
         held = {label for r in reaped for label, _mib in r.mib_per_device}
         pointed |= {d.uuid for d in devices if d.label in held}
         if tests_failed > self._failed:
@@ -260,8 +255,7 @@ class HealthWatch:
 
     def _outside(self, events: Iterable[tuple[str, int]], when: str, last: tuple[str, Sequence[DeviceInfo]]
                  ) -> None:
-        """Xids outside any test on their device: nobody's to blame, but a GPU they make unusable stays so
-        for the tests to come."""
+        """Xids outside any test: nobody's to blame, but a GPU they make unusable stays so."""
         for uuid, code in events:
             device = self._by_uuid.get(uuid)
             if device is None:

@@ -1,8 +1,6 @@
-"""What held a GPU from outside the session when a check waited it out, per device: a later check finding
-the same state unchanged for its own timeout does not wait again (``decisions.known_outside``).
-
-An xdist run's workers share it through a file under ``flock``, in a private directory the controller
-makes. Only an optimisation: a lost or unreadable file costs a wait, never makes a check pass."""
+"""What held a GPU from outside when a check waited it out, per device: a later check finding it unchanged
+for its own timeout does not wait again. An xdist run's workers share it through a file under ``flock``.
+Only an optimisation: a lost file costs a wait, never makes a check pass."""
 
 from __future__ import annotations
 

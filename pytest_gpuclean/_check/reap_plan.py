@@ -1,5 +1,4 @@
-"""What ``gpuclean reap`` may end, over plain facts: one planner for this host's devices and a Ray
-cluster's nodes. ``plan`` decides the targets and why each other one is left alone."""
+"""What ``gpuclean reap`` may end, over plain facts: one planner for this host and a Ray cluster's nodes."""
 
 from __future__ import annotations
 
@@ -20,13 +19,13 @@ class ReapCandidate(NamedTuple):
     """None: not visible where it runs (exited, or in another PID namespace)."""
     mib: tuple[tuple[str, float], ...] = ()
     found_by: FoundBy = "gpu"
-    """``gpu`` (listed on a device) or ``cookie`` (carries the ``--cookie`` value); only an invisible
-    ``gpu`` one is worth a line (an exited cookie carrier is simply gone)."""
+    """``gpu`` or ``cookie``; only an invisible ``gpu`` one is worth a line (an exited carrier is just
+    gone)."""
     where: str = ""
     """``node 3f2a9c1b`` on a Ray cluster; "" on this host."""
     no_device_file: bool = False
-    """On real GPUs, the local process of that number has no ``/dev/nvidia*`` open: in a container the
-    driver may list host pids, naming an unrelated local process."""
+    """The local process of that number has no ``/dev/nvidia*`` open: a container's driver may list host
+    pids."""
     gpuclean_itself: bool = False
     """gpuclean or one of its ancestors."""
     ray_own: bool = False
@@ -39,8 +38,7 @@ class ReapCandidate(NamedTuple):
     task_worker: bool = False
     """A Ray worker that is no actor's: Ray ends it with its task."""
     credentials: Credentials | None = None
-    """Whom a signal could reach, read on this host; None where not read (a Ray node's process: its uid
-    alone is checked)."""
+    """Whom a signal could reach; None where not read (a Ray node's: its uid alone is checked)."""
 
 
 def plan(candidates: Iterable[ReapCandidate], *, my_uid: int, all_users: bool = False, cmd_width: int = 80

@@ -1,7 +1,6 @@
-"""The reap ladder: end processes (SIGTERM, grace, SIGKILL; or SIGKILL at once) and time how long the
-driver takes to let their GPU memory go; and shut down the pytest process's pools that own a leak's workers
-(a live ``multiprocessing.Pool`` replaces every worker killed from outside). It signals only what it is
-handed: the gate decided before."""
+"""The reap ladder: SIGTERM, grace, SIGKILL, timing how long the driver takes to free the memory; and the
+pytest process's pools that own a leak's workers, shut down (a live ``Pool`` replaces killed workers). It
+signals only what it is handed: the gate decided before."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ def kill_and_confirm(targets: Sequence[processes.KillTarget], devices: Sequence[
                      holders: set[int], *, read: Read, grace: float, hurry: Callable[[], bool] | None = None,
                      kill_first: bool = False
                      ) -> tuple[dict[int, tuple[processes.KillOutcome, float | None]], float | None]:
-    """The kill ladder, then wait until the driver lists none of ``holders``. Returns per pid its outcome
-    and release time, and the seconds from the first signal until every holder was gone (None if none held
-    a GPU or one stayed)."""
+    """The kill ladder, then wait until the driver lists none of ``holders``. Per pid its outcome and
+    release time, and the seconds until every holder was gone (None if none held a GPU or one stayed)."""
     watch = _ReleaseWatch(read, devices, holders)
     killed_at = time.monotonic()
     outcomes = processes.terminate(targets, grace, watch=watch.poll, hurry=hurry, kill_first=kill_first)
@@ -36,8 +34,7 @@ def kill_and_confirm(targets: Sequence[processes.KillTarget], devices: Sequence[
     for outcome in outcomes:
         release = None
         if outcome.pid in watch.gone_at and outcome.signal_s is not None:
-            # The driver frees memory while the process exits (before it is a zombie): time the release from
-            # the signal that ended it.
+            # The driver frees memory while the process exits: time from the signal that ended it.
             release = max(0.0, watch.gone_at[outcome.pid] - (killed_at + outcome.signal_s))
         ended[outcome.pid] = (outcome, release)
     all_released = None
@@ -97,10 +94,9 @@ def _worker_pids(obj: Any, pool_type: type | None, executor_type: type | None) -
 
 
 def _registered_pools(pool_type: type | None, executor_type: type | None) -> list[Any] | None:
-    """Live pools and executors, from the standard library's own registries (a ``Pool``'s
-    ``multiprocessing.util.Finalize``, a ``ProcessPoolExecutor``'s manager thread): walking the heap takes
-    time proportional to it, large after importing torch, and all before the first signal. None where these
-    internals are missing: the caller walks the heap then."""
+    """Live pools and executors, from the standard library's registries: walking the heap instead is slow
+    after importing torch, all before the first signal. None where the internals are missing: walk the heap
+    then."""
     found: list[Any] = []
     if pool_type is not None:
         registry = getattr(sys.modules.get("multiprocessing.util"), "_finalizer_registry", None)
@@ -125,9 +121,8 @@ def _registered_pools(pool_type: type | None, executor_type: type | None) -> lis
 
 
 def shutdown_pools(leaked_pids: set[int], wait: float) -> list[str]:
-    """Terminate pools in this process owning any of ``leaked_pids``; a note per pool. Termination runs in
-    a thread bounded by ``wait``: ``Pool.terminate`` joins its workers and would hang on one that ignores
-    SIGTERM until the ladder escalates to SIGKILL."""
+    """Terminate pools owning any of ``leaked_pids``, in a thread bounded by ``wait``: ``Pool.terminate``
+    joins its workers and would hang on one that ignores SIGTERM."""
     mp_pool = sys.modules.get("multiprocessing.pool")
     cf_process = sys.modules.get("concurrent.futures.process")
     pool_type = getattr(mp_pool, "Pool", None)
