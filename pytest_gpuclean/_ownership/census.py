@@ -1,9 +1,8 @@
 """The census: the session's processes, and whose each is (the token that names its owner).
 
-The descendant tree, cookie carriers outside it and dead sessions' debris, each pinned by its pidfd when
-found; the pytest process's helpers and persistent processes are left out. A direct child that would be
-judged is asked about once (``Managed``): a module global keeping its handle makes it a helper, a live
-fixture's value makes it that fixture's. Nothing here decides a verdict or sends a signal."""
+Our tree, cookie carriers outside it and dead sessions' debris, each pinned by its pidfd when found;
+helpers and persistent processes are left out. A direct child that would be judged is asked about once
+(``Managed``): who in the pytest process holds its handle. Nothing here judges or signals."""
 
 from __future__ import annotations
 
@@ -32,11 +31,10 @@ from pytest_gpuclean.report.text import one_line
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
 Registry = Callable[[], Mapping[int, tuple[str, "float | None"]]]
-"""pid -> (what it is, when its record was written (wall clock), or None where a live handle here proves
-it)."""
+"""pid -> (what it is, when its record was written, or None where a live handle here proves it)."""
 _RECORD_SLACK_S = 1.0
-"""Slack for the clock-tick rounding of a start time and the file system's coarse clock: a process started
-later than its record reuses the pid."""
+"""Start-time tick rounding and the file system's coarse clock: a process started after its record reuses
+the pid."""
 _DECLARED = "its command line matches --gpuclean-helpers"
 """Why a helper only ``--gpuclean-helpers`` vouches for is one (the session's end ends it)."""
 
@@ -45,10 +43,9 @@ _SINGLETON_PIPE = "--singleton-died-pipe"
 
 
 def _mpi_singleton_daemon(pid: int, words: list[str], me: int) -> bool:
-    """Whether ``pid`` is Open MPI's daemon for this process as an MPI singleton (``MPI_Init`` without
-    ``mpirun``, as ``import mpi4py.MPI`` does): ``orted ... --singleton-died-pipe FD`` serves the process
-    for its life, and killing it hangs the process's MPI in the next test. Evidence, not the name: the pipe
-    at ``FD`` is one this process holds."""
+    """Whether ``pid`` is Open MPI's singleton daemon for this process (``import mpi4py.MPI`` without
+    ``mpirun``): it serves the process for its life, and killing it hangs MPI in the next test. Evidence,
+    not the name: this process holds the pipe at its ``--singleton-died-pipe FD``."""
     if _SINGLETON_PIPE not in words:
         return False
     try:
@@ -131,8 +128,7 @@ class XdistPeers(NamedTuple):
 
 
 class KeptAlive(NamedTuple):
-    """What the options and plugins say the session keeps alive: the pytest process's helpers and processes
-    meant to outlive the session."""
+    """What the options and plugins say the session keeps alive."""
 
     helpers: tuple[str, ...] = ()
     """``--gpuclean-helpers``: command-line globs of the pytest process's children that serve it."""
@@ -143,8 +139,7 @@ class KeptAlive(NamedTuple):
 
 
 class Census:
-    """The session's processes as the checks find them, each with its token, decided once per process (pid
-    and start time) and kept."""
+    """The session's processes as the checks find them, each token decided once per process and kept."""
 
     def __init__(self, ownership: Ownership, *, uid: int, peers: XdistPeers | None = None,
                  kept: KeptAlive | None = None) -> None:
@@ -156,14 +151,12 @@ class Census:
         self.persistent_registry = kept.registry
         """Read only when there is something to look at."""
         self.helpers: dict[int, str] = {}
-        """What the last census left out as the pytest process's helpers, with why (descendants too): never
-        suspects, excused like this process."""
+        """Left out by the last census as helpers, with why (descendants too): excused like this process."""
         self.persistent: dict[int, str] = {}
         """What the last census left out as persistent, with why (descendants too): never signalled, memory
         excused."""
         self.declared_helpers: dict[tuple[int, int], processes.Handle] = {}
-        """Helpers only ``helper_globs`` vouched for, pinned: the session's end ends those still alive (a
-        library's own helpers end as their library arranged)."""
+        """Helpers only ``helper_globs`` vouched for, pinned: the session's end ends those still alive."""
         self._announced: set[tuple[int, int]] = set()
         self.notices: list[str] = []
         """One line per helper or persistent process when first seen (and per ``Managed`` decision), for
@@ -189,9 +182,8 @@ class Census:
         self.last: list[CensusEntry] = []
         """What the last census found (``--gpuclean-ray=auto`` looks there for a cluster the session
         started)."""
-        # What already runs under us is the session set-up's (a conftest, a plugin's pytest_configure), never
-        # a test's leak; unless it, or an ancestor under us, predates the session (``server & exec pytest`` in
-        # a container entrypoint leaves the server our child).
+        # What already runs under us is the set-up's, never a test's leak; unless it or an ancestor predates
+        # the session (``server & exec pytest`` leaves the server our child).
         walked = self._walk()
         upto = procfs.last_pid()  # every process just walked had its pid by now
         tokens: dict[int, str] = {}
@@ -204,9 +196,9 @@ class Census:
 
 
     def _set_up_or_older(self, pid: int, start_ticks: int, upto: int | None) -> str:
-        """Whose is ``pid``, found under us at the checker's start outside our other processes' trees: the
-        set-up's if it carries our cookie or was provably born after the session began; otherwise it
-        existed before (or may have: born in the very tick), and is left alone."""
+        """Whose is ``pid``, found under us at start outside our other trees: the set-up's if it carries
+        our cookie or was provably born after the session began; otherwise it may predate it, and is left
+        alone."""
         value = procfs.read_environ_vars(pid, (COOKIE_VAR,)).get(COOKIE_VAR)
         if value is not None and value.startswith(self.ownership.session_id + ":"):
             return SESSION
@@ -253,11 +245,10 @@ class Census:
 
     def _left_out(self, walked: list[tuple[int, int, int]], listed: AbstractSet[int],
                   roots: dict[int, str]) -> tuple[dict[int, str], dict[int, str]]:
-        """Of a walk of our descendants, what to leave out of the census, each with its descendants: the
-        helpers (the libraries', and children ``helper_globs`` match) and the persistent processes. A
-        helper whose tree holds GPU memory (``listed``) is judged like any process: an excuse covering held
-        memory would give a clean verdict beside it. ``roots``: the libraries' helpers just read (added to
-        here)."""
+        """Of a walk of our descendants, the helpers and persistent processes to leave out, with their
+        descendants. A helper whose tree holds GPU memory (``listed``) is judged like any process: an
+        excuse covering held memory would be a clean verdict beside it. ``roots``: the libraries' helpers
+        (added to)."""
         shm_manager = torch_shm_manager()
         stats = self._tree.stats
         for pid, depth, _parent in walked:
@@ -287,9 +278,8 @@ class Census:
                 {pid: persistent[root] for pid, root in _trees(walked, persistent).items()})
 
     def persistent_of(self, pids: Iterable[int], walked: bool = False) -> dict[int, str]:
-        """Of ``pids``, this user's processes meant to outlive the session, with why: ``persistent_globs``
-        matches the command line, or ``persistent_registry`` recorded the pid and its process started
-        before the record (not a reused pid). ``walked``: they are our descendants."""
+        """Of ``pids``, this user's processes meant to outlive the session, with why: by command line, or
+        recorded by ``persistent_registry`` before the process started (not a reused pid)."""
         if not (self.persistent_globs or self.persistent_registry is not None):
             return {}
         registry = self.persistent_registry() if self.persistent_registry is not None else {}
@@ -368,8 +358,8 @@ class Census:
     def _token(self, pid: int, start_ticks: int, parent_token: str | None, parent_ours: bool) -> str | None:
         key = (pid, start_ticks)
         if parent_ours:
-            # Whoever owns the parent owns the child, whatever its environment or birth time say (a fixture's
-            # server forking a worker). A process found to be a live fixture's takes its children along.
+            # Whoever owns the parent owns the child, whatever its environment or birth say; a live fixture's
+            # process takes its children along.
             self._tokens[key] = parent_token
             return parent_token
         if key not in self._tokens:
@@ -382,8 +372,8 @@ class Census:
                 token = self.ownership.token_by_birth(pid, start_ticks)
                 self.managed.born_bare(key, token)  # (no cookie of ours: its birth alone says whose)
             elif cookie is not None and self.ownership.is_protected(token):
-                # Started under our set-up by a nested session that has since died (a crashed xdist worker,
-                # adopted by its controller): that session's debris.
+                # Started under our set-up by a nested session since dead (a crashed xdist worker): its
+                # debris.
                 inner = dead_session_of(cookie, self.ownership.session_id, SessionRef.liveness)
                 if inner is not None:
                     self._debris[key] = (inner, values.get(OWNER_VAR))
@@ -392,9 +382,9 @@ class Census:
 
     def take(self, scan_cookies: bool = False, dead_sessions: bool = False,
              listed: AbstractSet[int] = frozenset()) -> list[CensusEntry]:
-        """Our processes: the descendant tree, plus cookie carriers outside it (a /proc scan). Helpers and
-        persistent processes are left out; ``listed``: the pids on the checked GPUs (a helper holds none
-        there). ``dead_sessions``: the scan also returns dead gpuclean sessions' debris of this user."""
+        """Our processes: the descendant tree, plus cookie carriers outside it (a /proc scan), without
+        helpers and persistent ones. ``listed``: the pids on the checked GPUs. ``dead_sessions``: also dead
+        sessions' debris."""
         found: list[CensusEntry] = []
         by_pid: dict[int, CensusEntry] = {}
         me = self.me  # (read once: nothing here forks)
@@ -436,12 +426,10 @@ class Census:
         if scan_cookies or dead_sessions:
             found.extend(self._cookie_carriers(by_pid, library.keys() | self.helpers.keys(), dead_sessions,
                                                seen_keys))
-        # A direct child that would be judged is first asked about once: who in the pytest process holds its
-        # handle.
+        # A direct child that would be judged is first asked about once.
         asked = self.managed.asked
-        # Not the set-up's (what it leaves is reaped after pytest_unconfigure), nor one born after its owner's
-        # processes were first asked about: the test's code had run by then, so it made no handle (an orphan,
-        # a chain's next member: each would cost a heap walk).
+        # Not the set-up's (reaped after pytest_unconfigure), nor one born after its owner's processes were
+        # first asked about: the test's code had run by then, so it made no handle.
         undecided = [f for f in found if f.depth == 1 and f.key not in asked and f.debris_of is None
                      and f.token is not None and f.token != SESSION and f.live
                      and not self.ownership.is_protected(f.token)
@@ -474,8 +462,7 @@ class Census:
                 debris = (dead_session_of(value, self.ownership.session_id, SessionRef.liveness)
                           if dead_sessions else None)
                 if debris is None:
-                    # A live session's (also a dead nested session of a live one: an xdist sibling's), or no
-                    # session's: never ours.
+                    # A live session's (or a dead one nested in a live one), or no session's: never ours.
                     continue
             pinned = self._pin(pid)
             if pinned is None:
@@ -492,8 +479,7 @@ class Census:
         return found
 
     def pinned(self, entries: Iterable[CensusEntry]) -> list[CensusEntry]:
-        """The last census's own entry, pinned by its pidfd, for each of ``entries``: what a check decided
-        on, to act on."""
+        """The last census's own pinned entry for each of ``entries``: act on what the check decided on."""
         by_key = {f.key: f for f in self.last}
         return [by_key[e.key] for e in entries if e.key in by_key]
 
@@ -525,10 +511,9 @@ class Census:
         return peers
 
     def siblings(self, pids: Iterable[int]) -> dict[int, Sibling]:
-        """Of ``pids``, those a live sibling worker of our xdist run started, and who there did: their
-        cookie extends our ``peer_cookie`` by that worker's session id, the worker is alive and a peer, and
-        the process carries our run's id and was born after the worker. Its session reaps it if it leaked;
-        a dead sibling's leftovers are a dead session's debris."""
+        """Of ``pids``, those a live sibling worker of our xdist run started, and who there did: the cookie
+        extends our ``peer_cookie`` by a live peer's session id, and the process carries our run's id and
+        is younger than that worker. Its session reaps it; a dead sibling's leftovers are debris."""
         if not self.xdist_run or not self.peer_cookie:
             return {}
         found: dict[int, Sibling] = {}
@@ -552,14 +537,14 @@ class Census:
         return found
 
     def _is_sibling_worker(self, ref: SessionRef) -> bool:
-        """Whether the session leader ``ref`` names is a live sibling worker: that very process (pid and
-        start time, in our pid namespace), and a peer."""
+        """Whether ``ref`` names a live sibling worker: that very process, in our pid namespace, and a
+        peer."""
         return (ref.pid_namespace == procfs.pid_namespace() and procfs.is_live(ref.pid, ref.start_ticks)
                 and bool(self.peer_pids((ref.pid,))))
 
     def of_our_run(self, pid: int) -> bool:
-        """Started by a sibling xdist worker of our run: the run's, never outside the session, though this
-        worker does not account for it."""
+        """Started by a sibling xdist worker: the run's, never outside, though this worker does not account
+        for it."""
         if not self.xdist_run or not self.peer_cookie:
             return False
         value = procfs.read_environ_vars(pid, (COOKIE_VAR,)).get(COOKIE_VAR)
@@ -576,20 +561,17 @@ class Census:
 
 def is_peer(cookie: str | None, run: str | None, start_ticks: int, peer_cookie: str, xdist_run: str,
             peers_since: int | None) -> bool:
-    """Whether a direct child of our controller is a sibling worker. A peer started with the controller's
-    own cookie (``peer_cookie``): what a worker's test starts carries that worker's longer cookie, and is a
-    leak, never a peer. xdist exports the run id only once the worker runs, so the readable environment may
-    lack it: then it must have started at or after ``peers_since`` (a conftest's process during the
-    controller's configure carries the controller's cookie too)."""
+    """Whether a direct child of our controller is a sibling worker: it started with the controller's own
+    cookie (a worker's test's processes carry the worker's longer one). xdist exports the run id only once
+    the worker runs, so without it the child must have started at or after ``peers_since``."""
     return cookie == peer_cookie and (run == xdist_run
                                       or (peers_since is not None and start_ticks >= peers_since))
 
 
 def sibling_claim(cookie: str, run: str | None, peer_cookie: str, xdist_run: str,
                   own_session_id: str) -> tuple[SessionRef, OwnerKind] | None:
-    """The sibling worker's session that ``cookie`` names (extending ``peer_cookie``, with our run's id
-    ``run``), and the kind of owner there that started the process; None if it names no other worker of our
-    run."""
+    """The sibling worker's session ``cookie`` names, and the kind of owner there that started the process;
+    None if it names no other worker of our run."""
     prefix = peer_cookie + "/"
     if not cookie.startswith(prefix) or run != xdist_run:
         return None
@@ -647,9 +629,8 @@ class Managed:
     def ask(self, undecided: Sequence[CensusEntry], found: Sequence[CensusEntry],
             listed: AbstractSet[int] = frozenset()) -> dict[_Key, str] | None:
         """Whose are ``undecided`` (direct children that would be judged now), each asked once: the new
-        token of each whose owner changed; None if nothing changed. Helpers go to ``kept``. For processes
-        the driver lists (``listed``) only a live fixture's holding can change the verdict, so the modules
-        are not walked: a GPU leak is reaped once at rest, not after a heap walk."""
+        token of each whose owner changed, None if none did; helpers go to ``kept``. For GPU holders
+        (``listed``) only a live fixture's holding changes the verdict, so the modules are not walked."""
         now = procfs.boot_ticks_now()
         for f in undecided:
             if f.token is not None:
@@ -680,17 +661,15 @@ class Managed:
             else:
                 unmanaged = unmanaged or f.pid not in listed
         if unmanaged:
-            # What nothing holds may be garbage in a cycle the collector has not reached (a dropped
-            # multiprocessing Manager): collected now, its finalizer ends the process and the settle time sees
-            # it exit by itself. Not for a GPU holder: an engine dropped unshut, waiting for a collection that
-            # may never come, is the leak this plugin exists for; and collecting torch's heap is slow.
+            # What nothing holds may be garbage in a cycle (a dropped multiprocessing Manager): collected now,
+            # its finalizer ends the process, which then exits by itself. Not for a GPU holder: an engine
+            # dropped unshut is the leak this plugin exists for; and collecting torch's heap is slow.
             gc.collect()
         return owners if owners or changed else None
 
     def _ambiguous(self, orphan: CensusEntry, found: Sequence[CensusEntry]) -> str | None:
-        """The token of ``orphan`` (no cookie of ours, no handle in the pytest process, born in a test's
-        window) if a protected process that could have started it is alive (ours, whose children carry no
-        cookie of ours, born no later): then it is not surely the test's. None if there is none."""
+        """The token of ``orphan`` (no cookie of ours, no handle, born in a test's window) if a protected
+        process that could have started it is alive: then it is not surely the test's. None otherwise."""
         ownership = self.ownership
         protectors: list[CensusEntry] = []
         for f in found:

@@ -1,9 +1,8 @@
-"""Who made a process: the evidence gpuclean acts on, and nothing it has to guess.
+"""Who made a process: the evidence gpuclean acts on, never a guess.
 
-A process is a test's only if the test made it: by ancestry, by the cookie it inherited, or by its birth
-inside the test's window (pid and clock readings at its open and close). Never if a still active fixture, a
-conftest, the session set-up or another session made it or an ancestor. Missing or contradicting evidence
-makes the owner ``unknown``: reported, never signalled."""
+A process is a test's only if the test made it: by ancestry, an inherited cookie, or birth inside the
+test's window (pid and clock readings). Never if a live fixture, the set-up or another session made it or
+an ancestor. Missing or contradicting evidence: owner ``unknown``, reported, never signalled."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from pytest_gpuclean._reading import procfs
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
 PREEXISTING = PREEXISTING_TOKEN
-"""Token of processes that existed before the session began, and of what they start (a container
-entrypoint's ``server & exec pytest``): no part of the session, never signalled."""
+"""Processes that existed before the session, and what they start: never signalled."""
 _PREEXISTING_OWNER = Owner("unknown", "no part of the session (it, or the process that started it, "
                            "existed before the session)")
 
@@ -32,8 +30,7 @@ _SESSION_ID = re.compile(r"gc\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+$")
 
 
 SESSION = SESSION_TOKEN
-"""Token of processes born in this session outside every test and fixture, and of those whose cookie says
-the set-up started them."""
+"""Processes born outside every test and fixture, or whose cookie says the set-up started them."""
 
 
 class SessionRef(NamedTuple):
@@ -45,8 +42,8 @@ class SessionRef(NamedTuple):
     pid_namespace: int
 
     def liveness(self) -> bool | None:
-        """True when provably alive (same pid namespace, its pid still that process), False when provably
-        dead (its pid gone or now another process), None in another pid namespace: no proof either way."""
+        """True when provably alive, False when provably dead (pid gone or reused), None in another pid
+        namespace."""
         if self.pid_namespace != procfs.pid_namespace():
             return None
         # An exited leader nobody has waited for yet (a crashed xdist worker) is dead too.
@@ -61,9 +58,8 @@ class SessionRef(NamedTuple):
 
 
 def innermost_session(cookie: str) -> SessionRef | None:
-    """The session that spawned a cookie's carrier: the chain's last ``<session id>:<token>``
-    (``gc.1.2.3.ab:s1/gc.4.5.3.cd:t7``: test t7 of ``gc.4.5.3.cd``, which ran inside ``gc.1.2.3.ab``). None
-    for a cookie no gpuclean session made."""
+    """The session that spawned a cookie's carrier (``gc.1.2.3.ab:s1/gc.4.5.3.cd:t7``: test t7 of
+    ``gc.4.5.3.cd``). None for a cookie no gpuclean session made."""
     session_id, sep, _token = cookie.rpartition(":")
     if not sep:
         return None
@@ -78,9 +74,8 @@ Liveness = Callable[[SessionRef], bool | None]
 
 
 def _live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
-    """The innermost session enclosing the cookie's innermost one that is provably alive, other than ours
-    and those we run inside. Its test started the nested session, so what that one left when it died is the
-    live session's to reap, never another session's debris. None if there is none."""
+    """The innermost provably live session enclosing the cookie's innermost one, other than ours and our
+    enclosers: what a nested session left when it died is that session's to reap."""
     parts = cookie.split("/")
     for depth in range(len(parts) - 1, 0, -1):
         outer = innermost_session("/".join(parts[:depth]))
@@ -93,9 +88,8 @@ def _live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) ->
 
 
 def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
-    """The dead session whose debris a carrier of ``cookie`` is: the one that spawned it, not ours,
-    provably dead, and enclosed by no live session but ours and our enclosers. None otherwise: never ours
-    to reap."""
+    """The dead session whose debris a carrier of ``cookie`` is: not ours, provably dead, enclosed by no
+    other live session. None otherwise."""
     inner = innermost_session(cookie)
     if inner is None or inner.session_id == own_session_id or liveness(inner) is not False:
         return None
@@ -103,8 +97,7 @@ def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> Ses
 
 
 class Ambiguous(NamedTuple):
-    """A process either a test or a protected process may have started: the test's token, the protected
-    tokens, and the evidence in words."""
+    """A process a test or a protected process may have started, and the evidence in words."""
 
     test: str
     protectors: tuple[str, ...]
@@ -154,10 +147,9 @@ class Ownership:
         return token
 
     def ambiguous_token(self, test: str, protectors: Iterable[str], why: str) -> str:
-        """The token of a process born in ``test``'s window with no cookie while processes of
-        ``protectors`` (protected, their children carry no cookie of this session) were alive: either may
-        have started it. Protected while any of them is; then it is the first fixture's of them (or the
-        set-up's)."""
+        """The token of a process born in ``test``'s window with no cookie while ``protectors``' processes
+        (whose children get no cookie) were alive: either may have started it. Protected while any of them
+        is; then the first fixture's of them."""
         self._counter += 1
         token = f"a{self._counter}"
         self.ambiguous[token] = Ambiguous(test, tuple(protectors), why)
@@ -173,8 +165,7 @@ class Ownership:
     def token_of_cookie(self, value: str | None) -> str | None:
         if value is None or not value.startswith(self.session_id + ":"):
             return None
-        # A nested gpuclean session prefixes its cookies with ours ("<ours>:t5/<its id>:t1"): what it spawns
-        # is, for us, our test t5's.
+        # A nested session prefixes its cookies with ours ("<ours>:t5/<its id>:t1"): ours is our test t5's.
         token = value[len(self.session_id) + 1 :].split("/", 1)[0]
         return token if token in self.owners else None
 
@@ -189,8 +180,7 @@ class Ownership:
                 return
 
     def token_by_birth(self, pid: int, start_ticks: int) -> str | None:
-        """The innermost window ``pid`` (started at ``start_ticks``) was provably born in, an open one
-        reaching up to now. For a process born after the session started."""
+        """The innermost window a process born after the session started was provably born in."""
         now_pid: int | None = None
         now_tick = 0
         if any(not window.closed for window in self.windows):
@@ -198,9 +188,8 @@ class Ownership:
         return born_in(self.windows, pid, start_ticks, now_pid, now_tick, self._pid_space)
 
     def existed_before(self, pid: int, start_ticks: int, last_pid: int | None = None) -> bool | None:
-        """Whether ``pid``, with no cookie of this session and descending from none of its processes, was
-        born before the session began; ``last_pid``: a reading taken after the process was found (default
-        now)."""
+        """Whether ``pid`` (no cookie of ours, outside our tree) predates the session; ``last_pid``: read
+        after the process was found."""
         if self.began_tick is None:
             return False
         if start_ticks != self.began_tick:
@@ -226,8 +215,8 @@ class Ownership:
         return ", ".join(dict.fromkeys(self.owner(t).name for t in tokens))
 
     def is_protected(self, token: str | None) -> bool:
-        """Not to be touched now: an active fixture's or the set-up's, of unknown birth, no part of the
-        session, or ambiguous while a process that may have started it is protected."""
+        """An active fixture's or the set-up's, of unknown birth, no part of the session, or ambiguous
+        while a possible starter is protected."""
         if token is not None and token.startswith("a") and token in self.ambiguous:
             return any(self.is_protected(t) for t in self.ambiguous[token].protectors)
         return (token is None or token == PREEXISTING or (token == SESSION and not self.session_over)
@@ -246,9 +235,8 @@ def fixture_owner(argname: str, scope: str) -> Owner:
 
 
 def owner_named(name: str) -> Owner:
-    """The owner a dead session's process names in its ``OWNER_VAR`` (a name only; the kind read from its
-    form). A fixture's name ends in ``(SCOPE-scoped)`` and no node id ends in ``)``: taken for a test's, a
-    dead session's fixture would be reported as this session's leaking test."""
+    """The owner a dead session's process names in ``OWNER_VAR``, its kind read from the name: a fixture's
+    name ends in ``(SCOPE-scoped)``, no node id ends in ``)``."""
     if name == SESSION_NAME:
         return Owner("session", name)
     if _FIXTURE_NAME.search(name):
@@ -258,13 +246,10 @@ def owner_named(name: str) -> Owner:
 
 def born_in(windows: Sequence[Window], pid: int, start_ticks: int, now_pid: int | None, now_tick: int,
             pid_space: int) -> str | None:
-    """The token of the innermost of ``windows`` that ``pid`` was provably born in (an open window ends at
-    ``now_pid`` and ``now_tick``, read after the process was found): a pid between its two pid readings and
-    a start time between its two clock readings.
-
-    Pids wrap, so a window spanning half the pid space or more proves nothing by pid: then only a start
-    time strictly inside counts (its first and last tick are shared with what ran just before and after).
-    ``SESSION`` when provably born outside every window; None when the evidence does not decide."""
+    """The token of the innermost of ``windows`` ``pid`` was provably born in: a pid and a start time
+    between its readings (an open window ends at ``now_pid``, ``now_tick``). Pids wrap, so a window
+    spanning half the pid space proves nothing by pid: then only a start time strictly inside counts (its
+    edge ticks are shared). ``SESSION`` if provably outside every window; None if undecided."""
     for window in reversed(windows):
         end_tick, last = window.end_tick, window.last_pid
         if end_tick is None:
@@ -281,10 +266,9 @@ def born_in(windows: Sequence[Window], pid: int, start_ticks: int, now_pid: int 
 
 def older_than_session(pid: int, start_ticks: int, began_tick: int, began_pid: int | None,
                        last_pid: int | None, pid_space: int) -> bool | None:
-    """Whether ``pid`` was born before a session that began at ``began_tick`` (``began_pid`` then): True,
-    False, or None when undecided. Only within the export's very tick (10 ms) do the pids decide: one
-    allocated after lies between ``began_pid`` and ``last_pid``, unless a reading is missing or the span
-    may have wrapped."""
+    """Whether ``pid`` predates a session that began at ``began_tick``/``began_pid``: True, False, None.
+    Within the export's very tick (10 ms) only the pids can decide, unless a reading is missing or may have
+    wrapped."""
     if start_ticks != began_tick:
         return start_ticks < began_tick
     after = pid_between(pid, began_pid, last_pid, pid_space)
@@ -292,8 +276,7 @@ def older_than_session(pid: int, start_ticks: int, began_tick: int, began_pid: i
 
 
 def pid_between(pid: int, first: int | None, last: int | None, pid_space: int) -> bool | None:
-    """Whether ``pid`` was allocated after ``first`` and up to ``last`` in ``pid_space``; None if
-    unknowable (a reading missing, or a span that may have wrapped all the way)."""
+    """Whether ``pid`` was allocated in ``(first, last]``; None if unknowable (a reading missing, a wrap)."""
     if first is None or last is None:
         return None
     span = (last - first) % pid_space

@@ -1,11 +1,8 @@
 """Who in the pytest process still holds a process's handle (an unwaited object whose ``pid``/``_pid``
-names it): evidence that a process it started is managed, not stray (docs/ownership.md, "Managed
-processes").
+names it): evidence that it is managed, not stray (docs/ownership.md, "Managed processes").
 
-Roots in order: ``module`` globals, live ``fixture`` values, the standard library's ``bookkeeping`` (which
-holds every process). A running thread is bookkeeping wherever found (asyncio's child watcher), so the
-first two walks never enter one. No user code runs: attributes are read through the interpreter's
-descriptors."""
+A running thread is bookkeeping wherever found (asyncio's child watcher), so the module and fixture walks
+never enter one. No user code runs: attributes are read through the interpreter's descriptors."""
 
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ HolderKind = Literal["module", "fixture", "bookkeeping"]
 
 
 Holder = tuple[HolderKind, str, str]
-"""What holds a handle: the kind of root, the root's name (``module.attribute``, a fixture's token, or
-which standard-library record) and the handle's type (``module.qualname``)."""
+"""What holds a handle: the root's kind and name, and the handle's type (``module.qualname``)."""
 
 
 _SKIPPED_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet", "pytest_gpuclean", "py")
@@ -92,8 +88,8 @@ def _running_threads() -> list[object]:
 
 
 def _instance_value(obj: object, name: str) -> object:
-    """``obj``'s own attribute ``name`` from its instance dictionary or a slot, through the interpreter's
-    descriptors (never a property, never ``__getattribute__``); None without one."""
+    """``obj``'s own attribute ``name`` through the interpreter's descriptors (never a property, never
+    ``__getattribute__``); None without one."""
     for klass in type(obj).__mro__:
         namespace = _TYPE_DICT.__get__(klass, type)
         if "__dict__" in namespace and type(namespace["__dict__"]) is types.GetSetDescriptorType:
@@ -113,9 +109,8 @@ def _instance_value(obj: object, name: str) -> object:
 
 
 def _handle_of(container: object, parent: object, pid: int) -> str | None:
-    """The type of the handle ``container`` is for ``pid``, or None: an instance (or its dictionary, found
-    through ``parent``) whose ``pid``/``_pid`` is ``pid`` and whose ``returncode``, if kept, says it was
-    not waited for (a waited one's pid may name another process now)."""
+    """The type of the handle ``container`` is for ``pid``, or None: its ``pid``/``_pid`` is ``pid`` and
+    its ``returncode``, if kept, says it was not waited for (a waited one's pid may be reused)."""
     if type(container) is dict:
         fields: dict[object, object] = container
         if not any(type(fields.get(name)) is int and fields.get(name) == pid for name in _PID_NAMES):
@@ -147,8 +142,7 @@ class _Walk:
         self.kinds: dict[type, int] = {int: _INT}
 
     def kind_of(self, kind: type) -> int:
-        """How objects of type ``kind`` are walked: one lookup per type, never ``isinstance`` (which may
-        ask an object for its ``__class__``)."""
+        """One lookup per type; never ``isinstance``, which may ask an object for its ``__class__``."""
         known = self.kinds.get(kind)
         if known is None:
             module = _TYPE_DICT.__get__(kind, type).get("__module__")
@@ -205,11 +199,9 @@ class _Walk:
 
 def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),
             suite_files: Sequence[str] = (), *, modules: bool = True) -> dict[int, Holder]:
-    """For each of ``pids`` (started by the pytest process) whose handle a live object holds, what holds
-    it. A pid none holds is left out. ``fixtures``: (token, value) of each wider-than-test fixture still
-    set up; ``suite_files``: patterns of the suite's own modules, whose globals keep nothing for the pytest
-    process. Without ``modules`` only the fixtures' values are walked: a few objects, where the modules are
-    the whole heap."""
+    """What holds the handle of each of ``pids`` that a live object holds. ``suite_files``: the suite's own
+    modules, whose globals keep nothing for the pytest process. Without ``modules`` only the fixtures'
+    values are walked (the modules are the whole heap)."""
     if not pids:
         return {}
     walk = _Walk(pids)

@@ -1,6 +1,5 @@
-"""The pytest process's own helpers: the processes its libraries keep for the process's life, found through
-what the libraries hold in this process, and torch's shared-memory manager's executable. The census leaves
-them out: killing them breaks later tests, and they end with the pytest process."""
+"""The pytest process's own helpers, which its libraries keep for its life, found through what they hold.
+The census leaves them out: killing them breaks later tests, and they end with the pytest process."""
 
 from __future__ import annotations
 
@@ -13,10 +12,8 @@ _HELPER_MODULES = tuple((f"{p}.resource_tracker", f"{p}.forkserver") for p in MU
 
 
 def library_helpers() -> dict[int, str]:
-    """The helpers the libraries keep for the process's life, each with why: multiprocessing's (and
-    ``multiprocess``'s) resource tracker and forkserver, and whatever a library registered to shut down at
-    exit (a referent-less ``Finalize``: torch.compile's worker pool) with the processes it owns. Killing
-    them breaks later tests (a forkserver's own waitpid fails, the next compile loses its pool)."""
+    """Multiprocessing's (and ``multiprocess``'s) resource tracker and forkserver, and whatever a library
+    registered to shut down at exit (torch.compile's worker pool) with its processes, each with why."""
     helpers: dict[int, str] = {}
     modules = sys.modules
     for tracker_name, forkserver_name in _HELPER_MODULES:
@@ -34,8 +31,7 @@ def library_helpers() -> dict[int, str]:
                     f"{forkserver_name}'s fork server")
     for package in MULTIPROCESSING_PACKAGES:
         helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
-    # torch.compile keeps every worker pool in one set and shuts them down at exit; some torch versions
-    # register no Finalize for them.
+    # torch.compile shuts its worker pools down at exit; some torch versions register no Finalize for them.
     compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
     if compile_pools:
         for pool in list(compile_pools):
@@ -47,9 +43,8 @@ def library_helpers() -> dict[int, str]:
 
 
 def torch_shm_manager() -> str | None:
-    """The executable of torch's shared-memory manager for the imported torch: libshm forks and execs it
-    from C++ the first time a tensor is shared under ``file_system``, and nothing in Python holds it. None
-    without torch."""
+    """torch's shared-memory manager's executable: libshm execs it from C++ when a tensor is first shared
+    under ``file_system``, and nothing in Python holds it. None without torch."""
     torch_file = getattr(sys.modules.get("torch"), "__file__", None)
     if not isinstance(torch_file, str):
         return None
@@ -65,8 +60,7 @@ _SHM_MANAGERS: dict[str, str] = {}
 
 
 def _shut_down_at_exit(util: object) -> dict[int, str]:
-    """The processes owned by objects registered with multiprocessing's ``Finalize`` for the process's exit
-    and tied to no object's life (no referent, an exit priority)."""
+    """Processes owned by objects ``Finalize`` shuts down at exit, tied to no object's life (no referent)."""
     registry = getattr(util, "_finalizer_registry", None)
     if not isinstance(registry, dict) or not registry:
         return {}
