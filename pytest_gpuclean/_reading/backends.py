@@ -1,6 +1,5 @@
-"""The device backends as the rest of the package holds them: the ``Backend`` protocol and ``HealthSource``
-(``nvml.NvmlBackend`` and ``simulated.SimulatedBackend`` meet both), the choice of devices to check
-(``choose_devices``), and opening the backend the settings name (``open_backend``)."""
+"""The device backends as the package holds them: the ``Backend`` and ``HealthSource`` protocols, the
+choice of devices to check, and opening the backend the settings name."""
 
 from __future__ import annotations
 
@@ -35,14 +34,12 @@ class Backend(Protocol):
         ...
 
     def readings(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
-        """Read ``devices``, in order: every check does, so per-device work stays in one loop. A reading
-        equal to the device's last one is that same object (``devices.LastReadings``)."""
+        """Read ``devices`` in one loop. A reading equal to the device's last one is that same object."""
         ...
 
     def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
-        """Those of ``pids`` that have initialised CUDA, with the UUIDs of the devices they have open,
-        listed there or not: the driver charges such a process a few MiB per device even without a context,
-        and lists it under no process."""
+        """Those of ``pids`` with CUDA initialised, and the UUIDs of the devices they have open: the driver
+        charges such a process a few MiB per device even without a context, listed under no process."""
         ...
 
     def driver_version(self) -> str:
@@ -77,8 +74,7 @@ class HealthSource(Protocol):
 
 
 def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, option: str) -> Selection:
-    """The devices to check: those ``spec`` lists (NVML indices or UUIDs), else those CUDA_VISIBLE_DEVICES
-    shows, else all. Raises ``DeviceSelectionError`` naming ``option`` and where the list came from."""
+    """The devices to check: those ``spec`` lists, else those CUDA_VISIBLE_DEVICES shows, else all."""
     available = backend.devices()
     if spec is not None:
         try:
@@ -89,8 +85,7 @@ def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, opti
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return Selection(available, "all devices", len(available))
-    # Processes pinned to some GPUs through CUDA_VISIBLE_DEVICES check and reap only those; its tokens are
-    # CUDA ordinals, which may not be NVML's order.
+    # Processes pinned to some GPUs by CUDA_VISIBLE_DEVICES check only those; its tokens are CUDA ordinals.
     ordinal_uuids = None
     if (any(t.isdigit() for t in parse_device_list(visible))
             and not cuda_order_matches_nvml(available) and backend.kind == "nvml"):
@@ -110,9 +105,8 @@ def select_devices(
     cuda_ordinals: bool,
     ordinal_uuids: Sequence[str] | None = None,
 ) -> tuple[DeviceInfo, ...]:
-    """Map a device list to devices, by UUID. Tokens are indices, full UUIDs, or unique UUID prefixes. With
-    ``cuda_ordinals`` indices are CUDA ordinals and ``ordinal_uuids`` maps them where CUDA's order differs
-    from NVML's; otherwise NVML indices."""
+    """Map a device list (indices, UUIDs, unique UUID prefixes) to devices. With ``cuda_ordinals`` indices
+    are CUDA ordinals, mapped by ``ordinal_uuids`` where CUDA's order differs from NVML's."""
     by_uuid = {d.uuid.lower(): d for d in available}
     chosen: list[DeviceInfo] = []
     named_by: list[str] = []
@@ -138,8 +132,8 @@ def select_devices(
             device = matches[0]
         if device in chosen:
             if not cuda_ordinals:
-                # An explicit list means one check per device: a device named twice (index and UUID) is a
-                # slip, and guessing which was meant would hide it.
+                # One check per device: a device named twice is a slip, and guessing which was meant would
+                # hide it.
                 earlier = named_by[chosen.index(device)]
                 raise DeviceSelectionError(f"{earlier!r} and {token!r} name the same device ({device.label}, "
                                            f"{device.uuid}); list each device once")
@@ -150,8 +144,8 @@ def select_devices(
 
 
 def cuda_order_matches_nvml(available: Sequence[DeviceInfo]) -> bool:
-    """True when CUDA ordinals are NVML indices: PCI order asked for, or all GPUs alike (CUDA's default is
-    fastest first, ties in PCI order; NVML enumerates in PCI order)."""
+    """True when CUDA ordinals are NVML indices: PCI order asked for, or all GPUs alike (CUDA's default
+    order is fastest first)."""
     if os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
         return True
     return len({d.name for d in available}) <= 1 and all(d.mig_index is None for d in available)
@@ -175,9 +169,8 @@ for ordinal in range(count.value):
 
 
 def cuda_ordinal_uuids() -> list[str] | None:
-    """UUIDs of all GPUs in CUDA's own order, asked of the CUDA driver in a child process: initialising
-    CUDA in the pytest process would break every later CUDA-using ``fork`` (vLLM's workers die with
-    "initialization error")."""
+    """UUIDs in CUDA's order, asked in a child process: CUDA initialised in the pytest process breaks every
+    later CUDA-using ``fork`` (vLLM's workers die with "initialization error")."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     try:
         out = subprocess.run([sys.executable, "-c", _CUDA_ORDINALS_SCRIPT], env=env, capture_output=True,
@@ -190,8 +183,7 @@ def cuda_ordinal_uuids() -> list[str] | None:
 def open_backend(simulate_dir: str | None, opening: NvmlOpening | None = None) -> Backend:
     """The simulated backend when a directory is given, else NVML (``opening``: NVML's start, begun
     earlier). Raises ``BackendUnavailable``."""
-    # Imported when opened: a session reads one kind of device, and a CPU CI session never loads the NVML
-    # module.
+    # Imported when opened: a CPU CI session never loads the NVML module.
     if simulate_dir:
         from pytest_gpuclean._reading.simulated import SimulatedBackend
         return SimulatedBackend(simulate_dir)

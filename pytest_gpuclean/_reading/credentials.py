@@ -1,8 +1,7 @@
-"""Who a process runs as, and whom a signal to it could reach: the signal gate's facts, read from /proc.
+"""Who a process runs as, and whom a signal to it could reach: the signal gate's facts, from /proc.
 
-Credentials are a thread's: every uid of every thread's ``Uid:`` line counts, since a thread may change its
-own. A process whose descendants run as a user it does not is a relay (``su``, a setuid wrapper that
-forks). Read only off the clean path, for a process about to be signalled."""
+Every uid of every thread counts, since a thread may change its own. A process whose descendants run as a
+user it does not is a relay (``su``, a forking setuid wrapper)."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ from pytest_gpuclean._reading import processes, procfs
 
 
 def credentials(pid: int, start_ticks: int | None = None) -> Credentials | None:
-    """What the gate needs to know of ``pid`` (the process started at ``start_ticks``, if given): the users
-    it runs as, and its descendants running as a user it does not. None if it is gone (or its pid was
-    reused)."""
+    """The users ``pid`` runs as, and its descendants running as a user it does not; None if it is gone or
+    its pid was reused."""
     mine = uids_of(pid)
     stat = procfs.read_stat(pid)
     if mine is None or stat is None or (start_ticks is not None and stat.start_ticks != start_ticks):

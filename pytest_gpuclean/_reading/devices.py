@@ -1,5 +1,5 @@
-"""What every device backend shares: the errors of reading devices, ``LastReadings`` and NVML's words. Both
-backends give the same ``DeviceSnapshot``s, so a CPU CI box runs the same code as a GPU runner."""
+"""What both device backends share: the errors, ``LastReadings`` and NVML's words. Both give the same
+``DeviceSnapshot``s, so CPU CI runs the same code as a GPU runner."""
 
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ class BackendUnavailable(DeviceError):
 
 
 class DeviceLost(DeviceError):
-    """A device is gone: NVML answers GPU_IS_LOST (fallen off the bus), or a simulated device's ``lost``
-    file or folder says so. Unlike other errors, no later reading can succeed."""
+    """A device is gone (NVML's GPU_IS_LOST, or a simulated ``lost`` file): no later reading can succeed."""
 
     device: Device  # (always known: the device that is gone)
 
@@ -47,8 +46,8 @@ class DeviceLost(DeviceError):
 
 
 class SimulationError(DeviceError):
-    """A simulated device file holds something no driver would report, or the devices cannot be read when
-    opened (another user's): reported as a bad value of the option that named them."""
+    """A simulated device file no driver would write, or unreadable devices: a bad value of the option that
+    named them."""
 
 
 class DeviceSelectionError(ValueError):
@@ -58,8 +57,7 @@ class DeviceSelectionError(ValueError):
 CLOCK_REASONS: tuple[tuple[int, str], ...] = (
     (0x4, "sw_power_cap"), (0x8, "hw_slowdown"), (0x20, "sw_thermal"), (0x40, "hw_thermal"),
     (0x80, "hw_power_brake"))
-"""NVML's clock event reasons that slow a GPU (bit, report name). Idle, application clocks, sync boost and
-display clock say nothing about a slowed test."""
+"""NVML's clock event reasons that slow a GPU (bit, report name); the others say nothing about a slow test."""
 COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
 
 
@@ -74,8 +72,8 @@ _R = TypeVar("_R", bound=_Reading)
 
 
 class LastReadings(Generic[_R]):
-    """Each device's last reading: a reading equal to it is that object, so clean tests' records share
-    their readings (the session keeps every record, and every full garbage collection walks them)."""
+    """Each device's last reading: an equal reading is that object, so clean tests' records share readings
+    (the session keeps every record, and each full garbage collection walks them)."""
 
     __slots__ = ("_by_uuid",)
 

@@ -1,8 +1,7 @@
-"""The CUDA sanity probe (``--gpuclean-probe``): a subprocess that, within a deadline, creates a context on
-each device, writes 1 MiB and reads it back through the CUDA driver API (ctypes, no torch). A subprocess,
-because a context in the pytest process would stay (memory on every GPU, and a ``fork`` after CUDA init
-breaks the children that use it), and a sick GPU can hang a CUDA call: the deadline kills the probe, never
-the session. On simulated devices it reads ``probe_fails``/``probe_hangs``."""
+"""The CUDA sanity probe: a subprocess that, within a deadline, writes and reads 1 MiB on each device
+through the CUDA driver API (ctypes, no torch). A subprocess, because a context would stay in the pytest
+process (memory on every GPU, and broken forks), and a sick GPU can hang a CUDA call: the deadline kills
+the probe, never the session."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The only module that talks to psutil, and the only one that sends signals. A process is identified by
-``(pid, start_ticks)`` and pinned by a pidfd where the kernel has them, so a recycled pid is never
-signalled. psutil is imported on the first description: a session with nothing to describe never loads it."""
+"""The only module that talks to psutil or sends signals. A process is ``(pid, start_ticks)``, pinned by a
+pidfd where the kernel has them, so a recycled pid is never signalled. psutil is imported lazily."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ _POLL_S = 0.005
 
 
 def set_child_subreaper() -> bool:
-    """Make this process adopt orphans of its subtree (double forks, setsid daemons) instead of PID 1: an
-    orphaned vLLM EngineCore would otherwise leave our tree, where only a full /proc scan finds it."""
+    """Adopt orphans of our subtree instead of PID 1: an orphaned vLLM EngineCore would otherwise leave our
+    tree."""
     try:
         return _prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
     except (OSError, AttributeError, TypeError, ImportError):
@@ -30,9 +29,8 @@ def set_child_subreaper() -> bool:
 
 
 def _prctl(option: int, value: int) -> int:
-    """``prctl(option, value, 0, 0, 0)`` from ctypes' building blocks (``_ctypes``): ``import ctypes``
-    defines all of ctypes' types and loaders at every checked session's start, for one call. Falls back to
-    ctypes where a piece is missing."""
+    """``prctl`` from ``_ctypes``' pieces: ``import ctypes`` costs every checked session's start, for one
+    call. Falls back to ctypes."""
     try:
         import _ctypes
 
@@ -96,8 +94,7 @@ _PSUTIL_NAMES: dict[procfs.KernelState, ProcessState] = {
 
 
 def _zombie_leader(pid: int, stat: procfs.ProcStat) -> ProcessInfo | None:
-    # Its main thread exited, so psutil calls it a zombie; its other threads still run, and one shows the
-    # command line.
+    # Its main thread exited, so psutil calls it a zombie; its other threads still run.
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
     except OSError:
@@ -125,8 +122,8 @@ def ancestors(pid: int) -> set[int]:
 
 
 def cookie_holders(variable: str, prefix: str, uid: int) -> list[tuple[int, str]]:
-    """Processes of ``uid`` whose environment has ``variable`` starting with ``prefix``: a full /proc scan,
-    run only when cheaper evidence says something is off."""
+    """Processes of ``uid`` whose ``variable`` starts with ``prefix``: a full /proc scan, only when
+    evidence says something is off."""
     found: list[tuple[int, str]] = []
     me = os.getpid()
     for pid in procfs.pids_of_uid(uid):
@@ -139,8 +136,7 @@ def cookie_holders(variable: str, prefix: str, uid: int) -> list[tuple[int, str]
 
 
 def stray_python_processes(uid: int, exclude: set[int], ignore: Sequence[str]) -> list[int]:
-    """Live Python processes of ``uid`` outside ``exclude`` matching no ``ignore`` glob; by executable,
-    because vLLM renames its processes (``VLLM::EngineCore``)."""
+    """Live Python processes of ``uid`` outside ``exclude``, by executable: vLLM renames its processes."""
     found: list[int] = []
     for pid in procfs.pids_of_uid(uid):
         if pid in exclude or not procfs.exe_name(pid).startswith("python"):
@@ -168,11 +164,9 @@ def matches_any(text: str, patterns: Iterable[str]) -> bool:
 
 
 class Handle:
-    """A process pinned by a pidfd from the moment it was found: signals reach it and nothing else. A pid
-    can be recycled between census and kill, even within one tick of its start time; a pidfd cannot.
-    Without pidfds (before Linux 5.3), the (pid, start ticks) identity is re-checked before each signal.
-    Not a record: it owns a descriptor (``close``), and two handles are the same only if they are one
-    object."""
+    """A process pinned by a pidfd when found: signals reach it and nothing else, even if the pid is
+    recycled within its start tick. Without pidfds (before Linux 5.3) the (pid, start ticks) identity is
+    re-checked before each signal. Not a record: it owns a descriptor, and is equal only to itself."""
 
     __slots__ = ("pid", "pidfd", "start_ticks")
 
@@ -217,8 +211,8 @@ class Handle:
 
 
 def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcStat] | None:
-    """Pin ``pid``: open its pidfd, then read its stat; None if it is gone (or is not ``start_ticks``). The
-    stat is trusted only if the process is still alive afterwards: a live process keeps its pid."""
+    """Pin ``pid``; None if it is gone or not ``start_ticks``. The stat read after the pidfd opens is
+    trusted only if the process is still alive: a live process keeps its pid."""
     pidfd: int | None
     try:
         pidfd = os.pidfd_open(pid)
@@ -236,9 +230,8 @@ def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcSt
 
 
 class KillTarget(NamedTuple):
-    """A process to end; ``depth`` orders children before parents. (Here, not in ``records.py``: its
-    ``handle`` is this module's.) With a ``handle`` signals go through it and the caller keeps it open;
-    without, ``terminate`` pins by ``(pid, start_ticks)``."""
+    """A process to end; ``depth`` orders children first. Here, not in ``records.py``: its ``handle`` is
+    this module's. Without one, ``terminate`` pins by ``(pid, start_ticks)``."""
 
     pid: int
     start_ticks: int
@@ -266,8 +259,8 @@ class _Tracked:
 
 
 def reap_if_child(pid: int) -> bool:
-    """Collect the exit status of ``pid`` if it is our exited child; never ``waitpid(-1)``, which would
-    steal statuses from ``Popen`` objects tests still hold."""
+    """Collect ``pid``'s status if it is our exited child; never ``waitpid(-1)``, which steals tests'
+    ``Popen`` statuses."""
     try:
         done, _status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
@@ -300,8 +293,8 @@ def _wait(tracked: list[_Tracked], deadline: float, started: float, label: str,
 
 
 def stop(targets: Sequence[KillTarget]) -> list[KillTarget]:
-    """SIGSTOP ``targets`` (pinned): a stopped process can no longer fork a replacement. Returns those this
-    stopped: one already stopped by something else stays so, and is not for ``resume``."""
+    """SIGSTOP ``targets``: a stopped process forks no replacement. Returns those this stopped (one already
+    stopped stays so)."""
     stopped: list[KillTarget] = []
     for target in targets:
         if target.handle is None:
@@ -324,10 +317,9 @@ def resume(targets: Sequence[KillTarget]) -> None:
 def terminate(targets: Sequence[KillTarget], grace: float, kill_wait: float = 5.0,
               watch: Callable[[], None] | None = None, hurry: Callable[[], bool] | None = None,
               kill_first: bool = False) -> list[KillOutcome]:
-    """SIGTERM every target (deepest first), wait up to ``grace``, SIGKILL survivors, wait for them. A
-    target whose identity changed is reported ``pid reused``, never signalled. ``watch`` runs on every poll
-    (the checker times the release with it); once ``hurry`` is True the grace ends. ``kill_first`` skips
-    SIGTERM, for processes that answered one by forking a replacement."""
+    """SIGTERM every target (deepest first), wait up to ``grace``, SIGKILL survivors. A reused pid is
+    reported, never signalled. ``watch`` runs on every poll; ``hurry`` ends the grace; ``kill_first`` skips
+    SIGTERM (for processes that answered one by forking)."""
     started = time.monotonic()
     outcomes: list[KillOutcome] = []
     tracked: list[_Tracked] = []

@@ -1,6 +1,5 @@
-"""Raw, allocation-light reads of /proc: a process's state, parent and start time (one read of
-``/proc/<pid>/stat``), the descendant walk, and the pid readings that bracket a process's birth. psutil is
-``processes.py``'s. Every session loads this module."""
+"""Raw, allocation-light reads of /proc: a process's state, parent and start time, the descendant walk, and
+the pid readings that bracket a birth. Every session loads this module."""
 
 from __future__ import annotations
 
@@ -32,15 +31,13 @@ class ProcStat(NamedTuple):
     """``PF_EXITING``: on its way out, though not a zombie yet."""
 
 SETTLED_NS = 50_000_000
-"""A ctime this old (five ticks of the coarsest kernel clock) is settled: the kernel stamps changes with a
-coarse clock, so a change within the tick seen could leave the ctime as it was; once settled, any later
-change moves it. A directory whose settled ctime has not moved has had no entry added, removed or renamed."""
+"""A ctime this old (five ticks of the coarsest kernel clock) is settled: a change within the tick seen
+could leave a coarse ctime as it was, but any later change moves a settled one."""
 
 
 def read_file(path: str, whole: bool = False) -> bytes:
-    """The content of a /proc file; raises OSError (FileNotFoundError for a gone process). A bare
-    descriptor, not a file object: half the cost, and a check reads many. ``whole``: a one-record file
-    (stat, a sysctl) the kernel hands out in one read; a list (children, environ) may take several."""
+    """The content of a /proc file; raises OSError. A bare descriptor, not a file object: half the cost.
+    ``whole``: a one-record file the kernel hands out in one read."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         data = os.read(fd, _CHUNK)
@@ -84,8 +81,7 @@ _PF_EXITING = 0x4
 
 
 def is_live(pid: int, start_ticks: int | None = None) -> bool:
-    """True if ``pid`` exists (as the process started at ``start_ticks``, if given) and is not a zombie or
-    dead (the driver frees memory at exit)."""
+    """True if ``pid`` (started at ``start_ticks``, if given) exists and is not a zombie or dead."""
     st = read_stat(pid)
     return st is not None and (start_ticks is None or st.start_ticks == start_ticks) and live_state(
         pid, st.state)
@@ -93,7 +89,7 @@ def is_live(pid: int, start_ticks: int | None = None) -> bool:
 
 def live_state(pid: int, state: KernelState) -> bool:
     """Whether a process in ``state`` still runs code: a leader that called ``pthread_exit`` shows Z while
-    its other threads run on (on a GPU, keeping its memory) until the last one ends."""
+    its other threads run on, GPU memory and all."""
     if state not in EXITED:
         return True
     return any(tid != pid for tid in thread_ids(pid))
@@ -119,9 +115,8 @@ def thread_ids(pid: int) -> list[int]:
 
 
 def cpu_demand_ns(pid: int) -> int | None:
-    """Nanoseconds ``pid``'s live threads have run on a CPU or waited for one (``schedstat``); None once
-    gone. A change between readings means it ran or wanted to: a process starved on a busy machine is not
-    at rest."""
+    """Nanoseconds ``pid``'s live threads have run or waited to run; None once gone. A process starved on a
+    busy machine still changes it, so it is not taken for at rest."""
     total = 0
     tids = thread_ids(pid)
     if not tids:
@@ -136,9 +131,8 @@ def cpu_demand_ns(pid: int) -> int | None:
 
 
 def last_pid() -> int | None:
-    """The pid most recently allocated in this pid namespace (None where the kernel does not say). Pids are
-    handed out in increasing order until they wrap, so two readings bracket the pids of everything created
-    between them: birth evidence finer than the 10 ms start time."""
+    """The pid most recently allocated here (None where the kernel does not say). Pids are allocated in
+    order until they wrap, so two readings bracket everything created between them, finer than start ticks."""
     kept = _last_pid_file
     if kept is not None:
         fd, dev, ino = kept
@@ -154,9 +148,8 @@ def last_pid() -> int | None:
 
 _LAST_PID_PATH = "/proc/sys/kernel/ns_last_pid"
 _last_pid_file: tuple[int, int, int] | None = None
-"""(descriptor, device, inode) of ``ns_last_pid``, kept open: a reading is one ``pread``, answered anew for
-the reader's pid namespace. A forked child closes it right after the fork (what a test forks sees no
-descriptor of the plugin) and opens its own if it reads."""
+"""(descriptor, device, inode) of ``ns_last_pid``, kept open: a reading is one ``pread``. A forked child
+closes it at once (a test's child sees no descriptor of the plugin) and opens its own if it reads."""
 
 
 def _open_last_pid() -> int | None:
@@ -224,8 +217,8 @@ def _children(pid: int) -> tuple[list[int], int]:
     result: list[int] = []
     where = f"/proc/{pid}/task"
     try:
-        # The task folder's link count is 2 + threads (an exited leader still counts): at 3 its one entry is
-        # the process's own pid, and a stat is one system call where the listing takes five.
+        # A link count of 3 (2 + threads) means the one entry is the process's own: a stat is one system call,
+        # the listing five.
         tasks = [str(pid)] if os.stat(where).st_nlink == 3 else os.listdir(where)
     except OSError:
         return result, 1
@@ -240,13 +233,11 @@ def _children(pid: int) -> tuple[list[int], int]:
 
 
 WALK_RANGE_LIMIT = 256
-"""Past this many pids (a burst of forks, a long pause) a full walk is cheaper than an incremental one."""
+"""Past this many pids, a full walk is cheaper than an incremental one."""
 WALK_LOOKBACK = 32
-"""After a full walk, the next incremental walk also examines this many earlier pids: a fork in progress
-had its pid but was in no children list yet."""
+"""After a full walk, look back this many pids: a fork in progress had its pid but no children entry yet."""
 WALK_PENDING_S = 0.1
-"""How long an allocated pid not (yet) in /proc stays watched: a fork has its pid before its process is
-visible; still absent after this, it exited."""
+"""How long an allocated pid missing from /proc stays watched (a fork in progress); then it exited."""
 WALK_FULL_EVERY_S = 5.0
 """A full walk at least this often: a process that slipped through is found within seconds."""
 
@@ -254,13 +245,10 @@ WALK_FULL_EVERY_S = 5.0
 class DescendantWalk:
     """The descendants of one process, at a cost independent of its thread count and of the host.
 
-    A full walk reads ``/proc/<pid>/task/<tid>/children`` per thread of every process in the tree (a child
-    belongs to the thread that forked it): costly for a pytest process with torch's threads. The
-    incremental walk reads the stat of each known process and of each pid allocated since the last walk
-    (pids are handed out in order), and builds the tree from their parents; nothing moves into the tree
-    from outside (orphans go to our subreaper or init). Each walk takes the cheaper, in files read; a full
-    walk also runs for a new root, without ``ns_last_pid`` or in another pid namespace, and every
-    ``WALK_FULL_EVERY_S``."""
+    A full walk reads a ``children`` file per thread of every process in the tree: costly under torch's
+    threads. The incremental walk reads the stat of each known process and each pid allocated since (pids
+    are allocated in order) and builds the tree from their parents; nothing moves into the tree from
+    outside. Each walk takes the cheaper, with a full walk at least every ``WALK_FULL_EVERY_S``."""
 
     def __init__(self) -> None:
         self._root = -1
@@ -286,8 +274,7 @@ class DescendantWalk:
         if span == 0 and not self._known and not self._pending:
             self.stats = {}
             return []  # no pid allocated since an empty tree was seen: still empty
-        # A lone single-threaded process rereads its one children file: one stat of a pid born since costs as
-        # much, and on a busy host pids are born all the time.
+        # A lone single-threaded process rereads its one children file: a stat of one new pid costs as much.
         if span is None or self._full_cost <= 2 or span + len(self._pending) + len(self._known) > min(
                 WALK_RANGE_LIMIT, self._full_cost):
             return self._full(root, now, clock)
@@ -333,9 +320,7 @@ class DescendantWalk:
         self._known = {pid for pid, _depth, _parent in found}
         self._pending.clear()
         self.stats = {}
-        # Look back at pids allocated just before this walk (a fork in progress). Not for a lone
-        # single-threaded process with nothing under it (nobody else can fork): its next walk stays one
-        # ``ns_last_pid`` read.
+        # Look back for forks in progress, but not for a lone single-threaded process (nobody else can fork).
         lookback = 0 if cost <= 2 and not found else WALK_LOOKBACK
         self._cursor = None if now is None else (now - lookback) % self._space
         return found
@@ -393,7 +378,7 @@ def boot_ticks_now() -> int:
 
 
 def wall_minus_boot() -> float:
-    """The wall clock's time at boot, as it says now (it moves when the wall clock is set)."""
+    """The wall clock's time at boot, as it says now."""
     return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
@@ -402,8 +387,8 @@ def ticks_to_wall(ticks: int) -> float:
 
 
 def read_environ_var(pid: int, name: str) -> str | None:
-    """Value of ``name`` in ``pid``'s initial environment; None if absent or unreadable. Only the owner (or
-    root) can read it: exactly the processes gpuclean may act on."""
+    """Value of ``name`` in ``pid``'s initial environment; None if absent or unreadable (only the owner or
+    root may read it: the processes gpuclean may act on)."""
     return read_environ_vars(pid, (name,)).get(name)
 
 
@@ -466,8 +451,7 @@ def exe_name(pid: int) -> str:
 
 
 def fd_target(pid: int, fd: int) -> str:
-    """What ``pid``'s descriptor ``fd`` refers to ('' if unreadable): a path, or ``pipe:[inode]`` (the same
-    for both ends)."""
+    """What ``pid``'s descriptor ``fd`` refers to ('' if unreadable); ``pipe:[inode]`` for a pipe."""
     try:
         return os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
@@ -498,9 +482,8 @@ def _nvidia_files(pid: int) -> Iterator[str]:
 
 
 def cuda_device_minors(pid: int) -> frozenset[int] | None:
-    """Minor numbers of the ``/dev/nvidia<N>`` files ``pid`` has open, if it initialised CUDA; None if not:
-    ``cuInit`` opens ``/dev/nvidia-uvm``, NVML alone does not, so a process that merely reads NVML is not
-    taken for one the driver charges memory to."""
+    """Minor numbers of the ``/dev/nvidia<N>`` files ``pid`` has open if it initialised CUDA, else None:
+    ``cuInit`` opens ``/dev/nvidia-uvm``, NVML alone does not."""
     minors: set[int] = set()
     uvm = False
     for target in _nvidia_files(pid):

@@ -31,14 +31,10 @@ _LOST_BY_FILE = f"simulated (its file {layout.LOST!r})"
 
 
 class SimulatedBackend:
-    """Devices modelled as directories: ``DIR/<index>/<pid>`` holds the bytes ``pid`` has allocated
-    (docs/ci.md lists the files).
-
-    Faithful to the driver where it matters: memory counts only while its process lives and is not a
-    zombie, and a dead process's file is not credited to a process that reused its pid. A file another user
-    planted speaks for no process: its bytes are charged to none, named once in ``notices``. A pid in a
-    device's ``cuda`` folder costs ``context_overhead`` charged to no process. Xid events are the lines
-    added to ``DIR/xid`` since ``watch_xids``."""
+    """Devices as directories: ``DIR/<index>/<pid>`` holds the bytes ``pid`` allocated (docs/ci.md). As the
+    driver: memory counts only while its process lives, a dead process's file is not credited to a reused
+    pid, a file another user planted is charged to no process, and a pid in ``cuda/`` costs
+    ``context_overhead`` charged to none."""
 
     kind = "simulated"
 
@@ -61,8 +57,7 @@ class SimulatedBackend:
         """Lines about files a reading did not trust, once each, for whoever reports them."""
         self._allocations = _Allocations(self.notices)
         self._empty_since: dict[int, tuple[int, int, float]] = {}
-        """Per device index: the folder's inode and ctime when first read empty with that ctime, and when
-        (monotonic): settled once it stayed so for SETTLED_NS of this clock too."""
+        """Per device index: the folder's inode and ctime when first read empty, and when (monotonic)."""
         self._last_batch: tuple[Sequence[DeviceInfo], list[_Settled],
                                 tuple[DeviceSnapshot, ...]] | None = None
         """The devices of the last ``readings``, their settled folders and the readings, if all were
@@ -74,8 +69,8 @@ class SimulatedBackend:
         """Device index -> the watched UUIDs with that index."""
         self._devices = self._enumerate()
         for device in self._devices:
-            # A corrupt file or an unreadable device folder is a set-up mistake: say so now, not in the first
-            # test. A lost device is the session's finding, at its first check.
+            # A corrupt file or unreadable folder is a set-up mistake: say so now. A lost device is a check's
+            # finding.
             try:
                 self.snapshot(device)
             except DeviceLost:
@@ -107,8 +102,8 @@ class SimulatedBackend:
         return self._devices
 
     def readings(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
-        # The clean path: a settled empty folder is one stat. Asked for the same devices while every folder
-        # stays settled and empty, the readings are the very same tuple as last time.
+        # The clean path: while every folder stays settled and empty, one stat each, and the very same
+        # readings.
         last = self._last_batch
         if last is not None and last[0] is devices:
             try:
@@ -150,13 +145,12 @@ class SimulatedBackend:
         except OSError as exc:
             raise DeviceError(f"simulated {device.label} ({where}) unreadable: {exc}") from exc
         if not names:
-            # An idle device's reading is always the same. Adding or removing a file moves the folder's ctime,
-            # once that ctime is settled (procfs.SETTLED_NS).
+            # Adding or removing a file moves the folder's ctime, once that ctime is settled.
             idle = self._idle.get(device.index)
             if idle is None:
                 idle = self._idle[device.index] = DeviceSnapshot(device, 0, layout.DEFAULT_TOTAL, ())
-            # Settled: past the ctime's tick by the wall clock that stamps it, and unchanged as long by a
-            # clock no one can set (a wall clock stepped forward alone would call a fresh ctime settled).
+            # Settled by the wall clock that stamps it, and by a clock no one can set (a wall clock stepped
+            # forward alone would call a fresh ctime settled).
             now = time.monotonic()
             seen = self._empty_since.get(device.index)
             if seen is None or seen[:2] != (info.st_ino, info.st_ctime_ns):
@@ -196,8 +190,8 @@ class SimulatedBackend:
             elif used:
                 unclaimed += used  # a file that may not speak for its process: no one's, but still used
         processes.sort(key=lambda p: p.pid)
-        # Like the real driver: each context, and each process with CUDA initialised but no context, may cost
-        # memory charged to no process.
+        # Like the driver: each context, or CUDA initialised without one, may cost memory charged to no
+        # process.
         charged_to_none = overhead * (len(processes) + len(cuda_users - {p.pid for p in processes}))
         return DeviceSnapshot(
             device=device,
@@ -322,8 +316,8 @@ class SimulatedBackend:
 
 
 class _Settled(NamedTuple):
-    """A device folder last read empty with a settled ctime, and the idle reading: while the folder's inode
-    and ctime stay these, it is still empty, and a ``stat`` does instead of a ``listdir``."""
+    """A device folder last read empty with a settled ctime: while its inode and ctime stay, a ``stat``
+    replaces a ``listdir``."""
 
     where: str
     inode: int
@@ -331,25 +325,22 @@ class _Settled(NamedTuple):
     idle: DeviceSnapshot
 
 
-# A holder writes its file after it starts; a pid reused later starts after the file was written. The slack
-# covers start-time tick rounding and the file system's coarse clock; its error (a dead holder's file credited
-# to a pid reused within it) makes a device dirty, never clean.
+# A holder writes its file after it starts. The slack covers start-tick rounding and coarse file times; its
+# error (a dead holder's file credited to a pid reused within it) makes a device dirty, never clean.
 _STALE_SLACK_S = 1.0
 _EMPTY_RETRIES = 5
 
 
 class _Allocations:
-    """Which simulated device files are live processes' allocations, as the driver would list them. A wrong
-    "no" is the worst answer (a clean verdict beside held memory), so each doubt lists the process:
+    """Which simulated device files are live processes' allocations. A wrong "no" is the worst answer (a
+    clean verdict beside held memory), so each doubt lists the process:
 
-    - File times are wall clock, process starts boot clock; they are compared through the earliest offset
-      seen since this backend began, so a wall clock stepped forward later (a VM resumed, NTP) cannot make
-      a live holder's file look older, and each verdict is kept once made.
-    - A file being rewritten in place (``echo N > file`` truncates first) is read again; still empty, its
-      process is listed with its amount unknown, as NVML lists one it cannot size.
-    - A file speaks for its process only if root or a user the process runs as owns it: a file naming
-      someone else's process must not make gpuclean end or claim it. Its bytes are charged to no process,
-      and it is named once."""
+    - File times (wall clock) and starts (boot clock) are compared through the earliest offset seen, so a
+      wall clock stepped forward later (a resumed VM) cannot make a holder's file look older.
+    - A file rewritten in place (``echo N > file`` truncates) is read again; still empty, its process is
+      listed with its amount unknown.
+    - Only root's files or files of a user the process runs as speak for it: another user's file must not
+      make gpuclean end or claim a process."""
 
     def __init__(self, notices: list[str]) -> None:
         self._offset = procfs.wall_minus_boot()
@@ -358,8 +349,8 @@ class _Allocations:
         self._named: set[str] = set()
 
     def of(self, path: Path, pid: int) -> tuple[bool, int | None]:
-        """(whether ``pid`` holds memory through ``path``, how much: None when the file cannot tell). A
-        file that may not speak for ``pid`` gives its bytes as memory charged to no process."""
+        """(whether ``pid`` holds memory through ``path``, how much: None if unknown). A file that may not
+        speak for ``pid`` gives its bytes as charged to no process."""
         stat = procfs.read_stat(pid)
         if stat is None or not procfs.live_state(pid, stat.state):
             return False, None

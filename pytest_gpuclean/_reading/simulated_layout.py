@@ -1,9 +1,6 @@
-"""The simulated devices' directory layout, written by ``pytest_gpuclean.simulate`` and read by
-``simulated.py`` and the probe; it imports nothing (a holder, ``simulate hold``, loads only this).
-
-``DIR/<index>/`` is a device: ``<pid>`` holds the bytes that process allocated, ``cuda/<pid>`` marks a
-process with CUDA initialised there without a context, other files are optional. ``DIR/xid`` holds every
-device's Xid events."""
+"""The simulated devices' directory layout, shared by ``simulate``, ``simulated.py`` and the probe; it
+imports nothing (``simulate hold`` loads only this). ``DIR/<index>/<pid>`` holds the bytes a process
+allocated; ``DIR/xid`` holds every device's Xid events."""
 
 from __future__ import annotations
 
@@ -18,8 +15,8 @@ def device_indices(root: str | os.PathLike[str]) -> list[int]:
 
 
 def no_device(root: str) -> str:
-    """Why ``root`` holding no device is refused: a directory of no simulated devices (a typo, ``.``) must
-    not read as a machine without GPUs."""
+    """Why ``root`` holding no device is refused: a wrong directory (a typo, ``.``) must not read as no
+    GPUs."""
     return (f"{root!r} holds no simulated device (DIR/<index>/); make them with 'python -m "
             "pytest_gpuclean.simulate init DIR'")
 
@@ -32,14 +29,13 @@ TOTAL = "total"
 UUID = "uuid"
 NAME = "name"
 CONTEXT_OVERHEAD = "context_overhead"
-"""Bytes per process counted as used but charged to no process, as the driver does per CUDA context (and
-per process with CUDA initialised but no context)."""
+"""Bytes per process the driver counts as used but charges to no process (per context, or CUDA without
+one)."""
 CUDA = "cuda"
 """Processes that initialised CUDA on the device without being listed."""
 
 XID = "xid"
-"""In ``DIR``: one line per event (``xid_line``), appended; one file for all devices, so the drain at every
-check costs one ``stat``."""
+"""One line per event, appended, for all devices: the drain at every check costs one ``stat``."""
 
 
 def xid_line(index: int, code: int) -> str:
