@@ -1,7 +1,6 @@
 """The lock directory: opened once without following a link, its lock files, and the marks sessions set on
-it. Every file is opened relative to the directory's descriptor, so swapping its path for a link later
-changes nothing. Its files are untrusted: another user may plant a link, a FIFO or a hard link under a lock
-file's name."""
+it. Files are opened relative to the directory's descriptor, and are untrusted: another user may plant a
+link, a FIFO or a hard link under a lock file's name."""
 
 from __future__ import annotations
 
@@ -18,22 +17,20 @@ import struct
 from collections.abc import Sequence
 
 HOST = socket.gethostname()
-"""This host, as holder records name it: another host's record is a container's sharing the directory (its
-pids are its own)."""
+"""This host, as holder records name it: another host's record is a container's (its pids are its own)."""
 QUEUE_AFTER_S = 1.0
-"""A session that has waited this long for a GPU marks itself waiting: then an attempt of a session that
-has waited less leaves that GPU to it (``GpuLocks.acquire``)."""
+"""After waiting this long for a GPU a session queues for it: attempts of sessions that waited less leave
+it."""
 
 DIR_MODE = 0o1777
 """Every user's sessions create lock files and holder records here; the sticky bit stops them deleting or
 replacing each other's."""
 LOCK_FILE_MODE = 0o666
-"""A POSIX write lock needs a descriptor open for writing, so every sharing user must be able to open a
-lock file for writing. Nothing is ever written to it."""
+"""A POSIX write lock needs a descriptor open for writing, so every sharing user must be able to open one.
+Nothing is written."""
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NOFOLLOW: never through a planted link; O_NONBLOCK: a FIFO planted under a lock file's name must not hang
-# the open.
+# O_NOFOLLOW: never through a planted link; O_NONBLOCK: a planted FIFO must not hang the open.
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -42,8 +39,7 @@ class LockDirError(OSError):
 
 
 class LockDir:
-    """One lock directory as this process has it open, and its files by name. A plain class: state that
-    changes as the session goes, not a record."""
+    """One lock directory as this process has it open, and its files by name."""
 
     def __init__(self, path: str, fd: int, ident: tuple[int, int]) -> None:
         self.path = path
@@ -57,8 +53,8 @@ class LockDir:
         lock."""
         self.lock_names: dict[int, str] = {}
         self.verified: dict[int, int] = {}
-        """Per open lock file, the directory's ctime when its name was last seen to be that file, if that
-        ctime was settled then (``held.still_named``)."""
+        """Per open lock file, the directory's ctime when its name was last seen to be that file, if
+        settled then."""
         self.held: set[int] = set()
         self.holder_fds: dict[str, int] = {}
         self.parked: list[int] = []
@@ -81,22 +77,21 @@ class LockDir:
 
 
 class _ProcessCache:
-    """What this process keeps of the lock directories and its own holder records: a forked child starts
-    with none of it."""
+    """What this process keeps of the lock directories and its holder records: a forked child starts
+    afresh."""
 
     def __init__(self) -> None:
         self.dirs: dict[tuple[int, int], LockDir] = {}
-        """Files stay open for the session: opening and closing them per test costs more than the clean
-        check. Keyed by the directory's inode, so two spellings share one descriptor per file: closing a
-        second descriptor of a file would drop this process's POSIX lock on it."""
+        """Files stay open for the session (opening them per test costs more than the clean check). Keyed
+        by inode: closing a second descriptor of a file would drop this process's POSIX lock on it."""
         self.notices: list[str] = []
         """Noticed about the lock directories, until ``take_notices``."""
         self.owner_pid = os.getpid()
         self.me: tuple[int, int] | None = None
         """(pid, start ticks) of this process, read once."""
         self.record_head: str | None = None
-        """This process's part of its holder records as JSON (up to the GPU's ``_Marks.uuid_field``),
-        encoded once; the test and the time come last (``held.write_records``)."""
+        """This process's part of its holder records as JSON, encoded once; the test and the time come
+        last."""
         self.uid = -1
         """The effective uid ``record_head`` names, read with it: the records go into that uid's holder
         files."""
@@ -104,9 +99,8 @@ class _ProcessCache:
         """``held.HELD_VAR``'s value per directory, set of GPUs held and GPUs inherited."""
 
     def forget_inherited(self) -> None:
-        # A forked child's descriptors are copies of the parent's: it holds none of the parent's POSIX locks,
-        # and closing its copies drops none of them; the BSD lock stays with the parent's open file.
-        # Forgotten, so the child opens its own.
+        # A forked child holds none of the parent's POSIX locks, and closing its copies drops none of them:
+        # forgotten, so the child opens its own.
         for state in self.dirs.values():
             state.close_all()
         self.dirs.clear()
@@ -124,8 +118,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def take_notices() -> list[str]:
-    """What was noticed about the lock directory since the last call (a lock file deleted while held, the
-    directory replaced), for the session's notes."""
+    """What was noticed about the lock directory since the last call, for the session's notes."""
     found = list(cache.notices)
     cache.notices.clear()
     return found
@@ -195,8 +188,7 @@ def _open_dir(path: str) -> LockDir:
 
 
 def _check_existing(path: str, fd: int, info: os.stat_result) -> None:
-    # A directory we did not create is never chmod'ed: it may be the user's private one ($HOME, "." by
-    # mistake), and its mode is its owner's decision.
+    # A directory we did not create is never chmod'ed: it may be the user's own ($HOME, "." by mistake).
     mode = stat.S_IMODE(info.st_mode)
     described = f"owner uid {info.st_uid}, mode {mode:o}"
     if os.statvfs(fd).f_flag & os.ST_RDONLY:
@@ -205,8 +197,8 @@ def _check_existing(path: str, fd: int, info: os.stat_result) -> None:
         raise dir_error(path, f"not writable by uid {os.geteuid()} ({described}); gpuclean did not create "
                               "it, so it leaves its mode alone: if it is meant to be shared its owner can "
                               f"run 'chmod 1777 {path}', else choose another with --gpuclean-lock-dir")
-    # World-writable without the sticky bit: anyone could delete or replace anyone's files. (A group-writable
-    # one is its owner's choice: with umask 002 a user's own directories are 0775.)
+    # World-writable without the sticky bit: anyone could replace anyone's files. Group-writable is the
+    # owner's choice (umask 002).
     if mode & 0o002 and not mode & stat.S_ISVTX:
         raise dir_error(path, f"every user can write it and it has no sticky bit ({described}): anyone "
                               "could delete or replace the lock files of GPUs in use; its owner can run "
@@ -220,18 +212,15 @@ def _file_name(uuid: str) -> str:
 
 # ---- marks on the directory: who holds, makes or waits for which GPU -------------------------------------
 #
-# A lock file deleted while held (by hand, by a tmp cleaner) takes the only trace of its holder with it: a
-# new file would let a second session run next to the holder. So each GPU has bytes *of the directory*
-# (whose identity every session keeps) carrying open file description (OFD) read locks (docs/sharing.md):
+# A lock file deleted while held takes the only trace of its holder with it, and a new file would let a
+# second session in. So each GPU has bytes of the directory carrying OFD read locks (docs/sharing.md):
 #
 #   hold(X)   from just after a session locks X's file until it releases it;
 #   make(X)   while a session creates X's missing lock file (create);
 #   queue(X)  while a session that has waited QUEUE_AFTER_S for X goes on waiting (GpuLocks.acquire).
 #
-# Read locks never conflict, so F_OFD_GETLK says whether another open file description has one. OFD, not
-# POSIX: a POSIX lock drops when its process closes *any* descriptor of the file, and plenty opens and
-# closes the directory (os.listdir, a test). One byte per mark, at an offset hashed from the UUID: a
-# collision (one in 2**56 per pair) only makes one GPU wait for another now and then, never lets two in.
+# OFD, not POSIX: a POSIX lock drops when its process closes any descriptor of the file (os.listdir does).
+# A mark's offset is hashed from the UUID: a collision only makes one GPU wait for another now and then.
 
 _FLOCK = struct.Struct("hhqqi4x")
 """Linux's struct flock (64-bit off_t)."""
@@ -240,13 +229,12 @@ MAKE_BASE = 1 << 60
 """make(X) is at ``MAKE_BASE + 2 * slot``, queue(X) just after it; hold(X) is at ``slot``."""
 MARKS_LEN = 2 << _SLOT_BITS
 _PROBE = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, MAKE_BASE, MARKS_LEN, 0)
-"""Is any make or queue mark of another open file description up, for any GPU? One syscall per acquire."""
+"""Any make or queue mark of another open file description up, for any GPU? One syscall per acquire."""
 _UNHOLD_ALL = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1 << _SLOT_BITS, 0)
 
 
 class _Marks:
-    """The offsets of one GPU's marks, its hold mark's requests packed once, and its files' names. A plain
-    class: this module imports nothing of the package."""
+    """One GPU's mark offsets, its hold mark's requests packed once, and its files' names."""
 
     def __init__(self, uuid: str) -> None:
         self.file = _file_name(uuid)
@@ -283,8 +271,8 @@ def mark_at(state: LockDir, kind: int, offset: int, fd: int | None = None) -> No
 
 
 def marked(state: LockDir, offset: int, length: int = 1, fd: int | None = None) -> int | None:
-    """Where another open file description than ``fd``'s (default ``state.fd``) has a mark in ``[offset,
-    offset + length)``; None if none has."""
+    """Where another open file description than ``fd``'s has a mark in ``[offset, offset + length)``; None
+    if none has."""
     request = _PROBE if length == MARKS_LEN else _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, length, 0)
     try:
         answer = fcntl.fcntl(state.fd if fd is None else fd, fcntl.F_OFD_GETLK, request)
@@ -298,7 +286,7 @@ def clear(state: LockDir, request: bytes) -> None:
     try:  # noqa: SIM105 (per test)
         fcntl.fcntl(state.fd, fcntl.F_OFD_SETLK, request)
     except OSError:
-        pass  # a mark left up only delays making that GPU's lock file if it goes missing, until we exit
+        pass  # a mark left up only delays making that GPU's missing lock file until we exit
 
 
 def let_go(state: LockDir, taken: Sequence[tuple[str, int | None]]) -> None:
@@ -333,9 +321,8 @@ def unlock(state: LockDir, fd: int) -> None:
 
 
 def share(state: LockDir) -> bool:
-    """Take the directory's shared BSD lock (once per process, counted); False while someone holds it
-    exclusively (a tmp cleaner, an older gpuclean). The marks keep lock files from being replaced; this
-    lock makes systemd-tmpfiles leave the directory alone while a session holds GPU locks."""
+    """Take the directory's shared BSD lock (once per process); False while someone holds it exclusively (a
+    tmp cleaner). systemd-tmpfiles leaves a BSD-locked directory alone."""
     if state.shared == 0:
         try:
             fcntl.flock(state.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -358,17 +345,16 @@ def _unshare(state: LockDir) -> None:
 
 
 def create(state: LockDir, uuids: Sequence[str]) -> list[str]:
-    """Create the missing lock files of ``uuids``; returns those it must not make now: a session holds that
-    GPU through a lock file deleted under it, and a new file would let a second session in beside it.
+    """Create the missing lock files of ``uuids``; returns those it must not make now, because a session
+    holds that GPU through a deleted file: a new one would let a second session in beside it.
 
-    A holder keeps its GPU's hold mark from just after it locks the file (before it checks the name) until
-    it releases it. A creator sets the make mark, then looks for a hold mark; a holder sets its hold mark,
-    then looks for make marks (``GpuLocks._attempt``). Of two overlapping sessions at least one sees the
-    other's mark and backs off (Dekker's handshake; the kernel orders requests on one inode's locks). Only
-    holders of that GPU matter."""
+    A creator sets the make mark, then looks for a hold mark; a holder sets its hold mark right after
+    locking, then looks for make marks (``GpuLocks._attempt``). Of two overlapping sessions at least one
+    sees the other's mark and backs off (Dekker's handshake; the kernel orders requests on one inode's
+    locks)."""
     try:
-        # An open file description of its own: this process's hold marks (on state.fd) count too, and closing
-        # it drops its make marks.
+        # An open file description of its own: our own hold marks count too, and closing it drops the make
+        # marks.
         fd = os.open(".", _DIR_FLAGS, dir_fd=state.fd)
     except OSError as exc:
         raise dir_error(state.path, "cannot open it", exc) from None
@@ -441,11 +427,11 @@ def _file_error(state: LockDir, name: str, exc: OSError | None) -> LockDirError:
 
 
 def unchanged(state: LockDir, info: os.stat_result) -> bool:
-    """Whether the directory (``info``: its fstat) had no entry added, removed or renamed, and was not
-    itself renamed or removed, since the last look; notes its times."""
+    """Whether the directory had no entry added, removed or renamed, and was not itself moved, since the
+    last look; notes its times."""
     state.mtime_ns = info.st_mtime_ns
-    # Renaming or removing the directory changes its ctime (or link count), and so does any entry added or
-    # removed: only then is the path looked up again (a path stat per test costs as much as locking a GPU).
+    # Any such change moves the directory's ctime (or link count): only then is the path looked up again (a
+    # path stat per test costs as much as locking a GPU).
     if info.st_ctime_ns == state.ctime_ns and info.st_nlink > 0:
         return True
     state.ctime_ns = info.st_ctime_ns

@@ -1,7 +1,6 @@
-"""The GPU locks: one per physical GPU (by UUID), taken all-or-nothing for a test (``GpuLocks``). Each is a
-POSIX record lock on ``<dir>/<uuid>.lock``: it belongs to its process, so the kernel drops it when that
-process ends and no forked child ever holds it (a BSD ``flock`` belongs to the open file: an inheriting
-child keeps it after pytest dies). Each user keeps an untrusted holder record beside it (``held.py``)."""
+"""The GPU locks: one per physical GPU (by UUID), taken all-or-nothing for a test. Each is a POSIX record
+lock on ``<dir>/<uuid>.lock``: the kernel drops it when its process ends, and no forked child holds it (an
+inherited BSD ``flock`` outlives pytest). Each user keeps an untrusted holder record beside it."""
 
 from __future__ import annotations
 
@@ -104,9 +103,8 @@ class GpuLocks:
         return f"{self.directory}/{marks_of(uuid).lock}"
 
     def prepare(self, uuids: Sequence[str]) -> None:
-        """Open (and create, unless someone holds the GPU through a deleted one) the lock and holder files
-        of ``uuids``, at session start: an unusable or full directory stops the session with a clear
-        message, not a test later."""
+        """Open (and create, where safe) the lock and holder files of ``uuids`` at session start: an
+        unusable directory stops the session with a clear message, not a test later."""
         state = self._state()
         missing = [u for u in uuids if (name := marks_of(u).lock) not in state.lock_fds
                    and cache_lock(state, name) is None]
@@ -122,27 +120,25 @@ class GpuLocks:
                     raise dir_error(self.directory, "cannot create a holder record", exc) from None
 
     def holder(self, uuid: str) -> HolderRecord | None:
-        """Who holds ``uuid``'s lock as recorded, checked and cleaned (None if nobody recorded). The newest
-        record wins: a holder writes its record after getting the lock, so an older one is a killed
-        session's leftover."""
+        """Who holds ``uuid``'s lock as recorded (None if nobody recorded). The newest record wins: an
+        older one is a killed session's leftover."""
         return read_records(self._state(), [uuid]).get(uuid)
 
     def holders(self, uuids: Sequence[str], seen: dict[str, str] | None = None) -> dict[str, LockHolder]:
-        """For each of ``uuids``: its newest valid record and what the kernel and the marks say
-        (``holders.lock_holders``). ``seen``: what an attempt saw, which may have changed since."""
+        """For each of ``uuids``: its newest valid record, and what the kernel and the marks say."""
         return lock_holders(self._state(), uuids, seen)
 
     def _try(self, state: LockDir, name: str) -> int | None:
-        """Lock the GPU's file ``name``: its descriptor, None if busy, ``MISSING`` if there is no such
-        file. Not yet trusted: see ``_attempt``."""
+        """Lock the GPU's file ``name``: its descriptor, None if busy, ``MISSING`` if absent. Not yet
+        trusted."""
         fd = state.lock_fds.get(name)
         if fd is None:
             fd = cache_lock(state, name)
             if fd is None:
                 return MISSING
         elif fd in state.held:
-            # Held by this process already (another acquire still open): a second POSIX lock of the same
-            # process would just succeed, so refuse as another process would be refused.
+            # Held by this process already: a second POSIX lock would just succeed, so refuse as for another
+            # process.
             return None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -158,19 +154,17 @@ class GpuLocks:
         """One all-or-nothing attempt: ``count`` of ``ordered`` taken (locked, marked, names checked), or
         why not:
 
-        - ``"busy"``: fewer are free; ``seen`` says per GPU ``"free"`` (taken and given back),
-          ``"missing"``, ``"queued"`` (left to a queuing session) or ``"making"`` (its file is being made);
+        - ``"busy"``: fewer are free; ``seen`` says per GPU ``"free"``, ``"missing"``, ``"queued"`` or
+          ``"making"``;
         - ``"closed"``: the directory is locked exclusively, nothing was tried;
-        - ``"careful"``: another session makes a lock file or queues: try again at once, looking at the
-          marks;
-        - ``"again"``: a lock file was replaced: try again at once.
+        - ``"careful"``: another session makes a lock file or queues: retry, looking at the marks;
+        - ``"again"``: a lock file was replaced: retry.
 
-        ``careful``: look at each GPU's marks before trusting it, and leave a GPU another session queues
-        for to it unless this acquire queues for it too (``queued``)."""
+        ``careful``: check each GPU's marks and leave a GPU another session queues for unless ``queued``."""
         if not share(state):
             return "closed"
         taken: list[tuple[str, int | None]] = []
-        # One loop per GPU: the lock, then the hold mark; the names are checked after, once for all GPUs.
+        # Per GPU the lock, then the hold mark; names are checked after, once for all.
         try:
             for uuid in ordered:
                 if uuid in inherited:
@@ -201,8 +195,8 @@ class GpuLocks:
                 seen.update((u, "free") for u, fd in taken if fd is not None)
                 let_go(state, taken)
                 return "busy"
-            # Our hold marks are up: nobody makes a new file for these GPUs now (see create), so only now can
-            # the names be trusted; a make mark seen now may be one begun before ours.
+            # With our hold marks up nobody makes a new file for these GPUs, so only now can the names be
+            # trusted.
             if not careful and marked(state, MAKE_BASE, MARKS_LEN) is not None:
                 let_go(state, taken)
                 return "careful"
@@ -214,14 +208,13 @@ class GpuLocks:
             ctime = info.st_ctime_ns
             for _uuid, fd in taken:
                 if fd is not None and not still_named(state, name := state.lock_names[fd], fd, ctime):
-                    # The file was deleted since we opened it: a lock on that inode locks nothing. Look at
-                    # what the name holds now.
+                    # Deleted since we opened it: a lock on that inode locks nothing.
                     let_go(state, taken)
                     forget(state, name)
                     return "again"
         except BaseException:
-            # Also on KeyboardInterrupt or a pytest-timeout signal: a lock kept by a stray descriptor would
-            # block this very session's next test.
+            # Also on KeyboardInterrupt or a timeout signal: a stray descriptor's lock would block our next
+            # test.
             let_go(state, taken)
             raise
         return taken
@@ -230,15 +223,13 @@ class GpuLocks:
                 prefer: Sequence[str] = (),
                 on_wait: Callable[[dict[str, LockHolder]], None] | None = None,
                 parked: HeldLocks | None = None) -> HeldLocks:
-        """Lock ``count`` of ``candidates``. ``parked``: the previous test's locks (``HeldLocks.park``):
-        this test's if they are what it needs, else released first. GPUs an ancestor holds (``HELD_VAR``)
-        count as taken and come first; then free ones in UUID order, ``prefer`` first. If fewer than
-        ``count`` are free, everything is released and the attempt repeats until ``timeout``; ``on_wait``
-        hears the busy devices' holders once.
+        """Lock ``count`` of ``candidates``. ``parked``: the previous test's locks, this test's if they
+        fit, else released first. GPUs an ancestor holds come first; then free ones in UUID order,
+        ``prefer`` first. If fewer are free, everything is released and the attempt repeats until
+        ``timeout``.
 
-        After ``QUEUE_AFTER_S`` the acquire queues for the GPUs it lacks, and attempts not queuing for them
-        leave them alone: a stream of newcomers (or the holder's own next test) can't keep a waiter out for
-        ever."""
+        After ``QUEUE_AFTER_S`` the acquire queues for the GPUs it lacks: a stream of newcomers (or the
+        holder's next test) can't keep a waiter out for ever."""
         if parked is not None:
             try:
                 if resume(parked, candidates, count, holder_id, self.directory, self._cached):
@@ -278,8 +269,7 @@ class GpuLocks:
                         continue  # we made lock files: try again at once
                 waited = time.monotonic() - started
                 if outcome == "closed" and waited < timeout:
-                    # Someone holds the directory exclusively for a moment (a tmp cleaner): nothing was tried,
-                    # nobody to name.
+                    # Someone holds the directory exclusively for a moment: nothing was tried.
                     time.sleep(random.uniform(*_RETRY_S))
                     state = None
                     continue
@@ -309,9 +299,8 @@ class GpuLocks:
                 unqueue(queued_in, queued)
 
     def inherited(self) -> dict[str, tuple[int, int]]:
-        """GPUs of this lock directory that an ancestor of this process holds, per ``HELD_VAR``: trusted
-        only if the named holder is still our ancestor (same pid and start time) and the recorded holder,
-        so a process that outlived its test inherits nothing."""
+        """GPUs an ancestor holds per ``HELD_VAR``, trusted only if the holder is still our ancestor and
+        the recorded holder: a process that outlived its test inherits nothing."""
         value = os.environ.get(HELD_VAR)
         if not value:
             return {}  # the usual case: no json.loads per test

@@ -1,6 +1,5 @@
-"""The locks a test holds (``HeldLocks``): their holder records, their release, and the locks kept for the
-session's next test (``park``, ``resume``). A holder record is a small JSON file per GPU and user,
-overwritten in place in a file kept open for the session."""
+"""The locks a test holds: their holder records (a small JSON file per GPU and user, kept open and
+overwritten in place), their release, and keeping them for the next test (``park``)."""
 
 from __future__ import annotations
 
@@ -32,14 +31,13 @@ HOLDER_FILE_MODE = 0o644
 """Only its user writes a holder record; everybody reads it, to name who holds a GPU."""
 
 HELD_VAR = "GPUCLEAN_HELD_LOCKS"
-"""Set while this process holds GPU locks: JSON ``{"dir": lock directory, "holders": {uuid: [pid, start
-ticks]}}``. A session a test runs (a nested pytest, pytester) takes those GPUs as its own instead of
-waiting for its parent's locks until it times out."""
+"""Set while this process holds GPU locks (JSON: the directory, and per UUID the holder's pid and start). A
+nested session a test runs takes those GPUs as its own instead of waiting for its parent until it times
+out."""
 
 
 class HeldLocks:
-    """Locks held by this process for one test, released in ``release`` or kept for the next (``park``). A
-    plain class: state that changes as the test goes, not a record."""
+    """Locks held by this process for one test, released or kept for the next (``park``)."""
 
     def __init__(self, taken: list[tuple[str, int | None]], waited_s: float,
                  inherited: dict[str, tuple[int, int]], state: LockDir | None) -> None:
@@ -57,25 +55,20 @@ class HeldLocks:
         self._dir = state
         """The directory whose shared lock this acquire holds (None: none)."""
         self._mtime_ns = state.mtime_ns if state is not None else 0
-        """The directory's mtime when the acquire began: a change by release means an entry was added or
-        removed, maybe a held lock file."""
+        """The directory's mtime when the acquire began: if it changed, maybe a held lock file went."""
         self.parked = False
         """Kept after its test for this session's next one."""
         self.record_slots: list[tuple[int, list[int]]] = []
-        """Where the test's part of the last written holder records starts, and their descriptors (one
-        entry per start: UUIDs are of one length), if all were padded: the next test rewrites just that
-        part."""
+        """Where the test's part of the padded holder records starts, and their descriptors: the next test
+        rewrites just that part."""
 
     def park(self) -> bool:
-        """Keep the locks for this process's next test if nobody else waits: True if kept (hand them to the
-        next ``GpuLocks.acquire`` as ``parked``, or ``release`` them), False if the caller must release
-        now.
+        """Keep the locks for the next test if nobody waits: True if kept (for the next acquire's
+        ``parked``), False if the caller must release now.
 
-        Letting go between two tests costs much of a checked test (docs/sharing.md has the figures), and
-        the gap is far shorter than a waiter's pause between looks, so no waiter could use it: a waiter
-        gets a GPU once it queues, at the next test boundary. So the locks are kept unless another session
-        has a queue or make mark up, the directory changed since the acquire, this is a forked child, or
-        GPUs were inherited."""
+        Letting go between tests costs much of a checked test (docs/sharing.md), and no waiter could use
+        that gap: a waiter gets a GPU once it queues, at a test boundary. Not kept if another session has a
+        queue or make mark up, the directory changed, in a forked child, or with inherited GPUs."""
         state = self._dir
         if (state is None or self.inherited or cache.dirs.get(state.ident) is not state
                 or cache.owner_pid != os.getpid()):
@@ -89,14 +82,14 @@ class HeldLocks:
         return True
 
     def _directory_unchanged(self, state: LockDir) -> bool:
-        """No entry of the directory was added, removed or renamed since these locks were taken (else
-        ``release`` checks the lock files are still the ones locked)."""
+        """No directory entry changed since these locks were taken (else ``release`` checks the lock
+        files)."""
         info = os.fstat(state.fd)
         return info.st_mtime_ns == self._mtime_ns and info.st_ctime_ns == state.ctime_ns
 
     def release(self) -> None:
-        # Holder record first: once the lock is free, the next holder writes its own. A blank file is no
-        # record, and stays open for the next acquire.
+        # Holder record first: once the lock is free the next holder writes its own. A blank file is no
+        # record.
         for fd, padded in self.holder_fds:
             try:
                 if padded:
@@ -133,8 +126,8 @@ class HeldLocks:
 
 
 def _check_still_named(state: LockDir, fd: int) -> None:
-    # The holder's side of a deleted lock file: nobody could take the GPU meanwhile (its hold mark kept a new
-    # file from being made), but whoever deletes lock files should hear of it.
+    # A deleted lock file: nobody could take the GPU meanwhile (its hold mark), but whoever deletes lock files
+    # should hear of it.
     name = state.lock_names.get(fd)
     if name is None:
         return
@@ -150,10 +143,8 @@ def _check_still_named(state: LockDir, fd: int) -> None:
 
 
 def still_named(state: LockDir, name: str, fd: int, ctime: int | None = None) -> bool:
-    """Whether ``name`` is still the file open as ``fd`` (just locked): a lock on a deleted or replaced
-    file locks nothing. A path stat per GPU and test costs; the directory's ctime, if settled at the last
-    look, says more cheaply that no entry changed since. ``ctime``: the directory's, read after locking
-    (read here if not given)."""
+    """Whether ``name`` is still the file open as ``fd``: a lock on a deleted or replaced file locks
+    nothing. The directory's settled ctime says so more cheaply than a path stat per GPU and test."""
     if ctime is None:
         try:
             ctime = os.fstat(state.fd).st_ctime_ns
@@ -176,8 +167,7 @@ def still_named(state: LockDir, name: str, fd: int, ctime: int | None = None) ->
 
 def resume(parked: HeldLocks, candidates: Sequence[str], count: int, holder_id: str, directory: str,
            current: Callable[[], LockDir | None]) -> bool:
-    """Make the parked locks this test's, if they are ``count`` of ``candidates``, ``HELD_VAR`` still says
-    what they set, and the directory is still the one this process has open (``current``)."""
+    """Make the parked locks this test's, if they fit, ``HELD_VAR`` is unchanged, and so is the directory."""
     state = parked._dir
     if (not parked.parked or state is None or len(parked.uuids) != count
             or not set(parked.uuids).issubset(candidates)
@@ -202,9 +192,8 @@ def write_records(state: LockDir, held: HeldLocks, holder_id: str, directory: st
         previous = os.environ.get(HELD_VAR)
         os.environ[HELD_VAR] = ours = _held_value(directory, held, me)
         held._env = (previous, ours)
-    # Only the test and the time change between records, and they come last: the rest is encoded once per
-    # process and GPU, and a kept lock's record is rewritten from where they start (encoding and padding per
-    # GPU and test cost as much as the write).
+    # Only the test and the time change, and they come last: the rest is encoded once, and a kept lock's
+    # record is rewritten from where they start.
     head = cache.record_head
     if head is None:
         cache.uid = os.geteuid()
@@ -233,8 +222,8 @@ def write_records(state: LockDir, held: HeldLocks, holder_id: str, directory: st
 
 
 def _rewrite_records(slots: Sequence[tuple[int, list[int]]], current: bytes) -> bool:
-    """Rewrite padded holder records in place from where their ``current`` part starts; False (having
-    stopped) at one too long for the padding (a long test id), which the caller writes the general way."""
+    """Rewrite padded holder records in place from their ``current`` part; False at one too long for the
+    padding, which the caller writes the general way."""
     for start, holders in slots:
         if start + len(current) > _RECORD_BYTES:
             return False
@@ -309,20 +298,20 @@ def _open_own_holder(state: LockDir, name: str) -> int:
             if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_nlink == 1:
                 return fd
             os.close(fd)
-        # Another user's file under our name, a link, or a hard link: never write into it. Remove it if we may
-        # (root, or the directory's owner), and make our own.
+        # Another user's file, a link or a hard link under our name: never write into it. Remove it if we may,
+        # and make our own.
         os.unlink(name, dir_fd=state.fd)
     raise OSError(errno.EEXIST, f"holder record {name} keeps being replaced")
 
 
 def _write_holder(state: LockDir, name: str, payload: bytes) -> tuple[int, bool]:
-    """Write this user's holder record for one GPU into its session-long open file; returns the descriptor
-    and whether the record was padded to ``_RECORD_BYTES``. Overwritten in place: creating or renaming a
-    file per GPU and test costs more than the clean check. A half-written record reads as "unknown holder"."""
+    """Write this user's holder record for one GPU into its open file, in place (a new file per GPU and
+    test costs more than the clean check); returns the descriptor and whether it was padded. A half-written
+    record reads as "unknown holder"."""
     fd = holder_fd(state, name)
     if len(payload) <= _RECORD_BYTES:
         # Padded to a fixed size (JSON allows trailing blanks): no ftruncate, which costs as much as the
-        # write. Released records are blanked the same way.
+        # write.
         os.pwrite(fd, payload.ljust(_RECORD_BYTES), 0)
         return fd, True
     os.pwrite(fd, payload, 0)

@@ -1,6 +1,5 @@
-"""Who holds a GPU's lock: the holder records read back (untrusted: read only from the user the file is
-named after, small, checked field by field, cleaned for printing), what ``/proc/locks`` names, and what the
-directory's marks say."""
+"""Who holds a GPU's lock: the holder records read back (untrusted: only the named user's, small, checked,
+cleaned for printing), ``/proc/locks``, and the directory's marks."""
 
 from __future__ import annotations
 
@@ -28,9 +27,7 @@ _TEXT_LIMIT = 300
 
 def lock_holders(state: LockDir, uuids: Sequence[str], seen: dict[str, str] | None = None
                  ) -> dict[str, LockHolder]:
-    """For each of ``uuids``: its newest valid record, what the kernel says about the lock, and the marks.
-    ``seen``: what an attempt saw, which may have changed since (a waiter let in first may be done
-    already)."""
+    """For each of ``uuids``: its newest valid record, the kernel's view of the lock, and the marks."""
     records = read_records(state, uuids)
     idents: dict[tuple[int, int], str] = {}
     found: dict[str, LockHolder] = {}
@@ -134,8 +131,8 @@ def _valid_record(data: object, uid: int, uuid: str, now: float) -> HolderRecord
 
 
 def clean_text(value: object, limit: int = _TEXT_LIMIT) -> str:
-    """Untrusted text made safe to print: one line, no control or format characters (ANSI escapes, bidi
-    overrides), at most ``limit`` characters, never starting like a CI workflow command."""
+    """Untrusted text made safe to print: one line, no control or format characters, at most ``limit``
+    long, never starting like a CI workflow command."""
     if not isinstance(value, str):
         return "?"
     text = " ".join("".join(c if c.isprintable() else " " for c in value).split())
@@ -212,8 +209,8 @@ def _posix_lockers(idents: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
             found[ident] = lock.pid
         else:
             by_inode.setdefault(lock.inode, []).append(((lock.major, lock.minor), lock.pid))
-    # Some file systems (btrfs subvolumes, overlayfs) report another device number in stat() than in
-    # /proc/locks: fall back to the inode number when only one lock has it.
+    # Some file systems (btrfs, overlayfs) report another device number in stat() than in /proc/locks: fall
+    # back to the inode when only one lock has it.
     for dev, ino in idents - set(found):
         candidates = by_inode.get(ino, [])
         if len(candidates) == 1:
