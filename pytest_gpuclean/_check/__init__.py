@@ -1,3 +1,2 @@
-"""The check: one check, pass after pass (observe -> decide -> act), what lasts between checks, the
-reaping, and the GPUs' health."""
+"""One check, pass after pass (observe, decide, act), the reaping, and the GPUs' health."""
 

@@ -1,19 +1,8 @@
 """The session's checker, and one check, pass after pass: observe, decide, act.
 
-``Checker.check`` answers a clean check itself (``_clean_path``: every device idle, nothing of ours alive);
-otherwise it runs the check's passes (``_Passes``), each read top to bottom:
-
-1. **Observe** (``Checker.observe``): every fact the pass decides on, in one ``decisions.Snapshot``: the
-   devices, the census sorted against them (what the session's tree does not explain widens it to a cookie
-   scan), who each process is, what is not the session's, what earlier checks waited out from outside.
-2. **Decide** (``decisions.py``, which reads nothing): settle or reap what of ours is alive
-   (``next_move``), freeze a chain that replaces itself (``self_replacing``), or give the verdict (``Judge``).
-3. **Act**: collect what exited, wait the settle time or reap (the gate, then the ladder through the
-   census's pidfds), remember what was waited out; then look again, or give the ``CheckResult``.
-
-The checker holds what lasts from one check to the next (the census, the device backend, the memory of
-outside states) and the reaping that a check and the session's edges (the final sweep, a dead session's
-debris) share. No pytest here: the plugin and the ``gpuclean`` command drive the same ``Checker``."""
+``_clean_path`` answers a clean check alone; otherwise ``_Passes`` observes a ``decisions.Snapshot``,
+decides (``decisions.py`` reads nothing) and acts until a verdict. No pytest here: the plugin and the
+``gpuclean`` command drive the same ``Checker``."""
 
 from __future__ import annotations
 
@@ -61,22 +50,18 @@ from pytest_gpuclean._settings import DEFAULT_GRACE_S
 from pytest_gpuclean.report.text import mib_list, one_line
 
 POLL_S = 0.02
-"""Polling interval while waiting for a device to come clean."""
 SETTLE_POLL_S = 0.005
-"""Polling interval of the settle time."""
 AT_REST_S = 0.02
-"""How long leftovers must all stay off every CPU for the settle time to end early: a process that exits
-by itself runs on its way out (cleaning up, finishing a shutdown, reading the EOF of its client); one
-that has not run for this long is waiting for something the test will not do any more."""
+"""Leftovers all off every CPU this long end the settle time early: a process exiting by itself runs on its
+way out."""
 MAX_FREEZE_PASSES = 20
-"""Census passes while freezing a respawning set: each pass stops what the previous one missed, and a
-stopped process forks no more, so this ends after as many passes as the tree is deep."""
+"""A stopped process forks no more, so freezing ends after as many passes as the tree is deep."""
 _LISTED = operator.attrgetter("processes")
 _USED = operator.attrgetter("used_bytes")
 
 
 class CheckSettings(NamedTuple):
-    """What every check of a checker does: the options that shape it."""
+    """The options that shape every check of a checker."""
 
     reap: bool = True
     grace: float = DEFAULT_GRACE_S
@@ -84,11 +69,10 @@ class CheckSettings(NamedTuple):
     settle: float = 0.0
     """Seconds leftovers get to exit by themselves before the first reaping."""
     ignore: tuple[str, ...] = ()
-    """Command-line globs of processes that are never strays (host scope, GPU processes)."""
+    """Command-line globs of processes that are never strays."""
     host_scope: bool = False
-    """Also this user's other Python processes are looked for."""
+    """Also look for this user's other Python processes."""
     dead_sessions: bool = True
-    """The debris of dead sessions is looked for (and reaped) too."""
 
 
 class Checker:
@@ -107,27 +91,24 @@ class Checker:
         self.dead_sessions = settings.dead_sessions
         self.uid = os.getuid()
         self.census = census if census is not None else Census.of_its_own()
-        """The session's processes and their tokens."""
         self.ownership = self.census.ownership
         self.last_lost: DeviceLost | None = None
-        """The lost GPU that ended the last check (``check(device_errors=True)``), for the health watch."""
+        """Set when a lost GPU ended the last check (``device_errors=True``), for the health watch."""
         self.hurry: Callable[[], bool] | None = None
-        """Set while an interrupt asks the reaping to be quick: the grace ends at once."""
+        """Set while an interrupt asks for quick reaping: the grace ends at once."""
         self.before_grace: Callable[[list[int], float], None] | None = None
-        """Told the pids about to get SIGTERM and the grace they get before SIGKILL, first (the sweep after
-        an interrupt says at once what it waits for)."""
+        """Told the pids about to get SIGTERM and their grace, first (the sweep after an interrupt says
+        so)."""
         self._debris_checked = False
         self.left_alone: dict[tuple[int, int], str] = {}
-        """Processes of ours the gate refused (``gate``), by identity: why, for the verdict."""
+        """Processes of ours the gate refused, by identity: why."""
         self._clean_again: CheckResult | None = None
-        """The last clean check whose only GPU users were this process and its ancestors (the pytest
-        process's own CUDA context): the same readings with nothing of ours alive are the same verdict."""
+        """The last clean check whose only GPU users were us and our ancestors: the same readings repeat
+        its verdict."""
         self.outside = OutsideMemory()
-        """Per device UUID: the outside state a check waited out. A later check that finds the very same,
-        unchanged for as long as its own timeout, does not wait for it again. (An xdist worker's session
-        shares it with the run's other workers: ``outside.py``.)"""
+        """Per device UUID, the outside state a check waited out, not waited for again (``outside.py``)."""
 
-    # ---- the census (census.py), as the session and the command line ask it --------------------
+    # ---- the census, as the session and the command line ask it ----------------------------------
 
     @property
     def me(self) -> int:
@@ -141,15 +122,14 @@ class Checker:
 
     @property
     def last_census(self) -> list[CensusEntry]:
-        """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
+        """What the last census found (``--gpuclean-ray=auto`` looks there for a cluster the session
         started)."""
         return self.census.last
 
     @property
     def notices(self) -> list[str]:
-        """Lines for the session's notes, once each: helpers of the pytest process and persistent processes
-        as they are first seen, and what a device reading could not trust (``Backend.notices``); taken by
-        whoever reports them."""
+        """Lines for the session's notes, once each (the census's and the backend's); taken by whoever
+        reports them."""
         backend = self.backend
         if backend is not None and backend.notices:
             self.census.notices.extend(backend.notices)
@@ -157,7 +137,6 @@ class Checker:
         return self.census.notices
 
     def take_census(self, scan_cookies: bool = False, dead_sessions: bool = False) -> list[CensusEntry]:
-        """Our processes (``Census.take``)."""
         return self.census.take(scan_cookies, dead_sessions)
 
     def owner_of(self, f: CensusEntry) -> Owner:
@@ -173,7 +152,6 @@ class Checker:
         return self.census.of_our_run(pid)
 
     def close(self) -> None:
-        """Close the pidfds of every process still pinned."""
         self.census.close()
 
     # ---- the check -----------------------------------------------------------------------------
@@ -187,13 +165,10 @@ class Checker:
               scan_cookies: bool = False, reap: bool | None = None,
               device_errors: bool = False, where: str = "an earlier check",
               known: Collection[tuple[int, int]] = ()) -> CheckResult:
-        """Check until clean or ``timeout``; reap what is ours first (if enabled). ``where`` names this
-        check to later ones that find the same outside state (a test's node id). ``known``: leaks an earlier
-        check found and left (reaping off), by (pid, start ticks): found alone, they are not waited for.
+        """Check until clean or ``timeout``, reaping ours first (if enabled). ``where`` names this check to
+        later ones; ``known``: leaks an earlier check left (reaping off), not waited for alone.
 
-        A device that cannot be read raises ``DeviceError``; with ``device_errors`` it ends the check
-        instead, not clean, with the error (``CheckResult.error``) and what was reaped without readings.
-        """
+        An unreadable device raises ``DeviceError``, or with ``device_errors`` ends the check, not clean."""
         started = time.monotonic()
         dead_sessions = self.dead_sessions and not self._debris_checked
         self._debris_checked = True  # at start-up once; later only when something is unexplained
@@ -223,21 +198,17 @@ class Checker:
 
     def _clean_path(self, phase: Phase, devices: Sequence[DeviceInfo], tolerance_mib: int, started: float
                ) -> CheckResult | tuple[tuple[DeviceSnapshot, ...], bool]:
-        """The clean path's result, if nothing at all is there: no process of ours alive, and every device
-        idle (no process listed, no memory used). It is what a check's passes conclude then, without
-        their bookkeeping (a ``Check`` and its dozen containers), which is most of a clean check's cost.
-        Otherwise the readings taken, for the check's first pass, and whether the census was taken too
-        (``Census.last``)."""
+        """The result when no process of ours is alive and every device is idle, without the passes'
+        bookkeeping (most of a clean check's cost); otherwise the readings and whether the census was
+        taken."""
         snaps = self.snapshot(devices)
         found: list[CensusEntry] | None = None
-        # (a device with processes listed or memory used is busy)
         if not any(map(_LISTED, snaps)) and not any(map(_USED, snaps)):
             found = self.census.take()
         else:
             again = self._clean_again
-            # The pytest process's own CUDA context keeps its devices busy: readings equal to those a
-            # clean check judged (the backend gives an unchanged reading as the very same object) with
-            # nothing of ours alive are that verdict again, without a check's passes.
+            # Our own CUDA context keeps the devices busy: readings identical to a clean check's (an unchanged
+            # reading is the same object), with nothing of ours alive, repeat its verdict.
             if (again is not None and again.tolerance_mib == tolerance_mib
                     and len(snaps) == len(again.devices) and all(map(operator.is_, snaps, again.devices))):
                 found = self.census.take()
@@ -252,8 +223,8 @@ class Checker:
                            clean_after_s=waited, tolerance_mib=tolerance_mib)
 
     def _only_ours(self, result: CheckResult) -> bool:
-        """Whether ``result`` is clean with nothing on its devices but this process's and its ancestors'
-        use, and nothing done or said on the way (the verdict a repeat of its readings may take over)."""
+        """Clean, only us and our ancestors on its devices, nothing done or said: a verdict its readings
+        may repeat."""
         if not result.clean or result.reaped or result.collected or result.notes or result.siblings or (
                 result.outside is not None or result.lingered or result.cluster is not None):
             return False
@@ -263,10 +234,8 @@ class Checker:
     # ---- reading a pass of a check (``_Passes``) --------------------------------------------
 
     def observe(self, check: _Passes) -> Snapshot:
-        """Every fact one pass of a check decides on. The devices and the census first, sorted against
-        each other; what holds a GPU that the session's tree does not explain makes the census look wider
-        (our cookie anywhere, a dead session's debris) and the pass read again. Then what only the verdict
-        needs (``_snapshot``)."""
+        """Every fact one pass decides on. GPU use our tree does not explain widens the census and reads
+        again."""
         census = self.census
         while True:
             first, check.first = check.first, None
@@ -274,14 +243,11 @@ class Checker:
             listed = {p.pid for s in readings for p in s.processes}
             found = census.last if first is not None and first[1] else census.take(
                 check.scan_cookies, check.dead_sessions, listed)
-            # Scanned once, unless it found debris: looked for again while there is some, so that a later
-            # look in this check (after the settle time) still sees it as the dead session's.
+            # Scanned once, unless it found debris: then again, so a later pass still sees it as the dead
+            # session's.
             check.dead_sessions = check.dead_sessions and any(f.debris_of is not None for f in found)
-            # Our ancestors (an outer pytest running this session, a launcher) are us as far as the GPU
-            # goes: their contexts are excused like our own; they are never killed either. So are the pytest
-            # process's helpers (they hold no GPU memory: the census judges one that does) and what is meant
-            # to outlive the session (persistent: a warm model server's memory is its own, said once). Of
-            # unknown birth: no evidence says which test made it, so it is reported, never signalled.
+            # Excused: our ancestors (us as far as the GPU goes), helpers (the census judges one holding GPU
+            # memory) and persistent processes. Of unknown birth: reported, never signalled.
             sort = decisions.sort_census(found, census.is_protected, census.never_touch,
                                       census.helpers.keys() | census.persistent.keys(), listed)
             ours, unknown, excused, unexplained = sort.ours, sort.unknown, sort.excused, sort.unexplained
@@ -292,16 +258,14 @@ class Checker:
             peers = census.peer_pids(unexplained)
             check.peers |= peers
             excused |= peers
-            # What a live sibling worker's test (or fixture) started is that worker's to reap: waiting for it
-            # here, while this test holds the GPU locks that the sibling needs for its next check, would only
-            # stall both. Named in the notes, and a finding of the test that started it (guard.py).
+            # A live sibling worker's leftovers are its to reap: waiting here, holding the locks it needs,
+            # stalls both.
             siblings = census.siblings(unexplained - excused)
             for pid, sibling in siblings.items():
                 _saw_sibling(check, pid, sibling, readings)
             excused |= siblings.keys()
             unexplained -= excused
-            # Our own CUDA context's unlisted overhead must not widen the census on every check of a pytest
-            # process that uses the GPU itself.
+            # Our own CUDA context's unlisted overhead must not widen the census on every check.
             self_cuda: set[str] = set()
             overhead, short = decisions.listed_overhead(readings, excused)
             if short:
@@ -317,10 +281,9 @@ class Checker:
                               maybe_outside=unexplained_use, strays=self.host_scope)
 
     def observe_unread(self, check: _Passes, readings: tuple[DeviceSnapshot, ...]) -> Snapshot:
-        """A check that cannot read every device (``readings``: those it can), before it acts: no reading
-        says whether something outside our tree holds a GPU, so the census looks for our cookie everywhere,
-        and only what is ours can be judged: nothing is excused, and each device's whole use is overhead (no
-        memory offender)."""
+        """A check that cannot read every device: nothing says whether an outsider holds a GPU, so the
+        census looks for our cookie everywhere and only ours is judged (each device's whole use is
+        overhead)."""
         found = self.census.take(scan_cookies=True)
         sort = decisions.sort_census(found, self.census.is_protected, (), (), set())
         return self._snapshot(check, readings, found, sort.ours, sort.unknown, set(), set(),
@@ -329,9 +292,8 @@ class Checker:
 
     def observe_left(self, check: _Passes, seen: Snapshot, ours: Sequence[CensusEntry], recount: bool
                      ) -> Snapshot:
-        """The same check after it acted: what is left of ``ours`` (its processes not collected meanwhile),
-        alive in a new census if it reaped (``recount``), and ``seen``'s processes of unknown birth, as they
-        are now."""
+        """After acting: what is left of ``ours`` (recounted if it reaped), and ``seen``'s unknown
+        processes now."""
         if recount:
             left = {f.key for f in self.census.take(scan_cookies=True) if f.live}
             ours = [f for f in ours if f.key in left]
@@ -343,12 +305,9 @@ class Checker:
                   ours: list[CensusEntry], unknown: Sequence[CensusEntry], excused: set[int],
                   unexplained: set[int], overhead: dict[str, int], self_cuda: set[str], maybe_outside: bool,
                   strays: bool) -> Snapshot:
-        """A pass's snapshot: the census as sorted, and what the verdict needs to know of each process
-        (``maybe_outside``: something may be from outside the session, so what earlier checks waited out is
-        read; ``strays``: under host scope, this user's other Python processes are looked for)."""
+        """A pass's snapshot. ``maybe_outside``: read what earlier checks waited out; ``strays``: look for
+        this user's other Python processes (host scope)."""
         census = self.census
-        # Who each process is (loops, not comprehensions: a check of a GPU that this process uses itself has
-        # none, and builds nothing for them).
         described: dict[tuple[int, int], ProcessInfo] = {}
         vanished: dict[tuple[int, int], ProcessInfo] = {}
         owners: dict[tuple[int, int], Owner] = {}
@@ -376,7 +335,7 @@ class Checker:
             exclude = census.never_touch | excused | unexplained | {f.pid for f in ours if f.live}
             python = set(processes.stray_python_processes(self.uid, exclude, self.ignore))
             python -= census.peer_pids(python)
-            # What our xdist siblings run is theirs, as on the GPUs (``Census.siblings``).
+            # What our xdist siblings run is theirs, as on the GPUs.
             python_strays = [info for pid in sorted(python - census.siblings(python).keys())
                              if (info := processes.describe(pid)) is not None]
         others = Others(
@@ -397,9 +356,8 @@ class Checker:
 
     def _context_overhead(self, short: list[decisions.Short], excused: set[int], self_cuda: set[str]
                           ) -> dict[str, int]:
-        """The unlisted memory excused where the listed contexts fall short: asks which excused processes
-        use CUDA there unlisted. Reading /proc/<pid>/fd costs a syscall per descriptor: only off the clean
-        path, once per poll, and for the other excused processes only if this one does not explain it all."""
+        """The unlisted memory excused where listed contexts fall short. Reading /proc/<pid>/fd costs a
+        syscall per descriptor, so other excused processes are asked only if we do not explain it."""
         backend, me = self.backend, self.census.me
         users: dict[int, frozenset[str]] = {}
         if backend is not None:
@@ -413,9 +371,8 @@ class Checker:
     def reap_round(self, fresh: Sequence[CensusEntry], readings: Sequence[DeviceSnapshot],
                    devices: Sequence[DeviceInfo], notes: list[str], *, freeze: set[str | None] | None = None,
                    scan_cookies: bool = False) -> tuple[list[CensusEntry], list[Reaped]]:
-        """A check's round of reaping ``fresh`` (as its snapshot names them: the last census's processes):
-        with ``freeze`` (the owners whose processes keep reappearing), stopped first with whatever else of
-        theirs appears, then killed at once. What it tried to signal, and the records."""
+        """Reap ``fresh``; with ``freeze`` (owners that keep reappearing) stop them and theirs first, then
+        SIGKILL. Returns what it tried to signal, and the records."""
         targets = self.census.pinned(fresh)
         if freeze is None:
             return list(targets), self.reap(targets, readings, devices, notes)
@@ -429,8 +386,7 @@ class Checker:
         return [*targets, *found], reaped
 
     def remember(self, verdict: Verdict) -> None:
-        """What a check waited out from outside, for the later checks; what is clean from outside now,
-        forgotten."""
+        """Remember what a check waited out from outside; forget what is clean from outside now."""
         if verdict.remember:
             self.outside.update(verdict.remember, forget=verdict.forget)
         else:
@@ -439,9 +395,8 @@ class Checker:
     # ---- reaping -------------------------------------------------------------------------------
 
     def refusal(self, f: CensusEntry) -> str | None:
-        """Why ``f`` may not be signalled now (``gate.refusal``; its credentials are read now, off the clean
-        path); None: it may."""
-        # (imported here: a session whose checks find nothing to signal never needs them)
+        """Why ``f`` may not be signalled now (``gate.refusal``); None: it may."""
+        # (imported here: needed only once something is to be signalled)
         from pytest_gpuclean._check import gate
         from pytest_gpuclean._reading import credentials
         itself, protected = f.pid in self.never_touch, self.is_protected(f)
@@ -449,9 +404,7 @@ class Checker:
         return gate.refusal(facts, self.uid, itself=itself, protected=protected)
 
     def gate(self, found: Sequence[CensusEntry], notes: list[str]) -> list[CensusEntry]:
-        """Of ``found``, what may be signalled: the one gate before every signal gpuclean sends, SIGSTOP
-        included. Each process it refuses is named in ``notes`` (once), and remembered for the verdict
-        (``left_alone``)."""
+        """Of ``found``, what may be signalled: the one gate before every signal, SIGSTOP included."""
         allowed: list[CensusEntry] = []
         for f in found:
             why = self.refusal(f)
@@ -469,8 +422,7 @@ class Checker:
     def reap(self, ours: Sequence[CensusEntry], snaps: Sequence[DeviceSnapshot],
              devices: Sequence[DeviceInfo],
              notes: list[str], kill_first: bool = False) -> list[Reaped]:
-        """Kill what of ``ours`` the gate lets through (TERM, grace, KILL; or KILL at once), then wait until
-        the driver lets them go."""
+        """Kill what of ``ours`` the gate lets through, then wait until the driver lets them go."""
         safe = self.gate(ours, notes)
         infos = {f.pid: processes.describe(f.pid, f.start_ticks) for f in safe}
         for f in safe:
@@ -496,14 +448,11 @@ class Checker:
     def freeze(self, targets: Sequence[CensusEntry], owners: set[str | None], scan_cookies: bool,
                notes: list[str], frozen: dict[tuple[int, int], CensusEntry],
                stopped: list[processes.KillTarget]) -> list[CensusEntry]:
-        """SIGSTOP ``targets`` and whatever else of the same ``owners`` appears, until nothing new does: into
-        ``frozen`` (what is to be killed) and ``stopped`` (what this stopped, the caller's to SIGCONT if it
-        does not kill it). A stopped process forks no more, so the set stops growing. Returns what appeared
-        besides ``targets``, whether the gate let it through or not (it was considered).
+        """SIGSTOP ``targets`` and whatever of ``owners`` appears until nothing new does, into ``frozen``
+        (to kill) and ``stopped`` (the caller SIGCONTs what it does not kill). Returns what appeared.
 
-        Each process passes the gate before it is stopped, and again once stopped: one that became a relay
-        between the two (it started another user's process) is continued and left alone.
-        """
+        The gate runs again once a process is stopped: one that became a relay meanwhile is continued, left
+        alone."""
         seen = {f.key for f in targets}
         appeared: list[CensusEntry] = []
         batch = self.gate(targets, notes)
@@ -524,13 +473,9 @@ class Checker:
         return appeared
 
     def check_owned(self, tokens: Collection[str], devices: Sequence[DeviceInfo]) -> CheckResult:
-        """What ``tokens`` (fixtures that just ended) left alive, judged without a test's check around it (the
-        test that ended them was not checked after): given the settle time to exit by themselves, then reaped
-        if reaping is on, as at the session's edges (``_reap_unread``). The devices are read only for what
-        each held and to time its release, never judged: no GPU lock is held, so another job's memory there
-        is none of this check's business. The census walks the session's tree (where this subreaper keeps
-        what double-forked), not all of /proc: a module's end costs what a clean check costs; what left the
-        tree is the final sweep's."""
+        """What ``tokens`` (fixtures that just ended) left alive: settle, then reap if enabled. The devices
+        only time the release: no GPU lock is held, so another job's memory is not this check's business.
+        Only our tree is walked; what left it is the final sweep's."""
         started = time.monotonic()
         found = [f for f in self.take_census()
                  if f.token in tokens and f.debris_of is None and not self.is_protected(f)]
@@ -568,23 +513,18 @@ class Checker:
                            tuple(notes), collected=tuple(collected))
 
     def final_sweep(self, devices: Sequence[DeviceInfo], *, include_session: bool = False) -> list[Reaped]:
-        """At session end: reap everything this session's tests and fixtures spawned that is still alive.
-
-        No device data is needed to find and end them: devices are read only to time the release, and
-        a device that cannot be read (a GPU lost at the end) does not stop the sweep. With
-        ``include_session`` also what the session set-up started (conftest, plugins): for the very
-        end, after every ``pytest_unconfigure``.
-        """
+        """At session end: reap what this session's tests and fixtures spawned that is still alive; an
+        unreadable device does not stop it. ``include_session``: also the set-up's, for the very end."""
         self.ownership.active_fixtures.clear()
         self.ownership.session_over = include_session
         census = self.take_census(scan_cookies=True)
         for f in census:
             if not f.live:
-                # Exited, holding nothing: collected (if ours to wait for), not reported as a leftover.
+                # Exited, holding nothing: collected, not reported as a leftover.
                 processes.reap_if_child(f.pid)
         excluded = (PREEXISTING,) if include_session else (PREEXISTING, SESSION)
         found = decisions.of_the_sweep(census, excluded)
-        # (what may descend from a process that is still protected is not provably the session's: never swept)
+        # (what may descend from a still protected process is not provably the session's)
         found = [f for f in found if not self.is_protected(f)]
         if not found or not self.reap_enabled:
             return []
@@ -594,10 +534,8 @@ class Checker:
     def _reap_unread(self, found: list[CensusEntry], devices: Sequence[DeviceInfo],
                      notes: list[str] | None = None,
                      again: Callable[[], list[CensusEntry]] | None = None) -> list[Reaped]:
-        """Reap ``found`` at the session's edges: the devices only time the release, and one that cannot be
-        read (a GPU lost at the end) does not stop it. ``again`` finds what is left to reap now: what
-        replaced itself meanwhile (a SIGTERM handler that forks, a chain) is frozen and SIGKILLed, round
-        after round (at most ``MAX_REAP_ROUNDS``), as in a check: none of it outlives the session."""
+        """Reap ``found`` at the session's edges. ``again`` finds what replaced itself, which is frozen and
+        SIGKILLed, for at most ``MAX_REAP_ROUNDS`` rounds."""
         notes = [] if notes is None else notes
         try:
             snaps = self.snapshot(devices)
@@ -624,10 +562,8 @@ class Checker:
         return reaped
 
     def end_declared_helpers(self, devices: Sequence[DeviceInfo]) -> list[Reaped]:
-        """At the very end (after every ``pytest_unconfigure``): end the helpers that only
-        ``--gpuclean-helpers`` vouched for and that are still alive: they served the pytest process, which is
-        about to exit, and nothing else would end them. A library's own helpers are left to the shutdown
-        their library registered for the process's exit."""
+        """At the very end: end the helpers only ``--gpuclean-helpers`` vouched for; nothing else would. A
+        library's own helpers are left to its exit handler."""
         alive: list[CensusEntry] = []
         for (pid, start_ticks), handle in list(self.census.declared_helpers.items()):
             if handle.exited() or not procfs.is_live(pid, start_ticks):
@@ -658,8 +594,7 @@ class Checker:
         return [info for info in infos if info is not None]
 
     def no_part_of_the_session(self) -> list[ProcessInfo]:
-        """Processes under us that are no part of the session (they, or the process that started them,
-        existed before it), still alive: left alone."""
+        """Processes under us that predate the session (or whose starter does), still alive: left alone."""
         infos = (processes.describe(f.pid, f.start_ticks) for f in self.take_census()
                  if f.live and f.token == PREEXISTING)
         return [info for info in infos if info is not None]
@@ -691,23 +626,21 @@ class _Passes:
         self.tolerance_mib = tolerance_mib
         self.reap_enabled = reap
         self.started = started
-        # How the passes observe (``Checker.observe``): how wide the census reaches, and what they saw.
+        # How wide the census reaches, and what the passes saw.
         self.tolerance = tolerance_mib * MIB
         self.scan_cookies = scan_cookies
-        """Our cookie looked for anywhere (a /proc scan), not only in our tree: once something on the GPUs
-        is unexplained, for the rest of the check."""
+        """Our cookie looked for anywhere (a /proc scan): once something on the GPUs is unexplained, for
+        the rest of the check."""
         self.dead_sessions = dead_sessions
-        """The debris of dead sessions looked for too."""
         self.first = first
-        """The readings ``Checker._clean_path`` took, for the first pass, and whether it took the census too
-        (``Census.last``)."""
+        """``Checker._clean_path``'s readings for the first pass, and whether it took the census too."""
         self.siblings: dict[Key, SiblingUse] = {}
-        """Processes of live sibling xdist workers seen on these devices, by identity."""
+        """Processes of live sibling xdist workers on these devices."""
         self.peers: set[int] = set()
-        """Sibling xdist workers themselves seen on these devices (their own CUDA contexts)."""
+        """Sibling xdist workers themselves on these devices (their own CUDA contexts)."""
         self.judge = Judge(devices, tolerance_mib, timeout, reap, checker.uid, where)
         self.known = known
-        """Leaks of ours an earlier check found and left (reaping is off), by identity."""
+        """Leaks an earlier check found and left (reaping off)."""
         # What the acts did:
         self.reaped: list[Reaped] = []
         self.notes: list[str] = []
@@ -717,16 +650,15 @@ class _Passes:
         self.settled = False
         self.rounds = 0
         self.reaped_owners: set[str | None] = set()
-        # When the check began, on the clock of the processes' start times (its first census may be older
-        # than this object: ``Checker._clean_path``'s).
+        # When the check began, on the processes' start-time clock (its first census may predate this object).
         self.began_ticks = procfs.boot_ticks_now() - int(
             (time.monotonic() - self.started) * procfs.CLOCK_TICKS)
         self.births: dict[str | None, set[Key]] = {}
-        """Per owner, its processes born since the check began, as the passes saw them (alive or exited)."""
+        """Per owner, its processes born since the check began (alive or exited)."""
         self.chains: dict[str | None, set[int]] = {}
-        """Per owner found replacing itself (``decisions.self_replacing``): the pids of its chain seen."""
+        """Per owner found replacing itself: the pids of its chain."""
         self.collected_of: dict[str | None, set[int]] = {}
-        """Per owner, the pids collected as exited (a chain's are none of those: ``result``)."""
+        """Per owner, the pids collected as exited (``result`` drops a chain's)."""
 
     def run(self) -> CheckResult:
         while True:
@@ -734,8 +666,7 @@ class _Passes:
             seen = self.checker.observe(self)
             now = time.monotonic()
             born = self.note_births(seen)
-            # Decide: a chain that replaces itself first; then what of ours is alive and not signalled yet;
-            # with none of it, the verdict.
+            # Decide: a self-replacing chain first; then ours alive and not signalled yet; else the verdict.
             chains = decisions.self_replacing(self.births, {
                 f.token for f in seen.ours if f.live and f.start_ticks < self.began_ticks}) if born else set()
             fresh = [f for f in seen.ours if f.live and f.key not in self.attempted] if seen.ours else []
@@ -758,17 +689,15 @@ class _Passes:
                 self.reap_round(fresh, seen)
             elif verdict is not None and not verdict.again and not (
                     active and self.reap_enabled and now - self.started < self.judge.timeout):
-                # (Processes of ours born or exited since the last look: not done while they keep coming and
-                # going. The census may be a step behind a chain that forks faster than it reads: each of
-                # the processes it saw has exited, the one alive now was born after it began.)
+                # Not while ours keep being born or exiting: the census may lag a chain that forks faster than
+                # it reads.
                 self.checker.remember(verdict)
                 return self.result(seen, verdict, fresh, now - self.started)
             else:
                 time.sleep(POLL_S)
 
     def note_births(self, seen: Snapshot) -> bool:
-        """Note the processes of ours born since the check began, alive or exited; whether this pass saw any
-        for the first time."""
+        """Note the processes of ours born since the check began; whether this pass saw a new one."""
         began, births, new = self.began_ticks, self.births, False
         for f in seen.ours:
             if f.start_ticks >= began:
@@ -779,8 +708,8 @@ class _Passes:
         return new
 
     def _known_alone(self, seen: Snapshot) -> frozenset[Key]:
-        """The known leaks (``known``) alive in ``seen``, if nothing but them and the excused holds memory on
-        the devices: waiting for them is waiting for nothing (a new leak or process is judged as ever)."""
+        """The known leaks alive in ``seen``, if nothing else unexplained holds memory: waiting for them is
+        waiting for nothing."""
         if not self.known:
             return frozenset()
         alive = frozenset(f.key for f in seen.ours if f.live and f.key in self.known)
@@ -792,21 +721,15 @@ class _Passes:
     # ---- act ---------------------------------------------------------------------------------------
 
     def collect_zombies(self, seen: Snapshot) -> None:
-        # Exited processes nobody waited for hold no memory and are no leak: most are orphans that our
-        # subreaper adopted (a double fork's middle process, a subprocess's resource tracker), which init
-        # would have collected. Collect the ones that are now our children, by pid.
+        # Exited processes nobody waited for hold no memory: mostly orphans our subreaper adopted.
         for f in seen.ours:
             if not f.live and f.key not in self.collected_ids and processes.reap_if_child(f.pid):
                 self._collect(f, seen, "reaped zombie")
 
     def settle(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
-        """Before the first reaping, give leftovers up to ``settle`` seconds to exit on their own (a
-        subprocess's resource tracker that cleans up after its client, an engine finishing its shutdown),
-        for as long as one of them runs: leftovers that all stay off the CPU for ``AT_REST_S`` are waiting
-        for nothing that will come, and are reaped at once (a leak costs its release time, not the
-        settle time). The next pass looks again before any signal: what exited is collected, and a child
-        that was still between its fork and its exec when the check began now shows its command line (a
-        helper or persistent process named by one)."""
+        """Before the first reaping, give leftovers up to ``settle`` seconds to exit on their own while one
+        of them runs; once all rest for ``AT_REST_S`` they are reaped at once. The next pass looks again
+        before any signal: a child caught between fork and exec now shows its command line."""
         self.settled = True
         now = time.monotonic()
         deadline, rest_from = now + self.checker.settle, now
@@ -827,11 +750,7 @@ class _Passes:
                 break
 
     def stop_chains(self, owners: set[str | None], seen: Snapshot) -> None:
-        """Freeze and SIGKILL the processes of ``owners``, which replace themselves while the check waits
-        (``decisions.self_replacing``): what is alive of them now, and each that appears while the freeze
-        looks
-        again, until none does. Their processes that exited meanwhile were the chain, not processes that
-        exited by themselves."""
+        """Freeze and SIGKILL ``owners``' self-replacing processes and each that appears meanwhile."""
         self.rounds += 1
         alive = [f for f in seen.ours if f.live and f.token in owners]
         targets, reaped = self.checker.reap_round(alive, seen.readings, self.devices, self.notes,
@@ -855,8 +774,8 @@ class _Passes:
     def reap_round(self, fresh: Sequence[CensusEntry], seen: Snapshot) -> None:
         frozen: set[str | None] | None = None
         if self.rounds:
-            # Killed processes were replaced (a SIGTERM handler that forks, a supervisor): stop the
-            # whole set first, so nothing forks while we look, then SIGKILL it; no handler runs again.
+            # Killed processes were replaced (a forking SIGTERM handler, a supervisor): stop the set, then
+            # SIGKILL.
             self.notes.append(respawned_note(self.rounds + 1, fresh))
             frozen = {f.token for f in fresh} | self.reaped_owners
         self.rounds += 1
@@ -906,13 +825,10 @@ class _Passes:
         )
 
     def unreadable(self, error: DeviceError) -> CheckResult:
-        """The result of a check that could not read a device: not clean, at once (no reading can say when
-        the devices are clean), with the error. What is provably ours is reaped all the same: ownership
-        needs no device reading (the final sweep copes the same way), and a test's leftovers must not
-        wait for the session's end, nor make every later check fail."""
+        """A check that could not read a device: not clean, at once. What is provably ours is reaped
+        anyway, so a test's leftovers do not wait for the session's end nor fail every later check."""
         checker = self.checker
-        # Observe: the devices that can still be read tell what the reaped held there, and when it was
-        # released; the census looks for our cookie everywhere (``Checker.observe_unread``).
+        # Observe: the readable devices time the release; the census looks for our cookie everywhere.
         readable: list[DeviceInfo] = []
         readings: list[DeviceSnapshot] = []
         for device in self.devices:
@@ -935,8 +851,7 @@ class _Passes:
         if reap:
             self.attempted.update(f.key for f in fresh)
             self.reaped.extend(checker.reap_round(fresh, readings, readable, self.notes)[1])
-        # Observe again, and decide: only what is ours is judged (nothing excused, each device's whole use
-        # as overhead), as it is left.
+        # Observe again, and judge only what is ours.
         seen = checker.observe_left(self, seen, ours, recount=reap)
         return CheckResult(
             phase=self.phase, clean=False, devices=tuple(readings),
@@ -948,7 +863,7 @@ class _Passes:
 
 
 def respawned_note(round_no: int, new: Sequence[CensusEntry]) -> str:
-    """The note of a reaping round that found new processes where it had killed some: frozen, then killed."""
+    """A reaping round's note on new processes where it had killed some."""
     return (f"new processes appeared while reaping (round {round_no}): {sorted(f.pid for f in new)}; stopped "
             "and killed with SIGKILL")
 
@@ -960,8 +875,7 @@ def _few(pids: Sequence[int], shown: int = 8) -> str:
 
 
 def _cpu_demand(entries: Sequence[CensusEntry]) -> list[int | None]:
-    """What each of ``entries`` has run or waited to run (``procfs.cpu_demand_ns``); -1 for one the kernel
-    is taking down (never at rest)."""
+    """What each of ``entries`` has run or waited to run; -1 for one the kernel is taking down."""
     found: list[int | None] = []
     for f in entries:
         stat = procfs.read_stat(f.pid)
@@ -970,8 +884,7 @@ def _cpu_demand(entries: Sequence[CensusEntry]) -> list[int | None]:
 
 
 def _saw_sibling(check: _Passes, pid: int, sibling: Sibling, readings: Sequence[DeviceSnapshot]) -> None:
-    # Described once per check (the check polls while something else keeps it dirty); what it held is the
-    # most it was seen with.
+    # Described once per check; what it held is the most it was seen with.
     held = mib_of(pid, readings)
     known = next((u for u in check.siblings.values() if u.process.pid == pid), None)
     if known is not None:
@@ -984,8 +897,7 @@ def _saw_sibling(check: _Passes, pid: int, sibling: Sibling, readings: Sequence[
 
 
 def _start_ticks(pid: int) -> int:
-    """When ``pid`` started (clock ticks since boot), as an outside holder's identity; 0 for a process we
-    cannot see (another PID namespace's, listed by the driver) or that has exited (the driver is giving
-    its memory back: not the state an earlier check waited out)."""
+    """``pid``'s start ticks, an outside holder's identity; 0 if not visible or exited (its memory is being
+    given back: not a state to remember)."""
     stat = procfs.read_stat(pid)
     return 0 if stat is None or not procfs.live_state(pid, stat.state) else stat.start_ticks

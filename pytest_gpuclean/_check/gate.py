@@ -1,11 +1,7 @@
-"""The one gate before every signal: whether gpuclean may signal a process at all, over plain facts.
+"""The one gate before every signal (SIGSTOP, SIGTERM, SIGKILL), over plain facts.
 
-Every path that signals (a check's reaping and freezing, the final sweep, a dead session's debris,
-``gpuclean reap``) asks ``refusal`` first, for SIGSTOP as for SIGTERM and SIGKILL, and leaves alone, naming
-it, this process and its ancestors, what is protected now (a live fixture's, the session set-up's, what is
-older than the session), another user's process (any uid of it or of its threads), and a relay: a process
-whose descendants run as another user (``su``, ``sudo``, ``runuser`` pass signals on). The facts
-(``Credentials``) are read by ``_reading/credentials.py``."""
+It leaves alone this process and its ancestors, what is protected now, another user's process (any uid of
+any thread), and a relay: a process whose descendants run as another user (``su``, ``sudo``)."""
 
 from __future__ import annotations
 
@@ -15,11 +11,7 @@ from pytest_gpuclean.report.text import one_line
 
 def refusal(credentials: Credentials | None, my_uid: int, *, itself: bool = False,
             protected: bool = False) -> str | None:
-    """Why the process that ``credentials`` describe may not be signalled by user ``my_uid`` (None: it may).
-
-    ``itself``: it is this process or one of its ancestors; ``protected``: the census protects it now.
-    ``credentials`` None: the process is gone, and no signal can reach anything (the ladder reports it).
-    """
+    """Why ``my_uid`` may not signal the process (None: it may). ``credentials`` None: it is gone."""
     if itself:
         return "gpuclean itself or one of its ancestors"
     if protected:

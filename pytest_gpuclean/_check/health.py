@@ -1,10 +1,6 @@
-"""A clean GPU is a healthy GPU: Xid events blamed on the test during which they arrived, GPUs that need a
-reset, a lost GPU, settings changed under the session, and the CUDA sanity probe (``_reading/probe.py``).
-
-The quiet path drains the Xid events once per check; the slow reads (row remapping, ECC, compute mode) run
-at the session's start, and after a test only where something points at them (an Xid, a reaped GPU
-process, a failed test) or after a long test (the clock event reasons). ``guard.py`` calls the watch around
-each test; ``report/terminal.py`` words its findings as failures."""
+"""A clean GPU is a healthy GPU: Xid events blamed on the test they arrived during, reset-needing or lost
+GPUs, settings changed under the session, and the CUDA probe. Each check only drains Xids; the slow reads
+run at start, and after a test only where something points at them."""
 
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ from pytest_gpuclean._reading.devices import Device, DeviceLost
 
 XID_CATALOGUE = "https://docs.nvidia.com/deploy/xid-errors/"
 XIDS: dict[int, tuple[HealthEffect, str]] = {
-    # Faults a test's own kernels cause: the test fails; the GPU stays usable (docs/ci.md).
+    # Faults a test's own kernels cause: the test fails; the GPU stays usable.
     13: ("fault", "graphics engine exception: a kernel's illegal instruction or out-of-range access"),
     31: ("fault", "GPU memory page fault (MMU fault): a kernel accessed an illegal address"),
     43: ("fault", "GPU stopped processing: a kernel's fault made the driver reset its channel"),
@@ -48,21 +44,20 @@ XIDS: dict[int, tuple[HealthEffect, str]] = {
     63: ("info", "ECC page retirement or row remapping recorded (a reset applies it)"),
     92: ("info", "high single-bit ECC error rate (corrected)"),
 }
-"""Xid code -> (effect, one-line meaning). Codes not here fail the test that saw them (``xid_meaning``)."""
+"""Xid code -> (effect, meaning). Codes not here fail the test that saw them."""
 
 CLOCKS_AFTER_S = 10.0
-"""After a test that ran this long, its GPUs' clock event reasons are read: a cost lost in a test this
-long."""
+"""After a test this long, its GPUs' clock event reasons are read: a small cost in a test this long."""
 
 
 def xid_meaning(code: int) -> tuple[HealthEffect, str]:
-    """(effect, meaning) of Xid ``code``; one gpuclean does not know is a ``fault`` of the test."""
+    """One gpuclean does not know is a ``fault`` of the test."""
     return XIDS.get(code, ("fault", f"see NVIDIA's Xid catalogue, {XID_CATALOGUE}"))
 
 
 def reset_reasons(now: DeviceHealth, baseline: DeviceHealth | None) -> list[str]:
-    """Why a device needs a reset: rows waiting for remapping, a failed remapping, and uncorrectable ECC
-    errors (those beyond ``baseline``'s count; without a baseline, any)."""
+    """Why a device needs a reset: rows waiting for remapping, a failed remapping, uncorrectable ECC errors
+    beyond ``baseline``'s count (any, without one)."""
     reasons: list[str] = []
     if now.remap_pending:
         rows = now.remap_pending
@@ -91,8 +86,8 @@ def changes(now: DeviceHealth, baseline: DeviceHealth) -> list[str]:
 
 
 def device_problems(health: DeviceHealth) -> list[str]:
-    """What makes a device unhealthy as ``gpuclean check`` sees it (no session, no baseline): a reset
-    needed, or compute mode Prohibited (no process may use it)."""
+    """Unhealthy as ``gpuclean check`` sees it (no session, no baseline): a reset needed, or compute mode
+    Prohibited."""
     problems = reset_reasons(health, None)
     if health.compute_mode == "Prohibited":
         problems.append("compute mode Prohibited: no process can use it")
@@ -109,16 +104,12 @@ def xid_message(device: DeviceInfo, code: int) -> str:
 
 
 Prober = Callable[[Sequence[DeviceInfo]], dict[str, str | None]]
-"""Runs the CUDA probe on devices: per UUID, None if it passed, else the error (``probe.run``)."""
+"""Per UUID, None if the CUDA probe passed, else the error."""
 
 
 class HealthWatch:
-    """The health of a session's devices: read at start, drained at each check, re-read when pointed at.
-
-    A device found unusable (it needs a reset, an Xid says so, it failed the probe) stays so for the rest
-    of the session: every later test on it fails its setup at once, with the reason. gpuclean never resets
-    a GPU nor changes its settings.
-    """
+    """The health of a session's devices. A device found unusable stays so: every later test on it fails
+    its setup. gpuclean never resets a GPU nor changes its settings."""
 
     def __init__(self, source: HealthSource, devices: Sequence[DeviceInfo], *, probe: str = "off",
                  prober: Prober | None = None, note: Callable[[str], None] = lambda line: None) -> None:
@@ -129,13 +120,12 @@ class HealthWatch:
         self.note = note
         self.baseline: dict[str, DeviceHealth] = {}
         self.unusable: dict[str, HealthFinding] = {}
-        """Per UUID, the finding that made the device unusable (for the rest of the session)."""
+        """Per UUID, the finding that made the device unusable."""
         self.lost: dict[str, HealthFinding] = {}
         self.incidents: set[str] = set()
-        """UUIDs on which a test had an Xid, a reaped GPU process or an error: probed before the next test
-        on them (``--gpuclean-probe=after-incident``)."""
+        """UUIDs where a test had an Xid, a reaped GPU process or an error: probed before their next test."""
         self.probe_s: list[float] = []
-        """Seconds each probe run took (``probe.py``): for the report's readers and the benchmark."""
+        """Seconds each probe run took, for the report."""
         self._by_uuid = {d.uuid: d for d in self.devices}
         self._last: tuple[str, Sequence[DeviceInfo]] = ("", ())
         """The last test checked after, and its devices (to say after which test an Xid came)."""
@@ -145,8 +135,8 @@ class HealthWatch:
     # ---- session start -------------------------------------------------------------------------------
 
     def start(self) -> list[HealthFinding]:
-        """Register for Xid events, read every device's health (the baseline) and, with
-        ``--gpuclean-probe=start``, probe them. Returns what is wrong already (for the header)."""
+        """Register for Xid events, read the baseline and, with ``--gpuclean-probe=start``, probe. Returns
+        what is wrong already."""
         self.source.watch_xids(self.devices)
         found: list[HealthFinding] = []
         for device in self.devices:
@@ -156,8 +146,8 @@ class HealthWatch:
                 found.append(self._mark_lost(device, exc.reason, "setup"))
                 continue
             self.baseline[device.uuid] = now
-            # ECC errors counted before the session are not ours to judge (only a rise is): the remapping
-            # state tells whether they still need a reset.
+            # ECC errors from before the session are not ours (only a rise is); remapping tells if they need a
+            # reset.
             reasons = reset_reasons(now, now)
             if reasons:
                 found.append(self._mark_unusable(finding(
@@ -170,8 +160,8 @@ class HealthWatch:
     # ---- around each test ----------------------------------------------------------------------------
 
     def before(self, nodeid: str, devices: Sequence[DeviceInfo], tests_failed: int) -> list[HealthFinding]:
-        """Before a test on ``devices``: drain the Xids that came between tests, probe where the mode
-        says so. Returns the findings that make these devices unusable (the setup fails on them)."""
+        """Before a test: drain the Xids between tests, probe where the mode says so. Returns the findings
+        that make these devices unusable."""
         self._failed = tests_failed
         self._started = time.monotonic()
         events = self.source.drain_xids()
@@ -190,14 +180,14 @@ class HealthWatch:
             self.incidents -= {d.uuid for d in probe}
             self._probe([d for d in probe if d.uuid not in self.unusable and d.uuid not in self.lost],
                         "setup")
-        # (Found earlier, maybe after another test: this test meets them at its setup.)
+        # Found earlier, maybe after another test: this test meets them at its setup.
         return [f._replace(phase="setup") for device in devices
                 for f in (self.lost.get(device.uuid), self.unusable.get(device.uuid)) if f is not None]
 
     def after(self, nodeid: str, devices: Sequence[DeviceInfo], reaped: Sequence[Reaped],
               tests_failed: int) -> list[HealthFinding]:
-        """After a test on ``devices`` (its teardown check done): the Xids that arrived during it are its
-        findings; where something points at trouble, the slow reads too. Returns the test's findings."""
+        """After a test: the Xids during it are its findings; where something points at trouble, the slow
+        reads too."""
         events = self.source.drain_xids()
         long_test = time.monotonic() - self._started >= CLOCKS_AFTER_S
         last, self._last = self._last, (nodeid, devices)
@@ -215,8 +205,7 @@ class HealthWatch:
             item = finding("xid", effect, hit, xid_message(hit, code), "teardown", code)
             found.append(self._mark(item))
             pointed.add(uuid)
-        # A GPU process that had to be killed, or a test that failed: maybe a fault the driver did not
-        # report as an Xid (or not yet); the slow reads will tell.
+        # A killed GPU process or a failed test may be a fault not reported as an Xid (yet).
         held = {label for r in reaped for label, _mib in r.mib_per_device}
         pointed |= {d.uuid for d in devices if d.label in held}
         if tests_failed > self._failed:
@@ -266,8 +255,7 @@ class HealthWatch:
 
     def _outside(self, events: Iterable[tuple[str, int]], when: str, last: tuple[str, Sequence[DeviceInfo]]
                  ) -> None:
-        """Xids that arrived outside any test on their device: nobody's fault to blame, but a GPU they make
-        unusable (or lose) is so for the tests to come."""
+        """Xids outside any test: nobody's to blame, but a GPU they make unusable stays so."""
         for uuid, code in events:
             device = self._by_uuid.get(uuid)
             if device is None:

@@ -1,10 +1,6 @@
-"""What held a GPU from outside the session when a check waited it out, remembered per device: a later check
-that finds the very same state, unchanged for as long as its own timeout, does not wait for it again
-(``decisions.known_outside``).
-
-The workers of one xdist run share it through a file (``STATE_VAR``, in a private directory the controller
-makes), under an exclusive ``flock``: they take turns on the same GPUs. Only an optimisation: a lost or
-unreadable file costs a check its wait, never makes one pass."""
+"""What held a GPU from outside when a check waited it out, per device: a later check finding it unchanged
+for its own timeout does not wait again. An xdist run's workers share it through a file under ``flock``.
+Only an optimisation: a lost file costs a wait, never makes a check pass."""
 
 from __future__ import annotations
 
@@ -18,27 +14,25 @@ from typing import Any
 from pytest_gpuclean._check.decisions import OutsideState
 
 STATE_VAR = "GPUCLEAN_OUTSIDE_STATE"
-"""Set by an xdist controller for its workers: the file where they share what held a GPU from outside."""
+"""Set by an xdist controller for its workers: the shared file."""
 _READ_LIMIT = 1 << 20
 
 
 class OutsideMemory:
-    """Per device UUID, the outside state a check waited out: in this process, or shared through the file
-    ``path`` (an xdist run's)."""
+    """Per device UUID, the outside state a check waited out: in this process, or shared through ``path``."""
 
     def __init__(self, path: str | None = None) -> None:
         self.path = path
         self._states: dict[str, OutsideState] = {}
 
     def load(self) -> dict[str, OutsideState]:
-        """What is remembered now (not to be changed: ``update`` does)."""
+        """What is remembered now (read-only: ``update`` changes it)."""
         if self.path is None:
             return self._states
         with self._open(fcntl.LOCK_SH) as fd:
             return _parse(_read(fd)) if fd is not None else {}
 
     def update(self, remember: Mapping[str, OutsideState], forget: Iterable[str]) -> None:
-        """Remember ``remember``, forget the devices in ``forget``."""
         gone = set(forget) - remember.keys()
         if self.path is None:
             self._states.update(remember)
@@ -59,7 +53,7 @@ class OutsideMemory:
                 os.write(fd, data.encode())
 
     def forget(self, uuids: Iterable[str]) -> None:
-        """Forget the devices ``uuids`` (found clean); cheap when nothing is remembered: the clean path."""
+        """Forget ``uuids`` (found clean); cheap when nothing is remembered: the clean path."""
         if self.path is None:
             if self._states:
                 self.update({}, uuids)
@@ -75,7 +69,7 @@ class OutsideMemory:
     def _open(self, how: int) -> Iterator[int | None]:
         assert self.path is not None
         try:
-            # In a private directory the controller made (mkdtemp: 0700): no other user plants anything.
+            # In a private directory the controller made (0700): no other user plants anything.
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError:
             yield None  # gone (the run is ending) or unusable: remember nothing

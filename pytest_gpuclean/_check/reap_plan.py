@@ -1,6 +1,4 @@
-"""What ``gpuclean reap`` may end, over plain facts: one planner for this host's devices and for a Ray
-cluster's nodes. The commands gather the facts into ``ReapCandidate`` records; ``plan`` decides which are
-targets and why each other one is left alone, asking the signal gate where the credentials were read."""
+"""What ``gpuclean reap`` may end, over plain facts: one planner for this host and a Ray cluster's nodes."""
 
 from __future__ import annotations
 
@@ -13,42 +11,40 @@ from pytest_gpuclean.report.text import one_line
 
 
 class ReapCandidate(NamedTuple):
-    """A process ``reap`` might end, with every fact the decision needs (``reap_plan.plan``): gathered by
-    ``_cli.py`` from the devices and ``/proc``, by ``ray/command_line.py`` from a cluster's census."""
+    """A process ``reap`` might end, with every fact the decision needs (from ``_cli.py`` or
+    ``ray/command_line.py``)."""
 
     pid: int
     info: ProcessInfo | None
     """None: not visible where it runs (exited, or in another PID namespace)."""
     mib: tuple[tuple[str, float], ...] = ()
-    """(device label, MiB) of each device the driver lists it on."""
     found_by: FoundBy = "gpu"
-    """``gpu`` (listed on a device), ``cookie`` (carries the ``--cookie`` value); only a ``gpu`` one that is
-    not visible is worth a line (a cookie carrier that exited is simply gone)."""
+    """``gpu`` or ``cookie``; only an invisible ``gpu`` one is worth a line (an exited carrier is just
+    gone)."""
     where: str = ""
     """``node 3f2a9c1b`` on a Ray cluster; "" on this host."""
     no_device_file: bool = False
-    """On real GPUs, the process of that number here has no ``/dev/nvidia*`` open: in a container the driver
-    may list host pids, and the same number can name an unrelated local process."""
+    """The local process of that number has no ``/dev/nvidia*`` open: a container's driver may list host
+    pids."""
     gpuclean_itself: bool = False
     """gpuclean or one of its ancestors."""
     ray_own: bool = False
     """The node's raylet, or a Ray daemon that is no actor's worker."""
     job_id: str = ""
-    """The Ray job it belongs to ("" if none)."""
+    """"" if none."""
     job_running: bool = False
     job_driver_pid: int | None = None
     """The driver of its still running job, if the cluster knows the job."""
     task_worker: bool = False
     """A Ray worker that is no actor's: Ray ends it with its task."""
     credentials: Credentials | None = None
-    """Whom a signal to it could reach (``gate.Credentials``), read on this host; None where they were not
-    read (a Ray node's process: its uid alone is checked)."""
+    """Whom a signal could reach; None where not read (a Ray node's: its uid alone is checked)."""
 
 
 def plan(candidates: Iterable[ReapCandidate], *, my_uid: int, all_users: bool = False, cmd_width: int = 80
          ) -> tuple[list[ReapCandidate], list[str]]:
-    """``(targets, left_alone)``: what ``reap`` may end, in ``candidates``' order (a pid already a target is
-    not considered again), and a line for each process it leaves alone, saying why."""
+    """``(targets, left_alone)``: what ``reap`` may end, in ``candidates``' order, and a line for each
+    process left alone, saying why."""
     targets: list[ReapCandidate] = []
     chosen: set[tuple[str, int]] = set()
     left: list[str] = []
@@ -85,7 +81,7 @@ def _left_alone(c: ReapCandidate, my_uid: int, all_users: bool, width: int) -> s
     if c.ray_own:
         return f"pid {pid} ({cmd}): Ray's own (daemon or task worker)"
     if not all_users:
-        # Another user's process, or one that would relay the signal to one (the gate's, as the plugin's).
+        # Another user's process, or a relay to one (the gate's rule, as the plugin's).
         why = refusal(c.credentials, my_uid) if c.credentials is not None else (
             "another user's process" if info.uid != my_uid else None)
         if why is not None:

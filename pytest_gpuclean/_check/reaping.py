@@ -1,8 +1,6 @@
-"""The reap ladder: end processes (SIGTERM, the grace, SIGKILL; or SIGKILL at once) and time how long the
-driver takes to let their GPU memory go; and the process pools in the pytest process that own a leak's
-workers, shut down (a live ``multiprocessing.Pool`` replaces every worker killed from outside).
-
-It signals only what it is handed: the gate decided before (``Checker.gate``, ``reap_plan.plan``)."""
+"""The reap ladder: SIGTERM, grace, SIGKILL, timing how long the driver takes to free the memory; and the
+pytest process's pools that own a leak's workers, shut down (a live ``Pool`` replaces killed workers). It
+signals only what it is handed: the gate decided before."""
 
 from __future__ import annotations
 
@@ -20,18 +18,14 @@ from pytest_gpuclean._reading.devices import DeviceError
 _RELEASE_POLL_S = 0.005
 
 Read = Callable[[Sequence[DeviceInfo]], Sequence[DeviceSnapshot]]
-"""Reads the devices (``Checker.snapshot``)."""
 
 
 def kill_and_confirm(targets: Sequence[processes.KillTarget], devices: Sequence[DeviceInfo],
                      holders: set[int], *, read: Read, grace: float, hurry: Callable[[], bool] | None = None,
                      kill_first: bool = False
                      ) -> tuple[dict[int, tuple[processes.KillOutcome, float | None]], float | None]:
-    """The kill ladder, then wait until the driver lists none of ``holders`` (GPU-holding targets).
-
-    Returns per pid its outcome and the driver's release time, and the seconds from the first
-    signal until every holder was gone from the devices (None if none held a GPU or one stayed).
-    """
+    """The kill ladder, then wait until the driver lists none of ``holders``. Per pid its outcome and
+    release time, and the seconds until every holder was gone (None if none held a GPU or one stayed)."""
     watch = _ReleaseWatch(read, devices, holders)
     killed_at = time.monotonic()
     outcomes = processes.terminate(targets, grace, watch=watch.poll, hurry=hurry, kill_first=kill_first)
@@ -40,8 +34,7 @@ def kill_and_confirm(targets: Sequence[processes.KillTarget], devices: Sequence[
     for outcome in outcomes:
         release = None
         if outcome.pid in watch.gone_at and outcome.signal_s is not None:
-            # The driver frees memory while the process exits (before it is a zombie), so time
-            # the release from the signal that ended it, not from its exit.
+            # The driver frees memory while the process exits: time from the signal that ended it.
             release = max(0.0, watch.gone_at[outcome.pid] - (killed_at + outcome.signal_s))
         ended[outcome.pid] = (outcome, release)
     all_released = None
@@ -51,7 +44,7 @@ def kill_and_confirm(targets: Sequence[processes.KillTarget], devices: Sequence[
 
 
 class _ReleaseWatch:
-    """Notes when each killed GPU holder disappears from the driver's process list."""
+    """Notes when each killed GPU holder leaves the driver's process list."""
 
     def __init__(self, read: Read, devices: Sequence[DeviceInfo], holders: set[int]) -> None:
         self.read = read
@@ -65,7 +58,7 @@ class _ReleaseWatch:
         try:
             listed = {p.pid for s in self.read(self.devices) for p in s.processes}
         except DeviceError:
-            # The killing goes on without timing the release; the check's next reading meets the error.
+            # The killing goes on untimed; the check's next reading meets the error.
             self.holders = set(self.gone_at)
             return
         now = time.monotonic()
@@ -101,14 +94,9 @@ def _worker_pids(obj: Any, pool_type: type | None, executor_type: type | None) -
 
 
 def _registered_pools(pool_type: type | None, executor_type: type | None) -> list[Any] | None:
-    """Live pools and executors, found through the standard library's own registries.
-
-    A ``Pool`` registers a ``multiprocessing.util.Finalize`` holding a weak reference to itself; a
-    ``ProcessPoolExecutor`` with workers runs a manager thread holding one. Walking the heap instead
-    takes time proportional to it, and in a process that imported torch, transformers and vllm all of
-    that lies between the teardown's start and the first signal. None where these
-    internals are missing (another Python version): the caller walks the heap then.
-    """
+    """Live pools and executors, from the standard library's registries: walking the heap instead is slow
+    after importing torch, all before the first signal. None where the internals are missing: walk the heap
+    then."""
     found: list[Any] = []
     if pool_type is not None:
         registry = getattr(sys.modules.get("multiprocessing.util"), "_finalizer_registry", None)
@@ -133,13 +121,8 @@ def _registered_pools(pool_type: type | None, executor_type: type | None) -> lis
 
 
 def shutdown_pools(leaked_pids: set[int], wait: float) -> list[str]:
-    """Terminate pools in this process owning any of ``leaked_pids``; return a note per pool.
-
-    Finds them through the standard library's registries (``_registered_pools``), else by walking the
-    garbage collector's objects. Termination runs in a thread bounded by ``wait``: ``Pool.terminate``
-    joins its workers and would hang on one that ignores SIGTERM until the kill ladder escalates to
-    SIGKILL.
-    """
+    """Terminate pools owning any of ``leaked_pids``, in a thread bounded by ``wait``: ``Pool.terminate``
+    joins its workers and would hang on one that ignores SIGTERM."""
     mp_pool = sys.modules.get("multiprocessing.pool")
     cf_process = sys.modules.get("concurrent.futures.process")
     pool_type = getattr(mp_pool, "Pool", None)

@@ -1,11 +1,6 @@
-"""The lock directory: opened once without following a link, the lock files in it, and the marks sessions
-set on it.
-
-Every file is opened relative to the directory's descriptor, so swapping its path for a link later changes
-nothing. While a session holds a GPU's lock it also marks that GPU on the directory (an open file
-description lock on one byte of it), so that nobody makes a new lock file for a GPU whose file was deleted
-under its holder (``create``). Its files are untrusted: another user may plant a link, a FIFO or a hard
-link under a lock file's name."""
+"""The lock directory: opened once without following a link, its lock files, and the marks sessions set on
+it. Files are opened relative to the directory's descriptor, and are untrusted: another user may plant a
+link, a FIFO or a hard link under a lock file's name."""
 
 from __future__ import annotations
 
@@ -22,54 +17,51 @@ import struct
 from collections.abc import Sequence
 
 HOST = socket.gethostname()
-"""This host, as the holder records written here name it: a record of another host is a container's that
-shares the directory (its pids are its own)."""
+"""This host, as holder records name it: another host's record is a container's (its pids are its own)."""
 QUEUE_AFTER_S = 1.0
-"""A session that has waited this long for a GPU marks itself as waiting for it: from then on, an attempt of
-a session that has not waited as long leaves that GPU to it (see ``GpuLocks.acquire``)."""
+"""After waiting this long for a GPU a session queues for it: attempts of sessions that waited less leave
+it."""
 
 DIR_MODE = 0o1777
-"""Mode of a lock directory gpuclean creates: every user's sessions create lock files and their own
-holder records in it, and the sticky bit stops them from deleting or replacing each other's files."""
+"""Every user's sessions create lock files and holder records here; the sticky bit stops them deleting or
+replacing each other's."""
 LOCK_FILE_MODE = 0o666
-"""A POSIX write lock needs a descriptor open for writing, so every user who shares the GPUs must be able
-to open a lock file for writing. Nothing is ever written to it: its content means nothing."""
+"""A POSIX write lock needs a descriptor open for writing, so every sharing user must be able to open one.
+Nothing is written."""
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NOFOLLOW: never through a link planted in the shared directory; O_NONBLOCK: a FIFO planted under a
-# lock file's name must not hang the open.
+# O_NOFOLLOW: never through a planted link; O_NONBLOCK: a planted FIFO must not hang the open.
 FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class LockDirError(OSError):
-    """The lock directory, or a file in it, cannot be used; the message names it and says what to do."""
+    """The lock directory, or a file in it, cannot be used; the message says what to do."""
 
 
 class LockDir:
-    """One lock directory as this process has it open: the directory and the files in it, by name. (A
-    plain class: state that changes as the session goes, not a record.)"""
+    """One lock directory as this process has it open, and its files by name."""
 
     def __init__(self, path: str, fd: int, ident: tuple[int, int]) -> None:
         self.path = path
         self.fd = fd
         self.ident = ident
         self.shared = 0
-        """Acquires of this process that hold the directory's shared lock (one BSD lock, counted here)."""
+        """Acquires of this process holding the directory's shared lock (one BSD lock, counted here)."""
         self.lock_fds: dict[str, int] = {}
         self.lock_idents: dict[int, tuple[int, int]] = {}
         """(st_dev, st_ino) of each open lock file, taken at open: compared with the name's after each
         lock."""
         self.lock_names: dict[int, str] = {}
         self.verified: dict[int, int] = {}
-        """Per open lock file, the directory's ctime when its name was last seen to be that file, if that
-        ctime was settled then (see ``held.still_named``)."""
+        """Per open lock file, the directory's ctime when its name was last seen to be that file, if
+        settled then."""
         self.held: set[int] = set()
         self.holder_fds: dict[str, int] = {}
         self.parked: list[int] = []
-        """Descriptors kept open only because closing them would drop a POSIX lock this process holds."""
+        """Kept open only because closing them would drop a POSIX lock this process holds."""
         self.ctime_ns = 0
         self.mtime_ns = 0
-        """The directory's times when an acquire last looked (see ``GpuLocks._state``)."""
+        """The directory's times when an acquire last looked (``GpuLocks._state``)."""
 
     def close_all(self) -> None:
         for fd in (*self.lock_fds.values(), *self.holder_fds.values(), *self.parked, self.fd):
@@ -85,33 +77,30 @@ class LockDir:
 
 
 class _ProcessCache:
-    """What this process keeps of the lock directories and of its own holder records: a forked child starts
-    with none of it. (A plain class, as ``LockDir``.)"""
+    """What this process keeps of the lock directories and its holder records: a forked child starts
+    afresh."""
 
     def __init__(self) -> None:
         self.dirs: dict[tuple[int, int], LockDir] = {}
-        """Files stay open for the whole session: opening and closing them for every test cost more than
-        the clean check itself. Keyed by the directory's inode, so that two spellings of one directory
-        share one descriptor per file: closing a second descriptor of a file would drop this process's
-        POSIX lock on it."""
+        """Files stay open for the session (opening them per test costs more than the clean check). Keyed
+        by inode: closing a second descriptor of a file would drop this process's POSIX lock on it."""
         self.notices: list[str] = []
-        """What was noticed about the lock directories, until ``take_notices``."""
+        """Noticed about the lock directories, until ``take_notices``."""
         self.owner_pid = os.getpid()
         self.me: tuple[int, int] | None = None
-        """(pid, start ticks) of this process, read once (``held.py`` reads it)."""
+        """(pid, start ticks) of this process, read once."""
         self.record_head: str | None = None
-        """This process's part of its holder records as JSON (up to the GPU's ``_Marks.uuid_field``), encoded
-        once; the test and the time come last (``held.write_records``)."""
+        """This process's part of its holder records as JSON, encoded once; the test and the time come
+        last."""
         self.uid = -1
-        """The effective uid that ``record_head`` names, read with it: the records are written into that
-        uid's holder files (a ``geteuid`` per test spared)."""
+        """The effective uid ``record_head`` names, read with it: the records go into that uid's holder
+        files."""
         self.held_values: dict[tuple[str, tuple[str, ...], tuple[tuple[str, tuple[int, int]], ...]], str] = {}
         """``held.HELD_VAR``'s value per directory, set of GPUs held and GPUs inherited."""
 
     def forget_inherited(self) -> None:
-        # In a child of a fork, every descriptor here is a copy of the parent's. The child holds none of
-        # the parent's POSIX locks, and closing its copies drops none of them (they are the parent's); the
-        # directory's BSD lock stays with the parent's open file. Forgotten, so the child opens its own.
+        # A forked child holds none of the parent's POSIX locks, and closing its copies drops none of them:
+        # forgotten, so the child opens its own.
         for state in self.dirs.values():
             state.close_all()
         self.dirs.clear()
@@ -129,8 +118,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def take_notices() -> list[str]:
-    """Things noticed about the lock directory since the last call (a lock file deleted while held, the
-    directory replaced), for the session's notes."""
+    """What was noticed about the lock directory since the last call, for the session's notes."""
     found = list(cache.notices)
     cache.notices.clear()
     return found
@@ -156,7 +144,7 @@ def dir_error(path: str, what: str, exc: OSError | None = None) -> LockDirError:
 
 
 def _open_dir(path: str) -> LockDir:
-    """Open (and if needed create) the lock directory; check that it is one we may use."""
+    """Open (and if needed create) the lock directory; check that we may use it."""
     created = False
     try:
         try:
@@ -189,7 +177,7 @@ def _open_dir(path: str) -> LockDir:
     try:
         info = os.fstat(fd)
         if created and info.st_uid == os.geteuid():
-            # Made by us just now (and still ours: nobody swapped it in between): shared like /tmp.
+            # Made by us just now (and nobody swapped it in since): shared like /tmp.
             os.fchmod(fd, DIR_MODE)
         else:
             _check_existing(path, fd, info)
@@ -200,8 +188,7 @@ def _open_dir(path: str) -> LockDir:
 
 
 def _check_existing(path: str, fd: int, info: os.stat_result) -> None:
-    # A directory we did not create is used as it is, never chmod'ed: it may be a private directory of
-    # the user, $HOME or "." given by mistake, and its mode is its owner's decision.
+    # A directory we did not create is never chmod'ed: it may be the user's own ($HOME, "." by mistake).
     mode = stat.S_IMODE(info.st_mode)
     described = f"owner uid {info.st_uid}, mode {mode:o}"
     if os.statvfs(fd).f_flag & os.ST_RDONLY:
@@ -210,8 +197,8 @@ def _check_existing(path: str, fd: int, info: os.stat_result) -> None:
         raise dir_error(path, f"not writable by uid {os.geteuid()} ({described}); gpuclean did not create "
                               "it, so it leaves its mode alone: if it is meant to be shared its owner can "
                               f"run 'chmod 1777 {path}', else choose another with --gpuclean-lock-dir")
-    # World-writable without the sticky bit: anyone could delete or replace anyone's files. (A group-writable
-    # one is left to its owner, who chose the group: with umask 002 a user's own directories are 0775.)
+    # World-writable without the sticky bit: anyone could replace anyone's files. Group-writable is the
+    # owner's choice (umask 002).
     if mode & 0o002 and not mode & stat.S_ISVTX:
         raise dir_error(path, f"every user can write it and it has no sticky bit ({described}): anyone "
                               "could delete or replace the lock files of GPUs in use; its owner can run "
@@ -225,25 +212,15 @@ def _file_name(uuid: str) -> str:
 
 # ---- marks on the directory: who holds, makes or waits for which GPU -------------------------------------
 #
-# A lock file deleted while it is held (by hand, by a tmp cleaner) takes the only trace of its holder with it:
-# a session that found the name missing and made a new file would lock that one and run next to the holder.
-# The directory is the one thing whose identity every session keeps (the descriptor it opened it with), so
-# each GPU has a few bytes *of the directory*, on which sessions take open file description (OFD) read locks:
+# A lock file deleted while held takes the only trace of its holder with it, and a new file would let a
+# second session in. So each GPU has bytes of the directory carrying OFD read locks (docs/sharing.md):
 #
 #   hold(X)   from just after a session locks X's file until it releases it;
 #   make(X)   while a session creates X's missing lock file (create);
 #   queue(X)  while a session that has waited QUEUE_AFTER_S for X goes on waiting (GpuLocks.acquire).
 #
-# A directory can only be opened for reading, so these are read locks, which never conflict with each other;
-# F_OFD_GETLK (does a write lock conflict, and with what?) tells whether another open file description has
-# one. OFD locks, not POSIX ones: a POSIX lock is dropped when its process closes *any* descriptor of the
-# file, and plenty opens and closes the lock directory (os.listdir, a second GpuLocks, a test, a dup); an OFD
-# lock lasts until every descriptor of its own open file description is closed. Like the directory's BSD lock
-# (kept for tmp cleaners: see ``share``), a mark of a raw-forked child that kept the parent's descriptor
-# lasts as long as that child; it only matters for a GPU whose lock file has gone missing.
-#
-# One byte per mark, at an offset hashed from the UUID: two GPUs whose offsets collide (a chance of one in
-# 2**56 per pair) would only make one wait for the other now and then, never let two sessions in.
+# OFD, not POSIX: a POSIX lock drops when its process closes any descriptor of the file (os.listdir does).
+# A mark's offset is hashed from the UUID: a collision only makes one GPU wait for another now and then.
 
 _FLOCK = struct.Struct("hhqqi4x")
 """Linux's struct flock (64-bit off_t)."""
@@ -252,20 +229,18 @@ MAKE_BASE = 1 << 60
 """make(X) is at ``MAKE_BASE + 2 * slot``, queue(X) just after it; hold(X) is at ``slot``."""
 MARKS_LEN = 2 << _SLOT_BITS
 _PROBE = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, MAKE_BASE, MARKS_LEN, 0)
-"""Is any make or queue mark of another open file description up, for any GPU? One syscall per acquire."""
+"""Any make or queue mark of another open file description up, for any GPU? One syscall per acquire."""
 _UNHOLD_ALL = _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, 0, 1 << _SLOT_BITS, 0)
 
 
 class _Marks:
-    """The offsets of one GPU's marks, its hold mark's requests packed once, and its files' names (one per
-    UUID: ``marks_of``). (A plain class: this module imports nothing of the package.)"""
+    """One GPU's mark offsets, its hold mark's requests packed once, and its files' names."""
 
     def __init__(self, uuid: str) -> None:
         self.file = _file_name(uuid)
         self.lock = f"{self.file}.lock"
-        """The lock file's name."""
         self.uuid_field = f', "uuid": {json.dumps(uuid)}'
-        """Its holder record's field that names it (see ``held.write_records``)."""
+        """Its holder record's field that names it (``held.write_records``)."""
         digest = hashlib.blake2b(uuid.encode(), digest_size=8).digest()
         slot = int.from_bytes(digest, "big") >> (64 - _SLOT_BITS)
         self.hold = slot
@@ -284,7 +259,7 @@ _MARK_ERROR = "cannot mark it (open file description locks: Linux 3.15 or later)
 
 
 def mark(state: LockDir, request: bytes, fd: int | None = None) -> None:
-    """Set (or clear) a mark of ours on the directory, through ``state.fd`` unless ``fd`` is given."""
+    """Set (or clear) a mark of ours, through ``state.fd`` unless ``fd`` is given."""
     try:
         fcntl.fcntl(state.fd if fd is None else fd, fcntl.F_OFD_SETLK, request)
     except OSError as exc:
@@ -296,8 +271,8 @@ def mark_at(state: LockDir, kind: int, offset: int, fd: int | None = None) -> No
 
 
 def marked(state: LockDir, offset: int, length: int = 1, fd: int | None = None) -> int | None:
-    """Where another open file description than ``fd``'s (default ``state.fd``) has a mark in
-    ``[offset, offset + length)``; None if none has."""
+    """Where another open file description than ``fd``'s has a mark in ``[offset, offset + length)``; None
+    if none has."""
     request = _PROBE if length == MARKS_LEN else _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, length, 0)
     try:
         answer = fcntl.fcntl(state.fd if fd is None else fd, fcntl.F_OFD_GETLK, request)
@@ -311,11 +286,11 @@ def clear(state: LockDir, request: bytes) -> None:
     try:  # noqa: SIM105 (per test)
         fcntl.fcntl(state.fd, fcntl.F_OFD_SETLK, request)
     except OSError:
-        pass  # (a mark left up only delays making that GPU's lock file if it goes missing, until we exit)
+        pass  # a mark left up only delays making that GPU's missing lock file until we exit
 
 
 def let_go(state: LockDir, taken: Sequence[tuple[str, int | None]]) -> None:
-    """Unlock and unmark the GPUs of an attempt (or of a test), and drop the directory's shared lock."""
+    """Unlock and unmark the GPUs of an attempt (or a test), and drop the directory's shared lock."""
     last = state.shared <= 1  # no other acquire of this process holds marks: one request clears them all
     held_any = False
     for uuid, fd in taken:
@@ -346,12 +321,8 @@ def unlock(state: LockDir, fd: int) -> None:
 
 
 def share(state: LockDir) -> bool:
-    """Take the directory's shared BSD lock (once per process, counted); False while someone holds it
-    exclusively (a tmp cleaner at work, or a gpuclean older than the marks).
-
-    Not what keeps lock files from being replaced (the marks do), but systemd-tmpfiles leaves alone a
-    directory that is BSD-locked, so it does not clean this one while a session holds GPU locks.
-    """
+    """Take the directory's shared BSD lock (once per process); False while someone holds it exclusively (a
+    tmp cleaner). systemd-tmpfiles leaves a BSD-locked directory alone."""
     if state.shared == 0:
         try:
             fcntl.flock(state.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -374,22 +345,16 @@ def _unshare(state: LockDir) -> None:
 
 
 def create(state: LockDir, uuids: Sequence[str]) -> list[str]:
-    """Create the missing lock files of ``uuids``; returns those it must not make now: a session holds that
-    GPU through a lock file that was deleted under it.
+    """Create the missing lock files of ``uuids``; returns those it must not make now, because a session
+    holds that GPU through a deleted file: a new one would let a second session in beside it.
 
-    Why: the deleted file's inode was the only trace of its holder, so a new file made now would let a
-    second session lock the GPU next to it. Each holder keeps its GPU's hold mark on the directory from
-    just after it locks the file, before it checks that the name still names that file, until it releases
-    it. A creator sets the GPU's make mark, then looks for a hold mark; a holder sets its hold mark, then
-    looks for make marks (``GpuLocks._attempt``). Of two sessions that overlap, at least one sees the
-    other's mark and backs off (Dekker's handshake; the kernel orders requests on one inode's locks), so a
-    file is never made while someone holds that GPU through a deleted one: it stays missing until its
-    holder is done. Only holders of *that* GPU matter: a missing file of one GPU never waits for the
-    holders of others.
-    """
+    A creator sets the make mark, then looks for a hold mark; a holder sets its hold mark right after
+    locking, then looks for make marks (``GpuLocks._attempt``). Of two overlapping sessions at least one
+    sees the other's mark and backs off (Dekker's handshake; the kernel orders requests on one inode's
+    locks)."""
     try:
-        # An open file description of its own: the hold marks of this very process (on state.fd) count too,
-        # and closing it drops its make marks.
+        # An open file description of its own: our own hold marks count too, and closing it drops the make
+        # marks.
         fd = os.open(".", _DIR_FLAGS, dir_fd=state.fd)
     except OSError as exc:
         raise dir_error(state.path, "cannot open it", exc) from None
@@ -462,11 +427,11 @@ def _file_error(state: LockDir, name: str, exc: OSError | None) -> LockDirError:
 
 
 def unchanged(state: LockDir, info: os.stat_result) -> bool:
-    """Whether the directory (``info``: its fstat) had no entry added, removed or renamed, and was not
-    itself renamed or removed, since the last look; notes its times."""
+    """Whether the directory had no entry added, removed or renamed, and was not itself moved, since the
+    last look; notes its times."""
     state.mtime_ns = info.st_mtime_ns
-    # Renaming or removing the directory changes its ctime (or its link count), and so does any entry added
-    # or removed: only then is the path looked up again (a path stat per test costs as much as locking a GPU).
+    # Any such change moves the directory's ctime (or link count): only then is the path looked up again (a
+    # path stat per test costs as much as locking a GPU).
     if info.st_ctime_ns == state.ctime_ns and info.st_nlink > 0:
         return True
     state.ctime_ns = info.st_ctime_ns
@@ -474,7 +439,7 @@ def unchanged(state: LockDir, info: os.stat_result) -> bool:
 
 
 def open_dir_once(path: str) -> LockDir:
-    """The directory at ``path``, opened once per process (per inode: see ``_ProcessCache.dirs``)."""
+    """Opened once per process (per inode: ``_ProcessCache.dirs``)."""
     opened = _open_dir(path)
     known = cache.dirs.get(opened.ident)
     if known is not None:
@@ -485,7 +450,7 @@ def open_dir_once(path: str) -> LockDir:
 
 
 def cache_lock(state: LockDir, name: str) -> int | None:
-    """The descriptor of lock file ``name``, opened once and kept (None: there is no such file)."""
+    """Opened once and kept (None: there is no such file)."""
     fd = state.lock_fds.get(name)
     if fd is None:
         fd = _open_lock(state, name)

@@ -1,9 +1,6 @@
-"""The GPU locks: one per physical GPU (by UUID), taken all-or-nothing for a test (``GpuLocks``).
-
-Each is a POSIX record lock on ``<dir>/<uuid>.lock``: it belongs to the process that took it, so the kernel
-drops it when that process ends and no child ever holds it, however it was forked (a BSD ``flock`` belongs
-to the open file, and a child that inherited it kept the GPU locked after its pytest died). Beside each
-lock, each user keeps a holder record saying who holds it (``held.py``); records are untrusted input."""
+"""The GPU locks: one per physical GPU (by UUID), taken all-or-nothing for a test. Each is a POSIX record
+lock on ``<dir>/<uuid>.lock``: the kernel drops it when its process ends, and no forked child holds it (an
+inherited BSD ``flock`` outlives pytest). Each user keeps an untrusted holder record beside it."""
 
 from __future__ import annotations
 
@@ -54,7 +51,7 @@ from pytest_gpuclean._model.records import HolderRecord, LockHolder
 from pytest_gpuclean._reading import procfs
 
 _RETRY_S = (0.02, 0.1)
-"""Back-off between all-or-nothing attempts, randomised so competing sessions don't stay in step."""
+"""Randomised, so competing sessions don't stay in step."""
 
 
 class LockTimeout(Exception):
@@ -85,7 +82,7 @@ class GpuLocks:
         return self._looked_up(state)
 
     def _looked_up(self, state: LockDir | None) -> LockDir:
-        """The directory the path names now (``state`` if it is still that one)."""
+        """The directory the path names now (``state`` if still that one)."""
         try:
             now = os.stat(self.directory, follow_symlinks=False)
             same = (now.st_dev, now.st_ino) == self._ident and stat.S_ISDIR(now.st_mode)
@@ -106,12 +103,8 @@ class GpuLocks:
         return f"{self.directory}/{marks_of(uuid).lock}"
 
     def prepare(self, uuids: Sequence[str]) -> None:
-        """Open (and create, where nobody holds the GPU through a deleted one) the lock and holder files of
-        ``uuids``.
-
-        At session start, so that an unusable or full directory stops the session with a clear message
-        rather than failing a test later.
-        """
+        """Open (and create, where safe) the lock and holder files of ``uuids`` at session start: an
+        unusable directory stops the session with a clear message, not a test later."""
         state = self._state()
         missing = [u for u in uuids if (name := marks_of(u).lock) not in state.lock_fds
                    and cache_lock(state, name) is None]
@@ -127,30 +120,25 @@ class GpuLocks:
                     raise dir_error(self.directory, "cannot create a holder record", exc) from None
 
     def holder(self, uuid: str) -> HolderRecord | None:
-        """Who holds ``uuid``'s lock, as recorded next to it, checked and cleaned (None if nobody recorded).
-
-        The newest record wins: a holder writes its record after it got the lock, so any older one is
-        left over from a session that ended without releasing (killed).
-        """
+        """Who holds ``uuid``'s lock as recorded (None if nobody recorded). The newest record wins: an
+        older one is a killed session's leftover."""
         return read_records(self._state(), [uuid]).get(uuid)
 
     def holders(self, uuids: Sequence[str], seen: dict[str, str] | None = None) -> dict[str, LockHolder]:
-        """For each of ``uuids``: its newest valid record, plus what the kernel and the directory's marks say
-        about the lock (``holders.lock_holders``). ``seen``: what an attempt saw (see ``_attempt``), which
-        may have changed since: a waiter let in first may be done already."""
+        """For each of ``uuids``: its newest valid record, and what the kernel and the marks say."""
         return lock_holders(self._state(), uuids, seen)
 
     def _try(self, state: LockDir, name: str) -> int | None:
-        """Lock the GPU's file ``name``: its descriptor, None if it is busy, ``MISSING`` if there is no such
-        file. (Not yet trusted: see ``_attempt``.)"""
+        """Lock the GPU's file ``name``: its descriptor, None if busy, ``MISSING`` if absent. Not yet
+        trusted."""
         fd = state.lock_fds.get(name)
         if fd is None:
             fd = cache_lock(state, name)
             if fd is None:
                 return MISSING
         elif fd in state.held:
-            # Held by this process already (another acquire still open): a second POSIX lock of the same
-            # process would just succeed, so refuse here as another process would be refused.
+            # Held by this process already: a second POSIX lock would just succeed, so refuse as for another
+            # process.
             return None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -163,21 +151,20 @@ class GpuLocks:
     def _attempt(self, state: LockDir, ordered: Sequence[str], count: int,
                  inherited: dict[str, tuple[int, int]], queued: set[str], careful: bool,
                  seen: dict[str, str]) -> list[tuple[str, int | None]] | str:
-        """One all-or-nothing attempt: ``count`` of ``ordered`` taken (locked, marked, their names checked),
-        or why not: ``"busy"`` (fewer are free; ``seen`` says, per GPU that was not simply locked by someone
-        else, ``"free"`` (taken, and given back), ``"missing"`` (no lock file), ``"queued"`` (left to a
-        session that queues for it) or ``"making"`` (its lock file is being made)),
-        ``"closed"`` (the directory is locked exclusively: nothing was tried), ``"careful"`` (another
-        session is making a lock file or queues for a GPU: try again at once, looking at each GPU's marks),
-        ``"again"`` (a lock file was replaced: try again at once).
+        """One all-or-nothing attempt: ``count`` of ``ordered`` taken (locked, marked, names checked), or
+        why not:
 
-        ``careful``: look at each GPU's marks before trusting it, and leave a GPU that another session
-        queues for to it unless this acquire queues for it too (``queued``).
-        """
+        - ``"busy"``: fewer are free; ``seen`` says per GPU ``"free"``, ``"missing"``, ``"queued"`` or
+          ``"making"``;
+        - ``"closed"``: the directory is locked exclusively, nothing was tried;
+        - ``"careful"``: another session makes a lock file or queues: retry, looking at the marks;
+        - ``"again"``: a lock file was replaced: retry.
+
+        ``careful``: check each GPU's marks and leave a GPU another session queues for unless ``queued``."""
         if not share(state):
             return "closed"
         taken: list[tuple[str, int | None]] = []
-        # One loop per GPU: the lock, then the hold mark; the names are checked after it, once for all GPUs.
+        # Per GPU the lock, then the hold mark; names are checked after, once for all.
         try:
             for uuid in ordered:
                 if uuid in inherited:
@@ -208,12 +195,12 @@ class GpuLocks:
                 seen.update((u, "free") for u, fd in taken if fd is not None)
                 let_go(state, taken)
                 return "busy"
-            # Our hold marks are up: from now on nobody makes a new file for these GPUs (see create). Only
-            # now can the names be trusted to stay ours: a make mark seen now may be one begun before ours.
+            # With our hold marks up nobody makes a new file for these GPUs, so only now can the names be
+            # trusted.
             if not careful and marked(state, MAKE_BASE, MARKS_LEN) is not None:
                 let_go(state, taken)
                 return "careful"
-            # One look at the directory serves it and every GPU's name (see unchanged, still_named).
+            # One look at the directory serves every GPU's name (see unchanged, still_named).
             info = os.fstat(state.fd)
             if not unchanged(state, info) and self._looked_up(state) is not state:
                 let_go(state, taken)  # it was replaced: lock in the new one
@@ -221,14 +208,13 @@ class GpuLocks:
             ctime = info.st_ctime_ns
             for _uuid, fd in taken:
                 if fd is not None and not still_named(state, name := state.lock_names[fd], fd, ctime):
-                    # The file was deleted (by hand, a cleaner) since we opened it: a lock on that inode locks
-                    # nothing. Look at what the name holds now.
+                    # Deleted since we opened it: a lock on that inode locks nothing.
                     let_go(state, taken)
                     forget(state, name)
                     return "again"
         except BaseException:
-            # Also on KeyboardInterrupt or a pytest-timeout signal: a lock kept by a stray descriptor would
-            # block this very session's next test.
+            # Also on KeyboardInterrupt or a timeout signal: a stray descriptor's lock would block our next
+            # test.
             let_go(state, taken)
             raise
         return taken
@@ -237,21 +223,13 @@ class GpuLocks:
                 prefer: Sequence[str] = (),
                 on_wait: Callable[[dict[str, LockHolder]], None] | None = None,
                 parked: HeldLocks | None = None) -> HeldLocks:
-        """Lock ``count`` of ``candidates`` (all of them when ``count == len(candidates)``).
+        """Lock ``count`` of ``candidates``. ``parked``: the previous test's locks, this test's if they
+        fit, else released first. GPUs an ancestor holds come first; then free ones in UUID order,
+        ``prefer`` first. If fewer are free, everything is released and the attempt repeats until
+        ``timeout``.
 
-        ``parked``: the previous test's locks, kept by ``HeldLocks.park``. If they are what this acquire
-        needs, they are this test's (its holder records rewritten); else they are released first.
-
-        GPUs that an ancestor process holds (see ``HELD_VAR``) count as taken, and come first; then free
-        devices are taken in UUID order, those listed in ``prefer`` first. If fewer than ``count`` are
-        free, everything taken is released and the attempt repeats until ``timeout``. ``on_wait`` is
-        called once, when the first attempt fails, with the holders of the busy devices (see ``holders``).
-
-        Once it has waited ``QUEUE_AFTER_S``, the acquire queues for the GPUs it could not get (their queue
-        marks), and attempts that do not queue for them leave them alone: a newcomer, or the holder's own
-        next test, waits its turn instead of taking a GPU the instant it is freed, so a stream of them can't
-        keep a waiter out for ever; the queued compete among themselves as everyone did before.
-        """
+        After ``QUEUE_AFTER_S`` the acquire queues for the GPUs it lacks: a stream of newcomers (or the
+        holder's next test) can't keep a waiter out for ever."""
         if parked is not None:
             try:
                 if resume(parked, candidates, count, holder_id, self.directory, self._cached):
@@ -262,7 +240,7 @@ class GpuLocks:
             parked.release()
         inherited = {u: h for u, h in self.inherited().items() if u in candidates}
         ordered = (sorted(candidates, key=lambda u: (u not in inherited, u not in prefer, u))
-                   if inherited or prefer else sorted(candidates))  # (the same order: no key call per GPU)
+                   if inherited or prefer else sorted(candidates))  # the same order: no key call per GPU
         started = time.monotonic()
         notified = False
         careful = False
@@ -291,8 +269,7 @@ class GpuLocks:
                         continue  # we made lock files: try again at once
                 waited = time.monotonic() - started
                 if outcome == "closed" and waited < timeout:
-                    # Someone holds the directory exclusively for a moment (a tmp cleaner looking at it):
-                    # nothing was tried, so there is nobody to name yet.
+                    # Someone holds the directory exclusively for a moment: nothing was tried.
                     time.sleep(random.uniform(*_RETRY_S))
                     state = None
                     continue
@@ -322,14 +299,11 @@ class GpuLocks:
                 unqueue(queued_in, queued)
 
     def inherited(self) -> dict[str, tuple[int, int]]:
-        """GPUs of this lock directory that an ancestor of this process holds, per ``HELD_VAR``.
-
-        Trusted only if the named holder is still our ancestor (same pid and start time) and still the
-        recorded holder of the GPU: a process that outlived the test that started it inherits nothing.
-        """
+        """GPUs an ancestor holds per ``HELD_VAR``, trusted only if the holder is still our ancestor and
+        the recorded holder: a process that outlived its test inherits nothing."""
         value = os.environ.get(HELD_VAR)
         if not value:
-            return {}  # (the usual case: no json.loads per test)
+            return {}  # the usual case: no json.loads per test
         try:
             data = json.loads(value)
             if os.path.realpath(str(data["dir"])) != os.path.realpath(self.directory):
@@ -352,7 +326,7 @@ class GpuLocks:
 
 
 def _busy_or_raise(state: LockDir, name: str, exc: OSError) -> None:
-    """A refused ``lockf`` of lock file ``name``: returns if another process holds it; raises otherwise."""
+    """A refused ``lockf`` of ``name``: returns if another process holds it; raises otherwise."""
     if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
         return
     raise dir_error(state.path, f"cannot lock {name}", exc) from None

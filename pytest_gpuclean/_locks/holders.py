@@ -1,6 +1,5 @@
-"""Who holds a GPU's lock: the holder records read back (untrusted: another user writes them; read only
-from the user the file is named after, small, checked field by field, cleaned for printing), what
-``/proc/locks`` names, and what the marks on the lock directory say."""
+"""Who holds a GPU's lock: the holder records read back (untrusted: only the named user's, small, checked,
+cleaned for printing), ``/proc/locks``, and the directory's marks."""
 
 from __future__ import annotations
 
@@ -20,17 +19,15 @@ from pytest_gpuclean._model.records import HolderRecord, LockHolder
 from pytest_gpuclean._reading import procfs
 
 _READ_LIMIT = 4096
-"""A holder record is well under 1 KiB: a bigger file is not one, and is not read further."""
+"""A holder record is well under 1 KiB: a bigger file is not one."""
 _CLOCK_SKEW_S = 300.0
-"""A record may say it was written this much in the future (clocks of containers, NTP steps), no more."""
+"""How far in the future a record may say it was written (container clocks, NTP steps)."""
 _TEXT_LIMIT = 300
 
 
 def lock_holders(state: LockDir, uuids: Sequence[str], seen: dict[str, str] | None = None
                  ) -> dict[str, LockHolder]:
-    """For each of ``uuids``: its newest valid record, plus what the kernel says about the lock and the
-    directory's marks (``LockHolder``). ``seen``: what an attempt saw (``"making"``, ``"queued"``: see
-    ``GpuLocks._attempt``), which may have changed since: a waiter let in first may be done already."""
+    """For each of ``uuids``: its newest valid record, the kernel's view of the lock, and the marks."""
     records = read_records(state, uuids)
     idents: dict[tuple[int, int], str] = {}
     found: dict[str, LockHolder] = {}
@@ -61,7 +58,7 @@ def lock_holders(state: LockDir, uuids: Sequence[str], seen: dict[str, str] | No
 
 
 def _alive(record: HolderRecord | None) -> bool | None:
-    """Whether the recorded process still runs (None: no record, or it runs on another host)."""
+    """Whether the recorded process still runs (None: no record, or another host's)."""
     if record is None or record.host != HOST:
         return None
     return procfs.is_live(record.pid, record.start)
@@ -116,7 +113,7 @@ def _read_record(state: LockDir, name: str, uid: int, uuid: str, now: float) -> 
 
 
 def _valid_record(data: object, uid: int, uuid: str, now: float) -> HolderRecord | None:
-    """The fields of a holder record we can use, checked and cleaned; None if it is not a valid record."""
+    """The usable fields of a holder record, checked and cleaned; None if it is not a valid record."""
     if not isinstance(data, dict) or data.get("uuid") != uuid:
         return None
     pid, since, start = data.get("pid"), data.get("since"), data.get("start")
@@ -134,8 +131,8 @@ def _valid_record(data: object, uid: int, uuid: str, now: float) -> HolderRecord
 
 
 def clean_text(value: object, limit: int = _TEXT_LIMIT) -> str:
-    """Untrusted text made safe to print: one line, no control or format characters (ANSI escapes,
-    bidi overrides), at most ``limit`` characters, and never starting like a CI workflow command."""
+    """Untrusted text made safe to print: one line, no control or format characters, at most ``limit``
+    long, never starting like a CI workflow command."""
     if not isinstance(value, str):
         return "?"
     text = " ".join("".join(c if c.isprintable() else " " for c in value).split())
@@ -165,15 +162,14 @@ def _user_name(uid: int) -> str:
 # ---- who really holds a lock: /proc/locks ------------------------------------------------------------
 
 class _ProcLock(NamedTuple):
-    """A lock that ``/proc/locks`` lists (not a waiter): its kind, its holder and the file it is on."""
+    """A lock ``/proc/locks`` lists (not a waiter): its kind, holder and file."""
 
     kind: str
     """``POSIX``, ``FLOCK``, ``OFDLCK``, ..."""
     pid: int
-    """The holder (0: in another PID namespace; -1 for an OFD lock: nobody in particular)."""
+    """0: in another PID namespace; -1 for an OFD lock (nobody in particular)."""
     major: int
     minor: int
-    """The file's device numbers."""
     inode: int
 
 
@@ -213,8 +209,8 @@ def _posix_lockers(idents: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
             found[ident] = lock.pid
         else:
             by_inode.setdefault(lock.inode, []).append(((lock.major, lock.minor), lock.pid))
-    # Some file systems (btrfs subvolumes, overlayfs) report another device number in stat() than in
-    # /proc/locks: fall back to the inode number when only one lock has it.
+    # Some file systems (btrfs, overlayfs) report another device number in stat() than in /proc/locks: fall
+    # back to the inode when only one lock has it.
     for dev, ino in idents - set(found):
         candidates = by_inode.get(ino, [])
         if len(candidates) == 1:

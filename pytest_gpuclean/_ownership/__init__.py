@@ -1,2 +1,2 @@
-"""Ownership: whose a process is (the cookie, the evidence of birth, the session's census)."""
+"""Whose a process is: the cookie, the evidence of birth, the session's census."""
 

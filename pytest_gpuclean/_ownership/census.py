@@ -1,11 +1,8 @@
 """The census: the session's processes, and whose each is (the token that names its owner).
 
-The descendant tree, cookie carriers outside it and the debris of dead sessions, each process pinned by its
-pidfd from the moment it is found; the pytest process's helpers and what is meant to outlive the session
-are left out. A direct child that would be judged is asked about once more (``Managed``): a process whose
-handle a module global keeps is the pytest process's helper, one a live fixture's value holds is that
-fixture's, and an orphan born beside a protected process that gives its children no cookie is neither's for
-sure. Nothing here decides a verdict or sends a signal."""
+Our tree, cookie carriers outside it and dead sessions' debris, each pinned by its pidfd when found;
+helpers and persistent processes are left out. A direct child that would be judged is asked about once
+(``Managed``): who in the pytest process holds its handle. Nothing here judges or signals."""
 
 from __future__ import annotations
 
@@ -34,25 +31,21 @@ from pytest_gpuclean.report.text import one_line
 XDIST_RUN_VAR = "PYTEST_XDIST_TESTRUNUID"
 XDIST_WORKER_VAR = "PYTEST_XDIST_WORKER"
 Registry = Callable[[], Mapping[int, tuple[str, "float | None"]]]
-"""Processes a plugin keeps alive across sessions: pid -> (what it is, when the record of its pid was written
-(wall clock), or None where a live handle in this process proves it)."""
+"""pid -> (what it is, when its record was written, or None where a live handle here proves it)."""
 _RECORD_SLACK_S = 1.0
-"""A recorded process must have started by the time its record was written (the clock-tick rounding of its
-start and the file system's coarse clock): a later one reuses its pid."""
+"""Start-time tick rounding and the file system's coarse clock: a process started after its record reuses
+the pid."""
 _DECLARED = "its command line matches --gpuclean-helpers"
-"""Why a helper that only ``--gpuclean-helpers`` vouches for is one (the session's end ends it)."""
+"""Why a helper only ``--gpuclean-helpers`` vouches for is one (the session's end ends it)."""
 
 
 _SINGLETON_PIPE = "--singleton-died-pipe"
 
 
 def _mpi_singleton_daemon(pid: int, words: list[str], me: int) -> bool:
-    """Whether ``pid`` is Open MPI's daemon for this process as an MPI singleton: a process that calls
-    ``MPI_Init`` without ``mpirun`` (mpi4py's ``import mpi4py.MPI``, which Lightning's environment detection
-    does) forks ``orted --hnp --set-sid ... --singleton-died-pipe FD``, keeps the pipe's other end, and the
-    daemon exits once that end closes: it serves the process for its life, and killing it leaves the
-    process's MPI hanging in the next test. Evidence, not the name: the pipe at the daemon's ``FD`` is one
-    that this process holds. ``words``: its command line, split."""
+    """Whether ``pid`` is Open MPI's singleton daemon for this process (``import mpi4py.MPI`` without
+    ``mpirun``): it serves the process for its life, and killing it hangs MPI in the next test. Evidence,
+    not the name: this process holds the pipe at its ``--singleton-died-pipe FD``."""
     if _SINGLETON_PIPE not in words:
         return False
     try:
@@ -64,8 +57,8 @@ def _mpi_singleton_daemon(pid: int, words: list[str], me: int) -> bool:
 
 
 def _trees(walked: Sequence[tuple[int, int, int]], roots: Mapping[int, str]) -> dict[int, int]:
-    """Each process of ``walked`` (pid, depth, parent; parents first) that is one of ``roots`` or descends
-    from one, with its root."""
+    """Each process of ``walked`` (pid, depth, parent; parents first) in the tree of one of ``roots``, with
+    its root."""
     if not roots:
         return {}
     root_of: dict[int, int] = {}
@@ -78,8 +71,7 @@ def _trees(walked: Sequence[tuple[int, int, int]], roots: Mapping[int, str]) -> 
 
 
 class CensusEntry:
-    """A process that is ours (a descendant, or carrying a cookie of ours or of a dead session). (A plain
-    class: see ``evidence.Window``.)"""
+    """A process that is ours (a descendant, or carrying a cookie of ours or of a dead session)."""
 
     __slots__ = ("debris_of", "depth", "found_by", "handle", "owner_name", "pid", "start_ticks", "state",
                  "token")
@@ -109,7 +101,7 @@ class CensusEntry:
         return self.state not in procfs.EXITED
 
     def exited(self) -> bool:
-        """Whether it has exited since it was found, as its pidfd says (one never pinned counts as exited)."""
+        """As its pidfd says (one never pinned counts as exited)."""
         return self.handle is None or self.handle.exited()
 
 
@@ -121,36 +113,33 @@ class Sibling(NamedTuple):
 
 
 _OWNER_KINDS: dict[str, OwnerKind] = {"t": "test", "f": "fixture"}
-"""A cookie token's first letter: the kind of owner (``Ownership.new_token``)."""
+"""A cookie token's first letter: the kind of owner."""
 
 
 class XdistPeers(NamedTuple):
-    """An xdist worker's run, by which it tells its sibling workers and what they started from its own."""
+    """An xdist worker's run: how it tells its sibling workers, and what they started, from its own."""
 
     run: str | None = None
-    """The run's id (``PYTEST_XDIST_TESTRUNUID``), in a worker only."""
+    """``PYTEST_XDIST_TESTRUNUID``, in a worker only."""
     cookie: str | None = None
     """The cookie the workers started with: their controller's."""
     since: int | None = None
-    """When the controller started its workers (boot ticks; ``cookie.WORKERS_SINCE_VAR``)."""
+    """When the controller started its workers (boot ticks)."""
 
 
 class KeptAlive(NamedTuple):
-    """What the options and the plugins say the session keeps alive: helpers of the pytest process and
-    processes meant to outlive the session."""
+    """What the options and plugins say the session keeps alive."""
 
     helpers: tuple[str, ...] = ()
-    """Command-line globs of the pytest process's children that serve it (``--gpuclean-helpers``)."""
+    """``--gpuclean-helpers``: command-line globs of the pytest process's children that serve it."""
     persistent: tuple[str, ...] = ()
-    """Command-line globs of processes meant to outlive the session (``--gpuclean-persistent``)."""
+    """``--gpuclean-persistent``: command-line globs of processes meant to outlive the session."""
     registry: Registry | None = None
     """Processes a plugin keeps alive across sessions (pytest-xprocess)."""
 
 
 class Census:
-    """The session's processes as the checks find them: the descendant tree of the process running the
-    checks, cookie carriers outside it, the debris of dead sessions; each with its token, decided once per
-    process (pid and start time) and kept."""
+    """The session's processes as the checks find them, each token decided once per process and kept."""
 
     def __init__(self, ownership: Ownership, *, uid: int, peers: XdistPeers | None = None,
                  kept: KeptAlive | None = None) -> None:
@@ -158,51 +147,43 @@ class Census:
         peers, kept = peers or XdistPeers(), kept or KeptAlive()
         self.ownership = ownership
         self.helper_globs = kept.helpers
-        """Command lines of the pytest process's children that serve it (``--gpuclean-helpers``)."""
         self.persistent_globs = kept.persistent
-        """Command lines of processes meant to outlive the session (``--gpuclean-persistent``)."""
         self.persistent_registry = kept.registry
-        """Processes a plugin keeps alive across sessions (pytest-xprocess), read when there is something to
-        look at."""
+        """Read only when there is something to look at."""
         self.helpers: dict[int, str] = {}
-        """What the last census left out as the pytest process's helpers (each with why; a helper's
-        descendants too): never suspects, excused like this process."""
+        """Left out by the last census as helpers, with why (descendants too): excused like this process."""
         self.persistent: dict[int, str] = {}
-        """What the last census left out as persistent (each with why; descendants too): never signalled,
-        its memory excused."""
+        """What the last census left out as persistent, with why (descendants too): never signalled, memory
+        excused."""
         self.declared_helpers: dict[tuple[int, int], processes.Handle] = {}
-        """Helpers that only ``helper_globs`` vouched for, pinned: the session's end ends those still alive
-        (a library's own helpers end with the pytest process, as their library arranged)."""
+        """Helpers only ``helper_globs`` vouched for, pinned: the session's end ends those still alive."""
         self._announced: set[tuple[int, int]] = set()
         self.notices: list[str] = []
-        """One line for each helper or persistent process when first seen (and each process whose owner its
-        handle or a missing cookie decided: ``Managed``), for the session's notes."""
+        """One line per helper or persistent process when first seen (and per ``Managed`` decision), for
+        the session's notes."""
         self.uid = uid
         self.session_start_ticks = ownership.began_tick
-        """When the session began (its cookie exported): a process carrying our cookie that is older is not
-        ours, its value was recycled."""
+        """When the session began: a process carrying our cookie that is older is not ours (a recycled
+        value)."""
         self.xdist_run = peers.run
         self.peer_cookie = peers.cookie
-        """The cookie our xdist siblings started with (the controller's): theirs, not a leak's."""
+        """Our xdist siblings' starting cookie (the controller's): theirs, not a leak's."""
         self.peers_since = peers.since
-        """When the controller started its workers (boot ticks; ``cookie.WORKERS_SINCE_VAR``)."""
         self._me = -1
         self._never_touch: set[int] = set()
         self._handles: dict[tuple[int, int], processes.Handle] = {}
         self._tokens: dict[tuple[int, int], str | None] = {}
         self._debris: dict[tuple[int, int], tuple[SessionRef, str | None]] = {}
-        """Processes under us that a nested session left when it died: (that session, owner name)."""
+        """Processes under us a dead nested session left: (that session, owner name)."""
         self.managed = Managed(ownership, self.notices, processes.command_line)
-        """Who in the pytest process manages a process it started (``Managed``): asked once per direct
-        child that would be judged."""
+        """Who in the pytest process manages a direct child it started: asked once per child that would be
+        judged."""
         self._tree = procfs.DescendantWalk()
         self.last: list[CensusEntry] = []
-        """What the last census found (``--gpuclean-ray=auto`` looks there for a Ray cluster the session
+        """What the last census found (``--gpuclean-ray=auto`` looks there for a cluster the session
         started)."""
-        # What already runs under us belongs to the session set-up (a conftest imported before this
-        # checker existed, a plugin's pytest_configure): never a test's leak. Unless it existed before the
-        # session began, or descends from a process that did: a container entrypoint's `server & exec
-        # pytest` leaves the server our child, and it is no part of the session.
+        # What already runs under us is the set-up's, never a test's leak; unless it or an ancestor predates
+        # the session (``server & exec pytest`` leaves the server our child).
         walked = self._walk()
         upto = procfs.last_pid()  # every process just walked had its pid by now
         tokens: dict[int, str] = {}
@@ -215,10 +196,9 @@ class Census:
 
 
     def _set_up_or_older(self, pid: int, start_ticks: int, upto: int | None) -> str:
-        """Whose is ``pid``, found under us when the checker starts and descended from none of our other
-        processes: the session set-up's if it carries our cookie (exported before anything of the
-        set-up ran) or was provably born after the session began; otherwise it existed before the session,
-        or may have (born in the very tick the session began): either way it is left alone."""
+        """Whose is ``pid``, found under us at start outside our other trees: the set-up's if it carries
+        our cookie or was provably born after the session began; otherwise it may predate it, and is left
+        alone."""
         value = procfs.read_environ_vars(pid, (COOKIE_VAR,)).get(COOKIE_VAR)
         if value is not None and value.startswith(self.ownership.session_id + ":"):
             return SESSION
@@ -231,7 +211,7 @@ class Census:
         ownership = Ownership(new_session_id(None, *procfs.self_identity()), began_tick, began_pid)
         return cls(ownership, uid=os.getuid(), peers=peers, kept=kept)
 
-    # ---- who we are (a forked test runner changes it) -------------------------------------------
+    # ---- who we are (a forked test runner changes it) --------------------------------------------
 
     @property
     def me(self) -> int:
@@ -253,7 +233,6 @@ class Census:
         return os.getsid(0)
 
     def close(self) -> None:
-        """Close the pidfds of every process still pinned."""
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()
@@ -261,18 +240,15 @@ class Census:
     # ---- the census ---------------------------------------------------------------------------
 
     def helper_pids(self) -> dict[int, str]:
-        """The pytest process's own helpers that its libraries keep, each with why
-        (``library_helpers``)."""
+        """The pytest process's own helpers that its libraries keep, with why."""
         return library_helpers()
 
     def _left_out(self, walked: list[tuple[int, int, int]], listed: AbstractSet[int],
                   roots: dict[int, str]) -> tuple[dict[int, str], dict[int, str]]:
-        """Of a walk of our descendants: the helpers (the libraries', ``library_helpers``, and the
-        pytest process's children whose command line a ``helper_globs`` pattern matches) and the persistent
-        processes (``persistent_globs``, ``persistent_registry``), each with its descendants, to leave out of
-        the census. A helper whose tree holds GPU memory (``listed``) is judged like any process: the
-        libraries' helpers hold none, and an excuse that covered held memory would be a clean verdict beside
-        it. ``roots``: the libraries' helpers, as the census just read them (added to here)."""
+        """Of a walk of our descendants, the helpers and persistent processes to leave out, with their
+        descendants. A helper whose tree holds GPU memory (``listed``) is judged like any process: an
+        excuse covering held memory would be a clean verdict beside it. ``roots``: the libraries' helpers
+        (added to)."""
         shm_manager = torch_shm_manager()
         stats = self._tree.stats
         for pid, depth, _parent in walked:
@@ -288,7 +264,7 @@ class Census:
                 roots[pid] = ("torch's shared-memory manager (libshm), which the pytest process's shared "
                               "tensors use, and which ends once no process uses it")
                 continue
-            command = processes.command_line(pid)  # (read once for both rules below)
+            command = processes.command_line(pid)
             if _mpi_singleton_daemon(pid, command.split(), self.me):
                 roots[pid] = ("Open MPI's daemon for the pytest process as an MPI singleton, which ends when "
                               "the pytest process does (it holds the daemon's --singleton-died-pipe)")
@@ -302,10 +278,8 @@ class Census:
                 {pid: persistent[root] for pid, root in _trees(walked, persistent).items()})
 
     def persistent_of(self, pids: Iterable[int], walked: bool = False) -> dict[int, str]:
-        """Of ``pids``, the processes of this user meant to outlive the session, each with why: a command line
-        that ``persistent_globs`` matches, or a pid that ``persistent_registry`` (pytest-xprocess) keeps
-        and the process that has it now is the one it recorded (it started before the record was written:
-        not a pid reused since). ``walked``: they are our descendants (of this user by birth)."""
+        """Of ``pids``, this user's processes meant to outlive the session, with why: by command line, or
+        recorded by ``persistent_registry`` before the process started (not a reused pid)."""
         if not (self.persistent_globs or self.persistent_registry is not None):
             return {}
         registry = self.persistent_registry() if self.persistent_registry is not None else {}
@@ -355,15 +329,15 @@ class Census:
                     f"left to end with the session: {cmd}")
 
     def _walk(self, me: int | None = None) -> list[tuple[int, int, int]]:
-        """Our descendants as (pid, depth, parent pid), parents before their children. ``me``: this
-        process's pid, if the caller has just read it (``self.me``)."""
+        """Our descendants as (pid, depth, parent pid), parents first. ``me``: this process's pid, if just
+        read."""
         if me is None:
             me = self.me
         return self._tree.walk(me, me)
 
     def _pin(self, pid: int) -> tuple[processes.Handle, procfs.ProcStat] | None:
-        """A pinned process and its current stat; pinned once, from the moment it is first found."""
-        # The walk just read it: a process is placed in the tree and pinned by the same reading.
+        """A pinned process and its current stat; pinned once, when first found."""
+        # Placed in the tree and pinned by the same reading.
         stat = self._tree.stats.get(pid) or procfs.read_stat(pid)
         if stat is not None:
             handle = self._handles.get((pid, stat.start_ticks))
@@ -384,9 +358,8 @@ class Census:
     def _token(self, pid: int, start_ticks: int, parent_token: str | None, parent_ours: bool) -> str | None:
         key = (pid, start_ticks)
         if parent_ours:
-            # Made by one of our processes: whoever owns the parent owns the child, whatever the child's
-            # environment or birth time say (a fixture's server forking a worker on request). (Kept up with
-            # the parent: a process found to be a live fixture's takes its children along.)
+            # Whoever owns the parent owns the child, whatever its environment or birth say; a live fixture's
+            # process takes its children along.
             self._tokens[key] = parent_token
             return parent_token
         if key not in self._tokens:
@@ -399,8 +372,8 @@ class Census:
                 token = self.ownership.token_by_birth(pid, start_ticks)
                 self.managed.born_bare(key, token)  # (no cookie of ours: its birth alone says whose)
             elif cookie is not None and self.ownership.is_protected(token):
-                # Started under our session set-up by a nested session that has since died (an
-                # xdist worker that crashed, adopted by us, its controller): that session's debris.
+                # Started under our set-up by a nested session since dead (a crashed xdist worker): its
+                # debris.
                 inner = dead_session_of(cookie, self.ownership.session_id, SessionRef.liveness)
                 if inner is not None:
                     self._debris[key] = (inner, values.get(OWNER_VAR))
@@ -409,19 +382,16 @@ class Census:
 
     def take(self, scan_cookies: bool = False, dead_sessions: bool = False,
              listed: AbstractSet[int] = frozenset()) -> list[CensusEntry]:
-        """Our processes: the descendant tree (cheap), plus cookie carriers outside it (a /proc scan). What
-        serves the pytest process (``helpers``) and what is meant to outlive the session (``persistent``) is
-        left out; ``listed``: the pids the driver lists on the checked GPUs (a helper holds none).
-
-        With ``dead_sessions``, the scan also returns the debris of dead gpuclean sessions of this user.
-        """
+        """Our processes: the descendant tree, plus cookie carriers outside it (a /proc scan), without
+        helpers and persistent ones. ``listed``: the pids on the checked GPUs. ``dead_sessions``: also dead
+        sessions' debris."""
         found: list[CensusEntry] = []
         by_pid: dict[int, CensusEntry] = {}
         me = self.me  # (read once: nothing here forks)
         my_sid: int | None = None  # (read when a direct child needs it: the clean path has none)
         seen_keys: set[tuple[int, int]] = set()
         walked = self._walk(me)
-        # (the clean path walks nothing: no helper is looked for then)
+        # the clean path walks nothing: no helper is looked for then
         library = library_helpers() if walked or scan_cookies or dead_sessions else {}
         self.helpers, self.persistent = (self._left_out(walked, listed, dict(library)) if walked
                                          else ({}, {}))
@@ -456,13 +426,10 @@ class Census:
         if scan_cookies or dead_sessions:
             found.extend(self._cookie_carriers(by_pid, library.keys() | self.helpers.keys(), dead_sessions,
                                                seen_keys))
-        # A direct child that would be judged now is first asked about once: who in the pytest process still
-        # holds its handle (off the clean path: the clean path finds no process at all).
+        # A direct child that would be judged is first asked about once.
         asked = self.managed.asked
-        # (not the session set-up's: what it leaves is reaped at the very end, after pytest_unconfigure)
-        # (nor what was born after its owner's processes were first asked about: that was after its test's
-        # code had run, so nothing of it made the handle; an orphan a process of the test's left, a
-        # self-replacing chain's next member, one every few milliseconds, each a walk of the heap)
+        # Not the set-up's (reaped after pytest_unconfigure), nor one born after its owner's processes were
+        # first asked about: the test's code had run by then, so it made no handle.
         undecided = [f for f in found if f.depth == 1 and f.key not in asked and f.debris_of is None
                      and f.token is not None and f.token != SESSION and f.live
                      and not self.ownership.is_protected(f.token)
@@ -495,8 +462,7 @@ class Census:
                 debris = (dead_session_of(value, self.ownership.session_id, SessionRef.liveness)
                           if dead_sessions else None)
                 if debris is None:
-                    # A live session's (also when a nested session that one's test ran died: an xdist
-                    # sibling's), or no session's: never ours.
+                    # A live session's (or a dead one nested in a live one), or no session's: never ours.
                     continue
             pinned = self._pin(pid)
             if pinned is None:
@@ -513,8 +479,7 @@ class Census:
         return found
 
     def pinned(self, entries: Iterable[CensusEntry]) -> list[CensusEntry]:
-        """The last census's own entry, pinned by its pidfd, for each of ``entries`` (by identity): what a
-        check decided on, to act on."""
+        """The last census's own pinned entry for each of ``entries``: act on what the check decided on."""
         by_key = {f.key: f for f in self.last}
         return [by_key[e.key] for e in entries if e.key in by_key]
 
@@ -530,8 +495,7 @@ class Census:
         return f.debris_of is None and self.ownership.is_protected(f.token)
 
     def peer_pids(self, pids: Iterable[int]) -> set[int]:
-        """Of ``pids``, the sibling pytest-xdist workers of our run (``is_peer``): they hold their own CUDA
-        contexts, like we do."""
+        """Of ``pids``, our run's sibling xdist workers: they hold their own CUDA contexts, like we do."""
         if not self.xdist_run or not self.peer_cookie:
             return set()
         parent = os.getppid()
@@ -547,17 +511,9 @@ class Census:
         return peers
 
     def siblings(self, pids: Iterable[int]) -> dict[int, Sibling]:
-        """Of ``pids``, those that a live sibling worker of our xdist run started, and who there did.
-
-        The proof is the run's cookie: a worker's session id extends the controller's cookie (our
-        ``peer_cookie``) by its own ``gc.<pid>.<start>.<namespace>.<random>``, and what its tests, fixtures
-        and set-up start carry that id and a token, however deeply nested. The worker the cookie names
-        must be alive and a peer of ours (``peer_pids``); the process must carry our run's id (xdist
-        exports it in a worker before any test runs) and be born after that worker. Such a process
-        belongs to that live session: never ours to wait for or to signal; the sibling reaps it at its
-        own next check if it leaked. A sibling that died is not one: what it left is a dead session's
-        debris, as before.
-        """
+        """Of ``pids``, those a live sibling worker of our xdist run started, and who there did: the cookie
+        extends our ``peer_cookie`` by a live peer's session id, and the process carries our run's id and
+        is younger than that worker. Its session reaps it; a dead sibling's leftovers are debris."""
         if not self.xdist_run or not self.peer_cookie:
             return {}
         found: dict[int, Sibling] = {}
@@ -581,49 +537,41 @@ class Census:
         return found
 
     def _is_sibling_worker(self, ref: SessionRef) -> bool:
-        """Whether the session leader ``ref`` names is a live sibling worker: the very process (pid and start
-        time, in our pid namespace), and a peer."""
+        """Whether ``ref`` names a live sibling worker: that very process, in our pid namespace, and a
+        peer."""
         return (ref.pid_namespace == procfs.pid_namespace() and procfs.is_live(ref.pid, ref.start_ticks)
                 and bool(self.peer_pids((ref.pid,))))
 
     def of_our_run(self, pid: int) -> bool:
-        """A process that a sibling xdist worker of our run started (its cookie extends the controller's):
-        the run's, never outside the session, though this worker does not account for it."""
+        """Started by a sibling xdist worker: the run's, never outside, though this worker does not account
+        for it."""
         if not self.xdist_run or not self.peer_cookie:
             return False
         value = procfs.read_environ_vars(pid, (COOKIE_VAR,)).get(COOKIE_VAR)
         return value is not None and value.startswith(self.peer_cookie + "/")
 
     def is_older(self, pid: int, start_ticks: int) -> bool:
-        """Whether the census found ``pid`` (started at ``start_ticks``) to be no part of the session: it, or
-        the process that started it, existed before the session."""
+        """Whether ``pid`` (started at ``start_ticks``), or the process that started it, existed before the
+        session."""
         return self._tokens.get((pid, start_ticks)) == PREEXISTING
 
 
-# ---- the decisions about xdist siblings, over plain values (the readings are the caller's) -------------
+# ---- xdist siblings, over plain values (the readings are the caller's) ---------------------------
 
 
 def is_peer(cookie: str | None, run: str | None, start_ticks: int, peer_cookie: str, xdist_run: str,
             peers_since: int | None) -> bool:
-    """Whether a direct child of our xdist controller (its cookie ``cookie``, the run id ``run`` in its
-    environment, started at ``start_ticks``) is a sibling worker of ours, a peer.
-
-    A peer started with the controller's own cookie (``peer_cookie``): what a worker's test starts (even an
-    orphan of a crashed worker, adopted by the controller) carries that worker's longer cookie, and is a
-    leak, never a peer. xdist exports the run id in a worker only once it runs, so its initial environment
-    (all that others can read) may lack it: then it was started when the controller started its workers
-    (``peers_since``), not before (a process that a conftest started while the controller was configured
-    carries the controller's cookie too).
-    """
+    """Whether a direct child of our controller is a sibling worker: it started with the controller's own
+    cookie (a worker's test's processes carry the worker's longer one). xdist exports the run id only once
+    the worker runs, so without it the child must have started at or after ``peers_since``."""
     return cookie == peer_cookie and (run == xdist_run
                                       or (peers_since is not None and start_ticks >= peers_since))
 
 
 def sibling_claim(cookie: str, run: str | None, peer_cookie: str, xdist_run: str,
                   own_session_id: str) -> tuple[SessionRef, OwnerKind] | None:
-    """The sibling worker's session that a process's ``cookie`` names (it extends our run's ``peer_cookie``
-    by that worker's session id and a token, and the process carries our run's id ``run``), and the kind of
-    owner there that started it; None if the cookie names no other worker of our run (ours included)."""
+    """The sibling worker's session ``cookie`` names, and the kind of owner there that started the process;
+    None if it names no other worker of our run."""
     prefix = peer_cookie + "/"
     if not cookie.startswith(prefix) or run != xdist_run:
         return None
@@ -637,57 +585,52 @@ def sibling_claim(cookie: str, run: str | None, peer_cookie: str, xdist_run: str
 
 _Key = tuple[int, int]
 FixtureValues = Callable[[], Iterable[tuple[str, object]]]
-"""The values of the fixtures wider than a test that are set up now, each with its token (the session
-layer's ``TestGuard.live_fixture_values``)."""
+"""The values of the fixtures wider than a test that are set up now, each with its token."""
 _PROTECTING_KINDS = ("fixture", "session")
 
 
 class Managed:
-    """What the census learnt of its direct children from the pytest process's objects (no record: the
-    census's mutable state, kept for the session)."""
+    """What the census learnt of its direct children from the pytest process's objects (mutable, kept for
+    the session)."""
 
     def __init__(self, ownership: Ownership, notices: list[str], command_line: Callable[[int], str]) -> None:
         self.ownership = ownership
         self.notices = notices
-        """The census's notes (one line per decision, once)."""
         self.command_line = command_line
-        """A process's command line (``processes.command_line``), for the notes."""
+        """For the notes."""
         self.fixture_values: FixtureValues | None = None
-        """Where the live fixtures' values are read (set by the session layer)."""
+        """Set by the session layer."""
         self.suite_files: tuple[str, ...] = ()
-        """File name patterns of the suite's own modules (pytest's ``python_files`` and ``conftest.py``; set
-        by the session layer): their globals keep nothing for the pytest process."""
+        """File name patterns of the suite's own modules (``python_files``, ``conftest.py``): their globals
+        keep nothing for the pytest process."""
         self.asked: set[_Key] = set()
-        """Direct children asked about: once per process."""
+        """Once per process."""
         self._first_asked: dict[str, int] = {}
         """Per owner's token, when its processes were first asked about (boot ticks)."""
         self.kept: dict[_Key, str] = {}
         """Direct children whose handle a module global keeps: the pytest process's helpers, with why."""
         self._born_bare: set[_Key] = set()
-        """Processes owned by nothing but their birth in a test's window (no cookie of ours)."""
+        """Owned by nothing but their birth in a test's window (no cookie of ours)."""
         self._bare: dict[_Key, bool] = {}
-        """Whether a process's environment carries no cookie of this session (read once, when it matters)."""
+        """Whether a process carries no cookie of this session (read once, when it matters)."""
 
     def born_bare(self, key: _Key, token: str | None) -> None:
-        """The census gave ``key``, which carries no cookie of ours, ``token`` by its birth alone."""
+        """The census gave ``key`` (no cookie of ours) ``token`` by its birth alone."""
         self._bare[key] = True
         if token is not None and self.ownership.owner(token).kind == "test":
             self._born_bare.add(key)
 
     def born_since_asked(self, token: str, start_ticks: int) -> bool:
-        """Whether a process of ``token``'s started (``start_ticks``) a clock tick after that owner's
-        processes were first asked about."""
+        """Whether a process of ``token``'s started a clock tick after that owner's processes were first
+        asked about."""
         first = self._first_asked.get(token)
         return first is not None and start_ticks > first
 
     def ask(self, undecided: Sequence[CensusEntry], found: Sequence[CensusEntry],
             listed: AbstractSet[int] = frozenset()) -> dict[_Key, str] | None:
-        """Whose are ``undecided`` (direct children of the pytest process that would be judged now; ``found``:
-        the whole census), each asked once: the new token of each whose owner changed (a live fixture's,
-        an ambiguous one's); None if nothing changed. A helper is added to ``kept``. ``listed``: the pids the
-        driver lists on the checked GPUs: a helper that holds GPU memory is judged like any process, so for
-        those only a live fixture's holding can change the verdict, and the modules are not walked (a leak of
-        GPU memory is reaped as soon as it is at rest, not after a walk of the heap)."""
+        """Whose are ``undecided`` (direct children that would be judged now), each asked once: the new
+        token of each whose owner changed, None if none did; helpers go to ``kept``. For GPU holders
+        (``listed``) only a live fixture's holding changes the verdict, so the modules are not walked."""
         now = procfs.boot_ticks_now()
         for f in undecided:
             if f.token is not None:
@@ -718,19 +661,15 @@ class Managed:
             else:
                 unmanaged = unmanaged or f.pid not in listed
         if unmanaged:
-            # What nothing holds may be garbage in a reference cycle that the collector has not reached yet (a
-            # dropped multiprocessing Manager, an executor in a cycle): collected now, its library's finalizer
-            # ends the process as it would at the next collection, and the settle time sees it exit by itself.
-            # Not for a process that holds GPU memory: an engine dropped unshut, waiting for a collection
-            # that may never come, is the leak this plugin exists for; and collecting torch's heap is slow.
+            # What nothing holds may be garbage in a cycle (a dropped multiprocessing Manager): collected now,
+            # its finalizer ends the process, which then exits by itself. Not for a GPU holder: an engine
+            # dropped unshut is the leak this plugin exists for; and collecting torch's heap is slow.
             gc.collect()
         return owners if owners or changed else None
 
     def _ambiguous(self, orphan: CensusEntry, found: Sequence[CensusEntry]) -> str | None:
-        """The token of ``orphan`` (no cookie of ours, no handle in the pytest process, born in a test's
-        window) if a protected process that could have started it was alive: one of our tree, of a fixture,
-        the session set-up or older than the session, whose children carry no cookie of ours, born no
-        later than the orphan and alive now. None where there is none: the orphan is the test's."""
+        """The token of ``orphan`` (no cookie of ours, no handle, born in a test's window) if a protected
+        process that could have started it is alive: then it is not surely the test's. None otherwise."""
         ownership = self.ownership
         protectors: list[CensusEntry] = []
         for f in found:
@@ -756,8 +695,7 @@ class Managed:
         return token
 
     def _carries_no_cookie(self, f: CensusEntry) -> bool:
-        """Whether ``f``'s environment carries no cookie of this session (read once per process): its
-        children then carry none either, unless it gives them one."""
+        """Read once per process: its children then carry none either, unless it gives them one."""
         bare = self._bare.get(f.key)
         if bare is None:
             if f.token == PREEXISTING:

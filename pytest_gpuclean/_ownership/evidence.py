@@ -1,12 +1,8 @@
-"""Who made a process: the evidence gpuclean acts on, and nothing it has to guess.
+"""Who made a process: the evidence gpuclean acts on, never a guess.
 
-A process belongs to a test only if the test made it: through the processes the test started (ancestry),
-by the environment cookie it inherited, or by its birth while the test ran, bracketed by pid readings
-taken when the test's window opened and closed. It never belongs to a test if a fixture that is still
-active, a conftest, the session set-up or another session made it or one of its ancestors. Where the
-evidence is missing or contradicts itself the owner is ``unknown``, and an unknown process is reported,
-never signalled.
-"""
+A process is a test's only if the test made it: by ancestry, an inherited cookie, or birth inside the
+test's window (pid and clock readings). Never if a live fixture, the set-up or another session made it or
+an ancestor. Missing or contradicting evidence: owner ``unknown``, reported, never signalled."""
 
 from __future__ import annotations
 
@@ -26,9 +22,7 @@ from pytest_gpuclean._reading import procfs
 
 SESSION_OWNER = Owner("session", "pytest session (conftest, plugins, collection)")
 PREEXISTING = PREEXISTING_TOKEN
-"""Token of the processes that existed before the session began (its cookie exported), and of what they
-start: no part of the session (a container entrypoint's ``server & exec pytest``), never signalled. Other
-tokens are a letter and a count, or ``session``."""
+"""Processes that existed before the session, and what they start: never signalled."""
 _PREEXISTING_OWNER = Owner("unknown", "no part of the session (it, or the process that started it, "
                            "existed before the session)")
 
@@ -36,8 +30,7 @@ _SESSION_ID = re.compile(r"gc\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+$")
 
 
 SESSION = SESSION_TOKEN
-"""Token of processes born in this session outside every test and fixture (and the session's own), and
-of those whose cookie says the session set-up started them."""
+"""Processes born outside every test and fixture, or whose cookie says the set-up started them."""
 
 
 class SessionRef(NamedTuple):
@@ -49,12 +42,11 @@ class SessionRef(NamedTuple):
     pid_namespace: int
 
     def liveness(self) -> bool | None:
-        """True when provably alive (same pid namespace, its pid still that very process), False when provably
-        dead (same pid namespace, its pid gone or now another process), None when its pid means nothing
-        here (another pid namespace): no proof either way."""
+        """True when provably alive, False when provably dead (pid gone or reused), None in another pid
+        namespace."""
         if self.pid_namespace != procfs.pid_namespace():
             return None
-        # An exited leader nobody has waited for yet (an xdist worker that crashed) is dead too.
+        # An exited leader nobody has waited for yet (a crashed xdist worker) is dead too.
         return procfs.is_live(self.pid, self.start_ticks)
 
     def describe(self) -> str:
@@ -66,11 +58,8 @@ class SessionRef(NamedTuple):
 
 
 def innermost_session(cookie: str) -> SessionRef | None:
-    """The session that spawned a cookie's carrier: the last ``<session id>:<token>`` of the chain.
-
-    ``gc.1.2.3.ab:s1/gc.4.5.3.cd:t7`` was spawned by test t7 of session ``gc.4.5.3.cd``, which ran inside
-    session ``gc.1.2.3.ab``. None for a cookie no gpuclean session made (a CI job's).
-    """
+    """The session that spawned a cookie's carrier (``gc.1.2.3.ab:s1/gc.4.5.3.cd:t7``: test t7 of
+    ``gc.4.5.3.cd``). None for a cookie no gpuclean session made."""
     session_id, sep, _token = cookie.rpartition(":")
     if not sep:
         return None
@@ -82,14 +71,11 @@ def innermost_session(cookie: str) -> SessionRef | None:
 
 
 Liveness = Callable[[SessionRef], bool | None]
-"""Whether a session's leader is alive (True), dead (False) or unknowable (None): ``SessionRef.liveness``."""
 
 
 def _live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
-    """A session that encloses the cookie's innermost one and is provably alive, other than ours and those
-    we run inside: the innermost such. Its test started the innermost session (a nested pytest), so what
-    that session left when it died is that live session's to reap, never a dead session's debris for
-    another session (an xdist sibling's, a concurrent developer's). None if there is none."""
+    """The innermost provably live session enclosing the cookie's innermost one, other than ours and our
+    enclosers: what a nested session left when it died is that session's to reap."""
     parts = cookie.split("/")
     for depth in range(len(parts) - 1, 0, -1):
         outer = innermost_session("/".join(parts[:depth]))
@@ -102,10 +88,8 @@ def _live_outer_session(cookie: str, own_session_id: str, liveness: Liveness) ->
 
 
 def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> SessionRef | None:
-    """The dead gpuclean session whose debris a process carrying ``cookie`` is: the session that spawned it
-    (``innermost_session``), not ours, provably dead, and enclosed by no live session but ours and those we
-    run inside (``_live_outer_session``). None otherwise: a live session's, its pid unknowable here, a live
-    outer session's to reap (its test ran the one that died), or no session's: never ours to reap."""
+    """The dead session whose debris a carrier of ``cookie`` is: not ours, provably dead, enclosed by no
+    other live session. None otherwise."""
     inner = innermost_session(cookie)
     if inner is None or inner.session_id == own_session_id or liveness(inner) is not False:
         return None
@@ -113,8 +97,7 @@ def dead_session_of(cookie: str, own_session_id: str, liveness: Liveness) -> Ses
 
 
 class Ambiguous(NamedTuple):
-    """A process that either a test or a protected process may have started (``Ownership.ambiguous_token``):
-    the test's token, the protected tokens, and the evidence in words."""
+    """A process a test or a protected process may have started, and the evidence in words."""
 
     test: str
     protectors: tuple[str, ...]
@@ -123,8 +106,7 @@ class Ambiguous(NamedTuple):
 
 @dataclass(slots=True)
 class Window:
-    """The span of a test or higher-scoped fixture, bracketed by pid and clock readings; closed in place
-    (``Ownership.close_window``)."""
+    """The span of a test or higher-scoped fixture, bracketed by pid and clock readings; closed in place."""
 
     token: str
     first_pid: int | None
@@ -133,7 +115,6 @@ class Window:
     last_pid: int | None = None
     """The last pid allocated when it closed (None while open, or where the kernel does not say)."""
     end_tick: int | None = None
-    """When it closed; None while open."""
 
     @property
     def closed(self) -> bool:
@@ -146,17 +127,16 @@ class Ownership:
     def __init__(self, session_id: str, began_tick: int | None = None, began_pid: int | None = None) -> None:
         self.session_id = session_id
         self.began_tick = began_tick
-        """When the session began (its cookie exported, before any conftest was imported); None: no
-        process is older than the session."""
+        """When the session's cookie was exported, before any conftest was imported; None: no process is
+        older than the session."""
         self.began_pid = began_pid
         """The last pid allocated then (None where the kernel does not say)."""
         self.owners: dict[str, Owner] = {}
         self.active_fixtures: set[str] = set()
         self.windows: list[Window] = []
         self.session_over = False
-        """Set for the very last sweep: then what the session set-up started is no longer protected."""
+        """Set for the very last sweep: the set-up's processes are then no longer protected."""
         self.ambiguous: dict[str, Ambiguous] = {}
-        """Tokens of processes that a test or a protected process may have started (``ambiguous``)."""
         self._counter = 0
         self._pid_space = procfs.pid_max()
 
@@ -167,17 +147,16 @@ class Ownership:
         return token
 
     def ambiguous_token(self, test: str, protectors: Iterable[str], why: str) -> str:
-        """The token of a process born in ``test``'s window with no cookie while processes of ``protectors``
-        (protected tokens whose processes' children carry no cookie of this session) were alive: either may
-        have started it. Protected while any of them is (``is_protected``); then it is the first fixture's
-        of them (or the session set-up's), judged as theirs (``owner``). ``why``: the evidence, in words."""
+        """The token of a process born in ``test``'s window with no cookie while ``protectors``' processes
+        (whose children get no cookie) were alive: either may have started it. Protected while any of them
+        is; then the first fixture's of them."""
         self._counter += 1
         token = f"a{self._counter}"
         self.ambiguous[token] = Ambiguous(test, tuple(protectors), why)
         return token
 
     def register(self, token: str, owner: Owner) -> None:
-        """Name the owner of a token made before this object (the session's: ``cookie.SESSION_TOKEN``)."""
+        """Name the owner of a token made before this object (the session's)."""
         self.owners[token] = owner
 
     def cookie(self, token: str) -> str:
@@ -186,8 +165,7 @@ class Ownership:
     def token_of_cookie(self, value: str | None) -> str | None:
         if value is None or not value.startswith(self.session_id + ":"):
             return None
-        # A nested gpuclean session prefixes its own cookies with ours ("<ours>:t5/<its id>:t1"): what
-        # it spawns belongs, for us, to our test t5.
+        # A nested session prefixes its cookies with ours ("<ours>:t5/<its id>:t1"): ours is our test t5's.
         token = value[len(self.session_id) + 1 :].split("/", 1)[0]
         return token if token in self.owners else None
 
@@ -202,9 +180,7 @@ class Ownership:
                 return
 
     def token_by_birth(self, pid: int, start_ticks: int) -> str | None:
-        """The innermost window that ``pid`` (started at ``start_ticks``) was provably born in (``born_in``),
-        an open window reaching up to now. For a process born after the session started (the caller
-        knows: it was not among the session's processes then)."""
+        """The innermost window a process born after the session started was provably born in."""
         now_pid: int | None = None
         now_tick = 0
         if any(not window.closed for window in self.windows):
@@ -212,9 +188,8 @@ class Ownership:
         return born_in(self.windows, pid, start_ticks, now_pid, now_tick, self._pid_space)
 
     def existed_before(self, pid: int, start_ticks: int, last_pid: int | None = None) -> bool | None:
-        """Whether ``pid`` (started at ``start_ticks``), which carries no cookie of this session and descends
-        from none of its processes, was born before the session began (``older_than_session``), with
-        ``last_pid`` a reading taken after the process was found (by default now)."""
+        """Whether ``pid`` (no cookie of ours, outside our tree) predates the session; ``last_pid``: read
+        after the process was found."""
         if self.began_tick is None:
             return False
         if start_ticks != self.began_tick:
@@ -231,7 +206,7 @@ class Ownership:
         if maybe is not None:
             if self.is_protected(token):
                 return Owner("unknown", f"{self.owner(maybe.test).name} or {self._names(maybe.protectors)}")
-            # Its protectors ended: what is left of it is theirs to answer for (a fixture's first).
+            # Its protectors ended: what is left is theirs to answer for (a fixture's first).
             fixtures = [t for t in maybe.protectors if self.owner(t).kind == "fixture"]
             return self.owner(fixtures[0] if fixtures else SESSION)
         return self.owners.get(token or "", UNKNOWN_OWNER)
@@ -240,15 +215,15 @@ class Ownership:
         return ", ".join(dict.fromkeys(self.owner(t).name for t in tokens))
 
     def is_protected(self, token: str | None) -> bool:
-        """Not to be touched now: owned by an active fixture or the session set-up, of unknown birth, no part
-        of the session (never), or ambiguous while any process that may have started it is protected."""
+        """An active fixture's or the set-up's, of unknown birth, no part of the session, or ambiguous
+        while a possible starter is protected."""
         if token is not None and token.startswith("a") and token in self.ambiguous:
             return any(self.is_protected(t) for t in self.ambiguous[token].protectors)
         return (token is None or token == PREEXISTING or (token == SESSION and not self.session_over)
                 or token in self.active_fixtures)
 
 
-# ---- the decisions, over plain values (the readings are the caller's) --------------------------------
+# ---- the decisions, over plain values (the readings are the caller's) ----------------------------
 
 
 _FIXTURE_NAME = re.compile(r" \((?:function|class|module|package|session)-scoped\)$")
@@ -260,10 +235,8 @@ def fixture_owner(argname: str, scope: str) -> Owner:
 
 
 def owner_named(name: str) -> Owner:
-    """The owner a dead session's process names in its ``OWNER_VAR``, which carries the name only: the kind
-    read back from the name's form. A fixture's name ends in ``(SCOPE-scoped)`` (``fixture_owner``) and no
-    node id ends in ``)``; taken for a test's, a dead session's fixture would be reported as a test of this
-    session that leaked."""
+    """The owner a dead session's process names in ``OWNER_VAR``, its kind read from the name: a fixture's
+    name ends in ``(SCOPE-scoped)``, no node id ends in ``)``."""
     if name == SESSION_NAME:
         return Owner("session", name)
     if _FIXTURE_NAME.search(name):
@@ -273,15 +246,10 @@ def owner_named(name: str) -> Owner:
 
 def born_in(windows: Sequence[Window], pid: int, start_ticks: int, now_pid: int | None, now_tick: int,
             pid_space: int) -> str | None:
-    """The token of the innermost of ``windows`` that ``pid`` (started at ``start_ticks``) was provably born
-    in; an open window ends at ``now_pid`` and ``now_tick`` (readings taken after the process was found).
-
-    Proof is a pid between the window's two pid readings and a start time between its two clock readings.
-    Pids wrap around, so a window that went through half the pid space or more proves nothing by pid;
-    then only a start time strictly inside the window counts, since its first and last tick are shared
-    with whatever ran just before and after. ``SESSION`` when the process was provably born outside every
-    window (collection, a conftest hook, between tests); None when the evidence does not decide.
-    """
+    """The token of the innermost of ``windows`` ``pid`` was provably born in: a pid and a start time
+    between its readings (an open window ends at ``now_pid``, ``now_tick``). Pids wrap, so a window
+    spanning half the pid space proves nothing by pid: then only a start time strictly inside counts (its
+    edge ticks are shared). ``SESSION`` if provably outside every window; None if undecided."""
     for window in reversed(windows):
         end_tick, last = window.end_tick, window.last_pid
         if end_tick is None:
@@ -298,14 +266,9 @@ def born_in(windows: Sequence[Window], pid: int, start_ticks: int, now_pid: int 
 
 def older_than_session(pid: int, start_ticks: int, began_tick: int, began_pid: int | None,
                        last_pid: int | None, pid_space: int) -> bool | None:
-    """Whether ``pid`` (started at ``start_ticks``) was born before a session that began at ``began_tick``,
-    when the last pid allocated was ``began_pid``: True when provably before, False when provably after,
-    None when the evidence does not decide.
-
-    A start time before or after the export's tick decides. In that very tick (10 ms) only the pids can:
-    one allocated after the export lies between ``began_pid`` and ``last_pid``, a reading taken after the
-    process was found; with no pid readings, or a span that may have wrapped, nothing is proven.
-    """
+    """Whether ``pid`` predates a session that began at ``began_tick``/``began_pid``: True, False, None.
+    Within the export's very tick (10 ms) only the pids can decide, unless a reading is missing or may have
+    wrapped."""
     if start_ticks != began_tick:
         return start_ticks < began_tick
     after = pid_between(pid, began_pid, last_pid, pid_space)
@@ -313,8 +276,7 @@ def older_than_session(pid: int, start_ticks: int, began_tick: int, began_pid: i
 
 
 def pid_between(pid: int, first: int | None, last: int | None, pid_space: int) -> bool | None:
-    """Whether ``pid`` was allocated after ``first`` and up to ``last`` in a space of ``pid_space`` pids;
-    None if that is unknowable (a reading missing, or a span that may have wrapped all the way round)."""
+    """Whether ``pid`` was allocated in ``(first, last]``; None if unknowable (a reading missing, a wrap)."""
     if first is None or last is None:
         return None
     span = (last - first) % pid_space

@@ -1,25 +1,8 @@
-"""Who in the pytest process still holds a process's handle: the evidence that a process it started is
-managed, not stray.
+"""Who in the pytest process still holds a process's handle (an unwaited object whose ``pid``/``_pid``
+names it): evidence that it is managed, not stray (docs/ownership.md, "Managed processes").
 
-A library keeps a pool or a service for the process's life in a module global; a fixture keeps its server in
-its value. Either way a live object holds the process's handle: an instance whose ``pid`` or ``_pid`` names
-the process, not yet waited for (``Popen``, multiprocessing's popen objects, ``psutil.Process``).
-``holders`` walks what is reachable (``gc.get_referents``) from three kinds of roots, in order:
-
-- ``module``: every module's globals (a class's own attributes too): the pytest process's helper;
-- ``fixture``: the values of the fixtures wider than a test that are still set up: that fixture's;
-- ``bookkeeping``: the standard library's own records of what it started (``subprocess._active``,
-  ``multiprocessing.process._children``, ``threading._active``, the finalizer registries), which hold every
-  process, managed or not: what only they hold, the pytest process started and dropped.
-  A running thread is such a record wherever it is found: asyncio's child watcher (in the event loop
-  policy, a session fixture's value under pytest-asyncio) keeps a thread per child, whose arguments hold the
-  child's transport. Waiting for a child is no claim on it, so the first two walks never enter a running
-  thread.
-
-The walks never enter pytest's, pluggy's, xdist's, execnet's or gpuclean's objects (the session holds the
-items, which hold every function fixture's value), frames, code or a function's globals, and read instance
-dictionaries and slots through the interpreter's own descriptors: no user code runs. A walk costs about
-2 us per object, so the census asks only about a process that would otherwise be judged, once each."""
+A running thread is bookkeeping wherever found (asyncio's child watcher), so the module and fixture walks
+never enter one. No user code runs: attributes are read through the interpreter's descriptors."""
 
 from __future__ import annotations
 
@@ -36,14 +19,12 @@ HolderKind = Literal["module", "fixture", "bookkeeping"]
 
 
 Holder = tuple[HolderKind, str, str]
-"""What holds a process's handle: the kind of root, the root's name (a module global's ``module.attribute``,
-a live fixture's token, or which of the standard library's records) and the handle's type
-(``module.qualname``)."""
+"""What holds a handle: the root's kind and name, and the handle's type (``module.qualname``)."""
 
 
 _SKIPPED_PACKAGES = ("_pytest", "pytest", "pluggy", "xdist", "execnet", "pytest_gpuclean", "py")
-"""Packages whose objects are never walked (the session, its items and their function fixtures' values, the
-plugin's own records), nor their modules used as roots."""
+"""Never walked, nor their modules used as roots: the session holds the items, which hold every function
+fixture's value."""
 _SKIPPED_MODULES = frozenset({"sys", "gc", "builtins", "__main__", "__mp_main__"})
 _BOOKKEEPING: dict[str, tuple[str, ...]] = {
     "subprocess": ("_active",),
@@ -61,11 +42,11 @@ _ATOMS = (str, bytes, float, bool, type(None), complex)
 _NOT_WALKED = (types.FrameType, types.CodeType, types.TracebackType, types.ModuleType)
 _MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
 _TYPE_DICT: Any = vars(type)["__dict__"]
-_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, whose attributes can change
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class statement's class, whose attributes can change
 
 
 def _module_dict(module: object) -> dict[str, Any]:
-    # (the module type's own descriptor: a module subclass's __getattribute__ is never run)
+    # the module type's own descriptor: a module subclass's __getattribute__ never runs
     value = _MODULE_DICT.__get__(module, type(module))
     return value if type(value) is dict else {}
 
@@ -92,8 +73,8 @@ def _bookkeeping() -> list[tuple[object, str]]:
 
 
 def _running_threads() -> list[object]:
-    """The threads the ``threading`` module knows are starting or running (its own dictionaries, read
-    without calling into a thread object)."""
+    """The threads ``threading`` knows are starting or running, read from its dictionaries without calling
+    into a thread object."""
     threading_module = sys.modules.get("threading")
     if not issubclass(type(threading_module), types.ModuleType):
         return []
@@ -107,8 +88,8 @@ def _running_threads() -> list[object]:
 
 
 def _instance_value(obj: object, name: str) -> object:
-    """``obj``'s own attribute ``name`` from its instance dictionary or a slot, read through the descriptors
-    the interpreter made (never a property, never ``__getattribute__``); None without one."""
+    """``obj``'s own attribute ``name`` through the interpreter's descriptors (never a property, never
+    ``__getattribute__``); None without one."""
     for klass in type(obj).__mro__:
         namespace = _TYPE_DICT.__get__(klass, type)
         if "__dict__" in namespace and type(namespace["__dict__"]) is types.GetSetDescriptorType:
@@ -128,10 +109,8 @@ def _instance_value(obj: object, name: str) -> object:
 
 
 def _handle_of(container: object, parent: object, pid: int) -> str | None:
-    """The type of the handle that ``container`` is for ``pid`` (the int was among its referents), or None:
-    an instance (or its dictionary, found through ``parent``) whose ``pid``/``_pid`` is ``pid``, and whose
-    ``returncode``, where it keeps one, says the process was not waited for (a waited one's pid may name
-    another process now)."""
+    """The type of the handle ``container`` is for ``pid``, or None: its ``pid``/``_pid`` is ``pid`` and
+    its ``returncode``, if kept, says it was not waited for (a waited one's pid may be reused)."""
     if type(container) is dict:
         fields: dict[object, object] = container
         if not any(type(fields.get(name)) is int and fields.get(name) == pid for name in _PID_NAMES):
@@ -150,11 +129,11 @@ def _handle_of(container: object, parent: object, pid: int) -> str | None:
 
 
 _SKIP, _ATOM, _INT, _PLAIN, _CLASS, _FUNCTION = range(1, 7)
-"""How the walk treats an object, by its type (``_Walk.kind_of``; never 0: a known type is one lookup)."""
+"""Never 0: a known type is one lookup."""
 
 
 class _Walk:
-    """The walks of one question (``holders``): what was seen is not walked again by a later kind of root."""
+    """The walks of one question: what was seen is not walked again from a later kind of root."""
 
     def __init__(self, wanted: Collection[int]) -> None:
         self.wanted = set(wanted)
@@ -163,8 +142,7 @@ class _Walk:
         self.kinds: dict[type, int] = {int: _INT}
 
     def kind_of(self, kind: type) -> int:
-        """How objects of type ``kind`` are walked (one lookup per object once known; never ``isinstance``,
-        which may ask an object for its ``__class__``)."""
+        """One lookup per type; never ``isinstance``, which may ask an object for its ``__class__``."""
         known = self.kinds.get(kind)
         if known is None:
             module = _TYPE_DICT.__get__(kind, type).get("__module__")
@@ -182,7 +160,6 @@ class _Walk:
         return known
 
     def walk(self, roots: Iterable[tuple[object, str]], kind: HolderKind) -> None:
-        """Walk from each root (with the name it is found by) until every wanted pid is found."""
         queue: deque[tuple[object, str, object]] = deque()
         seen, wanted, kinds, kind_of = self.seen, self.wanted, self.kinds, self.kind_of
         for obj, name in roots:
@@ -199,10 +176,10 @@ class _Walk:
                 klass = cast(type, obj)
                 if not klass.__flags__ & _HEAP_TYPE or self.kind_of(klass) == _SKIP:
                     continue  # (a class of pytest's, say: its own module is skipped)
-                # A class's own attributes (a singleton kept as a class attribute), not its bases or MRO.
+                # A class's own attributes (a singleton kept as a class attribute), not its bases.
                 referents = list(_TYPE_DICT.__get__(klass, type).values())
             elif how == _FUNCTION:
-                # A closure, defaults and attributes; never the globals (a module's, walked as roots).
+                # A closure, defaults and attributes; never the globals (a module's are roots).
                 function = cast(types.FunctionType, obj)
                 globals_, builtins_ = function.__globals__, getattr(function, "__builtins__", None)
                 referents = [r for r in gc.get_referents(obj) if r is not globals_ and r is not builtins_]
@@ -222,18 +199,14 @@ class _Walk:
 
 def holders(pids: Collection[int], fixtures: Iterable[tuple[str, object]] = (),
             suite_files: Sequence[str] = (), *, modules: bool = True) -> dict[int, Holder]:
-    """For each of ``pids`` (processes the pytest process started) whose handle a live object holds: what
-    holds it (see the module's doc). ``fixtures``: (token, value) of each fixture wider than a test that is
-    still set up. ``suite_files``: file name patterns of the suite's own modules (its test modules and
-    conftests), whose globals keep nothing for the pytest process: what a test leaves there is its own. A pid
-    none holds is left out. Without ``modules``, only the fixtures' values are walked (a few objects, where
-    the modules' globals are the whole heap): for processes whose verdict a module's holding would not
-    change."""
+    """What holds the handle of each of ``pids`` that a live object holds. ``suite_files``: the suite's own
+    modules, whose globals keep nothing for the pytest process. Without ``modules`` only the fixtures'
+    values are walked (the modules are the whole heap)."""
     if not pids:
         return {}
     walk = _Walk(pids)
     threads = _running_threads()
-    walk.seen.update(id(thread) for thread in threads)  # (bookkeeping wherever found: the module's doc)
+    walk.seen.update(id(thread) for thread in threads)  # bookkeeping wherever found
     if not modules:
         walk.walk([(value, token) for token, value in fixtures], "fixture")
         return walk.found

@@ -1,7 +1,5 @@
-"""The pytest process's own helpers: the processes its libraries keep for the process's life (resource
-trackers, fork servers, pools registered to be shut down at exit, torch.compile's workers), found through
-what the libraries hold in this process, and the executable of torch's shared-memory manager. The census
-leaves them out: killing them breaks later tests, and they end with the pytest process."""
+"""The pytest process's own helpers, which its libraries keep for its life, found through what they hold.
+The census leaves them out: killing them breaks later tests, and they end with the pytest process."""
 
 from __future__ import annotations
 
@@ -9,23 +7,17 @@ import os
 import sys
 
 MULTIPROCESSING_PACKAGES = ("multiprocessing", "multiprocess")
-"""Packages whose resource tracker and forkserver serve the pytest process (``multiprocess`` is the
-dill-based fork that vLLM's tests use)."""
+"""``multiprocess`` is the dill-based fork vLLM's tests use."""
 _HELPER_MODULES = tuple((f"{p}.resource_tracker", f"{p}.forkserver") for p in MULTIPROCESSING_PACKAGES)
 
 
 def library_helpers() -> dict[int, str]:
-    """The pytest process's own helpers that its libraries keep for the process's life, found through
-    what the libraries themselves hold in this process, each with why: multiprocessing's (and
-    ``multiprocess``'s) resource tracker and forkserver, started lazily by whichever test first needs
-    them, and any object a library registered to be shut down at the process's exit (multiprocessing's
-    ``Finalize`` with no referent and an exit priority: torch.compile's worker pool is one) together
-    with the processes it owns. Killing them breaks later tests (a forkserver's own waitpid fails, the
-    next compile loses its pool); they end with the pytest process."""
+    """Multiprocessing's (and ``multiprocess``'s) resource tracker and forkserver, and whatever a library
+    registered to shut down at exit (torch.compile's worker pool) with its processes, each with why."""
     helpers: dict[int, str] = {}
     modules = sys.modules
     for tracker_name, forkserver_name in _HELPER_MODULES:
-        # (each getattr only where the module was imported: most sessions never import them)
+        # each getattr only where the module was imported
         module = modules.get(tracker_name)
         if module is not None:
             tracker = getattr(module, "_resource_tracker", None)
@@ -39,8 +31,7 @@ def library_helpers() -> dict[int, str]:
                     f"{forkserver_name}'s fork server")
     for package in MULTIPROCESSING_PACKAGES:
         helpers.update(_shut_down_at_exit(modules.get(f"{package}.util")))
-    # torch.compile keeps every worker pool it starts in one set, and shuts them all down at exit
-    # (``shutdown_compile_workers``); some torch versions register no Finalize for them (above).
+    # torch.compile shuts its worker pools down at exit; some torch versions register no Finalize for them.
     compile_pools = getattr(modules.get("torch._inductor.async_compile"), "_pool_set", None)
     if compile_pools:
         for pool in list(compile_pools):
@@ -52,15 +43,14 @@ def library_helpers() -> dict[int, str]:
 
 
 def torch_shm_manager() -> str | None:
-    """The executable of torch's shared-memory manager, for the torch this process imported: libshm starts it
-    from C++ (fork and exec) the first time a tensor is shared under the ``file_system`` strategy, to serve
-    this process for as long as its shared memory lives; nothing in Python holds it. None without torch."""
+    """torch's shared-memory manager's executable: libshm execs it from C++ when a tensor is first shared
+    under ``file_system``, and nothing in Python holds it. None without torch."""
     torch_file = getattr(sys.modules.get("torch"), "__file__", None)
     if not isinstance(torch_file, str):
         return None
     manager = _SHM_MANAGERS.get(torch_file)
     if manager is None:
-        # (as /proc/<pid>/exe names it: the real path, a venv's symlinks resolved)
+        # as /proc/<pid>/exe names it: symlinks resolved
         manager = _SHM_MANAGERS[torch_file] = os.path.realpath(
             os.path.join(os.path.dirname(torch_file), "bin", "torch_shm_manager"))
     return manager
@@ -70,9 +60,7 @@ _SHM_MANAGERS: dict[str, str] = {}
 
 
 def _shut_down_at_exit(util: object) -> dict[int, str]:
-    """The processes owned by objects registered with multiprocessing's ``Finalize`` to be shut down at the
-    process's exit and tied to no object's life (no referent, an exit priority): what a library keeps for
-    the whole process (torch.compile's worker pool registers its ``shutdown`` so)."""
+    """Processes owned by objects ``Finalize`` shuts down at exit, tied to no object's life (no referent)."""
     registry = getattr(util, "_finalizer_registry", None)
     if not isinstance(registry, dict) or not registry:
         return {}
@@ -94,8 +82,8 @@ def _shut_down_at_exit(util: object) -> dict[int, str]:
 
 
 def _processes_of(owner: object) -> set[int]:
-    """The pids of the processes an object holds: a ``process`` (``Popen``, ``Process``), an executor's
-    ``_processes``, a pool's ``_pool``."""
+    """The pids an object holds: a ``process`` (``Popen``, ``Process``), an executor's ``_processes``, a
+    pool's ``_pool``."""
     pids: set[int] = set()
     pid = getattr(getattr(owner, "process", None), "pid", None)
     if isinstance(pid, int):

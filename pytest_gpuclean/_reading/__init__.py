@@ -1,2 +1,2 @@
-"""Reading: what the machine says, unjudged (/proc, psutil, the GPUs through NVML or simulated devices)."""
+"""What the machine says, unjudged: /proc, psutil, the GPUs through NVML or simulated devices."""
 

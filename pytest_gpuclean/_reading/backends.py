@@ -1,8 +1,5 @@
-"""The device backends as the rest of the package holds them: the ``Backend`` protocol, and ``HealthSource``,
-what the health watch needs of one (``nvml.NvmlBackend`` and ``simulated.SimulatedBackend`` meet both);
-the choice of the devices to check among a backend's (``choose_devices``), and the opening of the backend
-the settings name (``open_backend``); ``devices.py`` has their errors.
-"""
+"""The device backends as the package holds them: the ``Backend`` and ``HealthSource`` protocols, the
+choice of devices to check, and opening the backend the settings name."""
 
 from __future__ import annotations
 
@@ -27,48 +24,39 @@ class Backend(Protocol):
     """``nvml`` or ``simulated``."""
     notices: list[str]
     """Lines about what a reading could not trust (a simulated device file another user planted), once
-    each; whoever reports them takes them (``Checker.notices``, the command line's warnings)."""
+    each; whoever reports them takes them."""
 
     def devices(self) -> tuple[DeviceInfo, ...]:
-        """Every device on the machine (physical GPUs, or their MIG instances where MIG is on)."""
+        """Physical GPUs, or their MIG instances where MIG is on."""
         ...
 
     def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
-        """Read memory and processes of one device."""
         ...
 
     def readings(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
-        """Read ``devices``, in order: what every check does, so its per-device work is in one loop. A
-        reading equal to the device's last one is that same object (``devices.LastReadings``)."""
+        """Read ``devices`` in one loop. A reading equal to the device's last one is that same object."""
         ...
 
     def cuda_users(self, pids: Iterable[int]) -> dict[int, frozenset[str]]:
-        """Those of ``pids`` that have initialised CUDA, with the UUIDs of the devices they have open,
-        whether the driver lists them there or not.
-
-        The driver charges such a process a few MiB per device even before (or without) a context (after
-        ``torch.cuda.is_available()``, say), and lists it under no process.
-        """
+        """Those of ``pids`` with CUDA initialised, and the UUIDs of the devices they have open: the driver
+        charges such a process a few MiB per device even without a context, listed under no process."""
         ...
 
     def driver_version(self) -> str:
-        """Driver version string, for headers and reports."""
+        """For headers and reports."""
         ...
 
     def close(self) -> None:
-        """Release the backend."""
         ...
 
 
 @runtime_checkable
 class HealthSource(Protocol):
-    """What the health watch (``health.py``) needs of a backend; both backends have it.
-
-    ``health`` and ``clock_reasons`` are the slow reads; ``drain_xids`` is the cheap one, for every check.
-    """
+    """What the health watch needs of a backend. ``health`` and ``clock_reasons`` are the slow reads;
+    ``drain_xids`` the cheap one, for every check."""
 
     def health(self, device: DeviceInfo) -> DeviceHealth:
-        """Row remapping, uncorrectable ECC count, compute mode, MIG mode, persistence of ``device``; raises
+        """Row remapping, uncorrectable ECC count, compute mode, MIG mode, persistence; raises
         ``DeviceLost``."""
         ...
 
@@ -86,12 +74,7 @@ class HealthSource(Protocol):
 
 
 def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, option: str) -> Selection:
-    """The devices to check: those ``spec`` lists (NVML indices or UUIDs), else those CUDA_VISIBLE_DEVICES
-    shows, else all.
-
-    The plugin and the ``gpuclean`` command both choose here. Raises ``DeviceSelectionError`` naming
-    ``option`` and where the list came from (``spec_source``, or CUDA_VISIBLE_DEVICES).
-    """
+    """The devices to check: those ``spec`` lists, else those CUDA_VISIBLE_DEVICES shows, else all."""
     available = backend.devices()
     if spec is not None:
         try:
@@ -102,8 +85,7 @@ def choose_devices(backend: Backend, spec: str | None, spec_source: str, *, opti
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return Selection(available, "all devices", len(available))
-    # Processes pinned to some GPUs through CUDA_VISIBLE_DEVICES check and reap only those; its tokens
-    # are CUDA ordinals, which may not be NVML's order.
+    # Processes pinned to some GPUs by CUDA_VISIBLE_DEVICES check only those; its tokens are CUDA ordinals.
     ordinal_uuids = None
     if (any(t.isdigit() for t in parse_device_list(visible))
             and not cuda_order_matches_nvml(available) and backend.kind == "nvml"):
@@ -123,12 +105,8 @@ def select_devices(
     cuda_ordinals: bool,
     ordinal_uuids: Sequence[str] | None = None,
 ) -> tuple[DeviceInfo, ...]:
-    """Map a device list to devices, by UUID.
-
-    Tokens are indices, full UUIDs, or unique UUID prefixes (``GPU-...`` or ``MIG-...``). With
-    ``cuda_ordinals``, indices are CUDA ordinals (as in CUDA_VISIBLE_DEVICES) and ``ordinal_uuids`` gives
-    the UUID of each ordinal when CUDA's order differs from NVML's; otherwise they are NVML indices.
-    """
+    """Map a device list (indices, UUIDs, unique UUID prefixes) to devices. With ``cuda_ordinals`` indices
+    are CUDA ordinals, mapped by ``ordinal_uuids`` where CUDA's order differs from NVML's."""
     by_uuid = {d.uuid.lower(): d for d in available}
     chosen: list[DeviceInfo] = []
     named_by: list[str] = []
@@ -154,8 +132,8 @@ def select_devices(
             device = matches[0]
         if device in chosen:
             if not cuda_ordinals:
-                # An explicit list means one check per device: a device named twice (an index and its
-                # UUID) is a slip in the list, and guessing which one was meant would hide it.
+                # One check per device: a device named twice is a slip, and guessing which was meant would
+                # hide it.
                 earlier = named_by[chosen.index(device)]
                 raise DeviceSelectionError(f"{earlier!r} and {token!r} name the same device ({device.label}, "
                                            f"{device.uuid}); list each device once")
@@ -166,11 +144,8 @@ def select_devices(
 
 
 def cuda_order_matches_nvml(available: Sequence[DeviceInfo]) -> bool:
-    """True when CUDA ordinals are NVML indices: PCI order asked for, or all GPUs alike.
-
-    CUDA's default order is "fastest first" with PCI bus order breaking ties; NVML enumerates in PCI
-    order. On a machine of identical GPUs the two agree.
-    """
+    """True when CUDA ordinals are NVML indices: PCI order asked for, or all GPUs alike (CUDA's default
+    order is fastest first)."""
     if os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
         return True
     return len({d.name for d in available}) <= 1 and all(d.mig_index is None for d in available)
@@ -194,11 +169,8 @@ for ordinal in range(count.value):
 
 
 def cuda_ordinal_uuids() -> list[str] | None:
-    """UUIDs of all GPUs in CUDA's own order, asked of the CUDA driver in a child process.
-
-    A child, because initialising CUDA in the pytest process would break every later ``fork`` that
-    uses CUDA (vLLM's workers die with "initialization error").
-    """
+    """UUIDs in CUDA's order, asked in a child process: CUDA initialised in the pytest process breaks every
+    later CUDA-using ``fork`` (vLLM's workers die with "initialization error")."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     try:
         out = subprocess.run([sys.executable, "-c", _CUDA_ORDINALS_SCRIPT], env=env, capture_output=True,
@@ -211,8 +183,7 @@ def cuda_ordinal_uuids() -> list[str] | None:
 def open_backend(simulate_dir: str | None, opening: NvmlOpening | None = None) -> Backend:
     """The simulated backend when a directory is given, else NVML (``opening``: NVML's start, begun
     earlier). Raises ``BackendUnavailable``."""
-    # Each backend is imported here, when it is opened, to keep the lazy start: a session reads one kind of
-    # device, and a CPU CI session never loads the NVML module (nor a GPU session the simulated one).
+    # Imported when opened: a CPU CI session never loads the NVML module.
     if simulate_dir:
         from pytest_gpuclean._reading.simulated import SimulatedBackend
         return SimulatedBackend(simulate_dir)

@@ -1,11 +1,7 @@
-"""Who a process runs as, and whom a signal to it could reach: the facts of the signal gate
-(``_check/gate.py``), read from /proc.
+"""Who a process runs as, and whom a signal to it could reach: the signal gate's facts, from /proc.
 
-Credentials are a thread's: every uid of the ``Uid:`` line (real, effective, saved, filesystem) of every
-thread's ``status`` counts, since a thread may change its own. A process whose descendants run as a user it
-does not is a relay (``su``, ``runuser``, a setuid wrapper that forks). Read off the clean path only: for a
-process about to be signalled, and for a simulated device file that names a process (``simulated.py``).
-"""
+Every uid of every thread counts, since a thread may change its own. A process whose descendants run as a
+user it does not is a relay (``su``, a forking setuid wrapper)."""
 
 from __future__ import annotations
 
@@ -17,9 +13,8 @@ from pytest_gpuclean._reading import processes, procfs
 
 
 def credentials(pid: int, start_ticks: int | None = None) -> Credentials | None:
-    """What the gate needs to know of ``pid`` (the process that started at ``start_ticks``, if given): the
-    users it runs as, and its descendants that run as a user it does not. None if it is gone (or its pid now
-    names another process)."""
+    """The users ``pid`` runs as, and its descendants running as a user it does not; None if it is gone or
+    its pid was reused."""
     mine = uids_of(pid)
     stat = procfs.read_stat(pid)
     if mine is None or stat is None or (start_ticks is not None and stat.start_ticks != start_ticks):
@@ -37,7 +32,7 @@ def credentials(pid: int, start_ticks: int | None = None) -> Credentials | None:
 
 
 def uids_of(pid: int) -> frozenset[int] | None:
-    """Every uid that ``pid`` or one of its threads runs as; None if it is gone."""
+    """Every uid ``pid`` or one of its threads runs as; None if it is gone."""
     found: set[int] = set()
     try:
         threads = os.listdir(f"/proc/{pid}/task")

@@ -1,7 +1,5 @@
-"""What every device backend shares: the errors of reading devices, ``LastReadings`` (a reading equal to the
-device's last one is that object, so the records of clean tests share them), and NVML's words. The two
-backends (``nvml.py``, ``simulated.py``) give the same ``DeviceSnapshot``s, so the rest of the package runs
-the same code on a CPU CI box as on a GPU runner."""
+"""What both device backends share: the errors, ``LastReadings`` and NVML's words. Both give the same
+``DeviceSnapshot``s, so CPU CI runs the same code as a GPU runner."""
 
 from __future__ import annotations
 
@@ -9,8 +7,8 @@ from typing import Generic, Protocol, TypeVar
 
 
 class Device(Protocol):
-    """What an error or a reading names of its device: a ``records.DeviceInfo`` (a protocol here, not an
-    import: see above)."""
+    """What an error or a reading names of its device: a ``records.DeviceInfo`` (a protocol: this module
+    imports nothing of the package)."""
 
     @property
     def label(self) -> str: ...
@@ -22,7 +20,7 @@ class DeviceError(Exception):
     """The driver (or the simulated directory) could not be read."""
 
     device: Device | None = None
-    """The device whose reading failed, where the message does not name it (a simulated device's file)."""
+    """Where the message does not name it (a simulated device's file)."""
 
     def describe(self) -> str:
         """The message, naming the device first: the one line of a check that could not read it."""
@@ -34,10 +32,7 @@ class BackendUnavailable(DeviceError):
 
 
 class DeviceLost(DeviceError):
-    """A device is gone: NVML answers GPU_IS_LOST (fallen off the bus, needs a reset), or it vanished (a
-    simulated device's ``lost`` file, or its folder removed).
-
-    Unlike other errors, no later reading can succeed."""
+    """A device is gone (NVML's GPU_IS_LOST, or a simulated ``lost`` file): no later reading can succeed."""
 
     device: Device  # (always known: the device that is gone)
 
@@ -51,9 +46,8 @@ class DeviceLost(DeviceError):
 
 
 class SimulationError(DeviceError):
-    """A file of the simulated devices holds something no driver would report (``abc`` bytes), or the
-    devices' directory or a device folder cannot be read when they are opened (another user's): a set-up
-    mistake, which the plugin and the command report as a bad value of the option that named them."""
+    """A simulated device file no driver would write, or unreadable devices: a bad value of the option that
+    named them."""
 
 
 class DeviceSelectionError(ValueError):
@@ -63,8 +57,7 @@ class DeviceSelectionError(ValueError):
 CLOCK_REASONS: tuple[tuple[int, str], ...] = (
     (0x4, "sw_power_cap"), (0x8, "hw_slowdown"), (0x20, "sw_thermal"), (0x40, "hw_thermal"),
     (0x80, "hw_power_brake"))
-"""NVML's clock event reasons that slow a GPU down (bit, name): the names the reports use. Idle, application
-clocks, sync boost and display clock are left out: they say nothing about a slowed-down test."""
+"""NVML's clock event reasons that slow a GPU (bit, report name); the others say nothing about a slow test."""
 COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
 
 
@@ -79,9 +72,8 @@ _R = TypeVar("_R", bound=_Reading)
 
 
 class LastReadings(Generic[_R]):
-    """Each device's last reading: a reading equal to it is that object. The records of clean tests then
-    share their readings instead of each keeping two per device (the session keeps every record for its
-    report, and every full garbage collection, pytest's last ones included, walks them)."""
+    """Each device's last reading: an equal reading is that object, so clean tests' records share readings
+    (the session keeps every record, and each full garbage collection walks them)."""
 
     __slots__ = ("_by_uuid",)
 

@@ -1,7 +1,5 @@
-"""Real GPUs through NVML: the only module that imports pynvml, and only when it opens NVML (in a thread of
-its own, ``NvmlOpening``), so that a session that never reads a GPU never loads it. What it reads is the
-same as the simulated devices' reader gives (``backends.Backend``, ``backends.HealthSource``).
-"""
+"""Real GPUs through NVML: the only module that imports pynvml, and only when it opens NVML, so a session
+that never reads a GPU never loads it."""
 
 from __future__ import annotations
 
@@ -27,12 +25,8 @@ XID_EVENT = 0x8
 
 
 class NvmlOpening:
-    """``import pynvml``, ``nvmlInit`` and the GPUs' handles, by default in a thread of their own.
-
-    A checked session's start waits for NVML more than for anything else, in C
-    calls that let go of the GIL. Started before the session imports the rest of its code, they run
-    meanwhile; ``NvmlBackend`` takes the result.
-    """
+    """``import pynvml``, ``nvmlInit`` and the handles, by default in a thread: they dominate a session's
+    start, in C calls that release the GIL, so they run while the session imports the rest."""
 
     def __init__(self, *, thread: bool = True) -> None:
         self._opened: tuple[Any, list[Any]] | None = None
@@ -46,8 +40,7 @@ class NvmlOpening:
 
     def _open(self) -> None:
         try:
-            # (through the plugin's bytecode cache where the environment writes no bytecode: compiling
-            # pynvml's module from source costs several times nvmlInit itself)
+            # through the plugin's bytecode cache: compiling pynvml costs several times nvmlInit
             pynvml = import_cached("pynvml")
         except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a dependency
             self._error = BackendUnavailable(f"pynvml is not importable: {exc}")
@@ -72,7 +65,7 @@ class NvmlOpening:
 
 
 class NvmlBackend:
-    """Real GPUs through NVML. ``nvmlInit`` is slow next to a device query, so it is done once per process."""
+    """Real GPUs through NVML; ``nvmlInit`` is slow next to a query, so once per process."""
 
     kind = "nvml"
 
@@ -146,9 +139,8 @@ class NvmlBackend:
             try:
                 memory = self._memory(handle)
                 processes: dict[int, int | None] = {}
-                # The clean path's shortcut: a listed process has a context on the device, and a context
-                # holds memory of its own, whatever it allocated, so with v2 "used" at 0 no process can be
-                # listed, and the two process queries can be skipped.
+                # A listed process has a context, which holds memory, so with v2 "used" at 0 the process
+                # queries are skipped.
                 getters = () if self._memory_v2 and memory.used == 0 else (
                     nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses)
                 for getter in getters:

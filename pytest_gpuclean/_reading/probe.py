@@ -1,13 +1,7 @@
-"""The CUDA sanity probe (``--gpuclean-probe``): a small subprocess that, within a deadline, creates a
-context on each device, allocates 1 MiB, writes a pattern and reads it back, through the CUDA driver API
-with ctypes (no torch), and reports per device.
-
-A subprocess, because a context in the pytest process would stay there (memory on every GPU, and a
-``fork`` after CUDA is initialised breaks the children that use it), and because a sick GPU can hang a
-CUDA call: the deadline kills the probe, never the session. On simulated devices the same subprocess
-reads the device's ``probe_fails`` (its text is the error) and ``probe_hangs`` files instead, so CPU CI
-covers the same paths.
-"""
+"""The CUDA sanity probe: a subprocess that, within a deadline, writes and reads 1 MiB on each device
+through the CUDA driver API (ctypes, no torch). A subprocess, because a context would stay in the pytest
+process (memory on every GPU, and broken forks), and a sick GPU can hang a CUDA call: the deadline kills
+the probe, never the session."""
 
 from __future__ import annotations
 

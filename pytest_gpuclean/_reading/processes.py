@@ -1,8 +1,5 @@
-"""The only module that talks to psutil, and the only one that sends signals.
-
-A process is identified by ``(pid, start_ticks)`` and pinned by a pidfd where the kernel has them, so a
-recycled pid is never signalled. psutil is imported when a process is first described: a session that
-finds nothing to describe never loads it."""
+"""The only module that talks to psutil or sends signals. A process is ``(pid, start_ticks)``, pinned by a
+pidfd where the kernel has them, so a recycled pid is never signalled. psutil is imported lazily."""
 
 from __future__ import annotations
 
@@ -23,11 +20,8 @@ _POLL_S = 0.005
 
 
 def set_child_subreaper() -> bool:
-    """Make this process adopt orphans of its subtree (double forks, setsid daemons) instead of PID 1.
-
-    Without it an orphaned vLLM EngineCore re-parents to init and leaves our process tree, where only a
-    full process-table scan would find it.
-    """
+    """Adopt orphans of our subtree instead of PID 1: an orphaned vLLM EngineCore would otherwise leave our
+    tree."""
     try:
         return _prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
     except (OSError, AttributeError, TypeError, ImportError):
@@ -35,13 +29,8 @@ def set_child_subreaper() -> bool:
 
 
 def _prctl(option: int, value: int) -> int:
-    """``prctl(option, value, 0, 0, 0)`` through ctypes' own building blocks (``_ctypes``).
-
-    Not ``import ctypes``: that defines all of ctypes' types and loaders, in every checked session's start,
-    for one call. ``ctypes.CDLL(None).prctl`` is made of these
-    same three pieces (a C int type, a cdecl function type returning it, ``dlopen``/``dlsym``); should a
-    Python lack one, this falls back to ctypes.
-    """
+    """``prctl`` from ``_ctypes``' pieces: ``import ctypes`` costs every checked session's start, for one
+    call. Falls back to ctypes."""
     try:
         import _ctypes
 
@@ -52,7 +41,7 @@ def _prctl(option: int, value: int) -> int:
             _flags_ = _ctypes.FUNCFLAG_CDECL
             _restype_ = _Int
 
-        # dlopen(None): this process's own symbols, libc's among them (as CDLL(None)).
+        # dlopen(None): this process's own symbols, libc's among them.
         handle = _ctypes.dlopen(None, _ctypes.RTLD_LOCAL)  # type: ignore[arg-type]
         prctl: Callable[..., Any] = _Function(_ctypes.dlsym(handle, "prctl"))
     except (ImportError, AttributeError, TypeError):
@@ -63,7 +52,7 @@ def _prctl(option: int, value: int) -> int:
 
 
 def describe(pid: int, start_ticks: int | None = None) -> ProcessInfo | None:
-    """User-facing details of a process, or None if it is gone (or its pid now names another process)."""
+    """User-facing details of a process, or None if it is gone (or its pid was reused)."""
     stat = procfs.read_stat(pid)
     if stat is None or (start_ticks is not None and stat.start_ticks != start_ticks):
         return None
@@ -105,8 +94,7 @@ _PSUTIL_NAMES: dict[procfs.KernelState, ProcessState] = {
 
 
 def _zombie_leader(pid: int, stat: procfs.ProcStat) -> ProcessInfo | None:
-    # Its main thread exited, so psutil calls it a zombie; its other threads still run the program,
-    # and one of them still shows the command line.
+    # Its main thread exited, so psutil calls it a zombie; its other threads still run.
     try:
         uid = os.stat(f"/proc/{pid}").st_uid
     except OSError:
@@ -134,10 +122,8 @@ def ancestors(pid: int) -> set[int]:
 
 
 def cookie_holders(variable: str, prefix: str, uid: int) -> list[tuple[int, str]]:
-    """Processes of ``uid`` whose environment has ``variable`` starting with ``prefix``.
-
-    A full /proc scan: only run when cheaper evidence says something is off.
-    """
+    """Processes of ``uid`` whose ``variable`` starts with ``prefix``: a full /proc scan, only when
+    evidence says something is off."""
     found: list[tuple[int, str]] = []
     me = os.getpid()
     for pid in procfs.pids_of_uid(uid):
@@ -150,11 +136,7 @@ def cookie_holders(variable: str, prefix: str, uid: int) -> list[tuple[int, str]
 
 
 def stray_python_processes(uid: int, exclude: set[int], ignore: Sequence[str]) -> list[int]:
-    """Live Python processes of ``uid`` outside ``exclude`` whose command line matches no ``ignore`` glob.
-
-    The automated form of ``ps aux | grep python3``; by executable, because vLLM renames its processes
-    (``VLLM::EngineCore``) and a name grep misses them.
-    """
+    """Live Python processes of ``uid`` outside ``exclude``, by executable: vLLM renames its processes."""
     found: list[int] = []
     for pid in procfs.pids_of_uid(uid):
         if pid in exclude or not procfs.exe_name(pid).startswith("python"):
@@ -168,7 +150,7 @@ def stray_python_processes(uid: int, exclude: set[int], ignore: Sequence[str]) -
 
 
 def command_line(pid: int) -> str:
-    """The command line of ``pid`` joined by spaces ('' if unreadable)."""
+    """Joined by spaces ('' if unreadable)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -182,15 +164,9 @@ def matches_any(text: str, patterns: Iterable[str]) -> bool:
 
 
 class Handle:
-    """A process pinned by a pidfd from the moment it was found: signals reach it and nothing else.
-
-    A pid can be recycled between the census that finds a process and the kill, even within one tick of
-    its start time (the clock a start time is kept in); a pidfd cannot. Where the kernel has no pidfds
-    (before Linux 5.3), the (pid, start ticks) identity is re-checked before each signal instead.
-
-    Not a record: it owns a descriptor, which ``close`` gives back, and two handles are the same only if they
-    are one object.
-    """
+    """A process pinned by a pidfd when found: signals reach it and nothing else, even if the pid is
+    recycled within its start tick. Without pidfds (before Linux 5.3) the (pid, start ticks) identity is
+    re-checked before each signal. Not a record: it owns a descriptor, and is equal only to itself."""
 
     __slots__ = ("pid", "pidfd", "start_ticks")
 
@@ -235,11 +211,8 @@ class Handle:
 
 
 def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcStat] | None:
-    """Pin ``pid``: open its pidfd, then read its stat; None if it is gone (or is not ``start_ticks``).
-
-    The stat is read after the pidfd is open and trusted only if the pinned process is still alive
-    afterwards: a live process keeps its pid, so that stat (parent, start time) is the pinned one's.
-    """
+    """Pin ``pid``; None if it is gone or not ``start_ticks``. The stat read after the pidfd opens is
+    trusted only if the process is still alive: a live process keeps its pid."""
     pidfd: int | None
     try:
         pidfd = os.pidfd_open(pid)
@@ -257,12 +230,8 @@ def pin(pid: int, start_ticks: int | None = None) -> tuple[Handle, procfs.ProcSt
 
 
 class KillTarget(NamedTuple):
-    """A process to end; ``depth`` orders children before their parents. (Declared here, not in
-    ``_model/records.py``: its ``handle`` is this module's.)
-
-    With a ``handle`` (pinned when the process was found) signals go through it and the caller keeps it
-    open; without one, ``terminate`` pins the process by ``(pid, start_ticks)`` itself.
-    """
+    """A process to end; ``depth`` orders children first. Here, not in ``records.py``: its ``handle`` is
+    this module's. Without one, ``terminate`` pins by ``(pid, start_ticks)``."""
 
     pid: int
     start_ticks: int
@@ -271,14 +240,14 @@ class KillTarget(NamedTuple):
 
 
 class KillOutcome(NamedTuple):
-    """How one target ended (``Reaped.after_kill`` makes its report entry: ``records.KillResult``)."""
+    """How one target ended (``Reaped.after_kill`` makes its report entry)."""
 
     pid: int
     ended_by: str
     exit_s: float | None
     state: str = ""
     signal_s: float | None = None
-    """When the signal that ended it was sent, in seconds from the start of ``terminate``."""
+    """Seconds from the start of ``terminate`` to the signal that ended it."""
 
 
 class _Tracked:
@@ -290,10 +259,8 @@ class _Tracked:
 
 
 def reap_if_child(pid: int) -> bool:
-    """Collect the exit status of ``pid`` if it is our exited child; never ``waitpid(-1)``.
-
-    A wildcard wait would steal statuses from ``subprocess.Popen`` objects that tests still hold.
-    """
+    """Collect ``pid``'s status if it is our exited child; never ``waitpid(-1)``, which steals tests'
+    ``Popen`` statuses."""
     try:
         done, _status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
@@ -326,8 +293,8 @@ def _wait(tracked: list[_Tracked], deadline: float, started: float, label: str,
 
 
 def stop(targets: Sequence[KillTarget]) -> list[KillTarget]:
-    """SIGSTOP ``targets`` (pinned): a stopped process can no longer fork a replacement. Returns those this
-    stopped: one that something else had stopped already stays as it is, and is not for ``resume``."""
+    """SIGSTOP ``targets``: a stopped process forks no replacement. Returns those this stopped (one already
+    stopped stays so)."""
     stopped: list[KillTarget] = []
     for target in targets:
         if target.handle is None:
@@ -341,8 +308,7 @@ def stop(targets: Sequence[KillTarget]) -> list[KillTarget]:
 
 
 def resume(targets: Sequence[KillTarget]) -> None:
-    """SIGCONT those of ``targets`` (pinned, stopped by ``stop``) that still live: nothing gpuclean stops
-    and then does not kill is left stopped."""
+    """SIGCONT those of ``targets`` still alive: nothing gpuclean stops and does not kill is left stopped."""
     for target in targets:
         if target.handle is not None and not target.handle.exited():
             target.handle.signal(signal.SIGCONT)
@@ -351,13 +317,9 @@ def resume(targets: Sequence[KillTarget]) -> None:
 def terminate(targets: Sequence[KillTarget], grace: float, kill_wait: float = 5.0,
               watch: Callable[[], None] | None = None, hurry: Callable[[], bool] | None = None,
               kill_first: bool = False) -> list[KillOutcome]:
-    """SIGTERM every target (deepest first), wait up to ``grace``, SIGKILL survivors, wait for them.
-
-    Targets whose identity changed are reported as ``pid reused`` and never signalled. ``watch`` is
-    called on every poll while waiting (the checker times the driver's release with it); once ``hurry``
-    returns True (a second interrupt) the grace ends at once. ``kill_first`` skips SIGTERM: for processes
-    that answered an earlier SIGTERM by forking a replacement.
-    """
+    """SIGTERM every target (deepest first), wait up to ``grace``, SIGKILL survivors. A reused pid is
+    reported, never signalled. ``watch`` runs on every poll; ``hurry`` ends the grace; ``kill_first`` skips
+    SIGTERM (for processes that answered one by forking)."""
     started = time.monotonic()
     outcomes: list[KillOutcome] = []
     tracked: list[_Tracked] = []

@@ -1,7 +1,5 @@
-"""Raw, allocation-light reads of /proc: what a clean check needs of a process (state, parent, start time:
-one read of ``/proc/<pid>/stat``), the descendant walk, and the pid readings that bracket a process's birth.
-psutil, the richer interface, is ``processes.py``'s. Every session loads this module (its id names the
-pytest process's start)."""
+"""Raw, allocation-light reads of /proc: a process's state, parent and start time, the descendant walk, and
+the pid readings that bracket a birth. Every session loads this module."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from typing import Literal, NamedTuple, cast
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 KernelState = Literal["R", "S", "D", "T", "t", "Z", "X", "x", "K", "W", "P", "I"]
-"""The state letter of ``/proc/<pid>/stat`` (proc(5)), as a type so that ``mypy --strict`` catches a
-misspelt one."""
+"""The state letter of ``/proc/<pid>/stat`` (proc(5)), a type so that mypy catches a misspelt one."""
 EXITED: frozenset[KernelState] = frozenset({"Z", "X"})
 """Zombie or dead: the process (its thread-group leader, at least) has exited."""
 
@@ -27,27 +24,20 @@ class ProcStat(NamedTuple):
     ppid: int
     sid: int
     start_ticks: int
-    """Start time in clock ticks since boot: with the pid, a process's identity (pid reuse guard)."""
+    """Clock ticks since boot: with the pid, a process's identity (pid reuse guard)."""
     thread: bool = False
-    """A thread that is not its thread group's leader: ``/proc/<tid>/stat`` reads like a process's, and
-    shows the parent of the whole group."""
+    """A non-leader thread: ``/proc/<tid>/stat`` reads like a process's and shows the whole group's parent."""
     exiting: bool = False
-    """The kernel is taking it down (``PF_EXITING``): on its way out, though not a zombie yet."""
+    """``PF_EXITING``: on its way out, though not a zombie yet."""
 
 SETTLED_NS = 50_000_000
-"""A file's ctime this old (50 ms: five ticks of the coarsest kernel clock) is settled: the kernel stamps
-changes with a coarse clock, so a change in the same tick as the one seen would leave a ctime as it was;
-once it is settled, any later change moves it. A directory whose settled ctime has not moved has had no
-entry added, removed or renamed (``locks.held.still_named``, the simulated devices' idle folders)."""
+"""A ctime this old (five ticks of the coarsest kernel clock) is settled: a change within the tick seen
+could leave a coarse ctime as it was, but any later change moves a settled one."""
 
 
 def read_file(path: str, whole: bool = False) -> bytes:
-    """The content of a /proc file; raises OSError (FileNotFoundError for a process that is gone).
-
-    A bare descriptor, not a Python file object: half the cost, and a check reads many of these. A list
-    (children, environ) may come in several reads; ``whole``: a file of one record (stat, a sysctl), which
-    the kernel hands out in one read.
-    """
+    """The content of a /proc file; raises OSError. A bare descriptor, not a file object: half the cost.
+    ``whole``: a one-record file the kernel hands out in one read."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         data = os.read(fd, _CHUNK)
@@ -67,7 +57,7 @@ _CHUNK = 65536
 
 
 def read_stat(pid: int) -> ProcStat | None:
-    """Return the stat fields of ``pid``, or None if it no longer exists."""
+    """The stat fields of ``pid``, or None if it no longer exists."""
     try:
         data = read_file(f"/proc/{pid}/stat", whole=True)
     except OSError:
@@ -91,26 +81,22 @@ _PF_EXITING = 0x4
 
 
 def is_live(pid: int, start_ticks: int | None = None) -> bool:
-    """True if ``pid`` exists (as the process that started at ``start_ticks``, if given: not a pid reused
-    since) and is not a zombie or dead (the driver frees memory at exit)."""
+    """True if ``pid`` (started at ``start_ticks``, if given) exists and is not a zombie or dead."""
     st = read_stat(pid)
     return st is not None and (start_ticks is None or st.start_ticks == start_ticks) and live_state(
         pid, st.state)
 
 
 def live_state(pid: int, state: KernelState) -> bool:
-    """Whether a process whose stat says ``state`` still runs code.
-
-    A thread-group leader that called ``pthread_exit`` shows state Z while its other threads run on
-    (and, on a GPU, keep its memory): such a "zombie" is alive until its last thread ends.
-    """
+    """Whether a process in ``state`` still runs code: a leader that called ``pthread_exit`` shows Z while
+    its other threads run on, GPU memory and all."""
     if state not in EXITED:
         return True
     return any(tid != pid for tid in thread_ids(pid))
 
 
 def ancestry(pid: int) -> dict[int, int]:
-    """pid -> start ticks of each ancestor of ``pid`` (its parent, the parent's parent, ...)."""
+    """pid -> start ticks of each ancestor of ``pid``."""
     found: dict[int, int] = {}
     current = read_stat(pid)
     while current is not None and current.ppid > 0 and current.ppid not in found:
@@ -129,9 +115,8 @@ def thread_ids(pid: int) -> list[int]:
 
 
 def cpu_demand_ns(pid: int) -> int | None:
-    """Nanoseconds the live threads of ``pid`` have run on a CPU or waited for one (the first two fields of
-    each thread's ``schedstat``); None once it is gone. A change between two readings means it ran, or
-    wanted to, meanwhile: a process starved on a busy machine is not at rest."""
+    """Nanoseconds ``pid``'s live threads have run or waited to run; None once gone. A process starved on a
+    busy machine still changes it, so it is not taken for at rest."""
     total = 0
     tids = thread_ids(pid)
     if not tids:
@@ -146,12 +131,8 @@ def cpu_demand_ns(pid: int) -> int | None:
 
 
 def last_pid() -> int | None:
-    """The pid most recently allocated in this pid namespace (None where the kernel does not say).
-
-    Pids are handed out in increasing order until they wrap at ``pid_max``, so two readings bracket the
-    pids of everything created between them: evidence of when a process was born that does not depend
-    on the 10 ms resolution of its start time.
-    """
+    """The pid most recently allocated here (None where the kernel does not say). Pids are allocated in
+    order until they wrap, so two readings bracket everything created between them, finer than start ticks."""
     kept = _last_pid_file
     if kept is not None:
         fd, dev, ino = kept
@@ -167,10 +148,8 @@ def last_pid() -> int | None:
 
 _LAST_PID_PATH = "/proc/sys/kernel/ns_last_pid"
 _last_pid_file: tuple[int, int, int] | None = None
-"""(descriptor, device, inode) of ``ns_last_pid``, kept open: a reading is a ``pread`` of it, not an open,
-read and close (no path to look up, and a checked test takes two readings). The kernel
-answers each read anew, for the pid namespace of the process that reads. A forked child closes it right
-after the fork (what a test forks sees no descriptor of the plugin) and opens its own if it reads."""
+"""(descriptor, device, inode) of ``ns_last_pid``, kept open: a reading is one ``pread``. A forked child
+closes it at once (a test's child sees no descriptor of the plugin) and opens its own if it reads."""
 
 
 def _open_last_pid() -> int | None:
@@ -185,14 +164,13 @@ def _open_last_pid() -> int | None:
     except (OSError, ValueError):
         os.close(fd)
         return None
-    # (Two threads opening it at once keep one descriptor each, one of them unused: harmless.)
+    # Two threads opening it at once keep one descriptor each, one unused: harmless.
     _last_pid_file = (fd, found.st_dev, found.st_ino)
     return value
 
 
 def _forget_last_pid_in_child() -> None:
-    # A test's forked child must not hold the plugin's descriptors (docs/guest.md): close it there; the
-    # child opens its own if it ever reads (a forked test runner's checks).
+    # A test's forked child must not hold the plugin's descriptors (docs/guest.md).
     global _last_pid_file
     kept, _last_pid_file = _last_pid_file, None
     if kept is not None:
@@ -207,7 +185,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def pid_max() -> int:
-    """The pid after which allocation wraps around (32768 on many hosts)."""
+    """The pid after which allocation wraps around."""
     try:
         with open("/proc/sys/kernel/pid_max", "rb") as f:
             return int(f.read())
@@ -230,7 +208,7 @@ def self_identity() -> tuple[int, int]:
 
 
 def children(pid: int) -> list[int]:
-    """Direct children of ``pid``, from ``/proc/<pid>/task/*/children`` (a file per thread)."""
+    """From ``/proc/<pid>/task/*/children`` (a file per thread)."""
     return _children(pid)[0]
 
 
@@ -239,9 +217,8 @@ def _children(pid: int) -> tuple[list[int], int]:
     result: list[int] = []
     where = f"/proc/{pid}/task"
     try:
-        # The task folder's link count is 2 + the process's threads (a leader that exited before its other
-        # threads still counts, a zombie, as it is still listed): at 3 its one entry is the process's own
-        # pid, and a stat is one system call where the listing takes five (a checked test walks twice).
+        # A link count of 3 (2 + threads) means the one entry is the process's own: a stat is one system call,
+        # the listing five.
         tasks = [str(pid)] if os.stat(where).st_nlink == 3 else os.listdir(where)
     except OSError:
         return result, 1
@@ -256,37 +233,22 @@ def _children(pid: int) -> tuple[list[int], int]:
 
 
 WALK_RANGE_LIMIT = 256
-"""Pids an incremental walk examines at most; past that (a burst of forks on the host, a long pause) a full
-walk of the children lists is cheaper."""
+"""Past this many pids, a full walk is cheaper than an incremental one."""
 WALK_LOOKBACK = 32
-"""After a full walk, the next incremental walk also examines this many pids allocated before it began: a
-fork still in progress during the full walk had its pid but was in no children list yet."""
+"""After a full walk, look back this many pids: a fork in progress had its pid but no children entry yet."""
 WALK_PENDING_S = 0.1
-"""How long a pid allocated since the last walk but not (yet) in /proc stays under watch: a fork in progress
-has its pid before its process becomes visible; a pid that is still absent after this is an exited process."""
+"""How long an allocated pid missing from /proc stays watched (a fork in progress); then it exited."""
 WALK_FULL_EVERY_S = 5.0
-"""A full walk at least this often: a process that slipped through anyway is found within seconds."""
+"""A full walk at least this often: a process that slipped through is found within seconds."""
 
 
 class DescendantWalk:
-    """The descendants of one process, at a cost that depends on neither its thread count nor the host.
+    """The descendants of one process, at a cost independent of its thread count and of the host.
 
-    ``/proc/<pid>/task/<tid>/children`` lists the children of one thread only (a child belongs to the
-    thread that forked it), so a full walk reads one file per thread of every process in the tree: a
-    pytest process that imported torch or started thread pools pays for each of its threads at every check.
-
-    The incremental walk does not look at threads: every process in the tree is either one found before
-    (its stat says whether its parent is still in the tree) or was born since, and then its pid was
-    allocated after the last walk, since pids are handed out in order (``ns_last_pid``). So it reads the
-    stat of the processes it knows and of each pid allocated since the last walk, and builds the tree from
-    their parents, whatever thread forked them. A process never moves into the tree from outside: orphans
-    are re-parented to an ancestor (our subreaper) or to init.
-
-    Each walk takes the cheaper of the two, counted in files read: the full walk for a process with few
-    threads and few children on a host that forks a lot, the incremental one for many threads. A full walk
-    also runs first, for a new root (a forked test runner), when the kernel does not say the last pid or
-    /proc shows another pid namespace, and at least every ``WALK_FULL_EVERY_S``.
-    """
+    A full walk reads a ``children`` file per thread of every process in the tree: costly under torch's
+    threads. The incremental walk reads the stat of each known process and each pid allocated since (pids
+    are allocated in order) and builds the tree from their parents; nothing moves into the tree from
+    outside. Each walk takes the cheaper, with a full walk at least every ``WALK_FULL_EVERY_S``."""
 
     def __init__(self) -> None:
         self._root = -1
@@ -296,14 +258,14 @@ class DescendantWalk:
         """pid -> (when first found absent, times found absent): allocated, not in /proc (yet)."""
         self._full_at = 0.0
         self._full_cost = 0
-        """Files the last full walk read: one per process and one per thread in the tree."""
+        """One file per process and one per thread in the tree."""
         self._space = pid_max()
         self.stats: dict[int, ProcStat] = {}
         """The stat each process of the last incremental walk was placed by (empty after a full walk)."""
 
     def walk(self, root: int, me: int | None = None) -> list[tuple[int, int, int]]:
-        """``root``'s descendants as (pid, depth, parent pid), parents before their children. ``me``: this
-        process's pid, if the caller has just read it (spares a ``getpid``)."""
+        """``root``'s descendants as (pid, depth, parent pid), parents first. ``me``: this process's pid,
+        if just read."""
         clock = time.monotonic()
         if root != self._root or clock - self._full_at >= WALK_FULL_EVERY_S or not _own_namespace(me):
             return self._full(root, last_pid(), clock)
@@ -312,8 +274,7 @@ class DescendantWalk:
         if span == 0 and not self._known and not self._pending:
             self.stats = {}
             return []  # no pid allocated since an empty tree was seen: still empty
-        # A lone process with one thread (``_full_cost`` 2) looks at its one children file again: the stat of
-        # even one pid born since costs as much, and on a busy host others' pids are born all the time.
+        # A lone single-threaded process rereads its one children file: a stat of one new pid costs as much.
         if span is None or self._full_cost <= 2 or span + len(self._pending) + len(self._known) > min(
                 WALK_RANGE_LIMIT, self._full_cost):
             return self._full(root, now, clock)
@@ -359,18 +320,14 @@ class DescendantWalk:
         self._known = {pid for pid, _depth, _parent in found}
         self._pending.clear()
         self.stats = {}
-        # A fork in progress during the walk has its pid but is in no children list yet: the next walk
-        # looks back at the pids allocated just before this one. Not for a lone process with one thread
-        # and nothing under it (that thread is the one walking, nobody else of the tree can fork), the
-        # clean path's usual case: its next walk, if no pid was allocated since, costs one reading of
-        # ``ns_last_pid`` instead of a stat and a children file.
+        # Look back for forks in progress, but not for a lone single-threaded process (nobody else can fork).
         lookback = 0 if cost <= 2 and not found else WALK_LOOKBACK
         self._cursor = None if now is None else (now - lookback) % self._space
         return found
 
 
 def _tree(root: int, children_of: Callable[[int], Iterable[int]]) -> list[tuple[int, int, int]]:
-    """Breadth first from ``root``: (pid, depth, parent pid), parents before their children."""
+    """Breadth first from ``root``: (pid, depth, parent pid), parents first."""
     found: list[tuple[int, int, int]] = []
     frontier = [(root, 0)]
     seen = {root}
@@ -389,7 +346,7 @@ _NAMESPACE_OK: dict[int, bool] = {}
 
 def _own_namespace(me: int | None = None) -> bool:
     """Whether /proc shows this process's pid namespace (pid numbers and ``ns_last_pid`` agree). ``me``:
-    this process's pid, read by the caller just now (else read here)."""
+    this process's pid, if just read."""
     if me is None:
         me = os.getpid()
     if me not in _NAMESPACE_OK:
@@ -401,7 +358,7 @@ def _own_namespace(me: int | None = None) -> bool:
 
 
 def descendants(root: int) -> list[tuple[int, int]]:
-    """All descendants of ``root`` as ``(pid, depth)`` pairs, depth 1 for direct children."""
+    """All descendants of ``root`` as ``(pid, depth)``, depth 1 for direct children."""
     found: list[tuple[int, int]] = []
     frontier = [(root, 0)]
     seen = {root}
@@ -416,39 +373,34 @@ def descendants(root: int) -> list[tuple[int, int]]:
 
 
 def boot_ticks_now() -> int:
-    """Now, in the clock that ``start_ticks`` uses (CLOCK_BOOTTIME in clock ticks)."""
+    """Now, in ``start_ticks``' clock (CLOCK_BOOTTIME in clock ticks)."""
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLOCK_TICKS)
 
 
 def wall_minus_boot() -> float:
-    """The wall clock's time at boot, as the wall clock says now (it moves when the wall clock is set)."""
+    """The wall clock's time at boot, as it says now."""
     return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def ticks_to_wall(ticks: int) -> float:
-    """Convert a start time in ticks since boot to a wall-clock timestamp."""
     return wall_minus_boot() + ticks / CLOCK_TICKS
 
 
 def read_environ_var(pid: int, name: str) -> str | None:
-    """Value of ``name`` in the environment ``pid`` started with; None if absent or unreadable.
-
-    Only the owner (or root) can read another process's environ, which is exactly the set of
-    processes gpuclean may ever act on.
-    """
+    """Value of ``name`` in ``pid``'s initial environment; None if absent or unreadable (only the owner or
+    root may read it: the processes gpuclean may act on)."""
     return read_environ_vars(pid, (name,)).get(name)
 
 
 def read_environ_vars(pid: int, names: tuple[str, ...]) -> dict[str, str]:
-    """The values of those of ``names`` that are in ``pid``'s initial environment (one read)."""
+    """The values of those of ``names`` in ``pid``'s initial environment (one read)."""
     try:
         data = read_file(f"/proc/{pid}/environ")
     except OSError:
         return {}
     found: dict[str, str] = {}
     for name in names:
-        # Searched, not split into entries: the scan for cookies reads every process of this user. The
-        # last occurrence counts, should a variable be there twice.
+        # Searched, not split: the cookie scan reads every process of this user. The last occurrence counts.
         key = name.encode() + b"="
         at = data.rfind(b"\0" + key)
         if at >= 0:
@@ -463,7 +415,7 @@ def read_environ_vars(pid: int, names: tuple[str, ...]) -> dict[str, str]:
 
 
 def pids_of_uid(uid: int) -> list[int]:
-    """All pids whose /proc entry belongs to ``uid`` (one stat per process, no psutil)."""
+    """All pids whose /proc entry belongs to ``uid`` (one stat each, no psutil)."""
     result: list[int] = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -477,7 +429,6 @@ def pids_of_uid(uid: int) -> list[int]:
 
 
 def owned_by(pid: int, uid: int) -> bool:
-    """Whether ``pid``'s /proc entry belongs to ``uid`` (False if it is gone)."""
     try:
         return os.stat(f"/proc/{pid}").st_uid == uid
     except OSError:
@@ -485,7 +436,6 @@ def owned_by(pid: int, uid: int) -> bool:
 
 
 def exe_path(pid: int) -> str:
-    """The path of the executable of ``pid`` ('' if unreadable)."""
     try:
         return os.readlink(f"/proc/{pid}/exe")
     except OSError:
@@ -493,7 +443,7 @@ def exe_path(pid: int) -> str:
 
 
 def exe_name(pid: int) -> str:
-    """Basename of the executable of ``pid`` ('' if unreadable); survives setproctitle renames."""
+    """Basename of ``pid``'s executable ('' if unreadable); survives setproctitle renames."""
     try:
         return os.path.basename(os.readlink(f"/proc/{pid}/exe"))
     except OSError:
@@ -501,8 +451,7 @@ def exe_name(pid: int) -> str:
 
 
 def fd_target(pid: int, fd: int) -> str:
-    """What ``pid``'s descriptor ``fd`` refers to ('' if unreadable): a path, or ``pipe:[inode]`` for a pipe
-    (both ends of one pipe read the same)."""
+    """What ``pid``'s descriptor ``fd`` refers to ('' if unreadable); ``pipe:[inode]`` for a pipe."""
     try:
         return os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
@@ -510,7 +459,7 @@ def fd_target(pid: int, fd: int) -> str:
 
 
 def _fd_targets(pid: int) -> Iterator[str]:
-    """What each of ``pid``'s open descriptors refers to (none if its fds are unreadable)."""
+    """What each of ``pid``'s open descriptors refers to (none if unreadable)."""
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
@@ -523,22 +472,18 @@ def _fd_targets(pid: int) -> Iterator[str]:
 
 
 def pipes_of(pid: int) -> frozenset[str]:
-    """The pipes among ``pid``'s open descriptors, as ``pipe:[inode]`` (none if its fds are unreadable)."""
+    """``pid``'s pipes as ``pipe:[inode]`` (none if its fds are unreadable)."""
     return frozenset(target for target in _fd_targets(pid) if target.startswith("pipe:"))
 
 
 def _nvidia_files(pid: int) -> Iterator[str]:
-    """The ``/dev/nvidia*`` paths among ``pid``'s open files (none if its fds are unreadable)."""
+    """The ``/dev/nvidia*`` paths among ``pid``'s open files (none if unreadable)."""
     return (target for target in _fd_targets(pid) if target.startswith("/dev/nvidia"))
 
 
 def cuda_device_minors(pid: int) -> frozenset[int] | None:
-    """Minor numbers of the ``/dev/nvidia<N>`` files ``pid`` has open, if it has initialised CUDA.
-
-    None when it has not: CUDA (``cuInit``) opens ``/dev/nvidia-uvm``, NVML alone does not, although both
-    open the ``/dev/nvidia<N>`` files. So a pytest process that merely reads NVML is not taken for one
-    that the driver charges memory to.
-    """
+    """Minor numbers of the ``/dev/nvidia<N>`` files ``pid`` has open if it initialised CUDA, else None:
+    ``cuInit`` opens ``/dev/nvidia-uvm``, NVML alone does not."""
     minors: set[int] = set()
     uvm = False
     for target in _nvidia_files(pid):
@@ -550,5 +495,5 @@ def cuda_device_minors(pid: int) -> frozenset[int] | None:
 
 
 def has_nvidia_device_open(pid: int) -> bool:
-    """True if ``pid`` has a ``/dev/nvidia*`` file open, as every process with a CUDA context does."""
+    """As every process with a CUDA context does."""
     return next(_nvidia_files(pid), None) is not None

@@ -1,6 +1,5 @@
-"""Simulated devices, for CPU CI: directories that ``pytest_gpuclean.simulate`` writes (``simulated_layout``
-holds their layout), read as NVML would report such devices (``backends.Backend``, ``backends.HealthSource``).
-"""
+"""Simulated devices, for CPU CI: directories that ``pytest_gpuclean.simulate`` writes (layout in
+``simulated_layout``), read as NVML would report such devices."""
 
 from __future__ import annotations
 
@@ -32,18 +31,10 @@ _LOST_BY_FILE = f"simulated (its file {layout.LOST!r})"
 
 
 class SimulatedBackend:
-    """Devices modelled as directories: ``DIR/<index>/<pid>`` holds the bytes ``pid`` has allocated
-    (``simulated_layout`` names the files; docs/ci.md lists them).
-
-    Faithful to the driver where it matters: memory counts only while its process lives and is not a
-    zombie, and a file left by a dead process is not credited to a new process that reused its pid. A file
-    speaks for its process only if that process's user (or root) owns it: one that another user planted is
-    no process's allocation (nothing is ended or owned by it), its bytes are memory charged to no process,
-    and it is named once in ``notices``. A
-    process listed in a device's ``cuda`` folder has initialised CUDA there without a context: it costs the
-    device's ``context_overhead`` too, charged to no process. Health (``health.py``): the Xid events are
-    the lines added to ``DIR/xid`` since ``watch_xids``; the rest are files in a device's folder.
-    """
+    """Devices as directories: ``DIR/<index>/<pid>`` holds the bytes ``pid`` allocated (docs/ci.md). As the
+    driver: memory counts only while its process lives, a dead process's file is not credited to a reused
+    pid, a file another user planted is charged to no process, and a pid in ``cuda/`` costs
+    ``context_overhead`` charged to none."""
 
     kind = "simulated"
 
@@ -60,28 +51,26 @@ class SimulatedBackend:
             raise BackendUnavailable(f"simulated device directory {str(self.root)!r} does not exist")
         self._idle: dict[int, DeviceSnapshot] = {}
         self._settled: dict[int, _Settled] = {}
-        """Per device index, its folder as last read empty with a settled ctime: one lookup per device and
-        reading while it stays so (its folder and its reading come with it)."""
+        """Per device index, its folder as last read empty with a settled ctime, with its reading."""
         self._last: LastReadings[DeviceSnapshot] = LastReadings()
         self.notices: list[str] = []
         """Lines about files a reading did not trust, once each, for whoever reports them."""
         self._allocations = _Allocations(self.notices)
         self._empty_since: dict[int, tuple[int, int, float]] = {}
-        """Per device index: the folder's inode and ctime when it was first read empty with that ctime, and
-        then (``time.monotonic``): settled once it stayed so for SETTLED_NS of this clock too."""
+        """Per device index: the folder's inode and ctime when first read empty, and when (monotonic)."""
         self._last_batch: tuple[Sequence[DeviceInfo], list[_Settled],
                                 tuple[DeviceSnapshot, ...]] | None = None
-        """The devices of the last ``readings``, each one's settled folder, and the readings, if all were
+        """The devices of the last ``readings``, their settled folders and the readings, if all were
         settled and empty."""
         self._xid_path = str(self.root / layout.XID)
         self._xid_read: int | None = None
-        """How many bytes of ``DIR/xid`` were read (None: not watching)."""
+        """Bytes of ``DIR/xid`` read (None: not watching)."""
         self._xid_uuids: dict[int, list[str]] = {}
         """Device index -> the watched UUIDs with that index."""
         self._devices = self._enumerate()
         for device in self._devices:
-            # A corrupt file, or a device folder this user may not read, is a set-up mistake: say so now,
-            # not in the first test. A lost device is the session's finding, at its first check.
+            # A corrupt file or unreadable folder is a set-up mistake: say so now. A lost device is a check's
+            # finding.
             try:
                 self.snapshot(device)
             except DeviceLost:
@@ -113,9 +102,8 @@ class SimulatedBackend:
         return self._devices
 
     def readings(self, devices: Sequence[DeviceInfo]) -> tuple[DeviceSnapshot, ...]:
-        # The clean path of every check: a settled empty folder is one stat, its reading the idle one. Asked
-        # for the same devices as last time (a test's, from one check to the next) while every folder is
-        # still settled and empty, the readings are the last ones, the very same tuple.
+        # The clean path: while every folder stays settled and empty, one stat each, and the very same
+        # readings.
         last = self._last_batch
         if last is not None and last[0] is devices:
             try:
@@ -147,7 +135,7 @@ class SimulatedBackend:
         return readings
 
     def snapshot(self, device: DeviceInfo) -> DeviceSnapshot:
-        # A str path from _enumerate: this runs on every poll, and a Path per call is not free.
+        # A str path: this runs on every poll.
         where = self._folders.get(device.index) or str(self.root / str(device.index))
         try:
             info = os.stat(where)
@@ -157,13 +145,12 @@ class SimulatedBackend:
         except OSError as exc:
             raise DeviceError(f"simulated {device.label} ({where}) unreadable: {exc}") from exc
         if not names:
-            # An idle device, the clean path's every check: its reading is always the same. Adding or
-            # removing a file moves the folder's ctime, once that ctime is settled (procfs.SETTLED_NS).
+            # Adding or removing a file moves the folder's ctime, once that ctime is settled.
             idle = self._idle.get(device.index)
             if idle is None:
                 idle = self._idle[device.index] = DeviceSnapshot(device, 0, layout.DEFAULT_TOTAL, ())
-            # Settled: past the ctime's tick by the wall clock that stamps it, and unchanged for as long by a
-            # clock no one can set (a wall clock stepped forward alone would call a fresh ctime settled).
+            # Settled by the wall clock that stamps it, and by a clock no one can set (a wall clock stepped
+            # forward alone would call a fresh ctime settled).
             now = time.monotonic()
             seen = self._empty_since.get(device.index)
             if seen is None or seen[:2] != (info.st_ino, info.st_ctime_ns):
@@ -203,8 +190,8 @@ class SimulatedBackend:
             elif used:
                 unclaimed += used  # a file that may not speak for its process: no one's, but still used
         processes.sort(key=lambda p: p.pid)
-        # Like the real driver: each context, and each process with CUDA initialised but no context,
-        # may cost memory that no process is charged for.
+        # Like the driver: each context, or CUDA initialised without one, may cost memory charged to no
+        # process.
         charged_to_none = overhead * (len(processes) + len(cuda_users - {p.pid for p in processes}))
         return DeviceSnapshot(
             device=device,
@@ -241,7 +228,7 @@ class SimulatedBackend:
     def driver_version(self) -> str:
         return "simulated"
 
-    # ---- health: files in the device's folder ---------------------------------------------------------
+    # ---- health: files in the device's folder ----------------------------------------------------
 
     def _folder(self, device: DeviceInfo) -> Path:
         return Path(self._folders.get(device.index) or self.root / str(device.index))
@@ -329,9 +316,8 @@ class SimulatedBackend:
 
 
 class _Settled(NamedTuple):
-    """A device folder last read empty once its ctime was settled (``procfs.SETTLED_NS``), with the idle
-    reading: while the folder's inode and ctime stay these, it is still empty, and a ``stat`` does instead
-    of a ``listdir`` (on every check's every device)."""
+    """A device folder last read empty with a settled ctime: while its inode and ctime stay, a ``stat``
+    replaces a ``listdir``."""
 
     where: str
     inode: int
@@ -339,30 +325,22 @@ class _Settled(NamedTuple):
     idle: DeviceSnapshot
 
 
-# A real holder writes its file after it starts; a pid reused by a newer process starts after the file was
-# written. The slack covers clock-tick rounding of the start time and the file system's coarse clock; the
-# error it allows (a dead holder's file credited to a process that reused its pid within it) makes a device
-# dirty, never clean.
+# A holder writes its file after it starts. The slack covers start-tick rounding and coarse file times; its
+# error (a dead holder's file credited to a pid reused within it) makes a device dirty, never clean.
 _STALE_SLACK_S = 1.0
 _EMPTY_RETRIES = 5
 
 
 class _Allocations:
-    """Which files of the simulated devices are the allocations of live processes, as the driver would list
-    them. A wrong "no" is the worst a reading can say (a clean verdict beside held memory), so each doubt
-    lists the process:
+    """Which simulated device files are live processes' allocations. A wrong "no" is the worst answer (a
+    clean verdict beside held memory), so each doubt lists the process:
 
-    - A file's time is the wall clock's, a process's start the boot clock's; the two are compared through
-      the earliest offset between them seen since this backend began, so a wall clock stepped forward later
-      (a VM resumed, NTP) cannot make a live holder's file look older than it, and the verdict for a file
-      (its inode and mtime) and a process (its pid and start) is kept once made.
-    - A file being rewritten in place (a shell's ``echo N > file`` truncates first) is read again; if it is
-      still empty, its process is listed with its amount unknown, as NVML lists a process it cannot size.
-    - A file speaks for its process only if it belongs to root or to a user the process runs as (any of its
-      uids, ``credentials.uids_of``): another user may write into a directory of simulated devices, and a
-      file naming someone else's process must not make gpuclean end or claim it. Such a file lists no
-      process; its bytes are memory charged to none (``of`` gives them, not held), and it is named once.
-    """
+    - File times (wall clock) and starts (boot clock) are compared through the earliest offset seen, so a
+      wall clock stepped forward later (a resumed VM) cannot make a holder's file look older.
+    - A file rewritten in place (``echo N > file`` truncates) is read again; still empty, its process is
+      listed with its amount unknown.
+    - Only root's files or files of a user the process runs as speak for it: another user's file must not
+      make gpuclean end or claim a process."""
 
     def __init__(self, notices: list[str]) -> None:
         self._offset = procfs.wall_minus_boot()
@@ -371,9 +349,8 @@ class _Allocations:
         self._named: set[str] = set()
 
     def of(self, path: Path, pid: int) -> tuple[bool, int | None]:
-        """(whether ``pid`` holds memory through ``path``, how much: None when the file cannot tell). A file
-        that may not speak for ``pid`` holds no memory of it, and gives its bytes (memory charged to no
-        process)."""
+        """(whether ``pid`` holds memory through ``path``, how much: None if unknown). A file that may not
+        speak for ``pid`` gives its bytes as charged to no process."""
         stat = procfs.read_stat(pid)
         if stat is None or not procfs.live_state(pid, stat.state):
             return False, None
@@ -400,7 +377,7 @@ class _Allocations:
         as."""
         if owner == 0:
             return True
-        # (imported here: a session that only names its devices opens this backend, and reads no holder)
+        # (imported here: a session that only names its devices reads no holder)
         from pytest_gpuclean._reading.credentials import uids_of, user_name
         uids = uids_of(pid)
         if uids is not None and owner in uids:
@@ -415,8 +392,8 @@ class _Allocations:
         return False
 
     def _content(self, path: Path, where: str) -> tuple[bool, int | None]:
-        """(True, the bytes the file at ``where`` holds: None if it stays empty while rewritten), or (False,
-        None) if it is gone."""
+        """(True, the bytes at ``where``: None if it stays empty while rewritten), or (False, None) if it
+        is gone."""
         for attempt in range(_EMPTY_RETRIES):
             try:
                 content = Path(where).read_text().strip()
@@ -443,7 +420,7 @@ def _bytes_in(path: Path, content: str, default: int) -> int:
 
 
 def simulated_uuid(root: str | os.PathLike[str], index: int) -> str:
-    """Stable UUID of simulated device ``index`` under ``root`` (used when no ``uuid`` file exists)."""
+    """Stable UUID of simulated device ``index`` under ``root``, where no ``uuid`` file exists."""
     real = os.path.realpath(root)
     return "GPU-" + str(uuid_mod.uuid5(uuid_mod.NAMESPACE_URL, f"gpuclean-simulated:{real}:{index}"))
 

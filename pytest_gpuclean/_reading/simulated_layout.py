@@ -1,9 +1,6 @@
-"""The simulated devices' directory layout, which ``pytest_gpuclean.simulate`` writes and ``simulated.py``
-and the probe read; it imports nothing (a holder, ``simulate hold``, loads only this).
-
-``DIR/<index>/`` is a device. In its folder ``<pid>`` holds the bytes that process has allocated,
-``cuda/<pid>`` marks a process that initialised CUDA there without a context, and the other files are
-optional. ``DIR/xid`` holds the Xid events of all devices."""
+"""The simulated devices' directory layout, shared by ``simulate``, ``simulated.py`` and the probe; it
+imports nothing (``simulate hold`` loads only this). ``DIR/<index>/<pid>`` holds the bytes a process
+allocated; ``DIR/xid`` holds every device's Xid events."""
 
 from __future__ import annotations
 
@@ -11,35 +8,34 @@ import os
 
 
 def device_indices(root: str | os.PathLike[str]) -> list[int]:
-    """The devices ``root`` holds: its folders named by an index, in order. Raises ``OSError`` if ``root``
-    cannot be listed."""
+    """The devices ``root`` holds: its folders named by an index, in order. Raises ``OSError`` if
+    unlistable."""
     with os.scandir(root) as entries:
         return sorted(int(e.name) for e in entries if e.name.isdigit() and e.is_dir())
 
 
 def no_device(root: str) -> str:
-    """Why ``root`` is refused when it holds no device (``device_indices`` is empty): a directory that is not
-    one of simulated devices (a typo, ``.``), which must not read as a machine without GPUs."""
+    """Why ``root`` holding no device is refused: a wrong directory (a typo, ``.``) must not read as no
+    GPUs."""
     return (f"{root!r} holds no simulated device (DIR/<index>/); make them with 'python -m "
             "pytest_gpuclean.simulate init DIR'")
 
 
 DEFAULT_TOTAL = 80 * 1024**3
-"""A device's capacity in bytes where its folder has no ``TOTAL`` file: an 80 GB GPU's."""
+"""Capacity in bytes where a folder has no ``TOTAL`` file: an 80 GB GPU's."""
 
 TOTAL = "total"
-"""The device's capacity (bytes)."""
+"""Bytes."""
 UUID = "uuid"
 NAME = "name"
 CONTEXT_OVERHEAD = "context_overhead"
-"""Bytes per process that count as used but are charged to no process, as the driver does for each CUDA
-context (and for each process with CUDA initialised but no context)."""
+"""Bytes per process the driver counts as used but charges to no process (per context, or CUDA without
+one)."""
 CUDA = "cuda"
-"""The folder of the processes that have initialised CUDA on the device without being listed."""
+"""Processes that initialised CUDA on the device without being listed."""
 
 XID = "xid"
-"""In ``DIR``, not a device's folder: one line per event (``xid_line``), appended; one file for all devices,
-so that the drain at every check costs one ``stat``."""
+"""One line per event, appended, for all devices: the drain at every check costs one ``stat``."""
 
 
 def xid_line(index: int, code: int) -> str:
@@ -50,7 +46,7 @@ def xid_line(index: int, code: int) -> str:
 XID_LINE = "<device index> <Xid code>"
 """``xid_line``'s form, for the message about a line that is not."""
 
-# The health files (``health.py``): what NVML would report of the device.
+# The health files: what NVML would report of the device.
 REMAP_PENDING = "remap_pending"
 """Rows waiting for a reset to be remapped."""
 REMAP_FAILED = "remap_failed"
