@@ -276,8 +276,9 @@ class Checker:
                 break
             check.scan_cookies = True
             check.dead_sessions = self.dead_sessions
-        return self._snapshot(check, readings, found, ours, unknown, excused, unexplained, overhead,
-                              self_cuda,
+        # (excused and unexplained may be new sets by now: ``set -= dict_keys`` makes one)
+        sort = decisions.SortedCensus(ours, unknown, excused, unexplained)
+        return self._snapshot(check, readings, found, sort, (overhead, self_cuda),
                               maybe_outside=unexplained_use, strays=self.host_scope)
 
     def observe_unread(self, check: _Passes, readings: tuple[DeviceSnapshot, ...]) -> Snapshot:
@@ -286,8 +287,8 @@ class Checker:
         overhead)."""
         found = self.census.take(scan_cookies=True)
         sort = decisions.sort_census(found, self.census.is_protected, (), (), set())
-        return self._snapshot(check, readings, found, sort.ours, sort.unknown, set(), set(),
-                              {s.device.uuid: s.used_bytes for s in readings}, set(), maybe_outside=False,
+        return self._snapshot(check, readings, found, sort._replace(excused=set(), unexplained=set()),
+                              ({s.device.uuid: s.used_bytes for s in readings}, set()), maybe_outside=False,
                               strays=False)
 
     def observe_left(self, check: _Passes, seen: Snapshot, ours: Sequence[CensusEntry], recount: bool
@@ -297,17 +298,19 @@ class Checker:
         if recount:
             left = {f.key for f in self.census.take(scan_cookies=True) if f.live}
             ours = [f for f in ours if f.key in left]
-        return self._snapshot(check, seen.readings, seen.census, self.census.pinned(ours), seen.unknown,
-                              set(), set(), dict(seen.own.overhead), set(), maybe_outside=False,
-                              strays=self.host_scope)
+        sort = decisions.SortedCensus(self.census.pinned(ours), list(seen.unknown), set(), set())
+        return self._snapshot(check, seen.readings, seen.census, sort, (dict(seen.own.overhead), set()),
+                              maybe_outside=False, strays=self.host_scope)
 
     def _snapshot(self, check: _Passes, readings: tuple[DeviceSnapshot, ...], found: Sequence[CensusEntry],
-                  ours: list[CensusEntry], unknown: Sequence[CensusEntry], excused: set[int],
-                  unexplained: set[int], overhead: dict[str, int], self_cuda: set[str], maybe_outside: bool,
-                  strays: bool) -> Snapshot:
-        """A pass's snapshot. ``maybe_outside``: read what earlier checks waited out; ``strays``: look for
-        this user's other Python processes (host scope)."""
+                  sort: decisions.SortedCensus, own_use: tuple[dict[str, int], set[str]], *,
+                  maybe_outside: bool, strays: bool) -> Snapshot:
+        """A pass's snapshot. ``own_use``: the overhead excused per GPU and the GPUs where it is our own
+        CUDA context's; ``maybe_outside``: read what earlier checks waited out; ``strays``: look for this
+        user's other Python processes (host scope)."""
         census = self.census
+        ours, unknown, excused, unexplained = sort
+        overhead, self_cuda = own_use
         described: dict[tuple[int, int], ProcessInfo] = {}
         vanished: dict[tuple[int, int], ProcessInfo] = {}
         owners: dict[tuple[int, int], Owner] = {}
