@@ -108,6 +108,7 @@ common_env=(--env "XDG_CACHE_HOME={work}/cache-{tag}" --env "TORCHINDUCTOR_CACHE
 
 started_all=$(date +%s)
 for suite in "${suites[@]}"; do
+    unset_env=()
     # What runs, and why (docs/compat.md, "Real suites, unchanged": the selection).
     case $suite in
     lightning)  # Lightning Fabric's whole suite: accelerators, the ddp/ddp_spawn/subprocess-script launchers
@@ -142,7 +143,9 @@ for suite in "${suites[@]}"; do
     joblib)  # joblib's own suite, a CPU one: loky's reusable executor (joblib.Parallel's default backend) in
         # nearly every parallel test, kept in a module global across tests, its resource tracker, the
         # multiprocessing and threading backends, managers, memmapping (docs/compat.md: a library's pool).
-        targets=(joblib/test); libs=joblib; env=(); way_default=240 ;;
+        # Its conftest fails every test at teardown if a thread-count variable is set (it checks none
+        # leaks from a test): the suite runs without CI's OMP_NUM_THREADS, and joblib sizes its own pools.
+        targets=(joblib/test); libs=joblib; env=(); way_default=240; unset_env=(-u OMP_NUM_THREADS) ;;
     *)
         say "run_suites.sh: no suite $suite (suites: ${all[*]})"; continue ;;
     esac
@@ -188,7 +191,8 @@ for suite in "${suites[@]}"; do
     [ "$SIMULATE" = 1 ] && args+=(--simulate)
     started=$(date +%s)
     # (run_peers.py keeps to its limits; the timeout is the last resort, and loses the suite's result.)
-    timeout -k 10 $((suite_budget + 30)) "$py" benchmarks/peers/run_peers.py "${args[@]}" -- "${targets[@]}" \
+    env "${unset_env[@]}" timeout -k 10 $((suite_budget + 30)) "$py" benchmarks/peers/run_peers.py "${args[@]}" \
+        -- "${targets[@]}" \
         2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
