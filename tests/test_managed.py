@@ -288,20 +288,25 @@ def test_the_walk_tells_keepers_from_bookkeeping(monkeypatch: pytest.MonkeyPatch
 
 def test_a_thread_that_waits_for_a_process_is_no_keeper(monkeypatch: pytest.MonkeyPatch) -> None:
     # asyncio's child watcher (in the event loop policy, a session fixture's value under pytest-asyncio)
-    # keeps one thread per child, whose arguments hold the child's transport: found through the fixture,
-    # a child the test forgot was excused as the fixture's. A running thread is bookkeeping wherever found.
+    # keeps one thread per child, whose target holds the child: found through the fixture, a child the test
+    # forgot was excused as the fixture's. A running thread of the standard library's is bookkeeping wherever
+    # found; one that runs the suite's own code (a fixture's server thread) is walked like any object.
     import threading
 
     proc = subprocess.Popen(["sleep", "30"])
+    served = subprocess.Popen(["sleep", "30"])
     release = threading.Event()
-    waiter = threading.Thread(target=lambda handle: release.wait(), args=(proc,), daemon=True)
+    waiter = threading.Thread(target=proc.wait, daemon=True)  # the standard library's code
+    server = threading.Thread(target=lambda handle: release.wait(), args=(served,), daemon=True)
     waiter.start()
+    server.start()
     try:
-        watcher = types.SimpleNamespace(threads={proc.pid: waiter})
+        watcher = types.SimpleNamespace(threads={proc.pid: waiter}, server=server)
         module = types.ModuleType("watching_library")
         module.watcher = watcher  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "watching_library", module)
-        assert holders([proc.pid], [("event_loop_policy", watcher)], modules=False) == {}
+        assert holders([proc.pid, served.pid], [("event_loop_policy", watcher)], modules=False) == {
+            served.pid: ("fixture", "event_loop_policy", "subprocess.Popen")}
         assert holders([proc.pid], [("event_loop_policy", watcher)]) == {
             proc.pid: ("bookkeeping", "threading._active", "subprocess.Popen")}
         watcher.kept = proc  # what the watcher keeps itself is the fixture's
@@ -309,5 +314,6 @@ def test_a_thread_that_waits_for_a_process_is_no_keeper(monkeypatch: pytest.Monk
             proc.pid: ("fixture", "event_loop_policy", "subprocess.Popen")}
     finally:
         release.set()
-        proc.kill()
-        proc.wait()
+        for p in (proc, served):
+            p.kill()
+            p.wait()

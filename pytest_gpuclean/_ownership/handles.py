@@ -1,8 +1,10 @@
 """Who in the pytest process still holds a process's handle (an unwaited object whose ``pid``/``_pid``
 names it): evidence that it is managed, not stray (docs/ownership.md, "Managed processes").
 
-A running thread is bookkeeping wherever found (asyncio's child watcher), so the module and fixture walks
-never enter one. No user code runs: attributes are read through the interpreter's descriptors."""
+A running thread of the standard library's own is bookkeeping wherever found (asyncio's child watcher, in
+pytest-asyncio's session fixture, keeps one per child), so the module and fixture walks never enter one; a
+thread that runs the suite's or a library's code is walked like any object. No user code runs: attributes are
+read through the interpreter's descriptors."""
 
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ def _bookkeeping() -> list[tuple[object, str]]:
 
 
 def _running_threads() -> list[object]:
-    """The threads ``threading`` knows are starting or running, read from its dictionaries without calling
-    into a thread object."""
+    """The threads ``threading`` knows are starting or running whose code is the standard library's, read
+    from its dictionaries without calling into a thread object."""
     threading_module = sys.modules.get("threading")
     if not issubclass(type(threading_module), types.ModuleType):
         return []
@@ -83,8 +85,22 @@ def _running_threads() -> list[object]:
     for name in ("_active", "_limbo"):
         records = namespace.get(name)
         if type(records) is dict:
-            threads.extend(list(records.values()))
+            threads.extend(t for t in list(records.values()) if _runs_stdlib_code(t))
     return threads
+
+
+def _runs_stdlib_code(thread: object) -> bool:
+    """Whether ``thread``'s target (or, without one, its class) is defined in the standard library."""
+    target = _instance_value(thread, "_target")
+    if type(target) is types.MethodType:
+        target = target.__func__
+    if type(target) is types.FunctionType:
+        module = target.__module__
+    elif target is None:
+        module = _TYPE_DICT.__get__(type(thread), type).get("__module__")
+    else:
+        return False  # (a callable object, a builtin: whose code it is cannot be told without asking it)
+    return type(module) is str and module.partition(".")[0] in sys.stdlib_module_names
 
 
 def _instance_value(obj: object, name: str) -> object:
