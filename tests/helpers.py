@@ -111,6 +111,29 @@ def reap_orphans(pids: list[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
+@contextlib.contextmanager
+def pytest_behind_older_processes(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                  script: str, before: str = "") -> Iterator[tuple[pytest.RunResult, Path]]:
+    """``<older process> & exec pytest``: a shell starts the example ``script`` (``OLDER_PIDS`` and
+    ``OLDER_GO`` tell it where to write its pids and when to act), then becomes the inner pytest, which
+    inherits it as a child from before the session. ``before``: shell commands to run first (``{pids}``: the
+    pid file). Yields the run's result and the pid file; everything it names is killed and collected after."""
+    older_pids, go = tmp_path / "older.pids", tmp_path / "go"
+    path = pytester.copy_example(script)
+    monkeypatch.setenv("OLDER_PIDS", str(older_pids))
+    monkeypatch.setenv("OLDER_GO", str(go))
+    python = sys.executable
+    shell = (f"{before.format(pids=older_pids)}{python} {path} {older_pids} {go} & "
+             f"exec {python} -m pytest -p gpuclean -p no:cacheprovider -rA")
+    try:
+        yield pytester.run("sh", "-c", shell, timeout=120), older_pids
+    finally:
+        left = [int(x) for x in older_pids.read_text().split()] if older_pids.exists() else []
+        kill_all(left)
+        wait_dead(left)
+        reap_orphans(left)  # re-parented to this process if it is a subreaper
+
+
 def wait_for_file(path: Path, proc: subprocess.Popen[Any], timeout: float = 30, *, empty_ok: bool = False,
                   output: Callable[[], str] | None = None) -> str:
     """The text of ``path`` once it exists and (unless ``empty_ok``) holds something. Fails at once, with what

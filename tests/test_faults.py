@@ -20,8 +20,8 @@ from helpers import (
     alive,
     children_sigint,
     kill_all,
+    pytest_behind_older_processes,
     read_pids,
-    reap_orphans,
     run_inner,
     wait_dead,
     wait_for_file,
@@ -79,15 +79,8 @@ def test_processes_that_existed_before_the_session_are_never_signalled(
     # before pytest began. Before: SIGTERMed at the very end as "of the session set-up", together with what
     # it started during a test. The conftest's server, started without a cookie, is still the set-up's.
     pidfile = example("faults/older_process")
-    older_pids, go = tmp_path / "older.pids", tmp_path / "go"
-    script = pytester.copy_example("scripts/older.py")
-    monkeypatch.setenv("OLDER_PIDS", str(older_pids))
-    monkeypatch.setenv("OLDER_GO", str(go))
-    python = sys.executable
-    shell = (f"sleep 600 & echo $! >> {older_pids}; {python} {script} {older_pids} {go} & "
-             f"exec {python} -m pytest -p gpuclean -p no:cacheprovider -rA")
-    try:
-        result = pytester.run("sh", "-c", shell, timeout=120)
+    with pytest_behind_older_processes(pytester, monkeypatch, tmp_path, "scripts/older.py",
+                                       before="sleep 600 & echo $! >> {pids}; ") as (result, older_pids):
         older = read_pids(older_pids, 3)  # sleep, the older process, and the child it started in a test
         server = read_pids(pidfile)[0]
         out = result.stdout.str() + result.stderr.str()
@@ -100,11 +93,6 @@ def test_processes_that_existed_before_the_session_are_never_signalled(
         assert ("gpuclean: reaped 1 process(es) of the session set-up (conftest, plugins) still alive "
                 f"after pytest_unconfigure: pid {server} SIGTERM") in out
         assert wait_dead([server]) == []
-    finally:
-        left = [int(x) for x in older_pids.read_text().split()] if older_pids.exists() else []
-        kill_all(left)
-        wait_dead(left)
-        reap_orphans(left)  # re-parented to this process if it is a subreaper
 
 
 def _other_user() -> str | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from helpers import alive, kill_all, read_pids, reap_orphans, summary_of, wait_dead
+from helpers import alive, pytest_behind_older_processes, read_pids, summary_of, wait_dead
 from test_compat import compat_run, needs
 
 from pytest_gpuclean._ownership.handles import holders
@@ -181,15 +181,8 @@ def test_an_older_processs_daemon_born_during_a_test_is_left_alone(
     # before any walk, and pytest (the subreaper) adopts a daemon with no cookie, born in the test's window.
     # Before: reaped as that test's leak. It may descend from a process older than the session: never ours.
     example("managed/older_double_fork")
-    older_pids, go = tmp_path / "older.pids", tmp_path / "go"
-    script = pytester.copy_example("scripts/older_double_fork.py")
-    monkeypatch.setenv("OLDER_PIDS", str(older_pids))
-    monkeypatch.setenv("OLDER_GO", str(go))
-    python = sys.executable
-    shell = (f"{python} {script} {older_pids} {go} & "
-             f"exec {python} -m pytest -p gpuclean -p no:cacheprovider -rA")
-    try:
-        result = pytester.run("sh", "-c", shell, timeout=120)
+    with pytest_behind_older_processes(pytester, monkeypatch, tmp_path,
+                                       "scripts/older_double_fork.py") as (result, older_pids):
         older, daemon = read_pids(older_pids, 2)
         out = result.stdout.str() + result.stderr.str()
         result.assert_outcomes(passed=2)
@@ -199,14 +192,9 @@ def test_an_older_processs_daemon_born_during_a_test_is_left_alone(
                 "the session), whose children carry no cookie of the session, was alive: either may have "
                 "started it); never signalled: it may descend from a process older than the session") in out
         assert "SIGTERM" not in out and "reaped 1" not in out
-    finally:
-        left = [int(x) for x in older_pids.read_text().split()] if older_pids.exists() else []
-        kill_all(left)
-        wait_dead(left)
-        reap_orphans(left)
 
 
-# ---- the walk itself (core/ownership/handles.py) ----------------------------------------------------------
+# ---- the walk itself (_ownership/handles.py) --------------------------------------------------------------
 
 class _Trap:
     """An object whose every hook that the walk could run records the call."""
