@@ -309,11 +309,12 @@ def test_a_gpuclean_way_without_its_report_fails(tmp_path: Path) -> None:
 def test_a_suite_that_errors_without_the_plugin_fails_instead_of_comparing(tmp_path: Path) -> None:
     """Identical outcomes of a suite whose every test errors plain (joblib's conftest, under CI's
     OMP_NUM_THREADS) say nothing about the plugin: the run fails and says why."""
-    work = tmp_path / "work"
-    done = _run_dir(tmp_path, work, "--env", "PEER_BROKEN=1")
+    work, reference = tmp_path / "work", tmp_path / "reference"
+    done = _run_dir(tmp_path, work, "--env", "PEER_BROKEN=1", "--record-reference", str(reference))
     assert done.returncode == 1, done.stdout + done.stderr
     result = json.loads((work / "out.json").read_text())
     assert set(result["results"]["off"]["outcomes"].values()) == {"error"}
+    assert not reference.exists() or list(reference.iterdir()) == []  # nor recorded as a reference
     assert result["failures"][0].startswith("the plugin-off run errored in 7 of its 7 tests: the suite does "
                                             "not run here"), result["failures"]
 

@@ -642,19 +642,18 @@ def main() -> int:
     if baseline is not None:
         results = {"off": baseline, **results}
         ways = ["off", *ways]
-    off_outcomes = list(results["off"]["outcomes"].values())
-    if (args.record_reference and off_outcomes and not results["off"]["timed_out"]
-            and 2 * off_outcomes.count("error") <= len(off_outcomes)):  # (not a suite that does not run here)
+    base = results["off"]["outcomes"]
+    errors = list(base.values()).count("error")
+    # Identical outcomes of a suite that does not run here (a conftest that errors every test, a missing
+    # fixture) would vouch for nothing: it is neither recorded nor compared.
+    runs_here = 2 * errors <= len(base)
+    if args.record_reference and base and runs_here and not results["off"]["timed_out"]:
         path = record_reference(args.record_reference, key, suite.targets, results["off"])
         print(f"recorded the plugin-off way as the reference {path}")
-    base = results["off"]["outcomes"]
     failures: list[str] = []
     if not base and not results["off"].get("timed_out"):
         failures.append(f"the plugin-off run produced no JUnit outcomes (see {results['off']['log']})")
-    errors = list(base.values()).count("error")
-    if base and 2 * errors > len(base):
-        # Identical outcomes of a suite that does not run here (a conftest that errors every test, a
-        # missing fixture) would vouch for nothing.
+    if not runs_here:
         log = results["off"].get("log", "its log")
         failures.append(f"the plugin-off run errored in {errors} of its {len(base)} tests: the suite does "
                         f"not run here, so its comparison shows nothing (see {log})")
